@@ -1,0 +1,23 @@
+"""What the engine needs from a model."""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+
+from wideserve.core.kv_cache.spec import KVCacheSpec
+from wideserve.executor.forward_batch import ForwardBatch
+
+
+class CausalLM(Protocol):
+    def kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """Cache name (e.g. "layers.3.self_attn.window") -> spec. Names key ForwardBatch.kv_caches."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, one row per new token."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume (HF-style name, tensor) pairs; return the names of parameters filled."""

@@ -1,0 +1,39 @@
+"""Architecture name (config.json "architectures"[0] or model_type) -> model class.
+
+Each model module exposes a class with:
+  - `config_class`: a dataclass with `from_dict(config_json: dict)`
+  - `__init__(self, config)`: builds the module on the current default device/dtype
+  - the methods of `wideserve.models.interface.CausalLM`
+"""
+from __future__ import annotations
+
+import importlib
+
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "DeepseekV4ForCausalLM": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "deepseek_v4": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "LlamaForCausalLM": ("wideserve.models.llama", "LlamaForCausalLM"),
+    "llama": ("wideserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("wideserve.models.llama", "Qwen2ForCausalLM"),
+    "qwen2": ("wideserve.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("wideserve.models.llama", "Qwen3ForCausalLM"),
+    "qwen3": ("wideserve.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("wideserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen3_moe": ("wideserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(k for k in _ARCHITECTURES if k[0].isupper())
+
+
+def resolve_model_class(config_json: dict):
+    """Pick the model class for a parsed config.json; raise a clear error when unknown."""
+    names = list(config_json.get("architectures") or []) + [config_json.get("model_type", "")]
+    for name in names:
+        if name in _ARCHITECTURES:
+            module, cls = _ARCHITECTURES[name]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(
+        f"unknown architecture {names[0] if names else '<none>'!r}; "
+        f"wideserve supports {', '.join(supported_architectures())}")
