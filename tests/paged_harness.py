@@ -3,10 +3,13 @@
 Each request slot r owns blocks [1 + r*B, 1 + (r+1)*B) of every group (block 0 is never
 handed out). With poison=True, entries of sliding-window groups that have left the window are
 overwritten with NaN after every step, so a model that reads outside its window fails loudly.
+`specs` overrides the caches to allocate (e.g. a model's specs plus its MTP specs); `run`
+applies any function to the step's batch (e.g. a main forward followed by an MTP forward).
 """
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -22,9 +25,10 @@ def default_block_size(specs: dict[str, KVCacheSpec], at_least: int = 16) -> int
 
 class PagedHarness:
     def __init__(self, model, max_reqs: int, max_len: int, block_size: int | None = None,
-                 poison: bool = True, device: str | torch.device = "cpu") -> None:
+                 poison: bool = True, device: str | torch.device = "cpu",
+                 specs: dict[str, KVCacheSpec] | None = None) -> None:
         self.model = model
-        self.specs = model.kv_cache_specs()
+        self.specs = model.kv_cache_specs() if specs is None else specs
         self.block_size = block_size or default_block_size(self.specs)
         self.blocks_per_req = math.ceil(max_len / self.block_size)
         self.poison = poison
@@ -49,7 +53,8 @@ class PagedHarness:
         base = torch.tensor(slots, dtype=torch.int64)[:, None] * self.blocks_per_req
         return (1 + base + torch.arange(self.blocks_per_req)[None, :]).to(self.device)
 
-    def build_batch(self, slots: list[int], new_tokens: list[list[int]]) -> ForwardBatch:
+    def build_batch(self, slots: list[int], new_tokens: list[list[int]],
+                    kv_write_start: list[int] | None = None) -> ForwardBatch:
         qlens = np.array([len(t) for t in new_tokens], dtype=np.int64)
         starts = np.array([self.seq_lens[s] for s in slots], dtype=np.int64)
         qsl = np.concatenate([[0], np.cumsum(qlens)])
@@ -71,18 +76,27 @@ class PagedHarness:
             query_start_loc=torch.from_numpy(qsl).to(self.device),
             seq_lens=torch.from_numpy(starts + qlens).to(self.device),
             query_start_loc_cpu=qsl, seq_lens_cpu=starts + qlens,
-            kv_caches=self.kv_caches, kv_groups=groups, cache_group=self.cache_group)
+            kv_caches=self.kv_caches, kv_groups=groups, cache_group=self.cache_group,
+            kv_write_start=None if kv_write_start is None else torch.tensor(
+                kv_write_start, dtype=torch.int64, device=self.device))
+
+    def step(self, slots: list[int], new_tokens: list[list[int]],
+             kv_write_start: list[int] | None = None) -> torch.Tensor:
+        """Run one step; returns logits [T, vocab] for every new token."""
+        return self.run(slots, new_tokens,
+                        lambda b: self.model.compute_logits(self.model.forward(b)),
+                        kv_write_start)
 
     @torch.inference_mode()
-    def step(self, slots: list[int], new_tokens: list[list[int]]) -> torch.Tensor:
-        """Run one step; returns logits [T, vocab] for every new token."""
-        batch = self.build_batch(slots, new_tokens)
-        logits = self.model.compute_logits(self.model.forward(batch))
+    def run(self, slots: list[int], new_tokens: list[list[int]],
+            fn: Callable[[ForwardBatch], Any], kv_write_start: list[int] | None = None) -> Any:
+        """Build the step's batch, return fn(batch), then advance and poison."""
+        result = fn(self.build_batch(slots, new_tokens, kv_write_start))
         for s, toks in zip(slots, new_tokens):
             self.seq_lens[s] += len(toks)
         if self.poison:
             self._poison_out_of_window(slots)
-        return logits
+        return result
 
     def _poison_out_of_window(self, slots: list[int]) -> None:
         for name, spec in self.specs.items():

@@ -44,3 +44,15 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def engine_config_from_kwargs(**kwargs: object) -> EngineConfig:
+    """Flat keyword arguments (as `LLM(...)` takes them) -> EngineConfig; an unknown name is a
+    TypeError naming it."""
+    parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+    for key, value in kwargs.items():
+        owner = next((p for p in parts.values() if key in p.__dataclass_fields__), None)
+        if owner is None:
+            raise TypeError(f"unknown engine argument {key!r}")
+        setattr(owner, key, value)
+    return EngineConfig(**parts)  # type: ignore[arg-type]

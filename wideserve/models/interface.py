@@ -10,8 +10,13 @@ from wideserve.executor.forward_batch import ForwardBatch
 
 
 class CausalLM(Protocol):
-    def kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        """Cache name (e.g. "layers.3.self_attn.window") -> spec. Names key ForwardBatch.kv_caches."""
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
+        """Cache name (e.g. "model.layers.3.self_attn.window") -> spec; the names key
+        ForwardBatch.kv_caches. kv_cache_dtype: "auto" (model dtype), "bf16", or "fp8"
+        (quantised records: FP8 window/compressed latents, MXFP4 indexer keys)."""
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total parameters, parameters active per token)."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per new token."""

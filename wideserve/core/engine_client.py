@@ -1,0 +1,242 @@
+"""The front end's handle on the engine-core process (asyncio + ZMQ).
+
+Owns the child process and both sockets. Outputs are handed to `on_outputs` (the front end's
+output processing) on the event loop; liveness is watched two ways: the child's exit status
+(polled) and the heartbeat that every Outputs message carries. Once the engine is dead every
+call raises EngineDeadError and `on_dead` has been told, so no caller waits forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from wideserve.config import EngineConfig
+from wideserve.core import engine_ipc as ipc
+from wideserve.core.engine_proc import DEFAULT_ENGINE
+
+OutputsHandler = Callable[[list[Any]], None]
+DeadHandler = Callable[[str], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; requests cannot be served."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine-core process failed to load or to report ready."""
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, *, engine_path: str = DEFAULT_ENGINE,
+                 heartbeat_s: float = 1.0, stale_after_s: float = 60.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.engine_path = engine_path
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
+        self.env = env
+        self.on_outputs: OutputsHandler = lambda outputs: None
+        self.on_dead: DeadHandler = lambda reason: None
+        self.model_info: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self.last_heard = 0.0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._tmpdir = tempfile.mkdtemp(prefix="wideserve-")
+        self._in_addr = f"ipc://{self._tmpdir}/input"
+        self._out_addr = f"ipc://{self._tmpdir}/output"
+        self._in_sock = self._ctx.socket(zmq.PUSH)
+        self._out_sock = self._ctx.socket(zmq.PULL)
+        self._encoder = ipc.make_encoder()
+        self._decoder = ipc.make_output_decoder()
+        self._call_ids = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future[Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, timeout_s: float = 900.0) -> dict[str, Any]:
+        """Spawn the engine and wait for Ready (model loaded, KV cache allocated)."""
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.setsockopt(zmq.SNDHWM, 0)
+        self._out_sock.setsockopt(zmq.RCVHWM, 0)
+        self._in_sock.bind(self._in_addr)
+        self._out_sock.bind(self._out_addr)
+        self.proc = self._spawn()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineStartupError(self._exit_message("failed to start"))
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineStartupError(f"engine core not ready after {timeout_s:.0f} s")
+            if not await self._out_sock.poll(200):
+                continue
+            msg = self._decoder.decode(await self._out_sock.recv())
+            if isinstance(msg, ipc.EngineDead):
+                self._wait_exit(10.0)
+                raise EngineStartupError(f"engine core failed to start: {msg.reason}")
+            if isinstance(msg, ipc.Ready):
+                self.model_info = dict(msg.model_info)
+                break
+        self.last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._output_loop(), name="engine-output"),
+                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+        return self.model_info
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "wideserve.core.engine_proc",
+               "--config-json", msgspec.json.encode(self.config).decode(),
+               "--input-addr", self._in_addr, "--output-addr", self._out_addr,
+               "--parent-pid", str(os.getpid()), "--engine", self.engine_path,
+               "--heartbeat-s", str(self.heartbeat_s)]
+        env = dict(os.environ if self.env is None else self.env)
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to stop, then make sure it did; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                await self._in_sock.send(self._encoder.encode(ipc.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self._wait_exit, timeout_s)
+        self._fail_pending("engine core shut down")
+        self._in_sock.close(linger=0)
+        self._out_sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _wait_exit(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self._kill()
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    # ------------------------------------------------------------------ liveness
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and not self._closed
+
+    def health(self) -> tuple[bool, str]:
+        if self.dead_reason is not None:
+            return False, self.dead_reason
+        silent = time.monotonic() - self.last_heard
+        if silent > self.stale_after_s:
+            return False, f"engine core silent for {silent:.0f} s"
+        return True, "ok"
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        self._fail_pending(reason)
+        self.on_dead(reason)
+
+    def _fail_pending(self, reason: str) -> None:
+        for fut in self._pending_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        self._pending_calls.clear()
+
+    def _exit_message(self, what: str) -> str:
+        assert self.proc is not None
+        code = self.proc.returncode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"engine core process {what} ({how})"
+
+    async def _watchdog(self) -> None:
+        assert self.proc is not None
+        while self.dead_reason is None:
+            await asyncio.sleep(0.2)
+            if self.proc.poll() is not None:
+                # Let a last EngineDead message (with the real reason) win the race.
+                await asyncio.sleep(0.2)
+                self._mark_dead(self._exit_message("exited"))
+
+    # ------------------------------------------------------------------ traffic
+
+    async def _output_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._out_sock.recv())
+            self.last_heard = time.monotonic()
+            if isinstance(msg, ipc.Outputs):
+                if msg.stats is not None:
+                    self.stats = msg.stats
+                if msg.outputs:
+                    self.on_outputs(msg.outputs)
+            elif isinstance(msg, ipc.UtilityResult):
+                fut = self._pending_calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    if msg.error is not None:
+                        fut.set_exception(RuntimeError(msg.error))
+                    else:
+                        fut.set_result(msg.result)
+            elif isinstance(msg, ipc.EngineDead):
+                self._mark_dead(f"engine core died: {msg.reason}")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self._closed:
+            raise EngineDeadError("engine core shut down")
+
+    async def _send(self, msg: Any) -> None:
+        data = self._encoder.encode(msg)
+        while True:
+            self._check_alive()
+            try:
+                # Never a blocking send: with the engine gone a PUSH socket has no peer and
+                # would wait forever; Again while alive only means "not connected yet".
+                await self._in_sock.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                await asyncio.sleep(0.02)
+
+    async def add_requests(self, requests: list[Any]) -> None:
+        await self._send(ipc.AddRequests(requests=requests))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.is_alive:
+            await self._send(ipc.AbortRequests(request_ids=request_ids))
+
+    async def call_utility(self, method: str, timeout_s: float = 60.0) -> Any:
+        self._check_alive()
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = fut
+        await self._send(ipc.UtilityCall(call_id=call_id, method=method))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._pending_calls.pop(call_id, None)

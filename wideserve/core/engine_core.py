@@ -1,0 +1,269 @@
+"""The engine core: schedule -> execute -> sample -> update, one step at a time.
+
+Token-level only (no text): the offline LLM and the server's front end tokenise and
+detokenise. A step is written so several cores could run it in lock-step (one per
+data-parallel rank): every input comes from the SchedulerOutput, every output is per request.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from wideserve.config import EngineConfig
+from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
+                                            build_kv_cache_config, exact_replay_tokens)
+from wideserve.core.kv_cache.manager import KVCacheManager
+from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
+from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from wideserve.core.scheduler import Scheduler
+from wideserve.core.step_timer import StepStats, StepTimer
+from wideserve.executor.loader import LoadedModel, load_model
+from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
+from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
+                                        compute_prompt_logprobs, make_generator)
+from wideserve.request import Request
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    num_params: int
+    num_active_params: int
+    kv_capacity_tokens: int | None
+    eos_token_ids: list[int]
+    dtype: str
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: StepStats = field(default_factory=StepStats)
+
+
+def _model_max_len(config_json: dict) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        if isinstance(config_json.get(key), int):
+            return int(config_json[key])
+    return 4096
+
+
+def _eos_token_ids(loaded: LoadedModel) -> list[int]:
+    ids: list[int] = []
+    sources = [loaded.config_json]
+    gen = loaded.path / "generation_config.json" if loaded.path.is_dir() else None
+    if gen is not None and gen.is_file():
+        sources.insert(0, json.loads(gen.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return ids
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.load)
+        self.model = self.loaded.model.eval()
+        self.device = torch.device(config.load.device)
+        model_len = _model_max_len(self.loaded.config_json)
+        self.max_model_len = config.scheduler.max_model_len or model_len
+        if self.max_model_len > model_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"limit of {model_len} positions")
+        self.eos_token_ids = _eos_token_ids(self.loaded)
+        self.kv_config, self.kv_manager = self._build_kv_cache()
+        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.max_model_len,
+            eos_token_id_fallback=self.eos_token_ids[0] if self.eos_token_ids else None)
+        layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in self.kv_config.groups]
+        self.runner = ModelRunner(self.model, layouts, self.kv_config.cache_group,
+                                  self.kv_caches, self.device)
+        self.sampler = Sampler()
+        self.vocab_size = int(self.model.compute_logits(
+            torch.zeros(1, self._hidden_size(), dtype=self.loaded.dtype,
+                        device=self.device)).shape[-1])
+        self._generators: dict[str, torch.Generator] = {}
+        # Prompt logprobs gathered over a request's prefill chunks until its first output.
+        self._prompt_logprobs: dict[str, TokenLogprobs] = {}
+        self._prompt_lp_sent: set[str] = set()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self.timer = StepTimer()
+
+    # ------------------------------------------------------------------------- setup
+    def _hidden_size(self) -> int:
+        cfg = self.loaded.config_json
+        return int(cfg.get("hidden_size") or cfg["n_embd"])
+
+    def _build_kv_cache(self) -> tuple[KVCacheConfig, KVCacheManager]:
+        cache, sched = self.config.cache, self.config.scheduler
+        specs = self.model.kv_cache_specs(cache.kv_cache_dtype)
+        quantised = sorted({s.record_format for s in specs.values() if s.record_format != "raw"})
+        if quantised:
+            raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: storing KV records as "
+                             f"{', '.join(quantised)} is not supported for execution yet; "
+                             f"use auto or bf16")
+        kv_config = build_kv_cache_config(specs, cache, sched, device=self.device,
+                                          max_model_len=self.max_model_len)
+        replay = 0
+        if cache.enable_prefix_caching and cache.prefix_window_mode == "replay":
+            replay = exact_replay_tokens(specs, getattr(self.model, "replay_depth",
+                                                        len(kv_config.groups)))
+        manager = KVCacheManager(kv_config, cache, self.max_model_len, replay_tokens=replay)
+        return kv_config, manager
+
+    @property
+    def model_info(self) -> ModelInfo:
+        total, active = self.model.param_counts()
+        arch = (self.loaded.config_json.get("architectures") or
+                [self.loaded.config_json.get("model_type", "?")])[0]
+        return ModelInfo(
+            name=str(self.config.load.model or self.loaded.path.name), architecture=arch,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size, num_params=total,
+            num_active_params=active, kv_capacity_tokens=self.kv_config.capacity_tokens,
+            eos_token_ids=list(self.eos_token_ids), dtype=str(self.loaded.dtype).split(".")[-1])
+
+    # ---------------------------------------------------------------------- requests
+    def add_request(self, req: EngineCoreRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        max_tokens = req.sampling_params.max_tokens or 1
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {n} prompt tokens and asks for {max_tokens} more")
+        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
+                          eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                          arrival_time=req.arrival_time, priority=req.priority)
+        if req.sampling_params.seed is not None:
+            self._generators[req.request_id] = make_generator(req.sampling_params.seed,
+                                                              self.device)
+        if req.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprobs[req.request_id] = TokenLogprobs()
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def check_integrity(self) -> None:
+        self.kv_manager.check_integrity()
+
+    # -------------------------------------------------------------------------- step
+    def step(self) -> list[EngineCoreOutput]:
+        timer = self.timer
+        timer.start()
+        sched_out = self.scheduler.schedule()
+        for rid in sched_out.finished_req_ids:
+            self._generators.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
+            self._prompt_lp_sent.discard(rid)
+        timer.mark("schedule")
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, object] | None = None
+        if not sched_out.is_empty:
+            sampled, logprobs = self._execute(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
+        for out in outputs:
+            self._generation_tokens += len(out.new_token_ids)
+        timer.mark("output")
+        timer.finish(sched_out.num_batched_tokens, len(sched_out.scheduled))
+        return outputs
+
+    def _execute(self, sched_out: SchedulerOutput
+                 ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs] | None]:
+        timer = self.timer
+        reqs = [self._step_request(s) for s in sched_out.scheduled]
+        timer.mark("prepare")
+        fwd = self.runner.forward(reqs)
+        timer.mark("forward")
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, StepLogprobs] = {}
+        if fwd.logits is not None:
+            rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
+            gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
+                    if r.request_id in self._generators}
+            md = build_sampling_metadata(
+                [r.sampling_params for r in rows], [r.output_token_ids for r in rows],
+                [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
+                eos_token_ids=self.eos_token_ids)
+            out = self.sampler(fwd.logits, md)
+            token_ids = out.token_ids.tolist()
+            lp = out.logprobs.tolists() if out.logprobs is not None else None
+            for k, r in enumerate(rows):
+                sampled[r.request_id] = [token_ids[k]]
+                if lp is not None and r.sampling_params.logprobs is not None:
+                    n = r.sampling_params.logprobs + 1
+                    logprobs[r.request_id] = StepLogprobs(sampled=TokenLogprobs(
+                        [lp[0][k][:n]], [lp[1][k][:n]], [lp[2][k]]))
+        for i, logits in fwd.prompt_logits.items():
+            self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, logits)
+        for rid in sampled:
+            prompt_lp = self._prompt_logprobs.get(rid)
+            if prompt_lp is not None and rid not in self._prompt_lp_sent:
+                logprobs.setdefault(rid, StepLogprobs()).prompt = prompt_lp
+                self._prompt_lp_sent.add(rid)
+        timer.mark("sample")
+        return sampled, logprobs or None
+
+    def _step_request(self, s: ScheduledRequest) -> StepRequest:
+        r = s.request
+        start = r.num_computed_tokens - s.num_new_tokens
+        end = r.num_computed_tokens
+        toks = r.all_token_ids[start:end] if end <= r.num_tokens else \
+            (r.all_token_ids + s.spec_token_ids)[start:end]
+        self._prompt_tokens += max(0, min(end, r.num_prompt_tokens) - start)
+        lp = self._prompt_logprobs.get(r.request_id)
+        # Prompt logprobs only for positions not covered yet (a resumed request recomputes).
+        want_prompt = lp is not None and len(lp) < r.num_prompt_tokens - 1 \
+            and end >= len(lp) + 1
+        return StepRequest(r.request_id, toks, start, self.kv_manager.block_ids(r.request_id),
+                           s.kv_write_start, end >= r.num_tokens, want_prompt)
+
+    def _add_prompt_logprobs(self, step: StepRequest, request: Request,
+                             logits: torch.Tensor) -> None:
+        """Row j predicts the token at position start + j + 1; keep the prompt's ones."""
+        acc = self._prompt_logprobs[request.request_id]
+        first = len(acc) + 1                       # next prompt position still without logprobs
+        lo, hi = first - step.start - 1, request.num_prompt_tokens - step.start - 1
+        lo, hi = max(lo, 0), min(hi, logits.shape[0])
+        if hi <= lo:
+            return
+        targets = torch.tensor(request.prompt_token_ids[step.start + lo + 1:step.start + hi + 1],
+                               device=logits.device)
+        ids, lps, ranks = compute_prompt_logprobs(
+            logits[lo:hi], targets, request.sampling_params.prompt_logprobs).tolists()
+        acc.extend(TokenLogprobs(ids, lps, ranks))
+
+    # ------------------------------------------------------------------------- stats
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage, prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.make_stats().num_preemptions,
+            prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
+            steps=self.timer.stats)

@@ -1,0 +1,95 @@
+"""Wire format between the API front end and the engine-core process.
+
+Two ZMQ PUSH/PULL sockets (the front end binds both; the engine connects):
+  front end --input-->  engine:  AddRequests | AbortRequests | UtilityCall | Shutdown
+  front end <--output-- engine:  Ready | Outputs | UtilityResult | EngineDead
+Every message is one msgpack frame encoded by msgspec: a tagged array whose payload types are
+plain dataclasses/structs, so decoding is type-directed and nothing is ever unpickled.
+Dataclass payloads are rebuilt through their constructor, so SamplingParams re-validates on
+the engine side.
+
+`Outputs` doubles as the heartbeat: the engine sends one (possibly with no outputs) at least
+every `heartbeat_s` while idle, always carrying a fresh stats snapshot.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from wideserve.core.messages import EngineCoreRequest
+from wideserve.core.sched_output import EngineCoreOutput
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    method: str                                  # one of UTILITY_METHODS
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    model_info: dict[str, Any]
+    pid: int
+
+
+class Outputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: dict[str, Any] | None = None          # EngineStats as builtins
+    timestamp: float = 0.0                       # time.monotonic() in the engine
+    step_times: list[float] = []                 # wall seconds of each step since the last
+
+
+class UtilityResult(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag=True, array_like=True):
+    reason: str
+
+
+InputMessage = Union[AddRequests, AbortRequests, UtilityCall, Shutdown]
+OutputMessage = Union[Ready, Outputs, UtilityResult, EngineDead]
+
+# Engine methods the front end may call by name; anything else is refused, so the socket is
+# not a general RPC channel.
+UTILITY_METHODS = frozenset({"get_stats", "check_integrity", "model_info"})
+
+
+def _enc_hook(obj: Any) -> Any:
+    # Sampler payloads (new_logprobs) may hold tensors or numpy arrays: send them as lists.
+    tolist = getattr(obj, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    if hasattr(obj, "__dataclass_fields__") or hasattr(obj, "__struct_fields__"):
+        return msgspec.to_builtins(obj, enc_hook=_enc_hook)
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to the engine peer")
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def make_input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(InputMessage)
+
+
+def make_output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(OutputMessage)
+
+
+def to_builtins(obj: Any) -> Any:
+    """Dataclass/struct/tensor tree -> plain msgpack-able values."""
+    return msgspec.to_builtins(obj, enc_hook=_enc_hook)

@@ -1,0 +1,224 @@
+"""The engine-core process: a busy loop around EngineCore, fed and drained over ZMQ.
+
+    loop:  take input (block only when idle) -> step (schedule, execute, sample, update)
+           -> emit outputs + stats -> check the parent is alive
+
+Started by `launch_engine_process` as `python -m wideserve.core.engine_proc` (a fresh
+interpreter: no fork of the front end's event loop, no pickle). The config travels as
+msgspec JSON on the command line. The process exits when told to (Shutdown), on SIGTERM,
+or when its parent disappears; SIGINT is ignored because a terminal's Ctrl-C reaches the
+whole process group and the front end owns the orderly shutdown.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from wideserve.config import EngineConfig
+from wideserve.core import engine_ipc as ipc
+
+DEFAULT_ENGINE = "wideserve.core.engine_core:EngineCore"
+STATS_INTERVAL_S = 0.05
+
+
+class EngineLoop:
+    """Owns the sockets and the engine object; `run()` returns when the loop should end."""
+
+    def __init__(self, engine: Any, input_addr: str, output_addr: str,
+                 parent_pid: int | None, heartbeat_s: float = 1.0) -> None:
+        self.engine = engine
+        self.parent_pid = parent_pid
+        self.heartbeat_s = heartbeat_s
+        self.ctx = zmq.Context(io_threads=1)
+        self.in_sock = self.ctx.socket(zmq.PULL)
+        self.in_sock.setsockopt(zmq.RCVHWM, 0)
+        self.in_sock.connect(input_addr)
+        self.out_sock = self.ctx.socket(zmq.PUSH)
+        self.out_sock.setsockopt(zmq.LINGER, 2000)
+        self.out_sock.setsockopt(zmq.SNDHWM, 0)
+        self.out_sock.connect(output_addr)
+        self.encoder = ipc.make_encoder()
+        self.decoder = ipc.make_input_decoder()
+        self.running = True
+        self.last_sent = 0.0
+        self.last_stats = 0.0
+        self.step_times: list[float] = []
+
+    def close(self) -> None:
+        self.in_sock.close(linger=0)
+        self.out_sock.close()
+        self.ctx.term()
+
+    def send(self, msg: Any) -> None:
+        self.out_sock.send(self.encoder.encode(msg), copy=False)
+        self.last_sent = time.monotonic()
+
+    def send_ready(self) -> None:
+        info = ipc.to_builtins(self.engine.model_info)
+        self.send(ipc.Ready(model_info=info, pid=os.getpid()))
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            self._take_input(timeout_ms=0 if busy else int(self.heartbeat_s * 1000))
+            if not self.running:
+                break
+            outputs = []
+            if self.engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                self.step_times.append(time.perf_counter() - start)
+            now = time.monotonic()
+            if outputs or now - self.last_sent >= self.heartbeat_s:
+                # Stats at most every STATS_INTERVAL_S while busy: a scrape never needs
+                # fresher numbers, and get_stats() stays off the per-step path.
+                fresh = now - self.last_stats >= STATS_INTERVAL_S
+                self.send(ipc.Outputs(outputs=outputs, stats=self._stats() if fresh else None,
+                                      timestamp=now, step_times=self.step_times))
+                self.step_times = []
+                if fresh:
+                    self.last_stats = now
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                self.running = False                 # orphaned: nobody will read our output
+
+    def _stats(self) -> dict[str, Any] | None:
+        get_stats = getattr(self.engine, "get_stats", None)
+        return ipc.to_builtins(get_stats()) if get_stats is not None else None
+
+    def _take_input(self, timeout_ms: int) -> None:
+        """Handle every queued message; wait up to timeout_ms for the first one."""
+        if timeout_ms > 0 and not self.in_sock.poll(timeout_ms):
+            return
+        while self.running:
+            try:
+                frame = self.in_sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frame.bytes)
+
+    def _handle(self, data: bytes) -> None:
+        try:
+            msg = self.decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            # A message that fails to decode (e.g. SamplingParams re-validation) is a front-end
+            # bug, not a reason to die; the front end validated first. Say so and carry on.
+            print(f"[engine] dropped undecodable message: {e}", file=sys.stderr, flush=True)
+            return
+        if isinstance(msg, ipc.AddRequests):
+            self._add_requests(msg.requests)
+        elif isinstance(msg, ipc.AbortRequests):
+            self.engine.abort_requests(list(msg.request_ids))
+        elif isinstance(msg, ipc.UtilityCall):
+            self.send(self._utility(msg))
+        elif isinstance(msg, ipc.Shutdown):
+            self.running = False
+
+    def _add_requests(self, requests: list[Any]) -> None:
+        rejected = []
+        for req in requests:
+            try:
+                self.engine.add_request(req)
+            except ValueError as e:
+                rejected.append(_rejection(req.request_id, str(e)))
+        if rejected:
+            self.send(ipc.Outputs(outputs=rejected, stats=None, timestamp=time.monotonic()))
+
+    def _utility(self, call: ipc.UtilityCall) -> ipc.UtilityResult:
+        if call.method not in ipc.UTILITY_METHODS:
+            return ipc.UtilityResult(call.call_id, error=f"unknown method {call.method!r}")
+        try:
+            attr = getattr(self.engine, call.method)
+            result = attr() if callable(attr) else attr
+            return ipc.UtilityResult(call.call_id, result=ipc.to_builtins(result))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, loop goes on
+            return ipc.UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+
+def _rejection(request_id: str, message: str) -> Any:
+    from wideserve.core.sched_output import EngineCoreOutput
+    return EngineCoreOutput(request_id=request_id, finish_reason="error", error=message)
+
+
+def _load_engine(config: EngineConfig, engine_path: str) -> Any:
+    module_name, _, attr = engine_path.partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    return cls(config)
+
+
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
+                       parent_pid: int | None, engine_path: str = DEFAULT_ENGINE,
+                       heartbeat_s: float = 1.0) -> int:
+    """Build the engine, announce Ready, serve until told to stop. Returns an exit code.
+
+    A crash (at load or in a step) is reported as EngineDead with the traceback's last line
+    before exiting non-zero, so the front end can say why instead of just "it died"."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    loop: EngineLoop | None = None
+    try:
+        _set_torch_threads()
+        engine = _load_engine(config, engine_path)
+        loop = EngineLoop(engine, input_addr, output_addr, parent_pid, heartbeat_s)
+        loop.send_ready()
+        loop.run()
+        return 0
+    except SystemExit:
+        return 0
+    except BaseException as e:  # noqa: BLE001 - report any crash, then exit non-zero
+        traceback.print_exc()
+        _report_death(loop, output_addr, f"{type(e).__name__}: {e}")
+        return 1
+    finally:
+        if loop is not None:
+            loop.close()
+
+
+def _report_death(loop: EngineLoop | None, output_addr: str, reason: str) -> None:
+    try:
+        if loop is not None:
+            loop.send(ipc.EngineDead(reason=reason))
+            return
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(output_addr)
+        sock.send(ipc.make_encoder().encode(ipc.EngineDead(reason=reason)))
+        sock.close()
+    except zmq.ZMQError:
+        pass
+
+
+def _set_torch_threads() -> None:
+    # Honour OMP_NUM_THREADS explicitly: torch reads it at import, but set_num_threads makes
+    # the intent visible and also covers an engine built after torch was imported elsewhere.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        import torch
+        torch.set_num_threads(int(threads))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wideserve-engine-core")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--input-addr", required=True)
+    parser.add_argument("--output-addr", required=True)
+    parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--engine", default=DEFAULT_ENGINE)
+    parser.add_argument("--heartbeat-s", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    return run_engine_process(config, args.input_addr, args.output_addr, args.parent_pid,
+                              args.engine, args.heartbeat_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

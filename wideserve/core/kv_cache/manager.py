@@ -1,0 +1,319 @@
+"""KVCacheManager: the one object the scheduler talks to about KV memory.
+
+Glossary
+- position: a token's index in its request. Block tables are positional: entry j of a group's
+  table holds positions [j*P, (j+1)*P), P = the group's page size (groups.py).
+- logical block: CacheConfig.block_size positions (default 256), the unit of prefix hashing;
+  FULL groups page at exactly this size, sliding groups at a divisor of it.
+- computed tokens: positions whose KV this request can read (request.num_computed_tokens).
+- cached block: a block published under its hash; it can be shared by later requests and,
+  once unreferenced, waits in the free queue until it is evicted by reuse (block_pool.py).
+- hit: the longest prefix of logical blocks cached in EVERY group (P positions). The last
+  token is never a hit, so a request always computes at least one token (its logits).
+- null block: block 0 of every pool; the table entry of a sliding page that left the window.
+- kv_write_start (bounded replay only): positions below it are in cached, shared FULL-group
+  blocks; the model recomputes them to rebuild its windows but must not write their entries.
+
+A request's positions at an `allocate_slots` call:
+
+    |<- num_computed_tokens ->|<- new hit ->|<---- new ---->|<- lookahead ->|
+    |  already in its tables  | hit blocks  | num_new_tokens| draft slots,  |
+    |                         | (admission) | (this step)   | never cached  |
+    |<--------- total_computed ------------>|
+    |<---------------------- slots the tables cover after the call ------------------>|
+    |<-- published: full logical blocks of computed tokens -->|
+
+Sliding groups first free the pages wholly before total_computed - window + 1 (the next
+query, at total_computed, reads positions total_computed - window + 1 .. total_computed);
+FULL groups only grow. Blocks are published (cached) only once computed: at the next
+`allocate_slots` and at `free`; a block is never shared before its KV is written, and draft
+and lookahead positions never enter a hash.
+
+Prefix window modes (CacheConfig.prefix_window_mode):
+- "keep": sliding groups publish the pages before each logical boundary; a hit at P needs
+  them in every sliding group (hybrid fixed point: the growing groups bound P from the left,
+  each sliding group may lower it, repeat until all agree).
+- "replay": sliding groups are never cached. A hit at P (growing groups only) returns
+  computed = max(0, P - replay_tokens): the model recomputes the last replay_tokens positions
+  to rebuild windows and compressor state, exactly when replay_tokens >= depth*(window-1)
+  (groups.exact_replay_tokens), without rewriting cached entries below kv_write_start = P.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from wideserve.config import CacheConfig
+from wideserve.core.kv_cache.block_pool import BlockPool, KVBlock
+from wideserve.core.kv_cache.groups import KVCacheConfig
+from wideserve.core.kv_cache.hashing import BlockHasher, ExtraKeysFn
+from wideserve.core.kv_cache.integrity import check_manager_integrity
+from wideserve.core.kv_cache.managers import (GroupManager, SlidingWindowManager,
+                                              make_manager)
+
+if TYPE_CHECKING:
+    from wideserve.request import Request
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Blocks per group (blocks[g][j] = group g, j-th block); hides the manager's structure."""
+
+    blocks: list[list[KVBlock]]
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [[b.block_id for b in group] for group in self.blocks]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.blocks)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted when a request is admitted (allocate_slots succeeds), not at lookup, so a
+    lookup retried after a failed allocation is not counted twice."""
+
+    requests: int = 0
+    queries: int = 0            # tokens of admitted requests
+    hits: int = 0               # of which computed tokens came from the cache
+    replayed: int = 0           # cached tokens recomputed to rebuild windows (replay mode)
+    resets: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, kv_config: KVCacheConfig, cache_config: CacheConfig, max_model_len: int,
+                 replay_tokens: int | None = None, extra_keys: ExtraKeysFn | None = None) -> None:
+        mode = cache_config.prefix_window_mode
+        if mode not in ("keep", "replay"):
+            raise ValueError(f"CacheConfig.prefix_window_mode must be 'keep' or 'replay', "
+                             f"got {mode!r}")
+        if kv_config.block_size != cache_config.block_size:
+            raise ValueError(f"KVCacheConfig.block_size={kv_config.block_size} differs from "
+                             f"CacheConfig.block_size={cache_config.block_size}")
+        self.enable_caching = cache_config.enable_prefix_caching
+        if self.enable_caching and mode == "replay" and (replay_tokens is None
+                                                         or replay_tokens < 0):
+            raise ValueError("prefix_window_mode='replay' needs replay_tokens >= 0 "
+                             "(see groups.exact_replay_tokens)")
+        self.kv_config = kv_config
+        self.block_size = kv_config.block_size
+        self.max_model_len = max_model_len
+        self.mode = mode
+        self.replay_tokens = replay_tokens or 0
+        self.block_hasher = BlockHasher(self.block_size, extra_keys)
+        self.pools = [BlockPool(b.num_blocks) for b in kv_config.buckets]
+        self.managers: list[GroupManager] = [
+            make_manager(g, self.pools[g.bucket_id], self.block_size,
+                         caching=self.enable_caching and (not g.is_sliding or mode == "keep"))
+            for g in kv_config.groups]
+        # Growing groups first: their left-to-right scan gives the tightest bound.
+        self._full = [m for m in self.managers if not isinstance(m, SlidingWindowManager)]
+        self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self._requests: set[str] = set()          # admitted and not freed
+        self._write_start: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+        self._interval = PrefixCacheStats()
+
+    # -------------------------------------------------------------------- prefix hits
+    def get_computed_blocks(self, request: "Request") -> tuple[KVCacheBlocks, int]:
+        """Prefix hit for a request that holds no blocks: (hit blocks per group, computed)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} already holds KV blocks")
+        empty = KVCacheBlocks([[] for _ in self.managers])
+        if not self.enable_caching:
+            return empty, 0
+        self.block_hasher(request)
+        # Never the last token: its logits must be computed.
+        num_logical = min((request.num_tokens - 1) // self.block_size,
+                          len(request.block_hashes))
+        if num_logical <= 0:
+            return empty, 0
+        if self.mode == "keep":
+            return self._find_keep(request.block_hashes, num_logical)
+        return self._find_replay(request.block_hashes, num_logical)
+
+    def _find_keep(self, hashes: list[bytes], num_logical: int) -> tuple[KVCacheBlocks, int]:
+        k = num_logical
+        found: dict[int, list[KVBlock]] = {}
+        for m in self._full:
+            found[m.group_id] = m.find_longest_cache_hit(hashes, k)
+            k = min(k, len(found[m.group_id]))
+        while True:
+            new_k = k
+            for m in self._sliding:
+                found[m.group_id] = m.find_longest_cache_hit(hashes, new_k)
+                new_k = min(new_k, len(found[m.group_id]) // m.pages_per_logical)
+            if new_k == k:
+                break
+            k = new_k
+        blocks = [found[m.group_id][:k * m.pages_per_logical] for m in self.managers]
+        return KVCacheBlocks(blocks), k * self.block_size
+
+    def _find_replay(self, hashes: list[bytes], num_logical: int) -> tuple[KVCacheBlocks, int]:
+        if not self._full:
+            return KVCacheBlocks([[] for _ in self.managers]), 0
+        k = num_logical
+        found: dict[int, list[KVBlock]] = {}
+        for m in self._full:
+            found[m.group_id] = m.find_longest_cache_hit(hashes, k)
+            k = min(k, len(found[m.group_id]))
+        computed = max(0, k * self.block_size - self.replay_tokens)
+        blocks = [found[m.group_id][:k] if m.group_id in found
+                  else m.null_prefix(computed)  # type: ignore[attr-defined]
+                  for m in self.managers]
+        return KVCacheBlocks(blocks), computed
+
+    def _hit_tokens(self, hits: list[list[KVBlock]]) -> int:
+        """P of a hit returned by get_computed_blocks (growing groups, else sliding ones)."""
+        for m in self._full:
+            return len(hits[m.group_id]) * self.block_size
+        if self.mode == "keep":
+            for m in self._sliding:
+                return len(hits[m.group_id]) * m.block_size
+        return 0
+
+    def _expected_computed(self, hit_tokens: int) -> int:
+        if self.mode == "replay" and hit_tokens:
+            return max(0, hit_tokens - self.replay_tokens)
+        return hit_tokens
+
+    # --------------------------------------------------------------------- allocation
+    def allocate_slots(self, request: "Request", num_new_tokens: int,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Give the request slots up to total_computed + num_new_tokens + lookahead in every
+        group, or change nothing but out-of-window frees and return None (the caller
+        preempts). Returns the newly allocated blocks per group."""
+        if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) < 0:
+            raise ValueError(f"allocate_slots: negative token count (new={num_new_tokens}, "
+                             f"new_computed={num_new_computed_tokens}, "
+                             f"lookahead={num_lookahead_tokens})")
+        rid = request.request_id
+        admission = rid not in self._requests
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        if hits is not None and len(hits) != len(self.managers):
+            raise ValueError(f"new_computed_blocks has {len(hits)} groups, "
+                             f"expected {len(self.managers)}")
+        if not admission and (num_new_computed_tokens or (hits and any(hits))):
+            raise ValueError(f"request {rid!r} is running; prefix hits are for admission only")
+        if admission and hits is not None:
+            expected = self._expected_computed(self._hit_tokens(hits))
+            if num_new_computed_tokens != expected:
+                raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} does not "
+                                 f"match the hit blocks given (expected {expected})")
+        elif admission and num_new_computed_tokens:
+            raise ValueError("num_new_computed_tokens > 0 needs new_computed_blocks")
+        if not admission:
+            # Before freeing out-of-window pages, so the ones a hit can use keep their hash.
+            self._cache_computed(request)
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens,
+                        self.max_model_len)
+        for m in self._sliding:
+            m.remove_skipped_blocks(rid, total_computed)
+        demand = [0] * len(self.pools)
+        for m in self.managers:
+            demand[m.group.bucket_id] += m.num_blocks_to_allocate(
+                rid, num_slots, hits[m.group_id] if hits else ())
+        if any(d > pool.num_free_blocks for d, pool in zip(demand, self.pools)):
+            return None
+        if admission:
+            for m in self.managers:
+                m.save_hit_blocks(rid, hits[m.group_id] if hits else ())
+            self._admit(request, hits, num_new_computed_tokens)
+        return KVCacheBlocks([m.allocate_new_blocks(rid, num_slots) for m in self.managers])
+
+    def _admit(self, request: "Request", hits: list[list[KVBlock]] | None,
+               computed: int) -> None:
+        rid = request.request_id
+        self._requests.add(rid)
+        hit_tokens = self._hit_tokens(hits) if hits else 0
+        if hit_tokens > computed:
+            self._write_start[rid] = hit_tokens
+        for s in (self.stats, self._interval):
+            s.requests += 1
+            s.queries += request.num_tokens
+            s.hits += computed
+            s.replayed += max(0, hit_tokens - computed)
+
+    def _cache_computed(self, request: "Request") -> None:
+        if not self.enable_caching:
+            return
+        self.block_hasher(request)
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        for m in self.managers:
+            m.cache_blocks(request, num_tokens)
+
+    def free(self, request: "Request") -> None:
+        """Release the request's blocks (publishing its computed full blocks first)."""
+        rid = request.request_id
+        self._write_start.pop(rid, None)
+        if rid not in self._requests:
+            return
+        self._cache_computed(request)
+        for m in self.managers:
+            m.free(rid)
+        self._requests.discard(rid)
+
+    # ------------------------------------------------------------------------ queries
+    def kv_write_start(self, request_id: str) -> int:
+        return self._write_start.get(request_id, 0)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's block-table row (0 = null block: freed sliding page)."""
+        return [[b.block_id for b in m.req_blocks.get(request_id, ())] for m in self.managers]
+
+    def num_blocks_per_group(self, request_id: str) -> list[int]:
+        return [len(m.req_blocks.get(request_id, ())) for m in self.managers]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks not free or cached, in the fullest bucket (what limits admission)."""
+        return max(p.usage for p in self.pools)
+
+    @property
+    def usage_per_bucket(self) -> list[float]:
+        return [p.usage for p in self.pools]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free + cached blocks summed over buckets (see free_blocks_per_bucket)."""
+        return sum(p.num_free_blocks for p in self.pools)
+
+    @property
+    def free_blocks_per_bucket(self) -> list[int]:
+        return [p.num_free_blocks for p in self.pools]
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; refused (False) while any request holds blocks."""
+        if self._requests or any(p.num_free_blocks != p.num_usable for p in self.pools):
+            return False
+        for p in self.pools:
+            p.reset_prefix_cache()
+        self.stats.resets += 1
+        self._interval.resets += 1
+        return True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Stats since the previous call (the cumulative ones are `stats`)."""
+        out, self._interval = self._interval, PrefixCacheStats()
+        return out
+
+    def check_integrity(self) -> dict[int, dict[str, int]]:
+        """Assert the pool invariants; returns {bucket: {"free", "cached", "used"}}."""
+        return check_manager_integrity(self.pools, self.managers, self._requests,
+                                       set(self._write_start))

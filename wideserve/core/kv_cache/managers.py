@@ -1,0 +1,192 @@
+"""One manager per KV cache group: a request's block table in that group.
+
+All managers of a bucket allocate from the bucket's pool. A table is positional: entry j holds
+positions [j*P, (j+1)*P) of the request, P = the group's page size. Sliding-window tables
+keep their length and put the null block where pages left the window.
+
+Hash keys: a FULL group pages at the logical block, so page j is keyed by the request's
+logical hash j. A sliding group with pages below the logical block keys page k of logical
+block i by (hash i, k) (hashing.sub_block_key), and only publishes the pages a prefix hit can
+use: those overlapping the window before their logical block's end (with a 128 window and
+128-position pages, the second page of each 256-token block; with an 8-position state, the
+last of 32). The rest are freed hashless, and hashless free blocks are reused first, so the
+bounded pools spend their spare room on pages that can serve hits.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from wideserve.core.kv_cache.block_pool import BlockPool, KVBlock
+from wideserve.core.kv_cache.groups import KVCacheGroup, window_pages_for_hit
+from wideserve.core.kv_cache.hashing import sub_block_key
+
+if TYPE_CHECKING:
+    from wideserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GroupManager:
+    def __init__(self, group: KVCacheGroup, pool: BlockPool, logical_block_size: int,
+                 caching: bool) -> None:
+        self.group = group
+        self.group_id = group.group_id
+        self.block_size = group.block_size
+        self.pages_per_logical = logical_block_size // group.block_size
+        self.pool = pool
+        self.caching = caching             # this group publishes hashes and serves hits
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Pages whose publication has been decided (published, skipped, or a prefix hit).
+        self.num_cached: dict[str, int] = {}
+
+    # ------------------------------------------------------------------- allocation
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                               hit_blocks: Sequence[KVBlock]) -> int:
+        """Blocks this call takes from the pool: new pages up to `num_tokens` positions, plus
+        hit blocks that are now cached-but-free (they leave the free queue)."""
+        held = len(self.req_blocks.get(request_id, ())) + len(hit_blocks)
+        new = max(0, cdiv(num_tokens, self.block_size) - held)
+        return new + sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def save_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+        if request_id in self.req_blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks in group "
+                             f"{self.group_id}; prefix hits are for admission only")
+        self.pool.touch(hit_blocks)
+        self.req_blocks[request_id] = list(hit_blocks)
+        self.num_cached[request_id] = len(hit_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVBlock]:
+        blocks = self.req_blocks.setdefault(request_id, [])
+        self.num_cached.setdefault(request_id, 0)
+        n = cdiv(num_tokens, self.block_size) - len(blocks)
+        if n <= 0:
+            return []
+        new = self.pool.get_new_blocks(n)
+        blocks.extend(new)
+        return new
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_blocks.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if blocks:
+            # Tail first: a request's last blocks are the first to be evicted.
+            self.pool.free_blocks(reversed(blocks))
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free pages no future query reads (none for growing groups)."""
+
+    # --------------------------------------------------------------------- caching
+    def block_key(self, block_hashes: Sequence[bytes], page: int) -> bytes:
+        if self.pages_per_logical == 1:
+            return block_hashes[page]
+        return sub_block_key(block_hashes[page // self.pages_per_logical],
+                             page % self.pages_per_logical)
+
+    def publishes(self, page: int) -> bool:
+        return True
+
+    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+        """Publish the pages of full logical blocks below `num_tokens` (computed positions)."""
+        if not self.caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            return
+        hashes = request.block_hashes
+        n_logical = min(num_tokens // (self.block_size * self.pages_per_logical), len(hashes))
+        start = self.num_cached.get(rid, 0)
+        end = min(n_logical * self.pages_per_logical, len(blocks))
+        for j in range(start, end):
+            block = blocks[j]
+            if not block.is_null and self.publishes(j):
+                self.pool.cache_block(block, self.block_key(hashes, j), self.group_id)
+        self.num_cached[rid] = max(start, end)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               num_logical: int) -> list[KVBlock]:
+        """Cached pages for the longest hit of at most `num_logical` logical blocks; the hit
+        covers len(result) // pages_per_logical logical blocks."""
+        raise NotImplementedError
+
+
+class FullManager(GroupManager):
+    """Growing group: one page per logical block; the compress ratio only changes how many
+    entries a page holds."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               num_logical: int) -> list[KVBlock]:
+        hits = []
+        for i in range(num_logical):
+            # A chain hash: if block i is missing, no later block can be a hit.
+            block = self.pool.get_cached_block(block_hashes[i], self.group_id)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+
+class SlidingWindowManager(GroupManager):
+    """Bounded group: query position p reads positions p - window + 1 .. p."""
+
+    def __init__(self, group: KVCacheGroup, pool: BlockPool, logical_block_size: int,
+                 caching: bool) -> None:
+        super().__init__(group, pool, logical_block_size, caching)
+        self.window = group.spec.window
+        self.pages_for_hit = window_pages_for_hit(group)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # The next query is at p = num_computed_tokens and reads p - window + 1 .. p, so pages
+        # that end at or before p - window + 1 are never read again.
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return
+        first_kept = max(0, num_computed_tokens - self.window + 1) // self.block_size
+        removed = []
+        for i in range(min(first_kept, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break           # everything before was nulled by an earlier call
+            removed.append(blocks[i])
+            blocks[i] = self.pool.null_block
+        self.pool.free_blocks(removed)
+
+    def publishes(self, page: int) -> bool:
+        pages_after = self.pages_per_logical - 1 - page % self.pages_per_logical
+        return pages_after < self.pages_for_hit
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               num_logical: int) -> list[KVBlock]:
+        # Right to left over logical boundaries k*L: a hit at k needs the pages holding
+        # positions kL - window + 1 .. kL - 1 (fewer at the start of the sequence).
+        ppl, get, gid = self.pages_per_logical, self.pool.get_cached_block, self.group_id
+        k = num_logical
+        while k > 0:
+            end = k * ppl
+            start = max(0, end - self.pages_for_hit)
+            hits: list[KVBlock] = []
+            miss = -1
+            for j in range(end - 1, start - 1, -1):
+                block = get(self.block_key(block_hashes, j), gid)
+                if block is None:
+                    miss = j
+                    break
+                hits.append(block)
+            if miss < 0:
+                hits.reverse()
+                return [self.pool.null_block] * start + hits
+            # Every boundary whose window contains page `miss` fails too.
+            k = min(k - 1, miss // ppl)
+        return []
+
+    def null_prefix(self, num_tokens: int) -> list[KVBlock]:
+        """Table entries for `num_tokens` positions nobody will read (bounded replay)."""
+        return [self.pool.null_block] * (num_tokens // self.block_size)
+
+
+def make_manager(group: KVCacheGroup, pool: BlockPool, logical_block_size: int,
+                 caching: bool) -> GroupManager:
+    cls = SlidingWindowManager if group.is_sliding else FullManager
+    return cls(group, pool, logical_block_size, caching)

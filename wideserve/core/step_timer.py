@@ -1,0 +1,47 @@
+"""Where each engine step's time goes (DESIGN.md, "Observability")."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+PHASES = ("schedule", "prepare", "forward", "sample", "output")
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Totals since start; divide by `steps` for means."""
+
+    steps: int = 0
+    tokens: int = 0
+    requests: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    last_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    last_tokens: int = 0
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.stats = StepStats()
+        self._t = 0.0
+        self._current: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._current = dict.fromkeys(PHASES, 0.0)
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._current[phase] += now - self._t
+        self._t = now
+
+    def finish(self, num_tokens: int, num_requests: int) -> None:
+        s = self.stats
+        if num_tokens == 0:
+            return      # idle polls are not steps
+        s.steps += 1
+        s.tokens += num_tokens
+        s.requests += num_requests
+        s.last_tokens = num_tokens
+        s.last_seconds = self._current
+        for k, v in self._current.items():
+            s.seconds[k] += v

@@ -1,0 +1,184 @@
+"""Incremental detokenisation with stop strings, for one request's output.
+
+Decoding uses the prefix/read offset technique (TGI, vLLM): the ids are decoded in a small
+window [prefix_offset, end) and compared with the window [prefix_offset, read_offset) decoded
+before; the difference is the new text. The window's left context makes decoders that look at
+neighbours (a sentencepiece leading space, cleanup of " .") agree with a one-shot decode, and
+the first window starts a few prompt tokens back so the first output token gets its context.
+When the new text ends in U+FFFD the last token holds an incomplete UTF-8 sequence: nothing is
+emitted until a later token completes it (or finish() flushes genuinely broken bytes).
+
+    ids:   ... prompt tail | out0 out1 ... | pending (no text yet)
+                ^prefix_offset       ^read_offset      ^len(ids)
+
+Stop strings are searched only where new text can complete one: from len(stop) - 1 chars
+before the new text. The earliest-ending match wins (as if the text arrived one character at a
+time); the text is cut at its start (or after it with include_stop_str_in_output) and every
+token after the one that completed it is ignored.
+
+Text storage: committed chunks in `_parts`, the last max_stop_len - 1 chars in `_tail` (the only
+text a later stop match can reach), so a long output costs O(1) per token, never a re-join.
+Streaming: get_next_delta() hands out new text but holds back the longest tail that is a proper
+prefix of a stop string, so a stop string is never partially emitted.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from wideserve.tokenizer import Tokenizer
+
+# Prompt tokens decoded as left context for the first output token (vLLM uses 5).
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = list(stop)
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        context = [int(t) for t in prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS):]]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text: str | None = None   # decode of [prefix, read), cached
+        self._keep = max((len(s) for s in self._stop), default=1) - 1
+        self._parts: list[str] = []             # committed text
+        self._tail = ""                         # last <= _keep chars (+ the newest delta)
+        self._len = 0                           # total chars of text
+        self._sent = 0                          # chars handed out by get_next_delta
+        self._unsent_parts: list[str] = []      # parts committed since the last delta
+        self.token_ids: list[int] = []          # output ids consumed (stops at a stop string)
+        self.stop_reason: str | None = None     # the stop string that ended the output
+        self.finished = False
+
+    # ---- public ----------------------------------------------------------------------------
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
+        """Consume new output tokens; return the stop string if one completed (then the
+        request is finished and later tokens are ignored). stop_terminated: the last token is
+        an EOS/stop token id: it ends the output and is not detokenised unless
+        include_stop_str_in_output; finish() is implied."""
+        if self.finished:
+            return None
+        last = len(new_token_ids) - 1
+        for j, token in enumerate(new_token_ids):
+            self.token_ids.append(int(token))
+            if stop_terminated and j == last and not self._include_stop:
+                break
+            delta = self._decode_next(int(token))
+            if delta and self._append(delta):
+                return self.stop_reason
+        if stop_terminated:
+            return self.finish()
+        return None
+
+    def finish(self) -> str | None:
+        """The request ended (length, EOS, abort): flush text held back for incomplete bytes.
+        Returns a stop string only if the flushed text completed one."""
+        if self.finished:
+            return None
+        self.finished = True
+        if self._read_offset < len(self._ids):
+            new_text = self._decode(self._ids[self._prefix_offset:])
+            delta = new_text[len(self._window_prefix_text()):]
+            self._read_offset = len(self._ids)
+            if delta and self._append(delta):
+                return self.stop_reason
+        return None
+
+    @property
+    def output_text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return (self._parts[0] if self._parts else "") + self._tail
+
+    def get_next_delta(self) -> str:
+        """New text since the last call, minus a possible partial stop string at the end
+        (everything once finished)."""
+        hold = 0 if self.finished or self._include_stop else self._partial_stop_len()
+        end = self._len - hold
+        if end <= self._sent:
+            return ""
+        pending = "".join(self._unsent_parts) + self._tail
+        start = self._len - len(pending)
+        out = pending[self._sent - start:end - start]
+        self._unsent_parts = []
+        self._sent = end
+        return out
+
+    # ---- decoding --------------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _window_prefix_text(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        return self._prefix_text
+
+    def _decode_next(self, token: int) -> str:
+        self._ids.append(token)
+        prefix_text = self._window_prefix_text()
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""   # nothing new yet, or the last char is still incomplete
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = None
+        return new_text[len(prefix_text):]
+
+    # ---- text and stop strings ---------------------------------------------------------------
+
+    def _append(self, delta: str) -> bool:
+        """Add text; True if a stop string completed (text already cut, request finished)."""
+        old_len = self._len
+        self._tail += delta
+        self._len += len(delta)
+        stopped = False
+        if self._stop and len(self.token_ids) > self._min_tokens:
+            stopped = self._check_stop(old_len)
+        if len(self._tail) > self._keep:
+            cut = len(self._tail) - self._keep
+            head, self._tail = self._tail[:cut], self._tail[cut:]
+            self._parts.append(head)
+            self._unsent_parts.append(head)
+        return stopped
+
+    def _check_stop(self, old_len: int) -> bool:
+        tail_start = self._len - len(self._tail)
+        best: tuple[int, int, str] | None = None       # (end, start, stop) in tail coordinates
+        for s in self._stop:
+            # a match must end inside the new text, so start no earlier than this
+            idx = self._tail.find(s, max(old_len - len(s) + 1, tail_start) - tail_start)
+            if idx >= 0 and (best is None or (idx + len(s), idx) < best[:2]):
+                best = (idx + len(s), idx, s)
+        if best is None:
+            return False
+        end, start, s = best
+        self._tail = self._tail[:end if self._include_stop else start]
+        self._len = tail_start + len(self._tail)
+        self.stop_reason = s
+        self.finished = True
+        return True
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(self._tail)), best, -1):
+                if self._tail.endswith(s[:n]):
+                    best = n
+                    break
+        return best

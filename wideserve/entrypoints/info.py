@@ -1,0 +1,219 @@
+"""`wideserve info MODEL_DIR`: what a model is and what it costs to serve, from config.json alone.
+
+The model is built on the meta device (no weights, no memory), so this works for a 284B
+checkpoint directory that holds only its config. Printed: architecture, parameters (total and
+active per token), the layer schedule (attention kind per layer from the model's KV cache specs,
+MoE kind from its parameters; repeated and alternating runs compressed), and KV cache bytes per
+token of context and bounded bytes per request, per cache role and in total.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+_LAYER_RE = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.")
+_ONE_MILLION = 1 << 20
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "info", help="describe a model: parameters, layer schedule, KV cache bytes per token",
+        description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="directory with config.json (default: the bundled tiny model)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV record format: auto (= model dtype), bf16, or fp8 "
+                        "(FP8 latents + MXFP4 indexer keys)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weight dtype (auto = config torch_dtype)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = describe_model(args.model, args.kv_cache_dtype, args.dtype)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"wideserve info: error: {exc}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
+# --- formatting helpers ---
+
+def _num(x: float) -> str:
+    """Thousands separators; whole bytes from 100 up (3,514), two decimals below (4.56)."""
+    if x >= 100 or float(x).is_integer():
+        return f"{x:,.0f}"
+    return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{_num(n)} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n:,} ({n / size:.2f}{unit})"
+    return f"{n:,}"
+
+
+def compress_runs(labels: list[str], first: int = 0, noun: str = "layer") -> list[str]:
+    """Per-layer labels -> lines like "layers 2-42: CSA(4)/HCA(128) alternating"."""
+    lines: list[str] = []
+    i, n = 0, len(labels)
+    while i < n:
+        j = i + 1
+        while j < n and labels[j] == labels[i]:
+            j += 1
+        text = labels[i]
+        if j == i + 1 and i + 3 < n and labels[i + 1] != labels[i]:
+            k = i + 2
+            while k < n and labels[k] == labels[k - 2]:
+                k += 1
+            if k - i >= 4:                       # at least two full periods
+                j, text = k, f"{labels[i]}/{labels[i + 1]} alternating"
+        span = f"{noun} {first + i}" if j == i + 1 else f"{noun}s {first + i}-{first + j - 1}"
+        lines.append(f"{span}: {text}")
+        i = j
+    return lines
+
+
+# --- what the model says about itself ---
+
+def _block_of(name: str) -> tuple[str, int] | None:
+    m = _LAYER_RE.match(name)
+    return (m[1], int(m[2])) if m else None
+
+
+def attention_labels(specs: dict) -> dict[tuple[str, int], str]:
+    """(block kind, index) -> "SWA(128)" / "CSA(4)" / "HCA(128)" / "full", from cache specs."""
+    by_block: dict[tuple[str, int], list] = defaultdict(list)
+    for name, spec in specs.items():
+        block = _block_of(name)
+        if block is not None:
+            by_block[block].append(spec)
+    labels = {}
+    for block, block_specs in by_block.items():
+        roles = {s.role: s for s in block_specs}
+        if "compressed" in roles:
+            kind = "CSA" if "indexer" in roles else "HCA"
+            labels[block] = f"{kind}({roles['compressed'].compress_ratio})"
+        elif any(s.grows_with_context for s in block_specs):
+            labels[block] = "full"
+        else:
+            labels[block] = f"SWA({max(s.window for s in block_specs)})"
+    return labels
+
+
+def mlp_labels(model, config_json: dict) -> dict[tuple[str, int], str]:
+    """(block kind, index) -> "hash MoE" / "top-k MoE" / "dense MLP", from parameter names."""
+    kinds: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for name in model.state_dict(keep_vars=True):
+        block = _block_of(name)
+        if block is None or ".mlp." not in name:
+            continue
+        if name.endswith("gate.tid2eid"):
+            kinds[block].add("hash")
+        elif ".experts." in name:
+            kinds[block].add("experts")
+        else:
+            kinds[block].add("dense")
+    k = config_json.get("num_experts_per_tok")
+    e = (config_json.get("n_routed_experts") or config_json.get("num_experts")
+         or config_json.get("num_local_experts"))
+    sizes = f" ({k} of {e})" if k and e else ""
+    return {b: ("hash MoE" if "hash" in s else "top-k MoE" if "experts" in s else "dense MLP")
+            + (sizes if "experts" in s else "") for b, s in kinds.items()}
+
+
+def _schedule_lines(specs: dict, model, config_json: dict) -> list[str]:
+    attn, mlp = attention_labels(specs), mlp_labels(model, config_json)
+    blocks = sorted(set(attn) | set(mlp), key=lambda b: (b[0] != "layers", b[1]))
+    lines = []
+    for kind, title, noun in (("layers", "layers", "layer"), ("mtp", "MTP blocks", "block")):
+        idx = [b[1] for b in blocks if b[0] == kind]
+        if not idx:
+            continue
+        lines.append(f"{title} ({len(idx)}):")
+        for what, table in (("attention", attn), ("mlp", mlp)):
+            labels = [table.get((kind, i), "-") for i in idx]
+            lines += [f"  {what:9s} {line}" for line in compress_runs(labels, idx[0], noun)]
+    return lines
+
+
+def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
+    per_token: dict[str, float] = defaultdict(float)
+    bounded: dict[str, int] = defaultdict(int)
+    for spec in specs.values():
+        per_token[spec.role] += spec.bytes_per_token
+        bounded[spec.role] += spec.bounded_bytes
+    total_tok, total_bounded = sum(per_token.values()), sum(bounded.values())
+    lines = [f"KV cache (--kv-cache-dtype {kv_cache_dtype}; {len(specs)} caches):",
+             f"  {'role':14s} {'B/token of context':>20s} {'bounded B/request':>20s}"]
+    for role in sorted(per_token, key=lambda r: (-per_token[r], -bounded[r], r)):
+        lines.append(f"  {role:14s} {_num(per_token[role]):>20s} {_num(bounded[role]):>20s}")
+    lines.append(f"  {'total':14s} {_num(total_tok):>20s} {_num(total_bounded):>20s}")
+    lines.append(f"  total KV per token: {_num(total_tok)} B; per request: {_bytes(total_bounded)} "
+                 f"bounded + {_bytes(total_tok * _ONE_MILLION)} at {_ONE_MILLION:,} tokens")
+    if mtp_specs:
+        mtp_bounded = sum(s.bounded_bytes for s in mtp_specs.values())
+        mtp_tok = sum(s.bytes_per_token for s in mtp_specs.values())
+        lines.append(f"  MTP blocks (speculative decoding) add {_num(mtp_tok)} B/token and "
+                     f"{_num(mtp_bounded)} B/request bounded")
+    return lines
+
+
+def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
+                   dtype: str = "auto") -> str:
+    import torch
+
+    from wideserve.executor.loader import (build_model, read_config, resolve_dtype,
+                                           resolve_model_path)
+    from wideserve.models.registry import resolve_model_class
+
+    path = resolve_model_path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{path}: `wideserve info` needs a model directory with config.json")
+    config_json = read_config(path)
+    cls = resolve_model_class(config_json)
+    wdtype = resolve_dtype(dtype, config_json)
+    model = build_model(cls, cls.config_class.from_dict(config_json), wdtype,
+                        torch.device("meta"))
+    total, active = model.param_counts()
+    specs = model.kv_cache_specs(kv_cache_dtype)
+    mtp_specs = (model.mtp_kv_cache_specs(kv_cache_dtype)
+                 if hasattr(model, "mtp_kv_cache_specs") else {})
+    arch = (config_json.get("architectures") or [cls.__name__])[0]
+    lines = [f"model:        {Path(path)}",
+             f"architecture: {arch} (model_type {config_json.get('model_type', '?')})",
+             f"dtype:        {str(wdtype).removeprefix('torch.')}{_quant_note(config_json)}",
+             f"parameters:   {_count(total)} total, {_count(active)} active per token"]
+    if hasattr(model, "mtp_param_counts") and model.mtp_param_counts()[0]:
+        mtp_total, mtp_active = model.mtp_param_counts()
+        lines.append(f"MTP blocks:   {_count(mtp_total)} total, {_count(mtp_active)} active "
+                     "per token (embedding and lm_head shared)")
+    lines.append("")
+    lines += _schedule_lines({**specs, **mtp_specs}, model, config_json)
+    lines += [""] + _kv_lines(specs, mtp_specs, kv_cache_dtype)
+    return "\n".join(lines)
+
+
+def _quant_note(config_json: dict) -> str:
+    qc = config_json.get("quantization_config")
+    if not qc:
+        return ""
+    block = qc.get("weight_block_size")
+    experts = config_json.get("expert_dtype", qc.get("expert_dtype"))
+    return (f" (checkpoint: {qc.get('quant_method')} {qc.get('fmt', '')}"
+            f"{f' blocks {block[0]}x{block[1]}' if block else ''}"
+            f"{f', experts {experts}' if experts else ''}; dequantised on load)")

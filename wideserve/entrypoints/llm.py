@@ -1,0 +1,143 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`.
+
+The engine core runs in-process; this class tokenises, drives steps until every request is
+done, and returns RequestOutputs in the order of the prompts.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from wideserve.config import engine_config_from_kwargs
+from wideserve.core.engine_core import EngineCore
+from wideserve.core.output_processor import OutputProcessor
+from wideserve.outputs import RequestOutput
+from wideserve.sampling_params import SamplingParams
+from wideserve.tokenizer import Tokenizer
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+Message = Mapping[str, Any]
+
+
+def load_tokenizer(model_path, tokenizer: str | None) -> Tokenizer:
+    if tokenizer is not None:
+        return Tokenizer.from_pretrained(tokenizer)
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        return Tokenizer.from_gguf(model_path)
+    return Tokenizer.from_pretrained(model_path)
+
+
+class LLM:
+    """Engine arguments are the fields of LoadConfig, CacheConfig and SchedulerConfig
+    (e.g. dtype, seed, load_format, max_model_len, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, block_size, kv_cache_memory, policy)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        config = engine_config_from_kwargs(model=model, **engine_args)
+        self.engine = EngineCore(config)
+        self.tokenizer = load_tokenizer(self.engine.loaded.path, config.load.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # ------------------------------------------------------------------------- generate
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        pairs = [self._tokenize(p) for p in prompt_list]
+        return self._run(pairs, params, use_tqdm, priority)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) \
+            else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(
+            list(c), add_generation_prompt=add_generation_prompt, tools=tools,
+            chat_template=chat_template) for c in conversations]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        # The template already holds the special tokens (bos included).
+        pairs = [(p, self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        return self._run(pairs, params, use_tqdm, None)
+
+    # -------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, Mapping)):
+            return [prompts]
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]                     # one prompt given as token ids
+        return list(prompts)
+
+    @staticmethod
+    def _params_per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
+                           n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return list(sp)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, [int(t) for t in prompt]
+
+    def _run(self, pairs: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        ids = []
+        added = []
+        try:
+            for i, ((text, token_ids), sp) in enumerate(zip(pairs, params)):
+                rid = str(next(self._ids))
+                core_reqs = self.processor.add_request(
+                    rid, text, token_ids, sp, priority=priority[i] if priority else 0)
+                ids.append(rid)
+                for req in core_reqs:
+                    self.engine.add_request(req)
+                    added.append(req.request_id)
+        except Exception:
+            self.engine.abort_requests(added)
+            for rid in ids:
+                self.processor.abort_request(rid)
+            self._drain()
+            raise
+        return self._drive(ids, use_tqdm)
+
+    def _drive(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                processed = self.processor.process_outputs(self.engine.step())
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()

@@ -1,0 +1,141 @@
+"""Prometheus metrics for the server, in a registry of its own (no global state).
+
+Two sources:
+- the front end observes each request (outcome, tokens, TTFT, inter-token and end-to-end
+  latency) as it happens;
+- the engine's stats snapshot (it rides on every Outputs message and heartbeat) is read at
+  scrape time by a custom collector: running/waiting, KV usage, prefix-cache queries and hits,
+  preemptions and the per-phase step-time totals. Engine counters are cumulative in the
+  engine, so they are exported as-is rather than re-incremented here.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "wideserve:"
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0, 30.0)
+
+# Engine stats key -> (metric suffix, help, kind). Keys missing from a snapshot are skipped.
+ENGINE_GAUGES = {
+    "num_running": ("num_requests_running", "Requests in the running batch."),
+    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
+}
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("num_preemptions", "Requests preempted (recompute)."),
+    "num_prompt_tokens": ("engine_prompt_tokens", "Prompt tokens computed by the engine."),
+    "num_generation_tokens": ("engine_generation_tokens", "Tokens sampled by the engine."),
+    "num_steps": ("engine_steps", "Engine steps executed."),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Exports the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats() or {}
+        labels = ["model_name"]
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            if key in stats:
+                fam = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+                fam.add_metric([self._model], float(stats[key]))
+                yield fam
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            if key in stats:
+                fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+                fam.add_metric([self._model], float(stats[key]))
+                yield fam
+        phases = stats.get("step_time_s")
+        if isinstance(phases, dict) and phases:
+            fam = CounterMetricFamily(
+                PREFIX + "engine_step_phase_seconds",
+                "Engine time per step phase (schedule, prepare, forward, sample, output...).",
+                labels=["model_name", "phase"])
+            for phase, seconds in sorted(phases.items()):
+                fam.add_metric([self._model, str(phase)], float(seconds))
+            yield fam
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, Any]]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, labels = self.registry, ["model_name"]
+        self.requests = Counter(PREFIX + "requests", "Finished requests by outcome.",
+                                ["model_name", "outcome"], registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens received.",
+                                     labels, registry=reg)
+        self.cached_prompt_tokens = Counter(
+            PREFIX + "cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
+            labels, registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens",
+                                         "Tokens generated and returned.", labels, registry=reg)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Arrival to first token.", labels, buckets=_TTFT_BUCKETS,
+                              registry=reg)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Gap between consecutive tokens of a request.", labels,
+                             buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Arrival to last token.", labels, buckets=_E2E_BUCKETS,
+                             registry=reg)
+        self.step_time = Histogram(PREFIX + "engine_step_seconds", "Wall time of one engine step.",
+                                   labels, buckets=_STEP_BUCKETS, registry=reg)
+        reg.register(EngineStatsCollector(engine_stats, model_name))
+        for outcome in OUTCOMES:                      # export zeros before the first request
+            self.requests.labels(model_name, outcome)
+
+    def observe_request_start(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def observe_tokens(self, num_new: int, since_last_s: float | None,
+                       ttft_s: float | None) -> None:
+        """One output step of one sequence: num_new tokens, since_last_s after the previous."""
+        m = self.model_name
+        self.generation_tokens.labels(m).inc(num_new)
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+        elif since_last_s is not None and num_new > 0:
+            # Several tokens in one chunk (a speculative step): spread the gap evenly.
+            per_token = since_last_s / num_new
+            hist = self.itl.labels(m)
+            for _ in range(num_new):
+                hist.observe(per_token)
+
+    def observe_cached(self, num_cached_tokens: int) -> None:
+        self.cached_prompt_tokens.labels(self.model_name).inc(num_cached_tokens)
+
+    def observe_finish(self, outcome: str, e2e_s: float | None) -> None:
+        self.requests.labels(self.model_name, outcome).inc()
+        if e2e_s is not None:
+            self.e2e.labels(self.model_name).observe(e2e_s)
+
+    def observe_rejected(self) -> None:
+        self.requests.labels(self.model_name, "rejected").inc()
+
+    def observe_step_times(self, seconds: list[float]) -> None:
+        hist = self.step_time.labels(self.model_name)
+        for s in seconds:
+            hist.observe(s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""Builds the flat batch for a step, runs the model, and returns the rows to sample from.
+
+Host path: one numpy pass per step over the scheduled requests (never a Python loop per token);
+the only per-request Python work is slicing each request's new token ids and block-table rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """One request's share of a step, as the runner needs it."""
+
+    request_id: str
+    token_ids: list[int]          # the tokens at positions start .. start + len - 1
+    start: int                    # position of the first new token (= computed tokens before)
+    block_ids: list[list[int]]    # per KV group: the request's block-table row
+    kv_write_start: int = 0       # positions below are a replayed cached prefix
+    sample: bool = True           # the step reaches the end of the request's tokens
+    prompt_logits: bool = False   # also return logits for every new row (prompt logprobs)
+
+
+@dataclass(slots=True)
+class GroupLayout:
+    block_size: int
+    compress_ratio: int
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor | None          # [S, V] fp32, one row per sampled request, in order
+    sample_rows: list[int]               # index into the step's requests of each logits row
+    prompt_logits: dict[int, torch.Tensor]  # request index -> [n, V] fp32 (all new rows)
+
+
+class ModelRunner:
+    def __init__(self, model, groups: list[GroupLayout], cache_group: dict[str, int],
+                 kv_caches: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.model = model
+        self.groups = groups
+        self.cache_group = cache_group
+        self.kv_caches = kv_caches
+        self.device = device
+
+    def build_batch(self, reqs: list[StepRequest]) -> ForwardBatch:
+        qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+        starts = np.fromiter((r.start for r in reqs), dtype=np.int64, count=len(reqs))
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        req_of_token = np.repeat(np.arange(len(reqs)), qlens)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], qlens)
+        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64,
+                                count=num_tokens)
+        seq_lens = starts + qlens
+        dev = self.device
+        views = [self._group_view(g, layout, reqs, req_of_token, positions)
+                 for g, layout in enumerate(self.groups)]
+        write_start = None
+        if any(r.kv_write_start for r in reqs):
+            write_start = torch.tensor([r.kv_write_start for r in reqs], dtype=torch.int64,
+                                       device=dev)
+        return ForwardBatch(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
+            kv_write_start=write_start)
+
+    def _group_view(self, g: int, layout: GroupLayout, reqs: list[StepRequest],
+                    req_of_token: np.ndarray, positions: np.ndarray) -> KVGroupView:
+        width = max(1, max(len(r.block_ids[g]) for r in reqs))
+        table = np.zeros((len(reqs), width), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            row = r.block_ids[g]
+            table[i, :len(row)] = row
+        view = KVGroupView(layout.block_size, layout.compress_ratio,
+                           torch.from_numpy(table).to(self.device))
+        if layout.compress_ratio == 1:
+            bs = layout.block_size
+            slots = table[req_of_token, positions // bs] * bs + positions % bs
+            view.slot_mapping = torch.from_numpy(slots).to(self.device)
+        return view
+
+    @torch.inference_mode()
+    def forward(self, reqs: list[StepRequest]) -> ForwardOutput:
+        batch = self.build_batch(reqs)
+        hidden = self.model.forward(batch)
+        ends = batch.query_start_loc_cpu[1:] - 1
+        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+        logits = None
+        if sample_rows:
+            rows = torch.from_numpy(ends[sample_rows]).to(hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        prompt_logits: dict[int, torch.Tensor] = {}
+        for i, r in enumerate(reqs):
+            if r.prompt_logits:
+                lo, hi = int(batch.query_start_loc_cpu[i]), int(batch.query_start_loc_cpu[i + 1])
+                prompt_logits[i] = self.model.compute_logits(hidden[lo:hi])
+        return ForwardOutput(logits, sample_rows, prompt_logits)

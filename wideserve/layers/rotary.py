@@ -1,0 +1,121 @@
+"""Rotary position embedding in the rotate-half layout of Hugging Face Llama/Qwen.
+
+Channel i of a head is paired with channel i + D/2 (not with its neighbour, as in llama.cpp's
+interleaved layout; the GGUF loader un-permutes Q/K weights so this layout applies to them too).
+
+Supported `rope_type`s: "default", "linear", "llama3". Anything else is rejected by name, so a
+checkpoint that needs e.g. YaRN fails at load time instead of producing wrong text.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """The parts of a config's `rope_parameters` / `rope_scaling` that change frequencies."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0                  # llama3
+    high_freq_factor: float = 4.0                 # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+
+def parse_rope_config(config_json: dict, default_theta: float = 10000.0
+                      ) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling) from an HF config dict, old style (`rope_theta` + `rope_scaling`)
+    or transformers-5 style (`rope_parameters` holding both)."""
+    params = config_json.get("rope_parameters") or config_json.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config: rope_parameters must be a dict, got {type(params).__name__}")
+    theta = float(params.get("rope_theta", config_json.get("rope_theta", default_theta)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"config: rope_type {rope_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    partial = params.get("partial_rotary_factor", config_json.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config: partial_rotary_factor {partial} is not supported (only 1.0)")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if "factor" not in params:
+        raise ValueError(f"config: rope_type {rope_type!r} needs a 'factor'")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    for key in ("low_freq_factor", "high_freq_factor"):
+        if key not in params:
+            raise ValueError(f"config: rope_type 'llama3' needs {key!r}")
+    original = params.get("original_max_position_embeddings",
+                           config_json.get("max_position_embeddings", 8192))
+    return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]), int(original))
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """[head_dim / 2] fp32, the same arithmetic as transformers' ROPE_INIT_FUNCTIONS."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_scale(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, the middle band blended.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    middle = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(middle, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, Hkv, D] at `positions` [T]."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
+        # frequencies (positions in the thousands would then rotate visibly wrong).
+        self._inv_freq = inverse_frequencies(head_dim, theta, scaling or RopeScaling())
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] fp32."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                        # [T, D]
+        return emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D] fp32 tables from `RotaryEmbedding.cos_sin`."""
+    # Like transformers: tables are computed in fp32 and applied in the activation dtype.
+    cos = cos.to(x.dtype)[:, None, :]                                    # [T, 1, D]
+    sin = sin.to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
