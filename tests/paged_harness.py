@@ -58,7 +58,8 @@ class PagedHarness:
         qlens = np.array([len(t) for t in new_tokens], dtype=np.int64)
         starts = np.array([self.seq_lens[s] for s in slots], dtype=np.int64)
         qsl = np.concatenate([[0], np.cumsum(qlens)])
-        positions = np.concatenate([np.arange(b, b + n) for b, n in zip(starts, qlens)])
+        positions = np.concatenate([np.arange(b, b + n) for b, n in zip(starts, qlens)]
+                                   + [np.zeros(0, dtype=np.int64)])
         req_of_token = np.repeat(np.arange(len(slots)), qlens)
         table = self._block_table(slots)
         pos_t = torch.from_numpy(positions).to(self.device)

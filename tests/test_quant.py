@@ -33,14 +33,16 @@ def ref_e2m1(code: int) -> float:
     return sign * (1 + man / 2) * 2.0 ** (exp - 1)
 
 
-def ref_dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def ref_dequant_fp8(weight: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int]) -> torch.Tensor:
     w = weight.view(torch.uint8).reshape(-1, *weight.shape[-2:])
     s = scale.view(torch.uint8).reshape(-1, *scale.shape[-2:])
     out = torch.empty(w.shape, dtype=torch.float64)
     for b in range(w.shape[0]):
         for i in range(w.shape[1]):
             for j in range(w.shape[2]):
-                out[b, i, j] = ref_e4m3(int(w[b, i, j])) * ref_ue8m0(int(s[b, i // block[0], j // block[1]]))
+                scale_byte = int(s[b, i // block[0], j // block[1]])
+                out[b, i, j] = ref_e4m3(int(w[b, i, j])) * ref_ue8m0(scale_byte)
     return out.reshape(weight.shape)
 
 
@@ -159,7 +161,8 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="does not match the expected grid"):
         quant.dequantize_fp8_block(weight, random_scale((2, 3), gen))
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        quant.dequantize_fp8_block(torch.zeros(4, 4, dtype=torch.float16), random_scale((1, 1), gen))
+        quant.dequantize_fp8_block(torch.zeros(4, 4, dtype=torch.float16),
+                                   random_scale((1, 1), gen))
     with pytest.raises(TypeError, match="packed FP4"):
         quant.dequantize_fp4(torch.zeros(4, 4), random_scale((4, 1), gen))
     with pytest.raises(ValueError, match="even"):

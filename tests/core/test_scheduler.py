@@ -168,3 +168,23 @@ def test_config_validation():
         Scheduler(SchedulerConfig(policy="lifo"), kv, 64)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_model_len"):
         Scheduler(SchedulerConfig(), kv, 1)
+
+
+def test_prefix_hit_is_reported_and_skipped(make):
+    from wideserve.request import Request
+    from wideserve.sampling_params import SamplingParams
+    sched, kv = make(block_size=16)
+    shared = [(i * 7) % 900 for i in range(40)]
+    first = Request("first", shared + [1, 2, 3], SamplingParams(max_tokens=2))
+    sched.add_request(first)
+    run_to_completion(sched)
+    second = Request("second", shared + [4, 5], SamplingParams(max_tokens=2))
+    sched.add_request(second)
+    trace = Trace()
+    out = step(sched, trace)
+    # Two full 16-token blocks of the shared 40 tokens are cached; the rest is computed.
+    (s,) = out.scheduled
+    assert s.num_new_tokens == 42 - 32 and second.num_cached_tokens == 32
+    assert trace.outputs["second"][0].num_cached_tokens == 32
+    assert kv.stats.hits == 32
+    run_to_completion(sched)

@@ -166,6 +166,19 @@ def test_request_too_large_fails_when_alone_not_forever(make):
     assert trace.final("small").finish_reason == "length" and len(trace.tokens("small")) == 2
 
 
+def test_chunk_shrinks_when_sliding_pages_do_not_fit(make):
+    # Hybrid specs, 8 blocks per bucket: a 48-token chunk needs 6 window pages (8 positions)
+    # and 12 state pages (4 positions) at once, more than the bucket holds; the window only
+    # ever needs a few. Alone, the request runs in smaller chunks instead of failing.
+    sched, _ = make(num_blocks=8, block_size=16, specs="hybrid", max_num_batched_tokens=48)
+    r = make_request("a", 100, max_tokens=3)
+    sched.add_request(r)
+    trace = run_to_completion(sched)
+    assert trace.final("a").finish_reason == "length" and len(trace.tokens("a")) == 3
+    shares = [s.num_new_tokens for st in trace.steps for s in st.scheduled]
+    assert max(shares) < 48 and sum(shares) == 100 + 3 - 1
+
+
 def test_abort_waiting_and_running(make):
     sched, kv = make(max_num_seqs=1)
     a = make_request("a", 40, max_tokens=50)
@@ -236,14 +249,16 @@ def test_input_validation(make):
 
 
 def _workload(seed: int, n: int) -> list[tuple[str, list[int], int, int]]:
-    """(id, prompt, max_tokens, arrival step): prompts share prefixes so the cache gets hits."""
+    """(id, prompt, max_tokens, arrival step, priority): prompts share prefixes so the cache
+    gets hits."""
     import random
     rng = random.Random(seed)
     stems = [[rng.randrange(900) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     out = []
     for i in range(n):
         prompt = list(rng.choice(stems)) + [rng.randrange(900) for _ in range(rng.randrange(1, 30))]
-        out.append((f"w{i}", prompt, rng.randrange(1, 20), rng.randrange(0, 30)))
+        out.append((f"w{i}", prompt, rng.randrange(1, 20), rng.randrange(0, 30),
+                    rng.randrange(3)))
     return out
 
 
@@ -252,9 +267,11 @@ def _run_workload(sched, kv, work, max_steps=3000):
     from wideserve.sampling_params import SamplingParams
     trace = Trace()
     for t in range(max_steps):
-        for rid, prompt, max_tokens, arrival in work:
+        for i, (rid, prompt, max_tokens, arrival, prio) in enumerate(work):
             if arrival == t:
-                sched.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens)))
+                # Explicit arrival times: the priority order must not depend on the clock.
+                sched.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens),
+                                          arrival_time=t + i / 1000, priority=prio))
         if t > max(w[3] for w in work) and not sched.has_requests():
             return trace
         out = step(sched, trace)
@@ -273,11 +290,11 @@ def test_random_workload_under_memory_pressure(make, specs, mode, policy):
                max_num_batched_tokens=48)
     ref_sched, ref_kv = make(num_blocks=2048, **cfg)
     ref = _run_workload(ref_sched, ref_kv, work)
-    sched, kv = make(num_blocks=12, **cfg)
+    sched, kv = make(num_blocks=12 if specs == "full" else 28, **cfg)
     trace = _run_workload(sched, kv, work)
     assert sum(len(s.preempted_req_ids) for s in trace.steps) > 0, "no memory pressure"
     assert kv.stats.hits > 0
-    for rid, _, max_tokens, _ in work:
+    for rid, _, max_tokens, *_ in work:
         assert trace.tokens(rid) == ref.tokens(rid) and len(ref.tokens(rid)) == max_tokens
         assert trace.final(rid).finish_reason == "length"
     if mode == "replay":

@@ -108,15 +108,20 @@ def test_draft_verification_and_rejection_hook(make):
 def test_drafts_cut_by_budget_and_max_model_len(make):
     sched, _, r = _decoding_request(make, max_num_batched_tokens=3)
     r.spec_token_ids = [1, 2, 3, 4]
-    (s,) = sched.schedule().scheduled
+    out = sched.schedule()
+    (s,) = out.scheduled
     assert s.num_new_tokens == 3 and s.spec_token_ids == [1, 2]
     sched.abort_requests(["r"])
+    assert sched.update_from_output(out, {"r": [1, 2, 3]})[0].finish_reason == "abort"
 
     sched, _, r = _decoding_request(make, max_model_len=9)
     r.spec_token_ids = [1, 2, 3, 4]
-    (s,) = sched.schedule().scheduled
+    out = sched.schedule()
+    (s,) = out.scheduled
     assert s.num_new_tokens == 3 and s.spec_token_ids == [1, 2]   # positions 6..8 < 9
-    sched.abort_requests(["r"])
+    # All accepted: 6 prompt + 3 tokens reach max_model_len, the bonus token is dropped.
+    (o,) = sched.update_from_output(out, {"r": [1, 2, 3]})
+    assert o.new_token_ids == [1, 2] and o.finish_reason == "length" and r.num_tokens == 9
 
 
 def test_tokens_after_a_stop_are_dropped(make):

@@ -137,7 +137,7 @@ def test_error_missing_and_unexpected_tensors(tmp_path):
     state = dummy_state(tmp_path, LLAMA)
     del state["model.layers.0.input_layernorm.weight"]
     root = write_model(tmp_path / "m", LLAMA, state)
-    with pytest.raises(ValueError, match="no weights for 1 .*model.layers.0.input_layernorm.weight"):
+    with pytest.raises(ValueError, match="no weights for 1 .*layers.0.input_layernorm.weight"):
         load_model(LoadConfig(model=str(root)))
     state = dummy_state(tmp_path, LLAMA)
     state["model.layers.0.mystery.weight"] = torch.zeros(3)
@@ -193,11 +193,16 @@ def test_gguf_files_go_to_the_gguf_loader(tmp_path, monkeypatch):
     path.write_bytes(b"GGUF")
     loaded = load_model(LoadConfig(model=str(path), dtype="bfloat16"))
     assert calls == [(path, torch.bfloat16, torch.device("cpu"))]
-    assert loaded.model is model and loaded.path == path and loaded.config_json["model_type"] == "llama"
+    assert loaded.model is model and loaded.path == path
+    assert loaded.config_json["model_type"] == "llama"
     load_model(LoadConfig(model=str(path)))
     assert calls[-1][1] == torch.float32                              # auto: no torch_dtype
     with pytest.raises(ValueError, match="needs a .gguf file"):
         load_model(LoadConfig(model=str(tmp_path), load_format="gguf"))
+    with pytest.raises(ValueError, match="load_format 'dummy' needs a model directory"):
+        load_model(LoadConfig(model=str(path), load_format="dummy"))
+    with pytest.raises(ValueError, match="unknown load_format 'pickle'"):
+        load_model(LoadConfig(model=str(path), load_format="pickle"))
 
 
 class _Toy(torch.nn.Module):
@@ -263,8 +268,10 @@ def test_original_names_map_to_hf():
         "layers.3.attn.wo_b.weight": "model.layers.3.self_attn.o_b_proj.weight",
         "layers.3.attn.attn_sink": "model.layers.3.self_attn.sinks",
         "layers.3.attn.compressor.ape": "model.layers.3.self_attn.compressor.position_bias",
-        "layers.3.attn.compressor.norm.weight": "model.layers.3.self_attn.compressor.kv_norm.weight",
-        "layers.3.attn.indexer.wq_b.weight": "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight",
+        "layers.3.attn.compressor.norm.weight":
+            "model.layers.3.self_attn.compressor.kv_norm.weight",
+        "layers.3.attn.indexer.wq_b.weight":
+            "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight",
         "layers.3.attn.indexer.weights_proj.weight":
             "model.layers.3.self_attn.compressor.indexer.scorer.weights_proj.weight",
         "layers.3.attn.indexer.compressor.wgate.weight":
@@ -273,7 +280,8 @@ def test_original_names_map_to_hf():
             "model.layers.3.self_attn.compressor.indexer.position_bias",
         "layers.3.ffn.gate.bias": "model.layers.3.mlp.gate.e_score_correction_bias",
         "layers.0.ffn.gate.tid2eid": "model.layers.0.mlp.gate.tid2eid",
-        "layers.3.ffn.shared_experts.w2.weight": "model.layers.3.mlp.shared_experts.down_proj.weight",
+        "layers.3.ffn.shared_experts.w2.weight":
+            "model.layers.3.mlp.shared_experts.down_proj.weight",
         "mtp.0.attn.wq_a.weight": "mtp.0.self_attn.q_a_proj.weight",
         "mtp.0.attn_norm.weight": "mtp.0.input_layernorm.weight",
         "mtp.0.e_proj.weight": "mtp.0.e_proj.weight",

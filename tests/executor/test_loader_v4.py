@@ -93,7 +93,8 @@ def ref_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     sign = 1.0 - 2.0 * ((codes >> 3) & 1).double()
     exp, man = ((codes >> 1) & 3).double(), (codes & 1).double()
     mag = torch.where(exp == 0, man * 0.5, (1 + man / 2) * torch.pow(2.0, exp - 1))
-    return sign * mag * torch.pow(2.0, scale.view(torch.uint8).double() - 127).repeat_interleave(32, 1)
+    factor = torch.pow(2.0, scale.view(torch.uint8).double() - 127).repeat_interleave(32, 1)
+    return sign * mag * factor
 
 
 def write_original(root: Path, truth: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -241,3 +242,28 @@ def test_mtp_checkpoint_tensors_need_mtp_or_are_ignored(tmp_path, checkpoint):
     (root / "config.json").write_text(json.dumps({**CONFIG, "num_nextn_predict_layers": 0}))
     model = load_model(LoadConfig(model=str(root), dtype="float32")).model
     assert not any(n.startswith("mtp.") for n in model.state_dict())
+
+
+def test_bundled_model_format(tmp_path, monkeypatch):
+    """The layout tools/tiny_v4.py writes for the bundled model (HF names, `mtp.0.*`, the
+    HF-saved config.json, bf16) loads completely and runs like the transformers model."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tools"))
+    import tiny_v4
+
+    sizes = tiny_v4.TinySizes(hidden=64, layers=3, heads=2, head_dim=32, rope_dim=8, q_lora=32,
+                              o_lora=16, experts=4, expert_width=32, sinkhorn_iters=2, window=8,
+                              hca_ratio=8, index_dim=16, max_positions=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = tiny_v4.TinyV4WithMTP(tiny_v4.build_config(sizes, 96, 0, 1, 2))
+        tiny_v4.init_hash_tables(ref, torch.Generator().manual_seed(0))
+        tiny_v4.save_model(ref, str(tmp_path / "tiny"))
+        ref = tiny_v4.load_model(str(tmp_path / "tiny")).eval()
+    loaded = load_model(LoadConfig(model=str(tmp_path / "tiny"), dtype="float32")).model
+    for name, t in ref.mtp.state_dict().items():
+        assert torch.equal(loaded.state_dict()[f"mtp.{name}"], t), name
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids]), None)[0][0].float()
+    got = PagedHarness(loaded, max_reqs=1, max_len=64).step([0], [ids])
+    assert (got - want).abs().max().item() <= 1e-4

@@ -90,6 +90,17 @@ def test_top_k_mask_both_paths(k, kept):
         assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == kept
 
 
+def test_top_k_only_path_with_rows_that_do_not_use_it():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(9))
+    params = [SamplingParams(top_k=k) for k in (2, 0, 7, -1)]
+    md = meta(params, vocab=30)
+    assert md.top_p is None and md.max_top_k == 7
+    out = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
+    for row, k in enumerate((2, 30, 7, 30)):
+        kept = torch.isfinite(out[row]).nonzero().flatten()
+        assert set(kept.tolist()) == set(logits[row].topk(k).indices.tolist())
+
+
 def test_top_k_then_top_p_renormalises():
     # top_k=3 leaves {.5, .3, .15} -> renormalised {.526, .316, .158}; top_p=0.8 keeps 2
     # (mass above token 2 is .842 >= .8), while without the renormalisation it would keep 3.

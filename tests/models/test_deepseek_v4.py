@@ -80,6 +80,17 @@ def test_chunked_prefill_then_decode(oracle, name):
     assert worst <= TOL
 
 
+def test_empty_and_idle_requests(oracle):
+    """Dummy steps (no tokens) and a request idle in a step leave the others exact."""
+    _, ws, seqs, refs = oracle("C")
+    h = _harness(ws, seqs)
+    assert h.step([], []).shape == (0, 256)
+    out = h.step([0, 1], [seqs[0][:10], []])
+    assert (out - refs[0][:10]).abs().max().item() <= TOL
+    out = h.step([1, 0], [seqs[1], seqs[0][10:]])
+    assert (out - torch.cat([refs[1], refs[0][10:]])).abs().max().item() <= TOL
+
+
 def test_bounded_replay_kv_write_start(oracle):
     """A replay recomputes positions [ctx, kv_write_start) only to rebuild window and state:
     growing-cache entries completing there are not rewritten, and positions far enough past

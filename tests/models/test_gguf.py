@@ -179,6 +179,31 @@ def test_tiny_tokenizer(tiny):
     assert tok.decode(tok.encode(text).ids) == text
 
 
+def test_tokenizer_adds_bos_when_the_file_says_so(tmp_path):
+    tokens, merges, types = tiny_vocab()
+    path = tmp_path / "vocab-only.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = load_gguf_tokenizer(path)
+    tok, the = data.tokenizer, data.tokenizer.token_to_id("the")
+    assert data.add_bos_token and tok.encode("the").ids == [1, the]
+    assert tok.encode("the", add_special_tokens=False).ids == [the]
+    # merge ranks: "t h" and "th e" outrank "Ġ th", so " the" ends as Ġ + the
+    assert tok.encode("the the").tokens == ["<|im_start|>", "the", "Ġ", "the"]
+    assert tok.decode(tok.encode("the 42").ids) == "the 42"
+
+
 def test_bad_inputs(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf at all")

@@ -49,6 +49,7 @@ class EngineCoreClient:
         self.env = env
         self.on_outputs: OutputsHandler = lambda outputs: None
         self.on_dead: DeadHandler = lambda reason: None
+        self.on_step_times: Callable[[list[float]], None] = lambda seconds: None
         self.model_info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.dead_reason: str | None = None
@@ -193,8 +194,10 @@ class EngineCoreClient:
             if isinstance(msg, ipc.Outputs):
                 if msg.stats is not None:
                     self.stats = msg.stats
+                if msg.step_times:
+                    self.on_step_times(msg.step_times)
                 if msg.outputs:
-                    self.on_outputs(msg.outputs)
+                    self.on_outputs(ipc.restore_outputs(msg.outputs))
             elif isinstance(msg, ipc.UtilityResult):
                 fut = self._pending_calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
@@ -204,6 +207,9 @@ class EngineCoreClient:
                         fut.set_result(msg.result)
             elif isinstance(msg, ipc.EngineDead):
                 self._mark_dead(f"engine core died: {msg.reason}")
+            # Awaiting a ready socket does not yield to the event loop; without this a busy
+            # engine would starve every other task (HTTP handlers, aborts) of the loop.
+            await asyncio.sleep(0)
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:

@@ -17,12 +17,18 @@ from typing import Any, Union
 
 import msgspec
 
-from wideserve.core.messages import EngineCoreRequest
+from wideserve.core.messages import EngineCoreRequest, StepLogprobs
 from wideserve.core.sched_output import EngineCoreOutput
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[EngineCoreRequest]
+
+
+class _AddRequestsRaw(msgspec.Struct, tag="AddRequests", array_like=True):
+    """The engine's view of AddRequests: each request decoded on its own, so one that fails
+    validation is rejected by id instead of taking the whole batch (or the engine) down."""
+    requests: list[msgspec.Raw]
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -61,6 +67,7 @@ class EngineDead(msgspec.Struct, tag=True, array_like=True):
 
 
 InputMessage = Union[AddRequests, AbortRequests, UtilityCall, Shutdown]
+_EngineInputMessage = Union[_AddRequestsRaw, AbortRequests, UtilityCall, Shutdown]
 OutputMessage = Union[Ready, Outputs, UtilityResult, EngineDead]
 
 # Engine methods the front end may call by name; anything else is refused, so the socket is
@@ -83,7 +90,26 @@ def make_encoder() -> msgspec.msgpack.Encoder:
 
 
 def make_input_decoder() -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(InputMessage)
+    return msgspec.msgpack.Decoder(_EngineInputMessage)
+
+
+def decode_requests(msg: Any) -> tuple[list[EngineCoreRequest], list[tuple[str, str]]]:
+    """AddRequests as the engine decoded it -> (valid requests, [(request_id, why)])."""
+    good: list[EngineCoreRequest] = []
+    bad: list[tuple[str, str]] = []
+    for raw in msg.requests:
+        try:
+            good.append(msgspec.msgpack.decode(raw, type=EngineCoreRequest))
+        except (msgspec.ValidationError, ValueError, TypeError) as e:
+            loose = msgspec.msgpack.decode(raw)
+            rid = loose.get("request_id") if isinstance(loose, dict) else None
+            if isinstance(rid, str):
+                bad.append((rid, f"invalid request: {e}"))
+    return good, bad
+
+
+def is_add_requests(msg: Any) -> bool:
+    return isinstance(msg, (AddRequests, _AddRequestsRaw))
 
 
 def make_output_decoder() -> msgspec.msgpack.Decoder:
@@ -93,3 +119,11 @@ def make_output_decoder() -> msgspec.msgpack.Decoder:
 def to_builtins(obj: Any) -> Any:
     """Dataclass/struct/tensor tree -> plain msgpack-able values."""
     return msgspec.to_builtins(obj, enc_hook=_enc_hook)
+
+
+def restore_outputs(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """new_logprobs travels untyped (the field is `Any`); give it back its type."""
+    for out in outputs:
+        if isinstance(out.new_logprobs, dict):
+            out.new_logprobs = msgspec.convert(out.new_logprobs, StepLogprobs)
+    return outputs

@@ -113,8 +113,9 @@ class EngineLoop:
             # bug, not a reason to die; the front end validated first. Say so and carry on.
             print(f"[engine] dropped undecodable message: {e}", file=sys.stderr, flush=True)
             return
-        if isinstance(msg, ipc.AddRequests):
-            self._add_requests(msg.requests)
+        if ipc.is_add_requests(msg):
+            requests, invalid = ipc.decode_requests(msg)
+            self._add_requests(requests, invalid)
         elif isinstance(msg, ipc.AbortRequests):
             self.engine.abort_requests(list(msg.request_ids))
         elif isinstance(msg, ipc.UtilityCall):
@@ -122,8 +123,8 @@ class EngineLoop:
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
 
-    def _add_requests(self, requests: list[Any]) -> None:
-        rejected = []
+    def _add_requests(self, requests: list[Any], invalid: list[tuple[str, str]]) -> None:
+        rejected = [_rejection(rid, why) for rid, why in invalid]
         for req in requests:
             try:
                 self.engine.add_request(req)

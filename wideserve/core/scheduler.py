@@ -34,6 +34,10 @@ Order of a step
      tokens (stopping at the first stop condition), free finished requests' blocks and return
      one `EngineCoreOutput` per request with news.
 
+One step is in flight at a time: every `schedule()` is followed by `update_from_output` with
+its output (also when it is empty) before the next `schedule()`. Requests may be aborted or
+finished between the two; their blocks are freed at once and their tokens are not appended.
+
 Glossary: *computed* tokens have KV in the cache (for this request); *cached* tokens
 (`num_cached_tokens`) are the part of the first admission that came from the prefix cache.
 Every request gets exactly one output with a finish_reason, whoever ended it; requests ended
@@ -121,6 +125,7 @@ class Scheduler:
         self._num_errors = 0
         self._num_steps = 0
         self._last_num_batched_tokens = 0
+        self._in_flight: SchedulerOutput | None = None
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -167,6 +172,9 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- a step
     def schedule(self) -> SchedulerOutput:
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update_from_output() of the "
+                               "previous step (pass every SchedulerOutput back, empty or not)")
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
@@ -194,7 +202,7 @@ class Scheduler:
                 continue
             while self.kv.allocate_slots(request, n, num_lookahead_tokens=lookahead) is None:
                 if len(self.running) == 1:
-                    self._fail_unfittable(request, n)
+                    n = self._fit_alone(request, n)
                     break
                 victim = self._pick_victim()
                 plan.unschedule(victim)     # PRIORITY may pick one already scheduled
@@ -207,7 +215,8 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # Ties (equal priority and arrival) go to the latest admitted, as in FCFS.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -223,17 +232,30 @@ class Scheduler:
         plan.preempted.append(request.request_id)
         self._record(request, RequestEventType.PREEMPTED)
 
-    def _fail_unfittable(self, request: Request, num_new_tokens: int) -> None:
+    def _fit_alone(self, request: Request, n: int, hit_blocks: Any = None,
+                   num_hit: int = 0) -> int:
+        """The request holds the only KV in use and `n` tokens do not fit. Sliding-window
+        pages are needed for the whole chunk at once, so a smaller chunk may still fit: halve
+        it until it does. Returns the share that fits, or 0 after failing the request."""
+        lookahead = self.config.num_lookahead_tokens
+        share = n
+        while share > 1:
+            share //= 2
+            if self.kv.allocate_slots(request, share, hit_blocks, num_hit,
+                                      num_lookahead_tokens=lookahead) is not None:
+                return share
+        positions = request.num_computed_tokens + num_hit + 1
         self._end(request, RequestStatus.FINISHED_ERROR, error=(
-            f"request {request.request_id!r} does not fit in the KV cache even alone: it needs "
-            f"slots for {request.num_computed_tokens + num_new_tokens} tokens (+"
-            f"{self.config.num_lookahead_tokens} lookahead) and the pool cannot hold them; "
-            f"use a larger KV cache or a smaller max_model_len / max_tokens"))
+            f"request {request.request_id!r} does not fit in the KV cache even alone: "
+            f"{positions} positions (+{lookahead} lookahead slots) need more blocks than the "
+            f"pool has; use a larger KV cache or a smaller max_model_len / max_tokens"))
+        return 0
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         cfg = self.config
+        cap = cfg.max_new_requests_per_step
         while self.waiting and plan.budget > 0 and len(self.running) < cfg.max_num_seqs:
-            if cfg.max_new_requests_per_step and len(plan.admitted) >= cfg.max_new_requests_per_step:
+            if cap and len(plan.admitted) >= cap:
                 return
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -244,9 +266,10 @@ class Scheduler:
                                       num_lookahead_tokens=cfg.num_lookahead_tokens) is None:
                 if self.running:
                     return          # wait for running requests to free blocks
-                # Nothing else holds KV (cached blocks are evictable): it can never start.
-                self._fail_unfittable(request, n)
-                continue
+                # Nothing else holds KV (cached blocks are evictable).
+                n = self._fit_alone(request, n, hit_blocks, num_hit)
+                if n == 0:
+                    continue
             self.waiting.pop()
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -283,11 +306,17 @@ class Scheduler:
         self._finished_ids = []
         self._num_steps += 1
         self._last_num_batched_tokens = out.num_batched_tokens
+        self._in_flight = out
         return out
 
     # ------------------------------------------------------------------- after the forward
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]],
                            logprobs: dict[str, Any] | None = None) -> list[EngineCoreOutput]:
+        """`sampled`: request id -> tokens sampled this step (1, or accepted drafts + 1), for
+        exactly the requests whose step reached the end of their token list."""
+        if sched_out is not self._in_flight:
+            raise RuntimeError("update_from_output() needs the output of the latest schedule()")
+        
         outputs, self._pending_outputs = self._pending_outputs, []
         ended = False
         for s in sched_out.scheduled:
@@ -321,10 +350,11 @@ class Scheduler:
                                 num_sampled: int) -> None:
         """Speculative-decoding hook: the sampler returns the accepted drafts plus one bonus
         token; the rejected drafts' slots are overwritten next step, so only the count drops."""
-        num_rejected = len(s.spec_token_ids) + 1 - num_sampled
-        if not 0 <= num_rejected <= len(s.spec_token_ids):
+        num_drafts = len(s.spec_token_ids)
+        num_rejected = num_drafts + 1 - num_sampled
+        if not 0 <= num_rejected <= num_drafts:
             raise ValueError(f"request {request.request_id!r}: {num_sampled} tokens sampled for "
-                             f"{len(s.spec_token_ids)} drafts (expected 1..{len(s.spec_token_ids) + 1})")
+                             f"{num_drafts} drafts (expected 1..{num_drafts + 1})")
         request.num_computed_tokens -= num_rejected
 
     def _append_and_check_stop(self, request: Request,

@@ -12,6 +12,8 @@ import sys
 
 SUBCOMMANDS: tuple[str, ...] = (
     "wideserve.entrypoints.info",
+    "wideserve.entrypoints.generate",
+    "wideserve.entrypoints.serve",
 )
 
 

@@ -11,7 +11,7 @@ from typing import Any, Union
 
 from tqdm.auto import tqdm
 
-from wideserve.config import engine_config_from_kwargs
+from wideserve.config import EngineConfig, engine_config_from_kwargs
 from wideserve.core.engine_core import EngineCore
 from wideserve.core.output_processor import OutputProcessor
 from wideserve.outputs import RequestOutput
@@ -35,14 +35,28 @@ class LLM:
     (e.g. dtype, seed, load_format, max_model_len, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, block_size, kv_cache_memory, policy)."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        config = engine_config_from_kwargs(model=model, **engine_args)
+    def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
+                 **engine_args: Any) -> None:
+        self._init(engine_config_from_kwargs(model=model, **engine_args), skip_tokenizer_init)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig,
+                           skip_tokenizer_init: bool = False) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(config, skip_tokenizer_init)
+        return llm
+
+    def _init(self, config: EngineConfig, skip_tokenizer_init: bool) -> None:
         self.engine = EngineCore(config)
-        self.tokenizer = load_tokenizer(self.engine.loaded.path, config.load.tokenizer)
+        # Without a tokenizer prompts must be token ids and outputs carry no text.
+        self.tokenizer = None if skip_tokenizer_init else \
+            load_tokenizer(self.engine.loaded.path, config.load.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this LLM was created with skip_tokenizer_init=True")
         return self.tokenizer
 
     # ------------------------------------------------------------------------- generate
@@ -62,12 +76,13 @@ class LLM:
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) \
             else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(
             list(c), add_generation_prompt=add_generation_prompt, tools=tools,
             chat_template=chat_template) for c in conversations]
         params = self._params_per_prompt(sampling_params, len(prompts))
         # The template already holds the special tokens (bos included).
-        pairs = [(p, self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        pairs = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
         return self._run(pairs, params, use_tqdm, None)
 
     # -------------------------------------------------------------------------- helpers
@@ -92,12 +107,12 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.get_tokenizer().encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return None, [int(t) for t in prompt]
 

@@ -82,6 +82,11 @@ def _seed(text: str) -> int:
     return value
 
 
+def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
+    """argparse's error() prints the whole usage block first; a bad flag is one line."""
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that become the EngineConfig (shared shape with vLLM's engine args)."""
     g = parser.add_argument_group("model and engine")
@@ -113,6 +118,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible server",
         description="Serve a model over an OpenAI-compatible HTTP API.")
+    parser.error = _one_line_error.__get__(parser)      # type: ignore[method-assign]
     add_engine_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",

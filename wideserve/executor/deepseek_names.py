@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import re
 
+# transformers' save_pretrained writes a hybrid: original block names under a `model.` prefix
+# (`model.layers.0.attn.wq_a.weight`, `head.weight`) beside HF top-level names
+# (`model.embed_tokens.weight`, `model.hc_head.hc_fn`); both spellings are accepted.
 EXPERT_RE = re.compile(
-    r"^(?P<prefix>(?:layers|mtp)\.\d+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
+    r"^(?P<prefix>(?:model\.)?(?:layers|mtp)\.\d+\.ffn\.experts)\.(?P<expert>\d+)\."
+    r"(?P<proj>w[123])\.weight$")
 
 _TOP_LEVEL = {
     "embed.weight": "model.embed_tokens.weight",
@@ -31,6 +35,7 @@ _BLOCK_MODULES = {
     "attn.wq_b": "self_attn.q_b_proj",
     "attn.wkv": "self_attn.kv_proj",
     "attn.kv_norm": "self_attn.kv_norm",
+    "attn.norm": "self_attn.kv_norm",        # transformers' save_pretrained spelling
     "attn.wo_a": "self_attn.o_a_proj",
     "attn.wo_b": "self_attn.o_b_proj",
     "attn.compressor.wkv": "self_attn.compressor.kv_proj",
@@ -54,14 +59,17 @@ _BLOCK_TENSORS = {
     "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
     "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
     "ffn.gate.tid2eid": "mlp.gate.tid2eid",
-    **{f"hc_{site}_{p}": f"{site}_hc.{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    **{f"hc_{site}_{p}": f"{site}_hc.{p}"
+       for site in ("attn", "ffn") for p in ("fn", "base", "scale")},
 }
 
 # Extra modules/tensors of an MTP block.
 _MTP_MODULES = {m: m for m in ("e_proj", "h_proj", "enorm", "hnorm", "norm")}
 _MTP_TENSORS = {f"hc_head_{p}": f"hc_head.hc_{p}" for p in ("fn", "base", "scale")}
 
-_BLOCK_RE = re.compile(r"^(?P<kind>layers|mtp)\.(?P<idx>\d+)\.(?P<rest>.+)$")
+_HF_TOP_LEVEL = frozenset(_TOP_LEVEL.values())
+
+_BLOCK_RE = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 _LEAVES = {"weight": "weight", "scale": "weight_scale_inv"}
 
 
@@ -79,11 +87,23 @@ def _rename_in_block(rest: str, is_mtp: bool) -> str | None:
     return None
 
 
+def is_original_block_name(name: str) -> bool:
+    """A per-layer name in the original spelling (with or without a `model.` prefix); names
+    both layouts share (e.g. `mtp.0.e_proj.weight`) do not count."""
+    m = _BLOCK_RE.match(name)
+    if m is None:
+        return False
+    inner = _rename_in_block(m["rest"], m["kind"] == "mtp")
+    return inner is not None and inner != m["rest"]
+
+
 def rename_deepseek_v4(name: str, mtp_prefix: str = "mtp") -> str:
     """Original DeepSeek-V4 tensor name -> HF name; ValueError for a name it does not know.
 
     Per-expert names map to `...mlp.experts.{e}.w{1,2,3}.weight`; callers stack them.
     """
+    if name in _HF_TOP_LEVEL:
+        return name
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     m = _BLOCK_RE.match(name)

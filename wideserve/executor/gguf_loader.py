@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -83,12 +84,13 @@ class GGUFFile:
         return f.contents()
 
 
-def open_gguf(path: str | GGUFFile) -> GGUFFile:
+def open_gguf(path: str | os.PathLike[str] | GGUFFile) -> GGUFFile:
     if isinstance(path, GGUFFile):
         return path
+    path = os.fspath(path)
     try:
-        return GGUFFile(gguf.GGUFReader(path), str(path))
-    except (OSError, ValueError) as e:
+        return GGUFFile(gguf.GGUFReader(path), path)
+    except (OSError, ValueError, IndexError, KeyError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
 
 
@@ -116,8 +118,11 @@ def gguf_config(meta: GGUFFile) -> dict:
         raise ValueError(f"{meta.path}: partial RoPE ({rope_dim} of {head_dim} dims) "
                          f"is not supported")
     vocab = meta.get(p + "vocab_size", None)
-    if vocab is None:
-        vocab = len(meta.reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab is None:   # older files: the embedding's outer (last-listed) dimension
+        embed = next((t for t in meta.reader.tensors if t.name == "token_embd.weight"), None)
+        if embed is None:
+            raise ValueError(f"{meta.path}: no {p}vocab_size and no token_embd.weight")
+        vocab = int(embed.shape[-1])
     config = {
         "architectures": [_ARCHITECTURES[arch]], "model_type": arch,
         "vocab_size": int(vocab), "hidden_size": hidden,
@@ -176,7 +181,10 @@ def iter_gguf_weights(meta: GGUFFile, config: dict, dtype: torch.dtype
     """(HF name, tensor in `dtype`) for every tensor in the file, one at a time."""
     permute = config["model_type"] == "llama"
     for t in meta.reader.tensors:
-        name = hf_tensor_name(t.name)
+        try:
+            name = hf_tensor_name(t.name)
+        except ValueError as e:
+            raise ValueError(f"{meta.path}: {e}") from None
         w = _dequantize(t)
         if permute and ".self_attn.q_proj." in name:
             w = _unpermute_rows(w, config["num_attention_heads"])
@@ -185,7 +193,7 @@ def iter_gguf_weights(meta: GGUFFile, config: dict, dtype: torch.dtype
         yield name, w.to(dtype)
 
 
-def load_gguf_checkpoint(path: str | GGUFFile, dtype: torch.dtype = torch.float32
+def load_gguf_checkpoint(path: str | os.PathLike[str] | GGUFFile, dtype: torch.dtype = torch.float32
                          ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, HF-named state dict) of a GGUF file, dequantised to `dtype`."""
     meta = open_gguf(path)
@@ -213,7 +221,7 @@ def build_model(config_json: dict, weights, dtype: torch.dtype,
     return model.eval()
 
 
-def load_gguf_model(path: str | GGUFFile, dtype: torch.dtype, device
+def load_gguf_model(path: str | os.PathLike[str] | GGUFFile, dtype: torch.dtype, device
                     ) -> tuple[torch.nn.Module, dict]:
     """(model, config.json dict) from a GGUF file; tensors are dequantised one at a time."""
     meta = open_gguf(path)
@@ -237,7 +245,7 @@ def _pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
                      f"(supported: {', '.join(supported)})")
 
 
-def load_gguf_tokenizer(path: str | GGUFFile) -> GGUFTokenizerData:
+def load_gguf_tokenizer(path: str | os.PathLike[str] | GGUFFile) -> GGUFTokenizerData:
     meta = open_gguf(path)
     path = meta.path
     kind = meta.get("tokenizer.ggml.model")

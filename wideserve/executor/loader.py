@@ -45,7 +45,8 @@ class LoadedModel:
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
         if not (BUNDLED_MODEL / "config.json").is_file():
-            raise FileNotFoundError(f"the bundled model is missing: no config.json in {BUNDLED_MODEL}")
+            raise FileNotFoundError(
+                f"the bundled model is missing: no config.json in {BUNDLED_MODEL}")
         return BUNDLED_MODEL
     path = Path(model).expanduser()
     if not path.exists():
@@ -174,8 +175,9 @@ def _checked(reader: CheckpointReader, model: nn.Module, yielded: list[str]
             continue
         target = state.get(name)
         if target is not None and tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{reader.directory}: tensor {reader.sources[name]} (as {name}) has "
-                             f"shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+            raise ValueError(f"{reader.directory}: tensor {reader.sources[name]} (as {name}) "
+                             f"has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(target.shape)}")
         yielded.append(name)
         yield name, tensor
 
@@ -210,12 +212,13 @@ def check_filled(model: nn.Module, filled: Iterable[str], where: str) -> None:
 def load_model(load: LoadConfig) -> LoadedModel:
     path = resolve_model_path(load.model)
     device = torch.device(load.device)
-    if load.load_format == "gguf" or (path.is_file() and path.suffix == ".gguf"):
-        return _load_gguf(path, load, device)
-    if load.load_format not in ("auto", "safetensors", "dummy"):
+    if load.load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load.load_format!r}")
+    if load.load_format == "gguf" or (load.load_format == "auto" and path.suffix == ".gguf"):
+        return _load_gguf(path, load, device)
     if not path.is_dir():
-        raise ValueError(f"{path}: expected a model directory (with config.json) or a .gguf file")
+        raise ValueError(f"{path}: load_format {load.load_format!r} needs a model directory "
+                         "(with config.json); .gguf files load with 'auto' or 'gguf'")
     config_json = read_config(path)
     dtype = resolve_dtype(load.dtype, config_json)
     cls = resolve_model_class(config_json)

@@ -51,7 +51,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None   # [R] fp32 (greedy rows hold 1.0); None if all greedy
     greedy_mask: torch.Tensor | None   # [R] bool; only when greedy and random rows mix
     top_k: torch.Tensor | None         # [R] int64 in [1, V] (V = off); None if no row uses it
-    max_top_k: int                     # host copy of top_k.max(), avoids a device sync
+    max_top_k: int                     # largest k in use (host copy: no device sync)
     top_p: torch.Tensor | None         # [R] fp32 in (0, 1]; None if no row uses it
     min_p: torch.Tensor | None         # [R] fp32 in [0, 1]; None if no row uses it
     generators: Mapping[int, torch.Generator]
@@ -210,7 +210,7 @@ def build_sampling_metadata(
         temperature=_to(np.where(greedy, 1.0, temp).astype(np.float32), device) if random else None,
         greedy_mask=_to(greedy, device) if not (all_greedy or all_random) else None,
         top_k=_to(top_k, device) if random and use_k else None,
-        max_top_k=int(top_k.max()) if num_reqs else 0,
+        max_top_k=int(top_k[top_k < vocab_size].max()) if use_k else vocab_size,
         top_p=_to(top_p, device) if random and use_p else None,
         min_p=_to(min_p, device) if random and use_min_p else None,
         generators=generators,
@@ -246,12 +246,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
                       top_p: torch.Tensor | None) -> torch.Tensor:
+    # top_k [R] in [1, V] (V = off), top_p [R] in (0, 1] (1 = off); None = no row uses it
     """top_k keeps every token >= the k-th largest logit (ties at the boundary survive).
     top_p keeps, among those, the smallest most-probable set whose mass reaches p: a token
     survives iff the mass of the strictly more probable tokens is < p (so at least one)."""
     if top_p is None:
         assert top_k is not None
-        kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
+        # topk only as wide as the largest k in use; rows with top_k off (k = V) keep all
+        top = logits.topk(max_top_k, dim=-1).values
+        kth = top.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+        kth = kth.masked_fill((top_k >= logits.size(1)).unsqueeze(1), _NEG_INF)
         return logits.masked_fill(logits < kth, _NEG_INF)
     vocab = logits.size(1)
     ascending, order = logits.sort(dim=-1)                      # [R, V]

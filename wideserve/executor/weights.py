@@ -20,7 +20,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from wideserve.executor.deepseek_names import EXPERT_RE, rename_deepseek_v4
+from wideserve.executor.deepseek_names import (EXPERT_RE, is_original_block_name,
+                                               rename_deepseek_v4)
 from wideserve.layers import quant
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,11 +43,13 @@ class QuantFormat:
         method = qc.get("quant_method")
         if qc and method != "fp8":
             raise ValueError(f"{where}: unsupported quantization_config.quant_method {method!r}; "
-                             "wideserve loads block-wise 'fp8' checkpoints (with optional FP4 experts)")
+                             "wideserve loads block-wise 'fp8' checkpoints (optional FP4 experts)")
         if qc.get("fmt", "e4m3") != "e4m3":
-            raise ValueError(f"{where}: unsupported quantization_config.fmt {qc['fmt']!r} (need e4m3)")
+            raise ValueError(f"{where}: unsupported quantization_config.fmt {qc['fmt']!r} "
+                             "(need e4m3)")
         if qc.get("scale_fmt") not in (None, "ue8m0", "float32", "fp32"):
-            raise ValueError(f"{where}: unsupported quantization_config.scale_fmt {qc['scale_fmt']!r}")
+            raise ValueError(f"{where}: unsupported quantization_config.scale_fmt "
+                             f"{qc['scale_fmt']!r}")
         block = qc.get("weight_block_size") or [128, 128]
         if (not isinstance(block, (list, tuple)) or len(block) != 2
                 or not all(isinstance(b, int) and b > 0 for b in block)):
@@ -81,15 +84,17 @@ def find_tensor_files(directory: Path) -> dict[str, Path]:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if name in files:
-                    raise ValueError(f"tensor {name!r} is in both {files[name].name} and {path.name}")
+                    raise ValueError(f"tensor {name!r} is in both {files[name].name} and "
+                                     f"{path.name}")
                 files[name] = path
     return files
 
 
 def uses_original_deepseek_names(names: list[str]) -> bool:
-    """Original DeepSeek layout: top-level `embed.weight` / `layers.*` (HF names start with
-    `model.`; `mtp.*` appears in both layouts)."""
-    return any(n == "embed.weight" or n.startswith("layers.") for n in names)
+    """Original DeepSeek block names (`layers.{i}.attn.wq_a.weight`, also under transformers'
+    `model.` prefix) or top-level `embed.weight` / `head.weight`; `mtp.*` appears in both
+    layouts, so it is judged by its inner names."""
+    return any(n in ("embed.weight", "head.weight") or is_original_block_name(n) for n in names)
 
 
 @dataclass(slots=True)
@@ -144,13 +149,15 @@ class CheckpointReader:
         scale = self._raw(scale_name)
         try:
             if weight.dtype == torch.float8_e4m3fn:
-                return quant.dequantize_fp8_block(weight, scale, self.quant_format.fp8_block, self.dtype)
+                return quant.dequantize_fp8_block(weight, scale, self.quant_format.fp8_block,
+                                                  self.dtype)
             if quant.is_fp4_storage(weight.dtype):
                 return quant.dequantize_fp4(weight, scale, self.quant_format.fp4_group, self.dtype)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{self.where(name)} with {scale_name}: {exc}") from exc
         raise ValueError(f"{self.where(name)}: unsupported quantised weight dtype {weight.dtype} "
-                         f"(scale {scale_name}); wideserve dequantises float8_e4m3fn and packed FP4")
+                         f"(scale {scale_name}); wideserve dequantises float8_e4m3fn and "
+                         "packed FP4")
 
     def _hf_name(self, name: str) -> str:
         if not self.rename:
@@ -180,7 +187,8 @@ class CheckpointReader:
         for name in order:
             m = EXPERT_RE.match(name) if self.rename else None
             if m is not None:
-                experts.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = name
+                group = experts.setdefault(m["prefix"], {})
+                group.setdefault(int(m["expert"]), {})[m["proj"]] = name
                 expert_of[name] = m["prefix"]
         done: set[str] = set()
         for name in order:
@@ -211,7 +219,8 @@ class CheckpointReader:
                     buf = torch.empty(count, *mat.shape, dtype=mat.dtype)
                 if mat.shape != buf.shape[1:]:
                     raise ValueError(f"{self.where(group[e][parts[0]])}: expert shape "
-                                     f"{tuple(mat.shape)} differs from expert 0's {tuple(buf.shape[1:])}")
+                                     f"{tuple(mat.shape)} differs from expert 0's "
+                                     f"{tuple(buf.shape[1:])}")
                 buf[e] = mat
             hf = f"{hf_prefix}.{hf_leaf}"
             self.sources[hf] = f"{prefix}.{{0..{count - 1}}}.{'+'.join(parts)}"

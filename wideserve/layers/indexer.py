@@ -2,7 +2,8 @@
 
 Its compressor (inherited) writes indexer keys K_I [D_I] per compressed entry, exactly like the
 CSA main compressor at width D_I. Per query p and visible entry w < (p+1)//m:
-  score(p, w) = sum_h wgt_h(p) * ReLU(q_I[p, h] . K_I[w]) * D_I^-1/2,  wgt = weights_proj(x) * H_I^-1/2
+  score(p, w) = sum_h wgt_h(p) * ReLU(q_I[p, h] . K_I[w]) * D_I^-1/2
+  with wgt = weights_proj(x) * H_I^-1/2,
 and the query attends to the top `index_topk` visible entries. Ties break deterministically:
 the lowest entry index wins (a stable sort), so a full prefill, chunked prefill and decode pick
 the same entries (random weights make many scores exactly 0).

@@ -109,7 +109,8 @@ def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor,
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Packed e2m1 [..., out, in/2] x per-`group` scales [..., out, ceil(in/group)] -> [..., out, in]."""
+    """Packed e2m1 [..., out, in/2] x per-`group` scales [..., out, ceil(in/group)]
+    -> dense `dtype` [..., out, in]."""
     values = unpack_fp4_e2m1(packed)
     rows, cols = values.shape[-2:]
     _check_grid(scale, scale_grid(values.shape, (1, group)), f"FP4 weight {tuple(values.shape)}")
@@ -145,7 +146,8 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
 
 
 def quantize_fp4(weight: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense [..., out, in] (in even) -> (int8 packed e2m1 [..., out, in/2], UE8M0 [..., out, in/group])."""
+    """Dense [..., out, in] (in even) -> (int8 packed e2m1 [..., out, in/2],
+    UE8M0 scales [..., out, ceil(in/group)])."""
     rows, cols = weight.shape[-2:]
     if cols % 2:
         raise ValueError(f"FP4 packing needs an even input dimension, got {cols}")

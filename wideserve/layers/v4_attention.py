@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 from wideserve.layers.compressor import CompressPlan, Compressor, build_compress_plan
 from wideserve.layers.indexer import Indexer
 from wideserve.layers.norm import RMSNorm, rms_norm
@@ -76,7 +76,7 @@ class V4Step:
         return self._plans[key]
 
     # ------------------------------------------------------------------ cache access
-    def _cache(self, name: str) -> tuple[torch.Tensor, object]:
+    def _cache(self, name: str) -> tuple[torch.Tensor, KVGroupView]:
         if name not in self.batch.kv_caches:
             raise KeyError(f"ForwardBatch has no KV cache named {name!r}")
         cache, view = self.batch.cache(name)
@@ -253,9 +253,9 @@ class DeepseekV4Attention(nn.Module):
         """[T, H, D] -> grouped o_a (one block per head group) -> o_b -> [T, d]."""
         T = out.shape[0]
         g = self.o_groups
-        grouped = out.reshape(T, g, -1)                                        # [T, g, H*D/g]
+        grouped = out.reshape(T, g, self.num_heads * self.head_dim // g)     # [T, g, H*D/g]
         w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])               # [g, o_lora, H*D/g]
-        low = torch.einsum("tgi,goi->tgo", grouped, w).reshape(T, -1)         # [T, g*o_lora]
+        low = torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)             # [T, g*o_lora]
         return self.o_b_proj(low)
 
     def kv_cache_names(self) -> list[str]:

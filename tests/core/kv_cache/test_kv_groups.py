@@ -7,9 +7,14 @@ import torch
 from kv_testing import FULL, SLIDING, v4_specs
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.core.kv_cache.groups import (allocate_kv_tensors, bounded_blocks_per_request,
-                                            build_kv_cache_config, exact_replay_tokens,
-                                            sliding_page_size, window_pages_for_hit)
+from wideserve.core.kv_cache.groups import (
+    allocate_kv_tensors,
+    bounded_blocks_per_request,
+    build_kv_cache_config,
+    exact_replay_tokens,
+    sliding_page_size,
+    window_pages_for_hit,
+)
 from wideserve.core.kv_cache.spec import KVCacheSpec
 
 F32 = torch.float32
@@ -48,9 +53,10 @@ def test_v4_flash_bytes_per_token(quantised, per_role, total):
     assert cfg.bytes_per_token == pytest.approx(per_role)
     assert cfg.total_bytes_per_token == pytest.approx(total)
     window_bytes = 43 * 128 * (584 if quantised else 1024)    # ~3.1 MiB fp8 (§6.3)
-    state = 21 * 8 * 2048 * 4 + 21 * 8 * 512 * 4 + 20 * 128 * 1024 * 4
-    assert cfg.bounded_bytes_per_request == {"window": window_bytes, "state": state - 21 * 8 * 512 * 4,
-                                             "indexer_state": 21 * 8 * 512 * 4}
+    # fp32 compressor states: CSA 8 positions x 2048, HCA 128 x 1024, CSA indexer 8 x 512.
+    assert cfg.bounded_bytes_per_request == {
+        "window": window_bytes, "state": 21 * 8 * 2048 * 4 + 20 * 128 * 1024 * 4,
+        "indexer_state": 21 * 8 * 512 * 4}
 
 
 def test_block_size_must_be_multiple_of_every_ratio():

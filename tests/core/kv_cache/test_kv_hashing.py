@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 from kv_testing import make_request
 
-from wideserve.core.kv_cache.hashing import (NONE_HASH, BlockHasher, encode_extra_keys,
-                                             hash_block_tokens, hash_token_blocks,
-                                             sub_block_key)
+from wideserve.core.kv_cache.hashing import (
+    NONE_HASH,
+    BlockHasher,
+    encode_extra_keys,
+    hash_block_tokens,
+    hash_token_blocks,
+    sub_block_key,
+)
 
 BS = 16
 

@@ -20,7 +20,7 @@ def busy_manager():
 def test_integrity_holds_and_counts_add_up():
     mgr, cfg, c = busy_manager()
     counts = mgr.check_integrity()
-    for bucket, pool in zip(cfg.buckets, mgr.pools):
+    for bucket in cfg.buckets:
         got = counts[bucket.bucket_id]
         assert got["free"] + got["cached"] + got["used"] == bucket.num_blocks - 1
         assert got["used"] > 0 and got["cached"] > 0
@@ -37,7 +37,7 @@ def full_group(mgr, cfg):
 def test_catches_a_wrong_ref_count():
     mgr, cfg, c = busy_manager()
     g = full_group(mgr, cfg)
-    mgr.managers[g.group_id].req_blocks["c"][0].ref_cnt += 1
+    mgr.managers[g.group_id].blocks("c")[0].ref_cnt += 1
     with pytest.raises(AssertionError, match="ref_cnt 3, live requests hold it 2|ref_cnt"):
         mgr.check_integrity()
 
@@ -46,8 +46,8 @@ def test_catches_a_block_in_two_groups():
     mgr, cfg, c = busy_manager()
     groups = [g for g in cfg.groups if len(cfg.buckets[g.bucket_id].group_ids) > 1]
     g1, g2 = groups[0], groups[1]
-    stolen = mgr.managers[g1.group_id].req_blocks["c"][-1]
-    mgr.managers[g2.group_id].req_blocks["c"].append(stolen)
+    stolen = mgr.managers[g1.group_id].blocks("c")[-1]
+    mgr.managers[g2.group_id].req_tables["c"].append(stolen.block_id)
     stolen.ref_cnt += 1
     with pytest.raises(AssertionError, match="held by groups"):
         mgr.check_integrity()
@@ -77,6 +77,17 @@ def test_catches_a_used_null_block_and_a_leaked_request():
     with pytest.raises(AssertionError, match="null block"):
         mgr.check_integrity()
     mgr.pools[1].null_block.ref_cnt = 0
-    mgr.managers[0].req_blocks.pop("c")
+    mgr.managers[0].req_tables.pop("c")
     with pytest.raises(AssertionError, match="inconsistently"):
+        mgr.check_integrity()
+
+
+def test_catches_a_live_page_after_the_window_was_freed():
+    mgr, cfg, c = busy_manager()
+    g = next(g for g in cfg.groups if g.is_sliding)
+    table = mgr.managers[g.group_id].req_tables["c"]
+    assert table[0] == 0
+    table[0] = table[-1]                 # a stale id below the window
+    mgr.pools[g.bucket_id].blocks[table[-1]].ref_cnt += 1
+    with pytest.raises(AssertionError, match="null entries followed by live blocks"):
         mgr.check_integrity()

@@ -37,8 +37,9 @@ def test_full_manager_grows_and_hits_a_prefix():
     assert len(m.allocate_new_blocks("a", 3 * L + 5)) == 2
     assert m.allocate_new_blocks("a", 3 * L + 5) == []
     m.cache_blocks(req, 2 * L + 3)                  # two full logical blocks computed
-    blocks = m.req_blocks["a"]
+    blocks = m.blocks("a")
     assert [b.block_hash for b in blocks] == req.block_hashes[:2] + [None, None]
+    assert m.req_tables["a"] == [b.block_id for b in blocks]
     m.cache_blocks(req, 3 * L + 5)
     assert blocks[2].block_hash == req.block_hashes[2] and blocks[3].block_hash is None
     assert m.find_longest_cache_hit(req.block_hashes, 3) == blocks[:3]
@@ -47,7 +48,7 @@ def test_full_manager_grows_and_hits_a_prefix():
     BlockHasher(L)(other)
     assert m.find_longest_cache_hit(other.block_hashes, 3) == blocks[:1]
     m.free("a")
-    assert m.pool.num_free_blocks == 31 and "a" not in m.req_blocks
+    assert m.pool.num_free_blocks == 31 and "a" not in m.req_tables
 
 
 @pytest.mark.parametrize("window,page,logical", [(5, 8, 16), (8, 8, 16), (16, 16, 16),
@@ -60,7 +61,7 @@ def test_remove_skipped_blocks_frees_exactly_what_no_query_reads(window, page, l
         n = rng.randint(1, 9)
         m.remove_skipped_blocks("r", c)
         m.allocate_new_blocks("r", c + n)
-        table = m.req_blocks["r"]
+        table = m.blocks("r")
         # The queries of this step (positions c .. c+n-1) read p - window + 1 .. p.
         for p in range(max(0, c - window + 1), c + n):
             assert not table[p // page].is_null, (c, p)
@@ -68,7 +69,7 @@ def test_remove_skipped_blocks_frees_exactly_what_no_query_reads(window, page, l
         for j, blk in enumerate(table):
             assert blk.is_null == ((j + 1) * page <= c - window + 1), (c, j)
         c += n
-    held = sum(not b.is_null for b in m.req_blocks["r"])
+    held = sum(1 for i in m.req_tables["r"] if i)
     assert held + m.pool.num_free_blocks == m.pool.num_usable
     m.free("r")
     assert m.pool.num_free_blocks == m.pool.num_usable
@@ -91,7 +92,7 @@ def test_sliding_cache_and_right_to_left_hit_search():
     req = make_request("a", list(range(4 * L + 3)))
     BlockHasher(L)(req)
     m.allocate_new_blocks("a", req.num_tokens)
-    table = list(m.req_blocks["a"])
+    table = m.blocks("a")
     m.cache_blocks(req, req.num_tokens)
     published = [j for j, b in enumerate(table) if b.block_hash is not None]
     assert published == [1, 3, 5, 7]
@@ -113,7 +114,7 @@ def test_sliding_hit_needs_a_contiguous_run_and_the_start_is_free():
     req = make_request("a", list(range(3 * L)))
     BlockHasher(L)(req)
     m.allocate_new_blocks("a", req.num_tokens)
-    table = list(m.req_blocks["a"])
+    table = m.blocks("a")
     m.cache_blocks(req, req.num_tokens)
     assert m.find_longest_cache_hit(req.block_hashes, 3)[-2:] == table[10:12]
     m.pool._evict(table[10])                            # breaks the run before boundary 3
@@ -123,7 +124,7 @@ def test_sliding_hit_needs_a_contiguous_run_and_the_start_is_free():
     BlockHasher(L)(req2)
     m2.allocate_new_blocks("b", req2.num_tokens)
     m2.cache_blocks(req2, req2.num_tokens)
-    t2 = m2.req_blocks["b"]
+    t2 = m2.blocks("b")
     assert all(b.block_hash is not None for b in t2)
     # Boundary 1 needs positions 0..15 only (the window is clipped at the start).
     assert m2.find_longest_cache_hit(req2.block_hashes, 1) == t2[:1]
@@ -138,6 +139,6 @@ def test_sliding_cache_after_null_pages_skips_them():
     BlockHasher(L)(req)
     m.allocate_new_blocks("a", 2 * L)
     m.remove_skipped_blocks("a", 2 * L)                 # pages 0..2 left the window
-    assert [b.is_null for b in m.req_blocks["a"]] == [True, True, True, False]
+    assert m.req_tables["a"][:3] == [0, 0, 0] and m.req_tables["a"][3]
     m.cache_blocks(req, 2 * L)                          # only page 3 can still be published
-    assert [b.block_hash is not None for b in m.req_blocks["a"]] == [False] * 3 + [True]
+    assert [b.block_hash is not None for b in m.blocks("a")] == [False] * 3 + [True]

@@ -15,8 +15,11 @@ import torch
 from kv_testing import FULL, SLIDING, make_request
 
 from wideserve.config import CacheConfig
-from wideserve.core.kv_cache.groups import (allocate_kv_tensors, build_kv_cache_config,
-                                            exact_replay_tokens)
+from wideserve.core.kv_cache.groups import (
+    allocate_kv_tensors,
+    build_kv_cache_config,
+    exact_replay_tokens,
+)
 from wideserve.core.kv_cache.manager import KVCacheManager
 from wideserve.core.kv_cache.spec import KVCacheSpec
 
@@ -52,7 +55,8 @@ class FakeModel:
     def _entry(self, name: str, rid: str, pos: int, write: bool):
         cfg = self.mgr.kv_config
         g = cfg.groups[cfg.cache_group[name]]
-        block = self.mgr.managers[g.group_id].req_blocks[rid][pos // g.block_size]
+        mgr = self.mgr.managers[g.group_id]
+        block = mgr.pool.blocks[mgr.req_tables[rid][pos // g.block_size]]
         assert not block.is_null, (name, rid, pos)
         slot = block.block_id * g.entries_per_block + (pos % g.block_size) // g.compress_ratio
         return self.kv[name].view(-1, self.kv[name].shape[-1])[slot], block, g
@@ -96,7 +100,8 @@ def run_workload(mode: str, seed: int, num_blocks: int) -> KVCacheManager:
     waiting, running, finished, target = [], [], 0, {}
     for i in range(40):
         base = rng.choice(bases)
-        toks = base[:rng.randint(1, len(base))] + [rng.randrange(5) for _ in range(rng.randint(0, 20))]
+        suffix = [rng.randrange(5) for _ in range(rng.randint(0, 20))]
+        toks = base[:rng.randint(1, len(base))] + suffix
         r = make_request(f"r{i}", toks)
         target[r.request_id] = r.num_tokens + rng.randint(1, 25)
         waiting.append(r)

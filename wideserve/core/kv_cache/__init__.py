@@ -7,9 +7,14 @@ managers.py (one per group) -> manager.py (KVCacheManager, what the scheduler se
 from __future__ import annotations
 
 from wideserve.core.kv_cache.block_pool import BlockPool, KVBlock
-from wideserve.core.kv_cache.groups import (KVCacheBucket, KVCacheConfig, KVCacheGroup,
-                                            allocate_kv_tensors, build_kv_cache_config,
-                                            exact_replay_tokens)
+from wideserve.core.kv_cache.groups import (
+                                            KVCacheBucket,
+                                            KVCacheConfig,
+                                            KVCacheGroup,
+                                            allocate_kv_tensors,
+                                            build_kv_cache_config,
+                                            exact_replay_tokens,
+)
 from wideserve.core.kv_cache.hashing import BlockHasher, hash_block_tokens
 from wideserve.core.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec

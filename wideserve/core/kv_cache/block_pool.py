@@ -18,8 +18,8 @@ the queue in O(1): the queue is an intrusive doubly linked list through the bloc
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 NULL_BLOCK_ID = 0
 

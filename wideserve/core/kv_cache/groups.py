@@ -88,7 +88,8 @@ class KVCacheConfig:
     bounded_bytes_per_request: dict[str, int] = field(default_factory=dict)
     # Pool bytes per token of growing capacity, counting slab padding (>= total_bytes_per_token).
     pool_bytes_per_token: float = 0.0
-    capacity_tokens: int | None = None           # tokens the growing groups hold (None: no such group)
+    # Tokens of context the growing groups hold, all requests together (None: no such group).
+    capacity_tokens: int | None = None
     budget_bytes: int | None = None              # None when sized by num_blocks_override
 
     @property

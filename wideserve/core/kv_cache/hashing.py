@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class BlockHasher:
         self.block_size = block_size
         self.extra_keys = extra_keys
 
-    def __call__(self, request: "Request") -> list[bytes]:
+    def __call__(self, request: Request) -> list[bytes]:
         """Append the hashes of newly full blocks; return them."""
         hashes = request.block_hashes
         bs = self.block_size

@@ -9,7 +9,8 @@ group at a time and appears at most once in a request's table; the null block is
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from wideserve.core.kv_cache.block_pool import BlockPool
 
@@ -51,32 +52,31 @@ def _check_hashes(pool: BlockPool, bucket: int, problems: list[str]) -> None:
                         f"{len(hashed)} hashed blocks")
 
 
-def _expected_refs(managers: Iterable["GroupManager"], pools: list[BlockPool],
+def _expected_refs(managers: Iterable[GroupManager], pools: list[BlockPool],
                    problems: list[str]) -> list[Counter[int]]:
     refs: list[Counter[int]] = [Counter() for _ in pools]
     owner: list[dict[int, int]] = [{} for _ in pools]
     for m in managers:
         bucket = m.group.bucket_id
-        for rid, blocks in m.req_blocks.items():
-            ids = [b.block_id for b in blocks if not b.is_null]
+        for rid, table in m.req_tables.items():
+            ids = [i for i in table if i]
             if len(ids) != len(set(ids)):
                 problems.append(f"group {m.group_id}: request {rid!r} holds a block twice: "
                                 f"{sorted(i for i, c in Counter(ids).items() if c > 1)}")
-            for b in blocks:
-                if b.is_null:
+            for i in ids:
+                if not 0 < i < pools[bucket].num_blocks:
+                    problems.append(f"group {m.group_id}: request {rid!r} holds block id {i}, "
+                                    f"outside bucket {bucket}")
                     continue
-                if pools[bucket].blocks[b.block_id] is not b:
-                    problems.append(f"group {m.group_id}: request {rid!r} holds {b!r}, which "
-                                    f"is not a block of bucket {bucket}")
-                other = owner[bucket].setdefault(b.block_id, m.group_id)
+                other = owner[bucket].setdefault(i, m.group_id)
                 if other != m.group_id:
-                    problems.append(f"bucket {bucket}: block {b.block_id} held by groups "
+                    problems.append(f"bucket {bucket}: block {i} held by groups "
                                     f"{other} and {m.group_id}")
-                refs[bucket][b.block_id] += 1
+                refs[bucket][i] += 1
     return refs
 
 
-def check_manager_integrity(pools: list[BlockPool], managers: list["GroupManager"],
+def check_manager_integrity(pools: list[BlockPool], managers: list[GroupManager],
                             requests: set[str],
                             write_start_ids: set[str]) -> dict[int, dict[str, int]]:
     problems: list[str] = []
@@ -109,11 +109,19 @@ def check_manager_integrity(pools: list[BlockPool], managers: list["GroupManager
                             f"!= {pool.num_usable}")
         counts[bucket] = {"free": free, "cached": cached, "used": used}
     for m in managers:
-        if set(m.req_blocks) != requests:
+        if set(m.req_tables) != requests:
             problems.append(f"group {m.group_id}: tracks requests "
-                            f"{sorted(set(m.req_blocks) ^ requests)} inconsistently")
+                            f"{sorted(set(m.req_tables) ^ requests)} inconsistently")
+        skipped = getattr(m, "num_skipped", None)
+        if skipped is not None:
+            for rid, table in m.req_tables.items():
+                k = skipped.get(rid, 0)
+                if any(table[:k]) or 0 in table[k:]:
+                    problems.append(f"group {m.group_id}: request {rid!r} table {table} is not "
+                                    f"{k} null entries followed by live blocks")
     if not write_start_ids <= requests:
-        problems.append(f"kv_write_start kept for freed requests {sorted(write_start_ids - requests)}")
+        problems.append(f"kv_write_start kept for freed requests "
+                        f"{sorted(write_start_ids - requests)}")
     if problems:
         raise AssertionError("KV cache integrity check failed:\n  " + "\n  ".join(problems))
     return counts

@@ -48,8 +48,7 @@ from wideserve.core.kv_cache.block_pool import BlockPool, KVBlock
 from wideserve.core.kv_cache.groups import KVCacheConfig
 from wideserve.core.kv_cache.hashing import BlockHasher, ExtraKeysFn
 from wideserve.core.kv_cache.integrity import check_manager_integrity
-from wideserve.core.kv_cache.managers import (GroupManager, SlidingWindowManager,
-                                              make_manager)
+from wideserve.core.kv_cache.managers import GroupManager, SlidingWindowManager, make_manager
 
 if TYPE_CHECKING:
     from wideserve.request import Request
@@ -85,6 +84,17 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+_NEVER = 1 << 62
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """When a running request next needs the slow path of allocate_slots (lower bounds)."""
+
+    capacity: int          # positions covered in every group
+    next_cache_at: int     # computed tokens at which another logical block can be published
+
+
 class KVCacheManager:
     def __init__(self, kv_config: KVCacheConfig, cache_config: CacheConfig, max_model_len: int,
                  replay_tokens: int | None = None, extra_keys: ExtraKeysFn | None = None) -> None:
@@ -116,11 +126,12 @@ class KVCacheManager:
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self._requests: set[str] = set()          # admitted and not freed
         self._write_start: dict[str, int] = {}
+        self._state: dict[str, _RequestState] = {}
         self.stats = PrefixCacheStats()
         self._interval = PrefixCacheStats()
 
     # -------------------------------------------------------------------- prefix hits
-    def get_computed_blocks(self, request: "Request") -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Prefix hit for a request that holds no blocks: (hit blocks per group, computed)."""
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} already holds KV blocks")
@@ -183,7 +194,7 @@ class KVCacheManager:
         return hit_tokens
 
     # --------------------------------------------------------------------- allocation
-    def allocate_slots(self, request: "Request", num_new_tokens: int,
+    def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        num_new_computed_tokens: int = 0,
                        num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
@@ -194,6 +205,23 @@ class KVCacheManager:
             raise ValueError(f"allocate_slots: negative token count (new={num_new_tokens}, "
                              f"new_computed={num_new_computed_tokens}, "
                              f"lookahead={num_lookahead_tokens})")
+        st = self._state.get(request.request_id)
+        if st is not None and not num_new_computed_tokens and (
+                new_computed_blocks is None or not new_computed_blocks.num_blocks):
+            # Fast path for a running request (most decode steps): every table already covers
+            # the slots and no new logical block is computed. Out-of-window pages are then
+            # freed at the request's next page allocation instead of now: the same peak
+            # (frees come first in that call), and no per-step work.
+            c = request.num_computed_tokens
+            if (min(c + num_new_tokens + num_lookahead_tokens, self.max_model_len) <= st.capacity
+                    and min(c, request.num_tokens) < st.next_cache_at):
+                return KVCacheBlocks([[] for _ in self.managers])
+        return self._allocate(request, num_new_tokens, new_computed_blocks,
+                              num_new_computed_tokens, num_lookahead_tokens, st)
+
+    def _allocate(self, request: Request, num_new_tokens: int,
+                  new_computed_blocks: KVCacheBlocks | None, num_new_computed_tokens: int,
+                  num_lookahead_tokens: int, st: _RequestState | None) -> KVCacheBlocks | None:
         rid = request.request_id
         admission = rid not in self._requests
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
@@ -209,7 +237,8 @@ class KVCacheManager:
                                  f"match the hit blocks given (expected {expected})")
         elif admission and num_new_computed_tokens:
             raise ValueError("num_new_computed_tokens > 0 needs new_computed_blocks")
-        if not admission:
+        if st is not None and min(request.num_computed_tokens, request.num_tokens) \
+                >= st.next_cache_at:
             # Before freeing out-of-window pages, so the ones a hit can use keep their hash.
             self._cache_computed(request)
         total_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -227,9 +256,14 @@ class KVCacheManager:
             for m in self.managers:
                 m.save_hit_blocks(rid, hits[m.group_id] if hits else ())
             self._admit(request, hits, num_new_computed_tokens)
-        return KVCacheBlocks([m.allocate_new_blocks(rid, num_slots) for m in self.managers])
+        new = KVCacheBlocks([m.allocate_new_blocks(rid, num_slots) for m in self.managers])
+        self._state[rid] = _RequestState(
+            capacity=min(m.num_slots(rid) for m in self.managers),
+            next_cache_at=(min(total_computed, request.num_tokens) // self.block_size + 1)
+            * self.block_size if self.enable_caching else _NEVER)
+        return new
 
-    def _admit(self, request: "Request", hits: list[list[KVBlock]] | None,
+    def _admit(self, request: Request, hits: list[list[KVBlock]] | None,
                computed: int) -> None:
         rid = request.request_id
         self._requests.add(rid)
@@ -242,7 +276,7 @@ class KVCacheManager:
             s.hits += computed
             s.replayed += max(0, hit_tokens - computed)
 
-    def _cache_computed(self, request: "Request") -> None:
+    def _cache_computed(self, request: Request) -> None:
         if not self.enable_caching:
             return
         self.block_hasher(request)
@@ -250,7 +284,7 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(request, num_tokens)
 
-    def free(self, request: "Request") -> None:
+    def free(self, request: Request) -> None:
         """Release the request's blocks (publishing its computed full blocks first)."""
         rid = request.request_id
         self._write_start.pop(rid, None)
@@ -260,17 +294,19 @@ class KVCacheManager:
         for m in self.managers:
             m.free(rid)
         self._requests.discard(rid)
+        self._state.pop(rid, None)
 
     # ------------------------------------------------------------------------ queries
     def kv_write_start(self, request_id: str) -> int:
         return self._write_start.get(request_id, 0)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
-        """Per group, the request's block-table row (0 = null block: freed sliding page)."""
-        return [[b.block_id for b in m.req_blocks.get(request_id, ())] for m in self.managers]
+        """Per group, a copy of the request's block-table row (0 = null block: a sliding page
+        that left the window). Rows only grow, and entries only ever change to 0."""
+        return [list(m.req_tables.get(request_id, ())) for m in self.managers]
 
     def num_blocks_per_group(self, request_id: str) -> list[int]:
-        return [len(m.req_blocks.get(request_id, ())) for m in self.managers]
+        return [len(m.req_tables.get(request_id, ())) for m in self.managers]
 
     @property
     def num_groups(self) -> int:

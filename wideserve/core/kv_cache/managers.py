@@ -14,9 +14,10 @@ bounded pools spend their spare room on pages that can serve hits.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from wideserve.core.kv_cache.block_pool import BlockPool, KVBlock
+from wideserve.core.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from wideserve.core.kv_cache.groups import KVCacheGroup, window_pages_for_hit
 from wideserve.core.kv_cache.hashing import sub_block_key
 
@@ -37,43 +38,53 @@ class GroupManager:
         self.pages_per_logical = logical_block_size // group.block_size
         self.pool = pool
         self.caching = caching             # this group publishes hashes and serves hits
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # request id -> block-table row (block ids; 0 = null). Plain ints so handing rows to
+        # the runner is a list copy; the block objects are pool.blocks[id].
+        self.req_tables: dict[str, list[int]] = {}
         # Pages whose publication has been decided (published, skipped, or a prefix hit).
         self.num_cached: dict[str, int] = {}
+
+    def blocks(self, request_id: str) -> list[KVBlock]:
+        return [self.pool.blocks[i] for i in self.req_tables.get(request_id, ())]
+
+    def num_slots(self, request_id: str) -> int:
+        """Positions the request's table covers."""
+        return len(self.req_tables[request_id]) * self.block_size
 
     # ------------------------------------------------------------------- allocation
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                hit_blocks: Sequence[KVBlock]) -> int:
         """Blocks this call takes from the pool: new pages up to `num_tokens` positions, plus
         hit blocks that are now cached-but-free (they leave the free queue)."""
-        held = len(self.req_blocks.get(request_id, ())) + len(hit_blocks)
+        held = len(self.req_tables.get(request_id, ())) + len(hit_blocks)
         new = max(0, cdiv(num_tokens, self.block_size) - held)
         return new + sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
 
     def save_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
-        if request_id in self.req_blocks:
+        if request_id in self.req_tables:
             raise ValueError(f"request {request_id!r} already holds blocks in group "
                              f"{self.group_id}; prefix hits are for admission only")
         self.pool.touch(hit_blocks)
-        self.req_blocks[request_id] = list(hit_blocks)
+        self.req_tables[request_id] = [b.block_id for b in hit_blocks]
         self.num_cached[request_id] = len(hit_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVBlock]:
-        blocks = self.req_blocks.setdefault(request_id, [])
+        table = self.req_tables.setdefault(request_id, [])
         self.num_cached.setdefault(request_id, 0)
-        n = cdiv(num_tokens, self.block_size) - len(blocks)
+        n = cdiv(num_tokens, self.block_size) - len(table)
         if n <= 0:
             return []
         new = self.pool.get_new_blocks(n)
-        blocks.extend(new)
+        table.extend(b.block_id for b in new)
         return new
 
     def free(self, request_id: str) -> None:
-        blocks = self.req_blocks.pop(request_id, None)
+        table = self.req_tables.pop(request_id, None)
         self.num_cached.pop(request_id, None)
-        if blocks:
+        if table:
             # Tail first: a request's last blocks are the first to be evicted.
-            self.pool.free_blocks(reversed(blocks))
+            blocks = self.pool.blocks
+            self.pool.free_blocks([blocks[i] for i in reversed(table) if i])
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free pages no future query reads (none for growing groups)."""
@@ -88,22 +99,22 @@ class GroupManager:
     def publishes(self, page: int) -> bool:
         return True
 
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the pages of full logical blocks below `num_tokens` (computed positions)."""
         if not self.caching:
             return
         rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        if blocks is None:
+        table = self.req_tables.get(rid)
+        if table is None:
             return
         hashes = request.block_hashes
         n_logical = min(num_tokens // (self.block_size * self.pages_per_logical), len(hashes))
         start = self.num_cached.get(rid, 0)
-        end = min(n_logical * self.pages_per_logical, len(blocks))
+        end = min(n_logical * self.pages_per_logical, len(table))
         for j in range(start, end):
-            block = blocks[j]
-            if not block.is_null and self.publishes(j):
-                self.pool.cache_block(block, self.block_key(hashes, j), self.group_id)
+            if table[j] and self.publishes(j):
+                self.pool.cache_block(self.pool.blocks[table[j]], self.block_key(hashes, j),
+                                      self.group_id)
         self.num_cached[rid] = max(start, end)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
@@ -137,21 +148,34 @@ class SlidingWindowManager(GroupManager):
         super().__init__(group, pool, logical_block_size, caching)
         self.window = group.spec.window
         self.pages_for_hit = window_pages_for_hit(group)
+        self.num_skipped: dict[str, int] = {}    # leading table entries already nulled
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         # The next query is at p = num_computed_tokens and reads p - window + 1 .. p, so pages
         # that end at or before p - window + 1 are never read again.
-        blocks = self.req_blocks.get(request_id)
-        if not blocks:
+        table = self.req_tables.get(request_id)
+        if not table:
             return
-        first_kept = max(0, num_computed_tokens - self.window + 1) // self.block_size
-        removed = []
-        for i in range(min(first_kept, len(blocks)) - 1, -1, -1):
-            if blocks[i].is_null:
-                break           # everything before was nulled by an earlier call
-            removed.append(blocks[i])
-            blocks[i] = self.pool.null_block
+        first_kept = min(max(0, num_computed_tokens - self.window + 1) // self.block_size,
+                         len(table))
+        skipped = self.num_skipped.get(request_id, 0)
+        if first_kept <= skipped:
+            return
+        blocks = self.pool.blocks
+        removed = [blocks[i] for i in reversed(table[skipped:first_kept]) if i]
+        table[skipped:first_kept] = [NULL_BLOCK_ID] * (first_kept - skipped)
+        self.num_skipped[request_id] = first_kept
         self.pool.free_blocks(removed)
+
+    def save_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+        super().save_hit_blocks(request_id, hit_blocks)
+        # Hits are [null]*k + live pages: the leading nulls are already skipped.
+        self.num_skipped[request_id] = next(
+            (j for j, b in enumerate(hit_blocks) if not b.is_null), len(hit_blocks))
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.num_skipped.pop(request_id, None)
 
     def publishes(self, page: int) -> bool:
         pages_after = self.pages_per_logical - 1 - page % self.pages_per_logical

@@ -64,7 +64,6 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Annotated[int, Field(ge=-(2**31), le=INT32_MAX)] = 0
-    request_id: Annotated[str, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":

@@ -1,0 +1,295 @@
+"""The HTTP front end: FastAPI routes over an AsyncEngine, and `serve_forever` (startup and
+orderly shutdown of both processes).
+
+    client --HTTP--> [this process: parse, tokenise, template, detokenise, stream]
+                          |  ZMQ + msgpack (engine_ipc)
+                          v
+                     [engine-core process: schedule, execute, sample]
+
+Errors are always OpenAI's shape. Only /health, /metrics, /version and /ping are reachable
+without the API key when one is set.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import socket
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from wideserve import __version__
+from wideserve.config import EngineConfig
+from wideserve.core.engine_client import EngineCoreClient, EngineStartupError
+from wideserve.entrypoints.openai import serving_chat, serving_completions
+from wideserve.entrypoints.openai.async_engine import AsyncEngine
+from wideserve.entrypoints.openai.metrics import ServerMetrics
+from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                   DetokenizeRequest, TokenizeChatRequest,
+                                                   TokenizeCompletionRequest)
+from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engine_unavailable,
+                                                  load_generation_defaults, parse_body,
+                                                  read_body)
+from wideserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("wideserve.server")
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware): it must not touch the body or disconnect events."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS \
+                or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(auth, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                         code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+
+def build_app(ctx: ServingContext, *, api_key: str | None = None,
+              max_request_bytes: int = 64 << 20, debug_endpoints: bool = False,
+              on_shutdown: Any = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            await on_shutdown()
+
+    app = FastAPI(title="wideserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app, ctx)
+    _add_routes(app, ctx, max_request_bytes, debug_endpoints)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if ctx.metrics is not None and request.url.path.startswith("/v1/") \
+                and 400 <= exc.status < 500:
+            ctx.metrics.observe_rejected()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = ApiError(500, f"Internal server error ({type(exc).__name__})",
+                       type_="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> None:
+    tok = ctx.tokenizer
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(CompletionRequest, await read_body(request, limit))
+        return await serving_completions.create_completion(ctx, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await read_body(request, limit))
+        return await serving_chat.create_chat_completion(ctx, req, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        root = str(ctx.engine.client.model_info.get("name", ctx.model_name))
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "wideserve",
+             "root": root, "parent": None, "max_model_len": ctx.max_model_len}
+            for name in ctx.served_names]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, detail = ctx.engine.client.health()
+        if ok:
+            return Response(status_code=200)
+        return JSONResponse(engine_unavailable(detail).body(), status_code=503)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = ctx.metrics.render() if ctx.metrics is not None else b""
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await read_body(request, limit)
+        if b'"messages"' in body:
+            chat_req = parse_body(TokenizeChatRequest, body)
+            ctx.check_model(chat_req.model)
+            prompt = serving_chat.render_prompt(
+                ctx, chat_req.messages, chat_req.add_generation_prompt,
+                chat_req.continue_final_message, None, chat_req.chat_template_kwargs)
+            ids = await ctx.encode(prompt, False)
+        else:
+            text_req = parse_body(TokenizeCompletionRequest, body)
+            ctx.check_model(text_req.model)
+            ids = await ctx.encode(text_req.prompt, text_req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_body(DetokenizeRequest, await read_body(request, limit))
+        ctx.check_model(req.model)
+        ctx.check_token_ids(req.tokens, "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    if debug:
+        @app.get("/debug/kv_integrity")
+        async def kv_integrity() -> JSONResponse:
+            """The KV pool's idle invariant (free + cached + used == pool) and the stats."""
+            ctx.check_alive()
+            try:
+                await ctx.engine.client.call_utility("check_integrity")
+                ok, detail = True, "ok"
+            except RuntimeError as e:
+                ok, detail = False, str(e)
+            stats = await ctx.engine.client.call_utility("get_stats")
+            return JSONResponse({"ok": ok, "detail": detail, "stats": stats,
+                                 "in_flight": ctx.engine.num_in_flight})
+
+
+# ----------------------------------------------------------------------------- startup
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _model_dir(info: dict[str, Any], config: EngineConfig) -> Path:
+    path = info.get("path")
+    if path:
+        return Path(path)
+    from wideserve.executor.loader import resolve_model_path
+    return resolve_model_path(config.load.model)
+
+
+def _fmt_count(n: int) -> str:
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _summary(info: dict[str, Any], ctx: ServingContext, url: str, config: EngineConfig) -> str:
+    kv = info.get("kv_capacity_tokens")
+    lines = [
+        f"model:      {ctx.model_name} ({info.get('architecture', '?')}, "
+        f"{info.get('dtype', '?')}, {config.load.device})",
+        f"parameters: {_fmt_count(int(info.get('num_params', 0)))} total, "
+        f"{_fmt_count(int(info.get('num_active_params', 0)))} active per token",
+        f"context:    {ctx.max_model_len} tokens; KV cache "
+        f"{kv if kv is not None else '?'} tokens "
+        f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'})",
+        f"serving:    {url}/v1  (health {url}/health, metrics {url}/metrics)",
+    ]
+    return "\n".join("wideserve | " + line for line in lines)
+
+
+def serve_forever(args: Any, config: EngineConfig) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"wideserve serve: error: cannot listen on {args.host}:{args.port}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(_serve(args, config, sock))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        sock.close()
+
+
+async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
+    import uvicorn
+
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):        # until uvicorn takes over
+        loop.add_signal_handler(sig, main_task.cancel)
+    client = EngineCoreClient(config)
+    try:
+        print(f"wideserve | loading {config.load.model or 'the bundled model'} ...",
+              flush=True)
+        try:
+            info = await client.start()
+            model_dir = _model_dir(info, config)
+            tokenizer = Tokenizer.from_pretrained(config.load.tokenizer or model_dir)
+            defaults = load_generation_defaults(args.generation_config,
+                                                model_dir if model_dir.is_dir() else None)
+        except (EngineStartupError, OSError, ValueError) as e:
+            print(f"wideserve serve: error: {e}", file=sys.stderr)
+            return 1
+        names = list(args.served_model_name or [str(info.get("name", "model"))])
+        metrics = ServerMetrics(names[0], lambda: client.stats)
+        engine = AsyncEngine(client, tokenizer, metrics)
+        client.on_step_times = metrics.observe_step_times
+        ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
+                             int(info["vocab_size"]), config.scheduler.policy, defaults,
+                             metrics)
+        app = build_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                        debug_endpoints=args.enable_debug_endpoints,
+                        on_shutdown=client.shutdown)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(_summary(info, ctx, f"http://{host}:{args.port}", config), flush=True)
+        if defaults:
+            print(f"wideserve | default sampling from generation_config: {defaults}",
+                  flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            # uvicorn restores these after its graceful shutdown and re-raises the signal it
+            # caught; a no-op keeps SIGTERM from killing us before the engine is shut down.
+            signal.signal(sig, lambda *_: None)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=args.log_level, access_log=args.log_level == "debug",
+            timeout_graceful_shutdown=5, lifespan="on"))
+        await server.serve(sockets=[sock])
+        return 0
+    except asyncio.CancelledError:
+        return 0
+    finally:
+        await client.shutdown()

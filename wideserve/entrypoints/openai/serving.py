@@ -1,0 +1,355 @@
+"""What the completion and chat handlers share: errors, body parsing, prompt checks, sampling
+parameters, logprob formatting, and stream plumbing.
+
+Every way a request can be wrong is turned into an ApiError (OpenAI's error shape) before
+anything reaches the engine: the model name, the body's size and JSON, the fields (protocol),
+token ids against the vocabulary, and the prompt plus max_tokens against the context length.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, TypeVar
+
+import msgspec
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from wideserve.core.engine_client import EngineDeadError
+from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
+from wideserve.entrypoints.openai.metrics import ServerMetrics
+from wideserve.entrypoints.openai.protocol import validation_error_to_param_message
+from wideserve.outputs import Logprob
+from wideserve.sampling_params import SamplingParams
+from wideserve.tokenizer import Tokenizer
+
+M = TypeVar("M", bound=BaseModel)
+# Prompts longer than this are tokenised off the event loop.
+_THREAD_TOKENIZE_CHARS = 16384
+# JSON has no -inf: a token with zero probability is reported with this logprob (as vLLM does).
+_MIN_LOGPROB = -9999.0
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                            "max_new_tokens")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def engine_unavailable(reason: str) -> ApiError:
+    return ApiError(503, f"The engine is not available: {reason}", type_="service_unavailable",
+                    code="engine_unavailable")
+
+
+def context_error(max_len: int, prompt_len: int, max_tokens: int | None,
+                  param: str) -> ApiError:
+    if max_tokens is None:
+        msg = (f"This model's maximum context length is {max_len} tokens. However, your "
+               f"prompt has {prompt_len} tokens, which leaves no room for a completion. "
+               f"Please reduce the length of the prompt.")
+    else:
+        msg = (f"This model's maximum context length is {max_len} tokens. However, you "
+               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+               f"{max_tokens} for the completion). Please reduce the length of the prompt "
+               f"or the completion.")
+    return ApiError(400, msg, param=param, code="context_length_exceeded")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"Request body of {declared} bytes exceeds the limit of "
+                            f"{limit} bytes", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"Request body exceeds the limit of {limit} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "Client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    if not body.strip():
+        raise ApiError(400, "Request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as e:
+        param, message = validation_error_to_param_message(e)
+        raise ApiError(400, message, param=param) from None
+
+
+def load_generation_defaults(setting: str, model_dir: Path | None) -> dict[str, Any]:
+    """--generation-config: 'auto' = the model's generation_config.json, 'vllm'/'none' = no
+    defaults, otherwise a directory with a generation_config.json."""
+    if setting in ("vllm", "none"):
+        return {}
+    folder = model_dir if setting == "auto" else Path(setting)
+    if folder is None or not folder.is_dir():
+        if setting != "auto":
+            raise ValueError(f"--generation-config: {setting!r} is not a directory")
+        return {}
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ValueError(f"--generation-config: no generation_config.json in {folder}")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return {k: data[k] for k in _GENERATION_DEFAULT_KEYS if data.get(k) is not None}
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """Everything a handler needs; one per server."""
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    served_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    scheduling_policy: str = "fcfs"
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    metrics: ServerMetrics | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_names:
+            raise ApiError(400, f"The model {name!r} does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.served_names)}",
+                           param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        reason = self.engine.client.dead_reason
+        if reason is not None:
+            raise engine_unavailable(reason)
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ApiError(400, "priority: only allowed with --scheduling-policy priority",
+                           param="priority")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary "
+                                f"[0, {self.vocab_size})", param=param)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        if prompt_len == 0:
+            raise ApiError(400, f"{param}: the prompt is empty (0 tokens)", param=param)
+        if max_tokens is None:
+            default = self.generation_defaults.get("max_new_tokens")
+            room = self.max_model_len - prompt_len
+            if room < 1:
+                raise context_error(self.max_model_len, prompt_len, None, param)
+            return min(room, default) if isinstance(default, int) and default > 0 else room
+        if prompt_len + max_tokens > self.max_model_len:
+            raise context_error(self.max_model_len, prompt_len, max_tokens, param)
+        return max_tokens
+
+    def sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        d = self.generation_defaults
+
+        def pick(value: Any, key: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(key, fallback)
+
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=float(pick(req.temperature, "temperature", 1.0)),
+                top_p=float(pick(req.top_p, "top_p", 1.0)), top_k=int(pick(req.top_k, "top_k", 0)),
+                min_p=float(pick(req.min_p, "min_p", 0.0)), seed=req.seed,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list,
+                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=float(req.presence_penalty or 0.0),
+                frequency_penalty=float(req.frequency_penalty or 0.0),
+                repetition_penalty=float(pick(req.repetition_penalty, "repetition_penalty", 1.0)),
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+
+# ----------------------------------------------------------------------------- streams
+
+async def merge_streams(gens: list[AsyncIterator[StreamItem]]
+                        ) -> AsyncIterator[tuple[int, StreamItem]]:
+    """Interleave several request streams (a completions call with a list of prompts).
+    Closing the merged iterator closes (and so aborts) every unfinished stream."""
+    if len(gens) == 1:
+        try:
+            async for item in gens[0]:
+                yield 0, item
+        finally:
+            await gens[0].aclose()                   # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, StreamItem | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[StreamItem]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item, None))
+            await queue.put((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body must already have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_or_disconnect(request: Request, coro: Any) -> Any:
+    """Run a non-streaming handler; if the client disconnects first, cancel it (which aborts
+    its requests) and return None."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone anyway
+        pass
+    return None
+
+
+def stream_error_event(error: BaseException) -> str:
+    if isinstance(error, EngineDeadError):
+        api = engine_unavailable(str(error))
+    elif isinstance(error, RequestFailed):
+        api = ApiError(400, str(error))
+    elif isinstance(error, ApiError):
+        api = error
+    else:
+        api = ApiError(500, f"Internal error: {type(error).__name__}", type_="server_error")
+    return sse(api.body())
+
+
+def request_failed_error(error: RequestFailed) -> ApiError:
+    text = str(error)
+    code = "context_length_exceeded" if "maximum context length" in text else None
+    return ApiError(400, text, code=code)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+def _clamp(lp: float) -> float:
+    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _token_text(tokenizer: Tokenizer, tid: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else \
+        tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num]
+    return sorted(ranked, key=lambda x: x[1].rank or 0)
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[dict[int, Logprob]],
+                        token_ids: list[int], num: int, text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset.
+    top_logprobs holds the chosen token and the top `num` (as vLLM reports them)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid) or Logprob(float("-inf"))
+        text = _token_text(tokenizer, tid, chosen)
+        tokens.append(text)
+        token_lps.append(_clamp(chosen.logprob))
+        top = {text: _clamp(chosen.logprob)}
+        for t, lp in _top(entry, num):
+            top.setdefault(_token_text(tokenizer, t, lp), _clamp(lp.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[dict[int, Logprob]],
+                  token_ids: list[int], num: int) -> dict[str, Any]:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid) or Logprob(float("-inf"))
+        text = _token_text(tokenizer, tid, chosen)
+        content.append({
+            "token": text, "logprob": _clamp(chosen.logprob),
+            "bytes": list(text.encode("utf-8", errors="replace")),
+            "top_logprobs": [
+                {"token": (tt := _token_text(tokenizer, t, lp)), "logprob": _clamp(lp.logprob),
+                 "bytes": list(tt.encode("utf-8", errors="replace"))}
+                for t, lp in _top(entry, num)],
+        })
+    return {"content": content}

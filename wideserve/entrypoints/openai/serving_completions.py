@@ -1,0 +1,176 @@
+"""POST /v1/completions: the legacy text completion API.
+
+A list of prompts becomes one engine request per prompt (each fanned out to n choices);
+choice indices are prompt_index * n + sample_index, as OpenAI numbers them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from wideserve.core.engine_client import EngineDeadError
+from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
+from wideserve.entrypoints.openai.protocol import CompletionRequest, random_id
+from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
+                                                  collect_or_disconnect, completion_logprobs,
+                                                  engine_unavailable, merge_streams, now_s,
+                                                  request_failed_error, sse, stream_error_event)
+from wideserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Call:
+    """One /v1/completions call, validated and ready to run."""
+    request_id: str
+    created: int
+    req: CompletionRequest
+    prompts: list[_Prompt]
+    num_logprobs: int | None
+    text_lens: dict[int, int] = field(default_factory=dict)  # choice -> chars so far
+
+
+async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None,
+                                                                             list[int]]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [(p, await ctx.encode(p, True))]
+    if p and isinstance(p[0], str):
+        return [(s, await ctx.encode(s, True)) for s in p]  # type: ignore[arg-type]
+    if p and isinstance(p[0], int):
+        ids = list(p)                                        # type: ignore[arg-type]
+        ctx.check_token_ids(ids, "prompt")
+        return [(None, ids)]
+    out = []
+    for ids in p:                                            # list[list[int]]
+        ctx.check_token_ids(list(ids), "prompt")             # type: ignore[arg-type]
+        out.append((None, list(ids)))                        # type: ignore[arg-type]
+    return out
+
+
+async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
+    ctx.check_model(req.model)
+    ctx.check_priority(req.priority)
+    prompts = []
+    for text, ids in await _prompts(ctx, req):
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
+        params = ctx.sampling_params(req, max_tokens, req.logprobs)
+        if req.echo and text is None:
+            text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+        prompts.append(_Prompt(text, ids, params))
+    ctx.check_alive()
+    return _Call(random_id("cmpl"), now_s(), req, prompts, req.logprobs)
+
+
+def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]]:
+    return [ctx.engine.generate(f"{call.request_id}-{i}", p.text, p.token_ids, p.params,
+                                call.req.priority)
+            for i, p in enumerate(call.prompts)]
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest,
+                            raw: Request) -> Response:
+    call = await prepare(ctx, req)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, call), media_type="text/event-stream")
+    result = await collect_or_disconnect(raw, _full(ctx, call))
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(result)
+
+
+async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
+    finals: dict[int, StreamItem] = {}
+    try:
+        async for i, item in merge_streams(_streams(ctx, call)):
+            finals[i] = item
+    except EngineDeadError as e:
+        raise engine_unavailable(str(e)) from None
+    except RequestFailed as e:
+        raise request_failed_error(e) from None
+    n = call.req.n
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    for i, prompt in enumerate(call.prompts):
+        out = finals[i].output
+        prompt_tokens += len(prompt.token_ids)
+        cached += out.num_cached_tokens
+        for co in out.outputs:
+            completion_tokens += len(co.token_ids)
+            prefix = (prompt.text or "") if call.req.echo else ""
+            logprobs = None
+            if call.num_logprobs is not None and co.logprobs is not None:
+                logprobs = completion_logprobs(ctx.tokenizer, co.logprobs, co.token_ids,
+                                               call.num_logprobs, len(prefix))
+            choices.append({"index": i * n + co.index, "text": prefix + co.text,
+                            "logprobs": logprobs, "finish_reason": co.finish_reason,
+                            "stop_reason": co.stop_reason})
+    choices.sort(key=lambda c: c["index"])
+    return {"id": call.request_id, "object": "text_completion", "created": call.created,
+            "model": ctx.model_name, "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens, cached)}
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
+    req, n = call.req, call.req.n
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    prompt_tokens = sum(len(p.token_ids) for p in call.prompts)
+    completion_tokens, cached = 0, 0
+    merged = merge_streams(_streams(ctx, call))
+    try:
+        async for i, item in merged:
+            for d in item.deltas.values():
+                index = i * n + d.index
+                completion_tokens += len(d.token_ids)
+                text = d.text
+                if req.echo and index not in call.text_lens:
+                    text = (call.prompts[i].text or "") + text
+                offset = call.text_lens.get(index, 0)
+                call.text_lens[index] = offset + len(text)
+                logprobs = None
+                if call.num_logprobs is not None and d.logprobs:
+                    logprobs = completion_logprobs(ctx.tokenizer, d.logprobs, d.token_ids,
+                                                   call.num_logprobs, offset + len(text)
+                                                   - len(d.text))
+                if not text and d.finish_reason is None and logprobs is None:
+                    continue
+                chunk = _chunk(ctx, call, index, text, logprobs, d.finish_reason,
+                               d.stop_reason)
+                if continuous:
+                    chunk["usage"] = _usage(prompt_tokens, completion_tokens, cached)
+                yield sse(chunk)
+            if item.finished:
+                cached += item.output.num_cached_tokens
+        if include_usage:
+            yield sse({"id": call.request_id, "object": "text_completion",
+                       "created": call.created, "model": ctx.model_name, "choices": [],
+                       "usage": _usage(prompt_tokens, completion_tokens, cached)})
+    except (EngineDeadError, RequestFailed, ApiError) as e:
+        yield stream_error_event(e)
+    finally:
+        await merged.aclose()
+    yield SSE_DONE
+
+
+def _chunk(ctx: ServingContext, call: _Call, index: int, text: str, logprobs: Any,
+           finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+    return {"id": call.request_id, "object": "text_completion", "created": call.created,
+            "model": ctx.model_name,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason, "stop_reason": stop_reason}]}
