@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     save_model(model, args.out)
     write_tokenizer_files(tok, args.out, sizes.max_positions)
     info.update(
-        command="python tools/train_tiny.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        command=".venv/bin/python tools/train_tiny.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         params=n_params,
         corpus_files=len(docs),
         corpus_chars=sum(map(len, texts)),

@@ -59,9 +59,9 @@ def make_request(rid: str, prompt_len: int, seed: int = 0, **params) -> Request:
 
 def make_scheduler(num_blocks: int = 1024, block_size: int = 16, max_model_len: int = 8192,
                    prefix: bool = True, specs: str = "full", mode: str = "keep",
-                   **cfg) -> tuple[Scheduler, KVCacheManager]:
+                   eos=None, **cfg) -> tuple[Scheduler, KVCacheManager]:
     kv = make_kv_manager(num_blocks, block_size, prefix, specs, mode, max_model_len)
-    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len), kv
+    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len, eos_token_id_fallback=eos), kv
 
 
 @dataclass

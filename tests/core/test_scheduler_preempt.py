@@ -92,6 +92,8 @@ def test_resume_share_starts_at_prefix_hit(make):
     # share starts there and recomputes only the rest.
     assert b.num_preemptions == 1
     assert start == 12 and num_tokens > 16
+    # num_cached_tokens is the hit at the first admission (none), not at the resumption.
+    assert b.num_cached_tokens == 0
 
 
 def test_priority_preempts_lowest_priority_even_if_scheduled(make):

@@ -37,6 +37,21 @@ def test_eos_stops(make):
     assert r.status is RequestStatus.FINISHED_STOPPED
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_model_eos_ids(make, ignore_eos):
+    # The model's EOS ids (here two) stop a request that has no eos_token_id of its own.
+    sched, _ = make(eos=(EOS, 998))
+    r = make_request("r", 6, max_tokens=8, ignore_eos=ignore_eos)
+    r.eos_token_id = None
+    sched.add_request(r)
+    trace = run_to_completion(sched, sample=_sample_at({1: 998, 3: EOS}))
+    if ignore_eos:
+        assert len(trace.tokens("r")) == 8 and trace.final("r").finish_reason == "length"
+    else:
+        assert trace.tokens("r")[-1] == 998 and len(trace.tokens("r")) == 2
+        assert trace.final("r").finish_reason == "stop"
+
+
 def test_ignore_eos(make):
     _, toks, final = _run_one(make, _sample_at({2: EOS, 4: EOS}), max_tokens=6, ignore_eos=True)
     assert len(toks) == 6 and toks[2] == EOS and final.finish_reason == "length"

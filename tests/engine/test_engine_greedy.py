@@ -73,7 +73,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _llm(case, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=case["block_size"], kv_cache_memory=1 << 24,
+    args = dict(dtype="float32", block_size=case["block_size"], kv_cache_memory=1 << 26,
                 skip_tokenizer_init=True)
     args.update(kw)
     with warnings.catch_warnings():

@@ -90,7 +90,7 @@ class EngineCore:
         self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.max_model_len,
-            eos_token_id_fallback=self.eos_token_ids[0] if self.eos_token_ids else None)
+            eos_token_id_fallback=tuple(self.eos_token_ids))
         layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in self.kv_config.groups]
         self.runner = ModelRunner(self.model, layouts, self.kv_config.cache_group,
                                   self.kv_caches, self.device)
@@ -154,7 +154,6 @@ class EngineCore:
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {n} prompt tokens and asks for {max_tokens} more")
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                          eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                           arrival_time=req.arrival_time, priority=req.priority)
         if req.sampling_params.seed is not None:
             self._generators[req.request_id] = make_generator(req.sampling_params.seed,

@@ -175,7 +175,10 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
     except SystemExit:
         return 0
     except BaseException as e:  # noqa: BLE001 - report any crash, then exit non-zero
-        traceback.print_exc()
+        # A bad model path or config at load time is the user's to fix and the front end
+        # prints it in one line; anything else (or any crash once serving) gets a traceback.
+        if loop is not None or not isinstance(e, (OSError, ValueError)):
+            traceback.print_exc()
         _report_death(loop, output_addr, f"{type(e).__name__}: {e}")
         return 1
     finally:
@@ -222,4 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Sockets are closed and nothing else holds state worth flushing: skip the interpreter's
+    # teardown (seconds with torch loaded) so a shutdown is not held up by it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

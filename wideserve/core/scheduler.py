@@ -20,8 +20,9 @@ Order of a step
         (`allocate_slots` -> None), `_preempt` a victim (FCFS: the last running request;
         PRIORITY: the largest (priority, arrival)) and retry: preemption is recompute (free
         the blocks, num_computed_tokens = 0, drafts dropped, back to the front of the waiting
-        queue). A request that fails while it is the only one holding KV can never fit: it
-        finishes with "error" instead of looping forever.
+        queue). A request that fails while it is the only one holding KV first tries smaller
+        chunks (sliding-window pages are needed for a whole chunk at once); if not even one
+        token fits it finishes with "error" instead of looping forever.
      b. `_schedule_waiting`, only if nothing was preempted this step: admit from the head of
         the waiting queue (FCFS or PRIORITY) while the budget, `max_num_seqs` and
         `max_new_requests_per_step` allow and the KV manager has room, starting each request
@@ -98,7 +99,10 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 eos_token_id_fallback: int | None = None) -> None:
+                 eos_token_id_fallback: int | Iterable[int] | None = None) -> None:
+        """`eos_token_id_fallback`: the model's EOS id(s). A request stops (unless ignore_eos)
+        on any of them and on its own `eos_token_id`; models with several EOS ids (e.g. an
+        end-of-turn token besides end-of-text) pass them all."""
         # The KV manager keeps request.block_hashes current itself (it hashes newly full
         # blocks at lookup, allocation and free), so the scheduler never hashes.
         if config.max_num_batched_tokens < 1:
@@ -114,7 +118,12 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
-        self.eos_token_id_fallback = eos_token_id_fallback
+        if eos_token_id_fallback is None:
+            self._model_eos: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id_fallback, int):
+            self._model_eos = frozenset((eos_token_id_fallback,))
+        else:
+            self._model_eos = frozenset(eos_token_id_fallback)
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = make_request_queue(config.policy)
         self.running: list[Request] = []
@@ -316,7 +325,7 @@ class Scheduler:
         exactly the requests whose step reached the end of their token list."""
         if sched_out is not self._in_flight:
             raise RuntimeError("update_from_output() needs the output of the latest schedule()")
-        
+        self._in_flight = None
         outputs, self._pending_outputs = self._pending_outputs, []
         ended = False
         for s in sched_out.scheduled:
@@ -360,8 +369,9 @@ class Scheduler:
     def _append_and_check_stop(self, request: Request,
                                new_ids: list[int]) -> EngineCoreOutput:
         sp = request.sampling_params
-        eos = request.eos_token_id if request.eos_token_id is not None \
-            else self.eos_token_id_fallback
+        eos_ids = self._model_eos
+        if request.eos_token_id is not None and request.eos_token_id not in eos_ids:
+            eos_ids = eos_ids | {request.eos_token_id}
         stop_ids = sp.stop_token_ids or ()
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
         status: RequestStatus | None = None
@@ -371,7 +381,7 @@ class Scheduler:
         for i, tok in enumerate(new_ids):
             request.append_output_token_ids([tok])
             if request.num_output_tokens >= sp.min_tokens:
-                if tok == eos and not sp.ignore_eos:
+                if tok in eos_ids and not sp.ignore_eos:
                     status = RequestStatus.FINISHED_STOPPED
                 elif tok in stop_ids:
                     status, stop_reason = RequestStatus.FINISHED_STOPPED, tok

@@ -119,7 +119,7 @@ def test_quantised_tensors_are_bytes():
 def test_sizing_from_budget_is_maximal_and_bounded_first():
     specs = v4_specs(2, 3, 2)
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512)
-    budget = 64 << 20
+    budget = 96 << 20
     cfg = build_kv_cache_config(specs, CacheConfig(kv_cache_memory=budget), sched,
                                 max_model_len=2048)
     assert cfg.budget_bytes == budget and cfg.total_bytes <= budget

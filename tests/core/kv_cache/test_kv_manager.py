@@ -345,3 +345,26 @@ def test_sliding_block_ids_use_the_null_block():
     assert mgr.block_ids("r")[0][:5] == [0] * 5 and 0 not in mgr.block_ids("r")[0][5:]
     mgr.free(req)
     mgr.check_integrity()
+
+
+def test_fast_path_still_frees_a_finished_prefill_chunk():
+    specs = {"w": KVCacheSpec(SLIDING, "window", 4, F32, window=128),
+             "kv": KVCacheSpec(FULL, "kv", 4, F32)}
+    # No prefix caching: publishing computed blocks would also take the slow path.
+    mgr, cfg = make_manager(specs, num_blocks=40, enable_prefix_caching=False)
+    req = make_request("r", prompt(2000))
+    run_prefill(mgr, req)                                # one 2,000-token chunk
+    assert mgr.num_blocks_per_group("r") == [16, 8]      # 2,048 slots: decode fits
+    req.append_output_token_ids([1])
+    assert mgr.allocate_slots(req, 1).num_blocks == 0    # nothing new to allocate ...
+    w = mgr.block_ids("r")[0]
+    assert w[:14] == [0] * 14 and all(w[14:])            # ... but the chunk's pages are freed
+    req.num_computed_tokens += 1
+    for _ in range(40):                                  # steady decode: at most 1 page lags
+        req.append_output_token_ids([1])
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        w = mgr.block_ids("r")[0]
+        assert len(w) - w.count(0) <= bounded_blocks_per_request(cfg.groups[0])
+    mgr.free(req)
+    mgr.check_integrity()

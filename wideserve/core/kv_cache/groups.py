@@ -167,9 +167,10 @@ def _make_buckets(groups: list[KVCacheGroup]) -> list[KVCacheBucket]:
 
 # ------------------------------------------------------------------------------ sizing
 def bounded_blocks_per_request(group: KVCacheGroup, num_lookahead_tokens: int = 0) -> int:
-    """Pages a running request can hold at once in a sliding group: the window, the position
-    being written and the lookahead, +1 for a window that does not start on a page boundary."""
-    return math.ceil((group.spec.window + num_lookahead_tokens) / group.block_size) + 1
+    """Pages a decoding request can hold at once in a sliding group: the window, the position
+    being written and the lookahead, +1 for a window that does not start on a page boundary,
+    +1 for a page that left the window and waits for the next allocation (manager.py)."""
+    return math.ceil((group.spec.window + num_lookahead_tokens) / group.block_size) + 2
 
 
 def window_pages_for_hit(group: KVCacheGroup) -> int:

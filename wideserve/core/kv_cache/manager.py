@@ -23,11 +23,15 @@ A request's positions at an `allocate_slots` call:
     |<---------------------- slots the tables cover after the call ------------------>|
     |<-- published: full logical blocks of computed tokens -->|
 
-Sliding groups first free the pages wholly before total_computed - window + 1 (the next
-query, at total_computed, reads positions total_computed - window + 1 .. total_computed);
-FULL groups only grow. Blocks are published (cached) only once computed: at the next
-`allocate_slots` and at `free`; a block is never shared before its KV is written, and draft
-and lookahead positions never enter a hash.
+Sliding groups free the pages wholly before total_computed - window + 1 (the next query, at
+total_computed, reads positions total_computed - window + 1 .. total_computed) before any
+allocation; FULL groups only grow. A call with nothing to allocate or publish (most decode
+steps) does no work at all, so a page that left its window may wait for the request's next
+page allocation: at most one page per sliding group lags (groups.bounded_blocks_per_request
+counts it), and the per-step host cost of a decode step is a few comparisons. Blocks are published
+(cached) only once computed, by the first `allocate_slots` after a logical block is computed
+and by `free`: a block is never shared before its KV is written (whatever order the model
+processes a batch in), and draft and lookahead positions never enter a hash.
 
 Prefix window modes (CacheConfig.prefix_window_mode):
 - "keep": sliding groups publish the pages before each logical boundary; a hit at P needs
@@ -93,6 +97,7 @@ class _RequestState:
 
     capacity: int          # positions covered in every group
     next_cache_at: int     # computed tokens at which another logical block can be published
+    skip_limit: int        # computed tokens at which 2 sliding pages would wait to be freed
 
 
 class KVCacheManager:
@@ -123,7 +128,8 @@ class KVCacheManager:
             for g in kv_config.groups]
         # Growing groups first: their left-to-right scan gives the tightest bound.
         self._full = [m for m in self.managers if not isinstance(m, SlidingWindowManager)]
-        self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self._sliding: list[SlidingWindowManager] = [
+            m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self._requests: set[str] = set()          # admitted and not freed
         self._write_start: dict[str, int] = {}
         self._state: dict[str, _RequestState] = {}
@@ -174,18 +180,18 @@ class KVCacheManager:
             found[m.group_id] = m.find_longest_cache_hit(hashes, k)
             k = min(k, len(found[m.group_id]))
         computed = max(0, k * self.block_size - self.replay_tokens)
-        blocks = [found[m.group_id][:k] if m.group_id in found
-                  else m.null_prefix(computed)  # type: ignore[attr-defined]
-                  for m in self.managers]
-        return KVCacheBlocks(blocks), computed
+        for sw in self._sliding:
+            # Nothing below the replay start is read back: the model rebuilds the windows.
+            found[sw.group_id] = sw.null_prefix(computed)
+        return KVCacheBlocks([found[m.group_id][:k] if m in self._full else found[m.group_id]
+                              for m in self.managers]), computed
 
     def _hit_tokens(self, hits: list[list[KVBlock]]) -> int:
         """P of a hit returned by get_computed_blocks (growing groups, else sliding ones)."""
-        for m in self._full:
-            return len(hits[m.group_id]) * self.block_size
-        if self.mode == "keep":
-            for m in self._sliding:
-                return len(hits[m.group_id]) * m.block_size
+        if self._full:
+            return len(hits[self._full[0].group_id]) * self.block_size
+        if self.mode == "keep" and self._sliding:
+            return len(hits[self._sliding[0].group_id]) * self._sliding[0].block_size
         return 0
 
     def _expected_computed(self, hit_tokens: int) -> int:
@@ -209,12 +215,11 @@ class KVCacheManager:
         if st is not None and not num_new_computed_tokens and (
                 new_computed_blocks is None or not new_computed_blocks.num_blocks):
             # Fast path for a running request (most decode steps): every table already covers
-            # the slots and no new logical block is computed. Out-of-window pages are then
-            # freed at the request's next page allocation instead of now: the same peak
-            # (frees come first in that call), and no per-step work.
+            # the slots, no new logical block is computed, and at most one page per sliding
+            # group waits to be freed (at the request's next page allocation).
             c = request.num_computed_tokens
             if (min(c + num_new_tokens + num_lookahead_tokens, self.max_model_len) <= st.capacity
-                    and min(c, request.num_tokens) < st.next_cache_at):
+                    and min(c, request.num_tokens) < st.next_cache_at and c < st.skip_limit):
                 return KVCacheBlocks([[] for _ in self.managers])
         return self._allocate(request, num_new_tokens, new_computed_blocks,
                               num_new_computed_tokens, num_lookahead_tokens, st)
@@ -244,8 +249,8 @@ class KVCacheManager:
         total_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens,
                         self.max_model_len)
-        for m in self._sliding:
-            m.remove_skipped_blocks(rid, total_computed)
+        for sw in self._sliding:
+            sw.remove_skipped_blocks(rid, total_computed)
         demand = [0] * len(self.pools)
         for m in self.managers:
             demand[m.group.bucket_id] += m.num_blocks_to_allocate(
@@ -260,7 +265,8 @@ class KVCacheManager:
         self._state[rid] = _RequestState(
             capacity=min(m.num_slots(rid) for m in self.managers),
             next_cache_at=(min(total_computed, request.num_tokens) // self.block_size + 1)
-            * self.block_size if self.enable_caching else _NEVER)
+            * self.block_size if self.enable_caching else _NEVER,
+            skip_limit=min((sw.lazy_skip_limit(rid) for sw in self._sliding), default=_NEVER))
         return new
 
     def _admit(self, request: Request, hits: list[list[KVBlock]] | None,

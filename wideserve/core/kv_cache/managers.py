@@ -167,6 +167,12 @@ class SlidingWindowManager(GroupManager):
         self.num_skipped[request_id] = first_kept
         self.pool.free_blocks(removed)
 
+    def lazy_skip_limit(self, request_id: str) -> int:
+        """num_computed_tokens at which two pages would wait to be freed. Frees may lag one
+        page (they happen at the next page allocation); a longer lag (a prefill chunk, a
+        burst of accepted drafts) is freed at the next allocate_slots call."""
+        return (self.num_skipped.get(request_id, 0) + 2) * self.block_size + self.window - 1
+
     def save_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
         super().save_hit_blocks(request_id, hit_blocks)
         # Hits are [null]*k + live pages: the leading nulls are already skipped.

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -149,7 +150,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await read_body(request, limit)
-        if b'"messages"' in body:
+        try:
+            decoded = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            decoded = None                  # parse_body below reports the malformed body
+        is_chat = isinstance(decoded, dict) and "messages" in decoded
+        if is_chat:
             chat_req = parse_body(TokenizeChatRequest, body)
             ctx.check_model(chat_req.model)
             prompt = serving_chat.render_prompt(
@@ -196,12 +202,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _model_dir(info: dict[str, Any], config: EngineConfig) -> Path:
-    path = info.get("path")
-    if path:
-        return Path(path)
+def _model_path(config: EngineConfig) -> Path:
+    """The model directory (or .gguf file), found without importing torch when given."""
+    if config.load.model is not None:
+        path = Path(config.load.model).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model path {config.load.model!r} does not exist")
+        return path
     from wideserve.executor.loader import resolve_model_path
-    return resolve_model_path(config.load.model)
+    return resolve_model_path(None)
+
+
+def _load_frontend(args: Any, config: EngineConfig) -> tuple[Tokenizer, dict[str, Any]]:
+    model_path = _model_path(config)
+    tokenizer = Tokenizer.from_pretrained(config.load.tokenizer or model_path)
+    defaults = load_generation_defaults(args.generation_config,
+                                        model_path if model_path.is_dir() else None)
+    return tokenizer, defaults
 
 
 def _fmt_count(n: int) -> str:
@@ -256,11 +273,14 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         print(f"wideserve | loading {config.load.model or 'the bundled model'} ...",
               flush=True)
         try:
-            info = await client.start()
-            model_dir = _model_dir(info, config)
-            tokenizer = Tokenizer.from_pretrained(config.load.tokenizer or model_dir)
-            defaults = load_generation_defaults(args.generation_config,
-                                                model_dir if model_dir.is_dir() else None)
+            # The tokenizer loads here while the engine process loads the model.
+            starting = asyncio.create_task(client.start())
+            try:
+                tokenizer, defaults = await asyncio.to_thread(_load_frontend, args, config)
+            except BaseException:
+                starting.cancel()
+                raise
+            info = await starting
         except (EngineStartupError, OSError, ValueError) as e:
             print(f"wideserve serve: error: {e}", file=sys.stderr)
             return 1

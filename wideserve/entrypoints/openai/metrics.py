@@ -35,12 +35,17 @@ ENGINE_GAUGES = {
     "kv_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
 }
 ENGINE_COUNTERS = {
-    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "prefix_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("num_preemptions", "Requests preempted (recompute)."),
-    "num_prompt_tokens": ("engine_prompt_tokens", "Prompt tokens computed by the engine."),
-    "num_generation_tokens": ("engine_generation_tokens", "Tokens sampled by the engine."),
-    "num_steps": ("engine_steps", "Engine steps executed."),
+    "prompt_tokens": ("engine_prompt_tokens", "Prompt tokens computed by the engine "
+                                              "(recomputation after preemption included)."),
+    "generation_tokens": ("engine_generation_tokens", "Tokens sampled by the engine."),
+}
+# Inside stats["steps"] (StepStats).
+STEP_COUNTERS = {
+    "steps": ("engine_steps", "Engine steps that ran a batch."),
+    "tokens": ("engine_batched_tokens", "Tokens computed by engine steps."),
 }
 
 
@@ -64,7 +69,13 @@ class EngineStatsCollector(Collector):
                 fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
                 fam.add_metric([self._model], float(stats[key]))
                 yield fam
-        phases = stats.get("step_time_s")
+        steps = stats.get("steps") or {}
+        for key, (name, doc) in STEP_COUNTERS.items():
+            if key in steps:
+                fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+                fam.add_metric([self._model], float(steps[key]))
+                yield fam
+        phases = steps.get("seconds")
         if isinstance(phases, dict) and phases:
             fam = CounterMetricFamily(
                 PREFIX + "engine_step_phase_seconds",

@@ -1,0 +1,53 @@
+"""Waiting queues: FCFS keeps arrival order with preempted requests at the front; PRIORITY
+orders by (priority, arrival) whatever the insertion order."""
+from __future__ import annotations
+
+import pytest
+
+from wideserve.core.request_queue import FCFSQueue, PriorityQueue, make_request_queue
+from wideserve.request import Request
+from wideserve.sampling_params import SamplingParams
+
+
+def _req(rid: str, priority: int = 0, arrival: float = 0.0) -> Request:
+    return Request(rid, [1, 2], SamplingParams(), arrival_time=arrival, priority=priority)
+
+
+def _drain(q) -> list[str]:
+    out = []
+    while len(q):
+        assert q.peek() is q.peek()
+        out.append(q.pop().request_id)
+    return out
+
+
+def test_fcfs_order_prepend_remove():
+    q = FCFSQueue()
+    reqs = {r: _req(r) for r in "abcd"}
+    for r in "abc":
+        q.add(reqs[r])
+    q.prepend(reqs["d"])
+    q.remove(reqs["b"])
+    assert [r.request_id for r in q] == ["d", "a", "c"]
+    assert _drain(q) == ["d", "a", "c"]
+
+
+def test_priority_order_prepend_remove():
+    q = PriorityQueue()
+    specs = [("a", 2, 1.0), ("b", 0, 3.0), ("c", 0, 2.0), ("d", 1, 0.0), ("e", 0, 2.0)]
+    reqs = {rid: _req(rid, p, t) for rid, p, t in specs}
+    for rid in "abcd":
+        q.add(reqs[rid])
+    q.prepend(reqs["e"])          # ties with c on (priority, arrival): insertion order after c
+    q.remove(reqs["d"])
+    assert [r.request_id for r in q] == ["c", "e", "b", "a"]
+    with pytest.raises(ValueError, match="not in the waiting queue"):
+        q.remove(reqs["d"])
+    assert _drain(q) == ["c", "e", "b", "a"]
+
+
+def test_make_request_queue():
+    assert isinstance(make_request_queue("fcfs"), FCFSQueue)
+    assert isinstance(make_request_queue("priority"), PriorityQueue)
+    with pytest.raises(ValueError, match="policy"):
+        make_request_queue("lifo")

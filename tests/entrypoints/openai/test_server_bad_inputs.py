@@ -1,0 +1,199 @@
+"""Bad input never hurts the server: each case gets its 4xx in OpenAI's error shape, and the
+server keeps serving. Also the API key and the body-size limit. One server for the module."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from oai_server_utils import MAX_LEN, VOCAB, RemoteServer, write_tiny_model
+
+KEY = "sekret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 64 * 1024
+NAME = "tiny"
+
+OK_COMPLETION = {"model": NAME, "prompt": "Hello", "max_tokens": 2}
+OK_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def _c(**kw):
+    return {**OK_COMPLETION, **kw}
+
+
+def _chat(**kw):
+    return {**OK_CHAT, **kw}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+# (id, path, body (dict -> JSON, bytes -> raw), status, text the message must contain)
+CASES = [
+    ("missing-prompt", "/v1/completions", _without(OK_COMPLETION, "prompt"), 400, "prompt"),
+    ("max-tokens-string", "/v1/completions", _c(max_tokens="5"), 400, "max_tokens"),
+    ("max-tokens-negative", "/v1/completions", _c(max_tokens=-1), 400, "max_tokens"),
+    ("max-tokens-zero", "/v1/completions", _c(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-huge", "/v1/completions", _c(max_tokens=10**30), 400, "max_tokens"),
+    ("max-tokens-over-context", "/v1/completions", _c(max_tokens=MAX_LEN * 4), 400,
+     "maximum context length"),
+    ("prompt-over-context", "/v1/completions", _c(prompt="word " * (MAX_LEN * 2)), 400,
+     "maximum context length"),
+    ("temperature-negative", "/v1/completions", _c(temperature=-0.5), 400, "temperature"),
+    ("temperature-too-high", "/v1/completions", _c(temperature=3.5), 400, "temperature"),
+    ("temperature-string", "/v1/completions", _c(temperature="hot"), 400, "temperature"),
+    ("temperature-bool", "/v1/completions", _c(temperature=True), 400, "temperature"),
+    ("top-p-zero", "/v1/completions", _c(top_p=0), 400, "top_p"),
+    ("top-k-negative", "/v1/completions", _c(top_k=-5), 400, "top_k"),
+    ("min-p-above-one", "/v1/completions", _c(min_p=1.5), 400, "min_p"),
+    ("n-zero", "/v1/completions", _c(n=0), 400, "n"),
+    ("n-huge", "/v1/completions", _c(n=100000), 400, "n"),
+    ("logprobs-too-many", "/v1/completions", _c(logprobs=50), 400, "logprobs"),
+    ("seed-too-big", "/v1/completions", _c(seed=2**70), 400, "seed"),
+    ("penalty-out-of-range", "/v1/completions", _c(presence_penalty=5), 400,
+     "presence_penalty"),
+    ("empty-stop", "/v1/completions", _c(stop=[""]), 400, "stop"),
+    ("stop-wrong-type", "/v1/completions", _c(stop=5), 400, "stop"),
+    ("stop-token-negative", "/v1/completions", _c(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("stop-token-outside-vocab", "/v1/completions", _c(stop_token_ids=[VOCAB + 7]), 400,
+     "stop_token_ids"),
+    ("min-tokens-over-max", "/v1/completions", _c(min_tokens=10, max_tokens=2), 400,
+     "min_tokens"),
+    ("prompt-empty-list", "/v1/completions", _c(prompt=[]), 400, "prompt"),
+    ("prompt-empty-ids", "/v1/completions", _c(prompt=[[]]), 400, "prompt"),
+    ("prompt-negative-id", "/v1/completions", _c(prompt=[-5, 3]), 400, "prompt"),
+    ("prompt-id-outside-vocab", "/v1/completions", _c(prompt=[3, VOCAB]), 400, "vocabulary"),
+    ("prompt-mixed-types", "/v1/completions", _c(prompt=["a", 3]), 400, "prompt"),
+    ("unknown-field", "/v1/completions", _c(frobnicate=1), 400, "frobnicate"),
+    ("unknown-model", "/v1/completions", _c(model="gpt-17"), 400, "does not exist"),
+    ("priority-without-policy", "/v1/completions", _c(priority=3), 400, "priority"),
+    ("best-of-unsupported", "/v1/completions", _c(best_of=3), 400, "best_of"),
+    ("suffix-unsupported", "/v1/completions", _c(suffix="x"), 400, "suffix"),
+    ("stream-options-without-stream", "/v1/completions",
+     _c(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("invalid-utf8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe\xfd"}', 400,
+     "JSON"),
+    ("truncated-json", "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tok', 400,
+     "JSON"),
+    ("not-an-object", "/v1/completions", b"[1, 2, 3]", 400, "object"),
+    ("null-body", "/v1/completions", b"null", 400, "object"),
+    ("empty-body", "/v1/completions", b"", 400, "empty"),
+    ("nan", "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400,
+     ""),
+    ("chat-empty-messages", "/v1/chat/completions", _chat(messages=[]), 400, "messages"),
+    ("chat-missing-messages", "/v1/chat/completions", _without(OK_CHAT, "messages"), 400,
+     "messages"),
+    ("chat-no-role", "/v1/chat/completions", _chat(messages=[{"content": "x"}]), 400, "role"),
+    ("chat-bad-role", "/v1/chat/completions",
+     _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    ("chat-content-number", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
+    ("chat-no-content", "/v1/chat/completions", _chat(messages=[{"role": "user"}]), 400,
+     "content"),
+    ("chat-image-part", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                    "image_url": {"url": "x"}}]}]), 400,
+     "content"),
+    ("chat-unknown-message-field", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]), 400, "mood"),
+    ("chat-top-logprobs-without-logprobs", "/v1/chat/completions", _chat(top_logprobs=2), 400,
+     "top_logprobs"),
+    ("chat-json-schema", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema"}), 400, "response_format"),
+    ("chat-max-completion-tokens-zero", "/v1/chat/completions",
+     _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("chat-over-context", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "word " * MAX_LEN * 2}], max_tokens=None), 400,
+     "maximum context length"),
+    ("tokenize-wrong-type", "/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("detokenize-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("detokenize-outside-vocab", "/detokenize", {"tokens": [VOCAB * 10]}, 400, "vocabulary"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
+    srv = RemoteServer([str(model), "--load-format", "dummy", "--device", "cpu",
+                        "--block-size", "16", "--kv-cache-memory", "4MiB",
+                        "--served-model-name", NAME, "--api-key", KEY,
+                        "--max-request-bytes", str(LIMIT)])
+    yield srv
+    assert srv.close() == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
+        yield client
+
+
+def _check_error_shape(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_4xx(http, case):
+    _, path, body, status, needle = case
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    err = _check_error_shape(resp, status)
+    assert needle.lower() in (err["message"] + " " + str(err["param"])).lower(), err
+
+
+def test_bad_streaming_request_is_rejected_before_streaming(http):
+    resp = http.post("/v1/chat/completions", json=_chat(stream=True, temperature=-1))
+    _check_error_shape(resp, 400)
+
+
+def test_oversize_bodies_get_413(http):
+    big = json.dumps(_c(prompt="x" * (2 * LIMIT))).encode()
+    _check_error_shape(http.post("/v1/completions", content=big), 413)
+
+    def chunks():                               # no Content-Length: chunked upload
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    _check_error_shape(http.post("/v1/completions", content=chunks()), 413)
+
+
+def test_api_key_required(server):
+    url = server.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        err = _check_error_shape(httpx.post(url + "/v1/completions", json=OK_COMPLETION,
+                                            headers=headers), 401)
+        assert err["code"] == "invalid_api_key"
+    _check_error_shape(httpx.get(url + "/v1/models"), 401)
+    _check_error_shape(httpx.post(url + "/tokenize", json={"prompt": "x"}), 401)
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert good.models.list().data[0].id == NAME
+
+
+def test_unknown_route_uses_error_shape(http):
+    _check_error_shape(http.get("/v1/does-not-exist"), 404)
+    _check_error_shape(http.get("/v1/completions"), 405)
+
+
+def test_still_serving_after_the_bad_inputs(server, http):
+    # Runs after the table: the engine is alive and a normal request of each kind works.
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = http.post("/v1/completions", json=_c(max_tokens=3, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = http.post("/v1/chat/completions", json=_chat(max_tokens=3, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    metrics = httpx.get(server.url + "/metrics").text
+    rejected = [line for line in metrics.splitlines()
+                if line.startswith("wideserve:requests_total") and 'outcome="rejected"' in line]
+    assert rejected and float(rejected[0].rsplit(" ", 1)[1]) >= len(CASES) - 3
