@@ -144,10 +144,10 @@ class EngineCore:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"prompt token id {lo if lo < 0 else hi} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
         max_tokens = req.sampling_params.max_tokens or 1
         if n + max_tokens > self.max_model_len:
             raise ValueError(
