@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from wideserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -44,15 +46,18 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None     # None = no speculative decoding
 
 
-def engine_config_from_kwargs(**kwargs: object) -> EngineConfig:
+def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as `LLM(...)` takes them) -> EngineConfig; an unknown name is a
-    TypeError naming it."""
+    TypeError naming it. `speculative_config` takes a dict, a JSON string or a
+    SpeculativeConfig (as vLLM's LLM does)."""
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+    speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
     for key, value in kwargs.items():
         owner = next((p for p in parts.values() if key in p.__dataclass_fields__), None)
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         setattr(owner, key, value)
-    return EngineConfig(**parts)  # type: ignore[arg-type]
+    return EngineConfig(**parts, speculative=speculative)  # type: ignore[arg-type]

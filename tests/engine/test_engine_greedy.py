@@ -110,3 +110,26 @@ def test_preemption_does_not_change_outputs(case):
     assert _generate(llm, case["prompts"]) == case["expected"]
     assert llm.engine.get_stats().num_preemptions > 0
     _check_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def case_b(tmp_path_factory):
+    """Config B has the real ratios (CSA 4, HCA 128), window 128 and 20 Sinkhorn iterations;
+    prompts cross the window and produce HCA entries, one shares a 300-token prefix."""
+    from models.v4_helpers import stable_topk
+    model = _v4("B")
+    path = save_hf(model, tmp_path_factory.mktemp("v4_B"))
+    prompts = mixed_prompts(model.config.vocab_size, [290, 150, 40], seed=4)
+    prompts.append(prompts[0][:260] + mixed_prompts(model.config.vocab_size, [30], seed=5)[0])
+    return dict(path=str(path), block_size=256, prompts=prompts,
+                expected=hf_greedy(model, prompts, MAX_NEW, stable_topk))
+
+
+@pytest.mark.parametrize("budget", [100, 4096])
+def test_real_ratios_match_transformers(case_b, budget):
+    llm = _llm(case_b, max_num_batched_tokens=budget, enable_prefix_caching=True,
+               max_num_seqs=8, kv_cache_memory=256 << 20)
+    got = _generate(llm, case_b["prompts"][:3]) + _generate(llm, case_b["prompts"][3:])
+    assert got == case_b["expected"]
+    assert llm.engine.get_stats().prefix_hits >= 256
+    _check_idle(llm)
