@@ -36,11 +36,11 @@ class AgenticParams:
     block_size: int = 64
     context_cap: int = 1_000_000            # compaction threshold (tokens)
     prefix: tuple[float, float] = (15_000, 0.10)        # tools + system
-    history: tuple[float, float] = (9_000, 2.0)         # context a session resumes with
+    history: tuple[float, float] = (12_000, 2.0)         # context a session resumes with
     turns: tuple[float, float] = (45, 0.9)
     min_turns: int = 20
     max_turns: int = 330
-    new_content: tuple[float, float] = (1_000, 1.5)     # user/tool tokens added per turn
+    new_content: tuple[float, float] = (200, 2.2)       # user/tool tokens added per turn
     max_new_content: int = 200_000
     osl: tuple[float, float] = (444, 1.1)
     max_osl: int = 32_000
@@ -67,8 +67,8 @@ class AgenticParams:
             base = AgenticParams()
         elif name == "256k":
             base = AgenticParams(context_cap=256_000, history=(7_000, 1.6), turns=(40, 0.9),
-                                 new_content=(700, 1.5), max_new_content=60_000,
-                                 osl=(376, 1.1), summary=(8_000, 20_000))
+                                 max_new_content=60_000, osl=(376, 1.1),
+                                 summary=(8_000, 20_000))
         else:
             raise ValueError(f"unknown agentic preset {name!r}; use 'full' or '256k'")
         return replace(base, **overrides)
@@ -240,6 +240,19 @@ def iter_requests(trace: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]
             yield "main", r
 
 
+def _leading_seen(ids: list[int], seen: set[int]) -> int:
+    """How many leading ids are in `seen`. Ids name chained blocks (an id implies its whole
+    prefix), so membership is monotone along the list and a binary search finds the edge."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ids[mid] in seen:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
     """The shape statistics reference/benchmarks.md §1.3 reports, for generated or real traces.
 
@@ -261,17 +274,13 @@ def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
         compactions.append(sum(b["in"] < 0.5 * a["in"] for a, b in zip(mains, mains[1:])))
         thinks += [r.get("think_time", 0.0) for r in mains[1:]]
         for kind, r in reqs:
-            n_hit = 0
-            for h in r["hash_ids"]:
-                if h not in seen:
-                    break
-                n_hit += 1
-            hit = min(n_hit * bs, r["in"])
+            hit = min(_leading_seen(r["hash_ids"], seen) * bs, r["in"])
             seen.update(r["hash_ids"])
             hit_tok += hit
             in_tok += r["in"]
-            new_tokens.append(r["in"] - hit)
-            hit_frac.append(hit / r["in"] if r["in"] else 0.0)
+            if kind == "main":
+                new_tokens.append(r["in"] - hit)
+                hit_frac.append(hit / r["in"] if r["in"] else 0.0)
             all_isl.append(r["in"])
             all_osl.append(r["out"])
             (main_isl if kind == "main" else sub_isl).append(r["in"])
@@ -288,8 +297,8 @@ def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
         "subagent_isl_median": med(sub_isl), "subagent_osl_median": med(sub_osl),
         "first_turn_isl_median": med(first_isl),
         "turns_per_session_median": med(turns),
-        "new_tokens_median": med(new_tokens),
-        "per_request_hit_fraction_median": med(hit_frac),
+        "main_new_tokens_median": med(new_tokens),
+        "main_hit_fraction_median": med(hit_frac),
         "ideal_prefix_hit_rate": hit_tok / in_tok if in_tok else 0.0,
         "input_output_ratio": sum(all_isl) / max(sum(all_osl), 1),
         "sessions_with_subagents_frac": with_sub / len(traces) if traces else 0.0,

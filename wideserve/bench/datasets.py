@@ -12,7 +12,7 @@ Lengths follow `vllm bench serve`'s upstream `--random-range-ratio` meaning: uni
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -32,10 +32,12 @@ class BenchRequest:
     prompt: str | None = None
     group: int = 0                      # shared-prefix: which prefix; random: 0
     messages: list[dict] | None = None  # chat requests (agentic replay)
-    extra: dict = field(default_factory=dict)
+    num_prompt_tokens: int | None = None  # when prompt_token_ids are not materialised
 
     @property
     def prompt_len(self) -> int:
+        if self.num_prompt_tokens is not None:
+            return self.num_prompt_tokens
         return len(self.prompt_token_ids)
 
 
@@ -73,7 +75,11 @@ class WordVocab:
     def sample(self, rng: np.random.Generator, n: int) -> tuple[list[int], str]:
         """n random words -> (their ids, their text); encode(text) == ids."""
         picks = rng.integers(0, len(self.ids), size=n)
-        return self.ids[picks].tolist(), "".join(self.texts[k] for k in picks.tolist())
+        return self.ids[picks].tolist(), self.join(picks)
+
+    def join(self, picks: np.ndarray) -> str:
+        """Text of the words at these indices of the list."""
+        return "".join(self.texts[k] for k in picks.tolist())
 
 
 def token_pool(vocab_size: int, special_ids: Sequence[int] = ()) -> np.ndarray:

@@ -6,7 +6,9 @@ data-parallel rank): every input comes from the SchedulerOutput, every output is
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,10 @@ from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepReques
 from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
                                         compute_prompt_logprobs, make_generator)
 from wideserve.request import Request
+from wideserve.spec_decode.decoder import SpecDecoder
+from wideserve.spec_decode.metrics import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -51,6 +57,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     steps: StepStats = field(default_factory=StepStats)
+    spec_decode: SpecDecodeStats | None = None      # None without speculative decoding
 
 
 def _model_max_len(config_json: dict) -> int:
@@ -86,18 +93,30 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"limit of {model_len} positions")
         self.eos_token_ids = _eos_token_ids(self.loaded)
-        self.kv_config, self.kv_manager = self._build_kv_cache()
-        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.max_model_len,
-            eos_token_id_fallback=tuple(self.eos_token_ids))
-        layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in self.kv_config.groups]
-        self.runner = ModelRunner(self.model, layouts, self.kv_config.cache_group,
-                                  self.kv_caches, self.device)
-        self.sampler = Sampler()
         self.vocab_size = int(self.model.compute_logits(
             torch.zeros(1, self._hidden_size(), dtype=self.loaded.dtype,
                         device=self.device)).shape[-1])
+        self.spec: SpecDecoder | None = None
+        self.scheduler_config = config.scheduler
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config.speculative, self.model, config.load,
+                                    self.vocab_size, self.max_model_len)
+            lookahead = max(config.scheduler.num_lookahead_tokens,
+                            self.spec.num_lookahead_tokens)
+            self.scheduler_config = dataclasses.replace(config.scheduler,
+                                                        num_lookahead_tokens=lookahead)
+        self.kv_config, self.kv_manager = self._build_kv_cache()
+        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
+        logger.info("%s", self.kv_config.summary())
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_manager, self.max_model_len,
+            eos_token_id_fallback=tuple(self.eos_token_ids))
+        layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in self.kv_config.groups]
+        self.runner = ModelRunner(self.model, layouts, self.kv_config.cache_group,
+                                  self.kv_caches, self.device, with_drafts=self.spec is not None)
+        if self.spec is not None:
+            self.spec.bind(self.runner, self.kv_config, self.kv_caches)
+        self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # Prompt logprobs gathered over a request's prefill chunks until its first output.
         self._prompt_logprobs: dict[str, TokenLogprobs] = {}
@@ -112,8 +131,10 @@ class EngineCore:
         return int(cfg.get("hidden_size") or cfg["n_embd"])
 
     def _build_kv_cache(self) -> tuple[KVCacheConfig, KVCacheManager]:
-        cache, sched = self.config.cache, self.config.scheduler
+        cache, sched = self.config.cache, self.scheduler_config
         specs = self.model.kv_cache_specs(cache.kv_cache_dtype)
+        if self.spec is not None:
+            specs = {**specs, **self.spec.kv_cache_specs(cache.kv_cache_dtype)}
         quantised = sorted({s.record_format for s in specs.values() if s.record_format != "raw"})
         if quantised:
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: storing KV records as "
@@ -180,12 +201,16 @@ class EngineCore:
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
             self._prompt_lp_sent.discard(rid)
+        if self.spec is not None and sched_out.finished_req_ids:
+            self.spec.drop(sched_out.finished_req_ids)
         timer.mark("schedule")
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, object] | None = None
         if not sched_out.is_empty:
             sampled, logprobs = self._execute(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
+        if self.spec is not None:
+            self.spec.commit(sched_out)
         for out in outputs:
             self._generation_tokens += len(out.new_token_ids)
         timer.mark("output")
@@ -201,7 +226,11 @@ class EngineCore:
         timer.mark("forward")
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, StepLogprobs] = {}
-        if fwd.logits is not None:
+        propose = None
+        if self.spec is not None:
+            sampled, logprobs, propose = self.spec.verify(
+                sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size)
+        elif fwd.logits is not None:
             rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
             gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
                     if r.request_id in self._generators}
@@ -226,6 +255,10 @@ class EngineCore:
                 logprobs.setdefault(rid, StepLogprobs()).prompt = prompt_lp
                 self._prompt_lp_sent.add(rid)
         timer.mark("sample")
+        if propose is not None:
+            assert self.spec is not None
+            self.spec.propose(propose)      # draft model / MTP forwards count as forward time
+            timer.mark("forward")
         return sampled, logprobs or None
 
     def _step_request(self, s: ScheduledRequest) -> StepRequest:
@@ -240,7 +273,8 @@ class EngineCore:
         want_prompt = lp is not None and len(lp) < r.num_prompt_tokens - 1 \
             and end >= len(lp) + 1
         return StepRequest(r.request_id, toks, start, self.kv_manager.block_ids(r.request_id),
-                           s.kv_write_start, end >= r.num_tokens, want_prompt)
+                           s.kv_write_start, end >= r.num_tokens, want_prompt,
+                           len(s.spec_token_ids))
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
                              logits: torch.Tensor) -> None:
@@ -265,4 +299,5 @@ class EngineCore:
             kv_usage=kv.usage, prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
             num_preemptions=self.scheduler.make_stats().num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
-            steps=self.timer.stats)
+            steps=self.timer.stats,
+            spec_decode=self.spec.stats.snapshot() if self.spec is not None else None)

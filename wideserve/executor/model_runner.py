@@ -24,6 +24,7 @@ class StepRequest:
     kv_write_start: int = 0       # positions below are a replayed cached prefix
     sample: bool = True           # the step reaches the end of the request's tokens
     prompt_logits: bool = False   # also return logits for every new row (prompt logprobs)
+    num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
 
 
 @dataclass(slots=True)
@@ -34,15 +35,20 @@ class GroupLayout:
 
 @dataclass(slots=True)
 class ForwardOutput:
-    logits: torch.Tensor | None          # [S, V] fp32, one row per sampled request, in order
-    sample_rows: list[int]               # index into the step's requests of each logits row
+    # [S, V] fp32, one row per sampled request, in order; with drafts (runner built with
+    # with_drafts=True) num_spec + 1 consecutive rows per sampled request.
+    logits: torch.Tensor | None
+    sample_rows: list[int]               # index into the step's requests of each request's rows
     prompt_logits: dict[int, torch.Tensor]  # request index -> [n, V] fp32 (all new rows)
+    batch: ForwardBatch | None = None    # the step's batch (speculative proposers reuse it)
 
 
 class ModelRunner:
     def __init__(self, model, groups: list[GroupLayout], cache_group: dict[str, int],
-                 kv_caches: dict[str, torch.Tensor], device: torch.device) -> None:
+                 kv_caches: dict[str, torch.Tensor], device: torch.device,
+                 with_drafts: bool = False) -> None:
         self.model = model
+        self.with_drafts = with_drafts      # speculative decoding: logits for draft rows too
         self.groups = groups
         self.cache_group = cache_group
         self.kv_caches = kv_caches
@@ -91,18 +97,34 @@ class ModelRunner:
         return view
 
     @torch.inference_mode()
-    def forward(self, reqs: list[StepRequest]) -> ForwardOutput:
+    def forward(self, reqs: list[StepRequest],
+                input_ids: torch.Tensor | None = None) -> ForwardOutput:
+        """input_ids [T] on the device replaces the requests' token ids (a proposer feeding
+        its own drafts back without a host sync)."""
         batch = self.build_batch(reqs)
+        if input_ids is not None:
+            batch.input_ids = input_ids
         hidden = self.model.forward(batch)
         ends = batch.query_start_loc_cpu[1:] - 1
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = None
         if sample_rows:
-            rows = torch.from_numpy(ends[sample_rows]).to(hidden.device)
+            idx = ends[sample_rows]
+            if self.with_drafts:
+                idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
+            rows = torch.from_numpy(idx).to(hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         prompt_logits: dict[int, torch.Tensor] = {}
         for i, r in enumerate(reqs):
             if r.prompt_logits:
                 lo, hi = int(batch.query_start_loc_cpu[i]), int(batch.query_start_loc_cpu[i + 1])
                 prompt_logits[i] = self.model.compute_logits(hidden[lo:hi])
-        return ForwardOutput(logits, sample_rows, prompt_logits)
+        return ForwardOutput(logits, sample_rows, prompt_logits, batch)
+
+
+def _with_draft_rows(ends: np.ndarray, num_spec: list[int]) -> np.ndarray:
+    """Last rows -> the last num_spec + 1 rows of each request, consecutive."""
+    k = np.asarray(num_spec, dtype=np.int64)
+    counts = k + 1
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(ends - k, counts) + offsets

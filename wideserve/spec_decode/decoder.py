@@ -1,0 +1,183 @@
+"""SpecDecoder: the engine core's speculative-decoding part (verify, count, propose).
+
+Per step (EngineCore.step), with drafts scheduled as ordinary tokens by the scheduler:
+  1. the target forward returns num_drafts + 1 logits rows per sampled request;
+  2. `verify`: the rejection sampler turns them into accepted drafts + one token per
+     request; `propose`: the proposer drafts the next k tokens (model proposers also write
+     their KV for the step's verified positions), while every block is still held;
+  3. the scheduler's update appends the tokens and rewinds rejected drafts
+     (num_computed_tokens -= rejected);
+  4. `commit`: the drafts of requests still running become request.spec_token_ids, which
+     the next schedule() hands out (with lookahead slots reserved).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from wideserve.config import LoadConfig
+from wideserve.core.messages import StepLogprobs, TokenLogprobs
+from wideserve.core.sched_output import SchedulerOutput
+from wideserve.executor.model_runner import ForwardOutput, ModelRunner, StepRequest
+from wideserve.executor.sampler import build_sampling_metadata
+from wideserve.request import Request, RequestStatus
+from wideserve.spec_decode.config import SpeculativeConfig
+from wideserve.spec_decode.metrics import SpecDecodeStats
+from wideserve.spec_decode.proposer import ProposeInput, Proposer
+from wideserve.spec_decode.rejection_sampler import RejectionSampler, VerifyOutput
+
+logger = logging.getLogger("wideserve.spec_decode")
+
+
+def make_proposer(config: SpeculativeConfig, model: torch.nn.Module, load: LoadConfig,
+                  vocab_size: int, max_model_len: int) -> Proposer:
+    if config.method == "mtp":
+        from wideserve.spec_decode.mtp import MTPProposer
+        return MTPProposer(model)
+    if config.method == "ngram":
+        from wideserve.spec_decode.ngram import NgramProposer
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    from wideserve.spec_decode.draft_model import DraftModelProposer
+    assert config.model is not None
+    return DraftModelProposer(config.model, config.load_format, load, vocab_size,
+                              max_model_len)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, load: LoadConfig,
+                 vocab_size: int, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = make_proposer(config, model, load, vocab_size, max_model_len)
+        self.sampler = RejectionSampler()
+        self.stats = SpecDecodeStats(config.method, self.k, config.forced_acceptance_length)
+        self._pending: dict[str, list[int]] = {}
+        self._credit: dict[str, float] = {}     # forced acceptance: drafts owed per request
+        if config.is_forced:
+            logger.warning(
+                "SPECULATIVE DECODING WITH FORCED ACCEPTANCE LENGTH %.3g: drafts are accepted "
+                "regardless of content; OUTPUTS ARE NOT THE MODEL'S. For benchmarks on "
+                "synthetic prompts only.", config.forced_acceptance_length)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.k if self.proposer.writes_kv else 0
+
+    def kv_cache_specs(self, kv_cache_dtype: str) -> dict:
+        return self.proposer.kv_cache_specs(kv_cache_dtype)
+
+    def bind(self, runner: ModelRunner, kv_config, kv_caches) -> None:
+        self.proposer.bind(runner, kv_config, kv_caches)
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._credit.pop(rid, None)
+            self._pending.pop(rid, None)
+        self.proposer.drop(list(request_ids))
+
+    # ------------------------------------------------------------------------- a step
+    def verify(self, sched_out: SchedulerOutput, step_reqs: list[StepRequest],
+               fwd: ForwardOutput, generators: Mapping[str, torch.Generator],
+               eos_token_ids: Sequence[int], vocab_size: int
+               ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs], ProposeInput]:
+        """Tokens (accepted drafts + 1) and logprobs per sampled request, and what `propose`
+        needs (call it before the scheduler's update, while every block is held)."""
+        requests = [s.request for s in sched_out.scheduled]
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, StepLogprobs] = {}
+        per_req: list[list[int] | None] = [None] * len(requests)
+        num_valid = np.array([len(s.token_ids) for s in step_reqs], dtype=np.int64)
+        if fwd.logits is not None:
+            rows = fwd.sample_rows
+            drafts = [sched_out.scheduled[i].spec_token_ids for i in rows]
+            out = self._verify(fwd.logits, [requests[i] for i in rows], drafts, generators,
+                               eos_token_ids, vocab_size)
+            lp = out.logprobs.tolists() if out.logprobs is not None else None
+            offset = 0
+            for m, i in enumerate(rows):
+                r, toks = requests[i], out.token_ids[m]
+                sampled[r.request_id] = per_req[i] = toks
+                num_valid[i] -= len(drafts[m]) - int(out.num_accepted[m])
+                if lp is not None and r.sampling_params.logprobs is not None:
+                    n, sl = r.sampling_params.logprobs + 1, slice(offset, offset + len(toks))
+                    logprobs[r.request_id] = StepLogprobs(sampled=TokenLogprobs(
+                        [x[:n] for x in lp[0][sl]], [x[:n] for x in lp[1][sl]], lp[2][sl]))
+                offset += len(toks)
+        assert fwd.batch is not None
+        inp = ProposeInput(step_reqs, requests, fwd.batch, num_valid, per_req,
+                           self._draft_caps(requests, per_req))
+        return sampled, logprobs, inp
+
+    def propose(self, inp: ProposeInput) -> None:
+        for i, d in enumerate(self.proposer.propose(inp)):
+            if d:
+                self._pending[inp.requests[i].request_id] = d
+
+    def commit(self, sched_out: SchedulerOutput) -> None:
+        """After the scheduler's update: drafts for the requests still running."""
+        for s in sched_out.scheduled:
+            drafts = self._pending.pop(s.request_id, None)
+            if drafts and s.request.status is RequestStatus.RUNNING:
+                s.request.spec_token_ids = drafts
+
+    # ------------------------------------------------------------------------ helpers
+    def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+                generators: Mapping[str, torch.Generator], eos_token_ids: Sequence[int],
+                vocab_size: int) -> VerifyOutput:
+        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+        params, outputs, prompts, gens = [], [], [], {}
+        for r, d in zip(reqs, drafts):
+            sp, hist = r.sampling_params, r.output_token_ids
+            # Row j sees the drafts before it as output (penalties, min_tokens); rows whose
+            # params read neither keep the plain list (no copy).
+            exact = sp.has_penalties or len(hist) < sp.min_tokens
+            g = generators.get(r.request_id)
+            for j in range(len(d) + 1):
+                if g is not None:
+                    gens[len(params)] = g
+                params.append(sp)
+                outputs.append(hist + d[:j] if exact and j else hist)
+                prompts.append(r.prompt_token_ids)
+        md = build_sampling_metadata(params, outputs, prompts, gens, logits.device, vocab_size,
+                                     eos_token_ids=eos_token_ids)
+        forced = self._forced(reqs, num_drafts) if self.config.is_forced else None
+        out = self.sampler(logits, md, num_drafts,
+                           np.fromiter((t for d in drafts for t in d), dtype=np.int64,
+                                       count=int(num_drafts.sum())), forced_accepted=forced)
+        self.stats.observe(num_drafts, out.num_accepted)
+        return out
+
+    def _forced(self, reqs: list[Request], num_drafts: np.ndarray) -> np.ndarray:
+        """Deterministic error diffusion: each request accepts AL - 1 drafts per verified
+        step on average (capped by the drafts it had, with at most k owed)."""
+        per_step = float(self.config.forced_acceptance_length) - 1.0   # type: ignore[arg-type]
+        out = np.zeros(len(reqs), dtype=np.int64)
+        for m, r in enumerate(reqs):
+            k = int(num_drafts[m])
+            if k == 0:
+                continue
+            credit = min(self._credit.get(r.request_id, 0.0) + per_step, float(self.k))
+            out[m] = min(k, math.floor(credit + 1e-9))
+            self._credit[r.request_id] = credit - out[m]
+        return out
+
+    def _draft_caps(self, requests: list[Request], emitted: list[list[int] | None]
+                    ) -> np.ndarray:
+        """Drafts wanted per request: k, fewer near max_tokens / max_model_len (every draft
+        and the bonus token must fit), 0 where nothing was emitted."""
+        caps = np.zeros(len(requests), dtype=np.int64)
+        for i, (r, e) in enumerate(zip(requests, emitted)):
+            if not e:
+                continue
+            sp = r.sampling_params
+            n_out, n_tok = r.num_output_tokens + len(e), r.num_tokens + len(e)
+            left = self.max_model_len - n_tok - 1
+            if sp.max_tokens is not None:
+                left = min(left, sp.max_tokens - n_out - 1)
+            caps[i] = max(0, min(self.k, left))
+        return caps
