@@ -116,3 +116,25 @@ def test_bad_requests_are_rejected_without_leaking(llm):
         llm.generate({"prompt_token_ids": [10**7]}, SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, SamplingParams(), use_tqdm=False)
+
+
+def test_prompt_logprobs_cover_a_cached_prefix(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("ROMEO.\n" * 40)
+    assert len(prompt) > 2 * 64        # spans full 64-token blocks (the fixture's block size)
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)   # fills the cache
+    hits = llm.engine.get_stats().prefix_hits
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    first = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    assert llm.engine.get_stats().prefix_hits == hits      # no hit for prompt logprobs
+    lps = first.prompt_logprobs
+    assert lps[0] is None and len(lps) == len(prompt)
+    assert all(prompt[i] in lps[i] and len(lps[i]) <= 2 for i in range(1, len(prompt)))
+    # Same numbers when the prompt is chunked over several steps.
+    chunked = LLM(None, dtype="float32", block_size=64, max_num_batched_tokens=48)
+    again = chunked.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    for a, b in zip(lps[1:], again.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank

@@ -109,11 +109,20 @@ class _Context:
 
 
 class _Draw:
+    """Scaled lognormal draws; normals come from a buffer (a scalar numpy call costs more
+    than the rest of the generator)."""
+
     def __init__(self, rng: np.random.Generator, scale: float) -> None:
         self.rng, self.scale = rng, scale
+        self._normals: list[float] = []
+
+    def normal(self) -> float:
+        if not self._normals:
+            self._normals = self.rng.standard_normal(1024).tolist()
+        return self._normals.pop()
 
     def lognormal(self, ms: tuple[float, float]) -> float:
-        return float(ms[0] * math.exp(ms[1] * self.rng.standard_normal()))
+        return ms[0] * math.exp(ms[1] * self.normal())
 
     def tokens(self, ms: tuple[float, float], lo: int = 1, hi: float = math.inf) -> int:
         """A scaled lognormal token count, clipped to [lo, hi * scale]."""
@@ -131,7 +140,7 @@ def _request(t: float, model: str, ctx: _Context, out: int, think: float, api: f
 
 def _api_time(p: AgenticParams, d: _Draw, out: int) -> float:
     return (p.api_base_s + out / max(p.scale, 1e-9) * p.api_s_per_output_token) * \
-        math.exp(0.3 * d.rng.standard_normal())
+        math.exp(0.3 * d.normal())
 
 
 def _child(p: AgenticParams, d: _Draw, ids: _BlockIds, t0: float, agent_id: str
@@ -155,7 +164,8 @@ def _child(p: AgenticParams, d: _Draw, ids: _BlockIds, t0: float, agent_id: str
             "duration_ms": int(round((t - t0) * 1000)), "models": [SUB_MODEL], "requests": reqs}
 
 
-def generate_session(p: AgenticParams, seed: int, index: int) -> dict[str, Any]:
+def generate_session(p: AgenticParams, seed: int, index: int,
+                     params_dict: dict[str, Any] | None = None) -> dict[str, Any]:
     d = _Draw(np.random.default_rng([seed, index]), p.scale)
     ids = _BlockIds()
     cap = p.context_cap * p.scale
@@ -193,12 +203,14 @@ def generate_session(p: AgenticParams, seed: int, index: int) -> dict[str, Any]:
     return {"id": f"synthetic_{seed}_{index:05d}", "models": [MAIN_MODEL, SUB_MODEL],
             "block_size": p.block_size, "hash_id_scope": "local",
             "tool_tokens": int(prefix * 0.8), "system_tokens": prefix - int(prefix * 0.8),
-            "generator": {"seed": seed, "index": index, "params": asdict(p)},
+            "generator": {"seed": seed, "index": index,
+                          "params": params_dict if params_dict is not None else asdict(p)},
             "requests": reqs}
 
 
 def generate_sessions(p: AgenticParams, num: int, seed: int) -> list[dict[str, Any]]:
-    return [generate_session(p, seed, i) for i in range(num)]
+    params = asdict(p)
+    return [generate_session(p, seed, i, params) for i in range(num)]
 
 
 def write_traces(sessions: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
@@ -274,8 +286,9 @@ def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
         compactions.append(sum(b["in"] < 0.5 * a["in"] for a, b in zip(mains, mains[1:])))
         thinks += [r.get("think_time", 0.0) for r in mains[1:]]
         for kind, r in reqs:
-            hit = min(_leading_seen(r["hash_ids"], seen) * bs, r["in"])
-            seen.update(r["hash_ids"])
+            n_hit = _leading_seen(r["hash_ids"], seen)
+            hit = min(n_hit * bs, r["in"])
+            seen.update(r["hash_ids"][n_hit:])
             hit_tok += hit
             in_tok += r["in"]
             if kind == "main":

@@ -27,7 +27,7 @@ import secrets
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -166,13 +166,16 @@ class Replayer:
         self.profiling = asyncio.Event()
         self.closed = False
         self.profile_start: float | None = None
+        self.profile_end: float | None = None
         self.sessions_started = 0
         self.sessions_completed = 0
         self._next_trace = 0
         self._lanes_warm = 0
 
     # ---------------------------------------------------------------- driver
-    async def run(self, progress: bool = True) -> None:
+    async def run(self, progress: bool = True,
+                  on_start: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Warmup, profiling for duration_s (on_start runs as it begins), drain, stop."""
         from tqdm.auto import tqdm
 
         lanes = [asyncio.create_task(self._lane(_Lane(i, self.opts.warmup_per_lane)))
@@ -180,6 +183,8 @@ class Replayer:
         stop_wait = asyncio.create_task(self.stop.wait())
         prof_wait = asyncio.create_task(self.profiling.wait())
         await asyncio.wait({stop_wait, prof_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not self.stop.is_set() and on_start is not None:
+            await on_start()
         if not self.stop.is_set():
             bar = tqdm(total=int(self.opts.duration_s), desc="agentic replay (s)",
                        disable=not progress, leave=False)
@@ -190,6 +195,7 @@ class Replayer:
                 bar.set_postfix(requests=len(self.records), refresh=True)
             bar.close()
         self.closed = True
+        self.profile_end = time.perf_counter()
         self.profiling.set()                       # release lanes still waiting for it
         drain_end = time.perf_counter() + (0.0 if self.stop.is_set()
                                            else self.opts.drain_timeout_s)
@@ -198,6 +204,12 @@ class Replayer:
         for t in lanes + [stop_wait, prof_wait]:
             t.cancel()
         await asyncio.gather(*lanes, stop_wait, prof_wait, return_exceptions=True)
+
+    @property
+    def profile_seconds(self) -> float:
+        if self.profile_start is None or self.profile_end is None:
+            return 0.0
+        return self.profile_end - self.profile_start
 
     # ---------------------------------------------------------------- lanes
     async def _lane(self, lane: _Lane) -> None:

@@ -134,7 +134,9 @@ def run_wideserve(llm: Any, requests: list[BenchRequest], ignore_eos: bool = Tru
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     engine = llm.engine
+    kv = engine.kv_manager
     steps0, stats0 = _snapshot(engine)
+    replayed0 = kv.stats.replayed
     with KVProbe(engine) as probe:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -151,7 +153,9 @@ def run_wideserve(llm: Any, requests: list[BenchRequest], ignore_eos: bool = Tru
         prefix_cache={"queries": queries, "hits": hits,
                       "hit_rate": hits / queries if queries else 0.0,
                       "prompt_tokens_computed": stats1.prompt_tokens - stats0.prompt_tokens,
-                      "preemptions": stats1.num_preemptions - stats0.num_preemptions},
+                      "preemptions": stats1.num_preemptions - stats0.num_preemptions,
+                      "window_mode": kv.mode, "replay_tokens": kv.replay_tokens,
+                      "replayed_tokens": kv.stats.replayed - replayed0},
         kv_blocks=probe.summary())
     return result, tokens
 

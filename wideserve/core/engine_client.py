@@ -80,12 +80,14 @@ class EngineCoreClient:
         self.proc = self._spawn()
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.proc.poll() is not None:
-                raise EngineStartupError(self._exit_message("failed to start"))
-            if time.monotonic() > deadline:
-                self._kill()
-                raise EngineStartupError(f"engine core not ready after {timeout_s:.0f} s")
+            exited = self.proc.poll() is not None
+            # After an exit, still read what it sent: EngineDead says why it failed.
             if not await self._out_sock.poll(200):
+                if exited:
+                    raise EngineStartupError(self._exit_message("failed to start"))
+                if time.monotonic() > deadline:
+                    self._kill()
+                    raise EngineStartupError(f"engine core not ready after {timeout_s:.0f} s")
                 continue
             msg = self._decoder.decode(await self._out_sock.recv())
             if isinstance(msg, ipc.EngineDead):

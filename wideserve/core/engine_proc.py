@@ -191,12 +191,13 @@ def _report_death(loop: EngineLoop | None, output_addr: str, reason: str) -> Non
         if loop is not None:
             loop.send(ipc.EngineDead(reason=reason))
             return
-        ctx = zmq.Context.instance()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(output_addr)
         sock.send(ipc.make_encoder().encode(ipc.EngineDead(reason=reason)))
         sock.close()
+        ctx.term()                  # waits (up to the linger) until the message is out
     except zmq.ZMQError:
         pass
 

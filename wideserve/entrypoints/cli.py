@@ -14,6 +14,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "wideserve.entrypoints.info",
     "wideserve.entrypoints.generate",
     "wideserve.entrypoints.serve",
+    "wideserve.entrypoints.bench",
 )
 
 

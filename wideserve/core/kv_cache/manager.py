@@ -142,7 +142,8 @@ class KVCacheManager:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} already holds KV blocks")
         empty = KVCacheBlocks([[] for _ in self.managers])
-        if not self.enable_caching:
+        # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return empty, 0
         self.block_hasher(request)
         # Never the last token: its logits must be computed.
