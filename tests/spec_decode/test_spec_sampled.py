@@ -76,7 +76,6 @@ def test_sampled_tokens_follow_the_target_distribution(setup):
     assert toks.shape == (N, 4)
     sd = llm.engine.get_stats().spec_decode
     # Both verification outcomes happened many times.
-    print("ACC", sd.num_accepted_tokens / sd.num_draft_tokens, sd.num_accepted_tokens_per_pos, sd.num_drafts)
     assert sd.num_accepted_tokens_per_pos[1] > 0.05 * N
     assert 0.05 * sd.num_draft_tokens < sd.num_accepted_tokens < 0.95 * sd.num_draft_tokens
     marginals = {"t1": (toks[:, 0], joint.sum((1, 2))), "t2": (toks[:, 1], joint.sum((0, 2))),

@@ -82,6 +82,15 @@ def _seed(text: str) -> int:
     return value
 
 
+def _speculative_config(text: str) -> Any:
+    """JSON like vLLM's: '{"method": "mtp", "num_speculative_tokens": 3}'."""
+    from wideserve.spec_decode.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
     """argparse's error() prints the whole usage block first; a bad flag is one line."""
     self.exit(2, f"{self.prog}: error: {message}\n")
@@ -112,6 +121,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="'auto' (the model's generation_config.json), 'vllm' or 'none' "
                         "(ignore it), or a directory holding one")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "mtp", '
+                        '"num_speculative_tokens": 3}\'; methods mtp, ngram '
+                        '(prompt_lookup_min/max), draft_model (model); '
+                        '"forced_acceptance_length" is for benchmarks only (outputs are then '
+                        'not the model\'s)')
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -152,6 +167,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len,
                                   policy=args.scheduling_policy),
+        speculative=getattr(args, "speculative_config", None),
     )
 
 

@@ -62,8 +62,7 @@ class ModelRunner:
         num_tokens = int(qsl[-1])
         req_of_token = np.repeat(np.arange(len(reqs)), qlens)
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], qlens)
-        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64,
-                                count=num_tokens)
+        input_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
         seq_lens = starts + qlens
         dev = self.device
         views = [self._group_view(g, layout, reqs, req_of_token, positions)

@@ -209,7 +209,7 @@ class RejectionSampler:
             mass = residual.sum(dim=1, keepdim=True)
             # p == q leaves no residual (and then rejection has probability 0): keep p.
             residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), sub)
-            pass
+            dist = dist.index_copy(0, rej, residual)
         final = exponential_race(dist, gens)
         if greedy_final is not None:
             assert md.greedy_mask is not None

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,9 +74,10 @@ class RemoteServer:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "wideserve.entrypoints.serve", "serve", *args,
                "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, env=server_env(), stdout=subprocess.PIPE,
+        # A file, not a pipe: a chatty server must never block on a full pipe buffer.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="wideserve-server-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, env=server_env(), stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
         try:
             self._wait_ready(startup_timeout)
         except BaseException:
@@ -96,9 +98,9 @@ class RemoteServer:
         raise TimeoutError("server not healthy in time:\n" + self.read_output())
 
     def read_output(self) -> str:
-        if self.proc.poll() is not None and self.proc.stdout is not None:
-            self.output.append(self.proc.stdout.read())
-        return "".join(self.output)
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
 
     def engine_pid(self) -> int:
         """The engine-core child of the server process (via /proc: no psutil needed)."""
@@ -132,3 +134,13 @@ def pid_alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
+
+
+def served(request, srv: RemoteServer):
+    """Module-fixture body: yield the server, close it, and show its log if a test failed."""
+    failed_before = request.session.testsfailed
+    yield srv
+    code = srv.close()
+    if request.session.testsfailed > failed_before or code != 0:
+        print(f"--- server log (exit code {code}) ---\n" + srv.read_output()[-20000:])
+    assert code == 0

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from oai_server_utils import MAX_LEN, RemoteServer, write_tiny_model
+from oai_server_utils import MAX_LEN, RemoteServer, served, write_tiny_model
 from wideserve.tokenizer import Tokenizer
 
 NAME = "tiny-test"
@@ -30,18 +30,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server(request, model_dir):
     srv = RemoteServer([str(model_dir), "--load-format", "dummy", "--device", "cpu",
                         "--block-size", "16", "--kv-cache-memory", "8MiB",
                         "--max-num-seqs", "64", "--served-model-name", NAME, "other-name",
                         "--enable-debug-endpoints"])
-    yield srv
-    assert srv.close() == 0
+    yield from served(request, srv)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from oai_server_utils import MAX_LEN, VOCAB, RemoteServer, write_tiny_model
+from oai_server_utils import MAX_LEN, VOCAB, RemoteServer, served, write_tiny_model
 
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -115,14 +115,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(request, tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     srv = RemoteServer([str(model), "--load-format", "dummy", "--device", "cpu",
                         "--block-size", "16", "--kv-cache-memory", "4MiB",
                         "--served-model-name", NAME, "--api-key", KEY,
                         "--max-request-bytes", str(LIMIT)])
-    yield srv
-    assert srv.close() == 0
+    yield from served(request, srv)
 
 
 @pytest.fixture(scope="module")

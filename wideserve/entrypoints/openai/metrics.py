@@ -42,6 +42,13 @@ ENGINE_COUNTERS = {
                                               "(recomputation after preemption included)."),
     "generation_tokens": ("engine_generation_tokens", "Tokens sampled by the engine."),
 }
+# Inside stats["spec_decode"] (SpecDecodeStats), under vLLM's names so clients that scrape
+# `spec_decode_*` (wideserve bench, vLLM's benchmark_serving) report acceptance.
+SPEC_COUNTERS = {
+    "num_drafts": ("spec_decode_num_drafts", "Verifications of a request's draft tokens."),
+    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
 # Inside stats["steps"] (StepStats).
 STEP_COUNTERS = {
     "steps": ("engine_steps", "Engine steps that ran a batch."),
@@ -69,6 +76,7 @@ class EngineStatsCollector(Collector):
                 fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
                 fam.add_metric([self._model], float(stats[key]))
                 yield fam
+        yield from self._spec_decode(stats.get("spec_decode"), labels)
         steps = stats.get("steps") or {}
         for key, (name, doc) in STEP_COUNTERS.items():
             if key in steps:
@@ -83,6 +91,32 @@ class EngineStatsCollector(Collector):
                 labels=["model_name", "phase"])
             for phase, seconds in sorted(phases.items()):
                 fam.add_metric([self._model, str(phase)], float(seconds))
+            yield fam
+
+
+    def _spec_decode(self, spec: Any, labels: list[str]) -> Iterator[Any]:
+        if not isinstance(spec, dict):
+            return
+        for key, (name, doc) in SPEC_COUNTERS.items():
+            if key in spec:
+                fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+                fam.add_metric([self._model], float(spec[key]))
+                yield fam
+        per_pos = spec.get("num_accepted_tokens_per_pos")
+        if isinstance(per_pos, list) and per_pos:
+            fam = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose token at this position (0-based) was accepted.",
+                labels=labels + ["position"])
+            for j, count in enumerate(per_pos):
+                fam.add_metric([self._model, str(j)], float(count))
+            yield fam
+        if spec.get("forced_acceptance_length") is not None:
+            fam = GaugeMetricFamily(
+                PREFIX + "spec_decode_forced_acceptance_length",
+                "Benchmark-only forced acceptance length (outputs are NOT the model's).",
+                labels=labels)
+            fam.add_metric([self._model], float(spec["forced_acceptance_length"]))
             yield fam
 
 
