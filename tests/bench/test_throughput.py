@@ -43,10 +43,10 @@ def test_bundled_model_both_backends(tmp_path):
 def test_shared_prefix_hits_and_v4_padding_refused(tmp_path):
     res = _run(tmp_path, "--dataset", "shared-prefix", "--num-prompts", "4", "--prefix-len",
                "512", "--num-prefixes", "1", "--input-len", "8", "--output-len", "2",
-               "--max-num-batched-tokens", "600")
+               "--max-num-batched-tokens", "520")
     pc = res["backends"]["wideserve"]["prefix_cache"]
-    # Only the first request computes the prefix (520-token prompts, 600-token budget): the
-    # three others hit both 256-token blocks.
+    # Only the first request computes the prefix (520-token prompts, 520-token budget: it runs
+    # alone in step 1); the three others hit both 256-token blocks.
     assert pc["hits"] == 3 * 512 and pc["prompt_tokens_computed"] == 4 * 520 - 3 * 512
     assert cli_main(["bench", "throughput", "--backend", "both", "--hf-batch-size", "2",
                      *COMMON]) == 2

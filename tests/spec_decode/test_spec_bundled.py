@@ -91,3 +91,18 @@ def test_forced_acceptance_length_is_met():
     assert sd.num_drafts == 2 * 24
     assert sd.mean_acceptance_length == pytest.approx(al)
     assert math.isclose(sd.num_accepted_tokens_per_pos[0], sd.num_drafts)
+
+
+def test_greedy_with_penalties_min_tokens_and_stops_equal():
+    """Penalties and min_tokens see each draft row's own history; a stop inside accepted
+    drafts ends the request there."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
+                          frequency_penalty=0.2, presence_penalty=0.1),
+           SamplingParams(temperature=0.0, max_tokens=40, min_tokens=10, stop_token_ids=[204])]
+    spec_llm = _llm({"method": "ngram", "num_speculative_tokens": 4}, max_model_len=64)
+    plain_llm = _llm(None, max_model_len=64)
+    for sp in sps:
+        got, want = _run(spec_llm, sp, PROMPTS[:4]), _run(plain_llm, sp, PROMPTS[:4])
+        assert [(o.token_ids, o.finish_reason) for o in got] == \
+            [(o.token_ids, o.finish_reason) for o in want]
+    assert any(o.finish_reason == "stop" for o in got)

@@ -172,3 +172,15 @@ def test_mtp_drafts_match_a_one_shot_mtp_forward(ckpt, condition):
         # Equal argmax up to float ties (batch shapes change summation order).
         assert float(row.max() - row[draft]) < 1e-4, (rid, c, draft, int(row.argmax()))
     _check_idle(llm)
+
+
+def test_bad_proposer_setups_are_named(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        _llm(ckpt["llama"], {"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        _llm(ckpt["path"], {"method": "draft_model", "model": str(tmp_path / "none"),
+                            "num_speculative_tokens": 1})
+    big = llama_checkpoint(tmp_path / "big_vocab", vocab=300)
+    with pytest.raises(ValueError, match="vocabulary"):
+        _llm(ckpt["path"], {"method": "draft_model", "model": str(big),
+                            "num_speculative_tokens": 1})

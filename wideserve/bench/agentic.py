@@ -171,7 +171,7 @@ def generate_session(p: AgenticParams, seed: int, index: int,
     cap = p.context_cap * p.scale
     prefix = d.tokens(p.prefix)
     ctx = _Context(ids, p.block_size, prefix)
-    ctx.grow(min(d.tokens(p.history, lo=0), int(0.8 * cap) - prefix))
+    ctx.grow(max(0, min(d.tokens(p.history, lo=0), int(0.8 * cap) - prefix)))
     n_turns = int(min(max(round(d.lognormal(p.turns)), p.min_turns), p.max_turns))
     spawn_after: dict[int, int] = {}
     if d.rng.random() < p.subagent_session_frac:

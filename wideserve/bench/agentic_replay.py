@@ -156,8 +156,9 @@ class Replayer:
 
     def __init__(self, client: Any, target: ServeTarget, traces: list[dict[str, Any]],
                  text: BlockText, opts: ReplayOptions, stop: asyncio.Event) -> None:
+        traces = [t for t in traces if trace_turns(t)]
         if not traces:
-            raise ValueError("no traces to replay")
+            raise ValueError("no traces with a main request to replay")
         self.client, self.target, self.traces = client, target, traces
         self.text, self.opts, self.stop = text, opts, stop
         self.records: list[RequestRecord] = []

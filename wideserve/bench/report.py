@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,3 +39,23 @@ def machine_info() -> dict[str, Any]:
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
                     cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     return info
+
+
+def command_line(args: Any, sub: str) -> str:
+    """The command as typed when run from the CLI; else rebuilt from the parsed flags."""
+    import sys as _sys
+    if _sys.argv[1:3] == ["bench", sub]:
+        return shlex.join(["wideserve", *_sys.argv[1:]])
+    parts = ["wideserve", "bench", sub]
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_") or key == "bench_command" or key == "command" \
+                or value in (None, False):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list):
+            parts += [flag, *map(str, value)]
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)

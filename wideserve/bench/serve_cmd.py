@@ -109,7 +109,7 @@ async def _main(args: argparse.Namespace, results: dict[str, Any]) -> None:
     import httpx
 
     from wideserve.bench.client import ServeTarget, resolve_model
-    from wideserve.bench.report import machine_info
+    from wideserve.bench.report import command_line, machine_info
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,7 +133,7 @@ async def _main(args: argparse.Namespace, results: dict[str, Any]) -> None:
         endpoint = "chat" if args.dataset == "agentic" else args.endpoint
         target = ServeTarget(args.base_url, model, endpoint, args.api_key,
                              ignore_eos=args.ignore_eos, tokenizer=tokenizer)
-        results.update(command="wideserve bench serve " + " ".join(sys.argv[3:]),
+        results.update(command=command_line(args, "serve"),
                        machine=machine_info(), base_url=args.base_url, model=model,
                        endpoint=endpoint, dataset=_dataset_info(args), num_gpus=args.num_gpus,
                        points=[], samples=[], interrupted=False)

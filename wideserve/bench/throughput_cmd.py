@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from wideserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, \
     token_pool
-from wideserve.bench.report import machine_info
+from wideserve.bench.report import command_line, machine_info
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,10 +85,7 @@ def _print_summary(results: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from wideserve.bench.throughput import (build_llm, hf_padding_allowed, hf_warmup,
-                                            load_hf_model, materialise_hf_random_weights,
-                                            median_result, reset_prefix_cache, run_hf,
-                                            run_wideserve)
+    from wideserve.bench.throughput import hf_padding_allowed, materialise_hf_random_weights
     from wideserve.entrypoints.serve import engine_config_from_args
     from wideserve.executor.loader import read_config, resolve_dtype, resolve_model_path
 
@@ -105,11 +103,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = resolve_dtype(config.load.dtype, cfg_json)
     notes = []
-    if config.load.load_format == "dummy" and want_hf:
-        # Both backends must run the same weights: transformers' random init, saved once.
-        model_dir = materialise_hf_random_weights(model_dir, dtype, config.load.seed)
-        config.load.model, config.load.load_format = str(model_dir), "auto"
-        notes.append("dummy weights: transformers' random init (seeded), shared by both")
+    with tempfile.TemporaryDirectory(prefix="wideserve-bench-") as tmp:
+        if config.load.load_format == "dummy" and want_hf:
+            # Both backends must run the same weights: transformers' random init, saved once.
+            model_dir = materialise_hf_random_weights(model_dir, dtype, config.load.seed,
+                                                      Path(tmp))
+            config.load.model, config.load.load_format = str(model_dir), "auto"
+            notes.append("dummy weights: transformers' random init (seeded), shared by both")
+        return _run_loaded(args, config, model_dir, cfg_json, dtype, notes)
+
+
+def _run_loaded(args: argparse.Namespace, config: Any, model_dir: Path, cfg_json: dict,
+                dtype: Any, notes: list[str]) -> int:
+    from wideserve.bench.throughput import (build_llm, hf_warmup, load_hf_model,
+                                            reset_prefix_cache, run_hf, run_wideserve)
+    want_ws, want_hf = args.backend in ("wideserve", "both"), args.backend in ("hf", "both")
     special = _special_ids(model_dir, config.load.tokenizer)
     requests = _requests(args, int(cfg_json["vocab_size"]), special)
     warm = requests[0].prompt_token_ids[0] if args.dataset == "random" else \
@@ -147,7 +155,7 @@ def _results(args: argparse.Namespace, cfg_json: dict, dtype: Any, runs: dict[st
         if rs:
             backends[name]["all_elapsed_s"] = [r.elapsed_s for r in rs]
     out: dict[str, Any] = {
-        "command": "wideserve bench throughput " + " ".join(sys.argv[3:]),
+        "command": command_line(args, "throughput"),
         "machine": machine_info(),
         "model": args.model or "bundled shakespeare-v4-tiny",
         "architecture": (cfg_json.get("architectures") or ["?"])[0],

@@ -24,7 +24,7 @@ from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable, apply_rope
 
 if TYPE_CHECKING:
-    from wideserve.layers.v4_attention import V4Step
+    from wideserve.layers.v4_step import V4Step
 
 
 @dataclass(slots=True)

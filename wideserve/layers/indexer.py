@@ -6,25 +6,39 @@ CSA main compressor at width D_I. Per query p and visible entry w < (p+1)//m:
   with wgt = weights_proj(x) * H_I^-1/2,
 and the query attends to the top `index_topk` visible entries. Ties break deterministically:
 the lowest entry index wins (a stable sort), so a full prefill, chunked prefill and decode pick
-the same entries (random weights make many scores exactly 0).
+the same entries (random weights make many scores exactly 0). The selection itself is an
+attention-backend op (`select` in v4_reference.py / v4_batched.py).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from wideserve.layers.compressor import Compressor
-from wideserve.layers.rope import apply_rope
-
-if TYPE_CHECKING:
-    from wideserve.layers.v4_attention import V4Step
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values along the last axis; equal values: lowest index first."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The same indices in the same order as `stable_topk_indices` (scores without NaN), from
+    torch.topk instead of a full sort.
+
+    Why equal: the stable descending sort orders (score, index) pairs by score, then by index.
+    Each pair is mapped to one int64 key that is strictly monotone in that order: the high 32
+    bits are the float's bits made order-preserving as a signed int (negative floats have their
+    magnitude bits flipped; -0.0 is first turned into +0.0 because the sort ties them), the low
+    32 bits are (n-1-index). Keys are unique, so topk's unspecified tie order never matters and
+    its k largest, sorted, are exactly the first k of the stable sort.
+    """
+    n = scores.shape[-1]
+    s = scores.float().contiguous() + 0.0               # -0.0 + 0.0 = +0.0 (IEEE)
+    bits = s.view(torch.int32).to(torch.int64)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                    # [..., n]
+    low = (n - 1) - torch.arange(n, device=s.device)
+    return torch.topk(order * (1 << 32) + low, k, dim=-1).indices
 
 
 class IndexerScorer(nn.Module):
@@ -46,36 +60,3 @@ class Indexer(Compressor):
         self.topk = topk
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden, n_heads)
-
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, step: V4Step, keys_name: str,
-               cos: torch.Tensor, sin: torch.Tensor, query_block: int
-               ) -> list[torch.Tensor | None]:
-        """Per request: top-k entry ids [S_r, k] (-1 = nothing picked), or None when every
-        visible entry is picked anyway (index_topk >= entries), so attention can go dense.
-
-        x [T, d] (attention input), q_res [T, r_q]; cos/sin: compress table at the positions.
-        """
-        T = x.shape[0]
-        q = self.q_b_proj(q_res).view(T, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos, sin).float()                                   # [T, H_I, D_I]
-        weights = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5  # [T, H_I]
-        scale = self.head_dim ** -0.5
-        out: list[torch.Tensor | None] = []
-        for r in range(step.num_reqs):
-            qs, qe = step.token_range(r)
-            n_entries = int(step.seq[r]) // self.ratio
-            if qe == qs or self.topk >= n_entries:
-                out.append(None)
-                continue
-            keys = step.read_entries(keys_name, r, n_entries).float()         # [C, D_I]
-            picks = []
-            for a in range(qs, qe, query_block):
-                b = min(a + query_block, qe)
-                scores = torch.relu(torch.einsum("shd,cd->shc", q[a:b], keys)) * scale
-                scores = (scores * weights[a:b, :, None]).sum(dim=1)          # [S, C]
-                visible = (step.positions[a:b] + 1) // self.ratio              # [S]
-                future = torch.arange(n_entries, device=x.device)[None, :] >= visible[:, None]
-                idx = stable_topk_indices(scores.masked_fill(future, float("-inf")), self.topk)
-                picks.append(torch.where(idx >= visible[:, None], -1, idx))
-            out.append(torch.cat(picks))
-        return out

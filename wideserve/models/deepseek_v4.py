@@ -22,7 +22,9 @@ from wideserve.layers.mhc import HyperConnection, HyperHead, hc_expand
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
-from wideserve.layers.v4_attention import DeepseekV4Attention, V4Step
+from wideserve.layers.backends import resolve_attention_backend
+from wideserve.layers.v4_attention import DeepseekV4Attention
+from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
@@ -33,12 +35,13 @@ class DeepseekV4DecoderLayer(nn.Module):
     attn_hc, ffn_hc, self_attn, mlp."""
 
     def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str,
-                 cache_prefix: str, main_rope: RotaryTable, compress_rope: RotaryTable) -> None:
+                 cache_prefix: str, main_rope: RotaryTable, compress_rope: RotaryTable,
+                 attention_backend: str | None = None) -> None:
         super().__init__()
         c = config
         self.layer_type = layer_type
         self.self_attn = DeepseekV4Attention(c, layer_type, cache_prefix, main_rope,
-                                             compress_rope)
+                                             compress_rope, attention_backend)
         self.mlp = DeepseekV4MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts,
                                  c.num_experts_per_tok, c.scoring_func,
                                  c.routed_scaling_factor, c.swiglu_limit,
@@ -70,9 +73,9 @@ class DeepseekV4MTP(DeepseekV4DecoderLayer):
     """
 
     def __init__(self, config: DeepseekV4Config, index: int, main_rope: RotaryTable,
-                 compress_rope: RotaryTable) -> None:
+                 compress_rope: RotaryTable, attention_backend: str | None = None) -> None:
         super().__init__(config, SLIDING, "moe", f"mtp.{index}.self_attn.", main_rope,
-                         compress_rope)
+                         compress_rope, attention_backend)
         c = config
         d = c.hidden_size
         self.e_proj = nn.Linear(d, d, bias=False)
@@ -94,13 +97,14 @@ class DeepseekV4Model(nn.Module):
     """HF names under `model.`: embed_tokens, layers, norm, hc_head."""
 
     def __init__(self, config: DeepseekV4Config, main_rope: RotaryTable,
-                 compress_rope: RotaryTable) -> None:
+                 compress_rope: RotaryTable, attention_backend: str | None = None) -> None:
         super().__init__()
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekV4DecoderLayer(c, c.layer_types[i], c.mlp_layer_types[i],
-                                   f"model.layers.{i}.self_attn.", main_rope, compress_rope)
+                                   f"model.layers.{i}.self_attn.", main_rope, compress_rope,
+                                   attention_backend)
             for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps).float()
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
@@ -114,18 +118,21 @@ class DeepseekV4ForCausalLM(nn.Module):
                     "e_score_correction_bias", "q_a_norm", "kv_norm", "input_layernorm",
                     "post_attention_layernorm", "norm", "enorm", "hnorm")
 
-    def __init__(self, config: DeepseekV4Config) -> None:
+    def __init__(self, config: DeepseekV4Config, attention_backend: str | None = None) -> None:
+        """attention_backend: a layers/backends.py name; None = $WIDESERVE_ATTENTION_BACKEND,
+        else the default ("batched")."""
         super().__init__()
         self.config = config
+        backend = resolve_attention_backend(attention_backend)
         r = config.qk_rope_head_dim
         self.main_rope = RotaryTable(config.rope_parameters["main"], r)
         self.compress_rope = RotaryTable(config.rope_parameters["compress"], r)
-        self.model = DeepseekV4Model(config, self.main_rope, self.compress_rope)
+        self.model = DeepseekV4Model(config, self.main_rope, self.compress_rope, backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList(
-            DeepseekV4MTP(config, i, self.main_rope, self.compress_rope)
+            DeepseekV4MTP(config, i, self.main_rope, self.compress_rope, backend)
             for i in range(config.num_nextn_predict_layers))
         # Pre-hc_head streams of the last forward's tokens [T, n, d] (MTP input).
         self.last_streams: torch.Tensor | None = None
@@ -134,6 +141,17 @@ class DeepseekV4ForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def attention_backend(self) -> str:
+        return self.model.layers[0].self_attn.backend if len(self.model.layers) else ""
+
+    def set_attention_backend(self, name: str) -> None:
+        """Switch every attention layer (MTP included) to backend `name` (backends.py)."""
+        name = resolve_attention_backend(name)
+        for module in self.modules():
+            if isinstance(module, DeepseekV4Attention):
+                module.backend = name
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

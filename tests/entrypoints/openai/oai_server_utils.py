@@ -69,15 +69,18 @@ def server_env() -> dict[str, str]:
 class RemoteServer:
     """`python -m wideserve.entrypoints.cli serve ...` on a free port, until close()."""
 
-    def __init__(self, args: list[str], *, startup_timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], *, startup_timeout: float = 180.0,
+                 new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "wideserve.entrypoints.serve", "serve", *args,
+        cmd = [sys.executable, "-m", "wideserve.entrypoints.cli", "serve", *args,
                "--port", str(self.port), "--log-level", "warning"]
         # A file, not a pipe: a chatty server must never block on a full pipe buffer.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="wideserve-server-", suffix=".log")
+        # new_session: its own process group, so a test can signal the group like Ctrl-C.
         self.proc = subprocess.Popen(cmd, env=server_env(), stdout=self.log,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=new_session)
         try:
             self._wait_ready(startup_timeout)
         except BaseException:
@@ -117,9 +120,13 @@ class RemoteServer:
                 return int(entry.name)
         raise LookupError("no engine-core child process found")
 
-    def close(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+    def close(self, sig: int = signal.SIGTERM, timeout: float = 30.0,
+              group: bool = False) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

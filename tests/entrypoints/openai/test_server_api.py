@@ -125,6 +125,14 @@ def test_chat_stream_and_non_stream_agree(client, tok):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_echo_prepends_the_prompt(client):
+    prompt = "Hello world"
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, **GREEDY)
+    echoed = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, echo=True,
+                                       **GREEDY)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+
+
 def test_n_choices_and_seed(client):
     kwargs = dict(model=NAME, prompt="Hello", max_tokens=8, n=3, temperature=1.0, seed=7,
                   extra_body={"ignore_eos": True})

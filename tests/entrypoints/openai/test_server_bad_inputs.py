@@ -68,6 +68,8 @@ CASES = [
     ("prompt-id-outside-vocab", "/v1/completions", _c(prompt=[3, VOCAB]), 400, "vocabulary"),
     ("prompt-mixed-types", "/v1/completions", _c(prompt=["a", 3]), 400, "prompt"),
     ("unknown-field", "/v1/completions", _c(frobnicate=1), 400, "frobnicate"),
+    ("logit-bias-unsupported", "/v1/completions", _c(logit_bias={"5": 10}), 400,
+     "logit_bias"),
     ("unknown-model", "/v1/completions", _c(model="gpt-17"), 400, "does not exist"),
     ("priority-without-policy", "/v1/completions", _c(priority=3), 400, "priority"),
     ("best-of-unsupported", "/v1/completions", _c(best_of=3), 400, "best_of"),

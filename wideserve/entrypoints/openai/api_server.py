@@ -17,6 +17,7 @@ import secrets
 import signal
 import socket
 import sys
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -108,6 +109,7 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
 
 def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> None:
     tok = ctx.tokenizer
+    created = int(time.time())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -123,7 +125,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
     async def models() -> dict[str, Any]:
         root = str(ctx.engine.client.model_info.get("name", ctx.model_name))
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "wideserve",
+            {"id": name, "object": "model", "created": created, "owned_by": "wideserve",
              "root": root, "parent": None, "max_model_len": ctx.max_model_len}
             for name in ctx.served_names]}
 

@@ -62,8 +62,11 @@ def render_prompt(ctx: ServingContext, messages: list[ChatMessage],
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     ctx.check_model(req.model)
     ctx.check_priority(req.priority)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:        # templates of reasoning models read it
+        template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     prompt = render_prompt(ctx, req.messages, req.add_generation_prompt,
-                           req.continue_final_message, req.tools, req.chat_template_kwargs)
+                           req.continue_final_message, req.tools, template_kwargs)
     ids = await ctx.encode(prompt, False)
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None

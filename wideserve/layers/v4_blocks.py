@@ -1,0 +1,93 @@
+"""Query blocks: the host-side layout of the batched DeepSeek-V4 attention (v4_batched.py).
+
+A block is up to Q consecutive new queries of one request. Its queries' windows together cover
+Lk = Q + W - 1 consecutive positions, so the block gathers those keys once and every query
+masks its own band of W; compressed entries are gathered once per block too (one request).
+Decode tokens use Q = 1 (a block per token, keys = its window); requests with at least
+LONG_QUERY new tokens use Q = LONG_QUERY, so a prefill chunk does a few large matmuls instead of
+one tiny matmul and one W-row gather per token. A step has at most these two groups.
+
+Key rows index the window sources of V4Step: [this step's T latents | R * (W-1) cached
+latents, W-1 per request, ending just before its first new position | one zero row]. Keys a
+query may not read (below lo, at or past the request's end) point at the zero row, so the
+gathered values are finite whatever the cache holds there.
+
+Glossary: t = token row in the step, r = request, p = position, u = query slot in a block
+(position p0 + u), j = key slot in a block (position p0 - W + 1 + j).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+LONG_QUERY = 32     # queries per block for requests with at least this many new tokens
+
+
+@dataclass(slots=True)
+class QueryBlocks:
+    """B blocks of Q query slots each (one group of a step)."""
+
+    q_rows: torch.Tensor       # [B, Q] token rows to read (padding repeats the block's first)
+    out_rows: torch.Tensor     # [B, Q] token rows to write (padding -> T, a scratch row)
+    block_req: torch.Tensor    # [B] request of each block
+    q_pos: np.ndarray          # [B, Q] host positions (padding slots run past the request)
+    q_valid: np.ndarray        # [B, Q] host bool: a real query (not padding)
+    req: np.ndarray            # [B] host request of each block
+    first: np.ndarray          # [B] host local index of the block's first query
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.req.shape[0])
+
+    @property
+    def block_q(self) -> int:
+        return int(self.q_pos.shape[1])
+
+
+@dataclass(slots=True)
+class WindowKeys:
+    """Window keys of one group's blocks for one window size W."""
+
+    rows: torch.Tensor         # [B, Lk] rows into the window sources (zero row if unreadable)
+    valid: torch.Tensor        # [B, Q, Lk] bool: query slot u may read key slot j
+
+
+def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device)
+
+
+def build_query_blocks(reqs: np.ndarray, block_q: int, qsl: np.ndarray, ctx: np.ndarray,
+                       device: torch.device) -> QueryBlocks:
+    """Blocks of `block_q` queries for the requests `reqs` (each with >= 1 new token)."""
+    Q = block_q
+    T = int(qsl[-1])
+    S = (qsl[1:] - qsl[:-1])[reqs]
+    nb = -(-S // Q)
+    req = np.repeat(reqs, nb)                                                 # [B]
+    first = (np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)) * Q
+    local = first[:, None] + np.arange(Q)                                     # [B, Q]
+    q_valid = local < (qsl[req + 1] - qsl[req])[:, None]
+    q_rows = qsl[req][:, None] + np.where(q_valid, local, first[:, None])
+    out_rows = np.where(q_valid, q_rows, T)
+    return QueryBlocks(_dev(q_rows, device), _dev(out_rows, device), _dev(req, device),
+                       ctx[req][:, None] + local, q_valid, req, first)
+
+
+def build_window_keys(blocks: QueryBlocks, window: int, qsl: np.ndarray, ctx: np.ndarray,
+                      lo: np.ndarray, device: torch.device) -> WindowKeys:
+    W, Q = window, blocks.block_q
+    T, R = int(qsl[-1]), len(ctx)
+    req = blocks.req
+    c, seq = ctx[req][:, None], (ctx + qsl[1:] - qsl[:-1])[req][:, None]
+    key_pos = c + blocks.first[:, None] - (W - 1) + np.arange(Q + W - 1)     # [B, Lk]
+    readable = (key_pos >= lo[req][:, None]) & (key_pos < seq)
+    in_step = qsl[req][:, None] + key_pos - c
+    in_hist = T + req[:, None] * (W - 1) + key_pos - (c - (W - 1))
+    rows = np.where(readable, np.where(key_pos >= c, in_step, in_hist), T + R * (W - 1))
+    # Query u sees key slots u .. u + W - 1 of its block (positions p - W + 1 .. p).
+    j = np.arange(Q + W - 1)[None, None, :]
+    u = np.arange(Q)[None, :, None]
+    valid = readable[:, None, :] & (j >= u) & (j <= u + W - 1) & blocks.q_valid[:, :, None]
+    return WindowKeys(_dev(rows, device), _dev(valid, device))
