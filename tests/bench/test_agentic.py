@@ -17,12 +17,20 @@ from wideserve.bench.datasets import WordVocab
 from wideserve.executor.loader import BUNDLED_MODEL
 from wideserve.tokenizer import Tokenizer
 
+TRACE_KEYS = {"id", "models", "block_size", "hash_id_scope", "tool_tokens", "system_tokens",
+              "requests", "totals"}
+REQUEST_KEYS = {"t", "type", "model", "in", "out", "hash_ids", "input_types", "output_types",
+                "stop", "api_time", "think_time"}
+SUBAGENT_KEYS = {"t", "type", "agent_id", "subagent_type", "duration_ms", "total_tokens",
+                 "tool_use_count", "status", "requests", "models", "tool_tokens",
+                 "system_tokens"}
 SCALE = 0.1      # keeps hash-id lists short; statistics are compared after dividing by it
 
 
 @pytest.fixture(scope="module")
 def full_stats():
-    p = AgenticParams.preset("full", scale=SCALE, block_size=16)   # finer than 64 x SCALE would be: keeps hit stats
+    # 16-token blocks: as fine as 64 at scale 1 would be relative to 0.1x turns (hit stats)
+    p = AgenticParams.preset("full", scale=SCALE, block_size=16)
     return trace_stats(generate_sessions(p, 200, seed=0))
 
 
@@ -65,7 +73,12 @@ def test_weka_format_and_block_ids(tmp_path):
         s["id"] for s in sessions) and len(paths) == 6
     for tr in sessions:
         assert tr["block_size"] == 64 and tr["hash_id_scope"] == "local"
+        # AIPerf's Weka models (weka_trace_models.py) forbid any other key at every level.
+        assert set(tr) <= TRACE_KEYS and {"id", "models", "requests"} <= set(tr)
+        for e in tr["requests"]:
+            assert set(e) <= (SUBAGENT_KEYS if e["type"] == "subagent" else REQUEST_KEYS)
         for kind, r in iter_requests(tr):
+            assert set(r) <= REQUEST_KEYS and r["type"] == "n"
             assert {"t", "type", "model", "in", "out", "hash_ids", "api_time",
                     "think_time"} <= r.keys()
             assert len(r["hash_ids"]) == math.ceil(r["in"] / 64) and r["out"] >= 1

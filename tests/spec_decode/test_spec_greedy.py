@@ -184,3 +184,23 @@ def test_bad_proposer_setups_are_named(ckpt, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         _llm(ckpt["path"], {"method": "draft_model", "model": str(big),
                             "num_speculative_tokens": 1})
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_self"])
+def test_next_turn_hits_blocks_written_under_speculation(ckpt, method):
+    """Turn 2's prompt is turn 1's prompt + output: it hits blocks whose positions held
+    rejected drafts during turn 1 (rewound, then recomputed before publication)."""
+    llm = _llm(ckpt["path"], SPECS[method](ckpt), max_num_batched_tokens=64)
+    if method == "draft_self":
+        _corrupt_one_draft(llm)
+    plain = _llm(ckpt["path"], None, enable_prefix_caching=False)
+    turn1 = ckpt["prompts"][4] + [7]                        # 42 tokens
+    out1 = _generate(llm, [turn1])[0]
+    assert out1 == _generate(plain, [turn1])[0]
+    turn2 = turn1 + out1 + [11, 12, 13]                     # 57 tokens: 3 full blocks hit
+    hits = llm.engine.get_stats().prefix_hits
+    assert _generate(llm, [turn2]) == _generate(plain, [turn2])
+    assert llm.engine.get_stats().prefix_hits - hits == 3 * BLOCK
+    assert llm.engine.get_stats().spec_decode.num_accepted_tokens < \
+        llm.engine.get_stats().spec_decode.num_draft_tokens
+    _check_idle(llm)

@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class AgenticParams:
     max_think_s: float = 4 * 3600.0
     subagent_session_frac: float = 0.44
     groups: tuple[float, float] = (4, 1.3)              # groups per participating session
-    children_p: float = 0.55                            # children ~ geometric(p), <= 10
+    children_p: float = 0.8                             # children ~ geometric(p), <= 10
     max_children: int = 10
     child_prefix: tuple[float, float] = (13_500, 0.10)
     child_task: tuple[float, float] = (5_000, 0.8)
@@ -145,9 +145,10 @@ def _api_time(p: AgenticParams, d: _Draw, out: int) -> float:
 
 def _child(p: AgenticParams, d: _Draw, ids: _BlockIds, t0: float, agent_id: str
            ) -> dict[str, Any]:
-    ctx = _Context(ids, p.block_size, d.tokens(p.child_prefix) + d.tokens(p.child_task))
+    prefix = d.tokens(p.child_prefix)
+    ctx = _Context(ids, p.block_size, prefix + d.tokens(p.child_task))
     n = int(min(max(round(d.lognormal(p.child_requests)), 1), 40))
-    t, reqs = t0, []
+    t, reqs = t0, []  # type: float, list[dict[str, Any]]
     for k in range(n):
         think = 0.0 if k == 0 else min(d.lognormal(p.child_think_s), p.max_think_s)
         if k:
@@ -161,7 +162,9 @@ def _child(p: AgenticParams, d: _Draw, ids: _BlockIds, t0: float, agent_id: str
         t += api
     return {"t": round(t0, 3), "type": "subagent", "agent_id": agent_id,
             "subagent_type": "general-purpose", "status": "completed",
-            "duration_ms": int(round((t - t0) * 1000)), "models": [SUB_MODEL], "requests": reqs}
+            "duration_ms": int(round((t - t0) * 1000)), "models": [SUB_MODEL],
+            "tool_tokens": int(prefix * 0.8), "system_tokens": prefix - int(prefix * 0.8),
+            "requests": reqs}
 
 
 def generate_session(p: AgenticParams, seed: int, index: int,
@@ -203,9 +206,11 @@ def generate_session(p: AgenticParams, seed: int, index: int,
     return {"id": f"synthetic_{seed}_{index:05d}", "models": [MAIN_MODEL, SUB_MODEL],
             "block_size": p.block_size, "hash_id_scope": "local",
             "tool_tokens": int(prefix * 0.8), "system_tokens": prefix - int(prefix * 0.8),
-            "generator": {"seed": seed, "index": index,
-                          "params": params_dict if params_dict is not None else asdict(p)},
-            "requests": reqs}
+            "requests": reqs,
+            # AIPerf's schema forbids unknown top-level keys; `totals` is its opaque slot.
+            "totals": {"generator": {"seed": seed, "index": index,
+                                     "params": params_dict if params_dict is not None
+                                     else asdict(p)}}}
 
 
 def generate_sessions(p: AgenticParams, num: int, seed: int) -> list[dict[str, Any]]:
@@ -270,8 +275,17 @@ def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
 
     Ideal prefix hit: per session, an infinite cache of every block id seen so far (requests in
     time order); a request hits its leading blocks already seen (capped at its length)."""
-    main_isl, main_osl, all_isl, all_osl, new_tokens, hit_frac = [], [], [], [], [], []
-    sub_isl, sub_osl, first_isl, turns, thinks = [], [], [], [], []
+    main_isl: list[int] = []
+    main_osl: list[int] = []
+    sub_isl: list[int] = []
+    sub_osl: list[int] = []
+    all_isl: list[int] = []
+    all_osl: list[int] = []
+    first_isl: list[int] = []
+    turns: list[int] = []
+    new_tokens: list[int] = []
+    hit_frac: list[float] = []
+    thinks: list[float] = []
     hit_tok = in_tok = 0
     compactions, with_sub = [], 0
     for tr in traces:
@@ -299,7 +313,7 @@ def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
             (main_isl if kind == "main" else sub_isl).append(r["in"])
             (main_osl if kind == "main" else sub_osl).append(r["out"])
 
-    def med(x: list[float]) -> float | None:
+    def med(x: Sequence[float]) -> float | None:
         return float(np.median(x)) if x else None
 
     return {

@@ -27,7 +27,10 @@ def add_generator_arguments(p: argparse.ArgumentParser, prefix: str = "") -> Non
 
 def generator_params(args: argparse.Namespace, prefix: str = "") -> Any:
     from wideserve.bench.agentic import AgenticParams
-    get = (lambda k: getattr(args, prefix.replace("-", "_") + k))
+
+    def get(key: str) -> Any:
+        return getattr(args, prefix.replace("-", "_") + key)
+
     overrides: dict[str, Any] = {"scale": get("scale"), "min_osl": get("min_osl"),
                                  "block_size": get("block_size")}
     if get("context_cap") is not None:

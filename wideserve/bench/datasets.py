@@ -107,6 +107,7 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
             ids, text = words.sample(rng, n_in)
             out.append(BenchRequest(ids, n_out, prompt=text))
         else:
+            assert pool is not None
             out.append(BenchRequest(rng.choice(pool, size=n_in).tolist(), n_out))
     return out
 
@@ -128,6 +129,7 @@ def shared_prefix_requests(num: int, num_prefixes: int, prefix_len: int, suffix_
     def draw(n: int) -> tuple[list[int], str | None]:
         if words is not None:
             return words.sample(rng, n)
+        assert pool is not None
         return rng.choice(pool, size=n).tolist(), None
 
     prefixes = [draw(prefix_len) for _ in range(num_prefixes)]

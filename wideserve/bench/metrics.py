@@ -104,7 +104,10 @@ def compute_metrics(records: Sequence[RequestRecord], num_gpus: int = 1,
     isl = sum(r.prompt_tokens for r in ok)
     osl = sum(r.output_tokens for r in ok)
     duration = (max(r.chunk_times[-1] for r in ok) - min(r.start for r in ok)) if ok else 0.0
-    per = (lambda x: x / duration if duration > 0 else 0.0)
+
+    def per(x: float) -> float:
+        return x / duration if duration > 0 else 0.0
+
     tpots = [t for t in (r.tpot for r in ok) if t is not None]
     itls = [g for r in ok for g in r.itls]
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]

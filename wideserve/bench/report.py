@@ -23,6 +23,18 @@ def cpu_model() -> str:
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "shakespeare-v4-tiny"
 
 
+def git_version() -> str | None:
+    """`git describe --always --dirty` of the checkout wideserve runs from (None outside one)."""
+    import subprocess
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"],
+                             cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def machine_info() -> dict[str, Any]:
     """Where and when; torch details only if this process already imported it (the HTTP
     client must stay light: importing torch costs seconds)."""
@@ -33,6 +45,7 @@ def machine_info() -> dict[str, Any]:
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]
         if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
+        "git": git_version(),
     }
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -90,10 +90,12 @@ def run(args: argparse.Namespace) -> int:
     if error:
         print(f"wideserve bench serve: error: {error}", file=sys.stderr)
         return 2
+    import httpx
+
     results: dict[str, Any] = {}
     try:
         asyncio.run(_main(args, results))
-    except (RuntimeError, OSError, ValueError) as exc:
+    except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"wideserve bench serve: error: {exc}", file=sys.stderr)
         if not results.get("points"):
             return 1
@@ -153,6 +155,7 @@ async def _main(args: argparse.Namespace, results: dict[str, Any]) -> None:
             results["samples"].append({"label": f"c={conc}", **point.samples()})
             results["interrupted"] = stop.is_set()
             _print_point(summary)
+        results["machine_end"] = machine_info()
 
 
 def _tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:

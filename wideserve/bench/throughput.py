@@ -196,7 +196,7 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype, device: str) -> Any:
     from transformers import AutoModelForCausalLM
     with _quiet():
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def materialise_hf_random_weights(config_dir: Path, dtype: torch.dtype, seed: int,
@@ -209,7 +209,7 @@ def materialise_hf_random_weights(config_dir: Path, dtype: torch.dtype, seed: in
     with _quiet():
         cfg = AutoConfig.from_pretrained(str(config_dir))
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        model.save_pretrained(out, safe_serialization=True)
+        model.save_pretrained(out, safe_serialization=True)  # type: ignore[call-arg,arg-type]
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         src = Path(config_dir) / name
         if src.is_file() and not (out / name).exists():

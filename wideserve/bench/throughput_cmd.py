@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -95,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     config.cache.prefix_window_mode = args.prefix_window_mode
     model_dir = resolve_model_path(config.load.model)
     cfg_json = read_config(model_dir)
-    want_ws, want_hf = args.backend in ("wideserve", "both"), args.backend in ("hf", "both")
+    want_hf = args.backend in ("hf", "both")
+    if want_hf and importlib.util.find_spec("transformers") is None:
+        print("wideserve bench throughput: error: --backend hf/both needs transformers "
+              "(pip install 'wideserve[test]')", file=sys.stderr)
+        return 2
     if want_hf and args.hf_batch_size > 1 and not hf_padding_allowed(cfg_json):
         print("wideserve bench throughput: error: --hf-batch-size > 1 pads the batch, which "
               "transformers' DeepSeek-V4 does not support (right padding only); use 1",

@@ -1,7 +1,7 @@
 """Attention backend registry for DeepSeek-V4 (DESIGN.md, "Layers and backends").
 
 A backend is a pair of ops over one step (`V4Step`):
-  select(indexer, x, q_res, step, keys_name, cos, sin) -> picks   (CSA top-k; None = dense)
+  select(indexer, x, q_res, step, keys_name, cis) -> picks        (CSA top-k; None = dense)
   attend(attn, q, kv, step, picks) -> [T, H, D] fp32               (window + entries + sink)
 `picks` is whatever that backend's `select` returns; only its own `attend` reads it.
 

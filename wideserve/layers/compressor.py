@@ -2,14 +2,16 @@
 
 Glossary
 - state row: what one position contributes to compression, stored in a sliding-window cache
-  (fp32): [kv | gate + position_bias]. Overlapping (CSA) compressors store both halves of the
-  two series, so a row is [kv_a, kv_b, g_a, g_b] (4 * head_dim); HCA rows are [kv, g].
+  (fp32) as `coff` half-rows [kv | gate + position_bias] of 2 * head_dim each, one per series.
+  Overlapping (CSA) compressors keep two series ("a" and "b"): a row is
+  [kv_a, g_a, kv_b, g_b] (4 * head_dim); HCA rows are [kv, g] (one series).
 - entry w (ratio m): completes at position (w+1)*m - 1. HCA pools positions [w*m, (w+1)*m);
-  CSA pools the previous window through its "a" half and window w through its "b" half, i.e.
-  positions [(w-1)*m, (w+1)*m) (window -1 does not exist: weight 0).
+  CSA pools the previous window through its "a" series and window w through its "b" series,
+  i.e. positions [(w-1)*m, (w+1)*m) (window -1 does not exist: weight 0).
 Each step writes this step's state rows, computes every entry that completes at a position of
 the step (reading earlier positions back from the state cache) and writes it, RMS-normed and
-rotated to position w*m, into the FULL cache.
+rotated to position w*m, into the FULL cache. All entries of a step are computed together (one
+gather of half-rows, one softmax pooling), whatever the attention backend.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from wideserve.layers.norm import RMSNorm
-from wideserve.layers.rope import RotaryTable, apply_rope
+from wideserve.layers.rope import RotaryTable, rotate
 
 if TYPE_CHECKING:
     from wideserve.layers.v4_step import V4Step
@@ -29,13 +31,16 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class CompressPlan:
-    """Entries completing in one step for one (ratio, overlap); shared by all such layers."""
+    """Entries completing in one step for one (ratio, overlap); shared by all such layers.
+    Host arrays (numpy) plus the device tensors every layer needs."""
 
-    req: torch.Tensor        # [N] request index of each entry
-    entry: torch.Tensor      # [N] entry index w
-    src_pos: torch.Tensor    # [N, L] source positions (may be < 0 for CSA entry 0)
-    in_step: torch.Tensor    # [N, L] bool: the position is one of this step's tokens
-    row: torch.Tensor        # [N, L] its row in the step (0 where not in_step)
+    req: np.ndarray          # [N] request index of each entry
+    entry: np.ndarray        # [N] entry index w
+    src_pos: np.ndarray      # [N, L] source positions (may be < 0 for CSA entry 0)
+    series: np.ndarray       # [L] which half-row (series) of a state row offset l pools
+    in_step: np.ndarray      # [N, L] bool: the position is one of this step's tokens
+    row: np.ndarray          # [N, L] its row in the step (0 where not in_step)
+    valid: torch.Tensor | None  # [N, L, 1] bool: src_pos >= 0; None when all are
 
     @property
     def num_entries(self) -> int:
@@ -57,6 +62,7 @@ def build_compress_plan(ctx: np.ndarray, seq: np.ndarray, qsl: np.ndarray,
     starts = np.repeat(np.cumsum(count) - count, count)
     entry = np.repeat(first, count) + (np.arange(int(count.sum())) - starts)
     offsets = np.arange(-ratio, ratio) if overlap else np.arange(ratio)
+    series = (offsets >= 0).astype(np.int64) if overlap else np.zeros(ratio, dtype=np.int64)
     src = entry[:, None] * ratio + offsets[None, :]                          # [N, L]
     in_step = src >= ctx[req][:, None]
     missing = replay[req][:, None] & ~in_step & (src >= 0)
@@ -67,12 +73,10 @@ def build_compress_plan(ctx: np.ndarray, seq: np.ndarray, qsl: np.ndarray,
                          f"{int(src[missing].min())}; replay at least "
                          f"{(2 if overlap else 1) * ratio} positions before kv_write_start")
     row = np.where(in_step, qsl[req][:, None] + src - ctx[req][:, None], 0)
-
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-    return CompressPlan(dev(req.astype(np.int64)), dev(entry.astype(np.int64)),
-                        dev(src.astype(np.int64)), dev(in_step), dev(row.astype(np.int64)))
+    valid = None
+    if (src < 0).any():
+        valid = torch.from_numpy(src[..., None] >= 0).to(device)
+    return CompressPlan(req, entry, src, series, in_step, row, valid)
 
 
 class Compressor(nn.Module):
@@ -98,40 +102,41 @@ class Compressor(nn.Module):
             self.indexer = indexer
 
     @property
-    def state_width(self) -> int:
-        return (4 if self.overlap else 2) * self.head_dim
+    def num_series(self) -> int:
+        return 2 if self.overlap else 1
 
-    def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, d] -> state rows [T, state_width] fp32."""
-        kv = self.kv_proj(x).float()
-        gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
-        return torch.cat([kv, gate.float()], dim=-1)
+    @property
+    def state_width(self) -> int:
+        return 2 * self.num_series * self.head_dim
+
+    def state_rows(self, x: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """x [T, d], phase [T] = position % ratio -> state rows [T, state_width] fp32."""
+        T, s, d = x.shape[0], self.num_series, self.head_dim
+        kv = self.kv_proj(x).float().view(T, s, d)
+        bias = self.position_bias.index_select(0, phase)
+        gate = (self.gate_proj(x) + bias).float().view(T, s, d)
+        return torch.cat([kv, gate], dim=-1).view(T, 2 * s * d)
 
     def forward(self, x: torch.Tensor, step: V4Step, state_name: str, out_name: str,
                 rope: RotaryTable) -> None:
         """Write this step's state rows and every entry completing in the step."""
-        rows = self.state_rows(x, step.positions)                             # [T, C]
+        rows = self.state_rows(x, step.position_phase(self.ratio))           # [T, C]
         step.write_window_rows(state_name, rows)
         plan = step.compress_plan(self.ratio, self.overlap)
         if plan.num_entries == 0:
             return
-        src = step.gather_positions(state_name, rows, plan)                   # [N, L, C]
-        pooled = self.pool(src, plan.src_pos >= 0)                            # [N, D]
-        cos, sin = rope.cos_sin(plan.entry * self.ratio)
-        entries = apply_rope(pooled, cos, sin)
-        step.write_entries(out_name, plan, entries)
+        src = step.gather_state(state_name, rows, plan, self.num_series)     # [N, L, 2D]
+        pooled = self.pool(src, plan.valid)                                   # [N, D]
+        cis = step.entry_cis(rope, self.ratio, self.overlap)
+        step.write_entries(out_name, plan, rotate(pooled, cis))
 
-    def pool(self, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """src [N, L, C] state rows, valid [N, L] -> normalised entries [N, D] fp32."""
+    def pool(self, src: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """src [N, L, 2D] half-rows [kv | gate], valid [N, L, 1] (None: all) -> entries
+        [N, D] fp32: per-channel softmax of the gates over L weights the kv values."""
         d = self.head_dim
-        if self.overlap:
-            m = self.ratio
-            kv = torch.cat([src[:, :m, :d], src[:, m:, d:2 * d]], dim=1)       # [N, 2m, D]
-            gate = torch.cat([src[:, :m, 2 * d:3 * d], src[:, m:, 3 * d:]], dim=1)
-        else:
-            kv, gate = src[..., :d], src[..., d:]                             # [N, m, D]
-        mask = valid[..., None]
-        kv = torch.where(mask, kv, 0.0)
-        gate = torch.where(mask, gate, float("-inf"))
+        kv, gate = src[..., :d], src[..., d:]
+        if valid is not None:   # positions before 0 (CSA entry 0): weight 0, may hold anything
+            kv = torch.where(valid, kv, 0.0)
+            gate = torch.where(valid, gate, float("-inf"))
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
         return self.kv_norm(pooled)

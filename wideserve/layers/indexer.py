@@ -22,9 +22,12 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+SORT_BELOW = 2048    # index_topk sorts rows shorter than this (fewer ops), else uses topk
+
+
 def index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The same indices in the same order as `stable_topk_indices` (scores without NaN), from
-    torch.topk instead of a full sort.
+    """The same indices in the same order as `stable_topk_indices` (scores without NaN); rows
+    of SORT_BELOW or more use torch.topk instead of a full sort.
 
     Why equal: the stable descending sort orders (score, index) pairs by score, then by index.
     Each pair is mapped to one int64 key that is strictly monotone in that order: the high 32
@@ -33,6 +36,14 @@ def index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     32 bits are (n-1-index). Keys are unique, so topk's unspecified tie order never matters and
     its k largest, sorted, are exactly the first k of the stable sort.
     """
+    n = scores.shape[-1]
+    if n < SORT_BELOW:
+        return stable_topk_indices(scores, k)
+    return keyed_topk(scores, k)
+
+
+def keyed_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`index_topk`'s topk path (see there)."""
     n = scores.shape[-1]
     s = scores.float().contiguous() + 0.0               # -0.0 + 0.0 = +0.0 (IEEE)
     bits = s.view(torch.int32).to(torch.int64)

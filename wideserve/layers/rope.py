@@ -94,3 +94,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
+def rope_cis(cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """cos/sin [N, r/2] -> the rotation as complex64 cos + i*sin (or its conjugate) for
+    `rotate`; build it once per step and table, it is shared by every layer."""
+    return torch.complex(cos, -sin if inverse else sin)
+
+
+def rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` as one complex multiply: pair (x0, x1) as x0 + i*x1 times cis = c + i*s
+    gives (x0*c - x1*s) + i*(x0*s + x1*c), the same products and sums as apply_rope (bitwise
+    equal on CPU). x [N, ..., D]; cis [N, r/2] complex64 from `rope_cis`."""
+    half = cis.shape[-1]
+    r = 2 * half
+    c = cis.reshape(cis.shape[0], *([1] * (x.dim() - 2)), half)
+    pairs = x[..., -r:].float()
+    # view_as_complex needs unit stride inside a pair and even strides/offset elsewhere.
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()
+    z = torch.view_as_complex(pairs.unflatten(-1, (half, 2)))
+    rotated = torch.view_as_real(z * c).flatten(-2)
+    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)

@@ -24,7 +24,7 @@ from wideserve.layers.backends import get_attention_backend, resolve_attention_b
 from wideserve.layers.compressor import Compressor
 from wideserve.layers.indexer import Indexer
 from wideserve.layers.norm import RMSNorm, rms_norm
-from wideserve.layers.rope import RotaryTable, apply_rope
+from wideserve.layers.rope import RotaryTable, rotate
 from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
@@ -73,11 +73,11 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: V4Step) -> torch.Tensor:
         """x [T, d] (after input_layernorm) -> [T, d]."""
         T = x.shape[0]
-        cos, sin = step.cos_sin(self.rope)
+        cis = step.cis(self.rope)
         q_res = self.q_a_norm(self.q_a_proj(x))                               # [T, r_q]
         q = self.q_b_proj(q_res).view(T, self.num_heads, self.head_dim)
-        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)                 # [T, H, D]
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)              # [T, D]
+        q = rotate(rms_norm(q, None, self.eps), cis)                          # [T, H, D]
+        kv = rotate(self.kv_norm(self.kv_proj(x)), cis)                       # [T, D]
         step.write_window_rows(self.prefix + "window", kv)
 
         ops = get_attention_backend(self.backend)
@@ -89,9 +89,10 @@ class DeepseekV4Attention(nn.Module):
                 indexer: Indexer = self.compressor.indexer
                 indexer(x, step, self.prefix + "indexer_state", self.prefix + "indexer",
                         self.rope)
-                picks = ops.select(indexer, x, q_res, step, self.prefix + "indexer", cos, sin)
+                picks = ops.select(indexer, x, q_res, step, self.prefix + "indexer", cis)
         out = ops.attend(self, q, kv, step, picks)                            # [T, H, D] fp32
-        out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
+        # V = K carries rope: rotating the output back by -p leaves relative positions only.
+        out = rotate(out, step.cis(self.rope, inverse=True)).to(x.dtype)
         return self._project_out(out)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:

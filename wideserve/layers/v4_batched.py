@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from wideserve.layers.indexer import index_topk
-from wideserve.layers.rope import apply_rope
+from wideserve.layers.rope import rotate
 from wideserve.layers.v4_blocks import QueryBlocks
 from wideserve.layers.v4_step import V4Step
 
@@ -35,13 +35,29 @@ if TYPE_CHECKING:
 CHUNK_ELEMENTS = 1 << 24    # largest per-chunk intermediate (64 MiB in fp32)
 
 
-def _chunks(num_tokens: int, per_token: int) -> list[tuple[int, int]]:
-    n = max(1, CHUNK_ELEMENTS // max(1, per_token))
-    return [(a, min(a + n, num_tokens)) for a in range(0, num_tokens, n)]
+def _chunks(num_blocks: int, per_block: int) -> list[tuple[int, int]]:
+    n = max(1, CHUNK_ELEMENTS // max(1, per_block))
+    return [(a, min(a + n, num_blocks)) for a in range(0, num_blocks, n)]
+
+
+def _rows(x: torch.Tensor, blocks: QueryBlocks, a: int, b: int) -> torch.Tensor:
+    """x [T, ...] -> the rows of blocks a..b-1's query slots [b-a, Q, ...]."""
+    if blocks.identity:
+        return x[a:b, None]
+    idx = blocks.q_rows[a:b]
+    return x.index_select(0, idx.flatten()).view(*idx.shape, *x.shape[1:])
+
+
+def _store(out: torch.Tensor, blocks: QueryBlocks, a: int, b: int, rows: torch.Tensor) -> None:
+    """rows [b-a, Q, ...] -> out's token rows (padding slots land on the scratch row T)."""
+    if blocks.identity:
+        out[a:b] = rows[:, 0]
+    else:
+        out.index_copy_(0, blocks.out_rows[a:b].flatten(), rows.flatten(0, 1))
 
 
 def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
-           keys_name: str, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+           keys_name: str, cis: torch.Tensor) -> torch.Tensor | None:
     """Top-k entry ids per query [T, index_topk] (-1 = nothing picked; ties: lowest id), or
     None when index_topk covers every visible entry of every query (attention goes dense).
 
@@ -53,26 +69,22 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     if T == 0 or indexer.topk >= K:
         return None
     H, D = indexer.n_heads, indexer.head_dim
-    q = apply_rope(indexer.q_b_proj(q_res).view(T, H, D), cos, sin).float()  # [T, H_I, D_I]
+    q = rotate(indexer.q_b_proj(q_res).view(T, H, D), cis).float()  # [T, H_I, D_I]
     weights = indexer.scorer.weights_proj(x).float() * H ** -0.5              # [T, H_I]
-    slots = step.request_entry_slots(keys_name, indexer.ratio)                # [R, K]
     picks = torch.empty(T + 1, indexer.topk, dtype=torch.int64, device=x.device)
     for blocks in step.query_groups():
         Q = blocks.block_q
         ent = step.block_entries(blocks, indexer.ratio)
         for a, b in _chunks(blocks.num_blocks, K * (D + 3 * Q * H)):
-            rows = blocks.q_rows[a:b]                                         # [C, Q]
-            keys = step.gather_rows(keys_name, slots[blocks.block_req[a:b]],
-                                    ent.readable[a:b])                        # [C, K, D_I]
-            qb = q[rows].flatten(1, 2)                                        # [C, Q*H_I, D_I]
-            scores = torch.relu(torch.bmm(qb, keys.transpose(1, 2))) * D ** -0.5
-            scores = scores.view(b - a, Q, H, K) * weights[rows][..., None]
-            scores = scores.sum(dim=2)                                        # [C, Q, K]
-            visible = ent.visible[a:b, :, None]
-            future = ent.ids >= visible
-            idx = index_topk(scores.masked_fill(future, float("-inf")), indexer.topk)
-            idx = torch.where(idx >= visible, -1, idx)                        # [C, Q, k]
-            picks.index_copy_(0, blocks.out_rows[a:b].flatten(), idx.flatten(0, 1))
+            C = b - a
+            keys = step.gather_block_entries(keys_name, blocks, indexer.ratio, a, b)
+            scores = torch.bmm(_rows(q, blocks, a, b).flatten(1, 2), keys.transpose(1, 2))
+            scores = torch.relu(scores) * D ** -0.5                           # [C, Q*H_I, K]
+            # Weighted sum over heads as one batched matmul: [C*Q, 1, H_I] @ [C*Q, H_I, K].
+            w = _rows(weights, blocks, a, b).reshape(C * Q, 1, H)
+            scores = torch.bmm(w, scores.view(C * Q, H, K)).view(C, Q, K) + ent.bias[a:b]
+            idx = index_topk(scores, indexer.topk)                            # [C, Q, k]
+            _store(picks, blocks, a, b, torch.where(idx >= ent.visible[a:b, :, None], -1, idx))
     return picks[:T]
 
 
@@ -83,61 +95,77 @@ def attend(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor, step: V
     out = torch.empty(T + 1, H, D, dtype=torch.float32, device=q.device)     # + scratch row
     if T == 0:
         return out[:0]
-    name = attn.prefix + "window"
-    hist_slots, hist_valid = step.window_history(name, attn.window)
-    hist = step.gather_rows(name, hist_slots, hist_valid)                     # [R, W-1, D]
-    src = torch.cat([kv.float(), hist.flatten(0, 1),
-                     torch.zeros(1, D, dtype=torch.float32, device=q.device)])
-    qf = q.float()
+    hist = step.window_history(attn.prefix + "window", attn.window)         # [R*(W-1), D]
+    zero = torch.zeros(1, D, dtype=torch.float32, device=q.device)
+    if step.plain_decode:
+        # One new token per request, no replay: its window is its request's W-1 history rows
+        # (each readable or a copy of readable position 0) and itself, in key-slot order.
+        R, W = step.num_reqs, attn.window
+        keys = torch.cat([hist.view(R, W - 1, D), kv.float()[:, None],
+                          zero.expand(R, 1, D)], dim=1)                       # [T, W + 1, D]
+        _attend_group(attn, q.float(), keys, step, step.query_groups()[0], picks, out)
+        return out[:T]
+    src = torch.cat([kv.float(), hist, zero])                                # [T+R*(W-1)+1, D]
     for blocks in step.query_groups():
-        _attend_group(attn, qf, src, step, blocks, picks, out)
+        _attend_group(attn, q.float(), src, step, blocks, picks, out)
     return out[:T]
 
 
 def _attend_group(attn: DeepseekV4Attention, q: torch.Tensor, src: torch.Tensor,
                   step: V4Step, blocks: QueryBlocks, picks: torch.Tensor | None,
                   out: torch.Tensor) -> None:
-    """Attention of one block group's queries, written into out's rows."""
+    """Attention of one block group's queries, written into out's rows. src: the window
+    sources, or (plain decode) the window keys themselves [B, Lk + 1, D].
+
+    Keys of a block: [window (Lk) | sink slot (a zero row) | entries (K)]. Scores get an
+    additive 0/-inf bias (the masks), the sink slot's score becomes the sink logit, so one
+    softmax and one matmul with the same keys give the output (the zero row adds nothing)."""
     H, D = q.shape[1], q.shape[2]
     Q = blocks.block_q
     win = step.window_keys(blocks, attn.window)
-    Lk = win.rows.shape[1]
+    Lk = win.rows.shape[1] - 1
+    dense = bool(attn.ratio) and picks is None
+    sparse = picks is not None
+    K = int(picks.shape[1]) if sparse else step.entry_width(attn.ratio) if dense else 0
+    bias = (step.dense_bias(blocks, attn.window, attn.ratio) if dense
+            else step.padded_bias(blocks, attn.window, K))                   # [B, Q, 1, N]
     comp_name = attn.prefix + "compressed"
-    ent, slots, K = None, None, 0
-    if attn.ratio:
-        ent = step.block_entries(blocks, attn.ratio)
-        slots = step.request_entry_slots(comp_name, attn.ratio)               # [R, Kmax]
-        K = ent.width if picks is None else int(picks.shape[1])
-    sinks = attn.sinks.float().view(1, 1, H, 1)
+    sinks = attn.sinks.float()
     scale = attn.head_dim ** -0.5
     for a, b in _chunks(blocks.num_blocks, (Lk + K) * (D + 3 * Q * H) + Q * K * D):
         C = b - a
-        rows = blocks.q_rows[a:b]
-        qb = q[rows]                                                          # [C, Q, H, D]
-        keys = src[win.rows[a:b]]                                             # [C, Lk, D]
-        scores = torch.bmm(qb.flatten(1, 2), keys.transpose(1, 2)) * scale
-        scores = [scores.view(C, Q, H, Lk).masked_fill(~win.valid[a:b, :, None, :],
-                                                       float("-inf"))]
-        comp = None
-        if ent is not None and picks is None:     # every visible entry of the request
-            comp = step.gather_rows(comp_name, slots[blocks.block_req[a:b]],
-                                    ent.readable[a:b])                        # [C, K, D]
-            sc = torch.bmm(qb.flatten(1, 2), comp.transpose(1, 2)).view(C, Q, H, K) * scale
-            hidden = ent.ids >= ent.visible[a:b, :, None]                     # [C, Q, K]
-            scores.append(sc.masked_fill(hidden[:, :, None, :], float("-inf")))
-        elif ent is not None:                     # each query's own top-k entries
-            sel = picks[rows]                                                 # [C, Q, k]
+        qb = _rows(q, blocks, a, b).flatten(1, 2)                             # [C, Q*H, D]
+        if src.dim() == 3:
+            keys = src[a:b]
+        else:
+            keys = src.index_select(0, win.rows[a:b].flatten()).view(C, Lk + 1, D)
+        if dense:                                   # every entry of the block's request
+            keys = torch.cat([keys, step.gather_block_entries(comp_name, blocks, attn.ratio,
+                                                              a, b)], dim=1)
+        per_query = chosen = None
+        if sparse:                                  # each query's own top-k entries
+            sel = _rows(picks, blocks, a, b)                                  # [C, Q, k]
             chosen = sel >= 0
-            comp = step.gather_rows(comp_name, slots[blocks.block_req[a:b, None, None],
-                                                     sel.clamp(min=0)], chosen)  # [C, Q, k, D]
-            sc = torch.matmul(qb, comp.transpose(-1, -2)) * scale             # [C, Q, H, k]
-            scores.append(sc.masked_fill(~chosen[:, :, None, :], float("-inf")))
-        # The sink is one more logit per head that only enlarges the softmax denominator.
-        probs = torch.softmax(torch.cat(scores + [sinks.expand(C, Q, H, 1)], dim=-1), dim=-1)
-        o = torch.bmm(probs[..., :Lk].reshape(C, Q * H, Lk), keys).view(C, Q, H, D)
-        if comp is not None and comp.dim() == 3:
-            o = o + torch.bmm(probs[..., Lk:Lk + K].reshape(C, Q * H, K),
-                              comp).view(C, Q, H, D)
-        elif comp is not None:
-            o = o + torch.matmul(probs[..., Lk:Lk + K], comp)
-        out.index_copy_(0, blocks.out_rows[a:b].flatten(), o.flatten(0, 1))
+            per_query = step.gather_picked(comp_name, attn.ratio, blocks.block_req[a:b], sel,
+                                           chosen)                            # [C, Q, k, D]
+            if Q == 1:                              # decode: they are the block's keys too
+                keys = torch.cat([keys, per_query[:, 0]], dim=1)
+        N = keys.shape[1]
+        if Q == 1:   # bias [C, 1, 1, N] broadcasts over the heads: one fused op
+            scores = torch.baddbmm(bias[a:b, 0], qb, keys.transpose(1, 2), alpha=scale)
+        else:
+            scores = torch.bmm(qb, keys.transpose(1, 2)).view(C, Q, H, N) * scale
+            scores = scores + bias[a:b, :, :, :N]
+        scores = scores.view(C, Q, H, N)
+        scores[..., Lk] = sinks
+        if sparse and Q == 1:
+            scores[..., Lk + 1:].masked_fill_(~chosen[:, :, None, :], float("-inf"))
+        elif sparse:
+            sc = torch.matmul(qb.view(C, Q, H, D), per_query.transpose(-1, -2)) * scale
+            scores = torch.cat([scores, sc.masked_fill(~chosen[:, :, None, :], float("-inf"))],
+                               dim=-1)
+        probs = torch.softmax(scores, dim=-1)                                 # [C, Q, H, N(+k)]
+        o = torch.bmm(probs[..., :N].reshape(C, Q * H, N), keys).view(C, Q, H, D)
+        if sparse and Q > 1:
+            o = o + torch.matmul(probs[..., N:], per_query)
+        _store(out, blocks, a, b, o)

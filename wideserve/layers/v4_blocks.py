@@ -36,6 +36,7 @@ class QueryBlocks:
     q_valid: np.ndarray        # [B, Q] host bool: a real query (not padding)
     req: np.ndarray            # [B] host request of each block
     first: np.ndarray          # [B] host local index of the block's first query
+    identity: bool             # Q == 1 and block b is token b: no gather/scatter of queries
 
     @property
     def num_blocks(self) -> int:
@@ -48,14 +49,32 @@ class QueryBlocks:
 
 @dataclass(slots=True)
 class WindowKeys:
-    """Window keys of one group's blocks for one window size W."""
+    """Window keys of one group's blocks for one window size W, plus the sink slot."""
 
-    rows: torch.Tensor         # [B, Lk] rows into the window sources (zero row if unreadable)
-    valid: torch.Tensor        # [B, Q, Lk] bool: query slot u may read key slot j
+    rows: torch.Tensor         # [B, Lk + 1] rows into the window sources; the last is the zero
+                               # row, the sink's slot (its score is set to the sink logit)
+    bias: torch.Tensor         # [B, Q, 1, Lk + 1] fp32 0 where query slot u may read key j,
+                               # -inf elsewhere; 0 at the sink slot
+
+
+@dataclass(slots=True)
+class BlockEntries:
+    """A group's compressed-entry layout for one ratio: every block reads its request's
+    entries 0..K-1 (K = the step's most visible), each query masks those it cannot see."""
+
+    visible: torch.Tensor      # [B, Q] int64 (p + 1) // ratio of each query slot
+    bias: torch.Tensor         # [B, Q, K] fp32 0 for entries the query sees, -inf otherwise
+    unwritten: torch.Tensor    # [N] int64 sorted flat ids (block * K + entry) of entries past
+    unwritten_host: np.ndarray  # the block's most visible (may be unwritten); host copy
+    width: int                 # K
 
 
 def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device)
+
+
+def _bias(allowed: np.ndarray) -> np.ndarray:
+    return np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
 
 
 def build_query_blocks(reqs: np.ndarray, block_q: int, qsl: np.ndarray, ctx: np.ndarray,
@@ -71,8 +90,9 @@ def build_query_blocks(reqs: np.ndarray, block_q: int, qsl: np.ndarray, ctx: np.
     q_valid = local < (qsl[req + 1] - qsl[req])[:, None]
     q_rows = qsl[req][:, None] + np.where(q_valid, local, first[:, None])
     out_rows = np.where(q_valid, q_rows, T)
+    identity = Q == 1 and len(req) == T
     return QueryBlocks(_dev(q_rows, device), _dev(out_rows, device), _dev(req, device),
-                       ctx[req][:, None] + local, q_valid, req, first)
+                       ctx[req][:, None] + local, q_valid, req, first, identity)
 
 
 def build_window_keys(blocks: QueryBlocks, window: int, qsl: np.ndarray, ctx: np.ndarray,
@@ -85,9 +105,22 @@ def build_window_keys(blocks: QueryBlocks, window: int, qsl: np.ndarray, ctx: np
     readable = (key_pos >= lo[req][:, None]) & (key_pos < seq)
     in_step = qsl[req][:, None] + key_pos - c
     in_hist = T + req[:, None] * (W - 1) + key_pos - (c - (W - 1))
-    rows = np.where(readable, np.where(key_pos >= c, in_step, in_hist), T + R * (W - 1))
+    zero_row = T + R * (W - 1)
+    rows = np.where(readable, np.where(key_pos >= c, in_step, in_hist), zero_row)
+    rows = np.concatenate([rows, np.full((len(req), 1), zero_row)], axis=1)
     # Query u sees key slots u .. u + W - 1 of its block (positions p - W + 1 .. p).
     j = np.arange(Q + W - 1)[None, None, :]
     u = np.arange(Q)[None, :, None]
-    valid = readable[:, None, :] & (j >= u) & (j <= u + W - 1) & blocks.q_valid[:, :, None]
-    return WindowKeys(_dev(rows, device), _dev(valid, device))
+    allowed = readable[:, None, :] & (j >= u) & (j <= u + W - 1)
+    allowed = np.concatenate([allowed, np.ones((len(req), Q, 1), dtype=bool)], axis=2)
+    return WindowKeys(_dev(rows, device), _dev(_bias(allowed)[:, :, None, :], device))
+
+
+def build_block_entries(blocks: QueryBlocks, ratio: int, width: int,
+                        device: torch.device) -> BlockEntries:
+    visible = (blocks.q_pos + 1) // ratio                                     # [B, Q]
+    most = np.where(blocks.q_valid, visible, 0).max(axis=1)
+    ids = np.arange(width)
+    unwritten = np.flatnonzero(ids[None, :] >= most[:, None])                # of [B * K]
+    return BlockEntries(_dev(visible, device), _dev(_bias(ids < visible[..., None]), device),
+                        _dev(unwritten, device), unwritten, width)

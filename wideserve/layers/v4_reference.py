@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from wideserve.layers.indexer import stable_topk_indices
-from wideserve.layers.rope import apply_rope
+from wideserve.layers.rope import rotate
 from wideserve.layers.v4_step import V4Step
 
 if TYPE_CHECKING:
@@ -25,15 +25,15 @@ Picks = list  # per request: [S_r, k] entry ids (-1 = nothing) or None (dense)
 
 
 def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
-           keys_name: str, cos: torch.Tensor, sin: torch.Tensor) -> Picks:
+           keys_name: str, cis: torch.Tensor) -> Picks:
     """Per request: top-k entry ids [S_r, k] (-1 = nothing picked), or None when every
     visible entry is picked anyway (index_topk >= entries), so attention can go dense.
 
-    x [T, d] (attention input), q_res [T, r_q]; cos/sin: compress table at the positions.
+    x [T, d] (attention input), q_res [T, r_q]; cis: compress-table rotation at the positions.
     """
     T = x.shape[0]
     q = indexer.q_b_proj(q_res).view(T, indexer.n_heads, indexer.head_dim)
-    q = apply_rope(q, cos, sin).float()                                       # [T, H_I, D_I]
+    q = rotate(q, cis).float()                                       # [T, H_I, D_I]
     weights = indexer.scorer.weights_proj(x).float() * indexer.n_heads ** -0.5  # [T, H_I]
     scale = indexer.head_dim ** -0.5
     out: Picks = []

@@ -1,44 +1,33 @@
 """`V4Step`: the per-forward view of a ForwardBatch shared by every DeepSeek-V4 attention layer.
 
 It holds host copies of the request layout, rope tables at the step's positions, compression
-plans per ratio, and the cache helpers both attention backends use (reference/model-arch.md
-§3.4-3.7). Everything is computed once per step and shared by all layers that ask for it.
+plans per ratio, the batched layouts (v4_blocks.py) and the cache helpers the attention
+backends and the compressors use (reference/model-arch.md §3.4-3.7). Everything that does not
+depend on a layer's weights is computed once per step (and per KV cache group) and shared by
+every layer that asks for it, so a layer costs a constant number of torch ops.
 
 Glossary
 - ctx[r]: positions of request r cached before the step; its new tokens are ctx..seq-1.
 - lo[r]: the first position whose window latent may be read: 0, or ctx[r] under bounded replay
   (write_start > ctx: nothing per-position below ctx was kept).
 - window sources: this step's latents [T rows], each request's W-1 cached latents just before
-  ctx (R * (W-1) rows, zero where unreadable), one zero row. Every position a query's window
-  covers is one of these rows, so one gather builds all windows (see v4_blocks.py).
+  ctx (R * (W-1) rows; unreadable ones are never referenced), one zero row. Every position a
+  query's window covers is one of these rows, so one gather builds all windows (v4_blocks.py).
 - visible entries of a query at p (ratio m): w < (p+1)//m.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 from wideserve.layers.compressor import CompressPlan, build_compress_plan
-from wideserve.layers.rope import RotaryTable
-from wideserve.layers.v4_blocks import (LONG_QUERY, QueryBlocks, WindowKeys, build_query_blocks,
-                                         build_window_keys)
-
-
-@dataclass(slots=True)
-class BlockEntries:
-    """A group's compressed-entry layout for one ratio: every block reads its request's
-    entries 0..K-1 (K = the step's most visible), each query masks those it cannot see."""
-
-    visible: torch.Tensor      # [B, Q] int64 (p + 1) // ratio of each query slot
-    readable: torch.Tensor     # [B, K] bool: entry < the block's most visible (written)
-    ids: torch.Tensor          # [K] int64 0..K-1
-
-    @property
-    def width(self) -> int:
-        return int(self.ids.shape[0])
+from wideserve.layers.rope import RotaryTable, rope_cis
+from wideserve.layers.v4_blocks import (LONG_QUERY, BlockEntries, QueryBlocks, WindowKeys,
+                                        build_block_entries, build_query_blocks,
+                                        build_window_keys)
 
 
 class V4Step:
@@ -68,14 +57,11 @@ class V4Step:
         # Host positions, from the layout ForwardBatch documents (no device sync).
         self.token_pos = (np.arange(self.num_tokens, dtype=np.int64)
                           + np.repeat(self.ctx - self.qsl[:-1], qlens))
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._plans: dict[tuple[int, bool], CompressPlan] = {}
-        self._groups: list[QueryBlocks] | None = None
-        self._keys: dict[tuple[int, int], WindowKeys] = {}
-        self._hist: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._entries: dict[tuple[int, int], BlockEntries] = {}
-        self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._token_req_dev: torch.Tensor | None = None
+        # Every request has exactly one new token, nothing is replayed and position 0 is
+        # cached: the fast decode layout of v4_batched.attend applies.
+        self.plain_decode = bool(len(qlens) and (qlens == 1).all() and (self.ctx >= 1).all()
+                                 and not self.replay.any())
+        self._memo: dict[tuple, Any] = {}
 
     @property
     def num_reqs(self) -> int:
@@ -87,87 +73,75 @@ class V4Step:
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(self.device)
 
-    @property
-    def token_req_dev(self) -> torch.Tensor:
-        """[T] int64: request index of every token, on the device."""
-        if self._token_req_dev is None:
-            self._token_req_dev = self._dev(self.token_req)
-        return self._token_req_dev
+    def _once(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The step's value for `key`, built on first use (shared by all layers)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def cos_sin(self, table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(table)
-        if key not in self._rope:
-            self._rope[key] = table.cos_sin(self.positions)
-        return self._rope[key]
+        return self._once(("rope", id(table)), lambda: table.cos_sin(self.positions))
+
+    def cis(self, table: RotaryTable, inverse: bool = False) -> torch.Tensor:
+        """[T, r/2] complex rotation of `table` at the step's positions (rope.rotate)."""
+        return self._once(("cis", id(table), inverse),
+                          lambda: rope_cis(*self.cos_sin(table), inverse=inverse))
+
+    def position_phase(self, ratio: int) -> torch.Tensor:
+        """[T] position % ratio (the compressor's position-bias row)."""
+        return self._once(("phase", ratio), lambda: self._dev(self.token_pos % ratio))
 
     def compress_plan(self, ratio: int, overlap: bool) -> CompressPlan:
-        key = (ratio, overlap)
-        if key not in self._plans:
-            self._plans[key] = build_compress_plan(self.ctx, self.seq, self.qsl,
-                                                   self.write_start, self.replay, ratio,
-                                                   overlap, self.device)
-        return self._plans[key]
+        return self._once(("plan", ratio, overlap), lambda: build_compress_plan(
+            self.ctx, self.seq, self.qsl, self.write_start, self.replay, ratio, overlap,
+            self.device))
+
+    def entry_cis(self, table: RotaryTable, ratio: int, overlap: bool) -> torch.Tensor:
+        """Rotation to the start position w*m of every entry of the (ratio, overlap) plan."""
+        plan = self.compress_plan(ratio, overlap)
+        return self._once(("entry_cis", id(table), ratio, overlap), lambda: rope_cis(
+            *table.cos_sin(self._dev(plan.entry * ratio))))
 
     # ------------------------------------------------------------------ batched layouts
     def query_groups(self) -> list[QueryBlocks]:
         """At most two block groups covering every new token once: requests with at least
         LONG_QUERY new tokens in blocks of LONG_QUERY, the others one token per block."""
-        if self._groups is None:
+        def build() -> list[QueryBlocks]:
             qlens = np.diff(self.qsl)
             active = np.flatnonzero(qlens > 0)
             long = qlens[active] >= LONG_QUERY
-            self._groups = [build_query_blocks(reqs, q, self.qsl, self.ctx, self.device)
-                            for reqs, q in ((active[~long], 1), (active[long], LONG_QUERY))
-                            if len(reqs)]
-        return self._groups
+            return [build_query_blocks(reqs, q, self.qsl, self.ctx, self.device)
+                    for reqs, q in ((active[~long], 1), (active[long], LONG_QUERY))
+                    if len(reqs)]
+        return self._once(("groups",), build)
 
     def window_keys(self, blocks: QueryBlocks, window: int) -> WindowKeys:
-        key = (id(blocks), window)
-        if key not in self._keys:
-            self._keys[key] = build_window_keys(blocks, window, self.qsl, self.ctx, self.lo,
-                                                self.device)
-        return self._keys[key]
-
-    def window_history(self, name: str, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [R, W-1] of each request's cached positions ctx-W+1 .. ctx-1 in cache `name`
-        (a safe slot where unreadable) and their readability [R, W-1]."""
-        view = self._view(name)
-        key = (id(view), window)
-        if key not in self._hist:
-            pos = self.ctx[:, None] - (window - 1) + np.arange(window - 1)        # [R, W-1]
-            valid = pos >= self.lo[:, None]
-            req = np.broadcast_to(np.arange(self.num_reqs)[:, None], pos.shape)
-            slots = view.entry_slots(self._dev(req), self._dev(np.where(valid, pos, 0)))
-            self._hist[key] = slots, self._dev(valid)
-        return self._hist[key]
+        return self._once(("keys", id(blocks), window), lambda: build_window_keys(
+            blocks, window, self.qsl, self.ctx, self.lo, self.device))
 
     def entry_width(self, ratio: int) -> int:
         """The most compressed entries any query of the step can see."""
-        return int((self.seq[np.diff(self.qsl) > 0] // ratio).max(initial=0))
+        return self._once(("width", ratio), lambda: int(
+            (self.seq[np.diff(self.qsl) > 0] // ratio).max(initial=0)))
 
     def block_entries(self, blocks: QueryBlocks, ratio: int) -> BlockEntries:
-        key = (id(blocks), ratio)
-        if key not in self._entries:
-            visible = (blocks.q_pos + 1) // ratio                                 # [B, Q]
-            most = np.where(blocks.q_valid, visible, 0).max(axis=1)
-            ids = np.arange(self.entry_width(ratio))
-            self._entries[key] = BlockEntries(self._dev(visible),
-                                              self._dev(ids[None, :] < most[:, None]),
-                                              self._dev(ids))
-        return self._entries[key]
+        return self._once(("entries", id(blocks), ratio), lambda: build_block_entries(
+            blocks, ratio, self.entry_width(ratio), self.device))
 
-    def request_entry_slots(self, name: str, ratio: int) -> torch.Tensor:
-        """[R, K] cache slots of entries 0..K-1 (K = `entry_width(ratio)`) of every request
-        in cache `name`. Slots of entries a request does not have yet are in range but
-        meaningless: mask them."""
-        view = self._view(name)
-        key = ("entries", id(view), ratio)
-        if key not in self._slots:
-            shape = (self.num_reqs, self.entry_width(ratio))
-            ids = np.broadcast_to(np.arange(shape[1]), shape)
-            req = np.broadcast_to(np.arange(shape[0])[:, None], shape)
-            self._slots[key] = view.entry_slots(self._dev(req), self._dev(ids))
-        return self._slots[key]
+    def dense_bias(self, blocks: QueryBlocks, window: int, ratio: int) -> torch.Tensor:
+        """[B, Q, 1, Lk + 1 + K]: window keys, sink slot, then every entry 0..K-1."""
+        return self._once(("dense_bias", id(blocks), window, ratio), lambda: torch.cat(
+            [self.window_keys(blocks, window).bias,
+             self.block_entries(blocks, ratio).bias[:, :, None, :]], dim=-1))
+
+    def padded_bias(self, blocks: QueryBlocks, window: int, extra: int) -> torch.Tensor:
+        """[B, Q, 1, Lk + 1 + extra]: the window bias, then `extra` zero columns (entries
+        masked per query later)."""
+        bias = self.window_keys(blocks, window).bias
+        if not extra:
+            return bias
+        return self._once(("padded_bias", id(blocks), window, extra), lambda: torch.cat(
+            [bias, bias.new_zeros(*bias.shape[:3], extra)], dim=-1))
 
     # ------------------------------------------------------------------ cache access
     def _view(self, name: str) -> KVGroupView:
@@ -184,27 +158,59 @@ class V4Step:
                              f"DeepSeek-V4 forward needs raw float caches")
         return cache.view(-1, cache.shape[-1]), view
 
+    def _write_index(self, view: KVGroupView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(slots to write, rows they take or None for all rows): slot -1 means skip."""
+        def build() -> tuple[torch.Tensor, torch.Tensor | None]:
+            slots = view.slot_mapping
+            keep = slots >= 0
+            if bool(keep.all()):        # one host sync per step and group
+                return slots, None
+            rows = keep.nonzero().flatten()
+            return slots.index_select(0, rows), rows
+        if view.slot_mapping is None:
+            raise ValueError("a per-position KV cache group has no slot_mapping")
+        return self._once(("write", id(view)), build)
+
     def write_window_rows(self, name: str, rows: torch.Tensor) -> None:
         """Write one row per new token through the group's slot mapping (-1 = skip)."""
         flat, view = self.flat_cache(name)
-        slots = view.slot_mapping
-        if slots is None:
-            raise ValueError(f"KV cache {name!r} is per-position but its group has no slot_mapping")
-        keep = slots >= 0
-        flat[slots[keep]] = rows[keep].to(flat.dtype)
+        slots, keep = self._write_index(view)
+        if keep is not None:
+            rows = rows.index_select(0, keep)
+        flat.index_copy_(0, slots, rows.to(flat.dtype))
 
     def write_entries(self, name: str, plan: CompressPlan, entries: torch.Tensor) -> None:
         flat, view = self.flat_cache(name)
-        flat[view.entry_slots(plan.req, plan.entry)] = entries.to(flat.dtype)
+        slots = self._once(("entry_slots", id(view), id(plan)), lambda: view.entry_slots(
+            self._dev(plan.req), self._dev(plan.entry)))
+        flat.index_copy_(0, slots, entries.to(flat.dtype))
 
-    def gather_positions(self, name: str, step_rows: torch.Tensor,
-                         plan: CompressPlan) -> torch.Tensor:
-        """Rows [N, L, C] of the plan's source positions: this step's rows where the position
-        is new, the per-position cache otherwise (only positions within its window)."""
+    def gather_state(self, name: str, step_rows: torch.Tensor, plan: CompressPlan,
+                     num_series: int) -> torch.Tensor:
+        """Half-rows [N, L, 2D] ([kv | gate] of series plan.series[l]) at the plan's source
+        positions: this step's rows where the position is new, the state cache otherwise
+        (only positions within its window; positions < 0 read a safe slot, masked later)."""
         flat, view = self.flat_cache(name)
-        req = plan.req[:, None].expand_as(plan.src_pos)
-        cached = flat[view.entry_slots(req, plan.src_pos.clamp(min=0))].float()
-        return torch.where(plan.in_step[..., None], step_rows[plan.row], cached)
+        N, L = plan.src_pos.shape
+        halves = flat.view(-1, flat.shape[-1] // num_series)                  # [slots*s, 2D]
+
+        def build() -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+            series = np.broadcast_to(plan.series, plan.src_pos.shape)
+            step_ids = np.flatnonzero(plan.in_step)
+            step_src = (plan.row * num_series + series).reshape(-1)[step_ids]
+            if len(step_ids) == N * L:
+                return None, self._dev(step_ids), self._dev(step_src)
+            req = np.broadcast_to(plan.req[:, None], plan.src_pos.shape)
+            slots = view.entry_slots(self._dev(req), self._dev(np.maximum(plan.src_pos, 0)))
+            cached = (slots * num_series + self._dev(series)).flatten()
+            return cached, self._dev(step_ids), self._dev(step_src)
+
+        cached, step_ids, step_src = self._once(("state", id(view), id(plan)), build)
+        new = step_rows.reshape(-1, halves.shape[-1]).index_select(0, step_src)
+        if cached is None:
+            return new.view(N, L, -1)
+        out = halves.index_select(0, cached).float()
+        return out.index_copy_(0, step_ids, new).view(N, L, -1)
 
     def read_positions(self, name: str, r: int, start: int, end: int) -> torch.Tensor:
         """Cached per-position rows of request r for positions [start, end) -> [end-start, C]."""
@@ -218,8 +224,72 @@ class V4Step:
         idx = torch.arange(count, device=self.device)
         return flat[view.entry_slots(torch.full_like(idx, r), idx)]
 
+    # ------------------------------------------------------------------ batched cache reads
+    def window_history(self, name: str, window: int) -> torch.Tensor:
+        """Each request's cached latents at positions ctx-W+1 .. ctx-1 -> [R * (W-1), D] fp32.
+
+        Rows at unreadable positions (< lo) are read through a safe slot and NOT cleaned: no
+        key row of `window_keys` points at them (unreadable keys point at the zero row)."""
+        flat, view = self.flat_cache(name)
+
+        def build() -> torch.Tensor:
+            pos = self.ctx[:, None] - (window - 1) + np.arange(window - 1)        # [R, W-1]
+            req = np.broadcast_to(np.arange(self.num_reqs)[:, None], pos.shape)
+            safe = np.where(pos >= self.lo[:, None], pos, 0)
+            return view.entry_slots(self._dev(req), self._dev(safe)).flatten()
+
+        return flat.index_select(0, self._once(("hist", id(view), window), build)).float()
+
+    def request_entry_slots(self, name: str, ratio: int) -> torch.Tensor:
+        """[R, K] cache slots of entries 0..K-1 (K = `entry_width(ratio)`) of every request
+        in cache `name`. Slots of entries a request does not have yet are in range but
+        meaningless: mask them."""
+        view = self._view(name)
+
+        def build() -> torch.Tensor:
+            shape = (self.num_reqs, self.entry_width(ratio))
+            ids = np.broadcast_to(np.arange(shape[1]), shape)
+            req = np.broadcast_to(np.arange(shape[0])[:, None], shape)
+            return view.entry_slots(self._dev(req), self._dev(ids))
+
+        return self._once(("req_entries", id(view), ratio), build)
+
+    def gather_block_entries(self, name: str, blocks: QueryBlocks, ratio: int,
+                             a: int, b: int) -> torch.Tensor:
+        """Entries 0..K-1 of the request of each block a..b-1 -> [b-a, K, width] fp32, zero
+        where the block's queries see no such entry yet (it may hold stale data or NaN)."""
+        ent = self.block_entries(blocks, ratio)
+        K = ent.width
+        flat, view = self.flat_cache(name)
+        slots = self._once(("block_slots", id(view), id(blocks), ratio), lambda: (
+            self.request_entry_slots(name, ratio).index_select(0, blocks.block_req)))
+        rows = flat.index_select(0, slots[a:b].flatten()).float()              # [(b-a)*K, C]
+        i, j = np.searchsorted(ent.unwritten_host, (a * K, b * K))
+        if j > i:
+            rows = rows.index_fill_(0, ent.unwritten[i:j] - a * K, 0.0)
+        return rows.view(b - a, K, flat.shape[-1])
+
+    def gather_picked(self, name: str, ratio: int, block_req: torch.Tensor, picks: torch.Tensor,
+                      chosen: torch.Tensor) -> torch.Tensor:
+        """Entries `picks` [B, Q, k] (-1 = none, `chosen` = picks >= 0) of each block's
+        request -> [B, Q, k, width] fp32; rows not chosen are zero or a finite entry."""
+        slots = self.request_entry_slots(name, ratio)                          # [R, K]
+        ids = block_req[:, None, None] * slots.shape[1] + picks.clamp(min=0)
+        slots = slots.view(-1).index_select(0, ids.flatten()).view(picks.shape)
+        # If every request has entry 0 (written, finite), a -1 pick reads it and stays masked;
+        # otherwise unchosen rows may hold anything and are zeroed.
+        has_first = self._once(("has_first", ratio), lambda: bool(
+            (self.seq[np.diff(self.qsl) > 0] >= ratio).all()))
+        if has_first:
+            flat, _ = self.flat_cache(name)
+            rows = flat.index_select(0, slots.flatten()).float()
+            return rows.view(*picks.shape, flat.shape[-1])
+        return self.gather_rows(name, slots, chosen)
+
     def gather_rows(self, name: str, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """flat[slots] as fp32 with rows where `valid` is False set to 0 (they may hold NaN or
         stale data, and 0-weight * NaN would still be NaN) -> [*slots.shape, width]."""
         flat, _ = self.flat_cache(name)
-        return torch.where(valid[..., None], flat[slots].float(), 0.0)
+        rows = flat.index_select(0, slots.flatten()).float()
+        rows = torch.where(valid.reshape(-1, 1), rows, 0.0)
+        return rows.view(*slots.shape, flat.shape[-1])

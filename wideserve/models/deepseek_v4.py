@@ -143,6 +143,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     @property
+    def replay_depth(self) -> int:
+        """Windowed layers a prefix hit must rebuild in bounded-replay mode: every decoder
+        layer keeps a sliding window (groups.exact_replay_tokens turns this into tokens)."""
+        return self.config.num_hidden_layers
+
+    @property
     def attention_backend(self) -> str:
         return self.model.layers[0].self_attn.backend if len(self.model.layers) else ""
 
