@@ -30,7 +30,7 @@ from wideserve import LLM, SamplingParams
 from wideserve.bench.report import BUNDLED_MODEL_DIR, machine_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from tiny_data import held_out_stream  # noqa: E402
+from tiny_data import held_out_stream
 
 OUT = Path(__file__).parent / "results" / "spec_decode.json"
 PROMPT_LEN, OUTPUT_LEN = 64, 128

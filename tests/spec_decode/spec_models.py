@@ -7,10 +7,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from models import v4_configs
 from models.v4_helpers import hf_model, randomize_, ws_model
+from safetensors.torch import save_file
 
 
 def v4_mtp_checkpoint(path: Path, kw: dict | None = None, seed: int = 3):

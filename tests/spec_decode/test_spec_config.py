@@ -53,8 +53,11 @@ def test_llm_keyword_and_engine_process_json():
 
 
 def test_cli_flag_errors_name_the_flag(capsys):
-    from wideserve.entrypoints.serve import (_one_line_error, add_engine_args,
-                                             engine_config_from_args)
+    from wideserve.entrypoints.serve import (
+        _one_line_error,
+        add_engine_args,
+        engine_config_from_args,
+    )
     parser = argparse.ArgumentParser(prog="wideserve serve")
     parser.error = _one_line_error.__get__(parser)      # type: ignore[method-assign]
     add_engine_args(parser)

@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 import torch
+from engine.oracle import mixed_prompts
 from spec_models import llama_checkpoint, v4_mtp_checkpoint
 
-from engine.oracle import mixed_prompts
 from wideserve import LLM, SamplingParams
 from wideserve.config import LoadConfig
 from wideserve.executor.loader import load_model

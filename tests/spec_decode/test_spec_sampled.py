@@ -14,11 +14,11 @@ import warnings
 
 import pytest
 import torch
+from models import v4_configs
+from models.v4_helpers import stable_topk
 from spec_models import v4_mtp_checkpoint
 from stats_util import chi_square_pvalue
 
-from models import v4_configs
-from models.v4_helpers import stable_topk
 from wideserve import LLM, SamplingParams
 
 V = 12

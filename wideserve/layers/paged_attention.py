@@ -1,4 +1,4 @@
-"""Causal grouped-query attention over a paged K||V cache (the torch reference op).
+"""Causal grouped-query attention over a paged K||V cache (backend "reference").
 
 One cache entry per position (compress_ratio 1) holds the rotated keys and the values of all KV
 heads: entry = [k_0 .. k_{Hkv-1} | v_0 .. v_{Hkv-1}], width 2 * Hkv * D.
@@ -8,7 +8,8 @@ request attends to positions [lo, seq_len) read back through its block table, wh
 full attention and seq_len - query_len - window + 1 for a sliding window of `window` positions
 (query position p sees keys (p - window, p], as in transformers' sliding-window mask).
 Requests are handled one at a time (a host loop per request, never per token); within a request
-the work is one batched SDPA call.
+the work is one batched SDPA call. This is the readable oracle; paged_attention_batched.py runs
+the same maths for all requests at once (the default), and paged_backends.py picks between them.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def write_kv(cache: torch.Tensor, view: KVGroupView, k: torch.Tensor, v: torch.T
     flat[slots[valid]] = entries[valid].to(flat.dtype)
 
 
-def _replay_mask(batch: ForwardBatch) -> torch.Tensor | None:
+def replay_keep_mask(batch: ForwardBatch) -> torch.Tensor | None:
     """[T] False for replayed positions whose FULL-cache entries are already stored."""
     if batch.kv_write_start is None:
         return None
@@ -58,7 +59,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Fo
                          f"got {view.compress_ratio}")
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     # Replayed prefix positions are rewritten only where the cache is a window (bounded state).
-    write_kv(cache, view, k, v, keep=_replay_mask(batch) if window is None else None)
+    write_kv(cache, view, k, v, keep=replay_keep_mask(batch) if window is None else None)
     flat = cache.view(-1, cache.shape[-1])
     kv_split = num_kv_heads * head_dim
     out = torch.empty_like(q)

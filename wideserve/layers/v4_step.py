@@ -53,6 +53,7 @@ class V4Step:
         self.lo = np.where(self.replay, self.ctx, 0)
         qlens = np.diff(self.qsl)
         self.num_tokens = int(self.qsl[-1])
+        self.active_seq = self.seq[qlens > 0]           # seq_lens of requests with new tokens
         self.token_req = np.repeat(np.arange(len(self.seq), dtype=np.int64), qlens)   # [T]
         # Host positions, from the layout ForwardBatch documents (no device sync).
         self.token_pos = (np.arange(self.num_tokens, dtype=np.int64)
@@ -72,6 +73,18 @@ class V4Step:
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(self.device)
+
+    def _slots(self, view: KVGroupView, req: np.ndarray, entry: np.ndarray) -> torch.Tensor:
+        """`view.entry_slots` for host index arrays. A block table that lives on the host is
+        read with numpy (a handful of numpy calls instead of device ops); otherwise the
+        indices go to the device."""
+        table = view.block_table
+        if table.device.type != "cpu":
+            return view.entry_slots(self._dev(req), self._dev(entry))
+        pos = entry * view.compress_ratio
+        blocks = table.numpy()[req, pos // view.block_size]
+        return torch.from_numpy(blocks * view.entries_per_block
+                                + (pos % view.block_size) // view.compress_ratio)
 
     def _once(self, key: tuple, build: Callable[[], Any]) -> Any:
         """The step's value for `key`, built on first use (shared by all layers)."""
@@ -121,8 +134,7 @@ class V4Step:
 
     def entry_width(self, ratio: int) -> int:
         """The most compressed entries any query of the step can see."""
-        return self._once(("width", ratio), lambda: int(
-            (self.seq[np.diff(self.qsl) > 0] // ratio).max(initial=0)))
+        return int(self.active_seq.max(initial=0)) // ratio
 
     def block_entries(self, blocks: QueryBlocks, ratio: int) -> BlockEntries:
         return self._once(("entries", id(blocks), ratio), lambda: build_block_entries(
@@ -181,8 +193,8 @@ class V4Step:
 
     def write_entries(self, name: str, plan: CompressPlan, entries: torch.Tensor) -> None:
         flat, view = self.flat_cache(name)
-        slots = self._once(("entry_slots", id(view), id(plan)), lambda: view.entry_slots(
-            self._dev(plan.req), self._dev(plan.entry)))
+        slots = self._once(("entry_slots", id(view), id(plan)), lambda: self._slots(
+            view, plan.req, plan.entry))
         flat.index_copy_(0, slots, entries.to(flat.dtype))
 
     def gather_state(self, name: str, step_rows: torch.Tensor, plan: CompressPlan,
@@ -201,7 +213,7 @@ class V4Step:
             if len(step_ids) == N * L:
                 return None, self._dev(step_ids), self._dev(step_src)
             req = np.broadcast_to(plan.req[:, None], plan.src_pos.shape)
-            slots = view.entry_slots(self._dev(req), self._dev(np.maximum(plan.src_pos, 0)))
+            slots = self._slots(view, req, np.maximum(plan.src_pos, 0))
             cached = (slots * num_series + self._dev(series)).flatten()
             return cached, self._dev(step_ids), self._dev(step_src)
 
@@ -236,7 +248,7 @@ class V4Step:
             pos = self.ctx[:, None] - (window - 1) + np.arange(window - 1)        # [R, W-1]
             req = np.broadcast_to(np.arange(self.num_reqs)[:, None], pos.shape)
             safe = np.where(pos >= self.lo[:, None], pos, 0)
-            return view.entry_slots(self._dev(req), self._dev(safe)).flatten()
+            return self._slots(view, req, safe).flatten()
 
         return flat.index_select(0, self._once(("hist", id(view), window), build)).float()
 
@@ -250,7 +262,7 @@ class V4Step:
             shape = (self.num_reqs, self.entry_width(ratio))
             ids = np.broadcast_to(np.arange(shape[1]), shape)
             req = np.broadcast_to(np.arange(shape[0])[:, None], shape)
-            return view.entry_slots(self._dev(req), self._dev(ids))
+            return self._slots(view, req, ids)
 
         return self._once(("req_entries", id(view), ratio), build)
 
@@ -278,9 +290,7 @@ class V4Step:
         slots = slots.view(-1).index_select(0, ids.flatten()).view(picks.shape)
         # If every request has entry 0 (written, finite), a -1 pick reads it and stays masked;
         # otherwise unchosen rows may hold anything and are zeroed.
-        has_first = self._once(("has_first", ratio), lambda: bool(
-            (self.seq[np.diff(self.qsl) > 0] >= ratio).all()))
-        if has_first:
+        if int(self.active_seq.min(initial=ratio)) >= ratio:
             flat, _ = self.flat_cache(name)
             rows = flat.index_select(0, slots.flatten()).float()
             return rows.view(*picks.shape, flat.shape[-1])

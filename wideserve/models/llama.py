@@ -20,7 +20,11 @@ from torch import nn
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.executor.forward_batch import ForwardBatch
 from wideserve.layers.norm import RMSNorm
-from wideserve.layers.paged_attention import paged_attention
+from wideserve.layers.paged_attention_batched import PagedAttentionPlans
+from wideserve.layers.paged_backends import (
+    get_paged_attention_backend,
+    resolve_paged_attention_backend,
+)
 from wideserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary, parse_rope_config
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -130,7 +134,7 @@ def _qwen_sliding(d: dict, all_layers: bool) -> dict:
 class Attention(nn.Module):
     """GQA self-attention with RoPE over the layer's paged K||V cache."""
 
-    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, backend: str) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -147,9 +151,10 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
         self.window = cfg.window_of(layer_idx)
         self.cache_name = kv_cache_name(layer_idx)
+        self.backend = backend                  # a paged_backends.py name
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, H, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
@@ -157,7 +162,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, batch, self.cache_name, self.scale, self.window)
+        attend = get_paged_attention_backend(self.backend)
+        o = attend(q, k, v, batch, self.cache_name, self.scale, self.window, plans)
         return self.o_proj(o.reshape(t, -1))                              # [T, d]
 
 
@@ -174,33 +180,35 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int, mlp: nn.Module) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, mlp: nn.Module, backend: str) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, backend)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+                batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, plans)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, make_mlp: Callable[[int], nn.Module]) -> None:
+    def __init__(self, cfg: LlamaConfig, make_mlp: Callable[[int], nn.Module],
+                 backend: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, make_mlp(i)) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, make_mlp(i), backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
         cos, sin = self.rotary.cos_sin(batch.positions)        # [T, D] fp32, shared by layers
+        plans = PagedAttentionPlans(batch)                     # attention indices, shared too
         for layer in self.layers:
-            h = layer(h, cos, sin, batch)
+            h = layer(h, cos, sin, batch, plans)
         return self.norm(h)
 
 
@@ -217,16 +225,30 @@ class DecoderForCausalLM(nn.Module):
 
     config_class: type[LlamaConfig] = LlamaConfig
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, attention_backend: str | None = None) -> None:
+        """attention_backend: a layers/paged_backends.py name; None = $WIDESERVE_ATTENTION_BACKEND,
+        else the default ("batched")."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self._make_mlp)
+        self.model = DecoderModel(config, self._make_mlp,
+                                  resolve_paged_attention_backend(attention_backend))
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config
         return DenseMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias)
+
+    @property
+    def attention_backend(self) -> str:
+        return next((m.backend for m in self.modules() if isinstance(m, Attention)), "")
+
+    def set_attention_backend(self, name: str) -> None:
+        """Switch every attention layer to backend `name` (paged_backends.py)."""
+        name = resolve_paged_attention_backend(name)
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = name
 
     def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
         if kv_cache_dtype == "auto":

@@ -97,8 +97,8 @@ class SparseMoeBlock(nn.Module):
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     config_class = Qwen3MoeConfig
 
-    def __init__(self, config: Qwen3MoeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: Qwen3MoeConfig, attention_backend: str | None = None) -> None:
+        super().__init__(config, attention_backend)
         # Per-expert checkpoint slices seen so far, per fused parameter: a parameter counts as
         # loaded once all of its slices arrived (possibly over several load_weights calls).
         self._expert_slices: dict[str, set[tuple[int, str]]] = {}

@@ -72,7 +72,7 @@ class SpeculativeConfig:
             self.forced_acceptance_length = float(al)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(data, dict):
             raise ValueError(f"speculative_config must be a JSON object, got "
                              f"{type(data).__name__}")
@@ -87,8 +87,8 @@ class SpeculativeConfig:
         return cls(**data)
 
     @classmethod
-    def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None"
-              ) -> "SpeculativeConfig | None":
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
         """A JSON string, a dict, a SpeculativeConfig, or None (no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value

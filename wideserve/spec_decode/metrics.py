@@ -51,7 +51,7 @@ class SpecDecodeStats:
         self.mean_acceptance_length = 1.0 + self.num_accepted_tokens / self.num_drafts
         self.acceptance_rate = self.num_accepted_tokens / self.num_draft_tokens
 
-    def snapshot(self) -> "SpecDecodeStats":
+    def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(
             self.method, self.num_speculative_tokens, self.forced_acceptance_length,
             self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,

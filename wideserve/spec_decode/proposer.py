@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ProposeInput:
-    step_reqs: list["StepRequest"]       # the target step's requests, in batch order
-    requests: list["Request"]            # same order; state before the scheduler's update
-    batch: "ForwardBatch"                # the target step's batch
+    step_reqs: list[StepRequest]       # the target step's requests, in batch order
+    requests: list[Request]            # same order; state before the scheduler's update
+    batch: ForwardBatch                # the target step's batch
     num_valid: np.ndarray                # [R] leading rows of each request now verified
     sampled: list[list[int] | None]      # [R] tokens emitted this step (None: no sample)
     num_drafts: np.ndarray               # [R] drafts wanted (0: none)
@@ -58,12 +58,12 @@ class Proposer(ABC):
     # Whether the proposer writes KV past the verified tokens (lookahead slots needed).
     writes_kv: bool = True
 
-    def kv_cache_specs(self, kv_cache_dtype: str) -> dict[str, "KVCacheSpec"]:
+    def kv_cache_specs(self, kv_cache_dtype: str) -> dict[str, KVCacheSpec]:
         """Extra caches (name -> spec) allocated beside the target's."""
         return {}
 
-    def bind(self, target_runner: "ModelRunner", kv_config: "KVCacheConfig",
-             kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def bind(self, target_runner: ModelRunner, kv_config: KVCacheConfig,
+             kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once the KV tensors exist."""
 
     def drop(self, request_ids: list[str]) -> None:

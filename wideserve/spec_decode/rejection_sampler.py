@@ -34,9 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wideserve.executor.sampler import (LogprobsTensors, SamplingMetadata, apply_min_p,
-                                        apply_penalties, apply_top_k_top_p, exponential_race,
-                                        gather_logprobs)
+from wideserve.executor.sampler import (
+    LogprobsTensors,
+    SamplingMetadata,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    exponential_race,
+    gather_logprobs,
+)
 
 _NEG_INF = float("-inf")
 
@@ -83,7 +89,7 @@ class _Layout:
     draft_pos: np.ndarray       # [D] position j of each draft in its request
 
     @classmethod
-    def build(cls, num_drafts: np.ndarray) -> "_Layout":
+    def build(cls, num_drafts: np.ndarray) -> _Layout:
         k = num_drafts.astype(np.int64)
         ends = np.cumsum(k + 1)
         row0 = ends - (k + 1)

@@ -1,0 +1,256 @@
+"""Causal grouped-query attention over the paged K||V cache, batched across requests
+(backend "batched").
+
+Same maths as paged_attention.py (the per-request reference, and the oracle the tests hold
+this to), in a constant number of torch ops per layer instead of a loop over requests.
+
+Glossary:
+- segment: consecutive query rows of one request attended together: the request's new tokens,
+  or one chunk of a long prefill (chunks keep one call's scores under MAX_SCORE_ELEMENTS).
+  A segment's keys are positions [lo, hi): hi is one past its last query; lo is 0 (full
+  attention) or its first query's position - window + 1, as in the reference.
+- bucket: segments padded to a common [Q queries, L keys] and run through one SDPA call.
+  Segments are bucketed greedily, longest first: a segment joins the open bucket unless its
+  scores would pass the budget, or the padding would more than double the bucket's work (and
+  the bucket is not so small, SMALL_ELEMENTS, that padding costs less than another call).
+  Decodes therefore never pad up to a prefill chunk's length, and a pure decode step or a step
+  of equal-length prefills is a single bucket.
+
+Padding never reads another request's or a stale entry: a padded key gathers the slot of its
+segment's first key (written, in the window, this request's) and has a position past every
+query of the segment, so the causal mask hides it; a padded query repeats the segment's last
+query and its output is dropped. Nothing gathered is NaN, so no 0 * NaN can reach an output.
+
+Grouped-query heads are folded into the query axis ([n, Hkv, Q*G, D], query head h = kv head
+h // G), so SDPA sees plain multi-head attention: no repeat_interleave copies of K/V, and GPU
+fused kernels that take a mask apply.
+
+Index tensors and masks depend only on the step's batch, the cache group, the window and the
+head count, so `PagedAttentionPlans` builds each plan once per step for all layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.layers.paged_attention import replay_keep_mask
+
+MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
+SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """n segments padded to Q queries and L keys each."""
+
+    n: int
+    q: int
+    l: int
+    q_rows: torch.Tensor              # [n*Q] token row of each padded query
+    slots: torch.Tensor               # [n*L] cache slot of each padded key
+    mask: torch.Tensor | None         # [n, 1, Q, L] key visible to query; None: all visible
+    keep: torch.Tensor | None         # [V] which of the n*Q padded queries are real; None: all
+    out_rows: torch.Tensor            # [V] token rows of the real ones
+    folded: dict[int, torch.Tensor] = field(default_factory=dict)   # G -> [n, 1, Q*G, L]
+
+    def folded_mask(self, groups: int) -> torch.Tensor | None:
+        """The mask for queries folded as row q*G + g (see module docstring)."""
+        if self.mask is None or self.q == 1:
+            return self.mask                     # one row per segment broadcasts over G
+        if groups not in self.folded:
+            n, q, l = self.n, self.q, self.l
+            self.folded[groups] = self.mask[:, :, :, None, :].expand(
+                n, 1, q, groups, l).reshape(n, 1, q * groups, l)
+        return self.folded[groups]
+
+
+@dataclass(slots=True)
+class _WritePlan:
+    slots: torch.Tensor               # [N] cache slots to write
+    rows: torch.Tensor | None         # [N] token rows they take; None: every row, in order
+
+
+@dataclass(slots=True)
+class _Plan:
+    buckets: list[_Bucket]
+    identity: bool       # one bucket covering rows 0..T-1 in order: its output is the result
+
+
+class PagedAttentionPlans:
+    """Per-step cache of attention plans; build one per forward and hand it to every layer."""
+
+    def __init__(self, batch: ForwardBatch, max_score_elements: int | None = None) -> None:
+        """max_score_elements: per-call budget of heads x queries x keys (MAX_SCORE_ELEMENTS)."""
+        self.batch = batch
+        self.max_score_elements = (MAX_SCORE_ELEMENTS if max_score_elements is None
+                                   else max_score_elements)
+        self._plans: dict[tuple[int, int | None, int], _Plan] = {}
+        self._writes: dict[tuple[int, bool], _WritePlan] = {}
+
+    def attention(self, cache_name: str, window: int | None, num_heads: int) -> _Plan:
+        key = (self.batch.cache_group[cache_name], window, num_heads)
+        if key not in self._plans:
+            view = self.batch.kv_groups[key[0]]
+            self._plans[key] = _build_plan(self.batch, view, window, num_heads,
+                                           self.max_score_elements)
+        return self._plans[key]
+
+    def write(self, cache_name: str, window: int | None) -> _WritePlan:
+        # Replayed prefix positions are rewritten only where the cache is a window.
+        key = (self.batch.cache_group[cache_name], window is None)
+        if key not in self._writes:
+            view = self.batch.kv_groups[key[0]]
+            keep = replay_keep_mask(self.batch) if window is None else None
+            self._writes[key] = _build_write(view, keep)
+        return self._writes[key]
+
+
+def _build_write(view: KVGroupView, keep: torch.Tensor | None) -> _WritePlan:
+    if view.slot_mapping is None:
+        raise ValueError("paged attention needs a slot mapping (compress_ratio 1 group)")
+    valid = view.slot_mapping >= 0
+    if keep is not None:
+        valid = valid & keep
+    if bool(valid.all()):                     # one host sync per step, not per layer
+        return _WritePlan(view.slot_mapping, None)
+    rows = torch.nonzero(valid).flatten()
+    return _WritePlan(view.slot_mapping[rows], rows)
+
+
+def _segments(qsl: np.ndarray, seq_lens: np.ndarray, window: int | None, heads: int,
+              budget: int) -> tuple[np.ndarray, ...]:
+    """(request, first token row, query count, first query position, key lo, key count) of
+    every segment; a request is chunked when its queries x keys x heads pass `budget`."""
+    qlen = np.diff(qsl)
+    active = np.nonzero(qlen > 0)[0]
+    qlen_a, seq_a = qlen[active], seq_lens[active]
+    span = seq_a if window is None else np.minimum(seq_a, qlen_a + window - 1)
+    chunk = np.maximum(1, budget // (heads * np.maximum(span, 1)))
+    nchunks = -(-qlen_a // chunk)
+    req = np.repeat(active, nchunks)
+    local = np.repeat(np.arange(len(active)), nchunks)
+    idx = np.arange(int(nchunks.sum())) - np.repeat(np.cumsum(nchunks) - nchunks, nchunks)
+    q0 = idx * chunk[local]                                   # offset within the request
+    qn = np.minimum(chunk[local], qlen_a[local] - q0)
+    pos0 = seq_a[local] - qlen_a[local] + q0
+    lo = np.zeros_like(pos0) if window is None else np.maximum(0, pos0 - window + 1)
+    return req, qsl[req] + q0, qn, pos0, lo, pos0 + qn - lo
+
+
+def _group(qn: np.ndarray, kn: np.ndarray, heads: int, budget: int) -> list[np.ndarray]:
+    """Segment indices per bucket (greedy, longest first; see module docstring)."""
+    order = np.lexsort((-kn, -qn))
+    groups, start, total = [], 0, len(order)
+    while start < total:
+        first = order[start]
+        q, l, work, end = int(qn[first]), int(kn[first]), int(qn[first] * kn[first]), start + 1
+        while end < total:
+            s = order[end]
+            new_l, new_work = max(l, int(kn[s])), work + int(qn[s] * kn[s])
+            padded = (end - start + 1) * q * new_l
+            scores = padded * heads
+            if scores > budget or (scores > SMALL_ELEMENTS and padded > 2 * new_work):
+                break
+            l, work, end = new_l, new_work, end + 1
+        groups.append(np.sort(order[start:end]))   # token order: a lone bucket needs no scatter
+        start = end
+    return groups
+
+
+def _build_plan(batch: ForwardBatch, view: KVGroupView, window: int | None, heads: int,
+                budget: int) -> _Plan:
+    req, row0, qn, pos0, lo, kn = _segments(batch.query_start_loc_cpu, batch.seq_lens_cpu,
+                                            window, heads, budget)
+    buckets = [_build_bucket(view, window, req[g], row0[g], qn[g], pos0[g], lo[g], kn[g])
+               for g in _group(qn, kn, heads, budget)]
+    # Segments are made in token order and each bucket keeps them sorted, so a lone unpadded
+    # bucket holding every token reads rows 0..T-1 in order.
+    identity = (len(buckets) == 1 and buckets[0].keep is None
+                and buckets[0].n * buckets[0].q == batch.num_tokens)
+    return _Plan(buckets, identity)
+
+
+def _build_bucket(view: KVGroupView, window: int | None, req: np.ndarray, row0: np.ndarray,
+                  qn: np.ndarray, pos0: np.ndarray, lo: np.ndarray, kn: np.ndarray) -> _Bucket:
+    n, q, l = len(req), int(qn.max()), int(kn.max())
+    dev = view.block_table.device
+    qi = np.minimum(np.arange(q)[None, :], qn[:, None] - 1)        # [n, Q] padding -> last
+    q_rows = (row0[:, None] + qi).reshape(-1)
+    real = (np.arange(q)[None, :] < qn[:, None]).reshape(-1)
+    keep = None if real.all() else np.nonzero(real)[0]
+    out_rows = q_rows if keep is None else q_rows[keep]
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+
+    j = torch.arange(l, device=dev)[None, :]                        # [1, L]
+    lo_t, kn_t = t(lo)[:, None], t(kn)[:, None]
+    key_pos = lo_t + j                                              # [n, L] padding past hi
+    slot_pos = torch.where(j < kn_t, key_pos, lo_t)                 # padding -> first key
+    slots = view.entry_slots(t(req)[:, None], slot_pos).reshape(-1)
+    mask = None
+    if q > 1 or bool((kn != l).any()):
+        q_pos = t(pos0[:, None] + qi)                               # [n, Q]
+        visible = key_pos[:, None, :] <= q_pos[:, :, None]          # [n, Q, L]
+        if window is not None:
+            visible &= key_pos[:, None, :] > q_pos[:, :, None] - window
+        mask = visible[:, None]
+    return _Bucket(n, q, l, t(q_rows), slots, mask, None if keep is None else t(keep),
+                   t(out_rows))
+
+
+def _attend_bucket(b: _Bucket, flat: torch.Tensor, q: torch.Tensor, num_kv_heads: int,
+                   scale: float) -> torch.Tensor:
+    """Outputs [n*Q, H, D] of the bucket's padded queries."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    g = num_heads // num_kv_heads
+    entries = flat.index_select(0, b.slots).to(q.dtype).view(b.n, b.l, 2, num_kv_heads, head_dim)
+    keys = entries[:, :, 0].transpose(1, 2)                                   # [n, Hkv, L, D]
+    values = entries[:, :, 1].transpose(1, 2)                                 # [n, Hkv, L, D]
+    queries = q.index_select(0, b.q_rows).view(b.n, b.q, num_kv_heads, g, head_dim)
+    queries = queries.transpose(1, 2).reshape(b.n, num_kv_heads, b.q * g, head_dim)
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.folded_mask(g),
+                                       scale=scale)                          # [n, Hkv, Q*G, D]
+    o = o.view(b.n, num_kv_heads, b.q, g, head_dim).transpose(1, 2)           # [n, Q, Hkv, G, D]
+    return o.reshape(b.n * b.q, num_heads, head_dim)
+
+
+def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            batch: ForwardBatch, cache_name: str, scale: float,
+                            window: int | None = None,
+                            plans: PagedAttentionPlans | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (k already rotated) -> [T, H, D]; the reference's contract.
+
+    plans: the step's PagedAttentionPlans (shared by the layers); None builds a fresh one."""
+    cache, view = batch.cache(cache_name)
+    if view.compress_ratio != 1:
+        raise ValueError(f"{cache_name}: paged attention needs compress_ratio 1, "
+                         f"got {view.compress_ratio}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{cache_name}: {num_heads} query heads are not a multiple of "
+                         f"{num_kv_heads} KV heads")
+    if 2 * num_kv_heads * head_dim != cache.shape[-1]:
+        raise ValueError(f"KV entry width {2 * num_kv_heads * head_dim} != cache width "
+                         f"{cache.shape[-1]}")
+    plans = PagedAttentionPlans(batch) if plans is None else plans
+    flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
+    wp = plans.write(cache_name, window)
+    entries = torch.cat((k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)), dim=-1)
+    if wp.rows is not None:
+        entries = entries.index_select(0, wp.rows)
+    flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
+
+    plan = plans.attention(cache_name, window, num_heads)
+    if plan.identity:
+        return _attend_bucket(plan.buckets[0], flat, q, num_kv_heads, scale)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for b in plan.buckets:
+        o = _attend_bucket(b, flat, q, num_kv_heads, scale)
+        out.index_copy_(0, b.out_rows, o if b.keep is None else o.index_select(0, b.keep))
+    return out
