@@ -66,8 +66,8 @@ def test_cli_flag_errors_name_the_flag(capsys):
     assert engine_config_from_args(args).speculative == SpeculativeConfig("mtp", 3)
     assert engine_config_from_args(parser.parse_args([])).speculative is None
     with pytest.raises(SystemExit) as e:
-        parser.parse_args(["--speculative-config", '{"method": "mtp", '
-                           '"num_speculative_tokens": -1}'])
+        parser.parse_args(["--speculative-config",
+                           '{"method": "mtp", "num_speculative_tokens": -1}'])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--speculative-config" in err and "num_speculative_tokens" in err

@@ -34,13 +34,13 @@ def ckpt(tmp_path_factory):
     prompts = mixed_prompts(256, LENGTHS, seed=1)
     shared = mixed_prompts(256, [4, 11, 23, 7], seed=2, shared_prefix=3 * BLOCK + 5)
     base = _llm(str(path), None, max_num_batched_tokens=4096, enable_prefix_caching=False)
-    return dict(path=str(path), llama=str(llama), prompts=prompts, shared=shared,
-                expected=_generate(base, prompts), expected_shared=_generate(base, shared))
+    return {"path": str(path), "llama": str(llama), "prompts": prompts, "shared": shared,
+            "expected": _generate(base, prompts), "expected_shared": _generate(base, shared)}
 
 
 def _llm(path: str, spec: dict | None, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 26,
-                skip_tokenizer_init=True, speculative_config=spec)
+    args = {"dtype": "float32", "block_size": BLOCK, "kv_cache_memory": 1 << 26,
+            "skip_tokenizer_init": True, "speculative_config": spec}
     args.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -87,9 +87,9 @@ SPECS = {
                              "num_speculative_tokens": 3},
 }
 CONDITIONS = {
-    "chunked_prefix_keep": dict(max_num_batched_tokens=16, enable_prefix_caching=True),
-    "one_step_no_cache": dict(max_num_batched_tokens=4096, enable_prefix_caching=False),
-    "preemption": dict(max_num_batched_tokens=64, num_blocks_override=22, max_num_seqs=16),
+    "chunked_prefix_keep": {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
+    "one_step_no_cache": {"max_num_batched_tokens": 4096, "enable_prefix_caching": False},
+    "preemption": {"max_num_batched_tokens": 64, "num_blocks_override": 22, "max_num_seqs": 16},
 }
 
 

@@ -102,7 +102,7 @@ class DeepseekV4Attention(nn.Module):
         grouped = out.reshape(T, g, self.num_heads * self.head_dim // g)     # [T, g, H*D/g]
         w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])               # [g, o_lora, H*D/g]
         low = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2))           # [g, T, o_lora]
-        return self.o_b_proj(low.transpose(0, 1).reshape(T, -1))              # [T, g*o_lora]
+        return self.o_b_proj(low.transpose(0, 1).reshape(T, g * w.shape[1]))  # [T, g*o_lora]
 
     def kv_cache_names(self) -> list[str]:
         names = [self.prefix + "window"]

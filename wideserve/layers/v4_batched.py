@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from wideserve.layers.indexer import Indexer
     from wideserve.layers.v4_attention import DeepseekV4Attention
 
-CHUNK_ELEMENTS = 1 << 24    # largest per-chunk intermediate (64 MiB in fp32)
+CHUNK_ELEMENTS = 1 << 25    # bound on a chunk's main intermediates (128 MiB in fp32)
 
 
 def _chunks(num_blocks: int, per_block: int) -> list[tuple[int, int]]:
@@ -117,21 +117,22 @@ def _attend_group(attn: DeepseekV4Attention, q: torch.Tensor, src: torch.Tensor,
     """Attention of one block group's queries, written into out's rows. src: the window
     sources, or (plain decode) the window keys themselves [B, Lk + 1, D].
 
-    Keys of a block: [window (Lk) | sink slot (a zero row) | entries (K)]. Scores get an
-    additive 0/-inf bias (the masks), the sink slot's score becomes the sink logit, so one
-    softmax and one matmul with the same keys give the output (the zero row adds nothing)."""
+    Keys of a block: [window (Lk) | sink slot (a zero row) | entries (K)]; with per-query
+    top-k entries and Q > 1 the entries are scored separately (they differ per query)."""
     H, D = q.shape[1], q.shape[2]
     Q = blocks.block_q
     win = step.window_keys(blocks, attn.window)
     Lk = win.rows.shape[1] - 1
-    dense = bool(attn.ratio) and picks is None
-    sparse = picks is not None
-    K = int(picks.shape[1]) if sparse else step.entry_width(attn.ratio) if dense else 0
-    bias = (step.dense_bias(blocks, attn.window, attn.ratio) if dense
-            else step.padded_bias(blocks, attn.window, K))                   # [B, Q, 1, N]
     comp_name = attn.prefix + "compressed"
-    sinks = attn.sinks.float()
-    scale = attn.head_dim ** -0.5
+    dense = bool(attn.ratio) and picks is None
+    if picks is not None:
+        K = int(picks.shape[1])
+        bias = step.padded_bias(blocks, attn.window, K)                      # [B, Q, 1, N]
+    elif dense:
+        K = step.entry_width(attn.ratio)
+        bias = step.dense_bias(blocks, attn.window, attn.ratio)
+    else:
+        K, bias = 0, win.bias
     for a, b in _chunks(blocks.num_blocks, (Lk + K) * (D + 3 * Q * H) + Q * K * D):
         C = b - a
         qb = _rows(q, blocks, a, b).flatten(1, 2)                             # [C, Q*H, D]
@@ -142,30 +143,48 @@ def _attend_group(attn: DeepseekV4Attention, q: torch.Tensor, src: torch.Tensor,
         if dense:                                   # every entry of the block's request
             keys = torch.cat([keys, step.gather_block_entries(comp_name, blocks, attn.ratio,
                                                               a, b)], dim=1)
-        per_query = chosen = None
-        if sparse:                                  # each query's own top-k entries
+        own = None
+        if picks is not None:                       # each query's own top-k entries
             sel = _rows(picks, blocks, a, b)                                  # [C, Q, k]
             chosen = sel >= 0
-            per_query = step.gather_picked(comp_name, attn.ratio, blocks.block_req[a:b], sel,
-                                           chosen)                            # [C, Q, k, D]
+            rows = step.gather_picked(comp_name, attn.ratio, blocks.block_req[a:b], sel,
+                                      chosen)                                 # [C, Q, k, D]
             if Q == 1:                              # decode: they are the block's keys too
-                keys = torch.cat([keys, per_query[:, 0]], dim=1)
-        N = keys.shape[1]
-        if Q == 1:   # bias [C, 1, 1, N] broadcasts over the heads: one fused op
-            scores = torch.baddbmm(bias[a:b, 0], qb, keys.transpose(1, 2), alpha=scale)
+                keys = torch.cat([keys, rows[:, 0]], dim=1)
+            own = (rows, chosen)
+        _store(out, blocks, a, b, _softmax_attend(qb, keys, bias[a:b], attn.sinks.float(),
+                                                  attn.head_dim ** -0.5, Lk, own))
+
+
+def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
+                    sinks: torch.Tensor, scale: float, sink_slot: int,
+                    own: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """qb [C, Q*H, D], keys = values [C, N, D], bias [C, Q, 1, >= N] (0 / -inf), sinks [H];
+    own: per-query entries [C, Q, k, D] and whether each was picked [C, Q, k] (when Q == 1
+    they are already the last k keys, only their mask applies) -> [C, Q, H, D].
+
+    The sink slot's key is a zero row whose score is replaced by the sink logit: it enlarges
+    the softmax denominator and adds nothing to the output."""
+    C, N, D = keys.shape
+    Q = bias.shape[1]
+    H = qb.shape[1] // Q
+    if Q == 1:   # the bias [C, 1, N] broadcasts over the heads: one fused op
+        scores = torch.baddbmm(bias[:, 0, :, :N], qb, keys.transpose(1, 2), alpha=scale)
+    else:
+        scores = torch.bmm(qb, keys.transpose(1, 2)).view(C, Q, H, N) * scale
+        scores = scores + bias[..., :N]
+    scores = scores.view(C, Q, H, N)
+    scores[..., sink_slot] = sinks
+    if own is not None:
+        rows, chosen = own
+        hidden = ~chosen[:, :, None, :]                                       # [C, Q, 1, k]
+        if Q == 1:
+            scores[..., N - rows.shape[2]:].masked_fill_(hidden, float("-inf"))
         else:
-            scores = torch.bmm(qb, keys.transpose(1, 2)).view(C, Q, H, N) * scale
-            scores = scores + bias[a:b, :, :, :N]
-        scores = scores.view(C, Q, H, N)
-        scores[..., Lk] = sinks
-        if sparse and Q == 1:
-            scores[..., Lk + 1:].masked_fill_(~chosen[:, :, None, :], float("-inf"))
-        elif sparse:
-            sc = torch.matmul(qb.view(C, Q, H, D), per_query.transpose(-1, -2)) * scale
-            scores = torch.cat([scores, sc.masked_fill(~chosen[:, :, None, :], float("-inf"))],
-                               dim=-1)
-        probs = torch.softmax(scores, dim=-1)                                 # [C, Q, H, N(+k)]
-        o = torch.bmm(probs[..., :N].reshape(C, Q * H, N), keys).view(C, Q, H, D)
-        if sparse and Q > 1:
-            o = o + torch.matmul(probs[..., N:], per_query)
-        _store(out, blocks, a, b, o)
+            extra = torch.matmul(qb.view(C, Q, H, D), rows.transpose(-1, -2)) * scale
+            scores = torch.cat([scores, extra.masked_fill(hidden, float("-inf"))], dim=-1)
+    probs = torch.softmax(scores, dim=-1)                                     # [C, Q, H, N(+k)]
+    out = torch.bmm(probs[..., :N].reshape(C, Q * H, N), keys).view(C, Q, H, D)
+    if own is not None and Q > 1:
+        out = out + torch.matmul(probs[..., N:], own[0])
+    return out

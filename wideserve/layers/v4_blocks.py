@@ -95,6 +95,16 @@ def build_query_blocks(reqs: np.ndarray, block_q: int, qsl: np.ndarray, ctx: np.
                        ctx[req][:, None] + local, q_valid, req, first, identity)
 
 
+def build_token_blocks(tokens: np.ndarray, token_req: np.ndarray, token_pos: np.ndarray,
+                       qsl: np.ndarray, device: torch.device) -> QueryBlocks:
+    """One block per token (Q = 1) for the token rows `tokens` (ascending)."""
+    req = token_req[tokens]
+    rows = _dev(tokens[:, None], device)
+    return QueryBlocks(rows, rows, _dev(req, device), token_pos[tokens][:, None],
+                       np.ones((len(tokens), 1), dtype=bool), req, tokens - qsl[req],
+                       len(tokens) == len(token_req))
+
+
 def build_window_keys(blocks: QueryBlocks, window: int, qsl: np.ndarray, ctx: np.ndarray,
                       lo: np.ndarray, device: torch.device) -> WindowKeys:
     W, Q = window, blocks.block_q

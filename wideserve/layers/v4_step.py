@@ -27,7 +27,7 @@ from wideserve.layers.compressor import CompressPlan, build_compress_plan
 from wideserve.layers.rope import RotaryTable, rope_cis
 from wideserve.layers.v4_blocks import (LONG_QUERY, BlockEntries, QueryBlocks, WindowKeys,
                                         build_block_entries, build_query_blocks,
-                                        build_window_keys)
+                                        build_token_blocks, build_window_keys)
 
 
 class V4Step:
@@ -121,11 +121,18 @@ class V4Step:
         LONG_QUERY new tokens in blocks of LONG_QUERY, the others one token per block."""
         def build() -> list[QueryBlocks]:
             qlens = np.diff(self.qsl)
-            active = np.flatnonzero(qlens > 0)
-            long = qlens[active] >= LONG_QUERY
-            return [build_query_blocks(reqs, q, self.qsl, self.ctx, self.device)
-                    for reqs, q in ((active[~long], 1), (active[long], LONG_QUERY))
-                    if len(reqs)]
+            long = qlens >= LONG_QUERY
+            groups = []
+            if not long.all():
+                tokens = (np.arange(self.num_tokens) if not long.any()
+                          else np.flatnonzero(~long[self.token_req]))
+                if len(tokens):
+                    groups.append(build_token_blocks(tokens, self.token_req, self.token_pos,
+                                                      self.qsl, self.device))
+            if long.any():
+                groups.append(build_query_blocks(np.flatnonzero(long), LONG_QUERY, self.qsl,
+                                                 self.ctx, self.device))
+            return groups
         return self._once(("groups",), build)
 
     def window_keys(self, blocks: QueryBlocks, window: int) -> WindowKeys:
@@ -172,15 +179,16 @@ class V4Step:
 
     def _write_index(self, view: KVGroupView) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(slots to write, rows they take or None for all rows): slot -1 means skip."""
+        slots = view.slot_mapping
+        if slots is None:
+            raise ValueError("a per-position KV cache group has no slot_mapping")
+
         def build() -> tuple[torch.Tensor, torch.Tensor | None]:
-            slots = view.slot_mapping
             keep = slots >= 0
             if bool(keep.all()):        # one host sync per step and group
                 return slots, None
             rows = keep.nonzero().flatten()
             return slots.index_select(0, rows), rows
-        if view.slot_mapping is None:
-            raise ValueError("a per-position KV cache group has no slot_mapping")
         return self._once(("write", id(view)), build)
 
     def write_window_rows(self, name: str, rows: torch.Tensor) -> None:

@@ -18,11 +18,11 @@ from torch import nn
 
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.layers.backends import resolve_attention_backend
 from wideserve.layers.mhc import HyperConnection, HyperHead, hc_expand
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
-from wideserve.layers.backends import resolve_attention_backend
 from wideserve.layers.v4_attention import DeepseekV4Attention
 from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config

@@ -74,7 +74,8 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(data, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got "
+            # ValueError, not TypeError: the CLI turns ValueErrors into a flag error.
+            raise ValueError(f"speculative_config must be a JSON object, got "  # noqa: TRY004
                              f"{type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

@@ -25,6 +25,7 @@ from wideserve.core.sched_output import SchedulerOutput
 from wideserve.executor.model_runner import ForwardOutput, ModelRunner, StepRequest
 from wideserve.executor.sampler import build_sampling_metadata
 from wideserve.request import Request, RequestStatus
+from wideserve.sampling_params import SamplingParams
 from wideserve.spec_decode.config import SpeculativeConfig
 from wideserve.spec_decode.metrics import SpecDecodeStats
 from wideserve.spec_decode.proposer import ProposeInput, Proposer
@@ -130,7 +131,10 @@ class SpecDecoder:
                 generators: Mapping[str, torch.Generator], eos_token_ids: Sequence[int],
                 vocab_size: int) -> VerifyOutput:
         num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
-        params, outputs, prompts, gens = [], [], [], {}
+        params: list[SamplingParams] = []
+        outputs: list[list[int]] = []
+        prompts: list[list[int]] = []
+        gens: dict[int, torch.Generator] = {}
         for r, d in zip(reqs, drafts):
             sp, hist = r.sampling_params, r.output_token_ids
             # Row j sees the drafts before it as output (penalties, min_tokens); rows whose

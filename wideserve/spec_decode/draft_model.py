@@ -13,6 +13,8 @@ fed back on the device. Drafts are the draft model's argmax (deterministic draft
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -34,7 +36,7 @@ class DraftModelProposer(Proposer):
         except (OSError, ValueError) as e:
             raise ValueError(f"speculative_config.model: cannot load the draft model: "
                              f"{e}") from e
-        self.model = loaded.model.eval()
+        self.model: Any = loaded.model.eval()
         self.device = torch.device(target_load.device)
         cfg = loaded.config_json
         positions = next((int(cfg[k]) for k in ("max_position_embeddings", "n_positions",
@@ -90,7 +92,9 @@ class DraftModelProposer(Proposer):
             reqs = [StepRequest(inp.step_reqs[i].request_id, [0], int(p) + j - 1,
                                 inp.step_reqs[i].block_ids)
                     for i, p in zip(active.tolist(), pos.tolist())]
-            tok = self.runner.forward(reqs, input_ids=tok).logits.argmax(dim=-1)
+            logits = self.runner.forward(reqs, input_ids=tok).logits
+            assert logits is not None
+            tok = logits.argmax(dim=-1)
             steps.append((active, tok))
         for idx, t in steps:
             for i, v in zip(idx.tolist(), t.tolist()):

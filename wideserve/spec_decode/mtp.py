@@ -19,6 +19,8 @@ drafts: the rejection sampler treats q as one-hot).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -27,7 +29,8 @@ from wideserve.spec_decode.proposer import ProposeInput, Proposer
 
 
 class MTPProposer(Proposer):
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
+        """model: a DeepseekV4ForCausalLM-like target (mtp, mtp_forward, last_streams)."""
         if not hasattr(model, "mtp_forward") or len(getattr(model, "mtp", ())) == 0:
             raise ValueError(
                 f"speculative_config.method 'mtp' needs a model with MTP block(s) "
