@@ -13,7 +13,7 @@ fed back on the device. Drafts are the draft model's argmax (deterministic draft
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ class DraftModelProposer(Proposer):
         except (OSError, ValueError) as e:
             raise ValueError(f"speculative_config.model: cannot load the draft model: "
                              f"{e}") from e
-        self.model: Any = loaded.model.eval()
+        self.model: Any = cast(Any, loaded.model).eval()
         self.device = torch.device(target_load.device)
         cfg = loaded.config_json
         positions = next((int(cfg[k]) for k in ("max_position_embeddings", "n_positions",
