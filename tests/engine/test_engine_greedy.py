@@ -94,8 +94,10 @@ def test_greedy_matches_transformers(case, budget, caching):
     _check_idle(llm)
 
 
-def test_prefix_hits_do_not_change_outputs(case):
-    llm = _llm(case, max_num_batched_tokens=64, enable_prefix_caching=True)
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_prefix_hits_do_not_change_outputs(case, mode):
+    llm = _llm(case, max_num_batched_tokens=64, enable_prefix_caching=True,
+               prefix_window_mode=mode)
     first = _generate(llm, case["shared"][:1])
     rest = _generate(llm, case["shared"][1:])
     assert first + rest == case["expected_shared"]

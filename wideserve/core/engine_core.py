@@ -274,7 +274,8 @@ class EngineCore:
             and end >= len(lp) + 1
         return StepRequest(r.request_id, toks, start, self.kv_manager.block_ids(r.request_id),
                            s.kv_write_start, end >= r.num_tokens, want_prompt,
-                           len(s.spec_token_ids))
+                           len(s.spec_token_ids),
+                           self.kv_manager.replay_start(r.request_id) if s.kv_write_start else 0)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
                              logits: torch.Tensor) -> None:

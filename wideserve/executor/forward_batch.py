@@ -52,6 +52,9 @@ class ForwardBatch:
     # are already cached; they are recomputed only to rebuild window/state (bounded replay).
     # None means every new position is written everywhere.
     kv_write_start: torch.Tensor | None = None
+    # [R] host array: where each request's bounded replay began (its window and compressor
+    # state hold nothing below it, even in a later chunk of the replay); with kv_write_start.
+    kv_replay_start: np.ndarray | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property

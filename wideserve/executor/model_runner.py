@@ -25,6 +25,7 @@ class StepRequest:
     sample: bool = True           # the step reaches the end of the request's tokens
     prompt_logits: bool = False   # also return logits for every new row (prompt logprobs)
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
+    replay_start: int = 0         # with kv_write_start: where this request's replay began
 
 
 @dataclass(slots=True)
@@ -67,10 +68,11 @@ class ModelRunner:
         dev = self.device
         views = [self._group_view(g, layout, reqs, req_of_token, positions)
                  for g, layout in enumerate(self.groups)]
-        write_start = None
+        write_start = replay_start = None
         if any(r.kv_write_start for r in reqs):
             write_start = torch.tensor([r.kv_write_start for r in reqs], dtype=torch.int64,
                                        device=dev)
+            replay_start = np.array([r.replay_start for r in reqs], dtype=np.int64)
         return ForwardBatch(
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
@@ -78,7 +80,7 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
-            kv_write_start=write_start)
+            kv_write_start=write_start, kv_replay_start=replay_start)
 
     def _group_view(self, g: int, layout: GroupLayout, reqs: list[StepRequest],
                     req_of_token: np.ndarray, positions: np.ndarray) -> KVGroupView:

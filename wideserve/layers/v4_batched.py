@@ -13,9 +13,10 @@ Per block of Q queries (one request):
   entries 0..K-1 gathered once, each query masking those it cannot see yet; CSA otherwise each
   query's own top-k entries [Q, k] from the indexer;
 - one softmax over [window | entries | sink] per head.
-Unreadable rows (outside the window, entries not written yet) are gathered through a safe slot
-and zeroed with torch.where (or point at an explicit zero row), so a NaN there can never reach
-the output: masking a score to -inf is not enough, since 0 * NaN = NaN.
+Masking a score to -inf is not enough to keep an unreadable row (outside the window, an entry
+not written yet) out of the output, since 0 * NaN = NaN. So such rows are never gathered as
+they are: they point at an explicit zero row, are zeroed (torch.where / index_fill_ on
+host-known rows), or read a finite row that is masked (a readable position, entry 0).
 """
 from __future__ import annotations
 

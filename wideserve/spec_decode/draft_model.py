@@ -73,7 +73,8 @@ class DraftModelProposer(Proposer):
             if emitted:
                 toks = toks + [emitted[-1]]
             catch_up.append(StepRequest(s.request_id, toks, s.start, s.block_ids,
-                                        s.kv_write_start, sample=bool(inp.num_drafts[i] > 0)))
+                                        s.kv_write_start, sample=bool(inp.num_drafts[i] > 0),
+                                        replay_start=s.replay_start))
         fwd = self.runner.forward(catch_up)
         out: list[list[int]] = [[] for _ in inp.step_reqs]
         if fwd.logits is None:

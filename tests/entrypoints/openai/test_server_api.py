@@ -282,8 +282,17 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_metrics_exposition(server, client):
-    client.completions.create(model=NAME, prompt="metrics", max_tokens=3, **GREEDY)
-    text = httpx.get(server.url + "/metrics").text
+    # The same long prompt twice: the second one hits the prefix cache.
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt="metrics and more " * 6, max_tokens=3,
+                                  **GREEDY)
+    deadline = time.monotonic() + 10      # engine stats reach the front end with a heartbeat
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        if _metric(text, "wideserve:prefix_cache_hits_total") > 0 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for name in ("wideserve:num_requests_running", "wideserve:num_requests_waiting",
                  "wideserve:kv_cache_usage_perc", "wideserve:prefix_cache_queries_total",
                  "wideserve:prefix_cache_hits_total", "wideserve:prompt_tokens_total",

@@ -132,6 +132,7 @@ class KVCacheManager:
             m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self._requests: set[str] = set()          # admitted and not freed
         self._write_start: dict[str, int] = {}
+        self._replay_start: dict[str, int] = {}    # where a bounded replay began (S)
         self._state: dict[str, _RequestState] = {}
         self.stats = PrefixCacheStats()
         self._interval = PrefixCacheStats()
@@ -277,6 +278,7 @@ class KVCacheManager:
         hit_tokens = self._hit_tokens(hits) if hits else 0
         if hit_tokens > computed:
             self._write_start[rid] = hit_tokens
+            self._replay_start[rid] = computed
         for s in (self.stats, self._interval):
             s.requests += 1
             s.queries += request.num_tokens
@@ -295,6 +297,7 @@ class KVCacheManager:
         """Release the request's blocks (publishing its computed full blocks first)."""
         rid = request.request_id
         self._write_start.pop(rid, None)
+        self._replay_start.pop(rid, None)
         if rid not in self._requests:
             return
         self._cache_computed(request)
@@ -306,6 +309,11 @@ class KVCacheManager:
     # ------------------------------------------------------------------------ queries
     def kv_write_start(self, request_id: str) -> int:
         return self._write_start.get(request_id, 0)
+
+    def replay_start(self, request_id: str) -> int:
+        """First recomputed position of a bounded replay (its windows hold nothing older);
+        0 when the request replays nothing. A replay may span several prefill chunks."""
+        return self._replay_start.get(request_id, 0)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         """Per group, a copy of the request's block-table row (0 = null block: a sliding page
