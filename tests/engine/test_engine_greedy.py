@@ -101,8 +101,11 @@ def test_prefix_hits_do_not_change_outputs(case, mode):
     first = _generate(llm, case["shared"][:1])
     rest = _generate(llm, case["shared"][1:])
     assert first + rest == case["expected_shared"]
-    stats = llm.engine.get_stats()
-    assert stats.prefix_hits >= 3 * 3 * case["block_size"], stats
+    # Replay recomputes part of each hit to rebuild windows; the cache still served it.
+    kv = llm.engine.kv_manager.stats
+    assert kv.hits + kv.replayed >= 3 * 3 * case["block_size"], kv
+    assert (kv.replayed > 0) == (mode == "replay" and case["path"].rsplit("/", 1)[-1]
+                                 .startswith("v4"))
     _check_idle(llm)
 
 

@@ -48,12 +48,12 @@ class CompressPlan:
 
 
 def build_compress_plan(ctx: np.ndarray, seq: np.ndarray, qsl: np.ndarray,
-                        write_start: np.ndarray, replay: np.ndarray, ratio: int, overlap: bool,
+                        write_start: np.ndarray, kept_from: np.ndarray, ratio: int, overlap: bool,
                         device: torch.device) -> CompressPlan:
     """Plan the entries w with completing position in [max(ctx, write_start), seq).
 
-    Replayed requests (replay[r]) have no per-position state below ctx; an entry that would
-    need it means the replay was too short, which is an error."""
+    Replayed requests have no per-position state below kept_from[r] (where the replay began);
+    an entry that would need it means the replay was too short, which is an error."""
     lo = np.maximum(ctx, write_start)
     first = lo // ratio
     count = np.maximum(seq // ratio - first, 0)
@@ -65,11 +65,11 @@ def build_compress_plan(ctx: np.ndarray, seq: np.ndarray, qsl: np.ndarray,
     series = (offsets >= 0).astype(np.int64) if overlap else np.zeros(ratio, dtype=np.int64)
     src = entry[:, None] * ratio + offsets[None, :]                          # [N, L]
     in_step = src >= ctx[req][:, None]
-    missing = replay[req][:, None] & ~in_step & (src >= 0)
+    missing = (src >= 0) & (src < kept_from[req][:, None])
     if missing.any():
         r = int(req[missing.any(axis=1)][0])
-        raise ValueError(f"bounded replay of request {r} starts at position {ctx[r]} but the "
-                         f"compressor (ratio {ratio}) needs state from position "
+        raise ValueError(f"bounded replay of request {r} starts at position {kept_from[r]} but "
+                         f"the compressor (ratio {ratio}) needs state from position "
                          f"{int(src[missing].min())}; replay at least "
                          f"{(2 if overlap else 1) * ratio} positions before kv_write_start")
     row = np.where(in_step, qsl[req][:, None] + src - ctx[req][:, None], 0)

@@ -76,7 +76,7 @@ def _attend_request(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor
     ctx, seq = int(step.ctx[r]), int(step.seq[r])
     W = attn.window
     # Window latents the request's queries can see: cached [lo, ctx) + this step's rows.
-    lo = ctx if step.replay[r] else max(0, ctx - W + 1)
+    lo = max(int(step.lo[r]), ctx - W + 1)
     win_keys = torch.cat([step.read_positions(attn.prefix + "window", r, lo, ctx).float(),
                           kv[qs:qe].float()])                                  # [K, D]
     win_pos = torch.arange(lo, seq, device=q.device)

@@ -8,8 +8,9 @@ every layer that asks for it, so a layer costs a constant number of torch ops.
 
 Glossary
 - ctx[r]: positions of request r cached before the step; its new tokens are ctx..seq-1.
-- lo[r]: the first position whose window latent may be read: 0, or ctx[r] under bounded replay
-  (write_start > ctx: nothing per-position below ctx was kept).
+- lo[r]: the first position whose window latent / compressor state may be read: 0, or where a
+  bounded replay began (ctx[r] when write_start > ctx, or ForwardBatch.kv_replay_start[r] when
+  the replay spans chunks): nothing per-position below it was kept.
 - window sources: this step's latents [T rows], each request's W-1 cached latents just before
   ctx (R * (W-1) rows; unreadable ones are never referenced), one zero row. Every position a
   query's window covers is one of these rows, so one gather builds all windows (v4_blocks.py).
@@ -47,10 +48,17 @@ class V4Step:
                                           self.ctx)
         # Bounded replay (write_start > ctx): the step recomputes positions whose growing
         # entries are cached but whose window/state were not kept, so nothing per-position
-        # below ctx may be read: windows are clamped at the replay start (exact for positions
+        # below the replay start may be read: windows are clamped there (exact for positions
         # at least num_layers * (W-1) past it; choosing the replay length is the engine's call).
+        # The replay starts at ctx, unless the batch says where (it may span chunks).
         self.replay = self.write_start > self.ctx
-        self.lo = np.where(self.replay, self.ctx, 0)
+        if batch.kv_replay_start is None:
+            self.lo = np.where(self.replay, self.ctx, 0)
+        else:
+            self.lo = np.asarray(batch.kv_replay_start, dtype=np.int64)
+            if self.lo.shape != self.ctx.shape or (self.lo > self.ctx).any():
+                raise ValueError(f"ForwardBatch.kv_replay_start {self.lo.tolist()} must give "
+                                 f"each request a position <= its context {self.ctx.tolist()}")
         qlens = np.diff(self.qsl)
         self.num_tokens = int(self.qsl[-1])
         self.active_seq = self.seq[qlens > 0]           # seq_lens of requests with new tokens
@@ -58,10 +66,10 @@ class V4Step:
         # Host positions, from the layout ForwardBatch documents (no device sync).
         self.token_pos = (np.arange(self.num_tokens, dtype=np.int64)
                           + np.repeat(self.ctx - self.qsl[:-1], qlens))
-        # Every request has exactly one new token, nothing is replayed and position 0 is
-        # cached: the fast decode layout of v4_batched.attend applies.
+        # Every request has exactly one new token, every position is readable (no replay) and
+        # position 0 is cached: the fast decode layout of v4_batched.attend applies.
         self.plain_decode = bool(len(qlens) and (qlens == 1).all() and (self.ctx >= 1).all()
-                                 and not self.replay.any())
+                                 and not self.lo.any())
         self._memo: dict[tuple, Any] = {}
 
     @property
@@ -106,7 +114,7 @@ class V4Step:
 
     def compress_plan(self, ratio: int, overlap: bool) -> CompressPlan:
         return self._once(("plan", ratio, overlap), lambda: build_compress_plan(
-            self.ctx, self.seq, self.qsl, self.write_start, self.replay, ratio, overlap,
+            self.ctx, self.seq, self.qsl, self.write_start, self.lo, ratio, overlap,
             self.device))
 
     def entry_cis(self, table: RotaryTable, ratio: int, overlap: bool) -> torch.Tensor:
