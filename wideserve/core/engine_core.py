@@ -232,21 +232,7 @@ class EngineCore:
                 sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size)
         elif fwd.logits is not None:
             rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
-            gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
-                    if r.request_id in self._generators}
-            md = build_sampling_metadata(
-                [r.sampling_params for r in rows], [r.output_token_ids for r in rows],
-                [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
-                eos_token_ids=self.eos_token_ids)
-            out = self.sampler(fwd.logits, md)
-            token_ids = out.token_ids.tolist()
-            lp = out.logprobs.tolists() if out.logprobs is not None else None
-            for k, r in enumerate(rows):
-                sampled[r.request_id] = [token_ids[k]]
-                if lp is not None and r.sampling_params.logprobs is not None:
-                    n = r.sampling_params.logprobs + 1
-                    logprobs[r.request_id] = StepLogprobs(sampled=TokenLogprobs(
-                        [lp[0][k][:n]], [lp[1][k][:n]], [lp[2][k]]))
+            sampled, logprobs = self._sample(rows, fwd.logits)
         for i, logits in fwd.prompt_logits.items():
             self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, logits)
         for rid in sampled:
@@ -260,6 +246,28 @@ class EngineCore:
             self.spec.propose(propose)      # draft model / MTP forwards count as forward time
             timer.mark("forward")
         return sampled, logprobs or None
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor
+                ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs]]:
+        """One token per row (no speculation): the requests whose tokens are all computed."""
+        gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
+                if r.request_id in self._generators}
+        md = build_sampling_metadata(
+            [r.sampling_params for r in rows], [r.output_token_ids for r in rows],
+            [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
+            eos_token_ids=self.eos_token_ids)
+        out = self.sampler(logits, md)
+        token_ids = out.token_ids.tolist()
+        lp = out.logprobs.tolists() if out.logprobs is not None else None
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, StepLogprobs] = {}
+        for k, r in enumerate(rows):
+            sampled[r.request_id] = [token_ids[k]]
+            if lp is not None and r.sampling_params.logprobs is not None:
+                n = r.sampling_params.logprobs + 1
+                logprobs[r.request_id] = StepLogprobs(sampled=TokenLogprobs(
+                    [lp[0][k][:n]], [lp[1][k][:n]], [lp[2][k]]))
+        return sampled, logprobs
 
     def _step_request(self, s: ScheduledRequest) -> StepRequest:
         r = s.request
