@@ -38,24 +38,37 @@ ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
 })
 
 
-def resolve_attention_backend(name: str | None = None) -> str:
-    """The backend name to use: `name`, else $WIDESERVE_ATTENTION_BACKEND, else the default;
-    an unknown name is a ValueError listing the known ones."""
+def _article(noun: str) -> str:
+    return "an" if noun[0] in "aeiou" else "a"
+
+
+def resolve_backend(name: str | None, table: Mapping[str, Any], default: str,
+                    noun: str) -> str:
+    """The backend name to use: `name`, else $WIDESERVE_ATTENTION_BACKEND, else `default`;
+    an unknown name is a ValueError naming its source and listing the known ones."""
     source = "attention_backend"
     if name is None:
         name = os.environ.get(ENV_VAR) or None
         source = ENV_VAR
     if name is None:
-        return DEFAULT_ATTENTION_BACKEND
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"{source}={name!r} is not an attention backend; "
-                         f"choose one of {sorted(ATTENTION_BACKENDS)}")
+        return default
+    if name not in table:
+        raise ValueError(f"{source}={name!r} is not {_article(noun)} {noun}; "
+                         f"choose one of {sorted(table)}")
     return name
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def lookup_backend(name: str, table: Mapping[str, Any], noun: str) -> Any:
     try:
-        return ATTENTION_BACKENDS[name]
+        return table[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of "
-                         f"{sorted(ATTENTION_BACKENDS)}") from None
+        raise ValueError(f"unknown {noun} {name!r}; choose one of {sorted(table)}") from None
+
+
+def resolve_attention_backend(name: str | None = None) -> str:
+    return resolve_backend(name, ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND,
+                           "attention backend")
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    return lookup_backend(name, ATTENTION_BACKENDS, "attention backend")

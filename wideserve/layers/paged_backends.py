@@ -12,14 +12,13 @@ variable WIDESERVE_ATTENTION_BACKEND (the same knob as DeepSeek-V4's backends.py
 """
 from __future__ import annotations
 
-import os
 from types import MappingProxyType
 from typing import Callable, Mapping
 
 import torch
 
 from wideserve.executor.forward_batch import ForwardBatch
-from wideserve.layers.backends import ENV_VAR
+from wideserve.layers.backends import lookup_backend, resolve_backend
 from wideserve.layers.paged_attention import paged_attention
 from wideserve.layers.paged_attention_batched import PagedAttentionPlans, paged_attention_batched
 
@@ -44,23 +43,9 @@ PAGED_ATTENTION_BACKENDS: Mapping[str, PagedAttentionFn] = MappingProxyType({
 
 
 def resolve_paged_attention_backend(name: str | None = None) -> str:
-    """The backend name to use: `name`, else $WIDESERVE_ATTENTION_BACKEND, else the default;
-    an unknown name is a ValueError listing the known ones."""
-    source = "attention_backend"
-    if name is None:
-        name = os.environ.get(ENV_VAR) or None
-        source = ENV_VAR
-    if name is None:
-        return DEFAULT_PAGED_ATTENTION_BACKEND
-    if name not in PAGED_ATTENTION_BACKENDS:
-        raise ValueError(f"{source}={name!r} is not a paged attention backend; "
-                         f"choose one of {sorted(PAGED_ATTENTION_BACKENDS)}")
-    return name
+    return resolve_backend(name, PAGED_ATTENTION_BACKENDS, DEFAULT_PAGED_ATTENTION_BACKEND,
+                           "paged attention backend")
 
 
 def get_paged_attention_backend(name: str) -> PagedAttentionFn:
-    try:
-        return PAGED_ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown paged attention backend {name!r}; choose one of "
-                         f"{sorted(PAGED_ATTENTION_BACKENDS)}") from None
+    return lookup_backend(name, PAGED_ATTENTION_BACKENDS, "paged attention backend")
