@@ -53,13 +53,13 @@ def test_llm_keyword_and_engine_process_json():
 
 
 def test_cli_flag_errors_name_the_flag(capsys):
-    from wideserve.entrypoints.serve import (
-        _one_line_error,
+    from wideserve.entrypoints.engine_args import (
         add_engine_args,
         engine_config_from_args,
+        one_line_error,
     )
     parser = argparse.ArgumentParser(prog="wideserve serve")
-    parser.error = _one_line_error.__get__(parser)      # type: ignore[method-assign]
+    parser.error = one_line_error.__get__(parser)      # type: ignore[method-assign]
     add_engine_args(parser)
     args = parser.parse_args(["--speculative-config",
                               json.dumps({"method": "mtp", "num_speculative_tokens": 3})])

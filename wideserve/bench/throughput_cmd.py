@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from wideserve.bench.throughput import hf_padding_allowed, materialise_hf_random_weights
-    from wideserve.entrypoints.serve import engine_config_from_args
+    from wideserve.entrypoints.engine_args import engine_config_from_args
     from wideserve.executor.loader import read_config, resolve_dtype, resolve_model_path
 
     if args.threads:

@@ -17,9 +17,10 @@ _SAMPLING_FLAGS: dict[str, str] = {
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from wideserve.entrypoints.serve import add_engine_args
+    from wideserve.entrypoints.engine_args import add_engine_args, one_line_error
     p = subparsers.add_parser("generate", help="generate text for one or more prompts",
                               description=__doc__.splitlines()[0])
+    p.error = one_line_error.__get__(p)      # type: ignore[method-assign]
     add_engine_args(p)
     g = p.add_argument_group("prompt and sampling")
     g.add_argument("--prompt", action="append", required=True,
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wideserve generate: error: {exc}", file=sys.stderr)
         return 2
     from wideserve.entrypoints.llm import LLM
-    from wideserve.entrypoints.serve import engine_config_from_args
+    from wideserve.entrypoints.engine_args import engine_config_from_args
     config = engine_config_from_args(args)
     try:
         llm = LLM.from_engine_config(config)

@@ -8,174 +8,34 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
-_KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
-              "fp8_e4m3": "fp8"}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}")
-    return value
-
-
-def _human_int(text: str) -> int:
-    """'4096', '32k', '1M' (vLLM's --max-model-len syntax: k/m are powers of 1000,
-    K/M of 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a positive integer like 4096 or 32k, "
-                                         f"got {text!r}")
-    number, unit = int(match.group(1)), match.group(2)
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9,
-             "K": 2**10, "M": 2**20, "G": 2**30}[unit]
-    if number * scale < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return number * scale
-
-
-def _bytes(text: str) -> int:
-    """'8589934592', '8GiB', '512MB', '4g' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}")
-    return value
-
-
-def _speculative_config(text: str) -> Any:
-    """JSON like vLLM's: '{"method": "mtp", "num_speculative_tokens": 3}'."""
-    from wideserve.spec_decode.config import SpeculativeConfig
-    try:
-        return SpeculativeConfig.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
-    """argparse's error() prints the whole usage block first; a bad flag is one line."""
-    self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags that become the EngineConfig (shared shape with vLLM's engine args)."""
-    g = parser.add_argument_group("model and engine")
-    g.add_argument("model", nargs="?", default=None,
-                   help="model directory or .gguf file (default: the bundled tiny model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=_DTYPES)
-    g.add_argument("--load-format", default="auto",
-                   choices=("auto", "safetensors", "gguf", "dummy"))
-    g.add_argument("--seed", type=_seed, default=0)
-    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=_human_int, default=None)
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
-    g.add_argument("--block-size", type=_positive_int, default=256)
-    g.add_argument("--enable-prefix-caching", default=True,
-                   action=argparse.BooleanOptionalAction)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(_KV_DTYPES))
-    g.add_argument("--kv-cache-memory", type=_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 4GiB (default: sized automatically)")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
-    g.add_argument("--generation-config", default="auto",
-                   help="'auto' (the model's generation_config.json), 'vllm' or 'none' "
-                        "(ignore it), or a directory holding one")
-    g.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "mtp", '
-                        '"num_speculative_tokens": 3}\'; methods mtp, ngram '
-                        '(prompt_lookup_min/max), draft_model (model); '
-                        '"forced_acceptance_length" is for benchmarks only (outputs are then '
-                        'not the model\'s)')
+from wideserve.entrypoints.engine_args import (add_engine_args, engine_config_from_args,
+                                               one_line_error, parse_bytes, parse_port)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible server",
         description="Serve a model over an OpenAI-compatible HTTP API.")
-    parser.error = _one_line_error.__get__(parser)      # type: ignore[method-assign]
+    parser.error = one_line_error.__get__(parser)      # type: ignore[method-assign]
     add_engine_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=_port, default=8000)
+    g.add_argument("--port", type=parse_port, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use; the first is reported (default: the model path)")
     g.add_argument("--api-key", default=os.environ.get("WIDESERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $WIDESERVE_API_KEY)")
-    g.add_argument("--max-request-bytes", type=_bytes, default=64 * 2**20,
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=64 * 2**20,
                    help="largest accepted request body (413 beyond)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
                    help="expose GET /debug/kv_integrity and /debug/stats")
     g.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"))
     return parser
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from wideserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
-    return EngineConfig(
-        load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
-                        seed=args.seed, device=_resolve_device(args.device),
-                        tokenizer=args.tokenizer),
-        cache=CacheConfig(block_size=args.block_size,
-                          enable_prefix_caching=args.enable_prefix_caching,
-                          kv_cache_dtype=_KV_DTYPES[args.kv_cache_dtype],  # type: ignore[arg-type]
-                          kv_cache_memory=args.kv_cache_memory,
-                          gpu_memory_utilization=args.gpu_memory_utilization),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len,
-                                  policy=args.scheduling_policy),
-        speculative=getattr(args, "speculative_config", None),
-    )
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(args: argparse.Namespace) -> int:
