@@ -306,6 +306,28 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_
     return gather_logprobs(logits.float().log_softmax(dim=-1), target_ids, num_logprobs)
 
 
+def processed_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """raw [N, V] fp32 -> after the stop mask and penalties (what greedy takes argmax of)."""
+    x = raw
+    if md.stop_mask_rows is not None:
+        x = x.index_put((md.stop_mask_rows, md.stop_mask_cols),
+                        torch.tensor(_NEG_INF, device=x.device))
+    if md.penalties is not None:
+        x = apply_penalties(x, md.penalties)
+    return x
+
+
+def target_probs(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """processed logits [N, V] -> the distribution random rows sample from [N, V]."""
+    assert md.temperature is not None
+    x = x / md.temperature.unsqueeze(1)
+    if md.min_p is not None:
+        x = apply_min_p(x, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        x = apply_top_k_top_p(x, md.top_k, md.max_top_k, md.top_p)
+    return x.softmax(dim=-1)
+
+
 class Sampler:
     """Stateless; every per-request input travels in SamplingMetadata."""
 
@@ -314,12 +336,7 @@ class Sampler:
             raise ValueError(f"logits must be [{md.num_reqs}, {md.vocab_size}], "
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
-        x = raw
-        if md.stop_mask_rows is not None:
-            x = x.index_put((md.stop_mask_rows, md.stop_mask_cols),
-                            torch.tensor(_NEG_INF, device=x.device))
-        if md.penalties is not None:
-            x = apply_penalties(x, md.penalties)
+        x = processed_logits(raw, md)
         greedy = None if md.all_random else x.argmax(dim=-1)
         if md.all_greedy:
             assert greedy is not None
@@ -335,10 +352,4 @@ class Sampler:
 
     @staticmethod
     def _sample_random(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        assert md.temperature is not None
-        x = x / md.temperature.unsqueeze(1)
-        if md.min_p is not None:
-            x = apply_min_p(x, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            x = apply_top_k_top_p(x, md.top_k, md.max_top_k, md.top_p)
-        return exponential_race(x.softmax(dim=-1), md.generators)
+        return exponential_race(target_probs(x, md), md.generators)

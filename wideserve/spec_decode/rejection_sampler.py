@@ -37,14 +37,11 @@ import torch
 from wideserve.executor.sampler import (
     LogprobsTensors,
     SamplingMetadata,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
     exponential_race,
     gather_logprobs,
+    processed_logits,
+    target_probs,
 )
-
-_NEG_INF = float("-inf")
 
 
 @dataclass(slots=True)
@@ -54,28 +51,6 @@ class VerifyOutput:
     # One row per emitted token, requests in order (sum(num_accepted + 1) rows); None unless
     # the metadata asks for logprobs. Raw logprobs of the target, like the Sampler's.
     logprobs: LogprobsTensors | None
-
-
-def processed_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """raw [N, V] fp32 -> after the stop mask and penalties (what greedy takes argmax of)."""
-    x = raw
-    if md.stop_mask_rows is not None:
-        x = x.index_put((md.stop_mask_rows, md.stop_mask_cols),
-                        torch.tensor(_NEG_INF, device=x.device))
-    if md.penalties is not None:
-        x = apply_penalties(x, md.penalties)
-    return x
-
-
-def target_probs(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """processed logits [N, V] -> the distribution random rows sample from [N, V]."""
-    assert md.temperature is not None
-    x = x / md.temperature.unsqueeze(1)
-    if md.min_p is not None:
-        x = apply_min_p(x, md.min_p)
-    if md.top_k is not None or md.top_p is not None:
-        x = apply_top_k_top_p(x, md.top_k, md.max_top_k, md.top_p)
-    return x.softmax(dim=-1)
 
 
 @dataclass(slots=True)
