@@ -12,11 +12,12 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
@@ -353,3 +354,22 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[dict[int, Logprob]],
                 for t, lp in _top(entry, num)],
         })
     return {"content": content}
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's `usage` object, with the prefix-cache hit as cached_tokens."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def respond(raw: Request, stream: bool, sse: Callable[[], AsyncIterator[str]],
+                  full: Callable[[], Awaitable[Any]]) -> Response:
+    """Stream `sse()` (SSE lines), or await `full()` (the JSON body) unless the client
+    disconnects first (then 499: cancelling `full` aborts its requests)."""
+    if stream:
+        return StreamingResponse(sse(), media_type="text/event-stream")
+    result = await collect_or_disconnect(raw, full())
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(result)

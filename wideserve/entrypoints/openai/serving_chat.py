@@ -5,15 +5,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
 from wideserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, random_id
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
-                                                  chat_logprobs, collect_or_disconnect,
-                                                  engine_unavailable, now_s,
-                                                  request_failed_error, sse, stream_error_event)
+                                                  chat_logprobs, engine_unavailable, now_s,
+                                                  request_failed_error, respond, sse,
+                                                  stream_error_event, usage_dict)
 from wideserve.sampling_params import SamplingParams
 
 # Template variables a request may not override through chat_template_kwargs.
@@ -86,18 +86,9 @@ def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
     call = await prepare(ctx, req)
-    if req.stream:
-        return StreamingResponse(_stream(ctx, call), media_type="text/event-stream")
-    result = await collect_or_disconnect(raw, _full(ctx, call))
-    if result is None:
-        return Response(status_code=499)
-    return JSONResponse(result)
+    return await respond(raw, req.stream, lambda: _stream(ctx, call),
+                         lambda: _full(ctx, call))
 
-
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
@@ -127,7 +118,7 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
     completion = sum(len(co.token_ids) for co in out.outputs)
     return {"id": call.request_id, "object": "chat.completion", "created": call.created,
             "model": ctx.model_name, "choices": choices,
-            "usage": _usage(len(call.token_ids), completion, out.num_cached_tokens)}
+            "usage": usage_dict(len(call.token_ids), completion, out.num_cached_tokens)}
 
 
 def _chunk(ctx: ServingContext, call: _Call, index: int, delta: dict[str, Any],
@@ -164,14 +155,14 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                 chunk = _chunk(ctx, call, d.index, {"content": d.text} if d.text else {},
                                logprobs, d.finish_reason, d.stop_reason)
                 if continuous:
-                    chunk["usage"] = _usage(prompt_tokens, completion_tokens, cached)
+                    chunk["usage"] = usage_dict(prompt_tokens, completion_tokens, cached)
                 yield sse(chunk)
             if item.finished:
                 cached = item.output.num_cached_tokens
         if include_usage:
             yield sse({"id": call.request_id, "object": "chat.completion.chunk",
                        "created": call.created, "model": ctx.model_name, "choices": [],
-                       "usage": _usage(prompt_tokens, completion_tokens, cached)})
+                       "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
     except (EngineDeadError, RequestFailed, ApiError) as e:
         yield stream_error_event(e)
     finally:

@@ -9,15 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
 from wideserve.entrypoints.openai.protocol import CompletionRequest, random_id
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
-                                                  collect_or_disconnect, completion_logprobs,
-                                                  engine_unavailable, merge_streams, now_s,
-                                                  request_failed_error, sse, stream_error_event)
+                                                  completion_logprobs, engine_unavailable,
+                                                  merge_streams, now_s, request_failed_error,
+                                                  respond, sse, stream_error_event,
+                                                  usage_dict)
 from wideserve.sampling_params import SamplingParams
 
 
@@ -80,12 +81,8 @@ def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
     call = await prepare(ctx, req)
-    if req.stream:
-        return StreamingResponse(_stream(ctx, call), media_type="text/event-stream")
-    result = await collect_or_disconnect(raw, _full(ctx, call))
-    if result is None:
-        return Response(status_code=499)
-    return JSONResponse(result)
+    return await respond(raw, req.stream, lambda: _stream(ctx, call),
+                         lambda: _full(ctx, call))
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
@@ -116,13 +113,8 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
     choices.sort(key=lambda c: c["index"])
     return {"id": call.request_id, "object": "text_completion", "created": call.created,
             "model": ctx.model_name, "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens, cached)}
+            "usage": usage_dict(prompt_tokens, completion_tokens, cached)}
 
-
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
@@ -153,14 +145,14 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                 chunk = _chunk(ctx, call, index, text, logprobs, d.finish_reason,
                                d.stop_reason)
                 if continuous:
-                    chunk["usage"] = _usage(prompt_tokens, completion_tokens, cached)
+                    chunk["usage"] = usage_dict(prompt_tokens, completion_tokens, cached)
                 yield sse(chunk)
             if item.finished:
                 cached += item.output.num_cached_tokens
         if include_usage:
             yield sse({"id": call.request_id, "object": "text_completion",
                        "created": call.created, "model": ctx.model_name, "choices": [],
-                       "usage": _usage(prompt_tokens, completion_tokens, cached)})
+                       "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
     except (EngineDeadError, RequestFailed, ApiError) as e:
         yield stream_error_event(e)
     finally:
