@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -273,8 +272,10 @@ class EngineCore:
         r = s.request
         start = r.num_computed_tokens - s.num_new_tokens
         end = r.num_computed_tokens
-        toks = r.all_token_ids[start:end] if end <= r.num_tokens else \
-            (r.all_token_ids + s.spec_token_ids)[start:end]
+        # Drafts follow the verified tokens; slice both so a step never copies the context.
+        toks = r.all_token_ids[start:min(end, r.num_tokens)]
+        if end > r.num_tokens:
+            toks += s.spec_token_ids[max(0, start - r.num_tokens):end - r.num_tokens]
         self._prompt_tokens += max(0, min(end, r.num_prompt_tokens) - start)
         lp = self._prompt_logprobs.get(r.request_id)
         # Prompt logprobs only for positions not covered yet (a resumed request recomputes).
