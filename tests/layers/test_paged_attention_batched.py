@@ -11,9 +11,10 @@ import torch
 
 from paged_harness import PagedHarness
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
-from wideserve.layers import paged_attention_batched as pab
-from wideserve.layers.paged_attention import paged_attention
-from wideserve.layers.paged_attention_batched import PagedAttentionPlans, paged_attention_batched
+from wideserve.layers.attention import paged_attention_batched as pab
+from wideserve.layers.attention.paged_attention import paged_attention
+from wideserve.layers.attention.paged_attention_batched import (PagedAttentionPlans,
+                                                                paged_attention_batched)
 
 TOL = 1e-5
 NAME = "attn"

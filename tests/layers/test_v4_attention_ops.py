@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from wideserve.layers import indexer
-from wideserve.layers.backends import (ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND, ENV_VAR,
-                                       get_attention_backend, resolve_attention_backend)
+from wideserve.layers.attention.registry import (ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND,
+                                                 ENV_VAR, get_attention_backend,
+                                                 resolve_attention_backend)
 from wideserve.layers.indexer import index_topk, keyed_topk, stable_topk_indices
 from wideserve.layers.rope import apply_rope, rope_cis, rotate
 from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM

@@ -13,8 +13,8 @@ import v4_configs as cfgs
 from paged_harness import PagedHarness
 from v4_helpers import hf_model, random_tokens, randomize_, ws_model
 
-from wideserve.layers import v4_batched
-from wideserve.layers.v4_blocks import LONG_QUERY
+from wideserve.layers.attention import v4_batched
+from wideserve.layers.attention.v4_blocks import LONG_QUERY
 
 TOL = 1e-5
 NAMES = ["A", "B", "C", "D", "E"]
@@ -211,7 +211,7 @@ def test_op_count_does_not_grow_with_requests(model, monkeypatch):
     e.g. "some entry completes in this step", go the same way in both.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from wideserve.layers.v4_attention import DeepseekV4Attention
+    from wideserve.layers.attention.v4_attention import DeepseekV4Attention
 
     class Count(TorchDispatchMode):
         n = 0

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from paged_harness import PagedHarness
-from wideserve.layers.backends import ENV_VAR
-from wideserve.layers.paged_backends import (
+from wideserve.layers.attention.registry import (
     DEFAULT_PAGED_ATTENTION_BACKEND,
+    ENV_VAR,
     resolve_paged_attention_backend,
 )
 from wideserve.models.registry import resolve_model_class

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from wideserve.device import to_device
 from wideserve.sampling_params import SAMPLING_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -87,10 +88,6 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 # ---- building the metadata ----------------------------------------------------------------
 
-def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(a).to(device)
-
-
 def _flat_ids(lists: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate per-row id lists -> (row index per id, ids)."""
     arrays = [np.asarray(x, dtype=np.int64).reshape(-1) for x in lists]
@@ -122,7 +119,7 @@ def _build_penalties(
     out_rows, out_ids = _flat_ids([output_token_ids_list[i] for i in rows])
     _check_ids(out_ids, vocab_size, "output_token_ids_list")
     counts = torch.zeros(rows.size, vocab_size, dtype=torch.float32, device=device)
-    counts.index_put_((_to(out_rows, device), _to(out_ids, device)),
+    counts.index_put_((to_device(out_rows, device), to_device(out_ids, device)),
                       torch.ones(out_ids.size, dtype=torch.float32, device=device),
                       accumulate=True)
     seen = None
@@ -133,9 +130,9 @@ def _build_penalties(
         pr_rows, pr_ids = _flat_ids([prompt_token_ids_list[i] for i in rows])
         _check_ids(pr_ids, vocab_size, "prompt_token_ids_list")
         seen = counts > 0
-        seen[_to(pr_rows, device), _to(pr_ids, device)] = True
-    return PenaltyState(rows=_to(rows, device), presence=_to(pres, device),
-                        frequency=_to(freq, device), repetition=_to(rep, device),
+        seen[to_device(pr_rows, device), to_device(pr_ids, device)] = True
+    return PenaltyState(rows=to_device(rows, device), presence=to_device(pres, device),
+                        frequency=to_device(freq, device), repetition=to_device(rep, device),
                         output_counts=counts, seen=seen)
 
 
@@ -156,8 +153,8 @@ def _build_stop_mask(
         cols.extend(ids)
     if not rows:
         return None, None
-    return (_to(np.array(rows, dtype=np.int64), device),
-            _to(np.array(cols, dtype=np.int64), device))
+    return (to_device(np.array(rows, dtype=np.int64), device),
+            to_device(np.array(cols, dtype=np.int64), device))
 
 
 def build_sampling_metadata(
@@ -207,12 +204,12 @@ def build_sampling_metadata(
         vocab_size=vocab_size,
         all_greedy=all_greedy,
         all_random=all_random,
-        temperature=_to(np.where(greedy, 1.0, temp).astype(np.float32), device) if random else None,
-        greedy_mask=_to(greedy, device) if not (all_greedy or all_random) else None,
-        top_k=_to(top_k, device) if random and use_k else None,
+        temperature=to_device(np.where(greedy, 1.0, temp).astype(np.float32), device) if random else None,
+        greedy_mask=to_device(greedy, device) if not (all_greedy or all_random) else None,
+        top_k=to_device(top_k, device) if random and use_k else None,
         max_top_k=int(top_k[top_k < vocab_size].max()) if use_k else vocab_size,
-        top_p=_to(top_p, device) if random and use_p else None,
-        min_p=_to(min_p, device) if random and use_min_p else None,
+        top_p=to_device(top_p, device) if random and use_p else None,
+        min_p=to_device(min_p, device) if random and use_min_p else None,
         generators=generators,
         penalties=_build_penalties(params_list, output_token_ids_list, prompt_token_ids_list,
                                    device, vocab_size),

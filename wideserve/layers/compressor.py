@@ -26,7 +26,7 @@ from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable, rotate
 
 if TYPE_CHECKING:
-    from wideserve.layers.v4_step import V4Step
+    from wideserve.layers.attention.v4_step import V4Step
 
 
 @dataclass(slots=True)

@@ -18,13 +18,13 @@ from torch import nn
 
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.executor.forward_batch import ForwardBatch
-from wideserve.layers.backends import resolve_attention_backend
+from wideserve.layers.attention.registry import resolve_attention_backend
+from wideserve.layers.attention.v4_attention import DeepseekV4Attention
+from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.mhc import HyperConnection, HyperHead, hc_expand
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
-from wideserve.layers.v4_attention import DeepseekV4Attention
-from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
@@ -119,7 +119,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                     "post_attention_layernorm", "norm", "enorm", "hnorm")
 
     def __init__(self, config: DeepseekV4Config, attention_backend: str | None = None) -> None:
-        """attention_backend: a layers/backends.py name; None = $WIDESERVE_ATTENTION_BACKEND,
+        """attention_backend: a layers/attention/registry.py V4 backend name; None = $WIDESERVE_ATTENTION_BACKEND,
         else the default ("batched")."""
         super().__init__()
         self.config = config
@@ -153,7 +153,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.backend if len(self.model.layers) else ""
 
     def set_attention_backend(self, name: str) -> None:
-        """Switch every attention layer (MTP included) to backend `name` (backends.py)."""
+        """Switch every attention layer (MTP included) to backend `name` (layers/attention/registry.py)."""
         name = resolve_attention_backend(name)
         for module in self.modules():
             if isinstance(module, DeepseekV4Attention):

@@ -19,12 +19,12 @@ from torch import nn
 
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.executor.forward_batch import ForwardBatch
-from wideserve.layers.norm import RMSNorm
-from wideserve.layers.paged_attention_batched import PagedAttentionPlans
-from wideserve.layers.paged_backends import (
+from wideserve.layers.attention.paged_attention_batched import PagedAttentionPlans
+from wideserve.layers.attention.registry import (
     get_paged_attention_backend,
     resolve_paged_attention_backend,
 )
+from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary, parse_rope_config
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
         self.window = cfg.window_of(layer_idx)
         self.cache_name = kv_cache_name(layer_idx)
-        self.backend = backend                  # a paged_backends.py name
+        self.backend = backend                  # a layers/attention/registry.py paged backend name
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
@@ -226,7 +226,7 @@ class DecoderForCausalLM(nn.Module):
     config_class: type[LlamaConfig] = LlamaConfig
 
     def __init__(self, config: LlamaConfig, attention_backend: str | None = None) -> None:
-        """attention_backend: a layers/paged_backends.py name; None = $WIDESERVE_ATTENTION_BACKEND,
+        """attention_backend: a layers/attention/registry.py paged backend name; None = $WIDESERVE_ATTENTION_BACKEND,
         else the default ("batched")."""
         super().__init__()
         self.config = config
@@ -244,7 +244,7 @@ class DecoderForCausalLM(nn.Module):
         return next((m.backend for m in self.modules() if isinstance(m, Attention)), "")
 
     def set_attention_backend(self, name: str) -> None:
-        """Switch every attention layer to backend `name` (paged_backends.py)."""
+        """Switch every attention layer to backend `name` (layers/attention/registry.py)."""
         name = resolve_paged_attention_backend(name)
         for module in self.modules():
             if isinstance(module, Attention):

@@ -20,18 +20,12 @@ host-known rows), or read a finite row that is masked (a readable position, entr
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from wideserve.layers.indexer import index_topk
+from wideserve.layers.attention.v4_blocks import QueryBlocks
+from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
+from wideserve.layers.indexer import Indexer, index_topk
 from wideserve.layers.rope import rotate
-from wideserve.layers.v4_blocks import QueryBlocks
-from wideserve.layers.v4_step import V4Step
-
-if TYPE_CHECKING:
-    from wideserve.layers.indexer import Indexer
-    from wideserve.layers.v4_attention import DeepseekV4Attention
 
 CHUNK_ELEMENTS = 1 << 25    # bound on a chunk's main intermediates (128 MiB in fp32)
 
@@ -89,7 +83,7 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     return picks[:T]
 
 
-def attend(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
+def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
            picks: torch.Tensor | None) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (this step's latents) -> attention output [T, H, D] fp32."""
     T, H, D = q.shape
@@ -112,7 +106,7 @@ def attend(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor, step: V
     return out[:T]
 
 
-def _attend_group(attn: DeepseekV4Attention, q: torch.Tensor, src: torch.Tensor,
+def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                   step: V4Step, blocks: QueryBlocks, picks: torch.Tensor | None,
                   out: torch.Tensor) -> None:
     """Attention of one block group's queries, written into out's rows. src: the window

@@ -7,17 +7,11 @@ these.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from wideserve.layers.indexer import stable_topk_indices
+from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
+from wideserve.layers.indexer import Indexer, stable_topk_indices
 from wideserve.layers.rope import rotate
-from wideserve.layers.v4_step import V4Step
-
-if TYPE_CHECKING:
-    from wideserve.layers.indexer import Indexer
-    from wideserve.layers.v4_attention import DeepseekV4Attention
 
 QUERY_BLOCK = 256   # queries per attention block: bounds the score tensor on long prefills
 
@@ -57,7 +51,7 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     return out
 
 
-def attend(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
+def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
            picks: Picks | None) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (this step's latents) -> attention output [T, H, D] fp32."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -69,7 +63,7 @@ def attend(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor, step: V
     return out
 
 
-def _attend_request(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor,
+def _attend_request(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor,
                     step: V4Step, r: int, picks: torch.Tensor | None) -> torch.Tensor:
     """Attention of request r's new queries -> [S, H, D] fp32."""
     qs, qe = step.token_range(r)
@@ -95,7 +89,7 @@ def _attend_request(attn: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor
     return torch.cat(out)
 
 
-def _attend_block(attn: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor,
+def _attend_block(attn: V4AttentionParams, q: torch.Tensor, pos: torch.Tensor,
                   keys: torch.Tensor, kpos: torch.Tensor, comp: torch.Tensor | None,
                   picks: torch.Tensor | None) -> torch.Tensor:
     """q [S, H, D] at positions pos [S]; window keys [K, D] at kpos [K]; -> [S, H, D]."""

@@ -12,7 +12,7 @@ Cache names (per layer prefix P = "model.layers.{i}.self_attn."): P+"window"; CS
 P+"compressed", P+"indexer", P+"state", P+"indexer_state"; HCA adds P+"compressed", P+"state".
 
 `V4Step` (v4_step.py) is the per-forward view of a ForwardBatch shared by every layer. The
-indexer's top-k selection and the attention itself are backend ops (backends.py): "reference"
+indexer's top-k selection and the attention itself are backend ops (registry.py): "reference"
 loops over requests and is the oracle, "batched" (the default) handles all tokens at once.
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from wideserve.layers.backends import get_attention_backend, resolve_attention_backend
+from wideserve.layers.attention.registry import get_attention_backend, resolve_attention_backend
+from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.compressor import Compressor
 from wideserve.layers.indexer import Indexer
 from wideserve.layers.norm import RMSNorm, rms_norm
 from wideserve.layers.rope import RotaryTable, rotate
-from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
 __all__ = ["DeepseekV4Attention", "V4Step"]
@@ -41,7 +41,7 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         c = config
         self.layer_type = layer_type
-        self.backend = resolve_attention_backend(backend)    # a backends.py name
+        self.backend = resolve_attention_backend(backend)    # a registry.py V4 backend name
         self.prefix = cache_prefix
         self.num_heads = c.num_attention_heads
         self.head_dim = c.head_dim

@@ -9,7 +9,7 @@ full attention and seq_len - query_len - window + 1 for a sliding window of `win
 (query position p sees keys (p - window, p], as in transformers' sliding-window mask).
 Requests are handled one at a time (a host loop per request, never per token); within a request
 the work is one batched SDPA call. This is the readable oracle; paged_attention_batched.py runs
-the same maths for all requests at once (the default), and paged_backends.py picks between them.
+the same maths for all requests at once (the default), and registry.py picks between them.
 """
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from wideserve.device import to_device
+
 LONG_QUERY = 32     # queries per block for requests with at least this many new tokens
 
 
@@ -69,10 +71,6 @@ class BlockEntries:
     width: int                 # K
 
 
-def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device)
-
-
 def _bias(allowed: np.ndarray) -> np.ndarray:
     return np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
 
@@ -91,7 +89,7 @@ def build_query_blocks(reqs: np.ndarray, block_q: int, qsl: np.ndarray, ctx: np.
     q_rows = qsl[req][:, None] + np.where(q_valid, local, first[:, None])
     out_rows = np.where(q_valid, q_rows, T)
     identity = Q == 1 and len(req) == T
-    return QueryBlocks(_dev(q_rows, device), _dev(out_rows, device), _dev(req, device),
+    return QueryBlocks(to_device(q_rows, device), to_device(out_rows, device), to_device(req, device),
                        ctx[req][:, None] + local, q_valid, req, first, identity)
 
 
@@ -99,8 +97,8 @@ def build_token_blocks(tokens: np.ndarray, token_req: np.ndarray, token_pos: np.
                        qsl: np.ndarray, device: torch.device) -> QueryBlocks:
     """One block per token (Q = 1) for the token rows `tokens` (ascending)."""
     req = token_req[tokens]
-    rows = _dev(tokens[:, None], device)
-    return QueryBlocks(rows, rows, _dev(req, device), token_pos[tokens][:, None],
+    rows = to_device(tokens[:, None], device)
+    return QueryBlocks(rows, rows, to_device(req, device), token_pos[tokens][:, None],
                        np.ones((len(tokens), 1), dtype=bool), req, tokens - qsl[req],
                        len(tokens) == len(token_req))
 
@@ -123,7 +121,7 @@ def build_window_keys(blocks: QueryBlocks, window: int, qsl: np.ndarray, ctx: np
     u = np.arange(Q)[None, :, None]
     allowed = readable[:, None, :] & (j >= u) & (j <= u + W - 1)
     allowed = np.concatenate([allowed, np.ones((len(req), Q, 1), dtype=bool)], axis=2)
-    return WindowKeys(_dev(rows, device), _dev(_bias(allowed)[:, :, None, :], device))
+    return WindowKeys(to_device(rows, device), to_device(_bias(allowed)[:, :, None, :], device))
 
 
 def build_block_entries(blocks: QueryBlocks, ratio: int, width: int,
@@ -132,5 +130,5 @@ def build_block_entries(blocks: QueryBlocks, ratio: int, width: int,
     most = np.where(blocks.q_valid, visible, 0).max(axis=1)
     ids = np.arange(width)
     unwritten = np.flatnonzero(ids[None, :] >= most[:, None])                # of [B * K]
-    return BlockEntries(_dev(visible, device), _dev(_bias(ids < visible[..., None]), device),
-                        _dev(unwritten, device), unwritten, width)
+    return BlockEntries(to_device(visible, device), to_device(_bias(ids < visible[..., None]), device),
+                        to_device(unwritten, device), unwritten, width)

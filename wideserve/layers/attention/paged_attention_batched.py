@@ -36,8 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from wideserve.device import to_device
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
-from wideserve.layers.paged_attention import replay_keep_mask
+from wideserve.layers.attention.paged_attention import replay_keep_mask
 
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
@@ -185,7 +186,7 @@ def _build_bucket(view: KVGroupView, window: int | None, req: np.ndarray, row0: 
     out_rows = q_rows if keep is None else q_rows[keep]
 
     def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+        return to_device(a, dev, np.int64)
 
     j = torch.arange(l, device=dev)[None, :]                        # [1, L]
     lo_t, kn_t = t(lo)[:, None], t(kn)[:, None]

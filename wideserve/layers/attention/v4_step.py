@@ -18,17 +18,30 @@ Glossary
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
+from wideserve.device import to_device
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, QueryBlocks,
+                                                  WindowKeys, build_block_entries,
+                                                  build_query_blocks, build_token_blocks,
+                                                  build_window_keys)
 from wideserve.layers.compressor import CompressPlan, build_compress_plan
 from wideserve.layers.rope import RotaryTable, rope_cis
-from wideserve.layers.v4_blocks import (LONG_QUERY, BlockEntries, QueryBlocks, WindowKeys,
-                                        build_block_entries, build_query_blocks,
-                                        build_token_blocks, build_window_keys)
+
+
+class V4AttentionParams(Protocol):
+    """What the backend ops read of a DeepSeek-V4 attention layer (v4_attention.py); a
+    protocol so that the backends need not import the layer that dispatches to them."""
+
+    prefix: str                # cache-name prefix of the layer
+    window: int                # sliding window W
+    ratio: int                 # compression ratio (0: sliding-window layer)
+    head_dim: int
+    sinks: torch.Tensor        # [H] fp32 per-head sink logits
 
 
 class V4Step:
@@ -80,7 +93,7 @@ class V4Step:
         return int(self.qsl[r]), int(self.qsl[r + 1])
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(self.device)
+        return to_device(a, self.device)
 
     def _slots(self, view: KVGroupView, req: np.ndarray, entry: np.ndarray) -> torch.Tensor:
         """`view.entry_slots` for host index arrays. A block table that lives on the host is

@@ -1,0 +1,17 @@
+"""Host -> device transfers of the step metadata, in one place.
+
+The engine builds per-step metadata with numpy on the host and hands the models tensors on
+their device. On the CPU the tensor shares the array's memory (no copy at all); elsewhere it
+is one copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(a: np.ndarray, device: torch.device | str,
+              dtype: np.dtype | type | None = None) -> torch.Tensor:
+    """`a` (made C-contiguous, writable and of `dtype` if given; a copy only when needed) as
+    a tensor on `device`. On the CPU it shares `a`'s memory: do not write to `a` afterwards."""
+    return torch.from_numpy(np.require(a, dtype=dtype, requirements=["C", "W"])).to(device)

@@ -1,0 +1,116 @@
+"""The attention backend registry: every backend of every attention kind, in one place.
+
+A *kind* is an attention family with its own op signature; a *backend* is one implementation
+of that kind's ops. Each kind has a readable "reference" backend (the oracle, a host loop over
+requests) and a "batched" one (the default: a constant number of torch ops per layer).
+
+- kind "v4" (DeepSeek-V4 CSA/HCA/sliding attention, v4_attention.py): a backend is a pair of
+  ops over one step (`V4Step`):
+    select(indexer, x, q_res, step, keys_name, cis) -> picks     (CSA top-k; None = dense)
+    attend(attn, q, kv, step, picks) -> [T, H, D] fp32            (window + entries + sink)
+  `picks` is whatever that backend's `select` returns; only its own `attend` reads it.
+- kind "paged" (standard GQA paged attention for Llama / Qwen2 / Qwen3 / Qwen3-MoE): a backend
+  is one op fn(q, k, v, batch, cache_name, scale, window, plans), where `plans` is the step's
+  PagedAttentionPlans (built once per forward; backends that need no plan ignore it).
+
+Choice: an explicit name (model constructor / `set_attention_backend`), else the environment
+variable WIDESERVE_ATTENTION_BACKEND (one knob for every kind: the names mean the same thing
+in each), else the kind's default.
+
+The backend modules never import this one (nor the layer modules), so the imports form a tree:
+layer -> registry -> backend ops -> step layouts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+
+from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.layers.attention import v4_batched, v4_reference
+from wideserve.layers.attention.paged_attention import paged_attention
+from wideserve.layers.attention.paged_attention_batched import (PagedAttentionPlans,
+                                                                paged_attention_batched)
+
+ENV_VAR = "WIDESERVE_ATTENTION_BACKEND"
+DEFAULT_ATTENTION_BACKEND = "batched"
+DEFAULT_PAGED_ATTENTION_BACKEND = "batched"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """A DeepSeek-V4 attention backend (kind "v4")."""
+
+    name: str
+    select: Callable[..., Any]
+    attend: Callable[..., Any]
+
+
+PagedAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch, str, float, "int | None",
+     PagedAttentionPlans], torch.Tensor]
+
+
+def _paged_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                     cache_name: str, scale: float, window: int | None,
+                     plans: PagedAttentionPlans) -> torch.Tensor:
+    return paged_attention(q, k, v, batch, cache_name, scale, window)
+
+
+# Read-only: the module's only tables.
+ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
+    "reference": AttentionBackend("reference", v4_reference.select, v4_reference.attend),
+    "batched": AttentionBackend("batched", v4_batched.select, v4_batched.attend),
+})
+PAGED_ATTENTION_BACKENDS: Mapping[str, PagedAttentionFn] = MappingProxyType({
+    "reference": _paged_reference,
+    "batched": paged_attention_batched,
+})
+
+
+def _article(noun: str) -> str:
+    return "an" if noun[0] in "aeiou" else "a"
+
+
+def resolve_backend(name: str | None, table: Mapping[str, Any], default: str,
+                    noun: str) -> str:
+    """The backend name to use: `name`, else $WIDESERVE_ATTENTION_BACKEND, else `default`;
+    an unknown name is a ValueError naming its source and listing the known ones."""
+    source = "attention_backend"
+    if name is None:
+        name = os.environ.get(ENV_VAR) or None
+        source = ENV_VAR
+    if name is None:
+        return default
+    if name not in table:
+        raise ValueError(f"{source}={name!r} is not {_article(noun)} {noun}; "
+                         f"choose one of {sorted(table)}")
+    return name
+
+
+def lookup_backend(name: str, table: Mapping[str, Any], noun: str) -> Any:
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {noun} {name!r}; choose one of {sorted(table)}") from None
+
+
+def resolve_attention_backend(name: str | None = None) -> str:
+    return resolve_backend(name, ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND,
+                           "attention backend")
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    return lookup_backend(name, ATTENTION_BACKENDS, "attention backend")
+
+
+def resolve_paged_attention_backend(name: str | None = None) -> str:
+    return resolve_backend(name, PAGED_ATTENTION_BACKENDS, DEFAULT_PAGED_ATTENTION_BACKEND,
+                           "paged attention backend")
+
+
+def get_paged_attention_backend(name: str) -> PagedAttentionFn:
+    return lookup_backend(name, PAGED_ATTENTION_BACKENDS, "paged attention backend")
