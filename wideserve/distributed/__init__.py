@@ -1,0 +1,1 @@
+"""Multi-rank execution: process groups, data-parallel step sync, expert parallelism, EPLB."""
