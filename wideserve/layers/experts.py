@@ -1,15 +1,35 @@
 """Routed experts: SwiGLU MLPs applied to the tokens routed to them.
 
 Glossary: a *logical* expert is what the router picks (0..E-1); a *physical* expert is a slot
-in this rank's weight tensors. `logical_to_physical` maps one to the other (identity until
-expert parallelism / EPLB place replicas); `expert_load` counts tokens per physical expert
-on the device, without a host sync, for EPLB and for the load-skew reports.
+in the weight tensors (`num_local_experts` rows on this rank). `logical_to_physical` maps one
+to the other (identity until expert parallelism / EPLB place replicas); `expert_load` counts
+routed rows per physical expert on the device, without a host sync, for EPLB and the load-skew
+reports.
+
+Fused path (docs/moe.md): the T*k (token, expert) rows are sorted by physical expert, both
+projections run as grouped GEMMs over the contiguous per-expert segments, and the rows are
+weighted and summed back per token. Three implementations of the grouped SwiGLU MLP, picked
+per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "Routed experts"):
+- "grouped_mm": torch._grouped_mm with per-expert row offsets: no host sync, graph-capturable.
+- "padded": one bmm over experts padded to the largest segment (one host read of its size).
+- "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
+  reference the other two are tested against.
+With expert parallelism, `ep` (default None) is the dispatcher that moves rows to the ranks
+owning their experts and calls `grouped_mlp` there.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+EXPERT_IMPLS = ("grouped_mm", "padded", "loop")
+# Device type -> the implementation measured fastest there (a fallback applies where the
+# build cannot run torch._grouped_mm for the dtype, e.g. fp32 on CUDA).
+DEFAULT_EXPERT_IMPL = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
+FALLBACK_EXPERT_IMPL = "padded"
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -20,41 +40,124 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
     return F.silu(gate) * up
 
 
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this build runs torch._grouped_mm for `dtype` on `device` (a tiny probe)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.zeros(16, 16, device=device, dtype=dtype)
+        b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 class RoutedExperts(nn.Module):
-    """Weights in the HF layout: gate_up_proj [E, 2I, d] (gate rows first), down_proj [E, d, I]."""
+    """Weights in the HF layout: gate_up_proj [L, 2I, d] (gate rows first), down_proj [L, d, I]
+    with L = num_local_experts physical slots."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 swiglu_limit: float | None = None) -> None:
+                 swiglu_limit: float | None = None, num_local_experts: int | None = None,
+                 impl: str | None = None) -> None:
         super().__init__()
+        if impl is not None and impl not in EXPERT_IMPLS:
+            raise ValueError(f"expert impl {impl!r}: choose one of {list(EXPERT_IMPLS)}")
         self.num_experts = num_experts
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.impl = impl                 # None: DEFAULT_EXPERT_IMPL for the device
+        self.ep: Any = None              # expert-parallel dispatcher (wideserve/distributed)
+        self._resolved: dict[tuple[str, torch.dtype], str] = {}
+        L = self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
         self.register_buffer("logical_to_physical",
                              torch.arange(num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64),
+        self.register_buffer("expert_load", torch.zeros(L, dtype=torch.int64),
                              persistent=False)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, d]; topk_ids/topk_weights [T, k] (logical ids) -> [T, d]."""
-        phys = self.logical_to_physical[topk_ids]                     # [T, k]
+        phys = self.logical_to_physical[topk_ids]                             # [T, k]
         flat = phys.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)     # [E]
-        self.expert_load += counts
-        order = torch.argsort(flat, stable=True)
-        token_of = order // topk_ids.shape[1]
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        weights = topk_weights.reshape(-1)[order].float()
-        # One host read of the counts per layer call; loops over experts, never over tokens.
-        bounds = torch.cumsum(counts, 0).tolist()
-        start = 0
-        for e, end in enumerate(bounds):
-            if end == start:
-                continue
-            rows = token_of[start:end]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[e])
-            out.index_add_(0, rows, y.float() * weights[start:end, None])
-            start = end
-        return out.to(x.dtype)
+        load = torch.bincount(flat, minlength=self.expert_load.shape[0])
+        self.expert_load += load
+        if self.ep is not None:
+            return self.ep.forward(self, x, phys, topk_weights)
+        T, k = phys.shape
+        order = torch.argsort(flat, stable=True)                   # rows sorted by expert
+        ys = self._sorted_mlp(x.index_select(0, order // k), load)
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, x.shape[1])  # token order
+        return combine(y, topk_weights).to(x.dtype)
+
+    def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """x_rows [N, d], slot_ids [N] int64 local physical experts -> [N, d]: each row
+        through its expert's (unweighted) SwiGLU MLP."""
+        order = torch.argsort(slot_ids, stable=True)
+        counts = torch.bincount(slot_ids, minlength=self.num_local_experts)
+        ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
+        return torch.empty_like(ys).index_copy_(0, order, ys)
+
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
+        key = (device.type, dtype)
+        if key not in self._resolved:
+            impl = self.impl or DEFAULT_EXPERT_IMPL.get(device.type, FALLBACK_EXPERT_IMPL)
+            if impl == "grouped_mm" and not _grouped_mm_runs(device, dtype):
+                impl = FALLBACK_EXPERT_IMPL
+            self._resolved[key] = impl
+        return self._resolved[key]
+
+    def _sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs [N, d] sorted by expert, counts [L] rows per expert -> [N, d] in xs.dtype."""
+        if xs.shape[0] == 0:
+            return xs.clone()
+        w1, w2 = self.gate_up_proj, self.down_proj
+        impl = self.resolved_impl(xs.device, xs.dtype)
+        if impl == "grouped_mm":
+            return grouped_mm_mlp(xs, counts, w1, w2, self.swiglu_limit)
+        if impl == "padded":
+            return padded_mlp(xs, counts, w1, w2, self.swiglu_limit)
+        return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, k, d] expert outputs, weights [T, k] -> [T, d] fp32 weighted sum."""
+    return torch.bmm(weights.float().unsqueeze(1), y.float()).squeeze(1)
+
+
+def loop_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+             limit: float | None) -> torch.Tensor:
+    """The reference: one matmul pair per non-empty expert (one host read of the counts)."""
+    out = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate, up = F.linear(xs[start:start + n], w1[e]).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(swiglu(gate, up, limit), w2[e])
+            start += n
+    return out
+
+
+def grouped_mm_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """Both projections as torch._grouped_mm over the segments (no host sync)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    gate, up = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=offs)
+
+
+def padded_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               limit: float | None) -> torch.Tensor:
+    """Experts padded to the largest segment C: two bmm over [L, C, .] (one host read of C)."""
+    L, N = counts.shape[0], xs.shape[0]
+    cap = int(counts.max())
+    starts = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(L, device=xs.device), counts, output_size=N)
+    slot = expert * cap + torch.arange(N, device=xs.device) - starts[expert]      # [N]
+    padded = xs.new_zeros(L * cap, xs.shape[1]).index_copy_(0, slot, xs).view(L, cap, -1)
+    gate, up = torch.bmm(padded, w1.transpose(1, 2)).chunk(2, dim=-1)             # [L, C, I]
+    out = torch.bmm(swiglu(gate, up, limit), w2.transpose(1, 2))                  # [L, C, d]
+    return out.view(L * cap, -1).index_select(0, slot)
