@@ -39,7 +39,8 @@ def _routing(T: int, E: int, k: int, seed: int, used: int | None = None):
     """Random distinct top-k ids among the first `used` experts (others stay empty)."""
     g = torch.Generator().manual_seed(seed)
     used = E if used is None else used
-    ids = torch.stack([torch.randperm(used, generator=g)[:k] for _ in range(T)])
+    ids = [torch.randperm(used, generator=g)[:k] for _ in range(T)]
+    ids = torch.stack(ids) if ids else torch.zeros(0, k, dtype=torch.int64)
     return ids, torch.rand(T, k, generator=g)
 
 
