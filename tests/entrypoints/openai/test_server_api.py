@@ -303,3 +303,10 @@ def test_metrics_exposition(server, client):
     assert _metric(text, "wideserve:engine_step_phase_seconds_total", phase="forward") > 0
     assert _metric(text, "wideserve:prefix_cache_hits_total") > 0
     assert _metric(text, "wideserve:generation_tokens_total") >= 3
+
+
+def test_debug_stats_endpoint_exists(server):
+    # `serve --help` names it, so it must answer.
+    body = httpx.get(server.url + "/debug/stats", timeout=30).json()
+    assert {"num_running", "num_waiting", "kv_usage"} <= set(body["stats"])
+    assert body["in_flight"] >= 0

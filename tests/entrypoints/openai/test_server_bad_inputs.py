@@ -110,6 +110,25 @@ CASES = [
     ("chat-over-context", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "word " * MAX_LEN * 2}], max_tokens=None), 400,
      "maximum context length"),
+    # Union fields: the message names the branch that got furthest and what is allowed.
+    ("prompt-id-too-big", "/v1/completions", _c(prompt=[1, 2**31]), 400, "2147483647"),
+    ("prompt-triple-nested", "/v1/completions", _c(prompt=[[[1, 2]]]), 400, "token-id lists"),
+    ("prompt-fractional-id", "/v1/completions", _c(prompt=[1, 2.5]), 400, "integer, got 2.5"),
+    ("prompt-empty-inner-list", "/v1/completions", _c(prompt=[[1, 2], []]), 400,
+     "at least 1 item"),
+    ("stop-too-many", "/v1/completions", _c(stop=["a"] * 100), 400, "at most 16"),
+    ("chat-text-and-image-parts", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [
+         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
+     400, "got 'image_url'"),
+    ("lone-surrogate", "/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}', 400,
+     "surrogate"),
+    ("nested-json-completions", "/v1/completions",
+     b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested"),
+    ("nested-json-tokenize", "/tokenize", b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+     400, "nested"),
+    ("nested-json-chat", "/v1/chat/completions",
+     b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested"),
     ("tokenize-wrong-type", "/tokenize", {"prompt": 5}, 400, "prompt"),
     ("detokenize-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("detokenize-outside-vocab", "/detokenize", {"tokens": [VOCAB * 10]}, 400, "vocabulary"),
@@ -158,12 +177,13 @@ def test_bad_streaming_request_is_rejected_before_streaming(http):
 def test_oversize_bodies_get_413(http):
     big = json.dumps(_c(prompt="x" * (2 * LIMIT))).encode()
     _check_error_shape(http.post("/v1/completions", content=big), 413)
+    json_type = {"Content-Type": "application/json"}
 
     def chunks():                               # no Content-Length: chunked upload
         for i in range(0, len(big), 4096):
             yield big[i:i + 4096]
 
-    _check_error_shape(http.post("/v1/completions", content=chunks()), 413)
+    _check_error_shape(http.post("/v1/completions", content=chunks(), headers=json_type), 413)
 
 
 def test_api_key_required(server):
@@ -184,7 +204,48 @@ def test_api_key_required(server):
 
 def test_unknown_route_uses_error_shape(http):
     _check_error_shape(http.get("/v1/does-not-exist"), 404)
-    _check_error_shape(http.get("/v1/completions"), 405)
+    resp = http.get("/v1/completions")
+    _check_error_shape(resp, 405)
+    assert resp.headers["allow"] == "POST"
+
+
+GOOD_BODIES = {"/v1/completions": OK_COMPLETION, "/v1/chat/completions": OK_CHAT,
+               "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [5]}}
+
+
+@pytest.mark.parametrize("path", sorted(GOOD_BODIES))
+def test_json_content_type_required(http, path):
+    body = json.dumps(GOOD_BODIES[path]).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        req = http.build_request("POST", path, content=body, headers=headers)
+        assert req.headers.get("content-type") == content_type
+        err = _check_error_shape(http.send(req), 415)
+        assert "application/json" in err["message"] and err["code"] == "unsupported_media_type"
+    resp = http.post(path, content=body,
+                     headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert resp.status_code == 200, resp.text
+
+
+def test_integral_floats_are_integers(http):
+    r = http.post("/v1/completions", json=_c(n=2.0, max_tokens=3.0, seed=7.0, ignore_eos=True,
+                                                 prompt=[5.0, 6, 7.0]))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert http.post("/detokenize", json={"tokens": [5.0]}).status_code == 200
+    err = _check_error_shape(http.post("/v1/completions", json=_c(n=1.5)), 400)
+    assert err["param"] == "n" and "1.5" in err["message"]
+
+
+def test_echoed_input_is_clipped_and_param_filled(http):
+    err = _check_error_shape(http.post("/v1/completions", json=_c(model="m" * 60_000)), 400)
+    assert err["code"] == "model_not_found" and len(err["message"]) < 300
+    assert "60000 long" in err["message"]
+    err = _check_error_shape(http.post("/v1/completions",
+                                       json=_c(stream_options={"include_usage": True})), 400)
+    assert err["param"] == "stream_options"
+    err = _check_error_shape(http.post("/v1/completions", json=_c(prompt=[1, 2**31])), 400)
+    assert err["param"] == "prompt.1"
 
 
 def test_still_serving_after_the_bad_inputs(server, http):

@@ -97,7 +97,8 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        # 405 carries Allow (RFC 9110); Starlette puts it on the exception.
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -154,7 +155,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
         body = await read_body(request, limit)
         try:
             decoded = msgspec.json.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             decoded = None                  # parse_body below reports the malformed body
         is_chat = isinstance(decoded, dict) and "messages" in decoded
         if is_chat:
@@ -190,6 +191,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
             stats = await ctx.engine.client.call_utility("get_stats")
             return JSONResponse({"ok": ok, "detail": detail, "stats": stats,
                                  "in_flight": ctx.engine.num_in_flight})
+
+        @app.get("/debug/stats")
+        async def debug_stats() -> JSONResponse:
+            """The engine's scheduler and KV-cache counters."""
+            ctx.check_alive()
+            stats = await ctx.engine.client.call_utility("get_stats")
+            return JSONResponse({"stats": stats, "in_flight": ctx.engine.num_in_flight})
 
 
 # ----------------------------------------------------------------------------- startup

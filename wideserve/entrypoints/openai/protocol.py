@@ -16,7 +16,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from wideserve.entrypoints.openai.validation import integral, integral_list, integral_lists
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -27,8 +29,11 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-NonNegInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
-PosInt = Annotated[int, Field(ge=1, le=INT32_MAX)]
+# Integers also accept integral floats (1.0), as JSON Schema's "integer" and vLLM do.
+Int = Annotated[int, BeforeValidator(integral)]
+NonNegInt = Annotated[Int, Field(ge=0, le=INT32_MAX)]
+PosInt = Annotated[Int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -46,8 +51,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    seed: Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -55,7 +60,7 @@ class _SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     user: str | None = None
     # vLLM's extras.
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     ignore_eos: bool = False
@@ -63,7 +68,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: Annotated[int, Field(ge=-(2**31), le=INT32_MAX)] = 0
+    priority: Annotated[Int, Field(ge=-(2**31), le=INT32_MAX)] = 0
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":
@@ -88,21 +93,20 @@ class _SamplingFields(BaseModel):
 
 # --------------------------------------------------------------------------- completions
 
-PromptInput = (
+PromptInput = Annotated[
     str
     | Annotated[list[str], Field(min_length=1)]
-    | Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
-    | Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
-                               Field(min_length=1)]], Field(min_length=1)]
-)
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+    BeforeValidator(integral_lists)]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     max_tokens: PosInt | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -184,7 +188,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: PosInt | None = None                 # deprecated by OpenAI, still accepted
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -243,7 +247,7 @@ class TokenizeChatRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _REQUEST_CONFIG
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    tokens: Annotated[list[TokenId], BeforeValidator(integral_list)]
 
 
 # --------------------------------------------------------------------------- responses
@@ -292,29 +296,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-def validation_error_to_param_message(err: ValidationError) -> tuple[str | None, str]:
-    """First error of a ValidationError as (param, message), both naming the field."""
-    first = err.errors(include_url=False)[0]
-    if first["type"] == "json_invalid":
-        return None, f"Malformed JSON body: {first['msg']}"
-    parts = [str(p) for p in first["loc"] if _is_field_part(p)]
-    param = ".".join(parts) or None
-    msg = str(first["msg"])
-    if first["type"] == "extra_forbidden":
-        msg = f"Unrecognized request argument supplied: {parts[-1] if parts else ''}"
-    elif msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    return param, (f"{param}: {msg}" if param and not msg.startswith(param) else msg)
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def _is_field_part(part: object) -> bool:
-    if isinstance(part, int):
-        return True
-    text = str(part)
-    return text.replace("_", "a").isalnum() and text not in _TYPE_TAGS \
-        and text == text.lower()

@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
 from wideserve.entrypoints.openai.metrics import ServerMetrics
-from wideserve.entrypoints.openai.protocol import validation_error_to_param_message
+from wideserve.entrypoints.openai.validation import (clip, param_of,
+                                                     validation_error_to_param_message)
 from wideserve.outputs import Logprob
 from wideserve.sampling_params import SamplingParams
 from wideserve.tokenizer import Tokenizer
@@ -43,7 +44,8 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.type = type_
-        self.param = param
+        # A message of the form "field: ..." names its field; so does `param`.
+        self.param = param if param is not None else param_of(message)
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -70,11 +72,23 @@ def context_error(max_len: int, prompt_len: int, max_tokens: int | None,
     return ApiError(400, msg, param=param, code="context_length_exceeded")
 
 
+def check_json_content_type(request: Request) -> None:
+    """Only application/json: a browser page can POST text/plain or a form to any origin
+    without a CORS preflight, so accepting those would let any web page spend our compute."""
+    declared = request.headers.get("content-type")
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"got {clip(declared)}" if declared is not None else "none was sent"
+        raise ApiError(415, f"Content-Type must be application/json ({got})",
+                       code="unsupported_media_type")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"Request body of {declared} bytes exceeds the limit of "
                             f"{limit} bytes", code="request_too_large")
+    check_json_content_type(request)
     chunks: list[bytes] = []
     size = 0
     try:
@@ -95,8 +109,10 @@ def parse_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body, strict=True)
     except ValidationError as e:
-        param, message = validation_error_to_param_message(e)
+        param, message = validation_error_to_param_message(e, body)
         raise ApiError(400, message, param=param) from None
+    except RecursionError:
+        raise ApiError(400, "Malformed JSON body: nested too deeply") from None
 
 
 def load_generation_defaults(setting: str, model_dir: Path | None) -> dict[str, Any]:
@@ -141,7 +157,7 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
-            raise ApiError(400, f"The model {name!r} does not exist; this server serves "
+            raise ApiError(400, f"The model {clip(name)} does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.served_names)}",
                            param="model", code="model_not_found")
 
@@ -196,7 +212,8 @@ class ServingContext:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output)
         except ValueError as e:
-            raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+            raise ApiError(400, str(e), param=param_of(str(e)) or str(e).split(" ", 1)[0]) \
+                from None
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > _THREAD_TOKENIZE_CHARS:
