@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from wideserve.disagg.config import KVTransferConfig
 from wideserve.spec_decode.config import SpeculativeConfig
 
 
@@ -47,6 +48,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None     # None = no speculative decoding
+    kv_transfer: KVTransferConfig | None = None      # None = no P/D disaggregation
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
@@ -55,9 +57,11 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     SpeculativeConfig (as vLLM's LLM does)."""
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+    kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
     for key, value in kwargs.items():
         owner = next((p for p in parts.values() if key in p.__dataclass_fields__), None)
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         setattr(owner, key, value)
-    return EngineConfig(**parts, speculative=speculative)  # type: ignore[arg-type]
+    return EngineConfig(**parts, speculative=speculative,  # type: ignore[arg-type]
+                        kv_transfer=kv_transfer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from wideserve.sampling_params import SamplingParams
@@ -22,10 +22,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    # Blocks allocated, KV arriving from a prefill instance (disagg/); in no queue.
+    WAITING_FOR_REMOTE_KV = 7
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +47,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of full prompt/output blocks
     stop_reason: int | str | None = None
+    # P/D disaggregation (disagg/params.py): what the router asked of this request.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogpro
 from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
 from wideserve.core.scheduler import Scheduler
 from wideserve.core.step_timer import StepStats, StepTimer
+from wideserve.disagg.connector import KVConnector
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
@@ -57,6 +59,7 @@ class EngineStats:
     generation_tokens: int
     steps: StepStats = field(default_factory=StepStats)
     spec_decode: SpecDecodeStats | None = None      # None without speculative decoding
+    kv_transfer: dict[str, Any] | None = None       # P/D connector counters (disagg/)
 
 
 def _model_max_len(config_json: dict) -> int:
@@ -81,7 +84,9 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 kv_hub: Any = None) -> None:
+        """kv_hub: the in-process LoopbackHub for the LoopbackConnector (tests)."""
         self.config = config
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
@@ -107,9 +112,12 @@ class EngineCore:
         self.kv_config, self.kv_manager = self._build_kv_cache()
         self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
         logger.info("%s", self.kv_config.summary())
+        self.kv_connector = KVConnector(config.kv_transfer, self.kv_config, self.kv_caches,
+                                        kv_hub) if config.kv_transfer is not None else None
         self.scheduler = Scheduler(
             self.scheduler_config, self.kv_manager, self.max_model_len,
-            eos_token_id_fallback=tuple(self.eos_token_ids))
+            eos_token_id_fallback=tuple(self.eos_token_ids),
+            kv_connector=self.kv_connector.scheduler if self.kv_connector else None)
         layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in self.kv_config.groups]
         self.runner = ModelRunner(self.model, layouts, self.kv_config.cache_group,
                                   self.kv_caches, self.device, with_drafts=self.spec is not None)
@@ -173,14 +181,27 @@ class EngineCore:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {n} prompt tokens and asks for {max_tokens} more")
+        self._check_kv_transfer_params(req)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                          arrival_time=req.arrival_time, priority=req.priority)
+                          arrival_time=req.arrival_time, priority=req.priority,
+                          kv_transfer_params=req.kv_transfer_params)
         if req.sampling_params.seed is not None:
             self._generators[req.request_id] = make_generator(req.sampling_params.seed,
                                                               self.device)
         if req.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[req.request_id] = TokenLogprobs()
         self.scheduler.add_request(request)
+
+    def _check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
+        params = req.kv_transfer_params
+        if not params or not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+            return
+        if self.kv_connector is None:
+            raise ValueError("kv_transfer_params: this server runs without "
+                             "--kv-transfer-config (no P/D disaggregation)")
+        problem = self.kv_connector.scheduler.validate(params, len(req.prompt_token_ids))
+        if problem is not None:
+            raise ValueError(problem)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -195,7 +216,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         timer = self.timer
         timer.start()
+        if self.kv_connector is not None:
+            self.kv_connector.finish_step()
         sched_out = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.start_step(sched_out)
         for rid in sched_out.finished_req_ids:
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
@@ -310,4 +335,5 @@ class EngineCore:
             num_preemptions=self.scheduler.make_stats().num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             steps=self.timer.stats,
-            spec_decode=self.spec.stats.snapshot() if self.spec is not None else None)
+            spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
+            kv_transfer=self.kv_connector.scheduler.snapshot() if self.kv_connector else None)

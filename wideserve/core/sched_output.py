@@ -50,6 +50,8 @@ class SchedulerOutput:
     # Finished (any reason) since the previous SchedulerOutput: the runner drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
     num_new_admitted: int = 0
+    # P/D: what the connector's worker half does this step (disagg/scheduler_side.py).
+    kv_connector_meta: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +84,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0               # prefix-cache hit at first scheduling
     events: list[RequestEvent] | None = None
     error: str | None = None                 # why, when finish_reason == "error"
+    # P/D: a prefill instance's handle to the request's held KV (disagg/params.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

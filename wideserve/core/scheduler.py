@@ -12,7 +12,14 @@ catches up with the list, and every request gets
         max_model_len - num_computed_tokens)             # positions stay < max_model_len
 
 Chunked prefill, prefix-cache hits, resumption after preemption, draft verification and
-(later) KV that arrives from a prefill instance are all this one subtraction.
+KV that arrives from a prefill instance are all this one subtraction.
+
+P/D disaggregation (with a KV connector, disagg/): a waiting request whose KV comes from a
+prefill instance is admitted with slots for the arriving positions but computes nothing; it
+waits outside both queues (WAITING_FOR_REMOTE_KV) until the connector reports the load,
+then joins the running requests with num_computed_tokens = prompt - 1 (the last prompt token
+is computed here for its logits). A failed load recomputes or fails per policy. A prefill
+instance's finished request may keep its blocks under the connector's lease.
 
 Order of a step
   1. `schedule()`
@@ -59,6 +66,7 @@ from wideserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from wideserve.core.kv_cache.manager import KVCacheManager
+    from wideserve.disagg.scheduler_side import ConnectorScheduler
 
 _FINISH_REASON: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -99,7 +107,8 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 eos_token_id_fallback: int | Iterable[int] | None = None) -> None:
+                 eos_token_id_fallback: int | Iterable[int] | None = None,
+                 kv_connector: ConnectorScheduler | None = None) -> None:
         """`eos_token_id_fallback`: the model's EOS id(s). A request stops (unless ignore_eos)
         on any of them and on its own `eos_token_id`; models with several EOS ids (e.g. an
         end-of-turn token besides end-of-text) pass them all."""
@@ -135,6 +144,9 @@ class Scheduler:
         self._num_steps = 0
         self._last_num_batched_tokens = 0
         self._in_flight: SchedulerOutput | None = None
+        self.connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.bind(kv_manager)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -185,6 +197,8 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update_from_output() of the "
                                "previous step (pass every SchedulerOutput back, empty or not)")
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        if self.connector is not None:
+            self._update_remote_loads()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -263,11 +277,19 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         cfg = self.config
         cap = cfg.max_new_requests_per_step
-        while self.waiting and plan.budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and plan.budget > 0 \
+                and len(self.running) + self._num_loading() < cfg.max_num_seqs:
             if cap and len(plan.admitted) >= cap:
                 return
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if self.connector is not None and self.connector.wants_load(request):
+                started = self._start_remote_load(request, hit_blocks, num_hit)
+                if started is None:
+                    return          # the per-step load cap, or no room yet
+                if started:
+                    continue
+                # Nothing to load (a full local hit): an ordinary admission.
             n = self._num_new_tokens(request, num_hit, plan.budget)
             if n == 0:
                 return
@@ -288,6 +310,54 @@ class Scheduler:
             plan.admitted.append(self._scheduled(request, n, is_new_or_resumed=True))
             plan.budget -= n
             self._record(request, RequestEventType.SCHEDULED)
+
+    # ------------------------------------------------------------------ P/D remote KV
+    def _num_loading(self) -> int:
+        return self.connector.num_loading if self.connector is not None else 0
+
+    def _start_remote_load(self, request: Request, hit_blocks: Any, num_hit: int) -> bool | None:
+        """Admit a request whose prompt KV comes from a prefill instance: slots for the
+        arriving positions, no compute. True: started; False: nothing to load (admit it
+        as usual); None: not this step (load cap, or no room while others hold KV)."""
+        conn = self.connector
+        assert conn is not None
+        if not conn.can_start_load():
+            return None
+        num_external = conn.num_external_tokens(request, num_hit)
+        if num_external > 0 and self.kv.allocate_slots(
+                request, 0, hit_blocks, num_hit, num_external_tokens=num_external) is None:
+            if self.running or conn.num_loading:
+                return None
+            num_external = 0        # does not fit even alone: prefill it here in chunks
+        if num_external <= 0:
+            conn.skip_load(request)
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        conn.start_load(request, self.kv.block_ids(request.request_id), num_hit,
+                        num_hit + num_external)
+        self._record(request, RequestEventType.SCHEDULED)
+        return True
+
+    def _update_remote_loads(self) -> None:
+        """Loads the connector finished since the last step: arrived KV counts as computed."""
+        assert self.connector is not None
+        loaded, failed = self.connector.take_finished_loads()
+        for request, num_loaded in loaded:
+            request.num_computed_tokens = num_loaded
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        for request, reason in failed:
+            if self.connector.config.kv_load_failure_policy == "recompute":
+                self.kv.free(request)       # nothing of the load was published
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.prepend(request)
+            else:
+                self._report_end(request, RequestStatus.FINISHED_ERROR, error=reason)
 
     def _scheduled(self, request: Request, n: int, is_new_or_resumed: bool) -> ScheduledRequest:
         return ScheduledRequest(request, n, is_new_or_resumed,
@@ -311,7 +381,8 @@ class Scheduler:
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             preempted_req_ids=plan.preempted,
             finished_req_ids=self._finished_ids,
-            num_new_admitted=len(plan.admitted))
+            num_new_admitted=len(plan.admitted),
+            kv_connector_meta=self.connector.build_meta() if self.connector else None)
         self._finished_ids = []
         self._num_steps += 1
         self._last_num_batched_tokens = out.num_batched_tokens
@@ -348,7 +419,7 @@ class Scheduler:
                 out.new_logprobs = logprobs.get(request.request_id)
             out.events = self._events.pop(request.request_id, None)
             if out.finished:
-                self._release(request)
+                out.kv_transfer_params = self._release(request)
                 ended = True
             outputs.append(out)
         if ended:
@@ -405,6 +476,8 @@ class Scheduler:
         """End a queued or running request outside update_from_output's stop checks."""
         if request.status is RequestStatus.RUNNING:
             self._remove_running(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            pass    # in no queue; the connector frees its blocks once the load has stopped
         else:   # WAITING or PREEMPTED: in the waiting queue
             self.waiting.remove(request)
         self._report_end(request, status, stop_reason=stop_reason, error=error)
@@ -417,17 +490,25 @@ class Scheduler:
         request.stop_reason = stop_reason
         if status is RequestStatus.FINISHED_ERROR:
             self._num_errors += 1
-        self._pending_outputs.append(EngineCoreOutput(
+        out = EngineCoreOutput(
             request.request_id, finish_reason=_FINISH_REASON[status], stop_reason=stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            events=self._events.pop(request.request_id, None), error=error))
-        self._release(request)
+            events=self._events.pop(request.request_id, None), error=error)
+        self._pending_outputs.append(out)
+        out.kv_transfer_params = self._release(request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request) -> dict[str, Any] | None:
+        """Free a finished request's blocks (or hand them to the connector: a prefill
+        instance's lease, a load still stopping); returns its kv_transfer_params, if any."""
         request.spec_token_ids = []     # before free: uncomputed drafts must not be published
-        self.kv.free(request)
+        params = None
+        if self.connector is not None:
+            params = self.connector.request_finished(request)
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        return params
 
     def _remove_running(self, request: Request) -> None:
         if self.running and self.running[-1] is request:
@@ -449,13 +530,14 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or self._num_loading() > 0
 
     def has_requests(self) -> bool:
         """Whether a step is still needed: unfinished requests, finished ids the runner has
         not seen, or final outputs not yet returned."""
         return self.has_unfinished_requests() or bool(self._finished_ids) \
-            or bool(self._pending_outputs)
+            or bool(self._pending_outputs) \
+            or (self.connector is not None and self.connector.has_pending())
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -205,16 +205,23 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+                       num_lookahead_tokens: int = 0,
+                       num_external_tokens: int = 0) -> KVCacheBlocks | None:
         """Give the request slots up to total_computed + num_new_tokens + lookahead in every
         group, or change nothing but out-of-window frees and return None (the caller
-        preempts). Returns the newly allocated blocks per group."""
-        if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) < 0:
+        preempts). Returns the newly allocated blocks per group.
+
+        num_external_tokens (P/D admission only): positions after the hit whose KV arrives
+        from another instance. They get slots (sliding groups only the pages the window
+        after them reads) but stay uncomputed, so unpublished, until the caller advances
+        request.num_computed_tokens over them once they have arrived."""
+        if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
+               num_external_tokens) < 0:
             raise ValueError(f"allocate_slots: negative token count (new={num_new_tokens}, "
                              f"new_computed={num_new_computed_tokens}, "
                              f"lookahead={num_lookahead_tokens})")
         st = self._state.get(request.request_id)
-        if st is not None and not num_new_computed_tokens and (
+        if st is not None and not num_new_computed_tokens and not num_external_tokens and (
                 new_computed_blocks is None or not new_computed_blocks.num_blocks):
             # Fast path for a running request (most decode steps): every table already covers
             # the slots, no new logical block is computed, and at most one page per sliding
@@ -224,13 +231,17 @@ class KVCacheManager:
                     and min(c, request.num_tokens) < st.next_cache_at and c < st.skip_limit):
                 return KVCacheBlocks([[] for _ in self.managers])
         return self._allocate(request, num_new_tokens, new_computed_blocks,
-                              num_new_computed_tokens, num_lookahead_tokens, st)
+                              num_new_computed_tokens, num_lookahead_tokens, st,
+                              num_external_tokens)
 
     def _allocate(self, request: Request, num_new_tokens: int,
                   new_computed_blocks: KVCacheBlocks | None, num_new_computed_tokens: int,
-                  num_lookahead_tokens: int, st: _RequestState | None) -> KVCacheBlocks | None:
+                  num_lookahead_tokens: int, st: _RequestState | None,
+                  num_external_tokens: int = 0) -> KVCacheBlocks | None:
         rid = request.request_id
         admission = rid not in self._requests
+        if num_external_tokens and not admission:
+            raise ValueError(f"request {rid!r} is running; external KV is for admission only")
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
         if hits is not None and len(hits) != len(self.managers):
             raise ValueError(f"new_computed_blocks has {len(hits)} groups, "
@@ -249,21 +260,24 @@ class KVCacheManager:
             # Before freeing out-of-window pages, so the ones a hit can use keep their hash.
             self._cache_computed(request)
         total_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens,
+        # Where the next query will be: sliding pages wholly before its window stay null.
+        query_at = total_computed + num_external_tokens
+        num_slots = min(query_at + num_new_tokens + num_lookahead_tokens,
                         self.max_model_len)
         for sw in self._sliding:
             sw.remove_skipped_blocks(rid, total_computed)
         demand = [0] * len(self.pools)
         for m in self.managers:
             demand[m.group.bucket_id] += m.num_blocks_to_allocate(
-                rid, num_slots, hits[m.group_id] if hits else ())
+                rid, num_slots, hits[m.group_id] if hits else (), query_at)
         if any(d > pool.num_free_blocks for d, pool in zip(demand, self.pools)):
             return None
         if admission:
             for m in self.managers:
                 m.save_hit_blocks(rid, hits[m.group_id] if hits else ())
             self._admit(request, hits, num_new_computed_tokens)
-        new = KVCacheBlocks([m.allocate_new_blocks(rid, num_slots) for m in self.managers])
+        new = KVCacheBlocks([m.allocate_new_blocks(rid, num_slots, query_at)
+                             for m in self.managers])
         self._state[rid] = _RequestState(
             capacity=min(m.num_slots(rid) for m in self.managers),
             next_cache_at=(min(total_computed, request.num_tokens) // self.block_size + 1)

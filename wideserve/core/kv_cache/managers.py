@@ -53,12 +53,18 @@ class GroupManager:
 
     # ------------------------------------------------------------------- allocation
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                               hit_blocks: Sequence[KVBlock]) -> int:
+                               hit_blocks: Sequence[KVBlock], query_at: int = 0) -> int:
         """Blocks this call takes from the pool: new pages up to `num_tokens` positions, plus
-        hit blocks that are now cached-but-free (they leave the free queue)."""
+        hit blocks that are now cached-but-free (they leave the free queue). `query_at`:
+        the next query position (pages no query from there reads need no block)."""
         held = len(self.req_tables.get(request_id, ())) + len(hit_blocks)
+        held = max(held, self.first_needed_page(query_at))
         new = max(0, cdiv(num_tokens, self.block_size) - held)
         return new + sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def first_needed_page(self, query_at: int) -> int:
+        """Pages before this one are never read by a query at `query_at` or later."""
+        return 0
 
     def save_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
         if request_id in self.req_tables:
@@ -68,9 +74,15 @@ class GroupManager:
         self.req_tables[request_id] = [b.block_id for b in hit_blocks]
         self.num_cached[request_id] = len(hit_blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            query_at: int = 0) -> list[KVBlock]:
         table = self.req_tables.setdefault(request_id, [])
         self.num_cached.setdefault(request_id, 0)
+        # Only P/D admission (KV arriving after a short hit) starts the table past its end:
+        # the pages in between are out of the window and stay null.
+        skip = min(self.first_needed_page(query_at), cdiv(num_tokens, self.block_size))
+        if skip > len(table):
+            self._null_fill(request_id, table, skip)
         n = cdiv(num_tokens, self.block_size) - len(table)
         if n <= 0:
             return []
@@ -85,6 +97,9 @@ class GroupManager:
             # Tail first: a request's last blocks are the first to be evicted.
             blocks = self.pool.blocks
             self.pool.free_blocks([blocks[i] for i in reversed(table) if i])
+
+    def _null_fill(self, request_id: str, table: list[int], num_pages: int) -> None:
+        table.extend([NULL_BLOCK_ID] * (num_pages - len(table)))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free pages no future query reads (none for growing groups)."""
@@ -166,6 +181,13 @@ class SlidingWindowManager(GroupManager):
         table[skipped:first_kept] = [NULL_BLOCK_ID] * (first_kept - skipped)
         self.num_skipped[request_id] = first_kept
         self.pool.free_blocks(removed)
+
+    def first_needed_page(self, query_at: int) -> int:
+        return max(0, query_at - self.window + 1) // self.block_size
+
+    def _null_fill(self, request_id: str, table: list[int], num_pages: int) -> None:
+        super()._null_fill(request_id, table, num_pages)
+        self.num_skipped[request_id] = max(self.num_skipped.get(request_id, 0), num_pages)
 
     def lazy_skip_limit(self, request_id: str) -> int:
         """num_computed_tokens at which two pages would wait to be freed. Frees may lag one
