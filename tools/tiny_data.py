@@ -22,14 +22,32 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS)  # ids 0..5 in this order
 
-# Role-tagged turns, each closed by eos; bos once at the start.
+# Role-tagged turns, each closed by eos; bos once at the start. The model only ever saw
+# system/user/assistant turns; agent loops also send developer (rendered as system), tool
+# results (a user turn holding <tool_response>...</tool_response>) and assistant tool calls
+# (Hermes-style <tool_call>{"name": ..., "arguments": ...}</tool_call>, which the hermes tool
+# parser reads back; the server hands arguments to templates parsed, as vLLM does). Tools,
+# when given, are listed in a system turn first.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>Tools you may call, one <tool_call>{\"name\": ..., "
+    "\"arguments\": {...}}</tool_call> each:' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}{{ eos_token }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('role must be system, user or assistant') }}"
+    "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
+    "{% if role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('role must be system, developer, user, assistant or tool') }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% if role == 'tool' %}"
+    "{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' + eos_token }}"
+    "{% else %}"
+    "{{ '<|' + role + '|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

@@ -32,6 +32,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from wideserve.chat_templates import default_for_vocab
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -205,7 +207,8 @@ class Tokenizer:
         return cls(backend, **specials,
                    add_bos_token=bool(cfg.get("add_bos_token", False)),
                    add_eos_token=bool(cfg.get("add_eos_token", False)),
-                   chat_template=cls._load_template(d, cfg, cfg_file),
+                   chat_template=(cls._load_template(d, cfg, cfg_file)
+                                  or default_for_vocab(backend.token_to_id)),
                    extra_eos_token_ids=extra_eos,
                    clean_up_tokenization_spaces=clean_up,
                    name=str(d))

@@ -35,11 +35,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="expose GET /debug/kv_integrity and /debug/stats")
     g.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"))
+    add_chat_args(parser)
     return parser
+
+
+def _tool_parser_name(text: str) -> str:
+    from wideserve.entrypoints.openai.tool_parsers import get_tool_parser
+    try:
+        get_tool_parser(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+    return text
+
+
+def _reasoning_parser_name(text: str) -> str:
+    from wideserve.entrypoints.openai.reasoning import check_reasoning_parser
+    try:
+        return check_reasoning_parser(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("chat: templates, tool calling, reasoning (vLLM's flags)")
+    g.add_argument("--chat-template", default=None,
+                   help="a .jinja file or a builtin name (deepseek_v4) replacing the "
+                        "tokenizer's template")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call tools on its own (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    g.add_argument("--tool-call-parser", type=_tool_parser_name, default=None,
+                   help="the model's tool-call format: hermes, llama3_json, deepseek_v31, "
+                        "deepseek_v32, deepseek_v4")
+    g.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None,
+                   help="split <think>...</think> into reasoning_content (deepseek_r1, "
+                        "deepseek_v31, deepseek_v4, qwen3)")
 
 
 def run(args: argparse.Namespace) -> int:
     from wideserve.entrypoints.openai.api_server import serve_forever
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("wideserve serve: error: --enable-auto-tool-choice requires --tool-call-parser",
+              file=sys.stderr)
+        return 2
     try:
         config = engine_config_from_args(args)
     except (ValueError, RuntimeError) as e:

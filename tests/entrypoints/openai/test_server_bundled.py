@@ -1,6 +1,6 @@
 """`wideserve serve` with no MODEL serves the bundled model: real text, greedy output equal to
 the offline LLM's (an independent path through the same engine), prefix-cache hits reported in
-usage, and a chat template error turned into a 400."""
+usage, and the tool-calling turns of an agent loop rendered by its template."""
 from __future__ import annotations
 
 import httpx
@@ -47,15 +47,20 @@ def test_greedy_text_equals_the_offline_llm(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
 
 
-def test_chat_and_template_errors(server, client):
+def test_chat_and_agent_loop_turns(server, client):
     r = client.chat.completions.create(
         model=BUNDLED, messages=[{"role": "user", "content": "Speak, friend."}],
         max_tokens=16, temperature=0.0)
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
-    # This model's template only knows system/user/assistant: its own error becomes a 400.
-    with pytest.raises(openai.BadRequestError, match="role must be system, user or assistant"):
-        client.chat.completions.create(
-            model=BUNDLED, messages=[{"role": "developer", "content": "x"}], max_tokens=4)
+    # An agent loop's second turn: developer, assistant tool calls and tool results render.
+    r = client.chat.completions.create(model=BUNDLED, max_tokens=4, messages=[
+        {"role": "developer", "content": "Answer in verse."},
+        {"role": "user", "content": "What hour is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "clock", "arguments": "{\"tz\": \"Verona\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "midnight"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_prefix_cache_hit_in_usage_and_kv_integrity(server, client):

@@ -30,9 +30,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wideserve import __version__
+from wideserve.chat_templates import load_chat_template
 from wideserve.config import EngineConfig
 from wideserve.core.engine_client import EngineCoreClient, EngineStartupError
 from wideserve.entrypoints.openai import serving_chat, serving_completions
+from wideserve.entrypoints.openai.serving_chat import chat_options
 from wideserve.entrypoints.openai.async_engine import AsyncEngine
 from wideserve.entrypoints.openai.metrics import ServerMetrics
 from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -226,6 +228,8 @@ def _model_path(config: EngineConfig) -> Path:
 def _load_frontend(args: Any, config: EngineConfig) -> tuple[Tokenizer, dict[str, Any]]:
     model_path = _model_path(config)
     tokenizer = Tokenizer.from_pretrained(config.load.tokenizer or model_path)
+    if getattr(args, "chat_template", None):
+        tokenizer.chat_template = load_chat_template(args.chat_template)
     defaults = load_generation_defaults(args.generation_config,
                                         model_path if model_path.is_dir() else None)
     return tokenizer, defaults
@@ -300,7 +304,7 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         client.on_step_times = metrics.observe_step_times
         ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
                              int(info["vocab_size"]), config.scheduler.policy, defaults,
-                             metrics)
+                             metrics, chat_options(args))
         app = build_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                         debug_endpoints=args.enable_debug_endpoints,
                         on_shutdown=client.shutdown)

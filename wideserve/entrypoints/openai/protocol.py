@@ -12,6 +12,7 @@ serving code, which knows them.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -170,12 +171,25 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            out["tool_calls"] = [tc.model_dump() for tc in self.tool_calls]
+            out["tool_calls"] = [_template_tool_call(tc) for tc in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         return out
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    """Templates (HF's and ours) expect `arguments` as a mapping; as vLLM does, a JSON-object
+    string is handed over parsed, anything else as given."""
+    out = call.model_dump()
+    try:
+        args = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return out
+    if isinstance(args, dict):
+        out["function"]["arguments"] = args
+    return out
 
 
 class ResponseFormat(BaseModel):
@@ -210,8 +224,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format: type {self.response_format.type!r} "
                              "is not supported (only 'text')")
-        if self.tool_choice not in (None, "none", "auto") and self.tools:
-            raise ValueError("tool_choice: forcing a tool call is not supported")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with "
                              "add_generation_prompt")

@@ -140,6 +140,15 @@ def load_generation_defaults(setting: str, model_dir: Path | None) -> dict[str, 
 
 
 @dataclass(slots=True)
+class ChatOptions:
+    """The server's chat flags (vLLM's spellings): --enable-auto-tool-choice,
+    --tool-call-parser, --reasoning-parser."""
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+@dataclass(slots=True)
 class ServingContext:
     """Everything a handler needs; one per server."""
     engine: AsyncEngine
@@ -150,6 +159,7 @@ class ServingContext:
     scheduling_policy: str = "fcfs"
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: ServerMetrics | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     @property
     def model_name(self) -> str:

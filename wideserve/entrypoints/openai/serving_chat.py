@@ -1,4 +1,11 @@
-"""POST /v1/chat/completions: messages -> chat template -> one engine request (n choices)."""
+"""POST /v1/chat/completions: messages -> chat template -> one engine request (n choices).
+
+Each choice's text goes through the output pipeline (`ChoiceOutput`): the reasoning parser
+(--reasoning-parser) splits <think>...</think> into `reasoning_content`, then the tool-call
+parser (tool_choice "auto" with --tool-call-parser) turns calls into `tool_calls`. Streams
+send each piece as it becomes certain; the role rides on a choice's first delta, as vLLM
+sends it (benchmark clients time the first token from the first chunk with choices).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,10 +17,14 @@ from starlette.responses import Response
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
 from wideserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, random_id
-from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
+from wideserve.entrypoints.openai.reasoning import TextDiff, ThinkParser
+from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ChatOptions, ServingContext,
                                                   chat_logprobs, engine_unavailable, now_s,
                                                   request_failed_error, respond, sse,
                                                   stream_error_event, usage_dict)
+from wideserve.entrypoints.openai.tool_parsers import (ToolCallStream, ToolParser,
+                                                       calls_to_openai, get_tool_parser)
+from wideserve.entrypoints.openai.tools import ToolSetup, resolve_tools
 from wideserve.sampling_params import SamplingParams
 
 # Template variables a request may not override through chat_template_kwargs.
@@ -32,6 +43,9 @@ class _Call:
     params: SamplingParams
     num_logprobs: int | None
     echo_prefix: str
+    tools: ToolSetup
+    tool_parser: type[ToolParser] | None     # set when calls are parsed out of the text
+    thinks: bool | None                      # None: no reasoning parser; else starts inside
 
 
 def render_prompt(ctx: ServingContext, messages: list[ChatMessage],
@@ -59,23 +73,118 @@ def render_prompt(ctx: ServingContext, messages: list[ChatMessage],
     return text
 
 
+def chat_options(args: Any) -> ChatOptions:
+    """The chat flags of `wideserve serve` (absent ones off, for callers without them)."""
+    return ChatOptions(bool(getattr(args, "enable_auto_tool_choice", False)),
+                       getattr(args, "tool_call_parser", None),
+                       getattr(args, "reasoning_parser", None))
+
+
+def _tool_parser(ctx: ServingContext, setup: ToolSetup) -> type[ToolParser] | None:
+    if setup.mode != "auto" or ctx.chat.tool_call_parser is None:
+        return None
+    return get_tool_parser(ctx.chat.tool_call_parser)
+
+
+def _keeps_markers(ctx: ServingContext, parser: type[ToolParser]) -> bool:
+    """Whether a parser's markers are special tokens (which detokenising would drop)."""
+    special = set(ctx.tokenizer.all_special_ids)
+    ids = ctx.tokenizer.convert_tokens_to_ids(parser.markers)
+    return any(i is not None and i in special for i in ids)
+
+
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     ctx.check_model(req.model)
     ctx.check_priority(req.priority)
+    setup = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          ctx.chat.enable_auto_tool_choice and ctx.chat.tool_call_parser is not None)
+    if setup.mode in ("required", "named"):
+        raise ApiError(400, f"tool_choice: {setup.mode!r} tool choice needs structured "
+                            "outputs, which this server does not enable yet", param="tool_choice")
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:        # templates of reasoning models read it
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     prompt = render_prompt(ctx, req.messages, req.add_generation_prompt,
-                           req.continue_final_message, req.tools, template_kwargs)
+                           req.continue_final_message, setup.tools, template_kwargs)
     ids = await ctx.encode(prompt, False)
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
+    parser = _tool_parser(ctx, setup)
+    if parser is not None and _keeps_markers(ctx, parser):
+        params.skip_special_tokens = False
+    thinks = None
+    if ctx.chat.reasoning_parser is not None:
+        thinks = prompt.rstrip().endswith("<think>")
     last = req.messages[-1]
     echo_prefix = last.text() if req.echo and last.role == "assistant" else ""
     ctx.check_alive()
     return _Call(random_id("chatcmpl"), now_s(), req, prompt, ids, params, num_logprobs,
-                 echo_prefix)
+                 echo_prefix, setup, parser, thinks)
+
+
+class ChoiceOutput:
+    """One choice's text -> reasoning, content and tool calls (whole or as deltas)."""
+
+    def __init__(self, call: _Call) -> None:
+        self.think = ThinkParser(call.thinks) if call.thinks is not None else None
+        self.tools = ToolCallStream(call.tool_parser()) if call.tool_parser else None
+        self.parallel = call.tools.parallel
+        self.text = ""
+        self.echo = call.echo_prefix
+        self._reasoning, self._content = TextDiff(), TextDiff()
+        self.role_sent = False
+
+    def _split(self, final: bool) -> tuple[str, str]:
+        if self.think is None:
+            return "", self.text
+        return self.think.parse(self.text, final)
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        """The new delta fields after `text` (final: the choice's last text)."""
+        self.text += text
+        reasoning, content = self._split(final)
+        out: dict[str, Any] = {}
+        new_reasoning = self._reasoning.new(reasoning)
+        if new_reasoning:
+            out["reasoning_content"] = new_reasoning
+        new_content = self._content.new(content)
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            new_content, calls = self.tools.feed(new_content, final)
+            if not self.parallel:
+                calls = [c for c in calls if c["index"] == 0]
+        if self.echo and (new_content or final):
+            new_content, self.echo = self.echo + new_content, ""
+        if new_content:
+            out["content"] = new_content
+        if calls:
+            out["tool_calls"] = calls
+        if out and not self.role_sent:
+            out = {"role": "assistant", **out}
+            self.role_sent = True
+        return out
+
+    def message(self) -> dict[str, Any]:
+        reasoning, content = self._split(True)
+        msg: dict[str, Any] = {"role": "assistant", "content": self.echo + content}
+        if self.tools is not None:
+            result = self.tools.parser.parse(content, True)
+            calls = calls_to_openai(result.calls)
+            if calls:
+                msg["content"] = (self.echo + result.content) or None
+                msg["tool_calls"] = calls if self.parallel else calls[:1]
+        if self.think is not None:
+            msg["reasoning_content"] = reasoning or None
+        return msg
+
+    @property
+    def called_tools(self) -> bool:
+        return self.tools is not None and self.tools.has_calls
+
+
+def _finish(reason: str | None, called_tools: bool) -> str | None:
+    return "tool_calls" if called_tools and reason == "stop" else reason
 
 
 def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
@@ -88,7 +197,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     call = await prepare(ctx, req)
     return await respond(raw, req.stream, lambda: _stream(ctx, call),
                          lambda: _full(ctx, call))
-
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
@@ -111,9 +219,11 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
         if call.num_logprobs is not None and co.logprobs is not None:
             logprobs = chat_logprobs(ctx.tokenizer, co.logprobs, co.token_ids,
                                      call.num_logprobs)
-        choices.append({"index": co.index,
-                        "message": {"role": "assistant", "content": call.echo_prefix + co.text},
-                        "logprobs": logprobs, "finish_reason": co.finish_reason,
+        choice = ChoiceOutput(call)
+        choice.text = co.text
+        message = choice.message()
+        choices.append({"index": co.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": _finish(co.finish_reason, "tool_calls" in message),
                         "stop_reason": co.stop_reason})
     completion = sum(len(co.token_ids) for co in out.outputs)
     return {"id": call.request_id, "object": "chat.completion", "created": call.created,
@@ -138,11 +248,9 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
     include_usage = bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     prompt_tokens, completion_tokens, cached = len(call.token_ids), 0, 0
+    choices = [ChoiceOutput(call) for _ in range(req.n)]
     stream = _stream_of(ctx, call)
     try:
-        for i in range(req.n):
-            # The role comes first, alone, as OpenAI sends it.
-            yield sse(_chunk(ctx, call, i, {"role": "assistant", "content": call.echo_prefix}))
         async for item in stream:
             for d in item.deltas.values():
                 completion_tokens += len(d.token_ids)
@@ -150,10 +258,15 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                 if call.num_logprobs is not None and d.logprobs:
                     logprobs = chat_logprobs(ctx.tokenizer, d.logprobs, d.token_ids,
                                              call.num_logprobs)
-                if not d.text and d.finish_reason is None and logprobs is None:
+                choice = choices[d.index]
+                done = d.finish_reason is not None
+                delta = choice.delta(d.text, done)
+                if done and not choice.role_sent:          # nothing was ever said
+                    delta, choice.role_sent = {"role": "assistant", "content": ""}, True
+                if not delta and not done and logprobs is None:
                     continue
-                chunk = _chunk(ctx, call, d.index, {"content": d.text} if d.text else {},
-                               logprobs, d.finish_reason, d.stop_reason)
+                chunk = _chunk(ctx, call, d.index, delta, logprobs,
+                               _finish(d.finish_reason, choice.called_tools), d.stop_reason)
                 if continuous:
                     chunk["usage"] = usage_dict(prompt_tokens, completion_tokens, cached)
                 yield sse(chunk)

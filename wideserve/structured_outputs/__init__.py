@@ -1,0 +1,1 @@
+"""Structured outputs: constrained decoding with llguidance (see docs/structured_outputs.md)."""
