@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ from wideserve.core.engine_proc import DEFAULT_ENGINE
 
 OutputsHandler = Callable[[list[Any]], None]
 DeadHandler = Callable[[str], None]
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -99,6 +101,8 @@ class EngineCoreClient:
         self.last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-output"),
                        asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
         return self.model_info
 
     def _spawn(self) -> subprocess.Popen[bytes]:
@@ -191,27 +195,44 @@ class EngineCoreClient:
 
     async def _output_loop(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._out_sock.recv())
+            data = await self._out_sock.recv()
             self.last_heard = time.monotonic()
-            if isinstance(msg, ipc.Outputs):
-                if msg.stats is not None:
-                    self.stats = msg.stats
-                if msg.step_times:
-                    self.on_step_times(msg.step_times)
-                if msg.outputs:
-                    self.on_outputs(ipc.restore_outputs(msg.outputs))
-            elif isinstance(msg, ipc.UtilityResult):
-                fut = self._pending_calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    if msg.error is not None:
-                        fut.set_exception(RuntimeError(msg.error))
-                    else:
-                        fut.set_result(msg.result)
-            elif isinstance(msg, ipc.EngineDead):
-                self._mark_dead(f"engine core died: {msg.reason}")
+            try:
+                self._handle_output(data)
+            except Exception:  # noqa: BLE001 - one bad message must not stop every stream
+                logger.exception("engine output message could not be handled; routing goes on")
             # Awaiting a ready socket does not yield to the event loop; without this a busy
             # engine would starve every other task (HTTP handlers, aborts) of the loop.
             await asyncio.sleep(0)
+
+    def _handle_output(self, data: bytes) -> None:
+        msg = self._decoder.decode(data)
+        if isinstance(msg, ipc.Outputs):
+            if msg.stats is not None:
+                self.stats = msg.stats
+            if msg.step_times:
+                self.on_step_times(msg.step_times)
+            if msg.outputs:
+                self.on_outputs(ipc.restore_outputs(msg.outputs))
+        elif isinstance(msg, ipc.UtilityResult):
+            fut = self._pending_calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    fut.set_exception(RuntimeError(msg.error))
+                else:
+                    fut.set_result(msg.result)
+        elif isinstance(msg, ipc.EngineDead):
+            self._mark_dead(f"engine core died: {msg.reason}")
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        """The output loop and the watchdog only end by cancellation; anything else means
+        nobody is routing outputs or watching the engine: say so now, not at a timeout."""
+        if task.cancelled() or self._closed or self.dead_reason is not None:
+            return
+        error = task.exception()
+        why = f"{type(error).__name__}: {error}" if error is not None else "it returned"
+        logger.error("engine client task %s ended (%s)", task.get_name(), why)
+        self._mark_dead(f"engine client {task.get_name()} failed ({why})")
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from wideserve.config import EngineConfig
+from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
 from wideserve.core.kv_cache.manager import KVCacheManager
 from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
 from wideserve.core.scheduler import Scheduler
+from wideserve.core.step_faults import poisons_device, step_error_message
 from wideserve.core.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
 from wideserve.executor.loader import LoadedModel, load_model
@@ -131,6 +133,7 @@ class EngineCore:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.timer = StepTimer()
+        self._broken: str | None = None     # why the state cannot be trusted (step_faults)
 
     # ------------------------------------------------------------------------- setup
     def _hidden_size(self) -> int:
@@ -169,6 +172,10 @@ class EngineCore:
 
     # ---------------------------------------------------------------------- requests
     def add_request(self, req: EngineCoreRequest) -> None:
+        self._check_usable()
+        if req.request_id in self.scheduler.requests:
+            # Before any per-request state is set: the live request keeps its own.
+            raise DuplicateRequestError(f"request_id {req.request_id!r} is already in use")
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -214,11 +221,15 @@ class EngineCore:
 
     # -------------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
+        self._check_usable()
         timer = self.timer
         timer.start()
         if self.kv_connector is not None:
             self.kv_connector.finish_step()
-        sched_out = self.scheduler.schedule()
+        try:
+            sched_out = self.scheduler.schedule()
+        except Exception as e:
+            raise self._broken_by("scheduling", e) from e
         if self.kv_connector is not None:
             self.kv_connector.start_step(sched_out)
         for rid in sched_out.finished_req_ids:
@@ -231,8 +242,14 @@ class EngineCore:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, object] | None = None
         if not sched_out.is_empty:
-            sampled, logprobs = self._execute(sched_out)
-        outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
+            try:
+                sampled, logprobs = self._execute(sched_out)
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+                return self._fail_step(sched_out, e)
+        try:
+            outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
+        except Exception as e:
+            raise self._broken_by("the scheduler's update", e) from e
         if self.spec is not None:
             self.spec.commit(sched_out)
         for out in outputs:
@@ -240,6 +257,33 @@ class EngineCore:
         timer.mark("output")
         timer.finish(sched_out.num_batched_tokens, len(sched_out.scheduled))
         return outputs
+
+    # ---------------------------------------------------------------- failed steps
+    def _fail_step(self, sched_out: SchedulerOutput,
+                   error: Exception) -> list[EngineCoreOutput]:
+        """Execution failed: the step's requests end with the error, the rest go on
+        (core/step_faults.py). Raises EngineStateError when the state cannot be trusted."""
+        if poisons_device(error):
+            raise self._broken_by("execution (the device is unusable)", error) from error
+        logger.exception("engine step failed; failing its %d request(s), serving the rest",
+                         len(sched_out.scheduled))
+        outputs = self.scheduler.fail_step(sched_out, step_error_message(error))
+        try:
+            self.kv_manager.check_integrity()
+        except AssertionError as bad:
+            raise self._broken_by("execution (KV cache inconsistent afterwards)", bad) from error
+        self.timer.finish(0, 0)
+        return outputs
+
+    def _broken_by(self, where: str, error: BaseException) -> EngineStateError:
+        self._broken = f"engine state cannot be trusted after a failure in {where}: " \
+            f"{type(error).__name__}: {error}"
+        logger.error("%s", self._broken)
+        return EngineStateError(self._broken)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise EngineStateError(self._broken)
 
     def _execute(self, sched_out: SchedulerOutput
                  ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs] | None]:

@@ -13,6 +13,7 @@ every `heartbeat_s` while idle, always carrying a fresh stats snapshot.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Union
 
 import msgspec
@@ -94,18 +95,34 @@ def make_input_decoder() -> msgspec.msgpack.Decoder:
 
 
 def decode_requests(msg: Any) -> tuple[list[EngineCoreRequest], list[tuple[str, str]]]:
-    """AddRequests as the engine decoded it -> (valid requests, [(request_id, why)])."""
+    """AddRequests as the engine decoded it -> (valid requests, [(request_id, why)]).
+    A request without a string id cannot be answered: it is logged (stderr) instead."""
     good: list[EngineCoreRequest] = []
     bad: list[tuple[str, str]] = []
     for raw in msg.requests:
         try:
             good.append(msgspec.msgpack.decode(raw, type=EngineCoreRequest))
-        except (msgspec.ValidationError, ValueError, TypeError) as e:
-            loose = msgspec.msgpack.decode(raw)
-            rid = loose.get("request_id") if isinstance(loose, dict) else None
-            if isinstance(rid, str):
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            loose = _loose(bytes(raw))
+            rid = _request_id_of(loose)
+            if rid is not None:
                 bad.append((rid, f"invalid request: {e}"))
+            else:
+                print(f"[engine] dropped a request without a string request_id ({e}): "
+                      f"{repr(loose)[:300]}", file=sys.stderr, flush=True)
     return good, bad
+
+
+def _loose(data: bytes) -> Any:
+    try:
+        return msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+
+
+def _request_id_of(obj: Any) -> str | None:
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 def is_add_requests(msg: Any) -> bool:

@@ -25,6 +25,7 @@ import zmq
 
 from wideserve.config import EngineConfig
 from wideserve.core import engine_ipc as ipc
+from wideserve.core.errors import DuplicateRequestError
 
 DEFAULT_ENGINE = "wideserve.core.engine_core:EngineCore"
 STATS_INTERVAL_S = 0.05
@@ -109,9 +110,11 @@ class EngineLoop:
         try:
             msg = self.decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
-            # A message that fails to decode (e.g. SamplingParams re-validation) is a front-end
-            # bug, not a reason to die; the front end validated first. Say so and carry on.
-            print(f"[engine] dropped undecodable message: {e}", file=sys.stderr, flush=True)
+            # A front-end bug, not a reason to die. Requests inside an AddRequests frame are
+            # decoded one by one (ipc.decode_requests) and answered by id; a frame that fails
+            # here names no request to answer, so say loudly what was dropped.
+            print(f"[engine] dropped an undecodable message ({e}): {len(data)} bytes "
+                  f"starting {data[:200]!r}", file=sys.stderr, flush=True)
             return
         if ipc.is_add_requests(msg):
             requests, invalid = ipc.decode_requests(msg)
@@ -128,6 +131,9 @@ class EngineLoop:
         for req in requests:
             try:
                 self.engine.add_request(req)
+            except DuplicateRequestError as e:
+                # An answer under this id would end the live request's stream: log only.
+                print(f"[engine] refused request: {e}", file=sys.stderr, flush=True)
             except ValueError as e:
                 rejected.append(_rejection(req.request_id, str(e)))
         if rejected:

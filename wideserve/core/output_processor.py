@@ -10,6 +10,7 @@ id). A child whose stop string matched is finished here and must be aborted in t
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +21,8 @@ from wideserve.outputs import (CompletionOutput, PromptLogprobs, RequestMetrics,
                                make_logprobs_entry)
 from wideserve.sampling_params import SamplingParams
 from wideserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -57,6 +60,9 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]         # parents that changed this step
     deltas: dict[str, list[CompletionDelta]]     # parent id -> what is new, per child
     reqs_to_abort: list[str]                     # child ids finished by a stop string
+    # parent id -> why: an output that could not be applied failed its request (and only
+    # it); the parent is forgotten and its children are in reqs_to_abort.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -122,6 +128,7 @@ class OutputProcessor:
         now = time.monotonic() if now is None else now
         touched: dict[str, _Parent] = {}
         to_abort: list[str] = []
+        failed: dict[str, str] = {}
         for out in outputs:
             pid = self._child_parent.get(out.request_id)
             if pid is None:
@@ -130,10 +137,17 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             if child.out.finished:
                 continue            # finished here by a stop string; the core's echo
-            if self._apply(parent, child, out, now):
-                to_abort.append(out.request_id)
+            try:
+                if self._apply(parent, child, out, now):
+                    to_abort.append(out.request_id)
+            except Exception as e:  # noqa: BLE001 - fail this request, keep the others going
+                logger.exception("output for request %r could not be processed", pid)
+                failed[pid] = f"output processing failed: {type(e).__name__}: {e}"
+                to_abort.extend(self.abort_request(pid))
+                touched.pop(pid, None)
+                continue
             touched[pid] = parent
-        result = ProcessedOutputs([], {}, to_abort)
+        result = ProcessedOutputs([], {}, to_abort, failed)
         for pid, parent in touched.items():
             finished = parent.num_unfinished == 0
             result.request_outputs.append(RequestOutput(

@@ -86,6 +86,8 @@ class EngineCoreOutput:
     error: str | None = None                 # why, when finish_reason == "error"
     # P/D: a prefill instance's handle to the request's held KV (disagg/params.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # The error is the engine's fault (a failed step), not the request's (bad input).
+    internal_error: bool = False
 
     @property
     def finished(self) -> bool:

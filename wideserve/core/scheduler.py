@@ -426,6 +426,28 @@ class Scheduler:
             self.running = [r for r in self.running if not r.status.finished]
         return outputs
 
+    def fail_step(self, sched_out: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """The step `sched_out` could not be executed: end every request it carried with
+        `error` and undo what `schedule()` advanced, so the next step starts from a
+        consistent state. Its KV was never (fully) written, so each request's computed count
+        goes back to where the step began before its blocks are freed: only blocks computed
+        by earlier, successful steps are published to the prefix cache. Returns the outputs
+        the step owes (the failed requests' and any final outputs pending from before)."""
+        if sched_out is not self._in_flight:
+            raise RuntimeError("fail_step() needs the output of the latest schedule()")
+        self._in_flight = None
+        first_failed = len(self._pending_outputs)
+        for s in sched_out.scheduled:
+            request = s.request
+            if request.status.finished:
+                continue    # ended between schedule() and now: already reported
+            request.num_computed_tokens -= s.num_new_tokens
+            self._end(request, RequestStatus.FINISHED_ERROR, error=error)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for out in outputs[first_failed:]:
+            out.internal_error = True
+        return outputs
+
     def _rewind_rejected_drafts(self, request: Request, s: ScheduledRequest,
                                 num_sampled: int) -> None:
         """Speculative-decoding hook: the sampler returns the accepted drafts plus one bonus

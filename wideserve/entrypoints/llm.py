@@ -139,10 +139,12 @@ class LLM:
 
     def _drive(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        failed: dict[str, str] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 processed = self.processor.process_outputs(self.engine.step())
+                failed.update(processed.failed)
                 if processed.reqs_to_abort:
                     self.engine.abort_requests(processed.reqs_to_abort)
                 for out in processed.request_outputs:
@@ -151,6 +153,8 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {next(iter(failed.values()))}")
         return [done[rid] for rid in ids]
 
     def _drain(self) -> None:

@@ -6,6 +6,7 @@ with CRASH_TOKEN makes step() raise, to exercise the engine-died path.
 """
 from __future__ import annotations
 
+from wideserve.core.errors import DuplicateRequestError
 from wideserve.core.sched_output import EngineCoreOutput
 
 VOCAB = 1000
@@ -21,6 +22,8 @@ class FakeEngineCore:
         self.model_info = {"name": "fake", "max_model_len": 128, "vocab_size": VOCAB}
 
     def add_request(self, req) -> None:
+        if req.request_id in self.requests:
+            raise DuplicateRequestError(f"request_id {req.request_id!r} is already in use")
         if len(req.prompt_token_ids) >= self.model_info["max_model_len"]:
             raise ValueError("prompt exceeds the maximum context length")
         self.requests[req.request_id] = (list(req.prompt_token_ids),

@@ -26,7 +26,13 @@ from wideserve.tokenizer import Tokenizer
 
 
 class RequestFailed(RuntimeError):
-    """The engine rejected or failed the request; `message` says why."""
+    """The engine rejected or failed the request; the message says why. `internal` is True
+    when the fault is the server's (a failed engine step, an output it could not process),
+    not the request's."""
+
+    def __init__(self, message: str, internal: bool = False) -> None:
+        super().__init__(message)
+        self.internal = internal
 
 
 @dataclass(slots=True)
@@ -44,6 +50,7 @@ class _Stream:
     error: BaseException | None = None
     last_token_time: float | None = None
     errors: dict[int, str] = field(default_factory=dict)   # child index -> engine message
+    internal_error: str | None = None       # a server-side fault: the request fails whole
 
     def push(self, item: StreamItem) -> None:
         self.pending.append(item)
@@ -52,6 +59,16 @@ class _Stream:
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.event.set()
+
+    async def wait(self) -> None:
+        """Until there is something to hand out: items, or an error. The state is checked
+        before waiting, not only the event: an output and a failure that both arrive while
+        the consumer is busy set the event once, and the consumer takes the items first;
+        waiting on the (cleared) event after that would never see the failure."""
+        while not self.pending and self.error is None:
+            await self.event.wait()
+            self.event.clear()
+        self.event.clear()
 
 
 def _merge(items: list[StreamItem]) -> StreamItem:
@@ -112,12 +129,13 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.observe_request_start(len(prompt_token_ids))
             while not finished:
-                await stream.event.wait()
-                stream.event.clear()
+                await stream.wait()
                 if stream.pending:
                     item = _merge(stream.pending)
                     stream.pending = []
                     finished = item.finished
+                    if finished and stream.internal_error is not None:
+                        raise RequestFailed(stream.internal_error, internal=True)
                     if finished and stream.errors and \
                             all(not c.token_ids for c in item.output.outputs):
                         raise RequestFailed(next(iter(stream.errors.values())))
@@ -156,7 +174,10 @@ class AsyncEngine:
                 stream = self._streams.get(parent_id)
                 if stream is not None:
                     stream.errors[index] = out.error
+                    if out.internal_error and stream.internal_error is None:
+                        stream.internal_error = out.error
         processed = self.processor.process_outputs(outputs, now)
+        self._fail_unprocessable(processed.failed)
         for ro in processed.request_outputs:
             stream = self._streams.get(ro.request_id)
             deltas = processed.deltas.get(ro.request_id, [])
@@ -171,6 +192,16 @@ class AsyncEngine:
         if processed.reqs_to_abort:
             asyncio.get_running_loop().create_task(
                 self._abort_quietly(processed.reqs_to_abort))
+
+    def _fail_unprocessable(self, failed: dict[str, str]) -> None:
+        """Requests whose output could not be processed fail alone (the processor has
+        forgotten them and queued their children's aborts); the rest keep streaming."""
+        for parent_id, why in failed.items():
+            for cid in [c for c, (p, _) in self._child_to_parent.items() if p == parent_id]:
+                del self._child_to_parent[cid]
+            stream = self._streams.get(parent_id)
+            if stream is not None:
+                stream.fail(RequestFailed(why, internal=True))
 
     async def _abort_quietly(self, child_ids: list[str]) -> None:
         try:

@@ -305,7 +305,7 @@ def stream_error_event(error: BaseException) -> str:
     if isinstance(error, EngineDeadError):
         api = engine_unavailable(str(error))
     elif isinstance(error, RequestFailed):
-        api = ApiError(400, str(error))
+        api = request_failed_error(error)
     elif isinstance(error, ApiError):
         api = error
     else:
@@ -315,6 +315,8 @@ def stream_error_event(error: BaseException) -> str:
 
 def request_failed_error(error: RequestFailed) -> ApiError:
     text = str(error)
+    if error.internal:
+        return ApiError(500, text, type_="server_error")
     code = "context_length_exceeded" if "maximum context length" in text else None
     return ApiError(400, text, code=code)
 
