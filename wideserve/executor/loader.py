@@ -227,6 +227,8 @@ def load_model(load: LoadConfig) -> LoadedModel:
         check_filled(model, init_dummy_weights(model, load.seed), f"dummy weights for {path}")
     else:
         load_checkpoint(model, path, config_json, dtype)
+    if hasattr(model, "bind_tokenizer"):    # models whose forward reads the vocabulary
+        model.bind_tokenizer(path)
     return LoadedModel(model=model, config_json=config_json, path=path, dtype=dtype)
 
 
