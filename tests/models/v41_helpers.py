@@ -4,6 +4,7 @@ indexer levels; checkpoints saved from it (safetensors of its state_dict, config
 a WordLevel tokenizer.json) load into wideserve through the normal loader."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ _COMMON = dict(
     engram_vocab_size=37, engram_n_heads=2, engram_head_dim=16,
     engram_compressed_vocab_size=VOCAB, engram_pad_token_id=2, dspark_noise_token_id=VOCAB - 1,
     dspark_n_routed_experts=8, dspark_num_experts_per_tok=2, dspark_markov_rank=8,
-    num_nextn_predict_layers=3, dspark_block_size=5, dtype="float32",
+    num_nextn_predict_layers=3, dspark_block_size=5, dtype="float32", initializer_range=0.15,
     rope_scaling={"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
                   "original_max_position_embeddings": 32})
 
@@ -104,3 +105,19 @@ def ws_model(path: Path):
 def random_tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+@contextlib.contextmanager
+def kv_quant_off():
+    """Both sides with their KV quantisers replaced by the identity: the maths without the
+    rounding steps, where batching-dependent last-bit differences cannot cross a bin."""
+    import nemo_automodel.components.models.deepseek_v41.attention as oracle_attention
+
+    from wideserve.layers import kv_quant
+    saved = oracle_attention.quantize_cache, kv_quant.fake_quant
+    oracle_attention.quantize_cache = lambda x, format, block_size: x
+    kv_quant.fake_quant = lambda x, fmt: x
+    try:
+        yield
+    finally:
+        oracle_attention.quantize_cache, kv_quant.fake_quant = saved

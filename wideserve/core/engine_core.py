@@ -139,7 +139,8 @@ class EngineCore:
     # ------------------------------------------------------------------------- setup
     def _hidden_size(self) -> int:
         cfg = self.loaded.config_json
-        return int(cfg.get("hidden_size") or cfg["n_embd"])
+        text = cfg.get("text_config") or {}     # nested (multimodal) configs, e.g. V4.1
+        return int(cfg.get("hidden_size") or text.get("hidden_size") or cfg["n_embd"])
 
     def _build_kv_cache(self) -> tuple[KVCacheConfig, KVCacheManager]:
         cache, sched = self.config.cache, self.scheduler_config

@@ -24,13 +24,13 @@ from torch import nn
 
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec
 from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.layers.attention.v41_attention import CSA2State, DeepseekV41Attention
+from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
 from wideserve.layers.mhc import HyperConnection, sinkhorn
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
-from wideserve.layers.v41_attention import CSA2State, DeepseekV41Attention
-from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v41_config import FULL, SWA, DeepseekV41Config
 
 KV_CACHE_DTYPES = ("auto", "bf16")

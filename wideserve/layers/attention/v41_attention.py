@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wideserve.layers import kv_quant, v4_batched
+from wideserve.layers import kv_quant
+from wideserve.layers.attention import v4_batched
+from wideserve.layers.attention.v4_batched import _chunks, _rows, _store
+from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.indexer import index_topk
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable, rotate
-from wideserve.layers.v4_batched import _chunks, _rows, _store
-from wideserve.layers.v4_step import V4Step
 from wideserve.models.deepseek_v41_config import FULL, REINDEX, SWA, DeepseekV41Config
 
 
