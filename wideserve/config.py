@@ -43,19 +43,60 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    """Data-parallel attention + expert-parallel MoE (DEP), spelled like vLLM's flags.
+    See docs/distributed.md."""
+    data_parallel_size: int = 1              # engine-core ranks in the group, all nodes
+    data_parallel_rank: int = 0              # this engine's rank (set per process)
+    data_parallel_size_local: int | None = None   # ranks on this node (None = all)
+    data_parallel_start_rank: int = 0        # first rank on this node
+    data_parallel_address: str = "127.0.0.1"  # node 0's address (rendezvous, engine RPC)
+    data_parallel_rpc_port: int = 29550      # rendezvous; engine sockets follow it
+    enable_expert_parallel: bool = False     # shard routed experts over the ranks
+    dp_sync_timeout_s: float = 120.0         # a rank silent this long fails the group
+    dp_sync_method: Literal["auto", "gloo", "rd"] = "auto"   # auto = the faster, measured
+    dp_idle_poll_ms: int = 20                # idle ranks meet this often to agree on a step
+
+    @property
+    def enabled(self) -> bool:
+        return self.data_parallel_size > 1
+
+    @property
+    def local_size(self) -> int:
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    def check(self) -> None:
+        n = self.data_parallel_size
+        if n < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {n}")
+        if not 0 <= self.data_parallel_rank < n:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} outside [0, {n})")
+        if not 1 <= self.local_size <= n:
+            raise ValueError(f"data_parallel_size_local {self.local_size} must be in [1, {n}]")
+        if not 0 <= self.data_parallel_start_rank <= n - self.local_size:
+            raise ValueError(f"data_parallel_start_rank {self.data_parallel_start_rank} + "
+                             f"data_parallel_size_local {self.local_size} exceeds "
+                             f"data_parallel_size {n}")
+        if self.dp_sync_timeout_s <= 0:
+            raise ValueError("dp_sync_timeout_s must be positive")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None     # None = no speculative decoding
     kv_transfer: KVTransferConfig | None = None      # None = no P/D disaggregation
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as `LLM(...)` takes them) -> EngineConfig; an unknown name is a
     TypeError naming it. `speculative_config` takes a dict, a JSON string or a
     SpeculativeConfig (as vLLM's LLM does)."""
-    parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+    parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
+             "parallel": ParallelConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
     kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
     for key, value in kwargs.items():
@@ -63,5 +104,6 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         setattr(owner, key, value)
+    parts["parallel"].check()  # type: ignore[attr-defined]
     return EngineConfig(**parts, speculative=speculative,  # type: ignore[arg-type]
                         kv_transfer=kv_transfer)

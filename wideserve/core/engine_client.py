@@ -43,7 +43,11 @@ class EngineStartupError(RuntimeError):
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, engine_path: str = DEFAULT_ENGINE,
                  heartbeat_s: float = 1.0, stale_after_s: float = 60.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 addresses: tuple[str, str] | None = None, spawn: bool = True) -> None:
+        """`addresses` (input, output) to bind instead of private ipc sockets; with
+        spawn=False the engine is started elsewhere (a data-parallel rank on another node,
+        wideserve/distributed) and connects to them; its liveness is then its heartbeat."""
         self.config = config
         self.engine_path = engine_path
         self.heartbeat_s = heartbeat_s
@@ -59,8 +63,9 @@ class EngineCoreClient:
         self.proc: subprocess.Popen[bytes] | None = None
         self._ctx = zmq.asyncio.Context()
         self._tmpdir = tempfile.mkdtemp(prefix="wideserve-")
-        self._in_addr = f"ipc://{self._tmpdir}/input"
-        self._out_addr = f"ipc://{self._tmpdir}/output"
+        self._in_addr, self._out_addr = addresses or (f"ipc://{self._tmpdir}/input",
+                                                      f"ipc://{self._tmpdir}/output")
+        self._spawn_engine = spawn
         self._in_sock = self._ctx.socket(zmq.PUSH)
         self._out_sock = self._ctx.socket(zmq.PULL)
         self._encoder = ipc.make_encoder()
@@ -79,10 +84,10 @@ class EngineCoreClient:
         self._out_sock.setsockopt(zmq.RCVHWM, 0)
         self._in_sock.bind(self._in_addr)
         self._out_sock.bind(self._out_addr)
-        self.proc = self._spawn()
+        self.proc = self._spawn() if self._spawn_engine else None
         deadline = time.monotonic() + timeout_s
         while True:
-            exited = self.proc.poll() is not None
+            exited = self.proc is not None and self.proc.poll() is not None
             # After an exit, still read what it sent: EngineDead says why it failed.
             if not await self._out_sock.poll(200):
                 if exited:
@@ -121,6 +126,12 @@ class EngineCoreClient:
         self._closed = True
         for task in self._tasks:
             task.cancel()
+        if self.proc is None and self.dead_reason is None and self.last_heard:
+            try:                                     # a remote engine: ask, cannot wait
+                await self._in_sock.send(self._encoder.encode(ipc.Shutdown()), zmq.NOBLOCK)
+                await asyncio.sleep(0.1)
+            except zmq.ZMQError:
+                pass
         if self.proc is not None and self.proc.poll() is None:
             try:
                 await self._in_sock.send(self._encoder.encode(ipc.Shutdown()), zmq.NOBLOCK)
@@ -183,9 +194,13 @@ class EngineCoreClient:
         return f"engine core process {what} ({how})"
 
     async def _watchdog(self) -> None:
-        assert self.proc is not None
         while self.dead_reason is None:
             await asyncio.sleep(0.2)
+            if self.proc is None:                    # started elsewhere: only its heartbeat
+                silent = time.monotonic() - self.last_heard
+                if silent > self.stale_after_s:
+                    self._mark_dead(f"engine core silent for {silent:.0f} s")
+                continue
             if self.proc.poll() is not None:
                 # Let a last EngineDead message (with the real reason) win the race.
                 await asyncio.sleep(0.2)

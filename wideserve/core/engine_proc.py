@@ -78,18 +78,25 @@ class EngineLoop:
                 start = time.perf_counter()
                 outputs = self.engine.step()
                 self.step_times.append(time.perf_counter() - start)
-            now = time.monotonic()
-            if outputs or now - self.last_sent >= self.heartbeat_s:
-                # Stats at most every STATS_INTERVAL_S while busy: a scrape never needs
-                # fresher numbers, and get_stats() stays off the per-step path.
-                fresh = now - self.last_stats >= STATS_INTERVAL_S
-                self.send(ipc.Outputs(outputs=outputs, stats=self._stats() if fresh else None,
-                                      timestamp=now, step_times=self.step_times))
-                self.step_times = []
-                if fresh:
-                    self.last_stats = now
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                self.running = False                 # orphaned: nobody will read our output
+            self.emit(outputs)
+            self.check_parent()
+
+    def emit(self, outputs: list[Any]) -> None:
+        """Send the step's outputs, or a heartbeat when nothing was sent for heartbeat_s."""
+        now = time.monotonic()
+        if outputs or now - self.last_sent >= self.heartbeat_s:
+            # Stats at most every STATS_INTERVAL_S while busy: a scrape never needs
+            # fresher numbers, and get_stats() stays off the per-step path.
+            fresh = now - self.last_stats >= STATS_INTERVAL_S
+            self.send(ipc.Outputs(outputs=outputs, stats=self._stats() if fresh else None,
+                                  timestamp=now, step_times=self.step_times))
+            self.step_times = []
+            if fresh:
+                self.last_stats = now
+
+    def check_parent(self) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.running = False                 # orphaned: nobody will read our output
 
     def _stats(self) -> dict[str, Any] | None:
         get_stats = getattr(self.engine, "get_stats", None)
@@ -174,7 +181,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
     try:
         _set_torch_threads()
         engine = _load_engine(config, engine_path)
-        loop = EngineLoop(engine, input_addr, output_addr, parent_pid, heartbeat_s)
+        # A data-parallel lock-step rank brings its own loop (wideserve/distributed).
+        loop_cls = getattr(engine, "loop_class", EngineLoop)
+        loop = loop_cls(engine, input_addr, output_addr, parent_pid, heartbeat_s)
         loop.send_ready()
         loop.run()
         return 0

@@ -6,6 +6,7 @@ done, and returns RequestOutputs in the order of the prompts.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -33,7 +34,8 @@ def load_tokenizer(model_path, tokenizer: str | None) -> Tokenizer:
 class LLM:
     """Engine arguments are the fields of LoadConfig, CacheConfig and SchedulerConfig
     (e.g. dtype, seed, load_format, max_model_len, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, block_size, kv_cache_memory, policy)."""
+    enable_prefix_caching, block_size, kv_cache_memory, policy) and ParallelConfig
+    (data_parallel_size, enable_expert_parallel: N engine-core processes, docs/distributed.md)."""
 
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
                  **engine_args: Any) -> None:
@@ -47,12 +49,27 @@ class LLM:
         return llm
 
     def _init(self, config: EngineConfig, skip_tokenizer_init: bool) -> None:
-        self.engine = EngineCore(config)
+        if config.parallel.enabled:
+            # N ranks are N engine-core processes (wideserve/distributed/offline.py).
+            from wideserve.distributed.offline import SyncDPEngine
+            self.engine: Any = SyncDPEngine(config)
+            self._finalizer = weakref.finalize(self, self.engine.close)
+            model_path = self.engine.model_path
+        else:
+            self.engine = EngineCore(config)
+            model_path = self.engine.loaded.path
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else \
-            load_tokenizer(self.engine.loaded.path, config.load.tokenizer)
+            load_tokenizer(model_path, config.load.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine processes now (data-parallel LLMs; otherwise a no-op). They also
+        stop when this object is collected or the interpreter exits."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

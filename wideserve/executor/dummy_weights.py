@@ -50,6 +50,12 @@ def _float_init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Ten
     return 0.1 * normal
 
 
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """The float32 value `init_dummy_weights` gives a floating tensor `name` of `shape` (used to
+    draw a full expert tensor of which an expert-parallel rank keeps its rows)."""
+    return _float_init(name, torch.Size(shape), _generator(seed, name))
+
+
 def distinct_expert_table(vocab: int, k: int, num_experts: int, gen: torch.Generator,
                           chunk: int = 8192) -> torch.Tensor:
     """[vocab, k] int64, each row k distinct experts (a random permutation prefix)."""

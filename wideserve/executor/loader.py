@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -130,14 +130,18 @@ def keeps_fp32(cls: type, param_name: str) -> bool:
                for p in getattr(cls, "keep_in_fp32", ()))
 
 
-def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.device,
+                reshape: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Instantiate `cls(config)` with uninitialised parameters in their load dtype on `device`
     (device "meta" for a shape-only model). Parameters created with an explicit dtype keep it;
     those named in `cls.keep_in_fp32` are float32. Buffers are as the model built them; tied
-    parameters stay tied."""
+    parameters stay tied. `reshape` sees the model while its parameters are still on meta
+    (expert parallelism shrinks the routed experts to a rank's own there)."""
     follow = default_dtype_params(cls, config)
     with torch.device(device), _parameters_on_meta():
         model = cls(config)
+        if reshape is not None:
+            reshape(model)
     made: dict[int, nn.Parameter] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module._parameters.items()):
@@ -165,32 +169,37 @@ def _required_groups(model: nn.Module) -> list[list[str]]:
     return list(aliases.values()) + buffers
 
 
-def _checked(reader: CheckpointReader, model: nn.Module, yielded: list[str]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The reader's tensors, minus ignorable ones, with shapes checked against the model."""
+TensorFilter = Callable[[Iterator[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def _checked(reader: CheckpointReader, model: nn.Module, yielded: list[str],
+             tensor_filter: TensorFilter | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The reader's tensors (through `tensor_filter`, e.g. a rank's expert shard), minus
+    ignorable ones, with shapes checked against the model."""
     state = model.state_dict(keep_vars=True)
     has_mtp = any(n.startswith(("mtp.", "model.mtp.")) for n in state)
-    for name, tensor in reader:
+    for name, tensor in (tensor_filter(iter(reader)) if tensor_filter else reader):
         if _IGNORABLE.search(name) or (not has_mtp and name.startswith(("mtp.", "model.mtp."))):
             continue
         target = state.get(name)
         if target is not None and tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{reader.directory}: tensor {reader.sources[name]} (as {name}) "
+            raise ValueError(f"{reader.directory}: tensor {reader.sources.get(name, name)} "
+                             f"(as {name}) "
                              f"has shape {tuple(tensor.shape)}, the model expects "
                              f"{tuple(target.shape)}")
         yielded.append(name)
         yield name, tensor
 
 
-def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype: torch.dtype
-                    ) -> None:
+def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype: torch.dtype,
+                    tensor_filter: TensorFilter | None = None) -> None:
     """Stream the checkpoint into `model`. Unknown tensor names are the model's to reject
     (its `load_weights` raises for a name it cannot place); the error then names the file."""
     reader = CheckpointReader(model_dir, config_json, dtype)
     yielded: list[str] = []
     try:
         with torch.no_grad():
-            filled = set(model.load_weights(_checked(reader, model, yielded)))
+            filled = set(model.load_weights(_checked(reader, model, yielded, tensor_filter)))
     except (KeyError, ValueError) as exc:
         if not yielded or str(model_dir) in str(exc):
             raise
@@ -209,12 +218,17 @@ def check_filled(model: nn.Module, filled: Iterable[str], where: str) -> None:
 
 # --- entry point ---
 
-def load_model(load: LoadConfig) -> LoadedModel:
+def load_model(load: LoadConfig, expert_parallel: tuple[int, int] | None = None
+               ) -> LoadedModel:
+    """`expert_parallel` = (ep_size, ep_rank): build and load only this rank's routed experts
+    (wideserve/distributed/expert_shard.py)."""
     path = resolve_model_path(load.model)
     device = torch.device(load.device)
     if load.load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load.load_format!r}")
     if load.load_format == "gguf" or (load.load_format == "auto" and path.suffix == ".gguf"):
+        if expert_parallel is not None:
+            raise ValueError("--enable-expert-parallel: GGUF checkpoints are not supported")
         return _load_gguf(path, load, device)
     if not path.is_dir():
         raise ValueError(f"{path}: load_format {load.load_format!r} needs a model directory "
@@ -222,13 +236,25 @@ def load_model(load: LoadConfig) -> LoadedModel:
     config_json = read_config(path)
     dtype = resolve_dtype(load.dtype, config_json)
     cls = resolve_model_class(config_json)
-    model = build_model(cls, cls.config_class.from_dict(config_json), dtype, device)
+    placements: dict = {}
+    reshape = None
+    if expert_parallel is not None:
+        from wideserve.distributed.expert_shard import shard_experts
+
+        def reshape(meta_model: nn.Module) -> None:
+            placements.update(shard_experts(meta_model, *expert_parallel))
+    model = build_model(cls, cls.config_class.from_dict(config_json), dtype, device, reshape)
     if load.load_format == "dummy":
         check_filled(model, init_dummy_weights(model, load.seed), f"dummy weights for {path}")
+        if placements:
+            from wideserve.distributed.expert_shard import fill_dummy_expert_shards
+            fill_dummy_expert_shards(model, placements, load.seed)
     else:
-        load_checkpoint(model, path, config_json, dtype)
-    if hasattr(model, "bind_tokenizer"):    # models whose forward reads the vocabulary
-        model.bind_tokenizer(path)
+        shard_filter = None
+        if placements:
+            from wideserve.distributed.expert_shard import ExpertShardFilter
+            shard_filter = ExpertShardFilter(placements)
+        load_checkpoint(model, path, config_json, dtype, shard_filter)
     return LoadedModel(model=model, config_json=config_json, path=path, dtype=dtype)
 
 

@@ -1,0 +1,90 @@
+"""The data-parallel process group of one engine-core rank (docs/distributed.md).
+
+Backend chosen at run time: a CPU-only torch has no NCCL, so device tensors and control both
+go over gloo; on CUDA the device group is NCCL and a second, gloo group carries host-side
+control (the per-step sync), so a small integer exchange never waits behind a GPU stream.
+Rendezvous is a TCPStore on node 0 (`data_parallel_address:data_parallel_rpc_port`); the same
+store lets ranks publish side-channel addresses (recursive-doubling sync).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from wideserve.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class DPGroupError(RuntimeError):
+    """A peer rank is gone or silent past the timeout: the group cannot go on."""
+
+
+@dataclass
+class DPGroup:
+    rank: int
+    world_size: int
+    device: torch.device
+    device_group: dist.ProcessGroup      # collectives on the device's tensors (EP all-to-all)
+    cpu_group: dist.ProcessGroup         # host-side control over gloo (step sync, choices)
+    store: dist.Store
+    timeout_s: float
+    address: str                         # node 0's address, as the ranks were told
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def backend_for(device: torch.device) -> str:
+    """nccl for CUDA tensors when torch has it, else gloo (the only CPU backend built in)."""
+    if device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def local_address_towards(address: str) -> str:
+    """This host's address on the route to `address` (the interface peers can reach us on;
+    inside a network namespace, the namespace's own address)."""
+    if address in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((address, 9))          # UDP connect sends nothing; it picks a route
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def init_dp_group(parallel: ParallelConfig, device: torch.device) -> DPGroup:
+    """Join the group of `data_parallel_size` ranks; blocks until all have joined (or the
+    timeout). Sets GLOO_SOCKET_IFNAME=lo when node 0 is this machine's loopback and nothing
+    was chosen, since gloo otherwise resolves the hostname, which sandboxes often lack."""
+    rank, world = parallel.data_parallel_rank, parallel.data_parallel_size
+    if parallel.data_parallel_address in ("localhost", "127.0.0.1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = timedelta(seconds=parallel.dp_sync_timeout_s)
+    try:
+        store = dist.TCPStore(parallel.data_parallel_address, parallel.data_parallel_rpc_port,
+                              world, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        backend = backend_for(device)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        world_group = dist.group.WORLD
+        assert world_group is not None
+        cpu_group = world_group if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                         timeout=timeout)
+    except (RuntimeError, OSError) as e:
+        raise DPGroupError(f"rank {rank}: cannot join the data-parallel group at "
+                           f"{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
+                           f": {e}") from e
+    logger.info("DP rank %d/%d joined (%s)", rank, world, backend)
+    return DPGroup(rank, world, device, world_group, cpu_group, store,
+                   parallel.dp_sync_timeout_s, parallel.data_parallel_address)
