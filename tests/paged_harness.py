@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, split_shared
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 
 
@@ -28,7 +28,8 @@ class PagedHarness:
                  poison: bool = True, device: str | torch.device = "cpu",
                  specs: dict[str, KVCacheSpec] | None = None) -> None:
         self.model = model
-        self.specs = model.kv_cache_specs() if specs is None else specs
+        # Shared caches (SharedKVSpec) are their owner's tensor and group.
+        self.specs, shared = split_shared(model.kv_cache_specs() if specs is None else specs)
         self.block_size = block_size or default_block_size(self.specs)
         self.blocks_per_req = math.ceil(max_len / self.block_size)
         self.poison = poison
@@ -44,6 +45,9 @@ class PagedHarness:
             name: torch.zeros(num_blocks, spec.entries_per_block(self.block_size), spec.width,
                               dtype=spec.dtype, device=self.device)
             for name, spec in self.specs.items()}
+        for name, owner in shared.items():
+            self.kv_caches[name] = self.kv_caches[owner]
+            self.cache_group[name] = self.cache_group[owner]
         self.seq_lens = [0] * max_reqs
 
     def reset(self, slot: int) -> None:

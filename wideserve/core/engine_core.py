@@ -19,6 +19,7 @@ from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
 from wideserve.core.kv_cache.manager import KVCacheManager
+from wideserve.core.kv_cache.spec import split_shared
 from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
 from wideserve.core.scheduler import Scheduler
@@ -139,14 +140,16 @@ class EngineCore:
     # ------------------------------------------------------------------------- setup
     def _hidden_size(self) -> int:
         cfg = self.loaded.config_json
-        return int(cfg.get("hidden_size") or cfg["n_embd"])
+        text = cfg.get("text_config") or {}     # nested (multimodal) configs, e.g. V4.1
+        return int(cfg.get("hidden_size") or text.get("hidden_size") or cfg["n_embd"])
 
     def _build_kv_cache(self) -> tuple[KVCacheConfig, KVCacheManager]:
         cache, sched = self.config.cache, self.scheduler_config
         specs = self.model.kv_cache_specs(cache.kv_cache_dtype)
         if self.spec is not None:
             specs = {**specs, **self.spec.kv_cache_specs(cache.kv_cache_dtype)}
-        quantised = sorted({s.record_format for s in specs.values() if s.record_format != "raw"})
+        quantised = sorted({s.record_format for s in split_shared(specs)[0].values()
+                            if s.record_format != "raw"})
         if quantised:
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: storing KV records as "
                              f"{', '.join(quantised)} is not supported for execution yet; "

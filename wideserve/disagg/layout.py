@@ -77,15 +77,20 @@ class KVLayout:
     def num_descriptors(self) -> int:
         return sum(r.num_blocks for r in self.regions)
 
-    def descriptor_table(self) -> np.ndarray:
-        """[num_descriptors, 3] int64 (addr, len, device id): one row per (region, block)."""
-        rows = []
-        for r in self.regions:
-            addrs = r.addr + np.arange(r.num_blocks, dtype=np.int64) * r.page_bytes
-            dev = r.tensor.device.index or 0
-            rows.append(np.stack([addrs, np.full_like(addrs, r.page_bytes),
-                                  np.full_like(addrs, dev)], axis=1))
-        return np.concatenate(rows)
+    def region_info(self) -> list[tuple[int, int, int, int]]:
+        """(addr, page_bytes, num_blocks, device id) per region: what a peer needs."""
+        return [(r.addr, r.page_bytes, r.num_blocks, r.tensor.device.index or 0)
+                for r in self.regions]
+
+
+def descriptor_table(regions: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """[num_descriptors, 3] int64 (addr, len, device id): one row per (region, block)."""
+    rows = []
+    for addr, page_bytes, num_blocks, dev in regions:
+        addrs = addr + np.arange(num_blocks, dtype=np.int64) * page_bytes
+        rows.append(np.stack([addrs, np.full_like(addrs, page_bytes),
+                              np.full_like(addrs, dev)], axis=1))
+    return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
 
 
 def region_bases(num_blocks: list[int]) -> np.ndarray:

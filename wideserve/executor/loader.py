@@ -255,6 +255,8 @@ def load_model(load: LoadConfig, expert_parallel: tuple[int, int] | None = None
             from wideserve.distributed.expert_shard import ExpertShardFilter
             shard_filter = ExpertShardFilter(placements)
         load_checkpoint(model, path, config_json, dtype, shard_filter)
+    if hasattr(model, "bind_tokenizer"):    # models whose forward reads the vocabulary
+        model.bind_tokenizer(path)
     return LoadedModel(model=model, config_json=config_json, path=path, dtype=dtype)
 
 

@@ -12,6 +12,8 @@ import importlib
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV4ForCausalLM": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "deepseek_v4": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "DeepseekV41ForCausalLM": ("wideserve.models.deepseek_v41", "DeepseekV41ForCausalLM"),
+    "deepseek_v41": ("wideserve.models.deepseek_v41", "DeepseekV41ForCausalLM"),
     "LlamaForCausalLM": ("wideserve.models.llama", "LlamaForCausalLM"),
     "llama": ("wideserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("wideserve.models.llama", "Qwen2ForCausalLM"),

@@ -17,10 +17,11 @@ from wideserve.core.kv_cache.groups import (
 )
 from wideserve.core.kv_cache.hashing import BlockHasher, hash_block_tokens
 from wideserve.core.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec, split_shared
 
 __all__ = [
     "BlockHasher", "BlockPool", "CacheKind", "KVBlock", "KVCacheBlocks", "KVCacheBucket",
     "KVCacheConfig", "KVCacheGroup", "KVCacheManager", "KVCacheSpec", "PrefixCacheStats",
-    "allocate_kv_tensors", "build_kv_cache_config", "exact_replay_tokens", "hash_block_tokens",
+    "SharedKVSpec", "allocate_kv_tensors", "build_kv_cache_config", "exact_replay_tokens",
+    "hash_block_tokens", "split_shared",
 ]

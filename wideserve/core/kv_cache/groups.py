@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec, split_shared
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -91,6 +91,8 @@ class KVCacheConfig:
     # Tokens of context the growing groups hold, all requests together (None: no such group).
     capacity_tokens: int | None = None
     budget_bytes: int | None = None              # None when sized by num_blocks_override
+    # reader cache name -> owner cache name (SharedKVSpec): same tensor, same group
+    shared: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes_per_token(self) -> float:
@@ -238,7 +240,8 @@ def _size_from_override(cfg: KVCacheConfig, num_blocks: int) -> None:
     cfg.capacity_tokens = capacity
 
 
-def build_kv_cache_config(specs: dict[str, KVCacheSpec], cache_config: CacheConfig,
+def build_kv_cache_config(specs: dict[str, KVCacheSpec | SharedKVSpec],
+                          cache_config: CacheConfig,
                           scheduler_config: SchedulerConfig | None = None, *,
                           device: str | torch.device = "cpu", max_model_len: int | None = None,
                           window_cache_hit_points: int | None = None) -> KVCacheConfig:
@@ -249,6 +252,7 @@ def build_kv_cache_config(specs: dict[str, KVCacheSpec], cache_config: CacheConf
     max_num_seqs). max_model_len: when sizing from a budget, fail unless one request of
     this length fits.
     """
+    specs, shared = split_shared(specs)
     if not specs:
         raise ValueError("the model declared no KV cache specs")
     sched = scheduler_config or SchedulerConfig()
@@ -256,7 +260,9 @@ def build_kv_cache_config(specs: dict[str, KVCacheSpec], cache_config: CacheConf
     _check_logical_block(specs, block_size)
     groups = _group_specs(specs, block_size)
     cfg = KVCacheConfig(block_size=block_size, groups=groups, buckets=_make_buckets(groups),
-                        cache_group={n: g.group_id for g in groups for n in g.names})
+                        cache_group={n: g.group_id for g in groups for n in g.names},
+                        shared=shared)
+    cfg.cache_group.update({n: cfg.cache_group[o] for n, o in shared.items()})
     for spec in specs.values():
         if spec.grows_with_context:
             cfg.bytes_per_token[spec.role] = cfg.bytes_per_token.get(spec.role, 0.0) \
@@ -279,7 +285,8 @@ def build_kv_cache_config(specs: dict[str, KVCacheSpec], cache_config: CacheConf
     return cfg
 
 
-def exact_replay_tokens(specs: dict[str, KVCacheSpec], replay_depth: int) -> int:
+def exact_replay_tokens(specs: dict[str, KVCacheSpec | SharedKVSpec],
+                        replay_depth: int) -> int:
     """Positions to recompute before a prefix hit so every window is rebuilt exactly.
 
     Layer l's window entries at position p depend on layer l-1's output at p, which depends on
@@ -288,7 +295,8 @@ def exact_replay_tokens(specs: dict[str, KVCacheSpec], replay_depth: int) -> int
     of `replay_depth` windowed layers needs exact entries from P - window + 1, hence
     R = replay_depth * (window - 1) with the largest window.
     """
-    windows = [s.window for s in specs.values() if s.kind is CacheKind.SLIDING_WINDOW]
+    windows = [s.window for s in split_shared(specs)[0].values()
+               if s.kind is CacheKind.SLIDING_WINDOW]
     if replay_depth < 0:
         raise ValueError(f"replay_depth must be >= 0, got {replay_depth}")
     return replay_depth * (max(windows) - 1) if windows else 0
@@ -315,4 +323,5 @@ def allocate_kv_tensors(kv_config: KVCacheConfig,
                     out[name] = slabs[j].view(spec.dtype).view(b.num_blocks, epb, spec.width)
                 else:
                     out[name] = slabs[j].view(b.num_blocks, epb, spec.entry_bytes)
+    out.update({name: out[owner] for name, owner in kv_config.shared.items()})
     return out

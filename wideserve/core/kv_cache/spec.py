@@ -12,6 +12,10 @@ Glossary
   the quantised formats follow reference/model-arch.md §6.2 and §8.1).
 
 Layers whose specs are equal form one KV cache group (see core/kv_cache/groups.py).
+
+Cross-layer sharing (DeepSeek-V4.1): a cache name may map to `SharedKVSpec(owner)` instead of a
+spec: that layer reads the owner's records (same tensor, same group, same block tables) and
+owns no memory of its own, so pools, budgets and byte counts include each record once.
 """
 from __future__ import annotations
 
@@ -90,3 +94,22 @@ class KVCacheSpec:
 
     def page_bytes(self, block_size: int) -> int:
         return self.entries_per_block(block_size) * self.entry_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SharedKVSpec:
+    """A cache name that is another cache's records: `owner` is the owning cache name."""
+
+    owner: str
+
+
+def split_shared(specs: dict[str, KVCacheSpec | SharedKVSpec]
+                 ) -> tuple[dict[str, KVCacheSpec], dict[str, str]]:
+    """(the owned specs, reader name -> owner name); an owner must be an owned spec."""
+    owned = {n: s for n, s in specs.items() if isinstance(s, KVCacheSpec)}
+    shared = {n: s.owner for n, s in specs.items() if isinstance(s, SharedKVSpec)}
+    for name, owner in shared.items():
+        if owner not in owned:
+            raise ValueError(f"KV cache {name!r} shares {owner!r}, which is not a cache of "
+                             f"its own (a shared cache must name an owning one)")
+    return owned, shared

@@ -1,0 +1,88 @@
+"""DeepSeek-V4.1 through the whole engine: greedy continuations equal the reference's
+(nemo-automodel 0.7.0, re-run on the full sequence for every new token) under chunked prefill,
+prefix caching (keep and replay) and preemption; shared KV records stay consistent (the
+integrity check counts each block once)."""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import v41_helpers as h  # noqa: E402
+
+from test_engine_greedy import _check_idle  # noqa: E402
+
+from wideserve import LLM, SamplingParams  # noqa: E402
+
+MAX_NEW = 5
+BLOCK = 16
+
+
+@torch.no_grad()
+def _oracle_greedy(m, prompts: list[list[int]]) -> list[list[int]]:
+    outs = []
+    for p in prompts:
+        seq = list(p)
+        for _ in range(MAX_NEW):
+            seq.append(int(h.oracle_logits(m, seq)[-1].argmax()))
+        outs.append(seq[len(p):])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    kw = h.CONFIGS["A"]
+    m = h.oracle_model(kw, seed=5)
+    path = h.save_checkpoint(m, kw, tmp_path_factory.mktemp("v41_engine"))
+    prompts = [h.random_tokens(n, seed=20 + i) for i, n in enumerate([3, 17, 30, 9, 41])]
+    prefix = h.random_tokens(2 * BLOCK + 5, seed=40)
+    shared = [prefix + h.random_tokens(n, seed=50 + n) for n in (4, 11)]
+    with h.kv_quant_off():
+        expected = _oracle_greedy(m, prompts + shared)
+    return dict(path=str(path), prompts=prompts, shared=shared,
+                expected=expected[:len(prompts)], expected_shared=expected[len(prompts):])
+
+
+def _llm(case, **kw) -> LLM:
+    args = dict(dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 26,
+                skip_tokenizer_init=True)
+    args.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LLM(case["path"], **args)
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with h.kv_quant_off():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("budget,caching", [(4096, False), (13, True)])
+def test_greedy_matches_the_reference(case, budget, caching):
+    llm = _llm(case, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    assert _generate(llm, case["prompts"]) == case["expected"]
+    _check_idle(llm)
+
+
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_prefix_hits_do_not_change_outputs(case, mode):
+    llm = _llm(case, max_num_batched_tokens=64, enable_prefix_caching=True,
+               prefix_window_mode=mode)
+    got = _generate(llm, case["shared"][:1]) + _generate(llm, case["shared"][1:])
+    assert got == case["expected_shared"]
+    kv = llm.engine.kv_manager.stats
+    assert kv.hits + kv.replayed >= 2 * BLOCK, kv
+    _check_idle(llm)
+
+
+def test_preemption_does_not_change_outputs(case):
+    llm = _llm(case, max_num_batched_tokens=64, num_blocks_override=12, max_num_seqs=5)
+    assert _generate(llm, case["prompts"]) == case["expected"]
+    assert llm.engine.get_stats().num_preemptions > 0
+    _check_idle(llm)

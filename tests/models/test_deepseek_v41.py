@@ -1,0 +1,168 @@
+"""DeepSeek-V4.1 against its reference implementation (nemo-automodel 0.7.0, fp32) on tiny
+configs covering every layer mode (swa / full / reindex / reuse, ratios 1 and 2), Engram and
+both indexer levels (v41_helpers.py).
+
+Two regimes, both with two requests sharing every step. quant="off": both sides' KV
+quantisers are the identity: |dlogit| <= 1e-4 (TOL). quant="on": the same FP8 / NVFP4 / MXFP4
+records as the reference. The maths agree to ~1e-6 before rounding, but a value that sits on a
+rounding boundary (fp32 last bits differ with op order and matmul shapes) lands in the
+neighbouring bin, ~6% of one channel of one FP8 record, and that moves later logits by up to
+~1e-2 (seen: 1.2e-3 and 1.04e-2, logits std ~1.2); most runs stay within 1e-6. So with
+quantisers on the bound is TOL_QUANT = 3e-2, still ~100x below what any real error gives (a
+dropped candidate mask, Engram or reuse moves logits by 1-9 here). The records themselves are
+bit-equal to the reference's quantisers (tests/layers/test_kv_quant.py).
+
+Runs go through the paged harness with poison on (out-of-window sliding entries are NaN), so
+a read outside a window or the compressor state's window fails loudly."""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+import v41_helpers as h
+from paged_harness import PagedHarness
+from safetensors.torch import save_file
+
+from wideserve.config import CacheConfig
+from wideserve.core.kv_cache import allocate_kv_tensors, build_kv_cache_config
+from wideserve.core.kv_cache.spec import SharedKVSpec
+
+TOL = 1e-4
+TOL_QUANT = 3e-2
+# config -> (lengths of the two requests, prefill chunk plans not multiples of the ratios or
+# candidate blocks; the rest of each request is decoded one token per step, both together).
+CASES = {"A": ((41, 30), ([5, 7, 3, 11], [9, 2, 6])),
+         "B": ((33, 26), ([3, 9], [5, 1, 4])),
+         "C": ((38, 23), ([7, 5], [3]))}
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    cache: dict[tuple, tuple] = {}
+
+    def get(name: str, quant: str = "on"):
+        if name not in cache:
+            kw = h.CONFIGS[name]
+            m = h.oracle_model(kw, seed=len(cache))
+            path = h.save_checkpoint(m, kw, tmp_path_factory.mktemp(f"v41_{name}"))
+            seqs = [h.random_tokens(n, seed=10 + i) for i, n in enumerate(CASES[name][0])]
+            refs = {"on": [h.oracle_logits(m, s) for s in seqs]}
+            with h.kv_quant_off():
+                refs["off"] = [h.oracle_logits(m, s) for s in seqs]
+            assert all(r.std() > 0.3 for r in refs["on"]), "logits too flat for a check"
+            cache[name] = (m, path, h.ws_model(path), seqs, refs)
+        m, path, ws, seqs, refs = cache[name]
+        return m, path, ws, seqs, refs[quant]
+    return get
+
+
+def _maybe_off(quant: str):
+    return h.kv_quant_off() if quant == "off" else contextlib.nullcontext()
+
+
+def _harness(model, seqs) -> PagedHarness:
+    return PagedHarness(model, max_reqs=len(seqs), max_len=max(map(len, seqs)) + 4)
+
+
+@pytest.mark.parametrize("quant", ["off", "on"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_oneshot_prefill(oracle, name, quant):
+    _, _, ws, seqs, refs = oracle(name, quant)
+    with _maybe_off(quant):
+        out = _harness(ws, seqs).step([0, 1], seqs)
+    assert out.dtype == torch.float32
+    assert (out - torch.cat(refs)).abs().max().item() <= (TOL if quant == "off" else TOL_QUANT)
+
+
+@pytest.mark.parametrize("quant", ["off", "on"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_prefill_then_decode(oracle, name, quant):
+    _, _, ws, seqs, refs = oracle(name, quant)
+    plans = CASES[name][1]
+    steps = [list(p) + [1] * (len(s) - sum(p)) for p, s in zip(plans, seqs)]
+    groups = [[0, 1]]
+    worst = 0.0
+    with _maybe_off(quant):
+        for group in groups:
+            hr = _harness(ws, seqs)
+            done = [0, 0]
+            for i in range(max(len(steps[r]) for r in group)):
+                slots = [r for r in group if i < len(steps[r])]
+                chunks = [seqs[r][done[r]:done[r] + steps[r][i]] for r in slots]
+                out = hr.step(slots, chunks)
+                row = 0
+                for r, chunk in zip(slots, chunks):
+                    ref = refs[r][done[r]:done[r] + len(chunk)]
+                    worst = max(worst, (out[row:row + len(chunk)] - ref).abs().max().item())
+                    row += len(chunk)
+                    done[r] += len(chunk)
+            assert all(done[r] == len(seqs[r]) for r in group)
+    assert worst <= (TOL if quant == "off" else TOL_QUANT)
+
+
+def _official_state(m) -> dict[str, torch.Tensor]:
+    """The oracle's state_dict under the official DeepSeek names (its state-dict adapter's
+    mapping), routed experts split per expert into w1 / w3 [I, d] and w2 [d, I]."""
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import _released_key
+    out = {}
+    for name, t in m.state_dict().items():
+        if name.endswith(".ffn.experts.gate_and_up_projs"):
+            base = _released_key(name).removesuffix(".gate_and_up_projs")
+            inter = t.shape[2] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.w1.weight"] = t[e, :, :inter].T.contiguous()
+                out[f"{base}.{e}.w3.weight"] = t[e, :, inter:].T.contiguous()
+        elif name.endswith(".ffn.experts.down_projs"):
+            base = _released_key(name).removesuffix(".down_projs")
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.w2.weight"] = t[e].T.contiguous()
+        else:
+            out[_released_key(name)] = t.contiguous()
+    return out
+
+
+def test_official_names_load_the_same_model(oracle, tmp_path):
+    m, path, ws, seqs, refs = oracle("A")
+    state = _official_state(m)
+    assert "embed.weight" in state and "layers.6.hc_attn_fn" in state
+    assert "layers.3.ffn.experts.7.w2.weight" in state and "layers.2.attn.attn_sink" in state
+    for f in ("config.json", "tokenizer.json"):
+        (tmp_path / f).write_text((path / f).read_text())
+    save_file(state, str(tmp_path / "model.safetensors"))
+    out = _harness(h.ws_model(tmp_path), seqs[:1]).step([0], seqs[:1])
+    assert (out - refs[0]).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="unknown weight 'layers.0.attn.nonsense'"):
+        ws.load_weights([("layers.0.attn.nonsense", torch.zeros(1))])
+
+
+def test_shared_records_are_allocated_and_counted_once(oracle):
+    _, _, ws, _, _ = oracle("A")
+    specs = ws.kv_cache_specs()
+    shared = {n: s.owner for n, s in specs.items() if isinstance(s, SharedKVSpec)}
+    # Reuse / reindex layers 3, 5, 7, 8, 9 read the sources 2, 4, 6; layers 0, 1 are SWA.
+    assert shared == {f"model.layers.{i}.attn.compressed": f"model.layers.{s}.attn.compressed"
+                      for i, s in ((3, 2), (5, 4), (7, 6), (8, 6), (9, 6))}
+    assert sum(n.endswith(".window") for n in specs) == 10
+    assert sorted(int(re.search(r"\d+", n)[0]) for n in specs if n.endswith("indexer_keys")) \
+        == [2, 4, 6]
+    cfg = build_kv_cache_config(specs, CacheConfig(block_size=16, kv_cache_memory=1 << 24))
+    c = ws.config
+    # fp32 raw records: 2 sources at ratio 2, 1 at ratio 1 -> 2 entries/token of (64 + 32) * 4 B.
+    assert cfg.bytes_per_token == {"compressed": 2 * c.head_dim * 4,
+                                   "indexer": 2 * c.index_head_dim * 4}
+    caches = allocate_kv_tensors(cfg, "cpu")
+    for name, owner in shared.items():
+        assert caches[name] is caches[owner] and cfg.cache_group[name] == cfg.cache_group[owner]
+    with pytest.raises(ValueError, match="not a cache of its own"):
+        build_kv_cache_config({**specs, "x": SharedKVSpec("nope")}, CacheConfig(block_size=16))
+
+
+def test_dummy_weights_from_the_config(oracle):
+    from wideserve.config import LoadConfig
+    from wideserve.executor.loader import load_model
+    _, path, _, seqs, _ = oracle("C")
+    model = load_model(LoadConfig(model=str(path), load_format="dummy", seed=3)).model
+    out = _harness(model, seqs[:1]).step([0], seqs[:1])
+    assert torch.isfinite(out).all() and out.std() > 0.1

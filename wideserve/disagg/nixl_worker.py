@@ -1,0 +1,288 @@
+"""The NIXL (UCX) transport: one-sided pulls of KV pages from a prefill instance.
+
+Setup (once per engine): a NIXL agent named by engine id registers the KV slabs (DRAM on CPU,
+VRAM on GPU) and prepares the local descriptor list, one descriptor per (slab, block).
+A producer also serves its agent metadata and region table on the authenticated side channel.
+
+Per peer (once): fetch the metadata over the side channel, check the layout fingerprint,
+`add_remote_agent`, prepare the remote descriptor list. Per load: one prepared READ over all
+the request's page descriptors (NIXL merges adjacent ones; "packed", the default) or one READ
+per descriptor ("per_block", for the benchmark), then the release/confirm call to the
+producer. Side-channel calls run on a small thread pool; every NIXL call stays on the engine
+thread. A load past `kv_load_timeout_s` is aborted (its transfer handles released) before it
+is reported failed, so its blocks are never written after they are freed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from wideserve.disagg.config import KVTransferConfig
+from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
+from wideserve.disagg.leases import LeaseTable
+from wideserve.disagg.params import LoadSpec, RemoteKV
+from wideserve.disagg.side_channel import SideChannelClient, SideChannelServer
+from wideserve.disagg.worker import KVConnectorWorker
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def import_nixl() -> Any:
+    """nixl's agent API (the `nixl` meta package, else the CUDA-12 wheel)."""
+    try:
+        from nixl import _api  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from nixl_cu12 import _api  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            raise RuntimeError("--kv-transfer-config: NixlConnector needs NIXL; install it after "
+                               "torch: pip install nixl-cu12==1.5.1") from None
+    return _api
+
+
+class AgentInfo(msgspec.Struct, array_like=True):
+    agent_name: str
+    agent_metadata: bytes
+    fingerprint: str
+    regions: list[tuple[int, int, int, int]]    # (addr, page_bytes, num_blocks, device)
+
+
+@dataclass(slots=True)
+class _Peer:
+    agent_name: str
+    dlist: Any
+    base: np.ndarray
+    num_blocks: list[int]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    load: LoadSpec
+    deadline: float
+    handles: list[Any] = field(default_factory=list)
+    confirm: Future | None = None
+    nbytes: int = 0
+    num_transfers: int = 0
+    cancelled: bool = False
+
+
+class NixlWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, leases: LeaseTable) -> None:
+        super().__init__(config, layout, leases)
+        api = import_nixl()
+        secret = config.secret()
+        self.mode = str(config.kv_connector_extra_config.get("transfer_mode", "packed"))
+        if self.mode not in ("packed", "per_block"):
+            raise ValueError(f"--kv-transfer-config: transfer_mode must be 'packed' or "
+                             f"'per_block', got {self.mode!r}")
+        self.agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(backends=["UCX"]))
+        cuda = any(r.tensor.is_cuda for r in layout.regions)
+        self.mem = "VRAM" if cuda else "DRAM"
+        self._reg = self.agent.register_memory([r.tensor for r in layout.regions])
+        self.local_dlist = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", descriptor_table(layout.region_info()), self.mem)
+        self.client = SideChannelClient(secret)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="kv-side-client")
+        self.peers: dict[str, _Peer] = {}
+        self.handshakes: dict[str, Future] = {}
+        self.waiting: dict[str, _InFlight] = {}      # for their peer's handshake
+        self.inflight: dict[str, _InFlight] = {}     # transferring or confirming
+        self.zombies: list[tuple[Any, str]] = []     # handles that refused to abort
+        info = AgentInfo(config.engine_id, self.agent.get_agent_metadata(), layout.fingerprint,
+                         layout.region_info())
+        self._info = msgspec.msgpack.encode(info)
+        self.server = SideChannelServer(secret, config.kv_ip, config.kv_port, {
+            "metadata": lambda _body: self._info,
+            "release": self._serve_release,
+        }) if config.is_producer else None
+
+    # ------------------------------------------------------------------ producer
+    def advertise(self) -> tuple[str, int]:
+        if self.server is None:
+            return self.config.kv_ip, 0
+        return self.server.host, self.server.port
+
+    def _serve_release(self, body: bytes) -> bytes:
+        ids = msgspec.msgpack.decode(body, type=list[str])
+        return msgspec.msgpack.encode([self.leases.release(rid) for rid in ids])
+
+    # ------------------------------------------------------------------ consumer
+    def start_load(self, load: LoadSpec) -> None:
+        f = _InFlight(load, time.monotonic() + self.config.kv_load_timeout_s)
+        engine = load.remote.remote_engine_id
+        if engine in self.peers:
+            self._post(f)
+            return
+        if engine not in self.handshakes:
+            r = load.remote
+            self.handshakes[engine] = self.pool.submit(
+                self.client.call, r.remote_host, r.remote_port, "metadata", b"",
+                min(HANDSHAKE_TIMEOUT_S, self.config.kv_load_timeout_s))
+        self.waiting[load.request_id] = f
+
+    def _add_peer(self, engine: str, body: bytes) -> _Peer:
+        info = msgspec.msgpack.decode(body, type=AgentInfo)
+        if info.fingerprint != self.layout.fingerprint:
+            raise ValueError("the prefill instance's KV layout differs from this one's")
+        name = self.agent.add_remote_agent(info.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        dlist = self.agent.prep_xfer_dlist(name, descriptor_table(info.regions), self.mem)
+        nb = [n for _, _, n, _ in info.regions]
+        peer = _Peer(name, dlist, region_bases(nb), nb)
+        self.peers[engine] = peer
+        return peer
+
+    def _post(self, f: _InFlight) -> None:
+        load, peer = f.load, self.peers[f.load.remote.remote_engine_id]
+        groups = self.layout.groups
+        for g, rem in zip(groups, load.remote_pages):
+            if len(rem) and int(rem.max()) >= min(peer.num_blocks[r] for r in g.regions):
+                self._load_failed(load.request_id, "remote block ids out of range")
+                return
+        local = descriptor_indices(groups, self.layout.base, load.local_pages)
+        remote = descriptor_indices(groups, peer.base, load.remote_pages)
+        f.nbytes = sum(len(p) * self.layout.regions[r].page_bytes
+                       for g, p in zip(groups, load.local_pages) for r in g.regions.tolist())
+        try:
+            if self.mode == "packed":
+                chunks = [(local, remote)]
+            else:
+                chunks = [(local[i:i + 1], remote[i:i + 1]) for i in range(len(local))]
+            for loc, rem in chunks:
+                h = self.agent.make_prepped_xfer("READ", self.local_dlist, loc, peer.dlist, rem)
+                f.handles.append(h)
+                f.num_transfers += 1
+                if self.agent.transfer(h) == "ERR":
+                    raise RuntimeError("NIXL refused to post the transfer")
+        except Exception as e:  # noqa: BLE001 - nixl raises its own error types
+            self._stop(f)
+            self._drop_peer(load.remote.remote_engine_id)
+            self._load_failed(load.request_id, f"transfer failed to start: {e}")
+            return
+        self.inflight[load.request_id] = f
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        self._poll_handshakes()
+        for rid, f in list(self.inflight.items()):
+            state = self._state(f, now)
+            if state is None:
+                continue
+            del self.inflight[rid]
+            if state == "ok":
+                self._load_succeeded(f.load, f.nbytes, f.num_transfers)
+            else:
+                self._load_failed(rid, state)
+        self.zombies = [(h, rid) for h, rid in self.zombies if not self._try_release(h)]
+
+    def _poll_handshakes(self) -> None:
+        now = time.monotonic()
+        for engine, fut in list(self.handshakes.items()):
+            if not fut.done():
+                continue
+            del self.handshakes[engine]
+            error = None
+            try:
+                self._add_peer(engine, fut.result())
+            except Exception as e:  # noqa: BLE001 - any handshake failure fails the loads
+                error = f"handshake with the prefill instance failed: {e}"
+            for rid, f in list(self.waiting.items()):
+                if f.load.remote.remote_engine_id == engine:
+                    del self.waiting[rid]
+                    if error is None:
+                        self._post(f)
+                    else:
+                        self._load_failed(rid, error)
+        for rid, f in list(self.waiting.items()):
+            if f.cancelled or now > f.deadline:
+                del self.waiting[rid]
+                self._load_failed(rid, "cancelled" if f.cancelled else "handshake timed out")
+
+    def _state(self, f: _InFlight, now: float) -> str | None:
+        """None while in progress, "ok", or why it failed (handles already released)."""
+        if f.cancelled or now > f.deadline:
+            self._stop(f)
+            return "cancelled" if f.cancelled else \
+                f"timed out after {self.config.kv_load_timeout_s:g}s"
+        if f.confirm is None:
+            states = [self.agent.check_xfer_state(h) for h in f.handles]
+            if "ERR" in states:
+                self._stop(f)
+                self._drop_peer(f.load.remote.remote_engine_id)
+                return "transfer error (the prefill instance is gone?)"
+            if "PROC" in states:
+                return None
+            self._stop(f)
+            r = f.load.remote
+            f.confirm = self.pool.submit(self._confirm, r)
+            return None
+        if not f.confirm.done():
+            return None
+        try:
+            held = f.confirm.result()
+        except Exception as e:  # noqa: BLE001
+            return f"the prefill instance did not confirm the pull: {e}"
+        return "ok" if held else "the prefill instance no longer held the blocks (lease expired)"
+
+    def _confirm(self, r: RemoteKV) -> bool:
+        body = self.client.call(r.remote_host, r.remote_port, "release",
+                                msgspec.msgpack.encode([r.remote_request_id]),
+                                self.config.kv_load_timeout_s)
+        return bool(msgspec.msgpack.decode(body, type=list[bool])[0])
+
+    def _stop(self, f: _InFlight) -> None:
+        for h in f.handles:
+            if not self._try_release(h):
+                self.zombies.append((h, f.load.request_id))
+        f.handles = []
+
+    def _try_release(self, h: Any) -> bool:
+        try:
+            self.agent.release_xfer_handle(h)
+            return True
+        except Exception:  # noqa: BLE001 - still in flight and not abortable: retry later
+            return False
+
+    def _drop_peer(self, engine: str) -> None:
+        peer = self.peers.pop(engine, None)
+        if peer is not None:
+            try:
+                self.agent.release_dlist_handle(peer.dlist)
+                self.agent.remove_remote_agent(peer.agent_name)
+            except Exception:  # noqa: BLE001 - a dead peer may refuse; a new handshake redoes it
+                logger.warning("could not remove NIXL peer %s", peer.agent_name)
+
+    def release(self, remote: RemoteKV) -> None:
+        self.pool.submit(self._release_quietly, remote)
+
+    def _release_quietly(self, r: RemoteKV) -> None:
+        try:
+            self.client.call(r.remote_host, r.remote_port, "release",
+                             msgspec.msgpack.encode([r.remote_request_id]), HANDSHAKE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the lease expiry frees it anyway
+            logger.info("release of %s on %s:%s failed: %s", r.remote_request_id,
+                        r.remote_host, r.remote_port, e)
+
+    def cancel(self, request_id: str) -> None:
+        f = self.inflight.get(request_id) or self.waiting.get(request_id)
+        if f is not None:
+            f.cancelled = True
+
+    def has_pending(self) -> bool:
+        return bool(self.inflight or self.waiting or self.handshakes or self.zombies)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for f in [*self.inflight.values()]:
+            self._stop(f)
+        self.client.close()

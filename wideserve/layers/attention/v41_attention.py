@@ -1,0 +1,238 @@
+"""DeepSeek-V4.1 CSA2 attention over the paged varlen batch (docs/deepseek_v41.md).
+
+Every layer keeps its own sliding window of FP8 latents (window (p-W, p]) and a sink. Layers
+with compress ratio m > 0 also attend to compressed entries (entry j visible to the query at p
+iff j < (p+1)//m), which only KV-source ("full") layers compute and write; consumers read the
+latest source's cache (shared records: the model declares them with `SharedKVSpec`).
+
+- full: the CSA2 compressor (ratio 1: norm(wkv(x)) per position; m > 1: per-channel softmax
+  pooling of m non-overlapping positions, no position bias) writes NVFP4 entries rotated to
+  position j*m, and the indexer keys mxfp4(rope(k_norm(wk(latent)))); its indexer picks top-k.
+- reindex: own indexer queries over the latest source's keys, new top-k.
+- reuse: the latest index source's top-k, unchanged.
+The two-level indexer: the candidate source keeps, per query, the `candidate_topk_blocks`
+blocks of `candidate_block_size` entries with the highest block-max score (the newest visible
+block always); index sources after it choose their top-k among those candidates only.
+
+The picks of a step live in a `CSA2State` that the model threads through its layers, so a
+consumer uses exactly what its sources computed for the same tokens. Attention itself is the
+batched V4 op (window + picked entries + sink), fed the picks as [T, k] entry ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wideserve.layers import kv_quant
+from wideserve.layers.attention import v4_batched
+from wideserve.layers.attention.v4_batched import _chunks, _rows, _store
+from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.indexer import index_topk
+from wideserve.layers.norm import RMSNorm
+from wideserve.layers.rope import RotaryTable, rotate
+from wideserve.models.deepseek_v41_config import FULL, REINDEX, SWA, DeepseekV41Config
+
+
+@dataclass(slots=True)
+class CSA2State:
+    """What index sources leave for the layers after them within one forward."""
+
+    picks: torch.Tensor | None = None        # [T, k] entry ids (-1 none) or None = dense
+    candidates: torch.Tensor | None = None   # [T, K] bool, from the candidate source
+
+
+class SinkParam(nn.Module):
+    """The per-head sink logit (`attn.sinks_param.weight`, fp32)."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+
+
+class CSA2Compressor(nn.Module):
+    """Names: wkv (fp32), wgate (fp32, ratio > 1), norm."""
+
+    def __init__(self, hidden: int, head_dim: int, ratio: int, eps: float) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.wkv = nn.Linear(hidden, head_dim, bias=False, dtype=torch.float32)
+        if ratio > 1:
+            self.wgate = nn.Linear(hidden, head_dim, bias=False, dtype=torch.float32)
+        self.norm = RMSNorm(head_dim, eps)
+
+    def latents(self, x: torch.Tensor, step: V4Step, state_name: str):
+        """Pre-RoPE normalised latents [N, D] of the entries completing in this step, and
+        their plan. m > 1 keeps per-position [kv | gate] rows (fp32) in a window-m cache."""
+        plan = step.compress_plan(self.ratio, False)
+        if self.ratio == 1:
+            rows = torch.from_numpy(plan.row[:, 0]).to(x.device)
+            return self.norm(self.wkv(x.index_select(0, rows).float()).to(x.dtype)), plan
+        kv = self.wkv(x.float())
+        gate = self.wgate(x.float())
+        rows = torch.cat([kv, gate], dim=-1)                                  # [T, 2D]
+        step.write_window_rows(state_name, rows)
+        if plan.num_entries == 0:
+            return rows.new_zeros(0, self.head_dim).to(x.dtype), plan
+        src = step.gather_state(state_name, rows, plan, 1)                    # [N, m, 2D]
+        kv, gate = src[..., :self.head_dim], src[..., self.head_dim:]
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1).to(x.dtype)
+        return self.norm(pooled), plan
+
+
+class CSA2Indexer(nn.Module):
+    """Names: wq_b, weights_proj; a KV source also has wk, k_norm (its keys)."""
+
+    def __init__(self, config: DeepseekV41Config, owns_keys: bool) -> None:
+        super().__init__()
+        c = config
+        self.n_heads = c.index_n_heads
+        self.head_dim = c.index_head_dim
+        self.topk = c.index_topk
+        self.wq_b = nn.Linear(c.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(c.hidden_size, self.n_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(c.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+
+def _candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
+                      block_size: int) -> torch.Tensor:
+    """scores [C, Q, K] (-inf where not visible), visible [C, Q] -> candidates [C, Q, K]:
+    the entries of the top `topk_blocks` blocks by max score, the newest visible block kept."""
+    K = scores.shape[-1]
+    blocks = F.pad(scores, (0, -K % block_size), value=float("-inf"))
+    blocks = blocks.unflatten(-1, (-1, block_size)).amax(dim=-1)              # [C, Q, nb]
+    newest = (visible - 1).div(block_size, rounding_mode="floor")
+    ids = torch.arange(blocks.shape[-1], device=scores.device)
+    blocks = blocks.masked_fill(ids == newest[..., None], float("inf"))
+    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, top.indices,
+                                                              top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[..., :K] & (scores > float("-inf"))
+
+
+def csa2_select(indexer: CSA2Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
+                keys_name: str, cis: torch.Tensor, ratio: int, state: CSA2State,
+                candidate_source: bool, use_candidates: bool, topk_blocks: int,
+                block_size: int) -> None:
+    """Top-k entry ids per query into state.picks (None: every visible entry, dense), and the
+    candidate mask into state.candidates at the candidate source."""
+    T = x.shape[0]
+    K = step.entry_width(ratio)
+    dense = indexer.topk >= K and not use_candidates
+    if T == 0 or (dense and not candidate_source):
+        state.picks = None
+        return
+    H, D = indexer.n_heads, indexer.head_dim
+    q = rotate(indexer.wq_b(q_res).view(T, H, D), cis)
+    q = kv_quant.fake_quant(q, "mxfp4").float()                               # [T, H, D]
+    weights = indexer.weights_proj(x).float() * (D ** -0.5 * H ** -0.5)       # [T, H]
+    k = min(indexer.topk, K)
+    picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
+    cands = (torch.zeros(T + 1, K, dtype=torch.bool, device=x.device)
+             if candidate_source else None)
+    for blocks in step.query_groups():
+        Q = blocks.block_q
+        ent = step.block_entries(blocks, ratio)
+        for a, b in _chunks(blocks.num_blocks, K * (D + 3 * Q * H)):
+            C = b - a
+            keys = step.gather_block_entries(keys_name, blocks, ratio, a, b)   # [C, K, D]
+            scores = torch.einsum("cqhd,ckd->cqhk", _rows(q, blocks, a, b), keys)
+            scores = (scores.relu() * _rows(weights, blocks, a, b)[..., None]).sum(dim=2)
+            scores = scores + ent.bias[a:b]                                   # [C, Q, K]
+            if candidate_source:
+                _store(cands, blocks, a, b, _candidate_blocks(
+                    scores, ent.visible[a:b], topk_blocks, block_size))
+            elif use_candidates:
+                scores = scores.masked_fill(~_rows(state.candidates, blocks, a, b),
+                                            float("-inf"))
+            idx = index_topk(scores, k)                                       # [C, Q, k]
+            ok = scores.gather(-1, idx) > float("-inf")
+            _store(picks, blocks, a, b, torch.where(ok, idx, -1))
+    if candidate_source:
+        state.candidates = cands[:T]
+    state.picks = None if dense else picks[:T]
+
+
+class DeepseekV41Attention(nn.Module):
+    """Names (the reference's): wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
+    sinks_param.weight, compressor.* (full), indexer.* (full, reindex)."""
+
+    def __init__(self, config: DeepseekV41Config, layer: int, main_rope: RotaryTable,
+                 compress_rope: RotaryTable) -> None:
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.mode = c.layer_mode(layer)
+        self.ratio = c.compress_ratio(layer)
+        self.prefix = f"model.layers.{layer}.attn."
+        self.num_heads = c.num_attention_heads
+        self.head_dim = c.head_dim
+        self.window = c.sliding_window
+        self.o_groups = c.o_groups
+        self.rope = main_rope if self.ratio == 0 else compress_rope
+        self.candidate_source = layer == c.candidate_source_layer_id
+        self.use_candidates = c.uses_candidates(layer)
+        self.topk_blocks = c.candidate_topk_blocks
+        self.block_size = c.candidate_block_size
+        if self.ratio:
+            self.keys_name = f"model.layers.{c.kv_source_of(layer)}.attn.indexer_keys"
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(c.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.wo_a = nn.Linear(self.num_heads * self.head_dim // c.o_groups,
+                              c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks_param = SinkParam(self.num_heads)
+        if self.mode == FULL:
+            self.compressor = CSA2Compressor(c.hidden_size, self.head_dim, self.ratio,
+                                             c.rms_norm_eps)
+        if self.mode in (FULL, REINDEX):
+            self.indexer = CSA2Indexer(c, owns_keys=self.mode == FULL)
+
+    @property
+    def sinks(self) -> torch.Tensor:
+        return self.sinks_param.weight
+
+    def forward(self, x: torch.Tensor, step: V4Step, state: CSA2State) -> torch.Tensor:
+        """x [T, d] (after attn_norm) -> [T, d]."""
+        T = x.shape[0]
+        cis = step.cis(self.rope)
+        q_res = self.q_norm(self.wq_a(x))
+        q = rotate(self.wq_b(q_res).view(T, self.num_heads, self.head_dim), cis)
+        kv = kv_quant.fake_quant(rotate(self.kv_norm(self.wkv(x)), cis), "fp8")
+        step.write_window_rows(self.prefix + "window", kv)
+        if self.mode == FULL:
+            self._write_entries(x, step)
+        if self.mode in (FULL, REINDEX):
+            csa2_select(self.indexer, x, q_res, step, self.keys_name, cis, self.ratio, state,
+                        self.candidate_source, self.use_candidates, self.topk_blocks,
+                        self.block_size)
+        picks = state.picks if self.mode != SWA else None
+        out = v4_batched.attend(self, q, kv, step, picks)                     # [T, H, D]
+        out = rotate(out, step.cis(self.rope, inverse=True)).to(x.dtype)
+        return self._project_out(out)
+
+    def _write_entries(self, x: torch.Tensor, step: V4Step) -> None:
+        latent, plan = self.compressor.latents(x, step, self.prefix + "compressor_state")
+        if plan.num_entries == 0:
+            return
+        cis = step.entry_cis(self.rope, self.ratio, False)
+        entries = kv_quant.fake_quant(rotate(latent, cis), "nvfp4")
+        step.write_entries(self.prefix + "compressed", plan, entries)
+        keys = rotate(self.indexer.k_norm(self.indexer.wk(latent)), cis)
+        step.write_entries(self.keys_name, plan, kv_quant.fake_quant(keys, "mxfp4"))
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] -> grouped wo_a (one block per head group) -> wo_b -> [T, d]."""
+        T, g = out.shape[0], self.o_groups
+        grouped = out.reshape(T, g, -1).transpose(0, 1)                       # [g, T, H*D/g]
+        w = self.wo_a.weight.view(g, -1, grouped.shape[-1])                   # [g, r_o, H*D/g]
+        low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1)           # [T, g, r_o]
+        return self.wo_b(low.reshape(T, -1))

@@ -1,0 +1,159 @@
+"""Engram of DeepSeek-V4.1: n-gram memory rows gathered by hashed token ids (docs/deepseek_v41.md).
+
+For the token at position p and each n = 2..N (N = engram_max_ngram_size), the n-gram ending at
+p is hashed: its tokens, mapped to a normalised ("compressed") vocabulary, times per-layer odd
+multipliers, XOR-chained; positions before the request's start count as the pad token. Each
+(n, head) pair reduces the hash modulo its own prime (the next unused primes above
+engram_vocab_size - 1) and adds an offset, giving (N-1) * heads row ids into one table.
+The rows are flattened and projected by `wkv` to one key per residual stream plus one shared
+value; stream k += sigmoid(signed sqrt(normalised <stream_k, key_k>)) * value.
+
+The table is far larger than device memory in the real model (~384M rows x 256), so it lives
+in host memory (`HostTable`: kept on the CPU whatever device the model moves to) and only the
+rows a step needs are gathered and copied to the device.
+
+Token history: the hash at p needs the tokens at p-N+1 .. p, which may belong to earlier
+steps; the model keeps them in a small per-position sliding-window cache ("engram_tokens"), so
+chunked prefill, decode, prefix caching and preemption see the same n-grams as one full pass.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def compressed_token_map(tokenizer_json: str) -> tuple[list[int], int]:
+    """Token id -> normalised-vocabulary id, from a tokenizer.json string.
+
+    Each token is decoded alone and normalised (NFKC, NFD, accents stripped, lower case,
+    whitespace runs collapsed to one space and stripped, a lone space kept); tokens that do not
+    decode to valid text keep their own vocabulary string. Equal keys share one id, numbered
+    in order of first appearance."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    keep_space = "\ue000"
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(),
+        normalizers.Lowercase(), normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), keep_space), normalizers.Strip(),
+        normalizers.Replace(keep_space, " ")])
+    tok = Tokenizer.from_str(tokenizer_json)
+    ids: dict[str, int] = {}
+    out = []
+    for token_id in range(tok.get_vocab_size(with_added_tokens=True)):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tok.id_to_token(token_id)
+        else:
+            key = norm.normalize_str(text) or text
+        out.append(ids.setdefault(key, len(ids)))
+    return out, len(ids)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+class NgramHasher:
+    """Row ids of every Engram layer's table for a batch of n-grams (host or device tensors).
+
+    primes[l]: [(N-1) * heads] moduli; offsets[l]: their cumulative row offsets;
+    multipliers[l]: [N] odd int64 factors from numpy's default_rng(10007 * layer)."""
+
+    def __init__(self, layer_ids: Sequence[int], num_rows: Sequence[int], max_ngram: int,
+                 n_heads: int, bucket_base: int, compressed_vocab: int, pad_id: int) -> None:
+        self.max_ngram = max_ngram
+        self.n_heads = n_heads
+        self.pad_id = pad_id
+        bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+        seen: set[int] = set()
+        primes, offsets, mults = [], [], []
+        for layer, rows in zip(layer_ids, num_rows):
+            layer_primes = []
+            for _ in range(max_ngram - 1):
+                p = bucket_base - 1
+                for _ in range(n_heads):
+                    p += 1
+                    while not _is_prime(p) or p in seen:
+                        p += 1
+                    seen.add(p)
+                    layer_primes.append(p)
+            if sum(layer_primes) > rows:
+                raise ValueError(f"Engram layer {layer}: its hash buckets need "
+                                 f"{sum(layer_primes)} table rows, the table has {rows}")
+            primes.append(layer_primes)
+            offsets.append(np.cumsum([0, *layer_primes[:-1]]).tolist())
+            draw = np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,),
+                                                                  dtype=np.int64)
+            mults.append((draw * 2 + 1).tolist())
+        self.primes = torch.tensor(primes, dtype=torch.int64)        # [L, (N-1)*heads]
+        self.offsets = torch.tensor(offsets, dtype=torch.int64)
+        self.multipliers = torch.tensor(mults, dtype=torch.int64)     # [L, N]
+
+    def __call__(self, grams: torch.Tensor, layer: int) -> torch.Tensor:
+        """grams [T, N] compressed ids of positions p, p-1, .., p-N+1 (pad_id where blocked)
+        -> row ids [T, (N-1) * heads] of table `layer` (index into the hasher's layers)."""
+        products = grams * self.multipliers[layer].to(grams.device)
+        rolling = products[:, 0]
+        out = []
+        primes = self.primes[layer].to(grams.device).view(self.max_ngram - 1, self.n_heads)
+        for shift in range(1, self.max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[:, shift])
+            out.append(rolling[:, None] % primes[shift - 1])
+        return torch.cat(out, dim=-1) + self.offsets[layer].to(grams.device)
+
+
+class HostTable(nn.Module):
+    """An embedding table that stays in host memory (`weight` [rows, dim]); `gather(ids)`
+    reads rows by id on the host and returns them on the ids' device."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim, device="cpu"), requires_grad=False)
+
+    def _apply(self, fn, recurse: bool = True):   # noqa: ANN001 - nn.Module's signature
+        # Moving the model (to a GPU, or to another dtype) leaves the table where it is:
+        # only the rows a step gathers travel.
+        weight = self.weight
+        super()._apply(fn, recurse)
+        if self.weight.device.type != "cpu":
+            self.weight = weight
+        return self
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.index_select(0, ids.reshape(-1).to(self.weight.device))
+        return rows.view(*ids.shape, -1).to(ids.device, non_blocking=True)
+
+
+class Engram(nn.Module):
+    """Names (the reference's): embed.weight (HostTable), wkv, q_weight, k_weight."""
+
+    def __init__(self, hidden: int, hc_mult: int, num_rows: int, head_dim: int,
+                 hash_heads: int, eps: float) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.hc_mult = hc_mult
+        self.eps = eps
+        self.embed = HostTable(num_rows, head_dim)
+        self.wkv = nn.Linear(hash_heads * head_dim, hidden * (hc_mult + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.empty(hc_mult, hidden))
+        self.k_weight = nn.Parameter(torch.empty(hc_mult, hidden))
+
+    def forward(self, streams: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """streams [T, n, d], row_ids [T, hash_heads] -> streams [T, n, d]."""
+        rows = self.embed.gather(row_ids).flatten(-2).to(streams.dtype)
+        key, value = self.wkv(rows).split((self.hc_mult * self.hidden, self.hidden), dim=-1)
+        key = key.float().unflatten(-1, (self.hc_mult, self.hidden))            # [T, n, d]
+        h = streams.float()
+        weights = self.q_weight.float() * self.k_weight.float()
+        rstd = (torch.rsqrt(h.square().mean(-1) + self.eps)
+                * torch.rsqrt(key.square().mean(-1) + self.eps))
+        dot = (h * weights * key).sum(-1) * rstd * self.hidden ** -0.5          # [T, n]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

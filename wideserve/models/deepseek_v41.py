@@ -1,0 +1,357 @@
+"""DeepSeek-V4.1 causal LM over wideserve's paged varlen batch (docs/deepseek_v41.md).
+
+Differences from V4 (models/deepseek_v4.py), all in this file or layers/v41_attention.py and
+layers/engram.py: CSA2 attention with cross-layer KV sharing (full / reindex / reuse layers
+and the two-level indexer), no per-head q norm, single-pass mHC (each site collapses the
+streams with the previous site's `pre`; the first with stream 0; no hc_head), Engram memory
+at some layers, and score-routed MoE only (the V4 MoE block with hash routing off).
+
+Parameter names are those of the reference implementation's state_dict (`model.layers.{i}.
+attn.wq_a.weight`, `model.layers.{i}.ffn.experts...`, `lm_head.weight`), except the routed
+experts, which use wideserve's `RoutedExperts` layout; `load_weights` also takes the official
+DeepSeek names (`layers.{i}.attn.wq_a.weight`, `embed.weight`, `hc_attn_fn`, per-expert w1/w2/w3).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec
+from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.layers.attention.v41_attention import CSA2State, DeepseekV41Attention
+from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
+from wideserve.layers.mhc import HyperConnection, sinkhorn
+from wideserve.layers.moe import DeepseekV4MoE
+from wideserve.layers.norm import RMSNorm
+from wideserve.layers.rope import RotaryTable
+from wideserve.models.deepseek_v41_config import FULL, SWA, DeepseekV41Config
+
+KV_CACHE_DTYPES = ("auto", "bf16")
+ENGRAM_TOKENS = "model.engram.tokens"
+
+
+def rotary_tables(c: DeepseekV41Config) -> tuple[RotaryTable, RotaryTable]:
+    """(main, compress): ratio-0 layers use plain RoPE at rope_theta; compressed layers use
+    compress_rope_theta with frequency-only YaRN (no attention factor)."""
+    main = RotaryTable({"rope_type": "default", "rope_theta": c.rope_theta}, c.qk_rope_head_dim)
+    scaling = dict(c.rope_scaling or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) == "yarn":
+        params = {**scaling, "rope_type": "yarn", "rope_theta": c.compress_rope_theta,
+                  "attention_factor": 1.0}
+    else:
+        params = {"rope_type": "default", "rope_theta": c.compress_rope_theta}
+    return main, RotaryTable(params, c.qk_rope_head_dim)
+
+
+class SinglePassHC(HyperConnection):
+    """One mHC site of V4.1 (names fn, base, scale): the same coefficients as V4's, with the
+    projection taken before the RMS scaling and one fused affine (the reference's rounding)."""
+
+    def coefficients(self, x: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
+        n = self.n
+        flat = x.flatten(1).float()
+        mixes = F.linear(flat, self.fn.float()) * torch.rsqrt(
+            flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        s = self.scale.float()
+        scales = torch.cat([s[0].expand(n), s[1].expand(n), s[2].expand(n * n)])
+        logits = torch.addcmul(self.base.float(), mixes, scales)
+        pre = torch.sigmoid(logits[:, :n]) + self.hc_eps
+        post = 2 * torch.sigmoid(logits[:, n:2 * n])
+        comb = logits[:, 2 * n:].unflatten(-1, (n, n)).softmax(dim=-1) + self.hc_eps
+        return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, n, d] weighted by pre [T, n] -> [T, d] (fp32 sum, cast back)."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+
+
+def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+           comb: torch.Tensor) -> torch.Tensor:
+    """Stream k <- post_k * y + sum_j comb[j, k] * stream_j."""
+    update = post.unsqueeze(-1) * y.unsqueeze(-2).float()
+    mixed = (comb.unsqueeze(-1) * streams.float().unsqueeze(-2)).sum(1)
+    return (update + mixed).to(y.dtype)
+
+
+class DeepseekV41Block(nn.Module):
+    """Names: attn, ffn, attn_norm, ffn_norm, attn_hc, ffn_hc, engram (some layers)."""
+
+    def __init__(self, c: DeepseekV41Config, layer: int, main_rope: RotaryTable,
+                 compress_rope: RotaryTable) -> None:
+        super().__init__()
+        self.attn = DeepseekV41Attention(c, layer, main_rope, compress_rope)
+        self.ffn = DeepseekV4MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts,
+                                 c.num_experts_per_tok, c.scoring_func,
+                                 c.routed_scaling_factor, c.swiglu_limit, False, c.vocab_size)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc = SinglePassHC(*hc)
+        self.ffn_hc = SinglePassHC(*hc)
+        if layer in c.engram_layers:
+            hash_heads = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+            rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
+            self.engram = Engram(c.hidden_size, c.hc_mult, rows, c.engram_head_dim,
+                                 hash_heads, c.rms_norm_eps)
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
+                state: CSA2State, input_ids: torch.Tensor,
+                engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre)."""
+        if engram_rows is not None:
+            streams = self.engram(streams, engram_rows)
+        attn_pre, post, comb = self.attn_hc.coefficients(streams)
+        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state)
+        streams = expand(y, streams, post, comb)
+        ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
+        y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), input_ids)
+        return expand(y, streams, post, comb), ffn_pre
+
+
+class DeepseekV41Model(nn.Module):
+    """Names under `model.`: embed_tokens, layers, norm."""
+
+    def __init__(self, c: DeepseekV41Config, main_rope: RotaryTable,
+                 compress_rope: RotaryTable) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV41Block(c, i, main_rope, compress_rope)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    config_class = DeepseekV41Config
+    keep_in_fp32 = ("attn_hc", "ffn_hc", "sinks_param", "e_score_correction_bias",
+                    "compressor.wkv", "compressor.wgate", "lm_head")
+
+    def __init__(self, config: DeepseekV41Config) -> None:
+        super().__init__()
+        self.config = config
+        self.main_rope, self.compress_rope = rotary_tables(config)
+        self.model = DeepseekV41Model(config, self.main_rope, self.compress_rope)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                 dtype=torch.float32)
+        self._hasher: NgramHasher | None = None
+        self._token_map: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def replay_depth(self) -> int:
+        return self.config.num_hidden_layers
+
+    # ------------------------------------------------------------------ Engram hashing
+    def bind_tokenizer(self, model_dir: str | Path) -> None:
+        """Engram's normalised vocabulary from the checkpoint's tokenizer.json (when the
+        model has Engram layers and the file exists)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if self.config.engram_layers and path.is_file():
+            token_map, size = compressed_token_map(path.read_text())
+            self.set_token_map(token_map, size)
+
+    def set_token_map(self, token_map: list[int], size: int) -> None:
+        c = self.config
+        if size != c.engram_compressed_vocab_size:
+            raise ValueError(f"Engram: the tokenizer normalises to {size} distinct tokens, the "
+                             f"config says engram_compressed_vocab_size="
+                             f"{c.engram_compressed_vocab_size} (the hashes depend on it)")
+        self._token_map = torch.tensor(token_map, dtype=torch.int64)
+        self._hasher = NgramHasher(c.engram_layers,
+                                   [c.engram_num_embeddings[c.engram_layer_ids.index(i)]
+                                    for i in c.engram_layers],
+                                   c.engram_max_ngram_size, c.engram_n_heads,
+                                   c.engram_vocab_size, size,
+                                   int(token_map[c.engram_pad_token_id]))
+
+    def _ensure_hasher(self) -> NgramHasher:
+        if self._hasher is None:
+            c = self.config
+            if c.engram_compressed_vocab_size != c.vocab_size:
+                raise ValueError("DeepSeek-V4.1 Engram needs the checkpoint's tokenizer.json "
+                                 "(its normalised vocabulary feeds the n-gram hashes)")
+            self.set_token_map(list(range(c.vocab_size)), c.vocab_size)   # identity map
+        return self._hasher
+
+    def _engram_rows(self, step: V4Step, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Row ids [T, hash_heads] per Engram layer, from each token's n-gram (this step's
+        tokens and the cached token history)."""
+        hasher = self._ensure_hasher()
+        step.write_window_rows(ENGRAM_TOKENS, input_ids.float()[:, None])
+        flat, view = step.flat_cache(ENGRAM_TOKENS)
+        T, dev = input_ids.shape[0], input_ids.device
+        req, pos = step.token_req, step.token_pos
+        tmap = self._token_map.to(dev)
+        grams = []
+        blocked = torch.zeros(T, dtype=torch.bool, device=dev)
+        for s in range(hasher.max_ngram):
+            p = pos - s
+            in_step = p >= step.ctx[req]
+            cached = ~in_step & (p >= step.lo[req]) & (p >= 0)
+            rows = torch.from_numpy(np.where(in_step, np.arange(T) - s, 0)).to(dev)
+            slots = view.entry_slots(torch.from_numpy(req).to(dev),
+                                     torch.from_numpy(np.where(cached, p, 0)).to(dev))
+            tok = torch.where(torch.from_numpy(in_step).to(dev), input_ids[rows],
+                              flat[slots, 0].long())
+            blocked = blocked | ~torch.from_numpy(in_step | cached).to(dev)
+            grams.append(torch.where(blocked, hasher.pad_id, tmap[tok.clamp(0, len(tmap) - 1)]))
+        grams = torch.stack(grams, dim=1)                                     # [T, N]
+        return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, d] after the final collapse and norm."""
+        c = self.config
+        step = V4Step(batch)
+        ids = batch.input_ids
+        x = self.model.embed_tokens(ids)
+        streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
+        pre[:, 0] = 1
+        rows = self._engram_rows(step, ids) if c.engram_layers else []
+        engram_at = {layer: r for layer, r in zip(c.engram_layers, rows)}
+        state = CSA2State()
+        for i, layer in enumerate(self.model.layers):
+            streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
+        return self.model.norm(collapse(streams, pre))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.float())
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec | SharedKVSpec]:
+        """Every layer owns its window; KV sources own their compressed entries, indexer keys
+        and (ratio > 1) compressor state; reindex / reuse layers' compressed caches are the
+        source's (SharedKVSpec: stored and counted once). Engram keeps the last
+        engram_max_ngram_size token ids of each request (one cache for all its layers)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {kv_cache_dtype!r}")
+        c = self.config
+        dtype = self.dtype if kv_cache_dtype == "auto" else torch.bfloat16
+        specs: dict[str, KVCacheSpec | SharedKVSpec] = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.attn."
+            specs[p + "window"] = KVCacheSpec(CacheKind.SLIDING_WINDOW, "window", c.head_dim,
+                                              dtype, window=c.sliding_window)
+            mode, m = c.layer_mode(i), c.compress_ratio(i)
+            if mode == SWA:
+                continue
+            if mode != FULL:
+                specs[p + "compressed"] = SharedKVSpec(
+                    f"model.layers.{c.kv_source_of(i)}.attn.compressed")
+                continue
+            specs[p + "compressed"] = KVCacheSpec(CacheKind.FULL, "compressed", c.head_dim,
+                                                  dtype, compress_ratio=m)
+            specs[p + "indexer_keys"] = KVCacheSpec(CacheKind.FULL, "indexer",
+                                                    c.index_head_dim, dtype, compress_ratio=m)
+            if m > 1:
+                specs[p + "compressor_state"] = KVCacheSpec(
+                    CacheKind.SLIDING_WINDOW, "state", 2 * c.head_dim, torch.float32, window=m)
+        if c.engram_layers:
+            specs[ENGRAM_TOKENS] = KVCacheSpec(CacheKind.SLIDING_WINDOW, "engram_tokens", 1,
+                                               torch.float32, window=c.engram_max_ngram_size)
+        return specs
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """(name, tensor) pairs in the reference's or the official naming (module doc)."""
+        targets = self.state_dict(keep_vars=True)
+        loaded: set[str] = set()
+        parts: dict[str, int] = {}
+        for raw, tensor in weights:
+            name = official_to_reference(raw)
+            if name is None:
+                continue
+            name, tensor, part = _expert_layout(name, tensor)
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"DeepSeek-V4.1: unknown weight {raw!r}")
+            dst = target.data if part is None else target.data[part[0]][part[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"DeepSeek-V4.1: weight {raw!r} has shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            if part is None:
+                loaded.add(name)
+            else:
+                parts[name] = parts.get(name, 0) + 1
+                if parts[name] == target.shape[0] * part[2]:
+                    loaded.add(name)
+        return loaded
+
+    def param_counts(self) -> tuple[int, int]:
+        c = self.config
+        total = routed = 0
+        for name, p in self.named_parameters():
+            total += p.numel()
+            if ".experts." in name:
+                routed += p.numel()
+        return total, total - routed + routed * c.num_experts_per_tok // c.n_routed_experts
+
+
+# ------------------------------------------------------------------ checkpoint names
+_IGNORED = re.compile(r"(^|\.)(bias_vl|tid2eid)$|^(model\.)?(vision|aligner)\.|"
+                      r"^(model\.)?image_(start|end|newline)$")
+_HC = re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
+_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def official_to_reference(name: str) -> str | None:
+    """An official DeepSeek-V4.1 tensor name -> the reference's state_dict name (reference
+    names pass through); None for tensors wideserve does not use (vision, vision routing
+    bias, DSpark `mtp.*` weights)."""
+    if _IGNORED.search(name) or name.startswith(("mtp.", "model.mtp.")):
+        return None
+    top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+           "norm.weight": "model.norm.weight"}
+    if name in top:
+        return top[name]
+    if not name.startswith("layers."):
+        return name
+    m = _HC.match(name)
+    if m:
+        return f"model.layers.{m[1]}.{m[2]}_hc.{m[3]}"
+    if name.endswith(".attn.attn_sink"):
+        name = name.removesuffix(".attn_sink") + ".sinks_param.weight"
+    name = re.sub(r"\.ffn\.shared_experts\.(w[123])\.",
+                  lambda g: f".ffn.shared_experts.{_SHARED[g[1]]}.", name)
+    if name.endswith(".ffn.gate.bias"):
+        name = name.removesuffix(".bias") + ".e_score_correction_bias"
+    return "model." + name
+
+
+_EXPERT = re.compile(r"^(?P<p>.+\.ffn\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+
+
+def _expert_layout(name: str, tensor: torch.Tensor
+                   ) -> tuple[str, torch.Tensor, tuple | None]:
+    """Routed-expert tensors -> RoutedExperts' layout. The reference stacks
+    gate_and_up_projs [E, d, 2I] and down_projs [E, I, d]; the official checkpoint has one
+    w1/w3 [I, d] and w2 [d, I] per expert, returned with (expert, slice, parts per expert)."""
+    if name.endswith(".experts.gate_and_up_projs"):
+        return name[:-len("gate_and_up_projs")] + "gate_up_proj", tensor.transpose(1, 2), None
+    if name.endswith(".experts.down_projs"):
+        return name[:-len("down_projs")] + "down_proj", tensor.transpose(1, 2), None
+    m = _EXPERT.match(name)
+    if m is None:
+        return name, tensor, None
+    e, w = int(m["e"]), m["w"]
+    if w == "w2":
+        return f"{m['p']}.down_proj", tensor, (e, slice(None), 1)
+    half = tensor.shape[0]
+    rows = slice(0, half) if w == "w1" else slice(half, 2 * half)
+    return f"{m['p']}.gate_up_proj", tensor, (e, rows, 2)

@@ -1,0 +1,182 @@
+"""DeepSeek-V4.1 configuration (docs/deepseek_v41.md).
+
+config.json is either the nested layout of the reference (`model_type` "deepseek_v41", the
+text model under `text_config`, a vision tower under `vision_config`) or the same keys flat.
+Defaults are DeepSeek-V4.1-Flash. Only the text model is built; a vision tower with layers is
+refused (image inputs are not served).
+
+Layer modes (per layer i < num_hidden_layers, from compress_ratios / kv_source_layer_ids /
+index_source_layer_ids):
+- "swa": ratio 0, sliding window only;
+- "full": a KV source: owns a CSA2 compressor (compressed entries) and the indexer keys;
+- "reindex": scores the latest source's keys with its own indexer queries (new top-k);
+- "reuse": reads the latest source's entries with the latest index source's top-k.
+The candidate source (a full layer) also picks candidate blocks that later index sources
+restrict their top-k to (the two-level indexer).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"
+
+
+def _flash_ratios() -> list[int]:
+    return [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
+
+
+@dataclass(slots=True)
+class DeepseekV41Config:
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    moe_intermediate_size: int = 2304
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=lambda: {
+        "rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 65536})
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    sliding_window: int = 128
+    compress_ratios: list[int] = field(default_factory=_flash_ratios)
+    compress_rope_theta: float = 160000.0
+    kv_source_layer_ids: list[int] = field(default_factory=lambda: [2, 8, 14, 20])
+    index_source_layer_ids: list[int] = field(
+        default_factory=lambda: [2, 8, 14, 20, 24, 28, 32, 36])
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer_id: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: list[int] = field(default_factory=lambda: [1, 14])
+    engram_num_embeddings: list[int] = field(default_factory=lambda: [384006168, 384016682])
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: list[int] = field(default_factory=lambda: [37, 38, 39])
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = 2
+    quantization_config: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived
+    def compress_ratio(self, layer: int) -> int:
+        return int(self.compress_ratios[layer])
+
+    def layer_mode(self, layer: int) -> str:
+        if self.compress_ratio(layer) == 0:
+            return SWA
+        if layer in self.kv_source_layer_ids:
+            return FULL
+        return REINDEX if layer in self.index_source_layer_ids else REUSE
+
+    def kv_source_of(self, layer: int) -> int:
+        """The latest KV source at or below a compressed layer."""
+        return max(s for s in self.kv_source_layer_ids if s <= layer)
+
+    def index_source_of(self, layer: int) -> int:
+        """The latest index source at or below a compressed layer (its top-k is used)."""
+        return max(s for s in self.index_source_layer_ids if s <= layer)
+
+    def uses_candidates(self, layer: int) -> bool:
+        return 0 <= self.candidate_source_layer_id < layer
+
+    @property
+    def engram_layers(self) -> list[int]:
+        return [i for i in self.engram_layer_ids if i < self.num_hidden_layers]
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, config_json: dict[str, Any]) -> DeepseekV41Config:
+        src = dict(config_json)
+        text = src.pop("text_config", None)
+        vision = src.pop("vision_config", None) or {}
+        if isinstance(vision, dict) and int(vision.get("num_hidden_layers", 0) or 0) > 0:
+            raise ValueError("DeepSeek-V4.1 config: vision_config.num_hidden_layers > 0; "
+                             "wideserve serves the text model only (set it to 0)")
+        if isinstance(text, dict):
+            src = {**src, **text}
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in src.items() if k in names and k != "extra"}
+        cfg = cls(**known)
+        cfg.torch_dtype = config_json.get("torch_dtype") or config_json.get("dtype") \
+            or (text or {}).get("dtype")
+        cfg.extra = {k: v for k, v in src.items() if k not in names}
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        n = self.num_hidden_layers
+        where = "DeepSeek-V4.1 config"
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
+                     "index_n_heads", "index_head_dim", "index_topk", "hc_mult"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(f"{where}: num_attention_heads must be divisible by o_groups")
+        if self.n_shared_experts != 1:
+            raise ValueError(f"{where}: n_shared_experts must be 1")
+        if len(self.compress_ratios) < n:
+            raise ValueError(f"{where}: compress_ratios has {len(self.compress_ratios)} "
+                             f"entries for {n} layers")
+        if not set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids):
+            raise ValueError(f"{where}: every kv_source_layer_ids entry must also be in "
+                             f"index_source_layer_ids")
+        owner = None
+        for i in range(n):
+            ratio = self.compress_ratio(i)
+            if ratio == 0:
+                if i in self.kv_source_layer_ids or i in self.index_source_layer_ids:
+                    raise ValueError(f"{where}: SWA layer {i} cannot be a KV or index source")
+                continue
+            if i in self.kv_source_layer_ids:
+                owner = ratio
+            if owner != ratio:
+                raise ValueError(f"{where}: compressed layer {i} (ratio {ratio}) needs an "
+                                 f"earlier KV source with the same compress ratio")
+        c = self.candidate_source_layer_id
+        if c >= 0 and c < n and c not in self.kv_source_layer_ids:
+            raise ValueError(f"{where}: candidate_source_layer_id {c} must be a KV source")
+        if c >= 0 and (self.candidate_block_size <= 0 or self.candidate_topk_blocks <= 0):
+            raise ValueError(f"{where}: candidate_block_size and candidate_topk_blocks must "
+                             f"be positive")
+        if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
+            raise ValueError(f"{where}: engram_num_embeddings needs one row count per "
+                             f"engram_layer_ids entry")
+        if self.engram_layers and self.engram_max_ngram_size < 2:
+            raise ValueError(f"{where}: engram_max_ngram_size must be >= 2")
+        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps <= 0:
+            raise ValueError(f"{where}: rms_norm_eps must be positive")
