@@ -123,3 +123,20 @@ def test_clock_idle_cap_pulls_timers_in():
 
     idle, busy = asyncio.run(main())
     assert idle < 1.0 and busy >= 0.3
+
+
+def test_every_compaction_is_counted():
+    # A small cap at a small scale: summaries are about as long as what they replace, so a
+    # compaction often does not halve the context (676 -> 559 tokens) and must still count.
+    p = AgenticParams.preset("256k", scale=0.01, context_cap=100_000, block_size=16)
+    sessions = generate_sessions(p, 60, seed=3)
+    made = [s["totals"]["generator"]["compactions"] for s in sessions]
+    assert sum(made) > 0
+    mild = 0
+    for s in sessions:
+        mains = [r for kind, r in iter_requests(s) if kind == "main"]
+        mild += sum(b["in"] >= 0.5 * a["in"] and b["hash_ids"][:a["in"] // 16]
+                    != a["hash_ids"][:a["in"] // 16] for a, b in zip(mains, mains[1:]))
+    assert mild > 0                                    # the case the old counter missed
+    assert trace_stats(sessions)["compactions_per_session"] == pytest.approx(
+        sum(made) / len(sessions))

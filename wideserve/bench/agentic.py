@@ -181,7 +181,7 @@ def generate_session(p: AgenticParams, seed: int, index: int,
         n_groups = int(min(max(round(d.lognormal(p.groups)), 1), n_turns - 1))
         for k in d.rng.choice(n_turns - 1, size=n_groups, replace=False).tolist():
             spawn_after[k] = int(min(d.rng.geometric(p.children_p), p.max_children))
-    t, reqs, agent, last_out = 0.0, [], 0, 0
+    t, reqs, agent, last_out, compactions = 0.0, [], 0, 0, 0
     for k in range(n_turns):
         think = 0.0 if k == 0 else min(d.lognormal(p.think_s), p.max_think_s)
         if k:
@@ -189,6 +189,7 @@ def generate_session(p: AgenticParams, seed: int, index: int,
             if ctx.length + delta > cap:
                 lo, hi = p.summary
                 ctx.reset(prefix, int(d.rng.integers(lo, hi + 1) * p.scale) or 1)
+                compactions += 1
             else:
                 ctx.grow(delta)
         t += think
@@ -208,7 +209,7 @@ def generate_session(p: AgenticParams, seed: int, index: int,
             "tool_tokens": int(prefix * 0.8), "system_tokens": prefix - int(prefix * 0.8),
             "requests": reqs,
             # AIPerf's schema forbids unknown top-level keys; `totals` is its opaque slot.
-            "totals": {"generator": {"seed": seed, "index": index,
+            "totals": {"generator": {"seed": seed, "index": index, "compactions": compactions,
                                      "params": params_dict if params_dict is not None
                                      else asdict(p)}}}
 
@@ -270,6 +271,14 @@ def _leading_seen(ids: list[int], seen: set[int]) -> int:
     return lo
 
 
+def _is_compaction(prev: dict[str, Any], cur: dict[str, Any], block_size: int) -> bool:
+    """Whether the main turn `cur` compacted the context of `prev`: growth keeps every full
+    block of the previous context (same ids, same places); a compaction keeps only the
+    prefix and replaces the rest with a summary, whatever the new length."""
+    keep = prev["in"] // block_size
+    return cur["in"] < prev["in"] or cur["hash_ids"][:keep] != prev["hash_ids"][:keep]
+
+
 def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
     """The shape statistics reference/benchmarks.md §1.3 reports, for generated or real traces.
 
@@ -297,7 +306,7 @@ def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
         if mains:
             first_isl.append(mains[0]["in"])
         with_sub += any(kind == "sub" for kind, _ in reqs)
-        compactions.append(sum(b["in"] < 0.5 * a["in"] for a, b in zip(mains, mains[1:])))
+        compactions.append(sum(_is_compaction(a, b, bs) for a, b in zip(mains, mains[1:])))
         thinks += [r.get("think_time", 0.0) for r in mains[1:]]
         for kind, r in reqs:
             n_hit = _leading_seen(r["hash_ids"], seen)
