@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from wideserve.config import LoadConfig
 from wideserve.executor.dummy_weights import init_dummy_weights
 from wideserve.executor.weights import CheckpointReader
 from wideserve.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "shakespeare-v4-tiny"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -205,7 +208,22 @@ def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype:
             raise
         raise ValueError(f"{model_dir}: while loading {reader.sources.get(yielded[-1])}: "
                          f"{exc}") from exc
+    _drop_absent_mtp(model, filled, model_dir)
     check_filled(model, filled, f"{model_dir}")
+
+
+def _drop_absent_mtp(model: nn.Module, filled: set[str], model_dir: Path) -> None:
+    """A checkpoint with no mtp.* tensor at all for a model that built MTP blocks (any
+    fine-tune saved by transformers) serves without them; a partial MTP block still fails."""
+    drop = getattr(model, "drop_mtp", None)
+    if drop is None or any(n.startswith("mtp.") for n in filled) or \
+            not any(n.startswith("mtp.") for n in model.state_dict(keep_vars=True)):
+        return
+    reason = (f"the checkpoint {model_dir} has no MTP weights (no mtp.* tensors, as "
+              f"transformers' save_pretrained writes it) although its config has "
+              f"num_nextn_predict_layers >= 1")
+    logger.warning("%s: serving without the MTP block; MTP speculation is unavailable", reason)
+    drop(reason)
 
 
 def check_filled(model: nn.Module, filled: Iterable[str], where: str) -> None:

@@ -134,6 +134,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(
             DeepseekV4MTP(config, i, self.main_rope, self.compress_rope, backend)
             for i in range(config.num_nextn_predict_layers))
+        # Why the MTP block is unavailable although the config asks for one (drop_mtp).
+        self.mtp_unavailable: str | None = None
         # Pre-hc_head streams of the last forward's tokens [T, n, d] (MTP input).
         self.last_streams: torch.Tensor | None = None
         self.last_mtp_streams: torch.Tensor | None = None
@@ -242,6 +244,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         return {f"mtp.{i}.self_attn.window": window for i in range(len(self.mtp))}
 
     # ------------------------------------------------------------------ weights
+    def drop_mtp(self, reason: str) -> None:
+        """Serve without the MTP block(s): the checkpoint has none although the config says
+        num_nextn_predict_layers >= 1 (transformers does not implement MTP, so its
+        save_pretrained writes no mtp.* tensors). MTP speculation then reports `reason`."""
+        self.mtp = nn.ModuleList()
+        self.mtp_unavailable = reason
+
     def _loadable(self) -> dict[str, torch.Tensor]:
         return self.state_dict(keep_vars=True)
 

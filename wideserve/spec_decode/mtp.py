@@ -31,6 +31,10 @@ from wideserve.spec_decode.proposer import ProposeInput, Proposer
 class MTPProposer(Proposer):
     def __init__(self, model: Any) -> None:
         """model: a DeepseekV4ForCausalLM-like target (mtp, mtp_forward, last_streams)."""
+        unavailable = getattr(model, "mtp_unavailable", None)
+        if unavailable is not None:
+            raise ValueError(f"speculative_config.method 'mtp' is unavailable: {unavailable}; "
+                             f"use method 'ngram' or 'draft_model' instead")
         if not hasattr(model, "mtp_forward") or len(getattr(model, "mtp", ())) == 0:
             raise ValueError(
                 f"speculative_config.method 'mtp' needs a model with MTP block(s) "
