@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -108,6 +108,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None    # P/D: the prefill's KV handle
 
     @property
     def num_cached_tokens(self) -> int:

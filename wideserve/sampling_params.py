@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -49,6 +50,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # P/D disaggregation (vLLM's name and shape): {"do_remote_decode": true} on the prefill
+    # leg; the prefill's handle ({"do_remote_prefill": true, ...}) on the decode leg.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -58,6 +62,11 @@ class SamplingParams:
         self._check_logprobs()
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        if self.kv_transfer_params is not None:
+            if not isinstance(self.kv_transfer_params, dict):
+                raise ValueError("kv_transfer_params must be an object")
+            if self.n != 1:
+                raise ValueError(f"kv_transfer_params: needs n == 1, got n={self.n}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

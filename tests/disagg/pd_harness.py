@@ -43,8 +43,9 @@ def make_engines(model: str | None, *, load_format: str = "auto", hub: LoopbackH
     return p, d, ref
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int, kv: dict | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          kv_transfer_params=kv)
 
 
 def run_colocated(ref: EngineCore, prompts: list[list[int]], max_tokens: int
@@ -78,8 +79,8 @@ def drain(engine: EngineCore, ids: set[str], others: tuple[EngineCore, ...] = ()
 
 def prefill(p: EngineCore, prompts: list[list[int]], tag: str = "") -> list[dict]:
     for i, prompt in enumerate(prompts):
-        p.add_request(EngineCoreRequest(f"p{tag}{i}", prompt, greedy(1),
-                                        kv_transfer_params={"do_remote_decode": True}))
+        p.add_request(EngineCoreRequest(f"p{tag}{i}", prompt,
+                                        greedy(1, {"do_remote_decode": True})))
     outs = drain(p, {f"p{tag}{i}" for i in range(len(prompts))})
     return [outs[f"p{tag}{i}"]["params"] for i in range(len(prompts))]
 
@@ -87,8 +88,7 @@ def prefill(p: EngineCore, prompts: list[list[int]], tag: str = "") -> list[dict
 def decode(d: EngineCore, p: EngineCore, prompts: list[list[int]], handles: list[dict],
            max_tokens: int, tag: str = "") -> dict[str, dict]:
     for i, (prompt, h) in enumerate(zip(prompts, handles)):
-        d.add_request(EngineCoreRequest(f"d{tag}{i}", prompt, greedy(max_tokens),
-                                        kv_transfer_params=h))
+        d.add_request(EngineCoreRequest(f"d{tag}{i}", prompt, greedy(max_tokens, h)))
     return drain(d, {f"d{tag}{i}" for i in range(len(prompts))}, others=(p,))
 
 

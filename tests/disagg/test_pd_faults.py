@@ -77,7 +77,7 @@ def test_abort_while_loading_frees_blocks(model):
     p, d, _ = _engines(model)
     handles = prefill(p, PROMPTS)
     for i, (prompt, h) in enumerate(zip(PROMPTS, handles)):
-        d.add_request(EngineCoreRequest(f"a{i}", prompt, greedy(MAX_NEW), kv_transfer_params=h))
+        d.add_request(EngineCoreRequest(f"a{i}", prompt, greedy(MAX_NEW, h)))
     d.step()                                        # loads admitted (and, here, done)
     assert d.kv_connector.scheduler.stats.loads_started == len(PROMPTS)
     d.abort_requests([f"a{i}" for i in range(len(PROMPTS))])
@@ -90,15 +90,14 @@ def test_bad_handles_are_rejected_with_clear_errors(model):
     p, d, _ = _engines(model)
     (h,) = prefill(p, PROMPTS[:1])
     with pytest.raises(ValueError, match="the prefill computed"):
-        d.add_request(EngineCoreRequest("x", PROMPTS[0] + [5], greedy(2), kv_transfer_params=h))
+        d.add_request(EngineCoreRequest("x", PROMPTS[0] + [5], greedy(2, h)))
     with pytest.raises(ValueError, match="KV layout differs"):
-        d.add_request(EngineCoreRequest("y", PROMPTS[0], greedy(2),
-                                        kv_transfer_params={**h, "remote_layout": "0" * 32}))
+        d.add_request(EngineCoreRequest("y", PROMPTS[0],
+                                        greedy(2, {**h, "remote_layout": "0" * 32})))
     with pytest.raises(ValueError, match="not a producer"):
-        d.add_request(EngineCoreRequest("z", PROMPTS[0], greedy(2),
-                                        kv_transfer_params={"do_remote_decode": True}))
+        d.add_request(EngineCoreRequest("z", PROMPTS[0], greedy(2, {"do_remote_decode": True})))
     with pytest.raises(ValueError, match="not a consumer"):
-        p.add_request(EngineCoreRequest("w", PROMPTS[0], greedy(2), kv_transfer_params=h))
+        p.add_request(EngineCoreRequest("w", PROMPTS[0], greedy(2, h)))
     # A handle whose blocks are not all there (tampered ids): the load fails, recompute.
     bad = {**h, "remote_block_ids": [row[:1] for row in h["remote_block_ids"]]}
     outs = decode(d, p, PROMPTS[:1], [bad], MAX_NEW)
@@ -114,7 +113,7 @@ def test_admission_cap_under_burst_of_64(model, cap):
     prompts = [[2 + (3 * i + j) % 150 for j in range(18 + i % 7)] for i in range(64)]
     handles = prefill(p, prompts)
     for i, (prompt, h) in enumerate(zip(prompts, handles)):
-        d.add_request(EngineCoreRequest(f"b{i}", prompt, greedy(2), kv_transfer_params=h))
+        d.add_request(EngineCoreRequest(f"b{i}", prompt, greedy(2, h)))
     started = []
     ids = {f"b{i}" for i in range(64)}
     done: set[str] = set()

@@ -195,7 +195,7 @@ class EngineCore:
         self._check_kv_transfer_params(req)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                           arrival_time=req.arrival_time, priority=req.priority,
-                          kv_transfer_params=req.kv_transfer_params)
+                          kv_transfer_params=req.sampling_params.kv_transfer_params)
         if req.sampling_params.seed is not None:
             self._generators[req.request_id] = make_generator(req.sampling_params.seed,
                                                               self.device)
@@ -204,7 +204,7 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def _check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
-        params = req.kv_transfer_params
+        params = req.sampling_params.kv_transfer_params
         if not params or not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
             return
         if self.kv_connector is None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from wideserve.sampling_params import SamplingParams
 
@@ -15,7 +14,6 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
-    kv_transfer_params: dict[str, Any] | None = None    # P/D: see disagg/params.py
 
 
 @dataclass(slots=True)

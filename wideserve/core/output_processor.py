@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import EngineCoreOutput, RequestEventType
@@ -53,6 +54,7 @@ class _Parent:
     children: dict[str, _Child] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
     num_unfinished: int = 0
+    kv_transfer_params: dict[str, Any] | None = None   # a prefill instance's KV handle
 
 
 @dataclass(slots=True)
@@ -152,7 +154,8 @@ class OutputProcessor:
             finished = parent.num_unfinished == 0
             result.request_outputs.append(RequestOutput(
                 pid, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-                [c.out for c in parent.children.values()], finished, parent.metrics))
+                [c.out for c in parent.children.values()], finished, parent.metrics,
+                parent.kv_transfer_params))
             result.deltas[pid] = [c.delta for c in parent.children.values() if c.delta]
             for c in parent.children.values():
                 c.delta = None
@@ -168,6 +171,8 @@ class OutputProcessor:
             if ev.type is RequestEventType.SCHEDULED and m.first_scheduled_time is None:
                 m.first_scheduled_time = ev.timestamp
         m.num_cached_tokens = max(m.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            parent.kv_transfer_params = out.kv_transfer_params
         ids = list(out.new_token_ids)
         if ids:
             m.first_token_time = m.first_token_time or now

@@ -15,6 +15,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "wideserve.entrypoints.generate",
     "wideserve.entrypoints.serve",
     "wideserve.entrypoints.bench",
+    "wideserve.entrypoints.router",
 )
 
 

@@ -86,6 +86,16 @@ def _speculative_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _kv_transfer_config(text: str) -> Any:
+    """JSON like vLLM's: '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'."""
+    from wideserve.disagg.config import KVTransferConfig
+    try:
+        return KVTransferConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-transfer-config: ")) \
+            from None
+
+
 def one_line_error(self: argparse.ArgumentParser, message: str) -> None:
     """argparse's error() prints the whole usage block first; a bad flag is one line."""
     self.exit(2, f"{self.prog}: error: {message}\n")
@@ -122,6 +132,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '(prompt_lookup_min/max), draft_model (model); '
                         '"forced_acceptance_length" is for benchmarks only (outputs are then '
                         'not the model\'s)')
+    g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                   help='P/D disaggregation as JSON, e.g. \'{"kv_connector": "NixlConnector", '
+                        '"kv_role": "kv_producer"}\' (kv_producer | kv_consumer | kv_both); '
+                        'the side-channel secret comes from $WIDESERVE_KV_SECRET '
+                        '(docs/disaggregation.md)')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -140,6 +155,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                                   max_model_len=args.max_model_len,
                                   policy=args.scheduling_policy),
         speculative=getattr(args, "speculative_config", None),
+        kv_transfer=getattr(args, "kv_transfer_config", None),
     )
 
 

@@ -70,6 +70,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Annotated[Int, Field(ge=-(2**31), le=INT32_MAX)] = 0
+    # P/D disaggregation (vLLM's field): set by `wideserve router`, see docs/disaggregation.md.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":

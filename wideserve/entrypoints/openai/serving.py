@@ -220,7 +220,8 @@ class ServingContext:
                 frequency_penalty=float(req.frequency_penalty or 0.0),
                 repetition_penalty=float(pick(req.repetition_penalty, "repetition_penalty", 1.0)),
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                kv_transfer_params=req.kv_transfer_params)
         except ValueError as e:
             raise ApiError(400, str(e), param=param_of(str(e)) or str(e).split(" ", 1)[0]) \
                 from None

@@ -226,9 +226,12 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
                         "finish_reason": _finish(co.finish_reason, "tool_calls" in message),
                         "stop_reason": co.stop_reason})
     completion = sum(len(co.token_ids) for co in out.outputs)
-    return {"id": call.request_id, "object": "chat.completion", "created": call.created,
+    body = {"id": call.request_id, "object": "chat.completion", "created": call.created,
             "model": ctx.model_name, "choices": choices,
             "usage": usage_dict(len(call.token_ids), completion, out.num_cached_tokens)}
+    if out.kv_transfer_params is not None:
+        body["kv_transfer_params"] = out.kv_transfer_params
+    return body
 
 
 def _chunk(ctx: ServingContext, call: _Call, index: int, delta: dict[str, Any],

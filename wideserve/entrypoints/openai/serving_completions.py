@@ -111,9 +111,12 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
                             "logprobs": logprobs, "finish_reason": co.finish_reason,
                             "stop_reason": co.stop_reason})
     choices.sort(key=lambda c: c["index"])
-    return {"id": call.request_id, "object": "text_completion", "created": call.created,
+    body = {"id": call.request_id, "object": "text_completion", "created": call.created,
             "model": ctx.model_name, "choices": choices,
             "usage": usage_dict(prompt_tokens, completion_tokens, cached)}
+    if finals[0].output.kv_transfer_params is not None:
+        body["kv_transfer_params"] = finals[0].output.kv_transfer_params
+    return body
 
 
 

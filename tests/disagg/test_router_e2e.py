@@ -1,0 +1,158 @@
+"""router -> prefill -> decode over HTTP with NIXL between real server processes: greedy
+outputs equal one colocated server's; a killed prefill instance and a decode instance that
+never pulls each end as the policy says, with both sides' KV pools intact afterwards.
+
+Two prefill instances (the router balances over them), one decode instance, one router.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from entrypoints.openai.oai_server_utils import RemoteServer, free_port, server_env, write_tiny_model
+
+SECRET = "router-e2e-secret-0123456789abcdef"
+PROMPTS = ["To be, or not to be, that is the question: whether 'tis nobler in the mind",
+           "The quick brown fox jumps over the lazy dog. " * 4,
+           "Hello world, hello server, hello tokens. 0123456789 + - * / = ? ! ; : " * 2]
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+
+
+def _kv(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, **extra})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
+    saved = dict(os.environ)
+    os.environ.update(WIDESERVE_KV_SECRET=SECRET, UCX_NET_DEVICES="lo", UCX_MODULES="^ib")
+    common = [model, "--load-format", "dummy", "--device", "cpu", "--block-size", "16",
+              "--kv-cache-memory", "8MiB", "--enable-debug-endpoints"]
+    specs = {"p1": _kv("kv_producer", kv_lease_s=3), "p2": _kv("kv_producer", kv_lease_s=3),
+             "d": _kv("kv_consumer", kv_load_timeout_s=5)}
+    servers: dict[str, RemoteServer] = {}
+    router = None
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            futs = {k: pool.submit(RemoteServer, common + ["--kv-transfer-config", v])
+                    for k, v in specs.items()}
+            for k, f in futs.items():
+                servers[k] = f.result()
+        port = free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "wideserve.entrypoints.cli", "router", "--prefill",
+             servers["p1"].url, servers["p2"].url, "--decode", servers["d"].url,
+             "--port", str(port), "--log-level", "warning"], env=server_env())
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None and time.monotonic() < deadline, "router did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield {"router": url, **servers}
+    finally:
+        if router is not None:
+            router.terminate()
+            try:
+                router.wait(15)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+        for s in servers.values():
+            s.close()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _complete(url: str, prompt: str, **kw) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stats(server: RemoteServer) -> dict:
+    return httpx.get(server.url + "/debug/stats", timeout=30).json()["stats"]
+
+
+def _idle_and_intact(server: RemoteServer, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(server.url + "/debug/kv_integrity", timeout=30).json()
+        s = state["stats"]
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_usage"] == 0:
+            return state
+        assert time.monotonic() < deadline, f"not idle: {state}"
+        time.sleep(0.1)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def test_router_greedy_equals_colocated_streaming_and_not(cluster):
+    router, d = cluster["router"], cluster["d"]
+    expected = [_complete(d.url, p)["choices"][0]["text"] for p in PROMPTS]   # colocated
+    got = [_complete(router, p)["choices"][0]["text"] for p in PROMPTS]
+    assert got == expected
+    # Streaming chat through the router equals the non-streamed colocated answer.
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    ref = httpx.post(d.url + "/v1/chat/completions", json={"messages": msgs, **GREEDY},
+                     timeout=60).json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", router + "/v1/chat/completions",
+                      json={"messages": msgs, "stream": True, **GREEDY}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    assert text == ref
+    kv = _stats(d)["kv_transfer"]
+    assert kv["loads_done"] == len(PROMPTS) + 1 and kv["loads_failed"] == 0
+    assert kv["tokens_loaded"] > 0
+    metrics = httpx.get(router + "/metrics").text
+    assert _metric(metrics, "wideserve_router_remote_kv_total", used="true") == len(PROMPTS) + 1
+    held = [_stats(cluster[p])["kv_transfer"]["leases_released"] for p in ("p1", "p2")]
+    assert sum(held) == len(PROMPTS) + 1 and min(held) > 0        # both prefills served
+    for name in ("p1", "p2", "d"):
+        _idle_and_intact(cluster[name])
+
+
+def test_decode_that_never_pulls_leaves_no_blocks_on_prefill(cluster):
+    p1 = cluster["p1"]
+    r = _complete(p1.url, PROMPTS[0], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert r["kv_transfer_params"]["do_remote_prefill"] is True
+    assert _stats(p1)["kv_usage"] > 0                      # held under the 3 s lease
+    _idle_and_intact(p1, timeout=15)
+    assert _stats(p1)["kv_transfer"]["leases_expired"] >= 1
+
+
+def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
+    p2, d, router = cluster["p2"], cluster["d"], cluster["router"]
+    expected = _complete(d.url, PROMPTS[2])["choices"][0]["text"]
+    handle = _complete(p2.url, PROMPTS[2], max_tokens=1,
+                       kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    p2.close(signal.SIGKILL)
+    failed0 = _stats(d)["kv_transfer"]["loads_failed"]
+    got = _complete(d.url, PROMPTS[2], kv_transfer_params=handle)
+    assert got["choices"][0]["text"] == expected
+    assert _stats(d)["kv_transfer"]["loads_failed"] == failed0 + 1
+    # The router keeps serving: prefill legs to the dead instance fall back to decode.
+    for p in PROMPTS:
+        assert _complete(router, p)["choices"][0]["text"] == _complete(d.url, p)["choices"][0]["text"]
+    metrics = httpx.get(router + "/metrics").text
+    assert _metric(metrics, "wideserve_router_upstream_errors_total", role="prefill") >= 1
+    _idle_and_intact(d)
+    _idle_and_intact(cluster["p1"])

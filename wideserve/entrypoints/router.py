@@ -1,0 +1,44 @@
+"""`wideserve router --prefill URL... --decode URL...`: the P/D proxy (docs/disaggregation.md).
+
+An OpenAI-compatible front door: each completion or chat request goes to a prefill instance
+(one output token, `kv_transfer_params: {"do_remote_decode": true}`), then with the returned
+KV handle to a decode instance, whose answer (streamed or not) goes back to the client.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from wideserve.entrypoints.engine_args import one_line_error, parse_port
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http(s):// URL, got {text!r}")
+    return text.rstrip("/")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "router", help="proxy requests over prefill and decode instances (P/D)",
+        description="Send each request's prompt to a prefill instance and its decode to a "
+                    "decode instance, passing the KV handle between them.")
+    parser.error = one_line_error.__get__(parser)      # type: ignore[method-assign]
+    parser.add_argument("--prefill", nargs="+", type=_url, required=True, metavar="URL")
+    parser.add_argument("--decode", nargs="+", type=_url, required=True, metavar="URL")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=parse_port, default=8000)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds an upstream call may take (default 600)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error", "critical"))
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from wideserve.disagg.router import RouterConfig, build_app
+    app = build_app(RouterConfig(args.prefill, args.decode, args.timeout))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
