@@ -113,4 +113,5 @@ def test_bad_shapes_name_the_problem() -> None:
 
 def test_balancedness_is_mean_over_layers_of_mean_over_max() -> None:
     per_rank = torch.tensor([[1.0, 1.0], [1.0, 3.0], [0.0, 0.0]])
-    assert policy.balancedness(per_rank) == pytest.approx((1.0 + 2.0 / 3.0 + 1.0) / 3)
+    assert policy.balancedness(per_rank) == pytest.approx((1.0 + 2.0 / 3.0) / 2)
+    assert policy.balancedness(torch.zeros(2, 4)) == 1.0

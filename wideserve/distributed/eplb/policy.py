@@ -222,14 +222,16 @@ def slot_rank_loads(slot_load: torch.Tensor, num_ranks: int) -> torch.Tensor:
 
 
 def layer_balancedness(per_rank: torch.Tensor) -> torch.Tensor:
-    """[L, R] -> [L] mean / max per layer; a layer with no load counts as balanced."""
+    """[L, R] -> [L] mean / max per layer (NaN for a layer with no load)."""
     per_rank = per_rank.double()
     peak = per_rank.max(dim=1).values
     return torch.where(peak > 0, per_rank.mean(dim=1) / peak.clamp(min=1e-30),
-                       torch.ones_like(peak))
+                       torch.full_like(peak, float("nan")))
 
 
 def balancedness(per_rank: torch.Tensor) -> float:
     """[L, R] -> the mean over layers of each layer's mean/max rank load (the issue's and
-    DESIGN's definition; vLLM's logger divides the sums over layers instead)."""
-    return float(layer_balancedness(per_rank).mean()) if per_rank.numel() else 1.0
+    DESIGN's definition; vLLM's logger divides the sums over layers instead). Layers that saw
+    no tokens are left out; with none at all, 1.0."""
+    value = layer_balancedness(per_rank).nanmean() if per_rank.numel() else torch.tensor(1.0)
+    return 1.0 if torch.isnan(value) else float(value)
