@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wideserve.disagg.config import KVTransferConfig
+from wideserve.distributed.eplb.config import EplbConfig
 from wideserve.spec_decode.config import SpeculativeConfig
 
 
@@ -89,16 +90,19 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None     # None = no speculative decoding
     kv_transfer: KVTransferConfig | None = None      # None = no P/D disaggregation
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eplb: EplbConfig | None = None                   # None = no expert load balancing
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as `LLM(...)` takes them) -> EngineConfig; an unknown name is a
     TypeError naming it. `speculative_config` takes a dict, a JSON string or a
-    SpeculativeConfig (as vLLM's LLM does)."""
+    SpeculativeConfig (as vLLM's LLM does); `enable_eplb` with `eplb_config` (dict, JSON or
+    EplbConfig) the same way."""
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
              "parallel": ParallelConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
     kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
+    eplb = _eplb(kwargs.pop("enable_eplb", False), kwargs.pop("eplb_config", None))
     for key, value in kwargs.items():
         owner = next((p for p in parts.values() if key in p.__dataclass_fields__), None)
         if owner is None:
@@ -106,4 +110,10 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
         setattr(owner, key, value)
     parts["parallel"].check()  # type: ignore[attr-defined]
     return EngineConfig(**parts, speculative=speculative,  # type: ignore[arg-type]
-                        kv_transfer=kv_transfer)
+                        kv_transfer=kv_transfer, eplb=eplb)
+
+
+def _eplb(enable: bool, config: Any) -> EplbConfig | None:
+    if config is not None and not enable:
+        raise ValueError("eplb_config is given but enable_eplb is not set")
+    return EplbConfig.parse(config) if enable else None

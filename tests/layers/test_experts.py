@@ -85,7 +85,7 @@ def test_logical_to_physical_map_and_ep_hook() -> None:
     with torch.no_grad():
         moved.gate_up_proj[perm] = m.gate_up_proj
         moved.down_proj[perm] = m.down_proj
-    moved.logical_to_physical.copy_(perm)
+    moved.logical_to_physical.copy_(perm[:, None])          # [E, 1]: one replica each
     torch.testing.assert_close(moved(x, ids, w), expected)
     assert moved.expert_load.tolist() == m.expert_load[perm.argsort()].tolist()
 

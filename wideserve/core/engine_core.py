@@ -26,6 +26,7 @@ from wideserve.core.scheduler import Scheduler
 from wideserve.core.step_faults import poisons_device, step_error_message
 from wideserve.core.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
+from wideserve.distributed.eplb.manager import EplbManager
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
@@ -64,6 +65,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None      # None without speculative decoding
     kv_transfer: dict[str, Any] | None = None       # P/D connector counters (disagg/)
     dp: dict[str, Any] | None = None    # data-parallel rank stats (distributed/dp_engine.py)
+    eplb: dict | None = None                        # "target"/"draft" -> BalancerStats
 
 
 def _model_max_len(config_json: dict) -> int:
@@ -113,6 +115,9 @@ class EngineCore:
                             self.spec.num_lookahead_tokens)
             self.scheduler_config = dataclasses.replace(config.scheduler,
                                                         num_lookahead_tokens=lookahead)
+        # Before the KV cache: redundant expert slots take memory first.
+        self.eplb = (EplbManager(config.eplb, self.model, self.spec, self.device)
+                     if config.eplb is not None else None)
         self.kv_config, self.kv_manager = self._build_kv_cache()
         self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
         logger.info("%s", self.kv_config.summary())
@@ -250,6 +255,8 @@ class EngineCore:
                 sampled, logprobs = self._execute(sched_out)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 return self._fail_step(sched_out, e)
+            if self.eplb is not None:
+                self.eplb.step()
         try:
             outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
         except Exception as e:
@@ -384,4 +391,5 @@ class EngineCore:
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             steps=self.timer.stats,
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
-            kv_transfer=self.kv_connector.scheduler.snapshot() if self.kv_connector else None)
+            kv_transfer=self.kv_connector.scheduler.snapshot() if self.kv_connector else None,
+            eplb=self.eplb.stats() if self.eplb is not None else None)

@@ -96,6 +96,15 @@ def _kv_transfer_config(text: str) -> Any:
             from None
 
 
+def _eplb_config(text: str) -> Any:
+    """JSON like vLLM's: '{"window_size": 1000, "step_interval": 3000, ...}'."""
+    from wideserve.distributed.eplb.config import EplbConfig
+    try:
+        return EplbConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def one_line_error(self: argparse.ArgumentParser, message: str) -> None:
     """argparse's error() prints the whole usage block first; a bad flag is one line."""
     self.exit(2, f"{self.prog}: error: {message}\n")
@@ -137,6 +146,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"kv_role": "kv_producer"}\' (kv_producer | kv_consumer | kv_both); '
                         'the side-channel secret comes from $WIDESERVE_KV_SECRET '
                         '(docs/disaggregation.md)')
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="expert-parallel load balancing: record expert loads, replicate hot "
+                        "experts into redundant slots, rebalance periodically (docs/eplb.md)")
+    g.add_argument("--eplb-config", type=_eplb_config, default=None,
+                   help='EPLB settings as JSON, e.g. \'{"window_size": 1000, "step_interval": '
+                        '3000, "num_redundant_experts": 32, "log_balancedness": true}\'')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -156,7 +171,16 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                                   policy=args.scheduling_policy),
         speculative=getattr(args, "speculative_config", None),
         kv_transfer=getattr(args, "kv_transfer_config", None),
+        eplb=_eplb_from_args(args),
     )
+
+
+def _eplb_from_args(args: argparse.Namespace) -> Any:
+    from wideserve.distributed.eplb.config import EplbConfig
+    config = getattr(args, "eplb_config", None)
+    if config is not None and not getattr(args, "enable_eplb", False):
+        raise ValueError("--eplb-config is given without --enable-eplb")
+    return (config or EplbConfig()) if getattr(args, "enable_eplb", False) else None
 
 
 def _resolve_device(device: str) -> str:

@@ -1,10 +1,11 @@
 """Routed experts: SwiGLU MLPs applied to the tokens routed to them.
 
 Glossary: a *logical* expert is what the router picks (0..E-1); a *physical* expert is a slot
-in the weight tensors (`num_local_experts` rows on this rank). `logical_to_physical` maps one
-to the other (identity until expert parallelism / EPLB place replicas); `expert_load` counts
-routed rows per physical expert on the device, without a host sync, for EPLB and the load-skew
-reports.
+in the weight tensors (`num_local_experts` rows on this rank). `logical_to_physical` [E, W]
+lists each logical expert's replicas (identity, W = 1, until expert parallelism / EPLB place
+replicas; `replica_count` [E] says how many are valid) and the router's choice is spread over
+them (`distributed/eplb/replicas.py`); `expert_load` counts routed rows per physical expert on
+the device, without a host sync, for EPLB and the load-skew reports.
 
 Fused path (docs/moe.md): the T*k (token, expert) rows are sorted by physical expert, both
 projections run as grouped GEMMs over the contiguous per-expert segments, and the rows are
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from wideserve.distributed.eplb.replicas import map_to_physical
 
 EXPERT_IMPLS = ("grouped_mm", "padded", "loop")
 # Device type -> the implementation measured fastest there (a fallback applies where the
@@ -74,14 +77,20 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
         self.register_buffer("logical_to_physical",
-                             torch.arange(num_experts, dtype=torch.int64), persistent=False)
+                             torch.arange(num_experts, dtype=torch.int64)[:, None],
+                             persistent=False)
+        self.register_buffer("replica_count", torch.ones(num_experts, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("replica_offset", torch.zeros((), dtype=torch.int64),
+                             persistent=False)
         self.register_buffer("expert_load", torch.zeros(L, dtype=torch.int64),
                              persistent=False)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, d]; topk_ids/topk_weights [T, k] (logical ids) -> [T, d]."""
-        phys = self.logical_to_physical[topk_ids]                             # [T, k]
+        phys = map_to_physical(topk_ids, self.logical_to_physical, self.replica_count,
+                               self.replica_offset)                           # [T, k]
         flat = phys.reshape(-1)
         load = torch.bincount(flat, minlength=self.expert_load.shape[0])
         self.expert_load += load

@@ -35,9 +35,7 @@ def _case(rank: int, world: int, redundant: int, group: dist.ProcessGroup) -> No
                      layers_per_step=1)
     slots = E + redundant
     per_rank = slots // world
-    layers = [RoutedExperts(E, D, I, num_local_experts=per_rank)
-              if "num_local_experts" in RoutedExperts.__init__.__code__.co_varnames
-              else _local_layer(per_rank) for _ in range(LAYERS)]
+    layers = [RoutedExperts(E, D, I, num_local_experts=per_rank) for _ in range(LAYERS)]
     bal = ExpertBalancer("target", layers, E, cfg, EpGroup(rank, world, group),
                          torch.device("cpu"))
     ckpts = [_checkpoint(i) for i in range(LAYERS)]
@@ -73,14 +71,6 @@ def _case(rank: int, world: int, redundant: int, group: dist.ProcessGroup) -> No
     sent = torch.tensor([bal.stats.bytes_sent])
     dist.all_reduce(sent, group=group)
     assert int(sent) > 0
-
-
-def _local_layer(per_rank: int) -> RoutedExperts:
-    """RoutedExperts before its num_local_experts argument: shrink it by hand."""
-    layer = RoutedExperts(E, D, I)
-    layer.gate_up_proj = torch.nn.Parameter(torch.empty(per_rank, 2 * I, D))
-    layer.down_proj = torch.nn.Parameter(torch.empty(per_rank, D, I))
-    return layer
 
 
 def _rank_main(rank: int, world: int) -> None:

@@ -107,6 +107,8 @@ class ExpertBalancer:
                 continue
             raise ValueError(f"EPLB {self.name}: expert weights have {w.shape[0]} rows, "
                              f"expected {self.per_rank} slots on this rank")
+        if hasattr(layer, "num_local_experts"):
+            layer.num_local_experts = self.per_rank
 
     def local_experts(self, layer: int = 0) -> list[int]:
         """The logical expert in each of this rank's slots (what a loader must put there)."""

@@ -49,6 +49,22 @@ SPEC_COUNTERS = {
     "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
     "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
+# Inside stats["eplb"][role] (BalancerStats; role = "target" or "draft"): expert-parallel
+# load balancing (docs/eplb.md).
+EPLB_GAUGES = {
+    "balancedness": ("eplb_balancedness", "Mean over MoE layers of mean/max per-rank expert "
+                                          "load over the EPLB window (1 = balanced)."),
+    "rebalancing": ("eplb_rebalancing", "1 while a rebalance is moving expert weights."),
+    "last_rebalance_s": ("eplb_last_rebalance_seconds", "Wall time of the last rebalance, "
+                                                        "plan to last layer moved."),
+    "max_move_step_s": ("eplb_max_move_step_seconds", "Worst per-step time spent moving "
+                                                      "weights in the last rebalance."),
+}
+EPLB_COUNTERS = {
+    "rebalances": ("eplb_rebalances", "Completed EPLB rebalances."),
+    "layers_moved": ("eplb_layers_moved", "MoE layers whose expert weights were rearranged."),
+    "bytes_sent": ("eplb_bytes_sent", "Expert weight bytes this rank sent to other ranks."),
+}
 # Inside stats["steps"] (StepStats).
 STEP_COUNTERS = {
     "steps": ("engine_steps", "Engine steps that ran a batch."),
@@ -77,6 +93,7 @@ class EngineStatsCollector(Collector):
                 fam.add_metric([self._model], float(stats[key]))
                 yield fam
         yield from self._spec_decode(stats.get("spec_decode"), labels)
+        yield from self._eplb(stats.get("eplb"))
         steps = stats.get("steps") or {}
         for key, (name, doc) in STEP_COUNTERS.items():
             if key in steps:
@@ -93,6 +110,18 @@ class EngineStatsCollector(Collector):
                 fam.add_metric([self._model, str(phase)], float(seconds))
             yield fam
 
+
+    def _eplb(self, eplb: Any) -> Iterator[Any]:
+        if not isinstance(eplb, dict) or not eplb:
+            return
+        for table, kind in ((EPLB_GAUGES, GaugeMetricFamily), (EPLB_COUNTERS,
+                                                              CounterMetricFamily)):
+            for key, (name, doc) in table.items():
+                fam = kind(PREFIX + name, doc, labels=["model_name", "role"])
+                for role, values in sorted(eplb.items()):
+                    if isinstance(values, dict) and key in values:
+                        fam.add_metric([self._model, str(role)], float(values[key]))
+                yield fam
 
     def _spec_decode(self, spec: Any, labels: list[str]) -> Iterator[Any]:
         if not isinstance(spec, dict):
