@@ -247,6 +247,8 @@ class EngineCore:
             self._prompt_lp_sent.discard(rid)
         if self.spec is not None and sched_out.finished_req_ids:
             self.spec.drop(sched_out.finished_req_ids)
+        self.runner.drop(sched_out.finished_req_ids)
+        self.runner.drop(sched_out.preempted_req_ids)
         timer.mark("schedule")
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, object] | None = None
@@ -361,10 +363,14 @@ class EngineCore:
         # Prompt logprobs only for positions not covered yet (a resumed request recomputes).
         want_prompt = lp is not None and len(lp) < r.num_prompt_tokens - 1 \
             and end >= len(lp) + 1
-        return StepRequest(r.request_id, toks, start, self.kv_manager.block_ids(r.request_id),
-                           s.kv_write_start, end >= r.num_tokens, want_prompt,
+        # A bounded replay ends once the step starts at or past kv_write_start: later steps
+        # are plain ones (no write mask, no replay bookkeeping).
+        write_start = s.kv_write_start if s.kv_write_start > start else 0
+        return StepRequest(r.request_id, toks, start, self.kv_manager.block_rows(r.request_id),
+                           write_start, end >= r.num_tokens, want_prompt,
                            len(s.spec_token_ids),
-                           self.kv_manager.replay_start(r.request_id) if s.kv_write_start else 0)
+                           self.kv_manager.replay_start(r.request_id) if write_start else 0,
+                           is_new=s.is_new_or_resumed)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
                              logits: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The batch a model sees: flat varlen tokens over a paged KV cache (DESIGN.md).
+"""The batch a model sees: flat varlen tokens over a paged KV cache (docs/architecture.md).
 
 Shapes: T new tokens in the step, R requests, tokens of request r are rows
 query_start_loc[r] : query_start_loc[r+1], at positions seq_lens[r] - query_len[r] ... seq_lens[r]-1.
@@ -17,22 +17,38 @@ import torch
 
 @dataclass(slots=True)
 class KVGroupView:
-    """One KV cache group as one step sees it."""
+    """One KV cache group as one step sees it.
+
+    The block table may hold more rows than the step has requests (the runner's persistent
+    table, executor/block_tables.py): request r's row is `req_rows[r]` (identity when None).
+    Index it through `entry_slots` / `host_rows`, never by request index directly."""
 
     block_size: int              # positions per block
     compress_ratio: int          # positions per entry
-    block_table: torch.Tensor    # [R, max_blocks] int64; entries beyond a request's blocks are 0
-    # [T] int64: slot of each new token's entry (ratio-1 groups only; -1 = do not write)
+    block_table: torch.Tensor    # [rows, max_blocks] int64; entries beyond a row's blocks are 0
+    # [T] int64: slot of each new token's entry (ratio-1 groups only); every token has one
     slot_mapping: torch.Tensor | None = None
+    req_rows: torch.Tensor | None = None        # [R] int64 table row of each request
+    req_rows_cpu: np.ndarray | None = None      # the same on the host
 
     @property
     def entries_per_block(self) -> int:
         return self.block_size // self.compress_ratio
 
+    def rows(self, req_idx: torch.Tensor) -> torch.Tensor:
+        return req_idx if self.req_rows is None else self.req_rows[req_idx]
+
+    def row(self, r: int) -> int:
+        return r if self.req_rows_cpu is None else int(self.req_rows_cpu[r])
+
+    def host_rows(self, req_idx: np.ndarray) -> np.ndarray:
+        return req_idx if self.req_rows_cpu is None else self.req_rows_cpu[req_idx]
+
     def entry_slots(self, req_idx: torch.Tensor, entry_idx: torch.Tensor) -> torch.Tensor:
         """Flat slots of entries `entry_idx` (entry w covers positions [w*ratio, (w+1)*ratio))."""
         pos = entry_idx * self.compress_ratio
-        blocks = self.block_table[req_idx, torch.div(pos, self.block_size, rounding_mode="floor")]
+        blocks = self.block_table[self.rows(req_idx),
+                                  torch.div(pos, self.block_size, rounding_mode="floor")]
         return blocks * self.entries_per_block + (pos % self.block_size) // self.compress_ratio
 
 
@@ -52,6 +68,7 @@ class ForwardBatch:
     # are already cached; they are recomputed only to rebuild window/state (bounded replay).
     # None means every new position is written everywhere.
     kv_write_start: torch.Tensor | None = None
+    kv_write_start_cpu: np.ndarray | None = None   # [R] the same on the host (runner-built)
     # [R] host array: where each request's bounded replay began (its window and compressor
     # state hold nothing below it, even in a later chunk of the replay); with kv_write_start.
     kv_replay_start: np.ndarray | None = None
@@ -70,6 +87,28 @@ class ForwardBatch:
 
     def query_lens_cpu(self) -> np.ndarray:
         return np.diff(self.query_start_loc_cpu)
+
+    def write_start_cpu(self) -> np.ndarray | None:
+        """[R] kv_write_start on the host (a hand-built batch without the copy pays a read)."""
+        if self.kv_write_start is None:
+            return None
+        if self.kv_write_start_cpu is None:
+            self.kv_write_start_cpu = self.kv_write_start.cpu().numpy().astype(np.int64)
+        return self.kv_write_start_cpu
+
+    def replay_write_rows_cpu(self) -> np.ndarray | None:
+        """Token rows whose positions are at or past their request's kv_write_start (the rows
+        a bounded replay writes into growing caches); None when every row is written."""
+        ws = self.write_start_cpu()
+        if ws is None:
+            return None
+        qlens = self.query_lens_cpu()
+        ctx = self.seq_lens_cpu - qlens
+        req = np.repeat(np.arange(len(qlens)), qlens)
+        pos = np.arange(int(qlens.sum())) - np.repeat(self.query_start_loc_cpu[:-1], qlens) \
+            + ctx[req]
+        keep = pos >= ws[req]
+        return None if keep.all() else np.nonzero(keep)[0]
 
     def context_lens_cpu(self) -> np.ndarray:
         """Positions already in the cache before this step, per request."""

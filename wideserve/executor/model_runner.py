@@ -1,15 +1,21 @@
 """Builds the flat batch for a step, runs the model, and returns the rows to sample from.
 
-Host path: one numpy pass per step over the scheduled requests (never a Python loop per token);
-the only per-request Python work is slicing each request's new token ids and block-table rows.
+Host path (docs/host_path.md): one numpy pass per step over the scheduled requests (never a
+Python loop per token). Block tables persist across steps (block_tables.py): a step appends
+only the block ids each request gained, so its cost does not grow with the context. Every
+metadata array goes to the device through `to_device` (shared memory on the CPU, pinned and
+non-blocking on CUDA), and nothing in here reads a device value back.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from wideserve.device import to_device
+from wideserve.executor.block_tables import BlockTables
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 
 
@@ -20,12 +26,15 @@ class StepRequest:
     request_id: str
     token_ids: list[int]          # the tokens at positions start .. start + len - 1
     start: int                    # position of the first new token (= computed tokens before)
-    block_ids: list[list[int]]    # per KV group: the request's block-table row
+    # Per KV group: the request's block-table row. May be the KV manager's own lists (read
+    # during the step, never kept or modified): rows only grow, entries only change to 0.
+    block_ids: Sequence[Sequence[int]]
     kv_write_start: int = 0       # positions below are a replayed cached prefix
     sample: bool = True           # the step reaches the end of the request's tokens
     prompt_logits: bool = False   # also return logits for every new row (prompt logprobs)
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
     replay_start: int = 0         # with kv_write_start: where this request's replay began
+    is_new: bool = False          # first step of the request (or of its resumption)
 
 
 @dataclass(slots=True)
@@ -47,13 +56,20 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(self, model, groups: list[GroupLayout], cache_group: dict[str, int],
                  kv_caches: dict[str, torch.Tensor], device: torch.device,
-                 with_drafts: bool = False) -> None:
+                 with_drafts: bool = False, tables: BlockTables | None = None) -> None:
+        """tables: block tables to share (a draft model's runner shares the target's)."""
         self.model = model
         self.with_drafts = with_drafts      # speculative decoding: logits for draft rows too
         self.groups = groups
         self.cache_group = cache_group
         self.kv_caches = kv_caches
         self.device = device
+        self.tables = tables if tables is not None else BlockTables(len(groups), device)
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget finished or preempted requests (their block-table rows are freed). A
+        request that is not dropped keeps its row until it is."""
+        self.tables.drop(request_ids)
 
     def build_batch(self, reqs: list[StepRequest]) -> ForwardBatch:
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
@@ -66,35 +82,33 @@ class ModelRunner:
         input_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
         seq_lens = starts + qlens
         dev = self.device
-        views = [self._group_view(g, layout, reqs, req_of_token, positions)
+        rows = np.fromiter((self.tables.update(r.request_id, r.block_ids, r.is_new)
+                            for r in reqs), dtype=np.int64, count=len(reqs))
+        rows_t = to_device(rows, dev)
+        token_rows = rows[req_of_token]
+        views = [self._group_view(g, layout, rows, rows_t, token_rows, positions)
                  for g, layout in enumerate(self.groups)]
-        write_start = replay_start = None
+        write_start = write_start_cpu = replay_start = None
         if any(r.kv_write_start for r in reqs):
-            write_start = torch.tensor([r.kv_write_start for r in reqs], dtype=torch.int64,
-                                       device=dev)
+            write_start_cpu = np.array([r.kv_write_start for r in reqs], dtype=np.int64)
+            write_start = to_device(write_start_cpu.copy(), dev)
             replay_start = np.array([r.replay_start for r in reqs], dtype=np.int64)
         return ForwardBatch(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            input_ids=to_device(input_ids, dev), positions=to_device(positions, dev),
+            query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
-            kv_write_start=write_start, kv_replay_start=replay_start)
+            kv_write_start=write_start, kv_write_start_cpu=write_start_cpu,
+            kv_replay_start=replay_start)
 
-    def _group_view(self, g: int, layout: GroupLayout, reqs: list[StepRequest],
-                    req_of_token: np.ndarray, positions: np.ndarray) -> KVGroupView:
-        width = max(1, max(len(r.block_ids[g]) for r in reqs))
-        table = np.zeros((len(reqs), width), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            row = r.block_ids[g]
-            table[i, :len(row)] = row
+    def _group_view(self, g: int, layout: GroupLayout, rows: np.ndarray, rows_t: torch.Tensor,
+                    token_rows: np.ndarray, positions: np.ndarray) -> KVGroupView:
         view = KVGroupView(layout.block_size, layout.compress_ratio,
-                           torch.from_numpy(table).to(self.device))
+                           self.tables.device_table(g), req_rows=rows_t, req_rows_cpu=rows)
         if layout.compress_ratio == 1:
             bs = layout.block_size
-            slots = table[req_of_token, positions // bs] * bs + positions % bs
-            view.slot_mapping = torch.from_numpy(slots).to(self.device)
+            slots = self.tables.host(g)[token_rows, positions // bs] * bs + positions % bs
+            view.slot_mapping = to_device(slots, self.device)
         return view
 
     @torch.inference_mode()
@@ -113,7 +127,7 @@ class ModelRunner:
             idx = ends[sample_rows]
             if self.with_drafts:
                 idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
-            rows = torch.from_numpy(idx).to(hidden.device)
+            rows = to_device(idx, hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         prompt_logits: dict[int, torch.Tensor] = {}
         for i, r in enumerate(reqs):

@@ -61,7 +61,8 @@ class DraftModelProposer(Proposer):
         n = len(PREFIX)
         caches = {k[n:]: t for k, t in kv_caches.items() if k.startswith(PREFIX)}
         groups = {k[n:]: g for k, g in kv_config.cache_group.items() if k.startswith(PREFIX)}
-        self.runner = ModelRunner(self.model, target_runner.groups, groups, caches, self.device)
+        self.runner = ModelRunner(self.model, target_runner.groups, groups, caches, self.device,
+                                  tables=target_runner.tables)
 
     @torch.inference_mode()
     def propose(self, inp: ProposeInput) -> list[list[int]]:

@@ -334,6 +334,11 @@ class KVCacheManager:
         that left the window). Rows only grow, and entries only ever change to 0."""
         return [list(m.req_tables.get(request_id, ())) for m in self.managers]
 
+    def block_rows(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's block-table row itself (no copy; read it, never modify
+        or keep it): what the runner's persistent block tables append from each step."""
+        return [m.req_tables.get(request_id, []) for m in self.managers]
+
     def num_blocks_per_group(self, request_id: str) -> list[int]:
         return [len(m.req_tables.get(request_id, ())) for m in self.managers]
 

@@ -71,7 +71,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Fo
         seq_len = int(seq_lens[r])
         lo = 0 if window is None else max(0, seq_len - (end - start) - window + 1)
         key_pos = torch.arange(lo, seq_len, device=q.device)                        # [L]
-        slots = view.block_table[r, key_pos // view.block_size] * view.block_size \
+        slots = view.block_table[view.row(r), key_pos // view.block_size] * view.block_size \
             + key_pos % view.block_size
         entries = flat[slots].to(q.dtype)                                            # [L, W]
         keys = entries[:, :kv_split].view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, L, D]

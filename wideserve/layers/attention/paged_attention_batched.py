@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from wideserve.device import to_device
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
-from wideserve.layers.attention.paged_attention import replay_keep_mask
 
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
@@ -105,21 +104,19 @@ class PagedAttentionPlans:
         key = (self.batch.cache_group[cache_name], window is None)
         if key not in self._writes:
             view = self.batch.kv_groups[key[0]]
-            keep = replay_keep_mask(self.batch) if window is None else None
-            self._writes[key] = _build_write(view, keep)
+            rows = self.batch.replay_write_rows_cpu() if window is None else None
+            self._writes[key] = _build_write(view, rows)
         return self._writes[key]
 
 
-def _build_write(view: KVGroupView, keep: torch.Tensor | None) -> _WritePlan:
+def _build_write(view: KVGroupView, rows: np.ndarray | None) -> _WritePlan:
+    """rows: the token rows to write (host-known, so no device sync); None = all."""
     if view.slot_mapping is None:
         raise ValueError("paged attention needs a slot mapping (compress_ratio 1 group)")
-    valid = view.slot_mapping >= 0
-    if keep is not None:
-        valid = valid & keep
-    if bool(valid.all()):                     # one host sync per step, not per layer
+    if rows is None:
         return _WritePlan(view.slot_mapping, None)
-    rows = torch.nonzero(valid).flatten()
-    return _WritePlan(view.slot_mapping[rows], rows)
+    rows_t = to_device(rows, view.slot_mapping.device, np.int64)
+    return _WritePlan(view.slot_mapping.index_select(0, rows_t), rows_t)
 
 
 def _segments(qsl: np.ndarray, seq_lens: np.ndarray, window: int | None, heads: int,

@@ -57,7 +57,7 @@ class V4Step:
         if batch.kv_write_start is None:
             self.write_start = self.ctx.copy()
         else:
-            self.write_start = np.maximum(batch.kv_write_start.cpu().numpy().astype(np.int64),
+            self.write_start = np.maximum(batch.write_start_cpu(),
                                           self.ctx)
         # Bounded replay (write_start > ctx): the step recomputes positions whose growing
         # entries are cached but whose window/state were not kept, so nothing per-position
@@ -103,7 +103,7 @@ class V4Step:
         if table.device.type != "cpu":
             return view.entry_slots(self._dev(req), self._dev(entry))
         pos = entry * view.compress_ratio
-        blocks = table.numpy()[req, pos // view.block_size]
+        blocks = table.numpy()[view.host_rows(req), pos // view.block_size]
         return torch.from_numpy(blocks * view.entries_per_block
                                 + (pos % view.block_size) // view.compress_ratio)
 
@@ -198,27 +198,13 @@ class V4Step:
                              f"DeepSeek-V4 forward needs raw float caches")
         return cache.view(-1, cache.shape[-1]), view
 
-    def _write_index(self, view: KVGroupView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(slots to write, rows they take or None for all rows): slot -1 means skip."""
-        slots = view.slot_mapping
-        if slots is None:
-            raise ValueError("a per-position KV cache group has no slot_mapping")
-
-        def build() -> tuple[torch.Tensor, torch.Tensor | None]:
-            keep = slots >= 0
-            if bool(keep.all()):        # one host sync per step and group
-                return slots, None
-            rows = keep.nonzero().flatten()
-            return slots.index_select(0, rows), rows
-        return self._once(("write", id(view)), build)
-
     def write_window_rows(self, name: str, rows: torch.Tensor) -> None:
-        """Write one row per new token through the group's slot mapping (-1 = skip)."""
+        """Write one row per new token through the group's slot mapping (every new token has
+        a slot: no device-side check, no sync)."""
         flat, view = self.flat_cache(name)
-        slots, keep = self._write_index(view)
-        if keep is not None:
-            rows = rows.index_select(0, keep)
-        flat.index_copy_(0, slots, rows.to(flat.dtype))
+        if view.slot_mapping is None:
+            raise ValueError("a per-position KV cache group has no slot_mapping")
+        flat.index_copy_(0, view.slot_mapping, rows.to(flat.dtype))
 
     def write_entries(self, name: str, plan: CompressPlan, entries: torch.Tensor) -> None:
         flat, view = self.flat_cache(name)
