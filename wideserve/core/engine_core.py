@@ -75,6 +75,13 @@ def _model_max_len(config_json: dict) -> int:
     return 4096
 
 
+def _device_sync(device: torch.device):
+    """What the step timer calls before reading the clock: CUDA runs asynchronously."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return None
+
+
 def _eos_token_ids(loaded: LoadedModel) -> list[int]:
     ids: list[int] = []
     sources = [loaded.config_json]
@@ -139,7 +146,7 @@ class EngineCore:
         self._prompt_lp_sent: set[str] = set()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self.timer = StepTimer()
+        self.timer = StepTimer(sync=_device_sync(self.device))
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
 
     # ------------------------------------------------------------------------- setup

@@ -1,7 +1,12 @@
-"""Where each engine step's time goes (DESIGN.md, "Observability")."""
+"""Where each engine step's time goes (docs/host_path.md).
+
+On an asynchronous device (CUDA) the timer synchronises before reading the clock, so a
+phase is billed for the device work it launched (the forward is not billed to sampling).
+"""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
@@ -20,7 +25,9 @@ class StepStats:
 
 
 class StepTimer:
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        """sync: waits for the device's queued work (None on synchronous devices)."""
+        self.sync = sync
         self.stats = StepStats()
         self._t = 0.0
         self._current: dict[str, float] = {}
@@ -30,6 +37,8 @@ class StepTimer:
         self._t = time.perf_counter()
 
     def mark(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         self._current[phase] += now - self._t
         self._t = now
