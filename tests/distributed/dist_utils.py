@@ -1,11 +1,13 @@
 """Helpers for multi-process tests: free ports, spawned ranks with bounded waits, cleanup."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 def free_port() -> int:
@@ -69,3 +71,60 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), timeout_s: f
                 p.kill()
                 p.join()
     return [results[r] for r in range(world)]
+
+
+def engine_children(server_pid: int) -> dict[int, int]:
+    """{data-parallel rank: pid} of the engine-core processes a server (or headless
+    launcher) started, read from /proc (no psutil)."""
+    from pathlib import Path
+    ranks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) != server_pid or \
+                b"wideserve.core.engine_proc" not in args:
+            continue
+        config = args[args.index(b"--config-json") + 1].decode()
+        import json
+        ranks[json.loads(config)["parallel"]["data_parallel_rank"]] = int(entry.name)
+    return ranks
+
+
+@contextlib.contextmanager
+def net_namespaces(names: tuple[str, str], addresses: tuple[str, str], veth: str
+                   ) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Two network namespaces joined by a veth pair (`{veth}0` / `{veth}1`), each with its
+    address on a /24; yields run_in(node, cmd, stdout) -> Popen inside node's namespace with
+    GLOO_SOCKET_IFNAME on its veth. The namespaces are deleted on the way out, always."""
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    def delete() -> None:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+    delete()
+    try:
+        for ns in names:
+            ip("netns", "add", ns)
+        ip("link", "add", f"{veth}0", "type", "veth", "peer", "name", f"{veth}1")
+        for i, ns in enumerate(names):
+            ip("link", "set", f"{veth}{i}", "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addresses[i]}/24", "dev", f"{veth}{i}")
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", f"{veth}{i}", "up")
+
+        def run_in(node: int, cmd: list[str], stdout: Any) -> subprocess.Popen:
+            env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=f"{veth}{node}",
+                       HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+            return subprocess.Popen(["ip", "netns", "exec", names[node], *cmd], env=env,
+                                    stdout=stdout, stderr=subprocess.STDOUT
+                                    if stdout is not subprocess.PIPE else None, text=True)
+        yield run_in
+    finally:
+        delete()

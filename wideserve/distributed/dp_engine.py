@@ -178,6 +178,9 @@ class LockstepLoop(EngineLoop):
 
     def run(self) -> None:
         idle_ms = self.engine.parallel.dp_idle_poll_ms
+        # SIGTERM asks for the agreed stop at the next sync (the headless launcher's stop);
+        # a rank stuck in a collective is then SIGKILLed by whoever sent it.
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))
         while True:
             busy = self.engine.has_unfinished_requests() or self.engine.group_busy
             self._take_input(timeout_ms=0 if busy else idle_ms)

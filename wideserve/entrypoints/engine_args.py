@@ -112,6 +112,12 @@ def one_line_error(self: argparse.ArgumentParser, message: str) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that become the EngineConfig (shared shape with vLLM's engine args)."""
+    from wideserve.distributed.args import add_parallel_args
+    _add_model_args(parser)
+    add_parallel_args(parser)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("model", nargs="?", default=None,
                    help="model directory or .gguf file (default: the bundled tiny model)")
@@ -156,6 +162,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     from wideserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+    from wideserve.distributed.args import parallel_config_from_args
     return EngineConfig(
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
@@ -172,6 +179,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         speculative=getattr(args, "speculative_config", None),
         kv_transfer=getattr(args, "kv_transfer_config", None),
         eplb=_eplb_from_args(args),
+        parallel=parallel_config_from_args(args),
     )
 
 

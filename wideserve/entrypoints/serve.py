@@ -33,6 +33,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="largest accepted request body (413 beyond)")
     g.add_argument("--enable-debug-endpoints", action="store_true",
                    help="expose GET /debug/kv_integrity and /debug/stats")
+    g.add_argument("--headless", action="store_true",
+                   help="run this node's data-parallel ranks only, no API server (the "
+                        "other nodes of a multi-node DEP deployment)")
+    g.add_argument("--dp-prefix-affinity", action="store_true",
+                   help="send prompts sharing a first block to the same data-parallel rank "
+                        "when it is not much busier (see BENCHMARKS.md)")
     g.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"))
     add_chat_args(parser)
@@ -83,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"wideserve serve: error: {e}", file=sys.stderr)
         return 2
+    if args.headless:
+        from wideserve.distributed.launch import run_headless
+        return run_headless(config)
     return serve_forever(args, config)
 
 

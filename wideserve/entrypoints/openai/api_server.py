@@ -33,6 +33,8 @@ from wideserve import __version__
 from wideserve.chat_templates import load_chat_template
 from wideserve.config import EngineConfig
 from wideserve.core.engine_client import EngineCoreClient, EngineStartupError
+from wideserve.distributed.dp_client import DPEngineClient
+from wideserve.distributed.dp_metrics import DPStatsCollector
 from wideserve.entrypoints.openai import serving_chat, serving_completions
 from wideserve.entrypoints.openai.serving_chat import chat_options
 from wideserve.entrypoints.openai.async_engine import AsyncEngine
@@ -46,6 +48,7 @@ from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engi
 from wideserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("wideserve.server")
+DP_FAILURE_GRACE_S = 2.0
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 
 
@@ -257,6 +260,11 @@ def _summary(info: dict[str, Any], ctx: ServingContext, url: str, config: Engine
         f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'})",
         f"serving:    {url}/v1  (health {url}/health, metrics {url}/metrics)",
     ]
+    p = config.parallel
+    if p.enabled:
+        lines.insert(3, f"parallel:   {p.data_parallel_size} data-parallel ranks"
+                        f"{', experts sharded over them (DEP)' if p.enable_expert_parallel else ''}"
+                        f"; the KV cache above is per rank")
     return "\n".join("wideserve | " + line for line in lines)
 
 
@@ -277,6 +285,25 @@ def serve_forever(args: Any, config: EngineConfig) -> int:
         sock.close()
 
 
+def _engine_client(args: Any, config: EngineConfig) -> EngineCoreClient | DPEngineClient:
+    if config.parallel.enabled:
+        return DPEngineClient(config, prefix_affinity=getattr(args, "dp_prefix_affinity", False))
+    return EngineCoreClient(config)
+
+
+async def _exit_when_group_fails(client: DPEngineClient, server: Any,
+                                 grace_s: float = DP_FAILURE_GRACE_S) -> None:
+    """Data-parallel ranks fail together and are not restarted in place: once the group is
+    dead, keep answering 503 (in-flight requests have their error) for grace_s, then exit
+    non-zero so a supervisor restarts the deployment (docs/distributed.md, "Failure")."""
+    while client.dead_reason is None:
+        await asyncio.sleep(0.2)
+    logger.error("data-parallel group failed (%s); exiting in %.0f s", client.dead_reason,
+                 grace_s)
+    await asyncio.sleep(grace_s)
+    server.should_exit = True
+
+
 async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
     import uvicorn
 
@@ -285,7 +312,7 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
     assert main_task is not None
     for sig in (signal.SIGINT, signal.SIGTERM):        # until uvicorn takes over
         loop.add_signal_handler(sig, main_task.cancel)
-    client = EngineCoreClient(config)
+    client = _engine_client(args, config)
     try:
         print(f"wideserve | loading {config.load.model or 'the bundled model'} ...",
               flush=True)
@@ -303,6 +330,9 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
             return 1
         names = list(args.served_model_name or [str(info.get("name", "model"))])
         metrics = ServerMetrics(names[0], lambda: client.stats)
+        if isinstance(client, DPEngineClient):
+            metrics.registry.register(DPStatsCollector(
+                lambda: client.rank_stats, names[0], lambda: client.balancer.picks))
         engine = AsyncEngine(client, tokenizer, metrics)
         client.on_step_times = metrics.observe_step_times
         ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
@@ -324,8 +354,12 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=args.log_level == "debug",
             timeout_graceful_shutdown=5, lifespan="on"))
+        watcher = asyncio.create_task(_exit_when_group_fails(client, server)) \
+            if isinstance(client, DPEngineClient) else None
         await server.serve(sockets=[sock])
-        return 0
+        if watcher is not None:
+            watcher.cancel()
+        return 1 if client.dead_reason is not None and watcher is not None else 0
     except asyncio.CancelledError:
         return 0
     finally:
