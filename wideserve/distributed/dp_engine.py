@@ -150,7 +150,9 @@ class DPEngineCore(EngineCore):
         """One token at position 0 through the whole model, writing only the null block."""
         self.dp.dummy_steps += 1
         null_tables = [[0] for _ in self.kv_config.groups]
-        self.runner.forward([StepRequest(DUMMY_REQUEST_ID, [0], 0, null_tables, sample=False)])
+        self.runner.forward([StepRequest(DUMMY_REQUEST_ID, [0], 0, null_tables, sample=False,
+                                         is_new=True)])
+        self.runner.drop([DUMMY_REQUEST_ID])        # its block-table row is not kept
         return []
 
     # ------------------------------------------------------------------------ stats
