@@ -1,6 +1,6 @@
 """router -> prefill -> decode over HTTP with NIXL between real server processes: greedy
-outputs equal one colocated server's; a killed prefill instance and a decode instance that
-never pulls each end as the policy says, with both sides' KV pools intact afterwards.
+outputs equal one colocated server's; a killed prefill instance and a killed decode instance
+each end their requests as the policy says, with the survivors' KV pools intact afterwards.
 
 Two prefill instances (the router balances over them), one decode instance, one router.
 """
@@ -130,15 +130,6 @@ def test_router_greedy_equals_colocated_streaming_and_not(cluster):
         _idle_and_intact(cluster[name])
 
 
-def test_decode_that_never_pulls_leaves_no_blocks_on_prefill(cluster):
-    p1 = cluster["p1"]
-    r = _complete(p1.url, PROMPTS[0], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    assert r["kv_transfer_params"]["do_remote_prefill"] is True
-    assert _stats(p1)["kv_usage"] > 0                      # held under the 3 s lease
-    _idle_and_intact(p1, timeout=15)
-    assert _stats(p1)["kv_transfer"]["leases_expired"] >= 1
-
-
 def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
     p2, d, router = cluster["p2"], cluster["d"], cluster["router"]
     expected = _complete(d.url, PROMPTS[2])["choices"][0]["text"]
@@ -156,3 +147,18 @@ def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
     assert _metric(metrics, "wideserve_router_upstream_errors_total", role="prefill") >= 1
     _idle_and_intact(d)
     _idle_and_intact(cluster["p1"])
+
+
+def test_decode_killed_holding_a_handle_frees_prefill_blocks_on_lease_expiry(cluster):
+    p1, d, router = cluster["p1"], cluster["d"], cluster["router"]
+    expired0 = _stats(p1)["kv_transfer"]["leases_expired"]
+    r = _complete(p1.url, PROMPTS[0], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert r["kv_transfer_params"]["do_remote_prefill"] is True
+    assert _stats(p1)["kv_usage"] > 0                      # held under the 3 s lease
+    d.close(signal.SIGKILL)
+    # Through the router the decode leg now fails fast with a clear error, not a hang ...
+    r = httpx.post(router + "/v1/completions", json={"prompt": PROMPTS[1], **GREEDY}, timeout=30)
+    assert r.status_code == 502 and "decode instance unreachable" in r.text
+    # ... and the prefill instance frees the held blocks when their leases expire.
+    _idle_and_intact(p1, timeout=15)
+    assert _stats(p1)["kv_transfer"]["leases_expired"] >= expired0 + 1

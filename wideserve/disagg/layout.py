@@ -57,19 +57,14 @@ class KVLayout:
 
     def __init__(self, kv_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor]) -> None:
         self.regions: list[Region] = []
-        first_region: dict[int, int] = {}
         for b in kv_config.buckets:
-            first_region[b.bucket_id] = len(self.regions)
             for j in range(b.num_slabs):
                 name = next(kv_config.groups[g].names[j] for g in b.group_ids
                             if len(kv_config.groups[g].names) > j)
                 flat = kv_caches[name].reshape(-1).view(torch.uint8)
                 assert flat.numel() == b.num_blocks * b.page_bytes
                 self.regions.append(Region(b.bucket_id, j, flat, b.page_bytes, b.num_blocks))
-        self.groups = [GroupPlan(
-            g.block_size, g.spec.window if g.is_sliding else 0,
-            np.arange(first_region[g.bucket_id], first_region[g.bucket_id] + len(g.names),
-                      dtype=np.int32)) for g in kv_config.groups]
+        self.groups = group_plans(kv_config)
         self.base = region_bases([r.num_blocks for r in self.regions])
         self.fingerprint = layout_fingerprint(kv_config)
 
@@ -91,6 +86,18 @@ def descriptor_table(regions: list[tuple[int, int, int, int]]) -> np.ndarray:
         rows.append(np.stack([addrs, np.full_like(addrs, page_bytes),
                               np.full_like(addrs, dev)], axis=1))
     return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
+
+
+def group_plans(kv_config: KVCacheConfig) -> list[GroupPlan]:
+    """Per group: page size, window and the regions (one per layer) backing it; regions are
+    numbered bucket by bucket, slab by slab."""
+    first, n = {}, 0
+    for b in kv_config.buckets:
+        first[b.bucket_id] = n
+        n += b.num_slabs
+    return [GroupPlan(g.block_size, g.spec.window if g.is_sliding else 0,
+                      np.arange(first[g.bucket_id], first[g.bucket_id] + len(g.names),
+                                dtype=np.int32)) for g in kv_config.groups]
 
 
 def region_bases(num_blocks: list[int]) -> np.ndarray:
