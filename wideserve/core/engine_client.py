@@ -42,16 +42,25 @@ class EngineStartupError(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, engine_path: str = DEFAULT_ENGINE,
-                 heartbeat_s: float = 1.0, stale_after_s: float = 60.0,
-                 env: dict[str, str] | None = None,
+                 heartbeat_s: float = 1.0, stale_after_s: float = 10.0,
+                 stall_timeout_s: float = 30.0, env: dict[str, str] | None = None,
                  addresses: tuple[str, str] | None = None, spawn: bool = True) -> None:
         """`addresses` (input, output) to bind instead of private ipc sockets; with
         spawn=False the engine is started elsewhere (a data-parallel rank on another node,
-        wideserve/distributed) and connects to them; its liveness is then its heartbeat."""
+        wideserve/distributed) and connects to them; its liveness is then its heartbeat.
+
+        Heartbeat (docs/reliability.md, "A hung engine"): silent for `stale_after_s`, the
+        engine is unhealthy (health() fails, new requests are refused) but may recover (a long
+        step); silent for `stall_timeout_s` (at least stale_after_s) it is declared dead:
+        open streams get the error and a process of ours is killed."""
+        if not 0 < heartbeat_s < stale_after_s:
+            raise ValueError(f"the engine heartbeat timeout ({stale_after_s} s) must exceed "
+                             f"the heartbeat interval ({heartbeat_s} s)")
         self.config = config
         self.engine_path = engine_path
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s
+        self.stall_timeout_s = max(stall_timeout_s, stale_after_s)
         self.env = env
         self.on_outputs: OutputsHandler = lambda outputs: None
         self.on_dead: DeadHandler = lambda reason: None
@@ -167,12 +176,23 @@ class EngineCoreClient:
         return self.dead_reason is None and not self._closed
 
     def health(self) -> tuple[bool, str]:
+        """(ok, why not): dead, shut down, or silent past the heartbeat timeout."""
         if self.dead_reason is not None:
             return False, self.dead_reason
-        silent = time.monotonic() - self.last_heard
+        if self._closed:
+            return False, "engine core shut down"
+        silent = self._silent_for()
         if silent > self.stale_after_s:
-            return False, f"engine core silent for {silent:.0f} s"
+            return False, f"engine core silent for {silent:.0f} s (no heartbeat: busy, hung " \
+                f"or stopped)"
         return True, "ok"
+
+    def _silent_for(self) -> float:
+        """Seconds since the engine was last heard from; 0 while its messages wait unread
+        (our own event loop was busy, not the engine)."""
+        if self._out_sock.closed or self._out_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return 0.0
+        return time.monotonic() - self.last_heard
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -196,15 +216,24 @@ class EngineCoreClient:
     async def _watchdog(self) -> None:
         while self.dead_reason is None:
             await asyncio.sleep(0.2)
-            if self.proc is None:                    # started elsewhere: only its heartbeat
-                silent = time.monotonic() - self.last_heard
-                if silent > self.stale_after_s:
-                    self._mark_dead(f"engine core silent for {silent:.0f} s")
-                continue
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 # Let a last EngineDead message (with the real reason) win the race.
                 await asyncio.sleep(0.2)
                 self._mark_dead(self._exit_message("exited"))
+                continue
+            silent = self._silent_for()
+            if silent > self.stall_timeout_s:
+                self._stalled(silent)
+
+    def _stalled(self, silent: float) -> None:
+        """No heartbeat for stall_timeout_s: hung (or SIGSTOPped). Declared dead so every
+        open stream gets an error now; a process of ours is killed (SIGKILL also ends a
+        stopped one) so it cannot wake later and compute for nobody."""
+        ours = self.proc is not None
+        self._mark_dead(f"engine core unresponsive: no heartbeat for {silent:.0f} s"
+                        + (" (killed)" if ours else ""))
+        if ours:
+            self._kill()
 
     # ------------------------------------------------------------------ traffic
 

@@ -42,7 +42,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"))
     add_chat_args(parser)
+    add_engine_health_args(parser)
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def add_engine_health_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine health (docs/reliability.md)")
+    g.add_argument("--engine-heartbeat-timeout", type=_seconds, default=10.0,
+                   help="seconds without a heartbeat from the engine core (it sends one each "
+                        "step, at least every second) before /health fails and new requests "
+                        "get 503; it recovers if the engine speaks again (default 10)")
+    g.add_argument("--engine-stall-timeout", type=_seconds, default=30.0,
+                   help="seconds without a heartbeat before the engine is declared hung: it "
+                        "is killed, open streams end with an error event, and the server "
+                        "exits with code 1 (default 30; at least the heartbeat timeout)")
 
 
 def _tool_parser_name(text: str) -> str:

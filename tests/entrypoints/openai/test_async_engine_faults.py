@@ -20,6 +20,9 @@ class _StubClient:
         self.on_outputs = lambda outputs: None
         self.on_dead = lambda reason: None
 
+    def health(self) -> tuple[bool, str]:
+        return self.dead_reason is None, self.dead_reason or "ok"
+
     async def add_requests(self, requests) -> None:
         self.added.extend(requests)
 

@@ -3,10 +3,14 @@ output handler, bad frames and requests, duplicate ids."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import msgspec
 
-from test_engine_proc_plumbing import _client, _collect, _req
+from test_engine_proc_plumbing import FAKE, _client, _collect, _env, _req
+from wideserve.config import EngineConfig
+from wideserve.core.engine_client import EngineCoreClient
 
 
 def test_a_failing_output_handler_does_not_stop_routing(caplog):
@@ -103,3 +107,31 @@ def test_a_duplicate_id_does_not_end_the_live_request(capfd):
 
     asyncio.run(main())
     assert "refused request" in capfd.readouterr().err
+
+
+def test_stale_heartbeat_fails_health_recovers_then_stall_kills():
+    async def main():
+        client = EngineCoreClient(EngineConfig(), engine_path=FAKE, heartbeat_s=0.2,
+                                  stale_after_s=0.6, stall_timeout_s=1.5, env=_env())
+        await client.start(timeout_s=30)
+        reasons: list[str] = []
+        client.on_dead = reasons.append
+        pid = client.proc.pid
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(1.0)
+            ok, why = client.health()
+            assert not ok and "silent" in why and not reasons      # unhealthy, not dead
+            os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(0.5)
+            assert client.health() == (True, "ok")                 # a long step, say
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(2.2)
+            assert reasons and "no heartbeat" in reasons[0] and "killed" in reasons[0]
+            assert client.proc.poll() == -signal.SIGKILL
+        finally:
+            if client.proc.poll() is None:
+                os.kill(pid, signal.SIGKILL)
+            await client.shutdown()
+
+    asyncio.run(main())

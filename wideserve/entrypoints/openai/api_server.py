@@ -39,6 +39,7 @@ from wideserve.entrypoints.openai import serving_chat, serving_completions
 from wideserve.entrypoints.openai.serving_chat import chat_options
 from wideserve.entrypoints.openai.async_engine import AsyncEngine
 from wideserve.entrypoints.openai.metrics import ServerMetrics
+from wideserve.entrypoints.openai.supervision import ExitOnEngineDeath
 from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, TokenizeChatRequest,
                                                    TokenizeCompletionRequest)
@@ -288,20 +289,8 @@ def serve_forever(args: Any, config: EngineConfig) -> int:
 def _engine_client(args: Any, config: EngineConfig) -> EngineCoreClient | DPEngineClient:
     if config.parallel.enabled:
         return DPEngineClient(config, prefix_affinity=getattr(args, "dp_prefix_affinity", False))
-    return EngineCoreClient(config)
-
-
-async def _exit_when_group_fails(client: DPEngineClient, server: Any,
-                                 grace_s: float = DP_FAILURE_GRACE_S) -> None:
-    """Data-parallel ranks fail together and are not restarted in place: once the group is
-    dead, keep answering 503 (in-flight requests have their error) for grace_s, then exit
-    non-zero so a supervisor restarts the deployment (docs/distributed.md, "Failure")."""
-    while client.dead_reason is None:
-        await asyncio.sleep(0.2)
-    logger.error("data-parallel group failed (%s); exiting in %.0f s", client.dead_reason,
-                 grace_s)
-    await asyncio.sleep(grace_s)
-    server.should_exit = True
+    return EngineCoreClient(config, stale_after_s=args.engine_heartbeat_timeout,
+                            stall_timeout_s=args.engine_stall_timeout)
 
 
 async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
@@ -354,12 +343,12 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=args.log_level == "debug",
             timeout_graceful_shutdown=5, lifespan="on"))
-        watcher = asyncio.create_task(_exit_when_group_fails(client, server)) \
-            if isinstance(client, DPEngineClient) else None
+        # Data-parallel ranks fail together and are not restarted in place
+        # (docs/distributed.md, "Failure"); either way the server exits non-zero.
+        death = ExitOnEngineDeath(client, server, grace_s=DP_FAILURE_GRACE_S
+                                  if isinstance(client, DPEngineClient) else 1.0)
         await server.serve(sockets=[sock])
-        if watcher is not None:
-            watcher.cancel()
-        return 1 if client.dead_reason is not None and watcher is not None else 0
+        return death.exit_code
     except asyncio.CancelledError:
         return 0
     finally:

@@ -112,8 +112,9 @@ class AsyncEngine:
                        arrival_time: float | None = None) -> AsyncIterator[StreamItem]:
         """Yield merged StreamItems until the request finishes; raises EngineDeadError if the
         engine dies, RequestFailed if the engine rejects it, ValueError for a bad request."""
-        if self.client.dead_reason is not None:
-            raise EngineDeadError(self.client.dead_reason)
+        ok, why = self.client.health()      # dead, or silent past the heartbeat timeout
+        if not ok:
+            raise EngineDeadError(why)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids,
                                                    params, arrival_time=arrival,

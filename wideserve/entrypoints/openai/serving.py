@@ -172,8 +172,8 @@ class ServingContext:
                            param="model", code="model_not_found")
 
     def check_alive(self) -> None:
-        reason = self.engine.client.dead_reason
-        if reason is not None:
+        ok, reason = self.engine.client.health()    # dead, or its heartbeat is stale
+        if not ok:
             raise engine_unavailable(reason)
 
     def check_priority(self, priority: int) -> None:
