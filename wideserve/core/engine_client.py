@@ -30,6 +30,7 @@ from wideserve.core.engine_proc import DEFAULT_ENGINE
 OutputsHandler = Callable[[list[Any]], None]
 DeadHandler = Callable[[str], None]
 logger = logging.getLogger(__name__)
+WATCH_S = 0.2                               # the watchdog's period
 
 
 class EngineDeadError(RuntimeError):
@@ -69,6 +70,7 @@ class EngineCoreClient:
         self.stats: dict[str, Any] = {}
         self.dead_reason: str | None = None
         self.last_heard = 0.0
+        self._silence = 0.0                 # maintained by the watchdog (_observe)
         self.proc: subprocess.Popen[bytes] | None = None
         self._ctx = zmq.asyncio.Context()
         self._tmpdir = tempfile.mkdtemp(prefix="wideserve-")
@@ -188,11 +190,19 @@ class EngineCoreClient:
         return True, "ok"
 
     def _silent_for(self) -> float:
-        """Seconds since the engine was last heard from; 0 while its messages wait unread
-        (our own event loop was busy, not the engine)."""
-        if self._out_sock.closed or self._out_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            return 0.0
-        return time.monotonic() - self.last_heard
+        """Seconds the engine has been silent, as the watchdog observed it (_observe)."""
+        return self._silence
+
+    def _observe(self, elapsed: float) -> None:
+        """One watchdog tick, `elapsed` seconds after the previous one. Silence grows by at
+        most WATCH_S * 5 per tick: if our own event loop was blocked (a long tokenisation),
+        messages the engine sent meanwhile are still unread, and that time is not the
+        engine's silence. (Peeking at the socket instead would steal the edge-triggered
+        wake-up the asyncio socket relies on.)"""
+        now = time.monotonic()
+        since = now - self.last_heard
+        self._silence = since if since <= elapsed else \
+            self._silence + min(elapsed, WATCH_S * 5)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -214,8 +224,12 @@ class EngineCoreClient:
         return f"engine core process {what} ({how})"
 
     async def _watchdog(self) -> None:
+        tick = time.monotonic()
         while self.dead_reason is None:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(WATCH_S)
+            now = time.monotonic()
+            self._observe(now - tick)
+            tick = now
             if self.proc is not None and self.proc.poll() is not None:
                 # Let a last EngineDead message (with the real reason) win the race.
                 await asyncio.sleep(0.2)
