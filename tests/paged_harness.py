@@ -41,9 +41,11 @@ class PagedHarness:
                 self.group_specs.append(spec)
             self.cache_group[name] = self.group_specs.index(spec)
         num_blocks = 1 + max_reqs * self.blocks_per_req
-        self.kv_caches = {
-            name: torch.zeros(num_blocks, spec.entries_per_block(self.block_size), spec.width,
-                              dtype=spec.dtype, device=self.device)
+        self.kv_caches = {   # quantised records: uint8 [blocks, entries, record bytes]
+            name: torch.zeros(num_blocks, spec.entries_per_block(self.block_size),
+                              spec.width if spec.record_format == "raw" else spec.entry_bytes,
+                              dtype=spec.dtype if spec.record_format == "raw" else torch.uint8,
+                              device=self.device)
             for name, spec in self.specs.items()}
         for name, owner in shared.items():
             self.kv_caches[name] = self.kv_caches[owner]
@@ -105,7 +107,8 @@ class PagedHarness:
 
     def _poison_out_of_window(self, slots: list[int]) -> None:
         for name, spec in self.specs.items():
-            if spec.kind is not CacheKind.SLIDING_WINDOW or not spec.dtype.is_floating_point:
+            if (spec.kind is not CacheKind.SLIDING_WINDOW or not spec.dtype.is_floating_point
+                    or spec.record_format != "raw"):
                 continue
             cache = self.kv_caches[name].view(-1, spec.width)
             for s in slots:

@@ -4,6 +4,7 @@ prefix caching (keep and replay) and preemption; shared KV records stay consiste
 integrity check counts each block once)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -44,21 +45,24 @@ def case(tmp_path_factory):
     with h.kv_quant_off():
         expected = _oracle_greedy(m, prompts + shared)
     return dict(path=str(path), prompts=prompts, shared=shared,
-                expected=expected[:len(prompts)], expected_shared=expected[len(prompts):])
+                expected=expected[:len(prompts)], expected_shared=expected[len(prompts):],
+                expected_quantised=_oracle_greedy(m, prompts[:3]))
 
 
 def _llm(case, **kw) -> LLM:
+    # Quantisers off on both sides (see tests/models/test_deepseek_v41.py), so values are
+    # stored as they are ("raw").
     args = dict(dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 26,
-                skip_tokenizer_init=True)
+                skip_tokenizer_init=True, kv_cache_dtype="raw")
     args.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return LLM(case["path"], **args)
 
 
-def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def _generate(llm: LLM, prompts: list[list[int]], quant: bool = False) -> list[list[int]]:
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    with h.kv_quant_off():
+    with contextlib.nullcontext() if quant else h.kv_quant_off():
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -85,4 +89,14 @@ def test_preemption_does_not_change_outputs(case):
     llm = _llm(case, max_num_batched_tokens=64, num_blocks_override=12, max_num_seqs=5)
     assert _generate(llm, case["prompts"]) == case["expected"]
     assert llm.engine.get_stats().num_preemptions > 0
+    _check_idle(llm)
+
+
+def test_packed_records_greedy_matches_the_quantised_reference(case):
+    """The reference's FP8 / NVFP4 / MXFP4 records, packed in uint8 caches (890 B/token on
+    Flash), chunked at 13 tokens a step with prefix caching."""
+    llm = _llm(case, max_num_batched_tokens=13, enable_prefix_caching=True,
+               kv_cache_dtype="auto")
+    assert llm.engine.kv_caches["model.layers.2.attn.compressed"].dtype == torch.uint8
+    assert _generate(llm, case["prompts"][:3], quant=True) == case["expected_quantised"]
     _check_idle(llm)

@@ -62,8 +62,14 @@ def _maybe_off(quant: str):
     return h.kv_quant_off() if quant == "off" else contextlib.nullcontext()
 
 
-def _harness(model, seqs) -> PagedHarness:
-    return PagedHarness(model, max_reqs=len(seqs), max_len=max(map(len, seqs)) + 4)
+def _harness(model, seqs, kv: str = "auto") -> PagedHarness:
+    """kv: the kv_cache_dtype; "auto" packs the reference's records, "raw" stores values."""
+    return PagedHarness(model, max_reqs=len(seqs), max_len=max(map(len, seqs)) + 4,
+                        specs=model.kv_cache_specs(kv))
+
+
+def _kv(quant: str) -> str:
+    return "raw" if quant == "off" else "auto"
 
 
 @pytest.mark.parametrize("quant", ["off", "on"])
@@ -71,7 +77,7 @@ def _harness(model, seqs) -> PagedHarness:
 def test_oneshot_prefill(oracle, name, quant):
     _, _, ws, seqs, refs = oracle(name, quant)
     with _maybe_off(quant):
-        out = _harness(ws, seqs).step([0, 1], seqs)
+        out = _harness(ws, seqs, _kv(quant)).step([0, 1], seqs)
     assert out.dtype == torch.float32
     assert (out - torch.cat(refs)).abs().max().item() <= (TOL if quant == "off" else TOL_QUANT)
 
@@ -86,7 +92,7 @@ def test_chunked_prefill_then_decode(oracle, name, quant):
     worst = 0.0
     with _maybe_off(quant):
         for group in groups:
-            hr = _harness(ws, seqs)
+            hr = _harness(ws, seqs, _kv(quant))
             done = [0, 0]
             for i in range(max(len(steps[r]) for r in group)):
                 slots = [r for r in group if i < len(steps[r])]
@@ -100,6 +106,22 @@ def test_chunked_prefill_then_decode(oracle, name, quant):
                     done[r] += len(chunk)
             assert all(done[r] == len(seqs[r]) for r in group)
     assert worst <= (TOL if quant == "off" else TOL_QUANT)
+
+
+def test_packed_records_give_the_same_logits_as_stored_values(oracle):
+    """Packed FP8 / NVFP4 / MXFP4 records (uint8 caches) read back exactly the quantised
+    values that a float cache stores, in bf16 or fp32: logits are bit-identical."""
+    _, _, ws, seqs, _ = oracle("A")
+    plan = [5, 7, 3, 11] + [1] * (len(seqs[0]) - 26)
+    outs = {}
+    for kv in ("auto", "raw", "bf16"):
+        hr, done, rows = _harness(ws, seqs[:1], kv), 0, []
+        for n in plan:
+            rows.append(hr.step([0], [seqs[0][done:done + n]]))
+            done += n
+        outs[kv] = torch.cat(rows)
+    assert hr.kv_caches["model.layers.2.attn.compressed"].dtype == torch.bfloat16
+    assert torch.equal(outs["auto"], outs["raw"]) and torch.equal(outs["auto"], outs["bf16"])
 
 
 def _official_state(m) -> dict[str, torch.Tensor]:
@@ -139,7 +161,7 @@ def test_official_names_load_the_same_model(oracle, tmp_path):
 
 def test_shared_records_are_allocated_and_counted_once(oracle):
     _, _, ws, _, _ = oracle("A")
-    specs = ws.kv_cache_specs()
+    specs = ws.kv_cache_specs("raw")
     shared = {n: s.owner for n, s in specs.items() if isinstance(s, SharedKVSpec)}
     # Reuse / reindex layers 3, 5, 7, 8, 9 read the sources 2, 4, 6; layers 0, 1 are SWA.
     assert shared == {f"model.layers.{i}.attn.compressed": f"model.layers.{s}.attn.compressed"
@@ -152,6 +174,11 @@ def test_shared_records_are_allocated_and_counted_once(oracle):
     # fp32 raw records: 2 sources at ratio 2, 1 at ratio 1 -> 2 entries/token of (64 + 32) * 4 B.
     assert cfg.bytes_per_token == {"compressed": 2 * c.head_dim * 4,
                                    "indexer": 2 * c.index_head_dim * 4}
+    packed = build_kv_cache_config(ws.kv_cache_specs(), CacheConfig(block_size=16,
+                                                                   kv_cache_memory=1 << 24))
+    # NVFP4 entry: 32 code bytes + 4 E4M3 scales; MXFP4 key: 16 + 1 UE8M0; FP8 window 64 + 2.
+    assert packed.bytes_per_token == {"compressed": 2 * 36, "indexer": 2 * 17}
+    assert packed.bounded_bytes_per_request["window"] == 10 * c.sliding_window * 66
     caches = allocate_kv_tensors(cfg, "cpu")
     for name, owner in shared.items():
         assert caches[name] is caches[owner] and cfg.cache_group[name] == cfg.cache_group[owner]

@@ -146,8 +146,8 @@ def test_load_weights_errors_and_quantised_cache():
         if t.is_floating_point():
             torch.nn.init.normal_(t.data, std=0.1)
     h = PagedHarness(model, 1, 16)
-    name = "model.layers.1.self_attn.compressed"
-    h.kv_caches[name] = torch.zeros_like(h.kv_caches[name], dtype=torch.uint8)
+    name = "model.layers.1.self_attn.state"     # compressor state: always raw fp32
+    h.kv_caches[name] = torch.zeros_like(h.kv_caches[name], dtype=torch.uint8)   # no codec
     with pytest.raises(ValueError, match="quantised"):
         h.step([0], [random_tokens(8, 256, 0)])
 

@@ -20,6 +20,7 @@ from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
 from wideserve.core.kv_cache.manager import KVCacheManager
 from wideserve.core.kv_cache.spec import split_shared
+from wideserve.layers.kv_quant import SPEC_FORMATS
 from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
 from wideserve.core.scheduler import Scheduler
@@ -160,11 +161,11 @@ class EngineCore:
         specs = self.model.kv_cache_specs(cache.kv_cache_dtype)
         if self.spec is not None:
             specs = {**specs, **self.spec.kv_cache_specs(cache.kv_cache_dtype)}
-        quantised = sorted({s.record_format for s in split_shared(specs)[0].values()
-                            if s.record_format != "raw"})
-        if quantised:
+        unsupported = sorted({s.record_format for s in split_shared(specs)[0].values()
+                              if s.record_format != "raw" and s.record_format not in SPEC_FORMATS})
+        if unsupported:
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: storing KV records as "
-                             f"{', '.join(quantised)} is not supported for execution yet; "
+                             f"{', '.join(unsupported)} is not supported for execution; "
                              f"use auto or bf16")
         kv_config = build_kv_cache_config(specs, cache, sched, device=self.device,
                                           max_model_len=self.max_model_len)

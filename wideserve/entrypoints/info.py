@@ -14,6 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from wideserve.core.kv_cache.spec import SharedKVSpec, split_shared
+
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _LAYER_RE = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.")
@@ -98,12 +100,22 @@ def _block_of(name: str) -> tuple[str, int] | None:
 def attention_labels(specs: dict) -> dict[tuple[str, int], str]:
     """(block kind, index) -> "SWA(128)" / "CSA(4)" / "HCA(128)" / "full", from cache specs."""
     by_block: dict[tuple[str, int], list] = defaultdict(list)
+    reads: dict[tuple[str, int], str] = {}
     for name, spec in specs.items():
         block = _block_of(name)
-        if block is not None:
+        if block is None:
+            continue
+        if isinstance(spec, SharedKVSpec):   # reads another layer's records (V4.1 reuse)
+            reads[block] = spec.owner
+        else:
             by_block[block].append(spec)
     labels = {}
     for block, block_specs in by_block.items():
+        if block in reads:
+            owner = reads[block]
+            labels[block] = (f"CSA({specs[owner].compress_ratio}) reads layer "
+                             f"{_block_of(owner)[1]}")
+            continue
         roles = {s.role: s for s in block_specs}
         if "compressed" in roles:
             kind = "CSA" if "indexer" in roles else "HCA"
@@ -120,7 +132,7 @@ def mlp_labels(model, config_json: dict) -> dict[tuple[str, int], str]:
     kinds: dict[tuple[str, int], set[str]] = defaultdict(set)
     for name in model.state_dict(keep_vars=True):
         block = _block_of(name)
-        if block is None or ".mlp." not in name:
+        if block is None or (".mlp." not in name and ".ffn." not in name):
             continue
         if name.endswith("gate.tid2eid"):
             kinds[block].add("hash")
@@ -154,6 +166,7 @@ def _schedule_lines(specs: dict, model, config_json: dict) -> list[str]:
 def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
     per_token: dict[str, float] = defaultdict(float)
     bounded: dict[str, int] = defaultdict(int)
+    specs, shared = split_shared(specs)
     for spec in specs.values():
         per_token[spec.role] += spec.bytes_per_token
         bounded[spec.role] += spec.bounded_bytes
@@ -165,6 +178,9 @@ def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
     lines.append(f"  {'total':14s} {_num(total_tok):>20s} {_num(total_bounded):>20s}")
     lines.append(f"  total KV per token: {_num(total_tok)} B; per request: {_bytes(total_bounded)} "
                  f"bounded + {_bytes(total_tok * _ONE_MILLION)} at {_ONE_MILLION:,} tokens")
+    if shared:
+        lines.append(f"  {len(shared)} more caches read other layers' records "
+                     f"(cross-layer sharing: stored and counted once)")
     if mtp_specs:
         mtp_bounded = sum(s.bounded_bytes for s in mtp_specs.values())
         mtp_tok = sum(s.bytes_per_token for s in mtp_specs.values())

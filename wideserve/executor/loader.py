@@ -154,8 +154,12 @@ def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.dev
                 full = f"{mod_name}.{name}" if mod_name else name
                 target = (torch.float32 if param.is_floating_point() and keeps_fp32(cls, full)
                           else dtype if full in follow else param.dtype)
+                # Modules marked host_resident (e.g. V4.1's Engram tables, far larger than a
+                # device) keep their parameters in host memory; they gather rows themselves.
+                where = ("cpu" if getattr(module, "host_resident", False)
+                         and torch.device(device).type != "meta" else device)
                 made[id(param)] = nn.Parameter(
-                    torch.empty(param.shape, dtype=target, device=device), requires_grad=False)
+                    torch.empty(param.shape, dtype=target, device=where), requires_grad=False)
             module._parameters[name] = made[id(param)]
     return model.eval()
 

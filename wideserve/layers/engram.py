@@ -113,9 +113,11 @@ class HostTable(nn.Module):
     """An embedding table that stays in host memory (`weight` [rows, dim]); `gather(ids)`
     reads rows by id on the host and returns them on the ids' device."""
 
+    host_resident = True    # the loader allocates it in host memory (executor/loader.py)
+
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, dim, device="cpu"), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
 
     def _apply(self, fn, recurse: bool = True):   # noqa: ANN001 - nn.Module's signature
         # Moving the model (to a GPU, or to another dtype) leaves the table where it is:

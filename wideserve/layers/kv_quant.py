@@ -13,11 +13,23 @@ low nibble holds the even channel; bit 3 is the sign (layers/quant.py, same as t
 
 `fake_quant(x, fmt)` is quantise-then-dequantise (what a reader of the record sees);
 `pack(x, fmt)` -> uint8 records [..., record_bytes] and `unpack(records, fmt, width)` -> float32
-give the same values: unpack(pack(x)) == fake_quant(x) bit for bit.
+give the same values: unpack(pack(x)) == fake_quant(x) bit for bit. (Quantising a quantised
+value again is not always a no-op for nvfp4, so writers pass the unquantised values.)
+
+DeepSeek-V4's `fp8_ds_mla` record (`--kv-cache-dtype fp8`, 584 B for 512 channels): the
+D - r non-rotary channels as FP8 in groups of 64 with power-of-two (UE8M0) scales, the r rotary
+channels as bf16, then the scales and one pad byte.
+
+`RecordCodec` is what a cache's reader and writer use (attention/v4_step.py): a cache stored as
+uint8 holds packed records; one stored as floats holds the dequantised values (exact in bf16:
+every value above has at most 5 significant bits).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 FORMATS = ("fp8", "nvfp4", "mxfp4")
 GROUP = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}
@@ -125,3 +137,91 @@ def unpack(records: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
         values = _e2m1_value(torch.stack([code_bytes & 0xF, code_bytes >> 4], dim=-1)
                              ).flatten(-2)
     return (values.unflatten(-1, (-1, g)) * scale[..., None]).flatten(-2)
+
+
+# ------------------------------------------------------------------ DeepSeek-V4 fp8_ds_mla
+def _ds_mla_split(width: int, rope_dim: int) -> int:
+    nope = width - rope_dim
+    if nope <= 0 or rope_dim < 0:
+        raise ValueError(f"fp8_ds_mla needs 0 <= rope_dim < width, got width {width}, "
+                         f"rope_dim {rope_dim}")
+    return nope
+
+
+def _ds_mla_quantise(x: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-rotary channels in groups of 64 (the last one may be short) -> (FP8 codes
+    [..., nope], power-of-two scales [..., ceil(nope/64), 1])."""
+    nope = _ds_mla_split(x.shape[-1], rope_dim)
+    groups = F.pad(x[..., :nope].float(), (0, -nope % 64)).unflatten(-1, (-1, 64))
+    scale = _pow2_ceil(groups.abs().amax(-1, keepdim=True).clamp_min(1e-4) * (1 / 448))
+    codes = (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes.flatten(-2)[..., :nope], scale
+
+
+def _ds_mla_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    nope = codes.shape[-1]
+    grouped = F.pad(codes.float(), (0, -nope % 64)).unflatten(-1, (-1, 64))
+    return (grouped * scale).flatten(-2)[..., :nope]
+
+
+def ds_mla_fake_quant(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    codes, scale = _ds_mla_quantise(x, rope_dim)
+    rope = x[..., x.shape[-1] - rope_dim:].to(torch.bfloat16).float()
+    return torch.cat([_ds_mla_values(codes, scale), rope], dim=-1).to(x.dtype)
+
+
+def ds_mla_pack(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """[nope FP8 codes | rope_dim bf16 | ceil(nope/64) UE8M0 scales | 1 pad byte]."""
+    codes, scale = _ds_mla_quantise(x, rope_dim)
+    lead = x.shape[:-1]
+    rope = x[..., x.shape[-1] - rope_dim:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    scales = ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).reshape(*lead, -1)
+    pad = torch.zeros(*lead, 1, dtype=torch.uint8, device=x.device)
+    return torch.cat([codes.contiguous().view(torch.uint8), rope, scales, pad], dim=-1)
+
+
+def ds_mla_unpack(records: torch.Tensor, width: int, rope_dim: int) -> torch.Tensor:
+    nope = _ds_mla_split(width, rope_dim)
+    codes = records[..., :nope].contiguous().view(torch.float8_e4m3fn)
+    rope = records[..., nope:nope + 2 * rope_dim].contiguous().view(torch.bfloat16).float()
+    n_scales = -(-nope // 64)
+    scale_bytes = records[..., nope + 2 * rope_dim:nope + 2 * rope_dim + n_scales]
+    scale = (scale_bytes.to(torch.int32) << 23).view(torch.float32)[..., None]
+    return torch.cat([_ds_mla_values(codes, scale), rope], dim=-1)
+
+
+# ------------------------------------------------------------------ per-cache codecs
+# KVCacheSpec.record_format -> the format above.
+SPEC_FORMATS = {"fp8_ue8m0": "fp8", "nvfp4_ds_mla": "nvfp4", "mxfp4_index": "mxfp4",
+                "fp8_ds_mla": "fp8_ds_mla"}
+
+
+@dataclass(frozen=True, slots=True)
+class RecordCodec:
+    """How one cache's entries are quantised (fmt: fp8 | nvfp4 | mxfp4 | fp8_ds_mla)."""
+
+    fmt: str
+    width: int
+    rope_dim: int = 0
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "fp8_ds_mla":
+            return ds_mla_fake_quant(x, self.rope_dim)
+        return fake_quant(x, self.fmt)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "fp8_ds_mla":
+            return ds_mla_pack(x, self.rope_dim)
+        return pack(x, self.fmt)
+
+    def unpack(self, records: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "fp8_ds_mla":
+            return ds_mla_unpack(records, self.width, self.rope_dim)
+        return unpack(records, self.fmt, self.width)
+
+
+def codec_for(record_format: str, width: int, rope_dim: int = 0) -> RecordCodec:
+    if record_format not in SPEC_FORMATS:
+        raise ValueError(f"no codec for KV record format {record_format!r}; known: "
+                         f"{sorted(SPEC_FORMATS)}")
+    return RecordCodec(SPEC_FORMATS[record_format], width, rope_dim)

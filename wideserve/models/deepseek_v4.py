@@ -21,6 +21,7 @@ from wideserve.executor.forward_batch import ForwardBatch
 from wideserve.layers.attention.registry import resolve_attention_backend
 from wideserve.layers.attention.v4_attention import DeepseekV4Attention
 from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.kv_quant import RecordCodec, codec_for
 from wideserve.layers.mhc import HyperConnection, HyperHead, hc_expand
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
@@ -139,6 +140,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         # Pre-hc_head streams of the last forward's tokens [T, n, d] (MTP input).
         self.last_streams: torch.Tensor | None = None
         self.last_mtp_streams: torch.Tensor | None = None
+        self._fp8_codecs: dict[str, RecordCodec] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -164,7 +166,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, d] after hc_head and the final norm."""
-        step = V4Step(batch)
+        step = V4Step(batch, self._packed_codecs(batch))
         x = self.model.embed_tokens(batch.input_ids)                          # [T, d]
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.model.layers:
@@ -183,7 +185,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if depth >= len(self.mtp):
             raise ValueError(f"MTP depth {depth} requested but the model has {len(self.mtp)} "
                              f"MTP block(s) (num_nextn_predict_layers)")
-        step = V4Step(batch)
+        step = V4Step(batch, self._packed_codecs(batch))
         embeds = self.model.embed_tokens(next_token_ids)
         hidden, self.last_mtp_streams = self.mtp[depth].run(embeds, streams, step,
                                                             next_token_ids)
@@ -193,6 +195,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # ------------------------------------------------------------------ KV cache
+    def _packed_codecs(self, batch: ForwardBatch) -> dict[str, RecordCodec]:
+        """Codecs of the caches this batch stores as quantised records (uint8 tensors:
+        --kv-cache-dtype fp8). This step's own rows are used as computed; what later steps
+        read back is the records' values (as vLLM: the fresh rows skip the round trip)."""
+        if self._fp8_codecs is None:
+            specs = {**self.kv_cache_specs("fp8"), **self.mtp_kv_cache_specs("fp8")}
+            self._fp8_codecs = {n: codec_for(s.record_format, s.width, s.rope_dim)
+                                for n, s in specs.items() if s.record_format != "raw"}
+        caches = batch.kv_caches
+        return {n: c for n, c in self._fp8_codecs.items()
+                if n in caches and caches[n].dtype == torch.uint8}
+
     def _specs(self, kv_cache_dtype: str) -> tuple[KVCacheSpec, ...]:
         """(window, compressed, indexer) specs for one dtype choice; ratio filled later."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:

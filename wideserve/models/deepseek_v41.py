@@ -27,13 +27,16 @@ from wideserve.executor.forward_batch import ForwardBatch
 from wideserve.layers.attention.v41_attention import CSA2State, DeepseekV41Attention
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
+from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.mhc import HyperConnection, sinkhorn
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
 from wideserve.models.deepseek_v41_config import FULL, SWA, DeepseekV41Config
 
-KV_CACHE_DTYPES = ("auto", "bf16")
+# auto / fp8: the reference's records, packed (FP8 window, NVFP4 entries, MXFP4 keys);
+# bf16 / raw: the same quantised values stored as bf16 / the model dtype (exact, more bytes).
+KV_CACHE_DTYPES = ("auto", "fp8", "bf16", "raw")
 ENGRAM_TOKENS = "model.engram.tokens"
 
 
@@ -144,6 +147,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                                  dtype=torch.float32)
         self._hasher: NgramHasher | None = None
         self._token_map: torch.Tensor | None = None
+        self._codecs = self._record_codecs()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -214,7 +218,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, d] after the final collapse and norm."""
         c = self.config
-        step = V4Step(batch)
+        step = V4Step(batch, self._codecs)
         ids = batch.input_ids
         x = self.model.embed_tokens(ids)
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
@@ -231,6 +235,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.lm_head(hidden.float())
 
     # ------------------------------------------------------------------ KV cache
+    def _record_codecs(self) -> dict[str, RecordCodec]:
+        """Every window, compressed and indexer-key cache is quantised, however stored."""
+        c = self.config
+        codecs = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.attn."
+            codecs[p + "window"] = RecordCodec("fp8", c.head_dim)
+            if c.compress_ratio(i):
+                codecs[p + "compressed"] = RecordCodec("nvfp4", c.head_dim)
+                codecs[p + "indexer_keys"] = RecordCodec("mxfp4", c.index_head_dim)
+        return codecs
+
     def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec | SharedKVSpec]:
         """Every layer owns its window; KV sources own their compressed entries, indexer keys
         and (ratio > 1) compressor state; reindex / reuse layers' compressed caches are the
@@ -240,12 +256,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {kv_cache_dtype!r}")
         c = self.config
-        dtype = self.dtype if kv_cache_dtype == "auto" else torch.bfloat16
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else self.dtype
+        packed = kv_cache_dtype in ("auto", "fp8")
+        fmt = {"window": "fp8_ue8m0", "compressed": "nvfp4_ds_mla",
+               "indexer": "mxfp4_index"} if packed else {}
         specs: dict[str, KVCacheSpec | SharedKVSpec] = {}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}.attn."
             specs[p + "window"] = KVCacheSpec(CacheKind.SLIDING_WINDOW, "window", c.head_dim,
-                                              dtype, window=c.sliding_window)
+                                              dtype, window=c.sliding_window,
+                                              record_format=fmt.get("window", "raw"))
             mode, m = c.layer_mode(i), c.compress_ratio(i)
             if mode == SWA:
                 continue
@@ -253,10 +273,12 @@ class DeepseekV41ForCausalLM(nn.Module):
                 specs[p + "compressed"] = SharedKVSpec(
                     f"model.layers.{c.kv_source_of(i)}.attn.compressed")
                 continue
-            specs[p + "compressed"] = KVCacheSpec(CacheKind.FULL, "compressed", c.head_dim,
-                                                  dtype, compress_ratio=m)
-            specs[p + "indexer_keys"] = KVCacheSpec(CacheKind.FULL, "indexer",
-                                                    c.index_head_dim, dtype, compress_ratio=m)
+            specs[p + "compressed"] = KVCacheSpec(
+                CacheKind.FULL, "compressed", c.head_dim, dtype, compress_ratio=m,
+                record_format=fmt.get("compressed", "raw"))
+            specs[p + "indexer_keys"] = KVCacheSpec(
+                CacheKind.FULL, "indexer", c.index_head_dim, dtype, compress_ratio=m,
+                record_format=fmt.get("indexer", "raw"))
             if m > 1:
                 specs[p + "compressor_state"] = KVCacheSpec(
                     CacheKind.SLIDING_WINDOW, "state", 2 * c.head_dim, torch.float32, window=m)
@@ -294,13 +316,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         return loaded
 
     def param_counts(self) -> tuple[int, int]:
+        """(total, active per token): routed experts count at k/E; an Engram table (in host
+        memory) only with the rows a token gathers."""
         c = self.config
-        total = routed = 0
+        total = routed = tables = 0
         for name, p in self.named_parameters():
             total += p.numel()
             if ".experts." in name:
                 routed += p.numel()
-        return total, total - routed + routed * c.num_experts_per_tok // c.n_routed_experts
+            elif name.endswith(".engram.embed.weight"):
+                tables += p.numel()
+        gathered = (len(c.engram_layers) * (c.engram_max_ngram_size - 1) * c.engram_n_heads
+                    * c.engram_head_dim)
+        active = (total - routed - tables + routed * c.num_experts_per_tok // c.n_routed_experts
+                  + gathered)
+        return total, active
 
 
 # ------------------------------------------------------------------ checkpoint names

@@ -206,8 +206,11 @@ class DeepseekV41Attention(nn.Module):
         cis = step.cis(self.rope)
         q_res = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(q_res).view(T, self.num_heads, self.head_dim), cis)
-        kv = kv_quant.fake_quant(rotate(self.kv_norm(self.wkv(x)), cis), "fp8")
-        step.write_window_rows(self.prefix + "window", kv)
+        # Caches get the unquantised values (their codec quantises, step.codecs); this step's
+        # own rows use the same quantised values a later step reads back.
+        raw = rotate(self.kv_norm(self.wkv(x)), cis)
+        step.write_window_rows(self.prefix + "window", raw)
+        kv = kv_quant.fake_quant(raw, "fp8")
         if self.mode == FULL:
             self._write_entries(x, step)
         if self.mode in (FULL, REINDEX):
@@ -224,10 +227,9 @@ class DeepseekV41Attention(nn.Module):
         if plan.num_entries == 0:
             return
         cis = step.entry_cis(self.rope, self.ratio, False)
-        entries = kv_quant.fake_quant(rotate(latent, cis), "nvfp4")
-        step.write_entries(self.prefix + "compressed", plan, entries)
+        step.write_entries(self.prefix + "compressed", plan, rotate(latent, cis))  # -> NVFP4
         keys = rotate(self.indexer.k_norm(self.indexer.wk(latent)), cis)
-        step.write_entries(self.keys_name, plan, kv_quant.fake_quant(keys, "mxfp4"))
+        step.write_entries(self.keys_name, plan, keys)                         # -> MXFP4
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> grouped wo_a (one block per head group) -> wo_b -> [T, d]."""

@@ -18,7 +18,7 @@ Glossary
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, Quer
                                                   build_query_blocks, build_token_blocks,
                                                   build_window_keys)
 from wideserve.layers.compressor import CompressPlan, build_compress_plan
+from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.rope import RotaryTable, rope_cis
 
 
@@ -47,8 +48,13 @@ class V4AttentionParams(Protocol):
 class V4Step:
     """Per-forward batch layout and cache access helpers (one per ForwardBatch)."""
 
-    def __init__(self, batch: ForwardBatch) -> None:
+    def __init__(self, batch: ForwardBatch,
+                 codecs: Mapping[str, RecordCodec] | None = None) -> None:
+        """codecs: cache name -> how its entries are quantised (layers/kv_quant.py). A cache
+        stored as uint8 holds packed records (packed on write, unpacked on read); a float cache
+        with a codec stores the dequantised values; a cache without one stores what is written."""
         self.batch = batch
+        self.codecs = codecs or {}
         self.positions = batch.positions
         self.device = batch.positions.device
         self.qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
@@ -190,13 +196,29 @@ class V4Step:
         return self.batch.kv_groups[self.batch.cache_group[name]]
 
     def flat_cache(self, name: str) -> tuple[torch.Tensor, KVGroupView]:
-        """The cache `name` viewed as [slots, width], and its group view."""
+        """The cache `name` viewed as [slots, width or record bytes], and its group view."""
         view = self._view(name)
         cache = self.batch.kv_caches[name]
-        if not cache.dtype.is_floating_point:
-            raise ValueError(f"KV cache {name!r} holds quantised records ({cache.dtype}); the "
-                             f"DeepSeek-V4 forward needs raw float caches")
+        if not cache.dtype.is_floating_point and name not in self.codecs:
+            raise ValueError(f"KV cache {name!r} holds quantised records ({cache.dtype}) but "
+                             f"the model gave no codec for it")
         return cache.view(-1, cache.shape[-1]), view
+
+    def _read(self, name: str, flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `slots` of cache `name` as fp32 values [N, width] (unpacked records)."""
+        rows = flat.index_select(0, slots)
+        if flat.dtype == torch.uint8:
+            return self.codecs[name].unpack(rows)
+        return rows.float()
+
+    def _encode(self, name: str, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows to store in cache `name`: packed records, quantised values, or as given."""
+        codec = self.codecs.get(name)
+        if codec is None:
+            return rows.to(flat.dtype)
+        if flat.dtype == torch.uint8:
+            return codec.pack(rows)
+        return codec.fake_quant(rows).to(flat.dtype)
 
     def write_window_rows(self, name: str, rows: torch.Tensor) -> None:
         """Write one row per new token through the group's slot mapping (every new token has
@@ -204,13 +226,13 @@ class V4Step:
         flat, view = self.flat_cache(name)
         if view.slot_mapping is None:
             raise ValueError("a per-position KV cache group has no slot_mapping")
-        flat.index_copy_(0, view.slot_mapping, rows.to(flat.dtype))
+        flat.index_copy_(0, view.slot_mapping, self._encode(name, flat, rows))
 
     def write_entries(self, name: str, plan: CompressPlan, entries: torch.Tensor) -> None:
         flat, view = self.flat_cache(name)
         slots = self._once(("entry_slots", id(view), id(plan)), lambda: self._slots(
             view, plan.req, plan.entry))
-        flat.index_copy_(0, slots, entries.to(flat.dtype))
+        flat.index_copy_(0, slots, self._encode(name, flat, entries))
 
     def gather_state(self, name: str, step_rows: torch.Tensor, plan: CompressPlan,
                      num_series: int) -> torch.Tensor:
@@ -243,13 +265,13 @@ class V4Step:
         """Cached per-position rows of request r for positions [start, end) -> [end-start, C]."""
         flat, view = self.flat_cache(name)
         pos = torch.arange(start, end, device=self.device)
-        return flat[view.entry_slots(torch.full_like(pos, r), pos)]
+        return self._read(name, flat, view.entry_slots(torch.full_like(pos, r), pos))
 
     def read_entries(self, name: str, r: int, count: int) -> torch.Tensor:
         """Compressed entries 0..count-1 of request r -> [count, C]."""
         flat, view = self.flat_cache(name)
         idx = torch.arange(count, device=self.device)
-        return flat[view.entry_slots(torch.full_like(idx, r), idx)]
+        return self._read(name, flat, view.entry_slots(torch.full_like(idx, r), idx))
 
     # ------------------------------------------------------------------ batched cache reads
     def window_history(self, name: str, window: int) -> torch.Tensor:
@@ -265,7 +287,7 @@ class V4Step:
             safe = np.where(pos >= self.lo[:, None], pos, 0)
             return self._slots(view, req, safe).flatten()
 
-        return flat.index_select(0, self._once(("hist", id(view), window), build)).float()
+        return self._read(name, flat, self._once(("hist", id(view), window), build))
 
     def request_entry_slots(self, name: str, ratio: int) -> torch.Tensor:
         """[R, K] cache slots of entries 0..K-1 (K = `entry_width(ratio)`) of every request
@@ -290,11 +312,11 @@ class V4Step:
         flat, view = self.flat_cache(name)
         slots = self._once(("block_slots", id(view), id(blocks), ratio), lambda: (
             self.request_entry_slots(name, ratio).index_select(0, blocks.block_req)))
-        rows = flat.index_select(0, slots[a:b].flatten()).float()              # [(b-a)*K, C]
+        rows = self._read(name, flat, slots[a:b].flatten())                  # [(b-a)*K, C]
         i, j = np.searchsorted(ent.unwritten_host, (a * K, b * K))
         if j > i:
             rows = rows.index_fill_(0, ent.unwritten[i:j] - a * K, 0.0)
-        return rows.view(b - a, K, flat.shape[-1])
+        return rows.view(b - a, K, rows.shape[-1])
 
     def gather_picked(self, name: str, ratio: int, block_req: torch.Tensor, picks: torch.Tensor,
                       chosen: torch.Tensor) -> torch.Tensor:
@@ -307,14 +329,14 @@ class V4Step:
         # otherwise unchosen rows may hold anything and are zeroed.
         if int(self.active_seq.min(initial=ratio)) >= ratio:
             flat, _ = self.flat_cache(name)
-            rows = flat.index_select(0, slots.flatten()).float()
-            return rows.view(*picks.shape, flat.shape[-1])
+            rows = self._read(name, flat, slots.flatten())
+            return rows.view(*picks.shape, rows.shape[-1])
         return self.gather_rows(name, slots, chosen)
 
     def gather_rows(self, name: str, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """flat[slots] as fp32 with rows where `valid` is False set to 0 (they may hold NaN or
         stale data, and 0-weight * NaN would still be NaN) -> [*slots.shape, width]."""
         flat, _ = self.flat_cache(name)
-        rows = flat.index_select(0, slots.flatten()).float()
+        rows = self._read(name, flat, slots.flatten())
         rows = torch.where(valid.reshape(-1, 1), rows, 0.0)
-        return rows.view(*slots.shape, flat.shape[-1])
+        return rows.view(*slots.shape, rows.shape[-1])
