@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from wideserve.structured_outputs.params import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -53,6 +55,7 @@ class SamplingParams:
     # P/D disaggregation (vLLM's name and shape): {"do_remote_decode": true} on the prefill
     # leg; the prefill's handle ({"do_remote_prefill": true, ...}) on the decode leg.
     kv_transfer_params: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None   # constrained decoding
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -67,6 +70,9 @@ class SamplingParams:
                 raise ValueError("kv_transfer_params must be an object")
             if self.n != 1:
                 raise ValueError(f"kv_transfer_params: needs n == 1, got n={self.n}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -34,6 +34,7 @@ from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
                                         compute_prompt_logprobs, make_generator)
 from wideserve.request import Request
 from wideserve.spec_decode.decoder import SpecDecoder
+from wideserve.structured_outputs.manager import StructuredOutputManager
 from wideserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ class EngineCore:
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(
+            config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
+            self.device)
         self._generators: dict[str, torch.Generator] = {}
         # Prompt logprobs gathered over a request's prefill chunks until its first output.
         self._prompt_logprobs: dict[str, TokenLogprobs] = {}
@@ -214,7 +218,8 @@ class EngineCore:
                                                               self.device)
         if req.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[req.request_id] = TokenLogprobs()
-        self.scheduler.add_request(request)
+        if not self.structured.hold(request):       # else: scheduled once its grammar is ready
+            self.scheduler.add_request(request)
 
     def _check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
         params = req.sampling_params.kv_transfer_params
@@ -228,10 +233,20 @@ class EngineCore:
             raise ValueError(problem)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured.drop(request_ids)
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self.structured.has_pending
+
+    def _admit_structured(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled join the scheduler; failed ones end in an error."""
+        for request in self.structured.ready(0.0 if self.scheduler.has_requests() else 0.01):
+            self.scheduler.add_request(request)
+        failed, self.structured.failed = self.structured.failed, []
+        return [EngineCoreOutput(request_id=rid, finish_reason="error",
+                                 error="the structured-output grammar failed to compile")
+                for rid in failed]
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
@@ -243,12 +258,14 @@ class EngineCore:
         timer.start()
         if self.kv_connector is not None:
             self.kv_connector.finish_step()
+        grammar_errors = self._admit_structured()
         try:
             sched_out = self.scheduler.schedule()
         except Exception as e:
             raise self._broken_by("scheduling", e) from e
         if self.kv_connector is not None:
             self.kv_connector.start_step(sched_out)
+        self.structured.drop(sched_out.finished_req_ids)
         for rid in sched_out.finished_req_ids:
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
@@ -264,13 +281,14 @@ class EngineCore:
             try:
                 sampled, logprobs = self._execute(sched_out)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-                return self._fail_step(sched_out, e)
+                return self._fail_step(sched_out, e) + grammar_errors
             if self.eplb is not None:
                 self.eplb.step()
         try:
             outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
         except Exception as e:
             raise self._broken_by("the scheduler's update", e) from e
+        outputs.extend(grammar_errors)
         if self.spec is not None:
             self.spec.commit(sched_out)
         for out in outputs:
@@ -318,10 +336,13 @@ class EngineCore:
         propose = None
         if self.spec is not None:
             sampled, logprobs, propose = self.spec.verify(
-                sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size)
+                sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size,
+                grammar=self.structured)
         elif fwd.logits is not None:
             rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
             sampled, logprobs = self._sample(rows, fwd.logits)
+        for rid, tokens in sampled.items():
+            self.structured.accept(rid, tokens)
         for i, logits in fwd.prompt_logits.items():
             self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, logits)
         for rid in sampled:
@@ -345,6 +366,7 @@ class EngineCore:
             [r.sampling_params for r in rows], [r.output_token_ids for r in rows],
             [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
             eos_token_ids=self.eos_token_ids)
+        md.grammar = self.structured.masks(rows)
         out = self.sampler(logits, md)
         token_ids = out.token_ids.tolist()
         lp = out.logprobs.tolists() if out.logprobs is not None else None

@@ -1,9 +1,10 @@
 """The reference sampler: one batched pass from logits [R, V] to one token per request.
 
 Order of operations (vLLM v1's order):
-  raw logits -> min_tokens mask (stop ids to -inf) -> penalties (repetition over prompt+output,
-  frequency/presence over output) -> greedy rows: argmax -> random rows: temperature -> min_p ->
-  top_k -> top_p -> softmax -> exponential race argmax(probs / Exp(1)).
+  raw logits -> grammar mask (structured outputs) -> min_tokens mask (stop ids to -inf) ->
+  penalties (repetition over prompt+output, frequency/presence over output) -> greedy rows:
+  argmax -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> exponential race
+  argmax(probs / Exp(1)).
 Logprobs are "raw" (vLLM's default `logprobs_mode="raw_logprobs"`): log_softmax of the logits as
 the model produced them, before the mask, penalties or temperature. Rank = 1 + the number of
 tokens with a strictly larger logprob (ties share the best rank).
@@ -27,6 +28,7 @@ import torch
 
 from wideserve.device import to_device
 from wideserve.sampling_params import SAMPLING_EPS, SamplingParams
+from wideserve.structured_outputs.grammar import GrammarMask
 
 _NEG_INF = float("-inf")
 
@@ -60,6 +62,7 @@ class SamplingMetadata:
     stop_mask_rows: torch.Tensor | None  # [M] int64 \ (row, token) pairs set to -inf while a
     stop_mask_cols: torch.Tensor | None  # [M] int64 / request is below min_tokens
     max_num_logprobs: int | None       # max top-N over rows asking for logprobs; None = no row
+    grammar: GrammarMask | None = None  # structured outputs: allowed tokens of constrained rows
 
 
 @dataclass(slots=True)
@@ -304,8 +307,11 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_
 
 
 def processed_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """raw [N, V] fp32 -> after the stop mask and penalties (what greedy takes argmax of)."""
+    """raw [N, V] fp32 -> after the grammar mask, the stop mask and penalties (what greedy
+    takes argmax of)."""
     x = raw
+    if md.grammar is not None:
+        x = md.grammar.apply(x)
     if md.stop_mask_rows is not None:
         x = x.index_put((md.stop_mask_rows, md.stop_mask_cols),
                         torch.tensor(_NEG_INF, device=x.device))

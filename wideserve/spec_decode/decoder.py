@@ -30,6 +30,7 @@ from wideserve.spec_decode.config import SpeculativeConfig
 from wideserve.spec_decode.metrics import SpecDecodeStats
 from wideserve.spec_decode.proposer import ProposeInput, Proposer
 from wideserve.spec_decode.rejection_sampler import RejectionSampler, VerifyOutput
+from wideserve.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("wideserve.spec_decode")
 
@@ -84,10 +85,13 @@ class SpecDecoder:
     # ------------------------------------------------------------------------- a step
     def verify(self, sched_out: SchedulerOutput, step_reqs: list[StepRequest],
                fwd: ForwardOutput, generators: Mapping[str, torch.Generator],
-               eos_token_ids: Sequence[int], vocab_size: int
+               eos_token_ids: Sequence[int], vocab_size: int,
+               grammar: StructuredOutputManager | None = None
                ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs], ProposeInput]:
         """Tokens (accepted drafts + 1) and logprobs per sampled request, and what `propose`
-        needs (call it before the scheduler's update, while every block is held)."""
+        needs (call it before the scheduler's update, while every block is held). With
+        structured outputs every row's target is masked by the grammar state after the
+        drafts before it, so constrained speculation stays lossless."""
         requests = [s.request for s in sched_out.scheduled]
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, StepLogprobs] = {}
@@ -97,7 +101,7 @@ class SpecDecoder:
             rows = fwd.sample_rows
             drafts = [sched_out.scheduled[i].spec_token_ids for i in rows]
             out = self._verify(fwd.logits, [requests[i] for i in rows], drafts, generators,
-                               eos_token_ids, vocab_size)
+                               eos_token_ids, vocab_size, grammar)
             lp = out.logprobs.tolists() if out.logprobs is not None else None
             offset = 0
             for m, i in enumerate(rows):
@@ -129,7 +133,8 @@ class SpecDecoder:
     # ------------------------------------------------------------------------ helpers
     def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
                 generators: Mapping[str, torch.Generator], eos_token_ids: Sequence[int],
-                vocab_size: int) -> VerifyOutput:
+                vocab_size: int, grammar: StructuredOutputManager | None = None
+                ) -> VerifyOutput:
         num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
         params: list[SamplingParams] = []
         outputs: list[list[int]] = []
@@ -149,6 +154,8 @@ class SpecDecoder:
                 prompts.append(r.prompt_token_ids)
         md = build_sampling_metadata(params, outputs, prompts, gens, logits.device, vocab_size,
                                      eos_token_ids=eos_token_ids)
+        if grammar is not None:
+            md.grammar = grammar.masks(reqs, drafts)
         forced = self._forced(reqs, num_drafts) if self.config.is_forced else None
         out = self.sampler(logits, md, num_drafts,
                            np.fromiter((t for d in drafts for t in d), dtype=np.int64,

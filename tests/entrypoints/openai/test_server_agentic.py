@@ -1,8 +1,14 @@
 """The agentic chat surface end to end through the openai SDK, on the bundled model served
 with vLLM's tool flags: tools validated (400s naming the field), tool_choice variants, the
-role riding on the first streamed delta."""
+role riding on the first streamed delta, structured outputs in every spelling (outputs
+validated with jsonschema), forced tool calls, and auto calls parsed whole and streamed (the
+SDK's own stream assembly)."""
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import openai
 import pytest
 
@@ -86,3 +92,96 @@ def test_role_comes_with_the_first_content_delta(client):
                                           temperature=0.0)
     text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices if ch.index == 0)
     assert text == full.choices[0].message.content
+
+
+# ---- structured outputs and forced tool calls ---------------------------------------------
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"], "additionalProperties": False}
+HERMES_CALLS = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Verona|Mantua)"\}'
+                r'\}</tool_call><tool_call>\{"name": "clock", "arguments": \{"tz": '
+                r'"(Verona|Mantua)"\}\}</tool_call>')
+
+
+def _streamed(client, **kw):
+    """The SDK's own assembly of a streamed completion (deltas, tool-call arguments)."""
+    with client.chat.completions.stream(model=BUNDLED, **kw) as stream:
+        return stream.get_final_completion()
+
+
+def test_response_format_json_schema_whole_and_streamed(client):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                 "strict": True}}
+    full = client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=48,
+                                          temperature=0.0, response_format=rf)
+    jsonschema.validate(json.loads(full.choices[0].message.content), PERSON)
+    streamed = _streamed(client, messages=ASK, max_tokens=48, temperature=0.0,
+                         response_format=rf)
+    assert streamed.choices[0].message.content == full.choices[0].message.content
+    obj = client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=48,
+                                         temperature=0.0, response_format={"type": "json_object"},
+                                         extra_body={"max_tokens": 48})
+    assert obj.choices[0].finish_reason == "length" or \
+        isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_vllm_spellings_regex_choice_and_guided_aliases(client):
+    r = client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=8,
+                                       temperature=0.0,
+                                       extra_body={"structured_outputs": {"choice": ["yea", "nay"]}})
+    assert r.choices[0].message.content in ("yea", "nay")
+    r = client.completions.create(model=BUNDLED, prompt="ROMEO:", max_tokens=12, temperature=0.0,
+                                  extra_body={"guided_regex": r"[A-Z][a-z]{2,5}!"})
+    assert re.fullmatch(r"[A-Z][a-z]{2,5}!", r.choices[0].text)
+    r = client.completions.create(model=BUNDLED, prompt="ROMEO:", max_tokens=48, temperature=0.0,
+                                  extra_body={"guided_json": PERSON})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"guided_json": "{not json"}, "guided_json"),
+])
+def test_bad_constraints_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param
+
+
+def _calls(message):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_and_required_tool_choice_guarantee_valid_calls(client, stream):
+    make = (lambda **kw: _streamed(client, **kw)) if stream else \
+        (lambda **kw: client.chat.completions.create(model=BUNDLED, **kw))
+    named = make(messages=ASK, tools=[WEATHER_TOOL, CLOCK_TOOL], max_tokens=40, temperature=0.0,
+                 tool_choice={"type": "function", "function": {"name": "clock"}})
+    ((name, args),) = _calls(named.choices[0].message)
+    assert name == "clock" and named.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(args, CLOCK_TOOL["function"]["parameters"])
+    required = make(messages=ASK, tools=[WEATHER_TOOL, CLOCK_TOOL], max_tokens=60,
+                    temperature=0.0, tool_choice="required", parallel_tool_calls=False)
+    ((name, args),) = _calls(required.choices[0].message)
+    tool = {"get_weather": WEATHER_TOOL, "clock": CLOCK_TOOL}[name]
+    jsonschema.validate(args, tool["function"]["parameters"])
+    assert required.choices[0].message.content is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_parallel_hermes_calls(client, stream):
+    # The regex makes the tiny model write two Hermes calls; the server's parser reads them.
+    kw = dict(messages=ASK, tools=[WEATHER_TOOL, CLOCK_TOOL], max_tokens=200, temperature=0.0,
+              extra_body={"structured_outputs": {"regex": HERMES_CALLS}})
+    r = _streamed(client, **kw) if stream else client.chat.completions.create(model=BUNDLED, **kw)
+    calls = _calls(r.choices[0].message)
+    assert [c[0] for c in calls] == ["get_weather", "clock"]
+    assert calls[0][1]["city"] in ("Verona", "Mantua") and r.choices[0].finish_reason == "tool_calls"
+    assert len({c.id for c in r.choices[0].message.tool_calls}) == 2

@@ -44,6 +44,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None   # vLLM: usage on every chunk
 
 
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one constraint (checked when served)."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    # Accepted as vLLM does, and ignored here (llguidance keeps JSON whitespace compact).
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model_config = _REQUEST_CONFIG
@@ -72,6 +86,14 @@ class _SamplingFields(BaseModel):
     priority: Annotated[Int, Field(ge=-(2**31), le=INT32_MAX)] = 0
     # P/D disaggregation (vLLM's field): set by `wideserve router`, see docs/disaggregation.md.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's structured outputs, and its older guided_* spellings of the same.
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None            # ignored: one engine here
+    guided_whitespace_pattern: str | None = None          # ignored, as above
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":
@@ -223,9 +245,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: type {self.response_format.type!r} "
-                             "is not supported (only 'text')")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with "
                              "add_generation_prompt")

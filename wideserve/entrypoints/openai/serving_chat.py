@@ -9,7 +9,8 @@ sends it (benchmark clients time the first token from the first chunk with choic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from functools import partial
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,8 +23,11 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ChatOption
                                                   chat_logprobs, engine_unavailable, now_s,
                                                   request_failed_error, respond, sse,
                                                   stream_error_event, usage_dict)
+from wideserve.entrypoints.openai.structured import structured_params
 from wideserve.entrypoints.openai.tool_parsers import (ToolCallStream, ToolParser,
                                                        calls_to_openai, get_tool_parser)
+from wideserve.entrypoints.openai.tool_parsers.json_formats import (NamedCallParser,
+                                                                    RequiredCallsParser)
 from wideserve.entrypoints.openai.tools import ToolSetup, resolve_tools
 from wideserve.sampling_params import SamplingParams
 
@@ -44,7 +48,7 @@ class _Call:
     num_logprobs: int | None
     echo_prefix: str
     tools: ToolSetup
-    tool_parser: type[ToolParser] | None     # set when calls are parsed out of the text
+    tool_parser: Callable[[], ToolParser] | None   # set when calls are read out of the text
     thinks: bool | None                      # None: no reasoning parser; else starts inside
 
 
@@ -80,16 +84,26 @@ def chat_options(args: Any) -> ChatOptions:
                        getattr(args, "reasoning_parser", None))
 
 
-def _tool_parser(ctx: ServingContext, setup: ToolSetup) -> type[ToolParser] | None:
+def _tool_parser(ctx: ServingContext, setup: ToolSetup) -> Callable[[], ToolParser] | None:
+    """auto: the server's parser reads the model's own call syntax; required / named: the
+    output is constrained to a call in JSON, read by a parser for that JSON."""
+    if setup.mode == "named":
+        assert setup.named is not None
+        return partial(NamedCallParser, setup.named)
+    if setup.mode == "required":
+        return RequiredCallsParser
     if setup.mode != "auto" or ctx.chat.tool_call_parser is None:
         return None
     return get_tool_parser(ctx.chat.tool_call_parser)
 
 
-def _keeps_markers(ctx: ServingContext, parser: type[ToolParser]) -> bool:
+def _keeps_markers(ctx: ServingContext, parser: Callable[[], ToolParser]) -> bool:
     """Whether a parser's markers are special tokens (which detokenising would drop)."""
+    markers = getattr(parser, "markers", ())
+    if not markers:
+        return False
     special = set(ctx.tokenizer.all_special_ids)
-    ids = ctx.tokenizer.convert_tokens_to_ids(parser.markers)
+    ids = ctx.tokenizer.convert_tokens_to_ids(markers)
     return any(i is not None and i in special for i in ids)
 
 
@@ -98,9 +112,6 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     ctx.check_priority(req.priority)
     setup = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           ctx.chat.enable_auto_tool_choice and ctx.chat.tool_call_parser is not None)
-    if setup.mode in ("required", "named"):
-        raise ApiError(400, f"tool_choice: {setup.mode!r} tool choice needs structured "
-                            "outputs, which this server does not enable yet", param="tool_choice")
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:        # templates of reasoning models read it
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
@@ -110,6 +121,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
+    params.structured_outputs = structured_params(req, setup)
     parser = _tool_parser(ctx, setup)
     if parser is not None and _keeps_markers(ctx, parser):
         params.skip_special_tokens = False

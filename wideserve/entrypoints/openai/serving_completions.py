@@ -19,6 +19,7 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingCon
                                                   merge_streams, now_s, request_failed_error,
                                                   respond, sse, stream_error_event,
                                                   usage_dict)
+from wideserve.entrypoints.openai.structured import structured_params
 from wideserve.sampling_params import SamplingParams
 
 
@@ -62,9 +63,11 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
     ctx.check_model(req.model)
     ctx.check_priority(req.priority)
     prompts = []
+    constraint = structured_params(req)
     for text, ids in await _prompts(ctx, req):
         max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
         params = ctx.sampling_params(req, max_tokens, req.logprobs)
+        params.structured_outputs = constraint
         if req.echo and text is None:
             text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
         prompts.append(_Prompt(text, ids, params))

@@ -100,3 +100,38 @@ class Llama3JsonToolParser(ToolParser):
                 break
             i = skip_ws(text, i + 1)
         return result
+
+
+class NamedCallParser(ToolParser):
+    """tool_choice naming a function: the output (constrained to the function's parameters
+    schema) is that call's arguments. Made per request, not chosen by flag."""
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def parse(self, text: str, final: bool) -> ParseResult:
+        return ParseResult("", [ParsedCall(self.function, trim_partial(text, final), final)])
+
+
+class RequiredCallsParser(ToolParser):
+    """tool_choice "required": the output (constrained) is `[{"name": ..., "parameters":
+    {...}}, ...]`."""
+    name = "required"
+
+    def parse(self, text: str, final: bool) -> ParseResult:
+        result = ParseResult("")
+        i = skip_ws(text, 0)
+        if i >= len(text) or text[i] != "[":
+            return result
+        i = skip_ws(text, i + 1)
+        while i < len(text) and text[i] == "{":
+            call, end = call_from_object(text, i, len(text), final)
+            result.calls.append(call)
+            if end is None or call.name is None:
+                break
+            i = skip_ws(text, end)
+            if i >= len(text) or text[i] != ",":
+                break
+            i = skip_ws(text, i + 1)
+        return result

@@ -1,0 +1,144 @@
+"""Structured outputs in the engine, on the bundled Shakespeare model: the grammar, not the
+model, makes outputs valid; masks touch only constrained rows; speculation under a grammar
+is lossless; compilation is off the step loop; a grammar that fails ends only its request."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import warnings
+
+import jsonschema
+import pytest
+import torch
+
+from wideserve import LLM, SamplingParams
+from wideserve.core.messages import EngineCoreRequest
+from wideserve.structured_outputs.grammar import GrammarMask, unpack_bitmask
+from wideserve.structured_outputs.params import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "mood": {"enum": ["merry", "sad", "wroth"]},
+    "lines": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2}},
+    "required": ["name", "age", "mood", "lines"], "additionalProperties": False}
+PROMPTS = ["ROMEO: Tell me of thyself.\nJULIET:", "HAMLET.\n", "To be, or not to be",
+           "KING HENRY.\nMy lord,"]
+REGEX = r"(ROMEO|JULIET|NURSE): [A-Z][a-z]{1,8}[.!?]"
+
+
+def _llm(spec: dict | None = None, **kw) -> LLM:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LLM(None, dtype="float32", device="cpu", speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _llm()
+
+
+def _texts(llm, prompts, sp):
+    return [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def test_bitmask_unpacks_and_masks_only_constrained_rows():
+    vocab = 70
+    allowed = torch.rand(2, vocab) < 0.3
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for t in range(vocab):
+        words[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    bitmask = words.to(torch.int32)      # wraps bit 31 into the sign, as llguidance's does
+    assert torch.equal(unpack_bitmask(bitmask, vocab), allowed)
+    logits = torch.randn(4, vocab)
+    out = GrammarMask(torch.tensor([3, 1]), bitmask).apply(logits)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+    for row, g in ((3, 0), (1, 1)):
+        assert torch.equal(out[row][allowed[g]], logits[row][allowed[g]])
+        assert torch.isneginf(out[row][~allowed[g]]).all()
+
+
+def test_the_grammar_makes_the_tiny_model_write_valid_json(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=SO(json=json.dumps(SCHEMA)))
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=96,
+                             structured_outputs=SO(json=json.dumps(SCHEMA)))
+    for out in _texts(llm, PROMPTS, greedy) + _texts(llm, PROMPTS[:2], sampled):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    # Unconstrained, the same model writes verse, not JSON.
+    free = _texts(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24))[0].text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free)
+
+
+def test_regex_choice_grammar_and_unconstrained_neighbours(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = _texts(llm, PROMPTS[1:2], plain)[0].text
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(regex=REGEX)),
+              plain,
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=SO(
+                  choice=["yea", "nay", "perchance"])),
+              SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(
+                  grammar='start: "My " ("lord" | "liege") "," " " /[a-z]{2,6}/ "."'))]
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert re.fullmatch(REGEX, outs[0].text), outs[0].text
+    assert outs[1].text == alone                 # the batch's masks left this row alone
+    assert outs[2].text in ("yea", "nay", "perchance")
+    assert re.fullmatch(r"My (lord|liege), [a-z]{2,6}\.", outs[3].text), outs[3].text
+
+
+@pytest.mark.parametrize("spec", [{"method": "mtp", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 3}])
+def test_speculation_under_a_grammar_is_lossless(llm, spec):
+    params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=SO(
+        json=json.dumps(SCHEMA))), SamplingParams(temperature=0.0, max_tokens=16,
+                                                  structured_outputs=SO(regex=REGEX)),
+              SamplingParams(temperature=0.0, max_tokens=16)]
+    prompts = PROMPTS[:3]
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec_llm = _llm(spec)
+    got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == base
+    sd = spec_llm.engine.get_stats().spec_decode
+    assert sd.num_drafts > 0 and sd.num_accepted_tokens > 0   # drafts were really verified
+
+
+def _request(rid: str, llm, prompt: str, sp: SamplingParams) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, llm.tokenizer.encode(prompt), sp)
+
+
+def test_compilation_is_off_the_step_loop_and_failures_end_one_request(llm, monkeypatch):
+    engine = llm.engine
+    gate = threading.Event()
+    compile_ = engine.structured._compile
+
+    def slow_compile(request):
+        gate.wait(30)
+        return compile_(request)
+
+    monkeypatch.setattr(engine.structured, "_compile", slow_compile)
+    so = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=SO(choice=["ay"]))
+    engine.add_request(_request("constrained", llm, PROMPTS[0], so))
+    engine.add_request(_request("free", llm, PROMPTS[1], SamplingParams(temperature=0.0,
+                                                                        max_tokens=4)))
+    finished: dict[str, str] = {}
+    for _ in range(8):                       # the free request runs to the end meanwhile
+        for out in engine.step():
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"free": "length"}
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+    assert finished["constrained"] == "stop"
+    monkeypatch.undo()
+    # A grammar that cannot compile (the server checks first; the engine still copes).
+    bad = SamplingParams(max_tokens=4, structured_outputs=SO(regex="[a-"))
+    engine.add_request(_request("bad", llm, PROMPTS[0], bad))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
