@@ -30,7 +30,8 @@ ASK = [{"role": "user", "content": "What is the weather in Verona?"}]
 @pytest.fixture(scope="module")
 def server(request):
     srv = RemoteServer(["--device", "cpu", "--kv-cache-memory", "64MiB",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--reasoning-parser", "deepseek_r1"])
     yield from served(request, srv)
 
 
@@ -185,3 +186,34 @@ def test_auto_parses_parallel_hermes_calls(client, stream):
     assert [c[0] for c in calls] == ["get_weather", "clock"]
     assert calls[0][1]["city"] in ("Verona", "Mantua") and r.choices[0].finish_reason == "tool_calls"
     assert len({c.id for c in r.choices[0].message.tool_calls}) == 2
+
+
+# ---- reasoning ----------------------------------------------------------------------------
+
+THINK_THEN_CALL = (r'<think>[a-z]{2,6}( [a-z]{2,6}){0,2}</think><tool_call>\{"name": "clock", '
+                   r'"arguments": \{"tz": "Verona"\}\}</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_content_then_answer_and_then_a_call(client, stream):
+    kw = dict(messages=ASK, max_tokens=60, temperature=0.0, extra_body={
+        "structured_outputs": {"regex": r"<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>\n"
+                                        r"[A-Z][a-z]{2,8}\."}})
+    if stream:
+        chunks = list(client.chat.completions.create(model=BUNDLED, stream=True, **kw))
+        deltas = [ch.delta for c in chunks for ch in c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+        assert deltas[0].role == "assistant"
+        assert all("<think>" not in (d.content or "") for d in deltas)
+    else:
+        msg = client.chat.completions.create(model=BUNDLED, **kw).choices[0].message
+        reasoning, content = msg.reasoning_content, msg.content
+    assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,3}", reasoning), reasoning
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}\.", content), content   # leading newline dropped
+    r = client.chat.completions.create(
+        model=BUNDLED, messages=ASK, tools=[CLOCK_TOOL], max_tokens=80, temperature=0.0,
+        extra_body={"structured_outputs": {"regex": THINK_THEN_CALL}})
+    msg = r.choices[0].message
+    assert msg.reasoning_content and _calls(msg) == [("clock", {"tz": "Verona"})]
+    assert r.choices[0].finish_reason == "tool_calls"
