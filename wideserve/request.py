@@ -47,6 +47,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of full prompt/output blocks
     stop_reason: int | str | None = None
+    group_id: str | None = None              # the client request it belongs to (None: itself)
     # P/D disaggregation (disagg/params.py): what the router asked of this request.
     kv_transfer_params: dict[str, Any] | None = None
 

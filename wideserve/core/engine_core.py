@@ -212,6 +212,7 @@ class EngineCore:
         self._check_kv_transfer_params(req)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                           arrival_time=req.arrival_time, priority=req.priority,
+                          group_id=req.group_id,
                           kv_transfer_params=req.sampling_params.kv_transfer_params)
         if req.sampling_params.seed is not None:
             self._generators[req.request_id] = make_generator(req.sampling_params.seed,

@@ -14,6 +14,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    # The client request this sequence belongs to (prompts x n of one HTTP request share
+    # it); admission is fair across groups (core/request_queue.py). None: its own group.
+    group_id: str | None = None
 
 
 @dataclass(slots=True)

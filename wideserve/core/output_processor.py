@@ -80,8 +80,11 @@ class OutputProcessor:
     # ----------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
-                    priority: int = 0) -> list[EngineCoreRequest]:
-        """Register a request; returns the engine-core requests to submit (one per child)."""
+                    priority: int = 0, group_id: str | None = None
+                    ) -> list[EngineCoreRequest]:
+        """Register a request; returns the engine-core requests to submit (one per child).
+        `group_id`: the client request it is part of (several prompts of one HTTP request);
+        default its own id. Every child carries it, for fair admission across groups."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -97,7 +100,8 @@ class OutputProcessor:
                                           CompletionOutput(index=i, text="", token_ids=[]))
             self._child_parent[cid] = request_id
             core_requests.append(EngineCoreRequest(cid, list(prompt_token_ids), child_params,
-                                                   arrival, priority))
+                                                   arrival, priority,
+                                                   group_id=group_id or request_id))
         self._parents[request_id] = parent
         return core_requests
 

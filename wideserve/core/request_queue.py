@@ -1,4 +1,5 @@
-"""Waiting queues for the scheduler: FCFS (arrival order) and PRIORITY ((priority, arrival)).
+"""Waiting queues for the scheduler: FCFS (arrival order, fair across client requests) and
+PRIORITY ((priority, arrival)).
 
 Both support what the scheduler needs: peek/pop the head, add a new request at its place,
 put a preempted request back at the front (FCFS) or at its key's place (PRIORITY: a lower
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Iterator, Protocol
 
 from wideserve.request import Request
@@ -25,31 +26,79 @@ class RequestQueue(Protocol):
 
 
 class FCFSQueue:
+    """First come, first served across client requests, round-robin within.
+
+    One client request may carry thousands of sequences (prompts x n); plain FCFS over
+    sequences would admit all of them before a later request's first one. Sequences are
+    queued per group (`Request.group_id`, default the request itself) and admission takes
+    the head of the group that waited longest since its last admission: a group goes to
+    the back of the order after each admission, a new group joins at the back. With one
+    sequence per group this is exactly arrival order. Preempted requests resume first, in
+    arrival order (FCFS preempts the latest-admitted first, so prepending in preemption
+    order keeps them sorted)."""
+
     def __init__(self) -> None:
-        self._q: deque[Request] = deque()
+        self._resumed: deque[Request] = deque()
+        self._groups: OrderedDict[str, deque[Request]] = OrderedDict()  # admission order
+        self._len = 0
+
+    @staticmethod
+    def _group(request: Request) -> str:
+        return request.group_id if request.group_id is not None else request.request_id
 
     def add(self, request: Request) -> None:
-        self._q.append(request)
+        key = self._group(request)
+        queue = self._groups.get(key)
+        if queue is None:
+            queue = self._groups[key] = deque()
+        queue.append(request)
+        self._len += 1
 
     def prepend(self, request: Request) -> None:
-        # Preempted requests go back to the front: FCFS preempts the latest-admitted first, so
-        # prepending in preemption order keeps the queue in arrival order.
-        self._q.appendleft(request)
+        self._resumed.appendleft(request)
+        self._len += 1
 
     def peek(self) -> Request:
-        return self._q[0]
+        if self._resumed:
+            return self._resumed[0]
+        return self._groups[next(iter(self._groups))][0]
 
     def pop(self) -> Request:
-        return self._q.popleft()
+        self._len -= 1
+        if self._resumed:
+            return self._resumed.popleft()
+        key, queue = next(iter(self._groups.items()))
+        request = queue.popleft()
+        if queue:
+            self._groups.move_to_end(key)       # its next sequence waits for the others
+        else:
+            del self._groups[key]
+        return request
 
     def remove(self, request: Request) -> None:
-        self._q.remove(request)
+        if request in self._resumed:
+            self._resumed.remove(request)
+        else:
+            key = self._group(request)
+            queue = self._groups.get(key)
+            if queue is None or request not in queue:
+                raise ValueError(f"request {request.request_id!r} is not in the waiting queue")
+            queue.remove(request)
+            if not queue:
+                del self._groups[key]
+        self._len -= 1
 
     def __len__(self) -> int:
-        return len(self._q)
+        return self._len
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
+        """In admission order (what successive pops would return)."""
+        yield from self._resumed
+        queues = [list(q) for q in self._groups.values()]
+        for depth in range(max(map(len, queues), default=0)):
+            for q in queues:
+                if depth < len(q):
+                    yield q[depth]
 
 
 class PriorityQueue:

@@ -109,16 +109,18 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
-                       arrival_time: float | None = None) -> AsyncIterator[StreamItem]:
+                       arrival_time: float | None = None,
+                       group_id: str | None = None) -> AsyncIterator[StreamItem]:
         """Yield merged StreamItems until the request finishes; raises EngineDeadError if the
-        engine dies, RequestFailed if the engine rejects it, ValueError for a bad request."""
+        engine dies, RequestFailed if the engine rejects it, ValueError for a bad request.
+        `group_id`: the client request this is part of (fair admission across them)."""
         ok, why = self.client.health()      # dead, or silent past the heartbeat timeout
         if not ok:
             raise EngineDeadError(why)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids,
                                                    params, arrival_time=arrival,
-                                                   priority=priority)
+                                                   priority=priority, group_id=group_id)
         stream = _Stream(arrival)
         self._streams[request_id] = stream
         for i, req in enumerate(core_requests):

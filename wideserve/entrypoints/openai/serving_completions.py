@@ -76,8 +76,9 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
 
 
 def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]]:
+    # One group for all the prompts: admission is fair across client requests.
     return [ctx.engine.generate(f"{call.request_id}-{i}", p.text, p.token_ids, p.params,
-                                call.req.priority)
+                                call.req.priority, group_id=call.request_id)
             for i, p in enumerate(call.prompts)]
 
 
