@@ -33,10 +33,11 @@ def _llama_dir(tmp_path) -> str:
         "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": False})
 
 
-@pytest.mark.parametrize("name,block_size", [("A", 16), ("C", 12)])
-def test_v4_dummy_pd_equals_colocated_with_decode_prefix_hits(tmp_path, name, block_size):
+@pytest.mark.parametrize("name,block_size,mode", [("A", 16, "keep"), ("C", 12, "replay")])
+def test_v4_dummy_pd_equals_colocated_with_decode_prefix_hits(tmp_path, name, block_size, mode):
     p, d, ref = make_engines(_v4_dir(tmp_path, name), load_format="dummy",
-                             block_size=block_size, kv_cache_memory=1 << 24)
+                             block_size=block_size, kv_cache_memory=1 << 24,
+                             prefix_window_mode=mode)
     window = getattr(v4_configs, name)["sliding_window"]
     first = _prompts(256, [3, 17, 41, 70], seed=1)
     assert max(map(len, first)) > 4 * window
@@ -50,8 +51,11 @@ def test_v4_dummy_pd_equals_colocated_with_decode_prefix_hits(tmp_path, name, bl
     assert run_pd(p, d, second, MAX_NEW, tag="t2") == run_colocated(ref, second, MAX_NEW)
     hits = d.kv_manager.stats.hits - hits0
     loaded = d.kv_connector.scheduler.stats.tokens_loaded - loaded0
-    assert hits >= 4 * block_size
-    assert loaded == sum(len(s) - 1 for s in second) - hits
+    if mode == "keep":
+        assert hits >= 4 * block_size
+        assert loaded == sum(len(s) - 1 for s in second) - hits
+    else:   # replay: a remote load ignores local hits (docs/disaggregation.md)
+        assert hits == 0 and loaded == sum(len(s) - 1 for s in second)
     settle(p, d, ref)
 
 

@@ -323,6 +323,10 @@ class Scheduler:
         assert conn is not None
         if not conn.can_start_load():
             return None
+        if self.kv.mode == "replay":
+            # A replay hit recomputes cached positions without rewriting their entries; the
+            # pulled pages would overlap them, so a remote load starts from nothing.
+            hit_blocks, num_hit = None, 0
         num_external = conn.num_external_tokens(request, num_hit)
         if num_external > 0 and self.kv.allocate_slots(
                 request, 0, hit_blocks, num_hit, num_external_tokens=num_external) is None:

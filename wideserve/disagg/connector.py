@@ -20,9 +20,11 @@ if TYPE_CHECKING:
     from wideserve.core.kv_cache.groups import KVCacheConfig
     from wideserve.core.sched_output import SchedulerOutput
 
-# A step with only transfers in flight sleeps this long: a busy poll would starve UCX's
-# progress (and the other processes) on a small machine.
-IDLE_BACKOFF_S = 0.0005
+# A step with nothing to compute but transfers in flight sleeps this long: a busy poll would
+# starve UCX's progress (and the other processes) on a small machine. With only leases held
+# (waiting for a consumer's release or the expiry) it sleeps longer.
+TRANSFER_BACKOFF_S = 0.0005
+LEASE_BACKOFF_S = 0.005
 
 
 class KVConnector:
@@ -47,8 +49,12 @@ class KVConnector:
 
     def start_step(self, sched_out: SchedulerOutput) -> None:
         self.worker.start(sched_out.kv_connector_meta)
-        if sched_out.is_empty and (self.worker.has_pending() or self.scheduler.has_pending()):
-            time.sleep(IDLE_BACKOFF_S)
+        if not sched_out.is_empty:
+            return
+        if self.worker.has_pending() or self.scheduler.num_loading:
+            time.sleep(TRANSFER_BACKOFF_S)
+        elif self.scheduler.has_pending():
+            time.sleep(LEASE_BACKOFF_S)
 
     def finish_step(self) -> None:
         self.scheduler.update(self.worker.get_finished())
