@@ -18,7 +18,6 @@ in blocks another request already uses.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
