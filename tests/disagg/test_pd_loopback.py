@@ -72,3 +72,20 @@ def test_llama_pd_equals_colocated(tmp_path):
     prompts = _prompts(160, [2, 16, 33, 50], seed=4, prefix=20)
     assert run_pd(p, d, prompts, MAX_NEW) == run_colocated(ref, prompts, MAX_NEW)
     settle(p, d, ref)
+
+
+def test_v4_pull_moves_only_the_window_of_sliding_groups(tmp_path):
+    p, d, ref = make_engines(_v4_dir(tmp_path, "A"), load_format="dummy", block_size=16,
+                             kv_cache_memory=1 << 24)
+    (prompt,) = _prompts(256, [200], seed=5)
+    assert run_pd(p, d, [prompt], 2) == run_colocated(ref, [prompt], 2)
+    end = len(prompt) - 1                        # positions whose KV is pulled
+    clipped = unclipped = 0
+    for g in d.kv_config.groups:
+        pages = -(-end // g.block_size)
+        unclipped += pages
+        first = max(0, end - g.spec.window + 1) // g.block_size if g.is_sliding else 0
+        clipped += pages - first
+    stats = d.kv_connector.scheduler.stats
+    assert stats.pages_loaded == clipped < unclipped // 2
+    settle(p, d, ref)
