@@ -27,6 +27,7 @@ from wideserve.core.scheduler import Scheduler
 from wideserve.core.step_faults import poisons_device, step_error_message
 from wideserve.core.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
+from wideserve.distributed.eplb.balancer import EpGroup
 from wideserve.distributed.eplb.manager import EplbManager
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
@@ -99,6 +100,8 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 
 class EngineCore:
+    lockstep = False        # DEP ranks (distributed/dp_engine.py) run steps in lock-step
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  kv_hub: Any = None) -> None:
         """kv_hub: the in-process LoopbackHub for the LoopbackConnector (tests)."""
@@ -125,8 +128,8 @@ class EngineCore:
             self.scheduler_config = dataclasses.replace(config.scheduler,
                                                         num_lookahead_tokens=lookahead)
         # Before the KV cache: redundant expert slots take memory first.
-        self.eplb = (EplbManager(config.eplb, self.model, self.spec, self.device)
-                     if config.eplb is not None else None)
+        self.eplb = (EplbManager(config.eplb, self.model, self.spec, self.device,
+                                 self._ep_group()) if config.eplb is not None else None)
         self.kv_config, self.kv_manager = self._build_kv_cache()
         self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
         logger.info("%s", self.kv_config.summary())
@@ -155,6 +158,10 @@ class EngineCore:
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
 
     # ------------------------------------------------------------------------- setup
+    def _ep_group(self) -> EpGroup:
+        """The expert-parallel group EPLB balances over: one process here."""
+        return EpGroup()
+
     def _hidden_size(self) -> int:
         cfg = self.loaded.config_json
         text = cfg.get("text_config") or {}     # nested (multimodal) configs, e.g. V4.1
@@ -251,6 +258,8 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
+        if self.eplb is not None:
+            self.eplb.verify_weights()      # expert slots hold what the maps say
 
     # -------------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
@@ -283,8 +292,8 @@ class EngineCore:
                 sampled, logprobs = self._execute(sched_out)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 return self._fail_step(sched_out, e) + grammar_errors
-            if self.eplb is not None:
-                self.eplb.step()
+            if self.eplb is not None and not self.lockstep:
+                self.eplb.step()        # lock-step ranks step EPLB after the whole step
         try:
             outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
         except Exception as e:

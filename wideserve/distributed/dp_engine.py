@@ -31,6 +31,7 @@ from wideserve.core.sched_output import EngineCoreOutput, SchedulerOutput
 from wideserve.distributed.dp_sync import HAS_WORK, NUM_TOKENS, STOP, TimedStepSync, \
     choose_step_sync
 from wideserve.distributed.ep import AllToAllDispatcher
+from wideserve.distributed.eplb.balancer import EpGroup
 from wideserve.distributed.expert_shard import routed_experts
 from wideserve.distributed.groups import DPGroup, DPGroupError, init_dp_group
 from wideserve.executor.loader import load_model
@@ -78,8 +79,9 @@ class DPEngineCore(EngineCore):
         if parallel.enable_expert_parallel and parallel.enabled:
             device = torch.device(config.load.device)
             self.group = init_dp_group(parallel, device)
+            redundant = config.eplb.num_redundant_experts if config.eplb else 0
             loaded = load_model(config.load, (parallel.data_parallel_size,
-                                              parallel.data_parallel_rank))
+                                              parallel.data_parallel_rank, redundant))
         super().__init__(config, loaded)
         if self.group is not None:
             self._install_dispatcher()
@@ -96,6 +98,12 @@ class DPEngineCore(EngineCore):
     def loop_class(self) -> type[EngineLoop]:
         """The engine-proc loop for this rank (run_engine_process asks)."""
         return LockstepLoop if self.lockstep else EngineLoop
+
+    def _ep_group(self) -> EpGroup:
+        if self.group is None:
+            return EpGroup()
+        nodes = self.parallel.data_parallel_size // self.parallel.local_size
+        return EpGroup(self.group.rank, self.group.world_size, self.group.device_group, nodes)
 
     def _install_dispatcher(self) -> None:
         assert self.group is not None
@@ -129,6 +137,10 @@ class DPEngineCore(EngineCore):
         outputs = self.step() if local else self._dummy_step()
         assert self.dispatcher is not None
         self.dispatcher.finish_step()
+        if self.eplb is not None:
+            # Every rank, same step, after all MoE calls: the counters agree, and the
+            # rebalance's collectives never interleave with a peer's dispatch.
+            self.eplb.step(dummy=not local)
         return outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, error: Exception

@@ -26,25 +26,41 @@ _FUSED_LEAF = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<leaf>[^.]+)$")
 
 @dataclass(frozen=True, slots=True)
 class ExpertPlacement:
-    num_experts: int             # physical experts of a layer, all ranks
+    num_experts: int             # logical experts of a layer
     ep_size: int
     ep_rank: int
+    num_redundant: int = 0       # EPLB's extra physical slots (docs/eplb.md)
 
     def __post_init__(self) -> None:
-        if self.num_experts % self.ep_size:
-            raise ValueError(f"--enable-expert-parallel: {self.num_experts} experts do not "
-                             f"split evenly over data_parallel_size {self.ep_size}")
+        if self.num_physical % self.ep_size:
+            raise ValueError(f"--enable-expert-parallel: {self.num_experts} experts"
+                             + (f" + {self.num_redundant} redundant" if self.num_redundant
+                                else "")
+                             + f" do not split evenly over data_parallel_size {self.ep_size}")
+
+    @property
+    def num_physical(self) -> int:
+        return self.num_experts + self.num_redundant
 
     @property
     def num_local(self) -> int:
-        return self.num_experts // self.ep_size
+        return self.num_physical // self.ep_size
 
     @property
     def start(self) -> int:
         return self.ep_rank * self.num_local
 
+    @property
+    def slot_experts(self) -> list[int]:
+        """The logical expert loaded into each local slot: before any rebalance physical
+        slot p holds expert p % E (identity; redundant slots wrap around)."""
+        return [(self.start + i) % self.num_experts for i in range(self.num_local)]
+
+    def local_slots(self, expert: int) -> list[int]:
+        return [i for i, e in enumerate(self.slot_experts) if e == expert]
+
     def is_local(self, expert: int) -> bool:
-        return self.start <= expert < self.start + self.num_local
+        return bool(self.local_slots(expert))
 
 
 def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -53,13 +69,13 @@ def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
 
 
-def shard_experts(model: nn.Module, ep_size: int, ep_rank: int
+def shard_experts(model: nn.Module, ep_size: int, ep_rank: int, num_redundant: int = 0
                   ) -> dict[str, ExpertPlacement]:
     """Shrink each RoutedExperts (parameters still on meta) to this rank's experts.
     Returns {module name: placement} for the loader."""
     placements: dict[str, ExpertPlacement] = {}
     for name, experts in routed_experts(model):
-        place = ExpertPlacement(experts.num_experts, ep_size, ep_rank)
+        place = ExpertPlacement(experts.num_experts, ep_size, ep_rank, num_redundant)
         for pname, param in list(experts.named_parameters(recurse=False)):
             if param.dim() and param.shape[0] == experts.num_experts:
                 local = torch.empty((place.num_local, *param.shape[1:]), dtype=param.dtype,
@@ -69,7 +85,7 @@ def shard_experts(model: nn.Module, ep_size: int, ep_rank: int
         experts.expert_offset = place.start
         # Under EP the load counters count the rows this rank routes to every physical
         # expert (all ranks'), so EPLB's all-reduce of them gives each expert's global load.
-        experts.expert_load = torch.zeros(place.num_experts, dtype=torch.int64,
+        experts.expert_load = torch.zeros(place.num_physical, dtype=torch.int64,
                                           device=experts.expert_load.device)
         placements[name] = place
     return placements
@@ -90,17 +106,15 @@ class ExpertShardFilter:
         for name, tensor in tensors:
             m = _PER_EXPERT.match(name)
             if m and (place := self._placement(m["prefix"])) is not None:
-                expert = int(m["expert"])
-                if not place.is_local(expert):
-                    continue
-                new = f"{m['prefix']}.{expert - place.start}.{m['rest']}"
-                self.renamed[new] = name
-                yield new, tensor
+                for slot in place.local_slots(int(m["expert"])):
+                    new = f"{m['prefix']}.{slot}.{m['rest']}"
+                    self.renamed[new] = name
+                    yield new, tensor
                 continue
             m = _FUSED_LEAF.match(name)
             if m and (place := self._placement(m["prefix"])) is not None \
                     and tensor.dim() and tensor.shape[0] == place.num_experts:
-                yield name, tensor[place.start:place.start + place.num_local]
+                yield name, tensor[place.slot_experts]
                 continue
             yield name, tensor
 
@@ -117,4 +131,4 @@ def fill_dummy_expert_shards(model: nn.Module, placements: dict[str, ExpertPlace
             if param.dim() and param.shape[0] == place.num_local:
                 full = dummy_tensor(f"{mname}.{pname}", (place.num_experts, *param.shape[1:]),
                                     seed)
-                param.copy_(full[place.start:place.start + place.num_local].to(param.dtype))
+                param.copy_(full[place.slot_experts].to(param.dtype))

@@ -240,10 +240,10 @@ def check_filled(model: nn.Module, filled: Iterable[str], where: str) -> None:
 
 # --- entry point ---
 
-def load_model(load: LoadConfig, expert_parallel: tuple[int, int] | None = None
+def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None
                ) -> LoadedModel:
-    """`expert_parallel` = (ep_size, ep_rank): build and load only this rank's routed experts
-    (wideserve/distributed/expert_shard.py)."""
+    """`expert_parallel` = (ep_size, ep_rank[, num_redundant_experts]): build and load only
+    this rank's routed experts (wideserve/distributed/expert_shard.py)."""
     path = resolve_model_path(load.model)
     device = torch.device(load.device)
     if load.load_format not in ("auto", "safetensors", "gguf", "dummy"):

@@ -5,18 +5,23 @@ replica maps, the weights in the slots and the moves between ranks agree."""
 from __future__ import annotations
 
 import os
-import socket
-import traceback
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from wideserve.distributed.eplb.replicas import map_to_physical
 from wideserve.layers.experts import swiglu
+
+# The DEP tests' helpers (tests/distributed/dist_utils.py) are one directory up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_utils import free_port, free_port_block, run_ranks  # noqa: E402
+
+__all__ = ["ep_moe", "reference_moe", "gloo_ranks", "free_port_block"]
 
 
 def ep_moe(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
@@ -57,46 +62,17 @@ def reference_moe(ckpt: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def gloo_ranks(fn: Callable[[int, int], None], world: int, timeout_s: float = 120) -> None:
+    """fn(rank, world) in `world` spawned processes joined in one gloo group (dist_utils'
+    run_ranks: bounded waits, every process gone when this returns)."""
+    run_ranks(_in_group, world, (world, free_port(), fn), timeout_s)
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, errors) -> None:
-    torch.set_num_threads(1)
+def _in_group(rank: int, world: int, port: int, fn: Callable[[int, int], None]) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
         fn(rank, world)
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable[[int, int], None], world: int, timeout_s: float = 120) -> None:
-    """fn(rank, world) in `world` spawned processes joined in one gloo group; any rank's
-    exception fails the caller; every process is gone when this returns."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout_s)
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        failed = [errors.get() for _ in range(world) if not errors.empty()]
-        assert not failed, "\n".join(failed)
-        assert not hung, f"ranks {hung} still running after {timeout_s} s"
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        dist.destroy_process_group()

@@ -70,9 +70,10 @@ def test_bad_sizes_are_errors_that_name_the_key() -> None:
 
 def test_keep_current_layers_the_policy_does_not_improve() -> None:
     """Rank 0's choice: a layer already as balanced as the new plan keeps its slots."""
-    layers = [RoutedExperts(2, 4, 4) for _ in range(2)]      # 2 local slots of 4 experts
-    bal = ExpertBalancer("target", layers, 4, EplbConfig(step_interval=10),
-                         EpGroup(rank=0, size=2), torch.device("cpu"))
+    layers = [RoutedExperts(4, 4, 4) for _ in range(2)]
+    bal = ExpertBalancer("target", layers, 4, EplbConfig(step_interval=10), EpGroup(),
+                         torch.device("cpu"))
+    bal.ep = EpGroup(rank=0, size=2)        # rank 0's view of 2 ranks (no group needed)
     logical = torch.tensor([[10, 10, 10, 10], [40, 30, 5, 5]])
     new = bal._choose(logical)
     assert torch.equal(new[0], bal.placement[0])               # already even: untouched

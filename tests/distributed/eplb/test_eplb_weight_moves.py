@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ep_harness import ep_moe, reference_moe, run_ranks
+from ep_harness import ep_moe, gloo_ranks, reference_moe
 from wideserve.distributed.eplb import policy
 from wideserve.distributed.eplb.balancer import EpGroup, ExpertBalancer
 from wideserve.distributed.eplb.config import EplbConfig
@@ -84,4 +84,4 @@ def _rank_main(rank: int, world: int) -> None:
 
 
 def test_rebalance_moves_weights_between_ranks() -> None:
-    run_ranks(_rank_main, 4)
+    gloo_ranks(_rank_main, 4)

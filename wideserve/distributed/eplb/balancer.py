@@ -55,6 +55,7 @@ class BalancerStats:
     last_rebalance_steps: int = 0      # steps it spanned
     last_plan_s: float = 0.0           # reduce + policy + broadcast
     max_move_step_s: float = 0.0       # worst per-step cost of moving weights, last rebalance
+    steps: int = 0                     # the step counter every EP rank shares
 
 
 def expert_weights(layer: nn.Module) -> list[torch.Tensor]:
@@ -88,6 +89,8 @@ class ExpertBalancer:
         self.spares = [[torch.empty_like(w) for w in expert_weights(layers[0])]
                        for _ in range(min(config.layers_per_step, num_layers))]
         self.stats = BalancerStats()
+        # [L, E] fingerprint of every logical expert's weights as loaded (verify_weights).
+        self.fingerprints = self._loaded_fingerprints()
         self.steps = 0
         self._next: torch.Tensor | None = None
         self._pending: list[int] = []
@@ -115,10 +118,46 @@ class ExpertBalancer:
         lo = self.ep.rank * self.per_rank
         return self.placement[layer, lo:lo + self.per_rank].tolist()
 
+    def _slot_fingerprints(self, layer: nn.Module) -> torch.Tensor:
+        """[S] float64: each local slot's weights dotted with a fixed ramp (any change of a
+        value or of its position changes it)."""
+        out = torch.zeros(self.per_rank, dtype=torch.float64, device=self.device)
+        for w in expert_weights(layer):
+            flat = w.detach().reshape(w.shape[0], -1).double()
+            ramp = torch.linspace(1.0, 2.0, flat.shape[1], dtype=torch.float64,
+                                  device=flat.device)
+            out += (flat @ ramp).to(self.device)
+        return out
+
+    def _loaded_fingerprints(self) -> torch.Tensor:
+        local = torch.stack([self._slot_fingerprints(m) for m in self.layers])   # [L, S]
+        if self.ep.size > 1:
+            parts = [torch.empty_like(local) for _ in range(self.ep.size)]
+            dist.all_gather(parts, local, group=self.ep.group)
+            local = torch.cat(parts, dim=1)                                    # [L, P]
+        table = torch.empty(len(self.layers), self.num_logical, dtype=torch.float64)
+        # Slot p holds expert p % E before any rebalance; the first E slots cover them all.
+        table[:] = local[:, :self.num_logical].cpu()
+        return table
+
+    def verify_weights(self) -> None:
+        """Every local slot holds the weights the loader put in for the logical expert the
+        map says it holds (fingerprints taken at load time, gathered from every rank)."""
+        lo = self.ep.rank * self.per_rank
+        for i, layer in enumerate(self.layers):
+            want = self.fingerprints[i, self.placement[i, lo:lo + self.per_rank]]
+            got = self._slot_fingerprints(layer).cpu()
+            if not torch.allclose(got, want, rtol=1e-9, atol=0.0):
+                bad = torch.nonzero(~torch.isclose(got, want, rtol=1e-9, atol=0.0))[:, 0]
+                raise RuntimeError(
+                    f"EPLB {self.name}: layer {i} slots {(bad + lo).tolist()} do not hold "
+                    f"the weights of experts {self.placement[i, lo + bad].tolist()}")
+
     # ------------------------------------------------------------------------- step
     def step(self, dummy: bool = False) -> None:
         self.recorder.end_step(dummy)
         self.steps += 1
+        self.stats.steps = self.steps
         if not self._pending and self.steps % self.config.step_interval == 0:
             self._plan()
         if self._pending:

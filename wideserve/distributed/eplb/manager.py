@@ -59,6 +59,10 @@ class EplbManager:
         for b in self.balancers.values():
             b.step(dummy)
 
+    def verify_weights(self) -> None:
+        for b in self.balancers.values():
+            b.verify_weights()
+
     def stats(self) -> dict[str, Any]:
         return {name: dataclasses.asdict(b.stats) for name, b in self.balancers.items()}
 
