@@ -32,7 +32,7 @@ from wideserve.layers.attention.v4_batched import _chunks, _rows, _store
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.indexer import index_topk
 from wideserve.layers.norm import RMSNorm
-from wideserve.layers.rope import RotaryTable, rotate
+from wideserve.layers.rope import RotaryTable, rope_cis, rotate
 from wideserve.models.deepseek_v41_config import FULL, REINDEX, SWA, DeepseekV41Config
 
 
@@ -221,6 +221,34 @@ class DeepseekV41Attention(nn.Module):
         out = v4_batched.attend(self, q, kv, step, picks)                     # [T, H, D]
         out = rotate(out, step.cis(self.rope, inverse=True)).to(x.dtype)
         return self._project_out(out)
+
+    def attend_dense(self, x: torch.Tensor, context: torch.Tensor, q_pos: torch.Tensor,
+                     ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Cache-free attention of a small query block (DSpark's parallel drafts): queries
+        x [B, Q, d] at q_pos [B, Q] see the context rows context [B, C, d] at ctx_pos where
+        ctx_valid [B, C], and every row of their own block (bidirectional); plus the sink.
+        -> [B, Q, d]. Window latents are FP8 as everywhere (sliding-window layers only)."""
+        B, Q, _ = x.shape
+        C = context.shape[1]
+
+        def cis(pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+            return rope_cis(*self.rope.cos_sin(pos.reshape(-1)), inverse=inverse)
+
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B * Q, self.num_heads, self.head_dim)
+        q = rotate(q, cis(q_pos)).view(B, Q, self.num_heads, self.head_dim)
+        kv = torch.cat([
+            rotate(self.kv_norm(self.wkv(context)).reshape(B * C, -1), cis(ctx_pos)).view(B, C, -1),
+            rotate(self.kv_norm(self.wkv(x)).reshape(B * Q, -1), cis(q_pos)).view(B, Q, -1)],
+            dim=1)
+        kv = kv_quant.fake_quant(kv, "fp8").float()                          # [B, C+Q, D]
+        logits = torch.einsum("bqhd,bkd->bhqk", q.float(), kv) * self.head_dim ** -0.5
+        seen = torch.cat([ctx_valid, ctx_valid.new_ones(B, Q)], dim=1)        # [B, C+Q]
+        logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
+        sink = self.sinks.float().view(1, -1, 1, 1).expand(B, -1, Q, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = torch.einsum("bhqk,bkd->bqhd", probs, kv).to(x.dtype)
+        out = rotate(out.reshape(B * Q, self.num_heads, -1), cis(q_pos, inverse=True))
+        return self._project_out(out).view(B, Q, -1)
 
     def _write_entries(self, x: torch.Tensor, step: V4Step) -> None:
         latent, plan = self.compressor.latents(x, step, self.prefix + "compressor_state")

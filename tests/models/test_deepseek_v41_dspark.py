@@ -1,0 +1,76 @@
+"""DSpark drafter against the reference's DeepseekV41DSparkModel (nemo-automodel 0.7.0, fp32):
+the same target features and anchors give the same draft logits (lm_head + Markov head) and
+confidence logits, for anchors near the start (short context) and past the window."""
+from __future__ import annotations
+
+import pytest
+import torch
+import v41_helpers as h
+
+from wideserve.models.deepseek_v41_config import DeepseekV41Config
+from wideserve.models.deepseek_v41_dspark import DeepseekV41DSpark
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def drafts():
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import \
+        DeepseekV41Config as OracleConfig
+    from nemo_automodel.components.models.deepseek_v41.dspark import (
+        DeepseekV41DSparkBackbone, DeepseekV41DSparkModel)
+    kw = h.CONFIGS["A"]
+    cfg = OracleConfig(text_config=dict(kw), vision_config={"num_hidden_layers": 0})
+    be = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
+                       experts="torch", dispatcher="torch", enable_hf_state_dict_adapter=False)
+    torch.manual_seed(3)
+    ref = DeepseekV41DSparkModel(cfg.text_config, be, num_anchors=2,
+                                 enable_confidence_head=True).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("sinks_param.weight", ".base", "e_score_correction_bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    S, B = 40, kw["dspark_block_size"]
+    features = torch.randn(1, S, 3 * kw["hidden_size"], generator=g)
+    tokens = torch.randint(3, h.VOCAB, (1, S + B), generator=g)
+    anchors = torch.tensor([[5, 30]])
+    labels = torch.stack([tokens[0, a + 1:a + 1 + B] for a in anchors[0].tolist()])   # [2, B]
+    previous = torch.cat([tokens[0, anchors[0], None], labels[:, :-1]], dim=1)          # [2, B]
+    noise = torch.full((2, B), kw["dspark_noise_token_id"])
+    noise[:, 0] = tokens[0, anchors[0]]
+    with torch.no_grad():
+        out = DeepseekV41DSparkBackbone.forward(
+            ref, ref.embed_tokens(noise.reshape(1, -1)), features,
+            position_ids=ref.build_position_ids(anchors, S),
+            attention_mask=ref.build_attention_mask(anchors, torch.ones_like(anchors, dtype=bool),
+                                                    S, torch.float32),
+            previous_token_ids=previous.reshape(1, -1))
+        ref_logits = (ref.compute_logits(out.normalized_hidden_states)
+                      + out.transition_logits.float()).view(2, B, -1)
+    ws = DeepseekV41DSpark(DeepseekV41Config.from_dict({"text_config": kw})).eval()
+    assert ws.load_weights(ref.state_dict().items()) == {
+        n for n in ws.state_dict() if not n.startswith("rope")}
+    return dict(ref=ref, ws=ws, features=features, anchors=anchors[0], noise=noise,
+                previous=previous, logits=ref_logits, conf=out.confidence_pred.view(2, B))
+
+
+def test_draft_logits_and_confidence_equal_the_reference(drafts):
+    d, ws = drafts, drafts["ws"]
+    W = ws.config.sliding_window
+    anchors = d["anchors"]
+    ctx_pos = anchors[:, None] - W + torch.arange(W)                          # [2, W]
+    valid = ctx_pos >= 0
+    feats = d["features"][0][ctx_pos.clamp(min=0)]                            # [2, W, 3d]
+    with torch.no_grad():
+        states = ws.forward_block(d["ref"].embed_tokens(d["noise"]), feats, anchors, ctx_pos,
+                                  valid)
+        logits, conf = ws.head(states, d["previous"], d["ref"].lm_head)
+    assert d["logits"].std() > 0.3
+    assert (logits - d["logits"]).abs().max().item() <= TOL
+    assert (conf - d["conf"]).abs().max().item() <= TOL
