@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -217,3 +218,40 @@ def test_reasoning_content_then_answer_and_then_a_call(client, stream):
     msg = r.choices[0].message
     assert msg.reasoning_content and _calls(msg) == [("clock", {"tz": "Verona"})]
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+# ---- vLLM compatibility: ignored fields, metric names, embeddings -------------------------
+
+def test_ignored_fields_unknown_fields_and_embeddings(server, client):
+    r = client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=2,
+                                       extra_body={"modalities": ["text"], "verbosity": "low",
+                                                   "prompt_cache_key": "k"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="modalities"):
+        client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=2,
+                                       extra_body={"modalities": ["audio"]})
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument"):
+        client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=2,
+                                       extra_body={"temprature": 0.5})
+    with pytest.raises(openai.NotFoundError, match="generative model"):
+        client.embeddings.create(model=BUNDLED, input="hi")
+
+
+def test_metrics_under_vllm_names_too(server, client):
+    client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for vllm, ours in (("vllm:num_requests_running", "wideserve:num_requests_running"),
+                       ("vllm:prefix_cache_queries_total", "wideserve:prefix_cache_queries_total"),
+                       ("vllm:generation_tokens_total", "wideserve:generation_tokens_total"),
+                       ("vllm:time_to_first_token_seconds_count",
+                        "wideserve:time_to_first_token_seconds_count")):
+        key = f'{vllm}{{model_name="{BUNDLED}"}}'
+        assert values[key] == values[key.replace(vllm, ours)]
+    assert values[f'vllm:request_success_total{{finished_reason="length",model_name="{BUNDLED}"}}'] \
+        == values[f'wideserve:requests_total{{model_name="{BUNDLED}",outcome="length"}}'] >= 1
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text

@@ -128,6 +128,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
         req = parse_body(ChatCompletionRequest, await read_body(request, limit))
         return await serving_chat.create_chat_completion(ctx, req, request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        raise ApiError(404, f"/v1/embeddings: {ctx.model_name!r} is a generative model; this "
+                            "server does not compute embeddings", type_="not_found_error",
+                       code="embeddings_not_supported")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         root = str(ctx.engine.client.model_info.get("name", ctx.model_name))

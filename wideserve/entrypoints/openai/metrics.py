@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from wideserve.entrypoints.openai.vllm_metrics import vllm_registry
+
 PREFIX = "wideserve:"
 OUTCOMES = ("stop", "length", "abort", "error", "rejected")
 
@@ -175,6 +177,7 @@ class ServerMetrics:
         self.step_time = Histogram(PREFIX + "engine_step_seconds", "Wall time of one engine step.",
                                    labels, buckets=_STEP_BUCKETS, registry=reg)
         reg.register(EngineStatsCollector(engine_stats, model_name))
+        self.vllm_aliases = vllm_registry(reg, PREFIX)
         for outcome in OUTCOMES:                      # export zeros before the first request
             self.requests.labels(model_name, outcome)
 
@@ -212,4 +215,5 @@ class ServerMetrics:
             hist.observe(s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """wideserve's families, then the same again under vLLM's names (vllm_metrics.py)."""
+        return generate_latest(self.registry) + generate_latest(self.vllm_aliases)

@@ -13,6 +13,7 @@ serving code, which knows them.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -27,6 +28,12 @@ MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 1024
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+# Accepted and ignored (with a warning), see _SamplingFields._drop_ignored_fields.
+IGNORED_FIELDS = frozenset({
+    "modalities", "prediction", "web_search_options", "safety_identifier", "prompt_cache_key",
+    "verbosity", "cache_salt", "request_id", "spaces_between_special_tokens"})
+logger = logging.getLogger(__name__)
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -94,6 +101,21 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None            # ignored: one engine here
     guided_whitespace_pattern: str | None = None          # ignored, as above
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored_fields(cls, data: Any) -> Any:
+        """Fields OpenAI or vLLM clients send that mean nothing for this server (metadata,
+        hints, text-only modalities): accepted and logged as ignored, as vLLM does. Any other
+        unknown field is still a 400, so typos are not silently lost."""
+        if not isinstance(data, dict) or not IGNORED_FIELDS.intersection(data):
+            return data
+        modalities = data.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise ValueError("modalities: only ['text'] is supported by this model")
+        ignored = sorted(IGNORED_FIELDS.intersection(data))
+        logger.warning("request fields ignored by this server: %s", ", ".join(ignored))
+        return {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":
