@@ -1,5 +1,5 @@
 """Shape statistics of the synthetic AgentX generator at full scale, against the targets of
-reference/benchmarks.md §1.2-1.3 (BENCHMARKS.md, "Agentic workload generator").
+docs/benchmarking.md (BENCHMARKS.md, "Agentic workload generator").
 
     .venv/bin/python benchmarks/agentic_generator_stats.py
 """

@@ -1,6 +1,6 @@
 """A request as the engine core tracks it.
 
-Invariant (DESIGN.md, "The one scheduling rule"): all_token_ids = prompt + output; the
+Invariant (docs/design.md, "The one scheduling rule"): all_token_ids = prompt + output; the
 scheduler hands out tokens so num_computed_tokens catches up with num_tokens_with_spec.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The synthetic AgentX generator against the spec's targets (reference/benchmarks.md
-§1.2-1.3, §1.7), its trace format and block-id invariants, and the replay's prompt rebuilding
+"""The synthetic AgentX generator against the spec's targets (docs/benchmarking.md, "The
+synthetic generator"), its trace format and block-id invariants, and the replay's prompt rebuilding
 and idle-capped clock."""
 from __future__ import annotations
 

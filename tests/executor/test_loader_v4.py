@@ -1,4 +1,4 @@
-"""A tiny DeepSeek-V4 checkpoint in the ORIGINAL quantised layout (reference/model-arch.md §5.2,
+"""A tiny DeepSeek-V4 checkpoint in the ORIGINAL quantised layout (docs/deepseek_v4.md, "Checkpoint names",
 §5.3): FP8 e4m3 + UE8M0 128x128 block scales, packed FP4 experts + per-32 UE8M0, `.scale`
 names, per-expert tensors, an `mtp.0.*` block, top-level `expert_dtype`. wideserve must load
 exactly an independent dequantisation of it, the same tensors as transformers 5.23's

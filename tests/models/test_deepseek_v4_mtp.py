@@ -1,4 +1,4 @@
-"""The MTP block (reference/model-arch.md §3.10). HF does not build it, so the oracle is assembled
+"""The MTP block (docs/deepseek_v4.md, "MTP"). HF does not build it, so the oracle is assembled
 from HF's own parts: its decoder layer (a sliding-window / top-k MoE layer), RMSNorm, HyperHead
 and rotary, fed with the HF main model's last-layer streams. wideserve runs it over the paged
 harness (its own window cache, poison on) one-shot and as chunked prefill + decode."""

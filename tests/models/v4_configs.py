@@ -1,5 +1,5 @@
 """Tiny DeepSeek-V4 configs (kwargs valid for both transformers' DeepseekV4Config and
-wideserve's DeepseekV4Config.from_dict). A, B, C are reference/model-arch.md §9.1; D and E are
+wideserve's DeepseekV4Config.from_dict). A, B, C are docs/deepseek_v4.md's "Test configurations"; D and E are
 ours (legacy keys, sigmoid scoring, shared-expert bias, hash after moe, ratio 1/2 compressors,
 dense CSA). The real V4-Flash config is FLASH (meta-device use only)."""
 from __future__ import annotations
@@ -54,7 +54,7 @@ E = dict(COMMON, num_hidden_layers=2, layer_types=[HCA, CSA], mlp_layer_types=["
          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=3,
          index_n_heads=2, index_head_dim=8, index_topk=64, hc_mult=2, hc_sinkhorn_iters=4)
 
-# DeepSeek-V4-Flash (reference/model-arch.md §1-§2), official-style keys.
+# DeepSeek-V4-Flash (docs/deepseek_v4.md, "Configuration"), official-style keys.
 FLASH = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
     "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,

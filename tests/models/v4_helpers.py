@@ -14,7 +14,7 @@ from wideserve.models.deepseek_v4_config import DeepseekV4Config
 
 def hf_model(kw: dict, seed: int = 0):
     """transformers' DeepseekV4ForCausalLM (fp32, eval) with the parameters HF zero-initialises
-    made random too (reference/model-arch.md §9.2): sinks, position_bias, mHC base/scale,
+    made random too (docs/deepseek_v4.md, "Test configurations"): sinks, position_bias, mHC base/scale,
     e_score_correction_bias, and tid2eid with k distinct experts per token id."""
     from transformers import DeepseekV4Config as HFConfig
     from transformers import DeepseekV4ForCausalLM as HFModel

@@ -1,5 +1,5 @@
 """Synthetic AgentX-like agentic-coding sessions, written as Weka-trace JSON
-(reference/benchmarks.md §1.7; AIPerf replays them with `--custom-dataset-type weka_trace`).
+(docs/benchmarking.md, "The synthetic generator"; AIPerf replays them with `--custom-dataset-type weka_trace`).
 
 A session (trace) is a tools+system prefix, then main turns whose context grows by the previous
 output plus new user/tool content (heavy-tailed), with compaction when the context would pass
@@ -280,7 +280,7 @@ def _is_compaction(prev: dict[str, Any], cur: dict[str, Any], block_size: int) -
 
 
 def trace_stats(traces: list[dict[str, Any]]) -> dict[str, Any]:
-    """The shape statistics reference/benchmarks.md §1.3 reports, for generated or real traces.
+    """The shape statistics of AgentX-like traces (docs/benchmarking.md), for generated or real traces.
 
     Ideal prefix hit: per session, an infinite cache of every block id seen so far (requests in
     time order); a request hits its leading blocks already seen (capped at its length)."""

@@ -1,4 +1,4 @@
-"""Replay Weka traces against a server the AgentX way (reference/benchmarks.md §1.4, §1.7).
+"""Replay Weka traces against a server the AgentX way (docs/benchmarking.md, "Replay rules").
 
 - Closed loop: N lanes, each replaying one session tree (main turns + subagent children) at a
   time; a finished tree hands its lane the next trace (FIFO, restarting at turn 0).

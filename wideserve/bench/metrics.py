@@ -1,4 +1,4 @@
-"""Serving-benchmark metrics, exactly as the field defines them (reference/benchmarks.md §1.5-1.6).
+"""Serving-benchmark metrics, exactly as the field defines them (docs/benchmarking.md, "Metrics").
 
 Per request (successful, profiling phase only):
 - TTFT = first streamed content - send; E2EL = last streamed chunk - send.

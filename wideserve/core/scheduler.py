@@ -1,6 +1,6 @@
 """The scheduler: each step, which requests compute how many tokens.
 
-Invariant (DESIGN.md, "The one scheduling rule"). A request is a token list
+Invariant (docs/design.md, "The one scheduling rule"). A request is a token list
 (`all_token_ids` = prompt + output, plus `spec_token_ids` = drafts) and a count
 `num_computed_tokens` of leading tokens whose KV is in the cache. There are no prefill and
 decode phases: each step hands out up to `max_num_batched_tokens` tokens so that computed

@@ -1,6 +1,6 @@
 """Original DeepSeek-V4 checkpoint names -> the HF names wideserve models use.
 
-reference/model-arch.md §5.2. The original layout has no `model.` prefix, per-layer blocks
+docs/deepseek_v4.md, "Checkpoint names". The original layout has no `model.` prefix, per-layer blocks
 `layers.{i}.*`, MTP blocks `mtp.{j}.*` (a decoder block plus e_proj/h_proj/enorm/hnorm/norm and
 its own hc_head), and per-expert `ffn.experts.{e}.w{1,2,3}` that the reader stacks (see
 weights.py). Inside a block the MTP tensors are renamed by the same rules as a layer's.

@@ -2,7 +2,7 @@
 
 Handles a single `model.safetensors`, shards listed by `model.safetensors.index.json` (or bare
 `*.safetensors` files), the original DeepSeek-V4 tensor names (renamed to the HF names the
-models use, reference/model-arch.md §5.2, see `deepseek_names.py`), per-expert tensors stacked
+models use, docs/deepseek_v4.md, "Checkpoint names"; see `deepseek_names.py`), per-expert tensors stacked
 into `gate_up_proj` [E, 2I, d] / `down_proj` [E, d, I], and quantised weights with `.scale` /
 `.weight_scale_inv` companions, dequantised to the load dtype (FP8 block-scaled, packed FP4).
 

@@ -1,4 +1,4 @@
-"""CSA / HCA KV compressors working from per-position state (reference/model-arch.md §3.5-3.6).
+"""CSA / HCA KV compressors from per-position state (docs/deepseek_v4.md, "CSA compressor").
 
 Glossary
 - state row: what one position contributes to compression, stored in a sliding-window cache

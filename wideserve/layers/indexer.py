@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers (reference/model-arch.md §3.7).
+"""Lightning indexer of CSA layers (docs/deepseek_v4.md, "Lightning indexer").
 
 Its compressor (inherited) writes indexer keys K_I [D_I] per compressed entry, exactly like the
 CSA main compressor at width D_I. Per query p and visible entry w < (p+1)//m:

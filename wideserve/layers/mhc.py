@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), reference/model-arch.md §3.2 and §3.9.
+"""Manifold-constrained hyper-connections (mHC), docs/deepseek_v4.md, "Streams and mHC".
 
 The residual is n parallel streams X [T, n, d]. At each site (attention, FFN) a tiny projection
 of the RMS-normalised, flattened streams yields

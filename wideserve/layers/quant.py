@@ -1,4 +1,4 @@
-"""Block-scaled FP8 / FP4 weight formats of DeepSeek checkpoints (reference/model-arch.md §5.3).
+"""Block-scaled FP8 / FP4 weight formats of DeepSeek checkpoints (docs/deepseek_v4.md, "Quantised weights").
 
 Glossary
 - UE8M0: an unsigned 8-bit exponent, value 2^(byte - 127); byte 255 is NaN. Stored as

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 rotary embedding (reference/model-arch.md §3.4).
+"""DeepSeek-V4 rotary embedding (docs/deepseek_v4.md, "Attention").
 
 Partial and interleaved: only the trailing `rope_dim` channels of a head rotate, in adjacent
 pairs (2i, 2i+1) by angle pos * inv_freq[i]. Two tables exist: "main" (pure sliding-window

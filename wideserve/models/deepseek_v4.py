@@ -1,4 +1,4 @@
-"""DeepSeek-V4 causal LM over wideserve's paged varlen batch (reference/model-arch.md §3).
+"""DeepSeek-V4 causal LM over wideserve's paged varlen batch (docs/deepseek_v4.md).
 
 Parameter names are the Hugging Face state_dict names (`model.layers.{i}.self_attn.q_a_proj.
 weight`, `model.hc_head.hc_fn`, `lm_head.weight`, ...), so an HF state dict loads directly.

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 configuration, parsed from a config.json dict (reference/model-arch.md §2).
+"""DeepSeek-V4 configuration, parsed from a config.json dict (docs/deepseek_v4.md, "Configuration").
 
 Accepts both the Hugging Face (transformers 5.23) key set and the legacy keys that official
 checkpoints ship: `compress_ratios` (one int per layer, 0 / CSA ratio / HCA ratio, with an extra

@@ -1,4 +1,4 @@
-"""Speculative decoding (DESIGN.md, "Speculative decoding"; issue 7).
+"""Speculative decoding (docs/design.md, "Speculative decoding").
 
     config.py             SpeculativeConfig (vLLM's --speculative-config JSON)
     proposer.py           Proposer interface + ProposeInput (what a step hands a proposer)

@@ -10,7 +10,7 @@ Acceptance length (AL) = tokens a request gains per verification step = accepted
 (the bonus or recovered token), in [1, k + 1]: vLLM's "mean acceptance length" and the unit of
 InferenceX's golden values. `forced_acceptance_length` makes the verifier accept AL - 1 drafts
 per step on average whatever their content: outputs are then NOT the target model's (for
-synthetic benchmark prompts only, reference/benchmarks.md §1.4).
+synthetic benchmark prompts only, docs/benchmarking.md, "Replay rules").
 
 No torch import here: the CLI parses this before anything heavy loads.
 """

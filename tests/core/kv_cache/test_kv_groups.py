@@ -43,7 +43,7 @@ def test_v4_groups_and_page_sizes():
 
 
 @pytest.mark.parametrize("quantised,per_role,total", [
-    # reference/model-arch.md §6.3: bf16 CSA 320 B/tok, HCA 8 B/tok, model 6,880 B/tok;
+    # docs/deepseek_v4.md, "KV bytes per token": bf16 CSA 320 B/tok, HCA 8 B/tok, model 6,880 B/tok;
     # fp8_ds_mla + MXFP4 indexer: CSA 163, HCA 4.5625, model 3,514.25.
     (False, {"compressed": 21 * 1024 / 4 + 20 * 1024 / 128, "indexer": 21 * 256 / 4}, 6880.0),
     (True, {"compressed": 21 * 584 / 4 + 20 * 584 / 128, "indexer": 21 * 68 / 4}, 3514.25),

@@ -9,7 +9,7 @@ Glossary
 - role: what the entries are ("window", "compressed", "indexer", "state", "indexer_state", "kv").
   It is for reports only; two specs that differ only by role would still be separate groups.
 - record format: how one entry is laid out in bytes ("raw" = `width` elements of `dtype`;
-  the quantised formats follow reference/model-arch.md §6.2 and §8.1).
+  the quantised formats follow docs/deepseek_v4.md, "KV bytes per token").
 
 Layers whose specs are equal form one KV cache group (see core/kv_cache/groups.py).
 
@@ -31,7 +31,7 @@ class CacheKind(str, enum.Enum):
     SLIDING_WINDOW = "sliding_window"
 
 
-# Bytes of one entry for the quantised record formats (reference/model-arch.md §6.2, §8.1).
+# Bytes of one entry for the quantised record formats (docs/deepseek_v4.md, "KV bytes per token").
 # fp8_ds_mla: 448 FP8 nope + 64 bf16 rope (128 B) + 7 UE8M0 scales + 1 pad, for a 512-wide latent.
 # fp8_index: 128 FP8 + one fp32 scale. mxfp4_index: 64 packed bytes + 4 UE8M0 scales.
 # fp8_ue8m0 / nvfp4_ds_mla: DeepSeek-V4.1's window (528 B) and compressed (288 B) records.

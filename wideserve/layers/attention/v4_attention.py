@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention over the paged varlen batch (reference/model-arch.md §3.4-3.7).
+"""DeepSeek-V4 attention over the paged varlen batch (docs/deepseek_v4.md, "Attention" to "Lightning indexer").
 
 One shared K=V latent per token. A query at position p attends to
   - the sliding window: latents of positions [p-W+1, p] ("window" cache, ratio 1),

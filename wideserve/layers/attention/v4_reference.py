@@ -2,7 +2,7 @@
 
 One request at a time (a host loop per request, never per token), queries in blocks of
 QUERY_BLOCK; each block reads exactly the window latents and compressed entries its queries may
-see (reference/model-arch.md §3.4-3.7). The batched backend (v4_batched.py) is tested against
+see (docs/deepseek_v4.md, "Attention" to "Lightning indexer"). The batched backend (v4_batched.py) is tested against
 these.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 It holds host copies of the request layout, rope tables at the step's positions, compression
 plans per ratio, the batched layouts (v4_blocks.py) and the cache helpers the attention
-backends and the compressors use (reference/model-arch.md §3.4-3.7). Everything that does not
+backends and the compressors use (docs/deepseek_v4.md, "Attention" to "Lightning indexer"). Everything that does not
 depend on a layer's weights is computed once per step (and per KV cache group) and shared by
 every layer that asks for it, so a layer costs a constant number of torch ops.
 
