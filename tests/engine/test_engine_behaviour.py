@@ -138,3 +138,27 @@ def test_prompt_logprobs_cover_a_cached_prefix(llm):
         assert a.keys() == b.keys()
         for t in a:
             assert abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank
+
+
+def test_prompt_logprobs_in_bounded_slices(llm, monkeypatch):
+    """Logits for prompt logprobs are made a few rows at a time, never [chunk, vocab] at
+    once; the numbers are those of the whole chunk."""
+    from wideserve.core import engine_core
+
+    prompt = llm.get_tokenizer().encode("To be, or not to be, that is the question:\n" * 6)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    whole = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    model = llm.engine.model
+    rows_per_slice = 5
+    monkeypatch.setattr(engine_core, "PROMPT_LOGPROBS_SLICE_BYTES",
+                        rows_per_slice * 4 * llm.engine.vocab_size)
+    seen: list[int] = []
+    real = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: seen.append(h.shape[0]) or real(h))
+    sliced = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    assert max(seen) <= max(rows_per_slice, 1) and len(seen) > len(prompt) // rows_per_slice
+    assert sliced.outputs[0].token_ids == whole.outputs[0].token_ids
+    for a, b in zip(whole.prompt_logprobs[1:], sliced.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank

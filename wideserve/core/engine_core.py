@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from wideserve.config import EngineConfig
+from wideserve.config import CacheConfig, EngineConfig
 from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
@@ -29,6 +29,7 @@ from wideserve.core.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
 from wideserve.distributed.eplb.balancer import EpGroup
 from wideserve.distributed.eplb.manager import EplbManager
+from wideserve.executor import memory_profile
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
@@ -39,6 +40,8 @@ from wideserve.structured_outputs.manager import StructuredOutputManager
 from wideserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
+# Prompt logprobs: fp32 logits made at most this many bytes at a time (rows = this / 4V).
+PROMPT_LOGPROBS_SLICE_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -69,6 +72,13 @@ class EngineStats:
     kv_transfer: dict[str, Any] | None = None       # P/D connector counters (disagg/)
     dp: dict[str, Any] | None = None    # data-parallel rank stats (distributed/dp_engine.py)
     eplb: dict | None = None                        # "target"/"draft" -> BalancerStats
+
+
+def _zero_expert_load(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        load = getattr(module, "expert_load", None)
+        if isinstance(load, torch.Tensor):
+            load.zero_()
 
 
 def _model_max_len(config_json: dict) -> int:
@@ -130,6 +140,7 @@ class EngineCore:
         # Before the KV cache: redundant expert slots take memory first.
         self.eplb = (EplbManager(config.eplb, self.model, self.spec, self.device,
                                  self._ep_group()) if config.eplb is not None else None)
+        self.memory_report: memory_profile.MemoryProfile | None = None   # set by _profiled
         self.kv_config, self.kv_manager = self._build_kv_cache()
         self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
         logger.info("%s", self.kv_config.summary())
@@ -178,6 +189,7 @@ class EngineCore:
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: storing KV records as "
                              f"{', '.join(unsupported)} is not supported for execution; "
                              f"use auto or bf16")
+        cache = self._profiled(cache, specs)
         kv_config = build_kv_cache_config(specs, cache, sched, device=self.device,
                                           max_model_len=self.max_model_len)
         replay = 0
@@ -186,6 +198,27 @@ class EngineCore:
                                                         len(kv_config.groups)))
         manager = KVCacheManager(kv_config, cache, self.max_model_len, replay_tokens=replay)
         return kv_config, manager
+
+    def _profiled(self, cache: CacheConfig, specs: dict) -> CacheConfig:
+        """On an accelerator with memory statistics and no explicit KV size: the KV budget
+        after a maximal dummy step's activations (executor/memory_profile.py)."""
+        probe = memory_profile.DeviceMemory.for_device(self.device)
+        if probe is None or cache.kv_cache_memory is not None \
+                or cache.num_blocks_override is not None:
+            return cache
+        profile = memory_profile.profile_kv_budget(
+            probe, cache.gpu_memory_utilization,
+            lambda: memory_profile.run_dummy_step(self.model, specs, cache,
+                                                  self.scheduler_config, self.max_model_len,
+                                                  self.device))
+        _zero_expert_load(self.model)      # the dummy step's routing is not real load
+        gib = 1 << 30
+        logger.info("memory profile: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB "
+                    "peak activations for a maximal step -> %.2f GiB for the KV cache",
+                    profile.total / gib, profile.used_before / gib,
+                    profile.activation_peak / gib, profile.budget / gib)
+        self.memory_report = profile
+        return dataclasses.replace(cache, kv_cache_memory=profile.budget)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -353,8 +386,8 @@ class EngineCore:
             sampled, logprobs = self._sample(rows, fwd.logits)
         for rid, tokens in sampled.items():
             self.structured.accept(rid, tokens)
-        for i, logits in fwd.prompt_logits.items():
-            self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, logits)
+        for i, hidden in fwd.prompt_hidden.items():
+            self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, hidden)
         for rid in sampled:
             prompt_lp = self._prompt_logprobs.get(rid)
             if prompt_lp is not None and rid not in self._prompt_lp_sent:
@@ -413,19 +446,26 @@ class EngineCore:
                            is_new=s.is_new_or_resumed)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
-                             logits: torch.Tensor) -> None:
-        """Row j predicts the token at position start + j + 1; keep the prompt's ones."""
+                             hidden: torch.Tensor) -> None:
+        """Row j predicts the token at position start + j + 1; keep the prompt's ones. Logits
+        are made PROMPT_LOGPROBS_SLICE_BYTES of fp32 at a time: a 2,048-token chunk over a
+        129k vocabulary would otherwise be a 1 GiB [chunk, vocab] tensor (plus its
+        log_softmax)."""
         acc = self._prompt_logprobs[request.request_id]
         first = len(acc) + 1                       # next prompt position still without logprobs
         lo, hi = first - step.start - 1, request.num_prompt_tokens - step.start - 1
-        lo, hi = max(lo, 0), min(hi, logits.shape[0])
+        lo, hi = max(lo, 0), min(hi, hidden.shape[0])
         if hi <= lo:
             return
         targets = torch.tensor(request.prompt_token_ids[step.start + lo + 1:step.start + hi + 1],
-                               device=logits.device)
-        ids, lps, ranks = compute_prompt_logprobs(
-            logits[lo:hi], targets, request.sampling_params.prompt_logprobs).tolists()
-        acc.extend(TokenLogprobs(ids, lps, ranks))
+                               device=hidden.device)
+        rows = max(1, PROMPT_LOGPROBS_SLICE_BYTES // (4 * self.vocab_size))
+        k = request.sampling_params.prompt_logprobs
+        for s in range(lo, hi, rows):
+            e = min(s + rows, hi)
+            logits = self.model.compute_logits(hidden[s:e])
+            ids, lps, ranks = compute_prompt_logprobs(logits, targets[s - lo:e - lo], k).tolists()
+            acc.extend(TokenLogprobs(ids, lps, ranks))
 
     # ------------------------------------------------------------------------- stats
     def get_stats(self) -> EngineStats:

@@ -31,7 +31,7 @@ class StepRequest:
     block_ids: Sequence[Sequence[int]]
     kv_write_start: int = 0       # positions below are a replayed cached prefix
     sample: bool = True           # the step reaches the end of the request's tokens
-    prompt_logits: bool = False   # also return logits for every new row (prompt logprobs)
+    prompt_logits: bool = False   # also return every new row's hidden state (prompt logprobs)
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
     replay_start: int = 0         # with kv_write_start: where this request's replay began
     is_new: bool = False          # first step of the request (or of its resumption)
@@ -49,7 +49,9 @@ class ForwardOutput:
     # with_drafts=True) num_spec + 1 consecutive rows per sampled request.
     logits: torch.Tensor | None
     sample_rows: list[int]               # index into the step's requests of each request's rows
-    prompt_logits: dict[int, torch.Tensor]  # request index -> [n, V] fp32 (all new rows)
+    # request index -> [n, d] hidden states of all new rows (prompt logprobs: the engine turns
+    # them into logits in bounded slices, never [n, vocab] at once)
+    prompt_hidden: dict[int, torch.Tensor]
     batch: ForwardBatch | None = None    # the step's batch (speculative proposers reuse it)
 
 
@@ -129,12 +131,12 @@ class ModelRunner:
                 idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
             rows = to_device(idx, hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-        prompt_logits: dict[int, torch.Tensor] = {}
+        prompt_hidden: dict[int, torch.Tensor] = {}
         for i, r in enumerate(reqs):
             if r.prompt_logits:
                 lo, hi = int(batch.query_start_loc_cpu[i]), int(batch.query_start_loc_cpu[i + 1])
-                prompt_logits[i] = self.model.compute_logits(hidden[lo:hi])
-        return ForwardOutput(logits, sample_rows, prompt_logits, batch)
+                prompt_hidden[i] = hidden[lo:hi]
+        return ForwardOutput(logits, sample_rows, prompt_hidden, batch)
 
 
 def _with_draft_rows(ends: np.ndarray, num_spec: list[int]) -> np.ndarray:
