@@ -255,3 +255,42 @@ def test_metrics_under_vllm_names_too(server, client):
     assert values[f'vllm:request_success_total{{finished_reason="length",model_name="{BUNDLED}"}}'] \
         == values[f'wideserve:requests_total{{model_name="{BUNDLED}",outcome="length"}}'] >= 1
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
+# ---- /v1/responses --------------------------------------------------------------------------
+
+RESP_TOOL = {"type": "function", "name": "clock", "description": "The hour",
+             "parameters": CLOCK_TOOL["function"]["parameters"]}
+
+
+def test_responses_text_whole_and_streamed(client):
+    full = client.responses.create(model=BUNDLED, input="Speak, friend.", max_output_tokens=8,
+                                   temperature=0.0, instructions="Be brief.")
+    assert full.status == "incomplete" and full.output[0].type == "message"
+    assert full.output_text and full.usage.output_tokens == 8
+    events = list(client.responses.create(model=BUNDLED, input="Speak, friend.", stream=True,
+                                          max_output_tokens=8, temperature=0.0,
+                                          instructions="Be brief."))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed" and "response.output_text.delta" in types
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == full.output_text == events[-1].response.output_text
+
+
+def test_responses_function_calls_and_the_next_turn(client):
+    with client.responses.stream(model=BUNDLED, input="What hour is it?", tools=[RESP_TOOL],
+                                 tool_choice="required", parallel_tool_calls=False,
+                                 max_output_tokens=60,
+                                 temperature=0.0) as stream:
+        final = stream.get_final_response()
+    (fc,) = [o for o in final.output if o.type == "function_call"]
+    assert fc.name == "clock" and json.loads(fc.arguments)["tz"] in ("Verona", "Mantua")
+    nxt = client.responses.create(model=BUNDLED, max_output_tokens=4, tools=[RESP_TOOL], input=[
+        {"role": "user", "content": "What hour is it?"},
+        {"type": "function_call", "call_id": fc.call_id, "name": fc.name,
+         "arguments": fc.arguments},
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "midnight"}],
+        tool_choice="none")
+    assert nxt.output[0].type == "message"

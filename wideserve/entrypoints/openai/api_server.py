@@ -35,7 +35,7 @@ from wideserve.config import EngineConfig
 from wideserve.core.engine_client import EngineCoreClient, EngineStartupError
 from wideserve.distributed.dp_client import DPEngineClient
 from wideserve.distributed.dp_metrics import DPStatsCollector
-from wideserve.entrypoints.openai import serving_chat, serving_completions
+from wideserve.entrypoints.openai import serving_chat, serving_completions, serving_responses
 from wideserve.entrypoints.openai.serving_chat import chat_options
 from wideserve.entrypoints.openai.async_engine import AsyncEngine
 from wideserve.entrypoints.openai.metrics import ServerMetrics
@@ -127,6 +127,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
     async def chat(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_body(request, limit))
         return await serving_chat.create_chat_completion(ctx, req, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = parse_body(serving_responses.ResponsesRequest, await read_body(request, limit))
+        return await serving_responses.create_response(ctx, req, request)
 
     @app.post("/v1/embeddings")
     async def embeddings() -> Response:
