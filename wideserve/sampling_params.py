@@ -56,6 +56,7 @@ class SamplingParams:
     # leg; the prefill's handle ({"do_remote_prefill": true, ...}) on the decode leg.
     kv_transfer_params: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None   # constrained decoding
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit (OpenAI's)
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -70,6 +71,7 @@ class SamplingParams:
                 raise ValueError("kv_transfer_params must be an object")
             if self.n != 1:
                 raise ValueError(f"kv_transfer_params: needs n == 1, got n={self.n}")
+        self._check_logit_bias()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
@@ -136,6 +138,18 @@ class SamplingParams:
             if not _is_int(i) or i < 0:
                 raise ValueError(f"stop_token_ids must contain only ints >= 0, got {i!r}")
         self.stop_token_ids = ids
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        for t, b in bias.items():
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+            if not _is_number(b) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r}")
 
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):

@@ -142,3 +142,15 @@ def test_compilation_is_off_the_step_loop_and_failures_end_one_request(llm, monk
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
+
+
+def test_logit_bias_in_the_batched_sampler():
+    from wideserve.executor.sampler import Sampler, build_sampling_metadata
+    logits = torch.zeros(3, 10)
+    logits[:, 2] = 5.0
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 10.0}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={2: -100.0, 4: 1.0})]
+    md = build_sampling_metadata(params, [[], [], []], None, {}, "cpu", 10)
+    assert Sampler()(logits, md).token_ids.tolist() == [7, 2, 4]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})

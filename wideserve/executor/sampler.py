@@ -1,7 +1,7 @@
 """The reference sampler: one batched pass from logits [R, V] to one token per request.
 
 Order of operations (vLLM v1's order):
-  raw logits -> grammar mask (structured outputs) -> min_tokens mask (stop ids to -inf) ->
+  raw logits -> grammar mask (structured outputs) -> logit_bias -> min_tokens mask (stop ids to -inf) ->
   penalties (repetition over prompt+output, frequency/presence over output) -> greedy rows:
   argmax -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> exponential race
   argmax(probs / Exp(1)).
@@ -63,6 +63,8 @@ class SamplingMetadata:
     stop_mask_cols: torch.Tensor | None  # [M] int64 / request is below min_tokens
     max_num_logprobs: int | None       # max top-N over rows asking for logprobs; None = no row
     grammar: GrammarMask | None = None  # structured outputs: allowed tokens of constrained rows
+    # logit_bias: (row, token) pairs and the bias added to that logit; None if no row has one
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -160,6 +162,25 @@ def _build_stop_mask(
             to_device(np.array(cols, dtype=np.int64), device))
 
 
+def _build_bias(params_list: Sequence[SamplingParams], device: torch.device,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, p in enumerate(params_list):     # one iteration per request with a logit_bias
+        if p.logit_bias:
+            for t, b in p.logit_bias.items():
+                if t < vocab_size:
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(b)
+    if not rows:
+        return None
+    return (to_device(np.array(rows, dtype=np.int64), device),
+            to_device(np.array(cols, dtype=np.int64), device),
+            to_device(np.array(vals, dtype=np.float32), device))
+
+
 def build_sampling_metadata(
     params_list: Sequence[SamplingParams],
     output_token_ids_list: Sequence[Sequence[int] | np.ndarray],
@@ -218,6 +239,7 @@ def build_sampling_metadata(
                                    device, vocab_size),
         stop_mask_rows=rows,
         stop_mask_cols=cols,
+        bias=_build_bias(params_list, device, vocab_size),
         max_num_logprobs=max(nlp) if nlp else None,
     )
 
@@ -312,6 +334,8 @@ def processed_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     x = raw
     if md.grammar is not None:
         x = md.grammar.apply(x)
+    if md.bias is not None:
+        x = x.index_put(md.bias[:2], md.bias[2], accumulate=True)
     if md.stop_mask_rows is not None:
         x = x.index_put((md.stop_mask_rows, md.stop_mask_cols),
                         torch.tensor(_NEG_INF, device=x.device))

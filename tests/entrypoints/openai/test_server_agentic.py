@@ -294,3 +294,21 @@ def test_responses_function_calls_and_the_next_turn(client):
         {"type": "function_call_output", "call_id": fc.call_id, "output": "midnight"}],
         tool_choice="none")
     assert nxt.output[0].type == "message"
+
+
+def test_logit_bias_steers_the_sampler(server, client):
+    (bang,) = httpx.post(server.url + "/tokenize", json={"model": BUNDLED, "prompt": "!",
+                                                         "add_special_tokens": False}
+                         ).json()["tokens"]
+    r = client.completions.create(model=BUNDLED, prompt="ROMEO:", max_tokens=3, temperature=0.0,
+                                  logit_bias={str(bang): 100})
+    assert r.choices[0].text == "!!!"
+    plain = client.completions.create(model=BUNDLED, prompt="ROMEO:", max_tokens=3,
+                                      temperature=0.0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    (first_id,) = httpx.post(server.url + "/tokenize", json={
+        "model": BUNDLED, "prompt": first, "add_special_tokens": False}).json()["tokens"]
+    banned = client.completions.create(model=BUNDLED, prompt="ROMEO:", max_tokens=1,
+                                       temperature=0.0, logprobs=0,
+                                       logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first

@@ -127,8 +127,6 @@ class _SamplingFields(BaseModel):
             stops = self.stop
         if any(len(s) == 0 for s in stops):
             raise ValueError("stop: stop strings must not be empty")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported by this server")
         return self
 
     @property

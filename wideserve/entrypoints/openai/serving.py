@@ -226,6 +226,18 @@ class ServingContext:
             raise ApiError(400, str(e), param=param_of(str(e)) or str(e).split(" ", 1)[0]) \
                 from None
 
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (string token ids) checked against the vocabulary."""
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit() or int(key) >= self.vocab_size:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id in "
+                                    f"[0, {self.vocab_size})", param="logit_bias")
+            out[int(key)] = float(value)
+        return out
+
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > _THREAD_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)

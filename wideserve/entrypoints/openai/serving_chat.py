@@ -122,6 +122,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
     params.structured_outputs = structured_params(req, setup)
+    params.logit_bias = ctx.logit_bias(req.logit_bias)
     parser = _tool_parser(ctx, setup)
     if parser is not None and _keeps_markers(ctx, parser):
         params.skip_special_tokens = False

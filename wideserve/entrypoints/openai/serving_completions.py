@@ -68,6 +68,7 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
         max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
         params = ctx.sampling_params(req, max_tokens, req.logprobs)
         params.structured_outputs = constraint
+        params.logit_bias = ctx.logit_bias(req.logit_bias)
         if req.echo and text is None:
             text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
         prompts.append(_Prompt(text, ids, params))
