@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Callable
 
 from wideserve.config import EngineConfig, ParallelConfig
-from wideserve.core.engine_client import EngineCoreClient, EngineDeadError
+from wideserve.core.engine_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from wideserve.distributed.balancer import LoadBalancer
 
 DP_ENGINE = "wideserve.distributed.dp_engine:DPEngineCore"
@@ -59,7 +59,7 @@ class DPEngineClient:
                 addresses=None if spawn else rank_addresses(p, rank))
             client.on_outputs = self._outputs_handler(rank)
             client.on_dead = self._dead_handler(rank)
-            client.on_step_times = self._step_times_handler(rank)
+            client.on_step_times = self._step_times
             self.clients.append(client)
         self.balancer = LoadBalancer(self.num_ranks, prefix_affinity=prefix_affinity,
                                      affinity_block=config.cache.block_size)
@@ -81,8 +81,9 @@ class DPEngineClient:
         if failed:
             await self.shutdown()
             rank, error = failed[0]
-            raise type(error)(f"data-parallel rank {rank}: {error}") if isinstance(
-                error, Exception) else error
+            if not isinstance(error, Exception):
+                raise error                                  # cancellation, interrupt
+            raise EngineStartupError(f"data-parallel rank {rank}: {error}") from error
         self.model_info = dict(self.clients[0].model_info)
         self.model_info["data_parallel_size"] = self.num_ranks
         return self.model_info
@@ -135,10 +136,8 @@ class DPEngineClient:
             self.on_outputs(outs)
         return outputs
 
-    def _step_times_handler(self, rank: int) -> Callable[[list[float]], None]:
-        def step_times(seconds: list[float]) -> None:
-            self.on_step_times(seconds)
-        return step_times
+    def _step_times(self, seconds: list[float]) -> None:
+        self.on_step_times(seconds)        # set after construction (the server's metrics)
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
