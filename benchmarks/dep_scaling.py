@@ -133,8 +133,14 @@ def affinity(model: str, dp: int, args: argparse.Namespace) -> dict:
             llm.engine.client.balancer.affinity_block = 32
             sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             for wave in range(2):
-                llm.generate(_prompts(4 * dp, 320, seed=10 + wave, shared=256,
-                                      groups=args.affinity_groups), sp, use_tqdm=False)
+                prompts = _prompts(4 * dp, 320, seed=10 + wave, shared=256,
+                                   groups=args.affinity_groups)
+                # Arrival order is random in real traffic: without the shuffle, plain
+                # balancing sends prompt i to rank i % dp in both waves (an accidental
+                # affinity).
+                order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(
+                    wave)).tolist()
+                llm.generate([prompts[i] for i in order], sp, use_tqdm=False)
             s = llm.engine.get_stats()
             out["on" if on else "off"] = {"hit_rate": s["prefix_hits"] / s["prefix_queries"],
                                           "picks": llm.engine.client.balancer.picks}
@@ -149,7 +155,7 @@ def main() -> None:
     parser.add_argument("--per-rank", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--affinity-groups", type=int, default=3)
+    parser.add_argument("--affinity-groups", type=int, default=8)
     parser.add_argument("--only-affinity", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/dep_scaling.json")
     args = parser.parse_args()
