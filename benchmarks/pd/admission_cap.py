@@ -73,7 +73,8 @@ def run(cap: int, args, loaded) -> dict:
             "steps": len(steps), "step_mean_ms": round(s.mean() * 1e3, 2),
             "step_p90_ms": round(float(np.percentile(s, 90)) * 1e3, 2),
             "step_max_ms": round(s.max() * 1e3, 2), "burst_first_tokens_s": round(admitted_s, 3),
-            "max_loads_per_step": d.kv_connector.scheduler.stats.max_loads_started_per_step}
+            "max_loads_per_step": d.kv_connector.scheduler.stats.max_loads_started_per_step,
+            "connector": d.kv_connector.scheduler.snapshot()}
 
 
 def main() -> None:

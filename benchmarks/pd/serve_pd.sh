@@ -3,6 +3,7 @@
 # (the bundled V4), on a prefill-heavy random workload and on the agentic workload.
 # Points alternate between the two deployments so machine noise hits both alike.
 #   benchmarks/pd/serve_pd.sh [OUT_DIR]      (default benchmarks/results/pd_serve)
+#   WORKLOADS="random agentic" (default both) picks the workloads.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-benchmarks/results/pd_serve}
@@ -29,17 +30,21 @@ bench() {  # name url args...
   $PY -m wideserve.entrypoints.cli bench serve --base-url "$url" --no-progress \
     --output-json "$OUT/$name.json" "$@"
 }
-for round in 1 2; do
+WORKLOADS=${WORKLOADS:-random agentic}
+[[ $WORKLOADS == *random* ]] && for round in 1 2; do
   for dep in pd:8310 colocated:8313; do
     name=${dep%%:*}; url=http://127.0.0.1:${dep##*:}
     bench "prefill_heavy_${name}_r$round" "$url" --dataset random --input-len 700 \
       --output-len 16 --num-prompts 32 --max-concurrency 4
   done
 done
-for dep in pd:8310 colocated:8313; do
+# agentic: the scaled AgentX sessions of BENCHMARKS.md "Serving curves" (bundled model,
+# 1024 context)
+[[ $WORKLOADS == *agentic* ]] && for dep in pd:8310 colocated:8313; do
   name=${dep%%:*}; url=http://127.0.0.1:${dep##*:}
-  bench "agentic_${name}" "$url" --dataset agentic --max-concurrency 2 --duration 40 \
-    --time-scale 0.05
+  bench "agentic_${name}" "$url" --dataset agentic --agentic-preset 256k \
+    --agentic-sessions 32 --agentic-min-osl 2 --agentic-scale 0.003 --time-scale 0.02 \
+    --duration 40 --warmup-per-lane 2 --max-concurrency 2
 done
 curl -s http://127.0.0.1:8310/metrics | grep -E "^wideserve_router_(remote_kv|requests)_total" > "$OUT/router_metrics.txt"
 curl -s http://127.0.0.1:8312/metrics > "$OUT/decode_metrics.txt" || true

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from models import v4_configs
-from pd_harness import make_engines, run_colocated, run_pd, settle, write_config
+from pd_harness import make_engines, prefill, run_colocated, run_pd, settle, write_config
 
 MAX_NEW = 6
 
@@ -89,3 +89,22 @@ def test_v4_pull_moves_only_the_window_of_sliding_groups(tmp_path):
     stats = d.kv_connector.scheduler.stats
     assert stats.pages_loaded == clipped < unclipped // 2
     settle(p, d, ref)
+
+
+def test_leases_count_as_sequences_and_hold_only_the_window(tmp_path):
+    """More do_remote_decode requests than max_num_seqs, nobody pulling: the producer waits
+    for leases to expire instead of failing requests, and a held request keeps only the
+    sliding pages the consumer's window will read."""
+    p, _, _ = make_engines(_v4_dir(tmp_path, "A"), load_format="dummy", block_size=16,
+                           max_num_seqs=4, max_num_batched_tokens=256,
+                           p_kv={"kv_lease_s": 0.3})
+    prompts = _prompts(256, [60] * 10, seed=6)
+    handles = prefill(p, prompts)
+    assert all(h and h["do_remote_prefill"] for h in handles)
+    assert p.kv_connector.scheduler.stats.leases_expired >= 6
+    for h in handles:
+        for g, row in zip(p.kv_config.groups, h["remote_block_ids"]):
+            if g.is_sliding:
+                live = sum(1 for b in row if b)
+                assert live <= -(-g.spec.window // g.block_size) + 1, (g.spec.role, row)
+    settle(p)

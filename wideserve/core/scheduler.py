@@ -278,7 +278,7 @@ class Scheduler:
         cfg = self.config
         cap = cfg.max_new_requests_per_step
         while self.waiting and plan.budget > 0 \
-                and len(self.running) + self._num_loading() < cfg.max_num_seqs:
+                and len(self.running) + self._num_held_by_connector() < cfg.max_num_seqs:
             if cap and len(plan.admitted) >= cap:
                 return
             request = self.waiting.peek()
@@ -295,8 +295,8 @@ class Scheduler:
                 return
             if self.kv.allocate_slots(request, n, hit_blocks, num_hit,
                                       num_lookahead_tokens=cfg.num_lookahead_tokens) is None:
-                if self.running:
-                    return          # wait for running requests to free blocks
+                if self.running or self._num_held_by_connector():
+                    return          # wait for running (or leased) requests to free blocks
                 # Nothing else holds KV (cached blocks are evictable).
                 n = self._fit_alone(request, n, hit_blocks, num_hit)
                 if n == 0:
@@ -314,6 +314,12 @@ class Scheduler:
     # ------------------------------------------------------------------ P/D remote KV
     def _num_loading(self) -> int:
         return self.connector.num_loading if self.connector is not None else 0
+
+    def _num_held_by_connector(self) -> int:
+        """Requests whose blocks the connector holds (loading, or under a lease): they take
+        sequence slots like running ones, since the pools are sized per sequence."""
+        c = self.connector
+        return c.num_loading + c.num_held if c is not None else 0
 
     def _start_remote_load(self, request: Request, hit_blocks: Any, num_hit: int) -> bool | None:
         """Admit a request whose prompt KV comes from a prefill instance: slots for the

@@ -178,6 +178,8 @@ class ConnectorScheduler:
                 and request.status in (RequestStatus.FINISHED_STOPPED,
                                        RequestStatus.FINISHED_LENGTH):
             self._held[rid] = request
+            # The consumer computes the last prompt token itself: only its window is needed.
+            self.kv.trim_to_window(request, request.num_prompt_tokens - 1)
             self.leases.grant(rid, self.config.kv_lease_s)
             self.stats.leases_granted += 1
             return RemoteKV(

@@ -307,6 +307,16 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(request, num_tokens)
 
+    def trim_to_window(self, request: Request, query_at: int) -> None:
+        """Free the sliding pages no query at `query_at` or later reads, publishing computed
+        blocks first (so freed pages keep their hash for prefix hits). For a finished request
+        whose blocks stay held (a P/D lease): it then holds only what is still useful."""
+        if request.request_id not in self._requests:
+            return
+        self._cache_computed(request)
+        for sw in self._sliding:
+            sw.remove_skipped_blocks(request.request_id, query_at)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (publishing its computed full blocks first)."""
         rid = request.request_id
