@@ -3,7 +3,7 @@
 With `enable_expert_parallel` the ranks form a torch.distributed group, each loads only its
 routed experts, and every MoE layer is an all-to-all, so the ranks step in lock-step:
 
-    every iteration: exchange (has work, tokens, stop) with all ranks  (TimedStepSync)
+    every iteration: exchange (has work, requests, stop) with all ranks  (TimedStepSync)
       any rank wants to stop -> all stop together
       nobody has work        -> idle (the loop polls input for dp_idle_poll_ms, then again)
       else                   -> ranks with work run their step; the others a dummy batch of
@@ -28,7 +28,7 @@ from wideserve.config import EngineConfig
 from wideserve.core.engine_core import EngineCore, EngineStats
 from wideserve.core.engine_proc import EngineLoop
 from wideserve.core.sched_output import EngineCoreOutput, SchedulerOutput
-from wideserve.distributed.dp_sync import HAS_WORK, NUM_TOKENS, STOP, TimedStepSync, \
+from wideserve.distributed.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, \
     choose_step_sync
 from wideserve.distributed.ep import AllToAllDispatcher
 from wideserve.distributed.eplb.balancer import EpGroup
@@ -47,7 +47,7 @@ class DPStepStats:
     lockstep: bool = False
     dummy_steps: int = 0
     idle_syncs: int = 0
-    max_tokens_last: int = 0              # the largest rank's tokens in the last step
+    max_reqs_last: int = 0                # the busiest rank's requests at the last step
     sync_method: str = ""
     sync_calibration_us: dict[str, float] | None = None
     sync_count: int = 0
@@ -126,14 +126,14 @@ class DPEngineCore(EngineCore):
         """One lock-step iteration; None once the ranks agreed to stop."""
         assert self.sync is not None
         local = self.has_unfinished_requests()
-        rows = self.sync.exchange(local, self._pending_tokens() if local else 0, stop)
+        rows = self.sync.exchange(local, self._num_requests(), stop)
         if rows[:, STOP].any():
             return None
         self.group_busy = bool(rows[:, HAS_WORK].any())
         if not self.group_busy:
             self.dp.idle_syncs += 1
             return []
-        self.dp.max_tokens_last = int(rows[:, NUM_TOKENS].max())
+        self.dp.max_reqs_last = int(rows[:, NUM_REQS].max())
         outputs = self.step() if local else self._dummy_step()
         assert self.dispatcher is not None
         self.dispatcher.finish_step()
@@ -152,11 +152,9 @@ class DPEngineCore(EngineCore):
             raise error
         return super()._fail_step(sched_out, error)
 
-    def _pending_tokens(self) -> int:
-        """Tokens this rank still has to compute, capped at the step budget (a size hint for
-        padded execution; the sync carries it for every rank)."""
-        budget = self.scheduler_config.max_num_batched_tokens
-        return min(budget, self.scheduler.num_running + self.scheduler.num_waiting)
+    def _num_requests(self) -> int:
+        """This rank's running + waiting requests: every rank sees every rank's load."""
+        return self.scheduler.num_running + self.scheduler.num_waiting
 
     def _dummy_step(self) -> list[EngineCoreOutput]:
         """One token at position 0 through the whole model, writing only the null block."""

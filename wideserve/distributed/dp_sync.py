@@ -1,7 +1,7 @@
 """The per-step agreement of the data-parallel ranks (docs/distributed.md, "Lock-step").
 
-Before every step each rank contributes a small int64 row (does it have work, how many tokens,
-does it want to stop) and gets every rank's row back. All ranks then take the same decision:
+Before every step each rank contributes a small int64 row (does it have work, how many
+requests, does it want to stop) and gets every rank's row back. All ranks then take the same decision:
 step (a rank without work runs a dummy batch), idle, or stop together. This exchange is on the
 critical path of every step of every rank, so there are two implementations and the faster,
 measured at start-up on this group, is used:
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from wideserve.distributed.groups import DPGroup, DPGroupError, local_address_towards
 
-HAS_WORK, NUM_TOKENS, STOP = 0, 1, 2
+HAS_WORK, NUM_REQS, STOP = 0, 1, 2
 NUM_FIELDS = 3
 CALIBRATION_ROUNDS = 30
 
@@ -196,8 +196,8 @@ class TimedStepSync:
         self.sync = sync
         self.stats = stats
 
-    def exchange(self, has_work: bool, num_tokens: int, stop: bool) -> np.ndarray:
-        row = np.array([int(has_work), num_tokens, int(stop)], dtype=np.int64)
+    def exchange(self, has_work: bool, num_reqs: int, stop: bool) -> np.ndarray:
+        row = np.array([int(has_work), num_reqs, int(stop)], dtype=np.int64)
         start = time.perf_counter()
         rows = self.sync.exchange(row)
         took = time.perf_counter() - start
