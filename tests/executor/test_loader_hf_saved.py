@@ -50,5 +50,6 @@ def test_mtp_speculation_says_the_checkpoint_has_no_mtp(saved):
     path, _ = saved
     with pytest.raises(ValueError, match="mtp. is unavailable.*no MTP weights") as err:
         LLM(str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-            block_size=16, kv_cache_memory=1 << 26, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+            block_size=16, kv_cache_memory=1 << 26,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     assert "ngram" in str(err.value)

@@ -6,8 +6,8 @@ blocks allocated for tokens whose KV was never written). `Scheduler.fail_step` u
 ends the step's requests with the error; everything else keeps being served. The engine then
 re-checks the KV pool's invariants: if they no longer hold, or the error poisons the device
 (a CUDA fault: every later kernel fails), or the failure is in the scheduler's own
-bookkeeping, the state cannot be trusted and `EngineStateError` (core/errors.py) says so; the engine refuses
-further work and the engine process exits with that reason.
+bookkeeping, the state cannot be trusted and `EngineStateError` (core/errors.py) says so;
+the engine refuses further work and the engine process exits with that reason.
 """
 from __future__ import annotations
 
