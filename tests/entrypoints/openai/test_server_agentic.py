@@ -312,3 +312,21 @@ def test_logit_bias_steers_the_sampler(server, client):
                                        temperature=0.0, logprobs=0,
                                        logit_bias={str(first_id): -100})
     assert banned.choices[0].logprobs.tokens[0] != first
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs_too(server, client):
+    prompt = "ROMEO: But soft"
+    ids = httpx.post(server.url + "/tokenize", json={"model": BUNDLED, "prompt": prompt}
+                     ).json()["tokens"]
+    r = client.completions.create(model=BUNDLED, prompt=prompt, max_tokens=2, temperature=0.0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=BUNDLED, prompt=prompt, max_tokens=2, temperature=0.0, echo=True, logprobs=1,
+        stream=True) if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), [])[1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-4)

@@ -160,8 +160,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of: only best_of == n is supported")
         if self.suffix:
             raise ValueError("suffix: not supported by this model")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs (prompt logprobs) is not supported")
         return self
 
 

@@ -8,6 +8,7 @@ sends it (benchmark clients time the first token from the first chunk with choic
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -30,6 +31,8 @@ from wideserve.entrypoints.openai.tool_parsers.json_formats import (NamedCallPar
                                                                     RequiredCallsParser)
 from wideserve.entrypoints.openai.tools import ToolSetup, resolve_tools
 from wideserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Template variables a request may not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -132,8 +135,11 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     last = req.messages[-1]
     echo_prefix = last.text() if req.echo and last.role == "assistant" else ""
     ctx.check_alive()
-    return _Call(random_id("chatcmpl"), now_s(), req, prompt, ids, params, num_logprobs,
+    call = _Call(random_id("chatcmpl"), now_s(), req, prompt, ids, params, num_logprobs,
                  echo_prefix, setup, parser, thinks)
+    if req.user:                                # OpenAI's end-user id: for the logs only
+        logger.info("request %s from user %r", call.request_id, req.user)
+    return call
 
 
 class ChoiceOutput:

@@ -69,6 +69,8 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
         params = ctx.sampling_params(req, max_tokens, req.logprobs)
         params.structured_outputs = constraint
         params.logit_bias = ctx.logit_bias(req.logit_bias)
+        if req.echo and req.logprobs is not None:      # echo + logprobs: the prompt's too
+            params.prompt_logprobs = req.logprobs
         if req.echo and text is None:
             text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
         prompts.append(_Prompt(text, ids, params))
@@ -112,6 +114,9 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
             if call.num_logprobs is not None and co.logprobs is not None:
                 logprobs = completion_logprobs(ctx.tokenizer, co.logprobs, co.token_ids,
                                                call.num_logprobs, len(prefix))
+                if call.req.echo:
+                    logprobs = _with_prompt(ctx, call, prompt.token_ids, out.prompt_logprobs,
+                                            logprobs)
             choices.append({"index": i * n + co.index, "text": prefix + co.text,
                             "logprobs": logprobs, "finish_reason": co.finish_reason,
                             "stop_reason": co.stop_reason})
@@ -123,6 +128,21 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
         body["kv_transfer_params"] = finals[0].output.kv_transfer_params
     return body
 
+
+
+def _with_prompt(ctx: ServingContext, call: _Call, prompt_ids: list[int],
+                 prompt_lps: Any, generated: dict[str, Any]) -> dict[str, Any]:
+    """echo + logprobs: the prompt's tokens first (the first has no logprob, as in vLLM's
+    and OpenAI's answers), then the generated ones; text offsets run over both."""
+    if not prompt_lps or not prompt_ids:
+        return generated
+    first = ctx.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+    rest = completion_logprobs(ctx.tokenizer, list(prompt_lps[1:]), prompt_ids[1:],
+                               call.num_logprobs or 0, len(first))
+    return {"tokens": [first] + rest["tokens"] + generated["tokens"],
+            "token_logprobs": [None] + rest["token_logprobs"] + generated["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"] + generated["top_logprobs"],
+            "text_offset": [0] + rest["text_offset"] + generated["text_offset"]}
 
 
 async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
@@ -148,6 +168,9 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                     logprobs = completion_logprobs(ctx.tokenizer, d.logprobs, d.token_ids,
                                                    call.num_logprobs, offset + len(text)
                                                    - len(d.text))
+                    if req.echo and offset == 0:
+                        logprobs = _with_prompt(ctx, call, call.prompts[i].token_ids,
+                                                item.output.prompt_logprobs, logprobs)
                 if not text and d.finish_reason is None and logprobs is None:
                     continue
                 chunk = _chunk(ctx, call, index, text, logprobs, d.finish_reason,
