@@ -30,10 +30,11 @@ def _params(n: int) -> list[SamplingParams]:
                            ignore_eos=True) for i in range(n)]
 
 
-def _run(model: str | None, dp: int, prompts, **kw) -> tuple[list[list[int]], dict]:
+def _run(model: str | None, dp: int, prompts, ep: bool = True, **kw
+         ) -> tuple[list[list[int]], dict]:
     args = dict(dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=True, **kw)
     if dp > 1:
-        args.update(data_parallel_size=dp, enable_expert_parallel=True,
+        args.update(data_parallel_size=dp, enable_expert_parallel=ep,
                     data_parallel_rpc_port=free_port_block(2 + 2 * dp), dp_sync_timeout_s=60)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -86,6 +87,16 @@ def test_dep2_qwen3_moe_chunked_prefix_preemption(qwen3_moe_dir):
     assert got == expected, [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     _check(stats, 2)
     assert stats["num_preemptions"] > 0, [r["num_preemptions"] for r in stats["per_rank"]]
+
+
+def test_dp2_without_expert_parallel_runs_independent_ranks(qwen3_moe_dir):
+    # No EP: nothing is shared during a step, so no group and no lock-step (as in vLLM).
+    prompts = _prompts(160, 16)[:4]
+    expected, _ = _run(qwen3_moe_dir, 1, prompts, block_size=16)
+    got, stats = _run(qwen3_moe_dir, 2, prompts, ep=False, block_size=16)
+    assert got == expected
+    assert [r["dp"]["lockstep"] for r in stats["per_rank"]] == [False, False]
+    assert all(r["generation_tokens"] > 0 for r in stats["per_rank"])
 
 
 def test_dep4_dummy_v4_mtp(tmp_path):
