@@ -49,10 +49,10 @@ C = dict(_COMMON, num_hidden_layers=7, compress_ratios=[1, 1, 1, 0, 2, 2, 2, 0, 
 CONFIGS = {"A": A, "B": B, "C": C}
 
 
-def tokenizer():
+def tokenizer(vocab: int = VOCAB):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tk)
 
@@ -65,7 +65,7 @@ def oracle_model(kw: dict, seed: int = 0):
     be = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
                        experts="torch", dispatcher="torch", enable_hf_state_dict_adapter=False)
     torch.manual_seed(seed)
-    m = DeepseekV41ForCausalLM(cfg, backend=be, tokenizer=tokenizer())
+    m = DeepseekV41ForCausalLM(cfg, backend=be, tokenizer=tokenizer(kw["vocab_size"]))
     m.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     with torch.no_grad():   # non-trivial sinks, mHC biases, router biases, norms
         g = torch.Generator().manual_seed(seed + 1)
@@ -92,7 +92,7 @@ def save_checkpoint(m, kw: dict, path: Path) -> Path:
               "text_config": dict(kw), "vision_config": {"num_hidden_layers": 0},
               "torch_dtype": "float32", "max_position_embeddings": 4096}
     (path / "config.json").write_text(json.dumps(config))
-    tokenizer().backend_tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer(kw["vocab_size"]).backend_tokenizer.save(str(path / "tokenizer.json"))
     return path
 
 

@@ -38,6 +38,8 @@ from wideserve.models.deepseek_v41_config import FULL, SWA, DeepseekV41Config
 # bf16 / raw: the same quantised values stored as bf16 / the model dtype (exact, more bytes).
 KV_CACHE_DTYPES = ("auto", "fp8", "bf16", "raw")
 ENGRAM_TOKENS = "model.engram.tokens"
+# DSpark context: per position, the tap layers' pre-attention streams averaged over streams.
+DSPARK_FEATURES = "model.dspark.features"
 
 
 def rotary_tables(c: DeepseekV41Config) -> tuple[RotaryTable, RotaryTable]:
@@ -107,6 +109,12 @@ class DeepseekV41Block(nn.Module):
             self.engram = Engram(c.hidden_size, c.hc_mult, rows, c.engram_head_dim,
                                  hash_heads, c.rms_norm_eps)
 
+    def tap(self, streams: torch.Tensor, engram_rows: torch.Tensor | None) -> torch.Tensor:
+        """DSpark's feature of this layer: the streams entering attention, averaged [T, d]."""
+        if engram_rows is not None:
+            streams = self.engram(streams, engram_rows)
+        return streams.float().mean(dim=1)
+
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
                 state: CSA2State, input_ids: torch.Tensor,
                 engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +144,7 @@ class DeepseekV41Model(nn.Module):
 class DeepseekV41ForCausalLM(nn.Module):
     config_class = DeepseekV41Config
     keep_in_fp32 = ("attn_hc", "ffn_hc", "sinks_param", "e_score_correction_bias",
-                    "compressor.wkv", "compressor.wgate", "lm_head")
+                    "compressor.wkv", "compressor.wgate", "lm_head", "confidence_head")
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -148,6 +156,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._hasher: NgramHasher | None = None
         self._token_map: torch.Tensor | None = None
         self._codecs = self._record_codecs()
+        # DSpark drafter stages (`mtp.*`, models/deepseek_v41_dspark.py); dropped when the
+        # checkpoint has none (drop_mtp).
+        self.mtp = nn.ModuleList()
+        self.mtp_unavailable: str | None = None
+        if config.num_nextn_predict_layers > 0 and config.dspark_target_layer_ids and \
+                max(config.dspark_target_layer_ids) < config.num_hidden_layers:
+            from wideserve.models.deepseek_v41_dspark import build_stages, dspark_rope
+            self.mtp = build_stages(config, dspark_rope(config))
+
+    def drop_mtp(self, reason: str) -> None:
+        """Serve without DSpark: the checkpoint has no mtp.* tensors."""
+        self.mtp = nn.ModuleList()
+        self.mtp_unavailable = reason
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,9 +248,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         rows = self._engram_rows(step, ids) if c.engram_layers else []
         engram_at = {layer: r for layer, r in zip(c.engram_layers, rows)}
         state = CSA2State()
+        taps = (set(c.dspark_target_layer_ids) if DSPARK_FEATURES in batch.kv_caches
+                else set())
+        features = []
         for i, layer in enumerate(self.model.layers):
+            if i in taps:   # the streams entering layer i (after its Engram)
+                features.append(layer.tap(streams, engram_at.get(i)))
             streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
+        if features:
+            step.write_window_rows(DSPARK_FEATURES, torch.cat(features, dim=-1))
         return self.model.norm(collapse(streams, pre))
+
+    def dspark_kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
+        """The DSpark context window: W positions of tap features (taps * hidden each)."""
+        c = self.config
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else self.dtype
+        return {DSPARK_FEATURES: KVCacheSpec(
+            CacheKind.SLIDING_WINDOW, "dspark_features",
+            len(c.dspark_target_layer_ids) * c.hidden_size, dtype, window=c.sliding_window)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.float())
@@ -295,6 +331,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         loaded: set[str] = set()
         parts: dict[str, int] = {}
         for raw, tensor in weights:
+            if raw.startswith("mtp.") and len(self.mtp):
+                loaded |= load_stage_weights(targets, [(raw, tensor)])
+                continue
             name = official_to_reference(raw)
             if name is None:
                 continue
@@ -321,6 +360,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         c = self.config
         total = routed = tables = 0
         for name, p in self.named_parameters():
+            if name.startswith("mtp."):
+                continue
             total += p.numel()
             if ".experts." in name:
                 routed += p.numel()
@@ -385,3 +426,8 @@ def _expert_layout(name: str, tensor: torch.Tensor
     half = tensor.shape[0]
     rows = slice(0, half) if w == "w1" else slice(half, 2 * half)
     return f"{m['p']}.gate_up_proj", tensor, (e, rows, 2)
+
+
+def load_stage_weights(targets, weights):   # noqa: ANN001, ANN201 - see deepseek_v41_dspark
+    from wideserve.models.deepseek_v41_dspark import load_stage_weights as load
+    return load(targets, weights)

@@ -88,57 +88,80 @@ class DSparkStage(nn.Module):
         return expand(y, flat, post, comb).view(B, Q, n, d), ffn_pre.view(B, Q, n)
 
 
+def build_stages(config: DeepseekV41Config, rope: RotaryTable) -> nn.ModuleList:
+    return nn.ModuleList(DSparkStage(config, s, rope)
+                         for s in range(config.num_nextn_predict_layers))
+
+
+def draft_block(stages: nn.ModuleList, c: DeepseekV41Config, embeds: torch.Tensor,
+                features: torch.Tensor, anchor_pos: torch.Tensor, ctx_pos: torch.Tensor,
+                ctx_valid: torch.Tensor) -> torch.Tensor:
+    """embeds [B, Q, d] (anchor then noise tokens), features [B, C, taps * d] at ctx_pos
+    [B, C] (valid where ctx_valid) -> normalised states [B, Q, d] of the last stage."""
+    B, Q, _ = embeds.shape
+    q_pos = anchor_pos[:, None] + torch.arange(Q, device=embeds.device)
+    streams = embeds[:, :, None, :].expand(-1, -1, c.hc_mult, -1).contiguous()
+    pre = torch.zeros(B, Q, c.hc_mult, dtype=torch.float32, device=embeds.device)
+    pre[..., 0] = 1
+    context = stages[0].main_norm(stages[0].main_proj(features))
+    for stage in stages:
+        streams, pre = stage(streams, pre, context, q_pos, ctx_pos, ctx_valid)
+    return stages[-1].norm(collapse(streams.flatten(0, 1), pre.flatten(0, 1))).view(B, Q, -1)
+
+
+def draft_head(stages: nn.ModuleList, states: torch.Tensor, previous: torch.Tensor,
+               lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """states [..., d], previous token ids [...] -> (draft logits [..., V] fp32,
+    confidence logits [...] fp32)."""
+    last = stages[-1]
+    emb = last.markov_head.embed(previous)
+    logits = torch.nn.functional.linear(states.float(), lm_head.weight.float())
+    logits = logits + last.markov_head.head(emb).float()
+    conf = last.confidence_head.proj(torch.cat([states.float(), emb.float()], -1))
+    return logits, conf.squeeze(-1)
+
+
 class DeepseekV41DSpark(nn.Module):
-    """The drafter (names under `mtp.`); `draft` runs one block per request."""
+    """The drafter on its own (names under `mtp.`); the V4.1 model owns the same stages as
+    its `mtp` (models/deepseek_v41.py)."""
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
         self.config = config
-        self.rope = RotaryTable({"rope_type": "default", "rope_theta": config.rope_theta},
-                                config.qk_rope_head_dim)
-        self.mtp = nn.ModuleList(DSparkStage(config, s, self.rope)
-                                 for s in range(config.num_nextn_predict_layers))
+        self.mtp = build_stages(config, dspark_rope(config))
 
-    def forward_block(self, embeds: torch.Tensor, features: torch.Tensor, anchor_pos: torch.Tensor,
-                      ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
-        """embeds [B, Q, d] (anchor then noise tokens), features [B, C, taps * d] at ctx_pos
-        [B, C] (valid where ctx_valid) -> normalised states [B, Q, d] of the last stage."""
-        c = self.config
-        B, Q, _ = embeds.shape
-        q_pos = anchor_pos[:, None] + torch.arange(Q, device=embeds.device)
-        streams = embeds[:, :, None, :].expand(-1, -1, c.hc_mult, -1).contiguous()
-        pre = torch.zeros(B, Q, c.hc_mult, dtype=torch.float32, device=embeds.device)
-        pre[..., 0] = 1
-        context = self.mtp[0].main_norm(self.mtp[0].main_proj(features))
-        for stage in self.mtp:
-            streams, pre = stage(streams, pre, context, q_pos, ctx_pos, ctx_valid)
-        last = self.mtp[-1]
-        return last.norm(collapse(streams.flatten(0, 1), pre.flatten(0, 1))).view(B, Q, -1)
+    def forward_block(self, embeds: torch.Tensor, features: torch.Tensor,
+                      anchor_pos: torch.Tensor, ctx_pos: torch.Tensor,
+                      ctx_valid: torch.Tensor) -> torch.Tensor:
+        return draft_block(self.mtp, self.config, embeds, features, anchor_pos, ctx_pos,
+                           ctx_valid)
 
     def head(self, states: torch.Tensor, previous: torch.Tensor, lm_head: nn.Linear
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """states [..., d], previous token ids [...] -> (draft logits [..., V] fp32,
-        confidence logits [...] fp32)."""
-        last = self.mtp[-1]
-        emb = last.markov_head.embed(previous)
-        logits = torch.nn.functional.linear(states.float(), lm_head.weight.float())
-        logits = logits + last.markov_head.head(emb).float()
-        conf = last.confidence_head.proj(torch.cat([states.float(), emb.float()], -1))
-        return logits, conf.squeeze(-1)
+        return draft_head(self.mtp, states, previous, lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """`mtp.*` tensors in the reference's naming (other names are not the drafter's)."""
-        targets = self.state_dict(keep_vars=True)
-        loaded: set[str] = set()
-        for raw, tensor in weights:
-            if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
-                continue
-            name, tensor, _ = _expert_layout(raw, tensor)
-            target = targets.get(name)
-            if target is None or tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"DSpark: cannot place weight {raw!r} "
-                                 f"{tuple(tensor.shape)}")
-            target.data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return load_stage_weights(self.state_dict(keep_vars=True), weights)
+
+
+def dspark_rope(config: DeepseekV41Config) -> RotaryTable:
+    """DSpark stages are ratio-0 layers: plain RoPE at rope_theta."""
+    return RotaryTable({"rope_type": "default", "rope_theta": config.rope_theta},
+                       config.qk_rope_head_dim)
+
+
+def load_stage_weights(targets: dict[str, torch.Tensor],
+                       weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """`mtp.*` tensors in the reference's naming into `targets`; other names are skipped."""
+    loaded: set[str] = set()
+    for raw, tensor in weights:
+        if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
+            continue
+        name, tensor, _ = _expert_layout(raw, tensor)
+        target = targets.get(name)
+        if target is None or tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"DSpark: cannot place weight {raw!r} {tuple(tensor.shape)}")
+        target.data.copy_(tensor)
+        loaded.add(name)
+    return loaded

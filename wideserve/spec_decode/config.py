@@ -5,6 +5,7 @@ Spelled like vLLM's `--speculative-config` JSON:
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 3}
     {"method": "mtp", "num_speculative_tokens": 3, "forced_acceptance_length": 2.0}
+    {"method": "dspark", "num_speculative_tokens": 5, "dspark_confidence_threshold": 0.3}
 
 Acceptance length (AL) = tokens a request gains per verification step = accepted drafts + 1
 (the bonus or recovered token), in [1, k + 1]: vLLM's "mean acceptance length" and the unit of
@@ -20,7 +21,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("mtp", "ngram", "draft_model")
+METHODS = ("mtp", "ngram", "draft_model", "dspark")
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1                # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int = 3                # ngram: longest (tried first)
     forced_acceptance_length: float | None = None   # benchmarks only: outputs are not the model's
+    # dspark: stop a block at the first slot whose predicted acceptance is below this
+    dspark_confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()

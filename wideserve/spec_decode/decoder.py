@@ -40,6 +40,10 @@ def make_proposer(config: SpeculativeConfig, model: torch.nn.Module, load: LoadC
     if config.method == "mtp":
         from wideserve.spec_decode.mtp import MTPProposer
         return MTPProposer(model)
+    if config.method == "dspark":
+        from wideserve.spec_decode.dspark import DSparkProposer
+        return DSparkProposer(model, config.num_speculative_tokens,
+                              config.dspark_confidence_threshold)
     if config.method == "ngram":
         from wideserve.spec_decode.ngram import NgramProposer
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -1,0 +1,88 @@
+"""DSpark proposer (DeepSeek-V4.1): one parallel pass drafts a block of tokens.
+
+After a step's verification the newest token of request i sits at position a = c_i (emitted,
+not run by the target yet). The drafter (models/deepseek_v41_dspark.py) takes the embeddings of
+that anchor token and dspark_block_size - 1 noise tokens at positions a .. a + block - 1, and the
+target's tap features at positions [a - W, a) from the "model.dspark.features" window cache the
+target's forward fills for every token it computes (so prefix caching, preemption and rejected
+drafts need nothing special: the cache is stored by position like any window). Slot j's
+logits predict position a + 1 + j: lm_head(h_j) + the Markov head of the previous token (the
+anchor, then the slot j - 1 draft), so the argmax runs slot by slot (cheap: no model pass).
+Drafts are greedy (deterministic: the rejection sampler treats q as one-hot).
+
+Early stop (`dspark_confidence_threshold`): drafting stops at the first slot whose confidence
+head predicts acceptance below the threshold (sigmoid of its logit); off by default.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from wideserve.spec_decode.proposer import ProposeInput, Proposer
+
+
+class DSparkProposer(Proposer):
+    writes_kv = False      # the feature cache is written by the target's own forward
+
+    def __init__(self, model: Any, num_tokens: int, threshold: float | None = None) -> None:
+        unavailable = getattr(model, "mtp_unavailable", None)
+        if unavailable is not None:
+            raise ValueError(f"speculative_config.method 'dspark' is unavailable: "
+                             f"{unavailable}")
+        if not hasattr(model, "dspark_kv_cache_specs") or len(getattr(model, "mtp", ())) == 0:
+            raise ValueError(f"speculative_config.method 'dspark' needs a DeepSeek-V4.1 model "
+                             f"with DSpark stages (mtp.*); {type(model).__name__} has none")
+        block = model.config.dspark_block_size
+        if num_tokens > block:
+            raise ValueError(f"speculative_config.num_speculative_tokens={num_tokens} exceeds "
+                             f"the DSpark block size {block}")
+        self.model = model
+        self.threshold = threshold
+        self.accept_prob: list[float] = []     # confidence of each drafted slot (metrics)
+
+    def kv_cache_specs(self, kv_cache_dtype: str) -> dict:
+        return self.model.dspark_kv_cache_specs(kv_cache_dtype)
+
+    @torch.inference_mode()
+    def propose(self, inp: ProposeInput) -> list[list[int]]:
+        from wideserve.models.deepseek_v41 import DSPARK_FEATURES
+        from wideserve.models.deepseek_v41_dspark import draft_block, draft_head
+        model, batch, c = self.model, inp.batch, self.model.config
+        out: list[list[int]] = [[] for _ in inp.step_reqs]
+        want = np.nonzero((inp.num_drafts > 0) & (inp.next_tokens() >= 0))[0]
+        if want.size == 0:
+            return out
+        dev = batch.input_ids.device
+        W, Q = c.sliding_window, c.dspark_block_size
+        anchor = np.array([inp.step_reqs[i].start for i in want]) + inp.num_valid[want]
+        ctx_pos = anchor[:, None] - W + np.arange(W)                         # [B, W]
+        valid = ctx_pos >= 0
+        view = batch.kv_groups[batch.cache_group[DSPARK_FEATURES]]
+        req = np.broadcast_to(want[:, None], ctx_pos.shape)
+        slots = view.entry_slots(torch.from_numpy(np.ascontiguousarray(req)).to(dev),
+                                 torch.from_numpy(np.maximum(ctx_pos, 0)).to(dev))
+        cache = batch.kv_caches[DSPARK_FEATURES]
+        feats = cache.view(-1, cache.shape[-1])[slots.flatten()].view(*ctx_pos.shape, -1)
+        valid_t = torch.from_numpy(valid).to(dev)
+        feats = torch.where(valid_t[..., None], feats, 0).to(model.dtype)
+        tokens = torch.from_numpy(inp.next_tokens()[want]).to(dev)
+        ids = torch.full((len(want), Q), c.dspark_noise_token_id, dtype=torch.int64,
+                         device=dev)
+        ids[:, 0] = tokens
+        states = draft_block(model.mtp, c, model.model.embed_tokens(ids), feats,
+                             torch.from_numpy(anchor).to(dev),
+                             torch.from_numpy(ctx_pos).to(dev), valid_t)
+        prev, drafts, alive = tokens, [], torch.ones(len(want), dtype=torch.bool, device=dev)
+        for j in range(int(inp.num_drafts[want].max())):
+            logits, conf = draft_head(model.mtp, states[:, j], prev, model.lm_head)
+            prev = logits.argmax(dim=-1)
+            if self.threshold is not None:
+                alive = alive & (torch.sigmoid(conf) >= self.threshold)
+            drafts.append(torch.where(alive, prev, -1))
+        table = torch.stack(drafts, dim=1).tolist()
+        for row, i in enumerate(want.tolist()):
+            toks = table[row][:int(inp.num_drafts[i])]
+            out[i] = toks[:toks.index(-1)] if -1 in toks else toks
+        return out
