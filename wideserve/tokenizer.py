@@ -178,6 +178,10 @@ class Tokenizer:
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not pp_bos
         self._append_eos = add_eos_token and self.eos_token_id is not None and not pp_eos
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Compiled templates do not pickle; a copy (a tokenisation worker) compiles its own.
+        return {**self.__dict__, "_templates": {}}
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
@@ -254,12 +258,30 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_specials(ids) if add_special_tokens else ids
+
+    def _with_specials(self, ids: list[int]) -> list[int]:
         # Unconditional, as a post-processor would do it: "<s>hi" gets a BOS of its own too.
-        if add_special_tokens and self._prepend_bos:
+        if self._prepend_bos:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
-        if add_special_tokens and self._append_eos:
+        if self._append_eos:
             ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True,
+                    max_tokens: int | None = None) -> list[list[int] | int]:
+        """encode() of each text through the backend's batch call, which releases the GIL.
+        A text of more than `max_tokens` tokens gives its token count instead of its ids, so
+        the ids of a 10M-token text are never built as Python objects."""
+        extra = (int(self._prepend_bos) + int(self._append_eos)) if add_special_tokens else 0
+        out: list[list[int] | int] = []
+        for enc in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens):
+            count = len(enc) + extra
+            if max_tokens is not None and count > max_tokens:
+                out.append(count)
+            else:
+                out.append(self._with_specials(enc.ids) if add_special_tokens else enc.ids)
+        return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids the tokenizer does not know (a model's padded vocab rows) decode to nothing."""

@@ -14,7 +14,7 @@ _KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
               "fp8_e4m3": "fp8"}
 
 
-def _positive_int(text: str) -> int:
+def parse_positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -24,8 +24,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def parse_positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def parse_port(text: str) -> int:
-    value = _positive_int(text)
+    value = parse_positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}")
     return value
@@ -128,10 +138,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=_human_int, default=None)
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    g.add_argument("--max-num-seqs", type=parse_positive_int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=parse_positive_int, default=2048)
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
-    g.add_argument("--block-size", type=_positive_int, default=256)
+    g.add_argument("--block-size", type=parse_positive_int, default=256)
     g.add_argument("--enable-prefix-caching", default=True,
                    action=argparse.BooleanOptionalAction)
     g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(_KV_DTYPES))

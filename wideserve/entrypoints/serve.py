@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from wideserve.entrypoints.engine_args import (add_engine_args, engine_config_from_args,
-                                               one_line_error, parse_bytes, parse_port)
+                                               one_line_error, parse_bytes, parse_port,
+                                               parse_positive_float, parse_positive_int)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -31,6 +32,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $WIDESERVE_API_KEY)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default=64 * 2**20,
                    help="largest accepted request body (413 beyond)")
+    g.add_argument("--max-sequences-per-request", type=parse_positive_int, default=256,
+                   help="most sequences one request may ask for: prompts x n (400 beyond)")
+    g.add_argument("--header-read-timeout", type=parse_positive_float, default=30.0,
+                   help="seconds a connection may take to send a request's headers before "
+                        "it is closed (half-open and slowloris connections)")
+    g.add_argument("--body-read-timeout", type=parse_positive_float, default=60.0,
+                   help="seconds a request may take to send its body (408 after)")
+    g.add_argument("--max-connections", type=parse_positive_int, default=4096,
+                   help="open connections (and requests) at most; 503 beyond")
     g.add_argument("--enable-debug-endpoints", action="store_true",
                    help="expose GET /debug/kv_integrity and /debug/stats")
     g.add_argument("--headless", action="store_true",

@@ -12,6 +12,7 @@ without the API key when one is set.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import msgspec
+import uvicorn
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -44,13 +46,16 @@ from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    DetokenizeRequest, TokenizeChatRequest,
                                                    TokenizeCompletionRequest)
 from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engine_unavailable,
-                                                  load_generation_defaults, parse_body,
-                                                  read_body)
+                                                  load_generation_defaults, shutting_down)
+from wideserve.entrypoints.openai.serving import read_body as serving_read_body
+from wideserve.entrypoints.openai.transport import protocol_with_header_timeout
 from wideserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("wideserve.server")
 DP_FAILURE_GRACE_S = 2.0
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# Seconds uvicorn waits for open responses after SIGTERM before cancelling them.
+SHUTDOWN_GRACE_S = 5
 
 
 class ApiKeyMiddleware:
@@ -76,7 +81,7 @@ class ApiKeyMiddleware:
 
 def build_app(ctx: ServingContext, *, api_key: str | None = None,
               max_request_bytes: int = 64 << 20, debug_endpoints: bool = False,
-              on_shutdown: Any = None) -> FastAPI:
+              on_shutdown: Any = None, body_timeout: float | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -85,8 +90,10 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None,
 
     app = FastAPI(title="wideserve", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
+    # Set when shutdown begins: open streams then end with an error event and [DONE].
+    app.state.stopping = asyncio.Event()
     _add_error_handlers(app, ctx)
-    _add_routes(app, ctx, max_request_bytes, debug_endpoints)
+    _add_routes(app, ctx, max_request_bytes, debug_endpoints, body_timeout)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
@@ -114,18 +121,22 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
-def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> None:
+def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
+                body_timeout: float | None) -> None:
     tok = ctx.tokenizer
     created = int(time.time())
 
+    async def read_body(request: Request) -> bytes:
+        return await serving_read_body(request, limit, body_timeout)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await read_body(request, limit))
+        req = await ctx.parse(CompletionRequest, await read_body(request))
         return await serving_completions.create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await read_body(request, limit))
+        req = await ctx.parse(ChatCompletionRequest, await read_body(request))
         return await serving_chat.create_chat_completion(ctx, req, request)
 
     @app.post("/v1/responses")
@@ -169,28 +180,29 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool) -> N
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await read_body(request, limit)
-        try:
-            decoded = msgspec.json.decode(body)
-        except (msgspec.DecodeError, RecursionError):
-            decoded = None                  # parse_body below reports the malformed body
-        is_chat = isinstance(decoded, dict) and "messages" in decoded
+        body = await read_body(request)
+        try:   # only the top-level keys (Raw values: nothing below them is built)
+            keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            keys = {}                       # ctx.parse below reports the malformed body
+        is_chat = "messages" in keys
         if is_chat:
-            chat_req = parse_body(TokenizeChatRequest, body)
+            chat_req = await ctx.parse(TokenizeChatRequest, body)
             ctx.check_model(chat_req.model)
-            prompt = serving_chat.render_prompt(
-                ctx, chat_req.messages, chat_req.add_generation_prompt,
-                chat_req.continue_final_message, None, chat_req.chat_template_kwargs)
-            ids = await ctx.encode(prompt, False)
+            prompt = await ctx.render_off_loop(
+                len(chat_req.messages), serving_chat.render_prompt, ctx, chat_req.messages,
+                chat_req.add_generation_prompt, chat_req.continue_final_message, None,
+                chat_req.chat_template_kwargs)
+            ids = await ctx.encode(prompt, False, "messages")
         else:
-            text_req = parse_body(TokenizeCompletionRequest, body)
+            text_req = await ctx.parse(TokenizeCompletionRequest, body)
             ctx.check_model(text_req.model)
             ids = await ctx.encode(text_req.prompt, text_req.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(DetokenizeRequest, await read_body(request, limit))
+        req = await ctx.parse(DetokenizeRequest, await read_body(request))
         ctx.check_model(req.model)
         ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
@@ -280,6 +292,23 @@ def _summary(info: dict[str, Any], ctx: ServingContext, url: str, config: Engine
     return "\n".join("wideserve | " + line for line in lines)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn.Server that, when shutdown begins, first sets `stopping` and fails every open
+    request: streams end with an error event and [DONE] well inside the grace period, not
+    as cut bodies (and no CancelledError from uvicorn cancelling them)."""
+
+    def __init__(self, config: uvicorn.Config, stopping: asyncio.Event,
+                 engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+        self.engine = engine
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.stopping.set()
+        self.engine.fail_all(shutting_down())
+        await super().shutdown(sockets)
+
+
 def serve_forever(args: Any, config: EngineConfig) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -305,14 +334,13 @@ def _engine_client(args: Any, config: EngineConfig) -> EngineCoreClient | DPEngi
 
 
 async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
-    import uvicorn
-
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
     for sig in (signal.SIGINT, signal.SIGTERM):        # until uvicorn takes over
         loop.add_signal_handler(sig, main_task.cancel)
     client = _engine_client(args, config)
+    ctx: ServingContext | None = None
     try:
         print(f"wideserve | loading {config.load.model or 'the bundled model'} ...",
               flush=True)
@@ -337,10 +365,23 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         client.on_step_times = metrics.observe_step_times
         ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
                              int(info["vocab_size"]), config.scheduler.policy, defaults,
-                             metrics, chat_options(args))
+                             metrics, chat_options(args),
+                             max_sequences_per_request=args.max_sequences_per_request)
+
+        async def on_shutdown() -> None:
+            assert ctx.pool is not None
+            ctx.pool.close()
+            await client.shutdown()
+
         app = build_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                        debug_endpoints=args.enable_debug_endpoints,
-                        on_shutdown=client.shutdown)
+                        debug_endpoints=args.enable_debug_endpoints, on_shutdown=on_shutdown,
+                        body_timeout=args.body_read_timeout)
+        assert ctx.pool is not None
+        await asyncio.to_thread(ctx.pool.start)
+        # Everything loaded so far lives as long as the server: out of the collector's sight,
+        # a full collection (triggered by a request that builds many objects) stays cheap.
+        gc.collect()
+        gc.freeze()
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(_summary(info, ctx, f"http://{host}:{args.port}", config), flush=True)
         if defaults:
@@ -351,9 +392,11 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
             # uvicorn restores these after its graceful shutdown and re-raises the signal it
             # caught; a no-op keeps SIGTERM from killing us before the engine is shut down.
             signal.signal(sig, lambda *_: None)
-        server = uvicorn.Server(uvicorn.Config(
+        server = _Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=args.log_level == "debug",
-            timeout_graceful_shutdown=5, lifespan="on"))
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
+            http=protocol_with_header_timeout(args.header_read_timeout),
+            limit_concurrency=args.max_connections), app.state.stopping, engine)
         # Data-parallel ranks fail together and are not restarted in place
         # (docs/distributed.md, "Failure"); either way the server exits non-zero.
         death = ExitOnEngineDeath(client, server, grace_s=DP_FAILURE_GRACE_S
@@ -363,4 +406,6 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
     except asyncio.CancelledError:
         return 0
     finally:
+        if ctx is not None and ctx.pool is not None:
+            ctx.pool.close()
         await client.shutdown()

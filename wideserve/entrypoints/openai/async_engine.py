@@ -231,8 +231,12 @@ class AsyncEngine:
             m.observe_cached(ro.num_cached_tokens)
             m.observe_finish(outcome, now - stream.arrival)
 
-    def _on_dead(self, reason: str) -> None:
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with `error` (the engine died; the server is stopping)."""
         for stream in self._streams.values():
-            stream.fail(EngineDeadError(reason))
+            stream.fail(error)
+
+    def _on_dead(self, reason: str) -> None:
+        self.fail_all(EngineDeadError(reason))
 
 

@@ -21,6 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
+from wideserve.entrypoints.openai.input_prep import (PRESCAN_BYTES, Limits, TokenizerPool,
+                                                     sequences_overflow, too_long_text)
 from wideserve.entrypoints.openai.metrics import ServerMetrics
 from wideserve.entrypoints.openai.validation import (clip, param_of,
                                                      validation_error_to_param_message)
@@ -29,8 +31,9 @@ from wideserve.sampling_params import SamplingParams
 from wideserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
-# Prompts longer than this are tokenised off the event loop.
-_THREAD_TOKENIZE_CHARS = 16384
+T = TypeVar("T")
+# Chat requests with more messages than this are templated in a thread, off the event loop.
+_THREAD_TEMPLATE_MESSAGES = 32
 # JSON has no -inf: a token with zero probability is reported with this logprob (as vLLM does).
 _MIN_LOGPROB = -9999.0
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -83,7 +86,9 @@ def check_json_content_type(request: Request) -> None:
                        code="unsupported_media_type")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole body, at most `limit` bytes, within `timeout` seconds (408 after: a client
+    trickling a body must not hold a connection and a handler forever)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"Request body of {declared} bytes exceeds the limit of "
@@ -92,14 +97,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"Request body exceeds the limit of {limit} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"Request body exceeds the limit of {limit} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(400, "Client disconnected while sending the body") from None
+    except TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout:g} s "
+                            f"(--body-read-timeout)", code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -160,6 +169,17 @@ class ServingContext:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: ServerMetrics | None = None
     chat: ChatOptions = field(default_factory=ChatOptions)
+    max_sequences_per_request: int = 256
+    pool: TokenizerPool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pool is None:
+            self.pool = TokenizerPool(self.tokenizer, self.max_model_len)
+
+    @property
+    def limits(self) -> Limits:
+        assert self.pool is not None
+        return Limits(self.max_model_len, self.pool.chars_bound, self.max_sequences_per_request)
 
     @property
     def model_name(self) -> str:
@@ -181,7 +201,24 @@ class ServingContext:
             raise ApiError(400, "priority: only allowed with --scheduling-policy priority",
                            param="priority")
 
+    async def parse(self, model: type[M], body: bytes) -> M:
+        """parse_body, after a pre-scan (off the event loop) of a large body: one that cannot
+        fit is rejected before pydantic spends seconds building it on the loop."""
+        assert self.pool is not None
+        if len(body) >= PRESCAN_BYTES:
+            rejected = await self.pool.prescan(body, self.limits)
+            if rejected is not None:
+                raise ApiError(400, rejected[1], code=rejected[0])
+        return parse_body(model, body)
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        why = sequences_overflow(num_prompts, n, self.limits)
+        if why is not None:
+            raise ApiError(400, why, param="n", code="too_many_sequences")
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
+        if len(ids) > self.max_model_len:        # O(1), before the O(n) vocabulary check
+            raise context_error(self.max_model_len, len(ids), None, param)
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary "
@@ -238,10 +275,34 @@ class ServingContext:
             out[int(key)] = float(value)
         return out
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool,
+                     param: str = "prompt") -> list[int]:
+        return (await self.encode_many([text], add_special_tokens, param))[0]
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool,
+                          param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text, off the event loop when long; a text that cannot fit in
+        the context is a 400 (in O(1) when its length alone says so)."""
+        assert self.pool is not None
+        for i, text in enumerate(texts):
+            why = too_long_text(param if len(texts) == 1 else f"{param}.{i}", len(text),
+                                self.limits)
+            if why is not None:
+                raise ApiError(400, why, param=param, code="context_length_exceeded")
+        out = []
+        for result in await self.pool.encode_many(texts, add_special_tokens):
+            if isinstance(result, int):
+                raise context_error(self.max_model_len, result, None, param)
+            out.append(result)
+        return out
+
+    async def render_off_loop(self, num_messages: int, render: Callable[..., T],
+                              *args: Any) -> T:
+        """render(*args) (a chat template), in a thread when there are many messages: jinja
+        holds the GIL, but a thread still lets the loop run between its slices."""
+        if num_messages > _THREAD_TEMPLATE_MESSAGES:
+            return await asyncio.to_thread(render, *args)
+        return render(*args)
 
 
 # ----------------------------------------------------------------------------- streams
@@ -341,6 +402,30 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def shutting_down() -> ApiError:
+    return ApiError(503, "The server is shutting down; this request was ended before it "
+                         "finished", type_="service_unavailable", code="server_shutting_down")
+
+
+async def until_shutdown(events: AsyncIterator[str], stopping: asyncio.Event
+                         ) -> AsyncIterator[str]:
+    """A stream's events until the server starts shutting down; then an error event and
+    [DONE], so a client sees why its stream ended instead of a cut body. Checked between
+    events (no task per event); a stream waiting for its first token is woken by the
+    engine's fail_all at shutdown. Closing the inner stream aborts its requests."""
+    try:
+        async for event in events:
+            if stopping.is_set():
+                break
+            yield event
+        else:
+            return
+        yield sse(shutting_down().body())
+        yield SSE_DONE
+    finally:
+        await events.aclose()                        # type: ignore[attr-defined]
+
+
 def now_s() -> int:
     return int(time.time())
 
@@ -410,7 +495,9 @@ async def respond(raw: Request, stream: bool, sse: Callable[[], AsyncIterator[st
     """Stream `sse()` (SSE lines), or await `full()` (the JSON body) unless the client
     disconnects first (then 499: cancelling `full` aborts its requests)."""
     if stream:
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        stopping = getattr(raw.app.state, "stopping", None)
+        events = sse() if stopping is None else until_shutdown(sse(), stopping)
+        return StreamingResponse(events, media_type="text/event-stream")
     result = await collect_or_disconnect(raw, full())
     if result is None:
         return Response(status_code=499)

@@ -118,9 +118,11 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:        # templates of reasoning models read it
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-    prompt = render_prompt(ctx, req.messages, req.add_generation_prompt,
-                           req.continue_final_message, setup.tools, template_kwargs)
-    ids = await ctx.encode(prompt, False)
+    ctx.check_sequences(1, req.n)
+    prompt = await ctx.render_off_loop(len(req.messages), render_prompt, ctx, req.messages,
+                                       req.add_generation_prompt, req.continue_final_message,
+                                       setup.tools, template_kwargs)
+    ids = await ctx.encode(prompt, False, "messages")
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
+from wideserve.entrypoints.openai.input_prep import num_prompts
 from wideserve.entrypoints.openai.protocol import CompletionRequest, random_id
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
                                                   completion_logprobs, engine_unavailable,
@@ -47,7 +48,8 @@ async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[st
     if isinstance(p, str):
         return [(p, await ctx.encode(p, True))]
     if p and isinstance(p[0], str):
-        return [(s, await ctx.encode(s, True)) for s in p]  # type: ignore[arg-type]
+        texts: list[str] = list(p)                           # type: ignore[arg-type]
+        return list(zip(texts, await ctx.encode_many(texts, True)))
     if p and isinstance(p[0], int):
         ids = list(p)                                        # type: ignore[arg-type]
         ctx.check_token_ids(ids, "prompt")
@@ -62,6 +64,7 @@ async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[st
 async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
     ctx.check_model(req.model)
     ctx.check_priority(req.priority)
+    ctx.check_sequences(num_prompts(req.prompt), req.n)
     prompts = []
     constraint = structured_params(req)
     for text, ids in await _prompts(ctx, req):
