@@ -17,7 +17,7 @@ import pytest
 from oai_server_utils import RemoteServer, served, write_tiny_model
 
 HEADER_TIMEOUT = 1.0
-BODY_TIMEOUT = 1.5
+BODY_TIMEOUT = 3.0       # a 10 MB upload must fit in it on a loaded machine
 MAX_CONNECTIONS = 24
 MAX_SEQUENCES = 8
 JSON = {"Content-Type": "application/json"}
@@ -61,8 +61,9 @@ class _HealthProbe:
         return self.worst
 
 
-HOSTILE = {   # the reproductions; before the fix: 34 s, 7.7 s, 2.5 s of stall
-    "50MB-prompt": ("/v1/completions", lambda: {"prompt": "word " * 10_500_000}),
+HOSTILE = {   # the reproductions; before the fix: 4.4 s, 7.7 s, 2.5 s of stall (the
+    # issue's 50 MB prompt takes the same path as this 10 MB one: benchmarks/input_stalls.py)
+    "10MB-prompt": ("/v1/completions", lambda: {"prompt": "word " * 2_100_000}),
     "700k-messages": ("/v1/chat/completions",
                       lambda: {"messages": [{"role": "user", "content": "w"}] * 700_000}),
     "7M-ids": ("/v1/completions", lambda: {"prompt": [7] * 7_000_000}),
