@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--layers-per-step", type=int, default=1)
+    ap.add_argument("--no-rebalance", action="store_true",
+                    help="control run: EPLB records but never rebalances")
     ap.add_argument("--out", default="benchmarks/results/eplb_dep_rebalance.json")
     args = ap.parse_args()
     from tiny_data import held_out_stream  # noqa: PLC0415
@@ -49,8 +51,11 @@ def main() -> None:
     stream = held_out_stream(str(BUNDLED_MODEL))
     n, plen = args.num_prompts, args.prompt_len
     prompts = [{"prompt_token_ids": stream[i * plen:(i + 1) * plen].tolist()} for i in range(n)]
-    eplb = {"window_size": args.max_tokens, "step_interval": args.max_tokens,
-            "num_redundant_experts": args.redundant, "layers_per_step": args.layers_per_step}
+    interval = 10**9 if args.no_rebalance else args.max_tokens
+    eplb = {"window_size": args.max_tokens, "step_interval": interval,
+            "num_redundant_experts": args.redundant, "layers_per_step": args.layers_per_step,
+            # Balancedness refreshed every step, so each wave's number covers that wave.
+            "log_balancedness": True, "log_balancedness_interval": 1}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(None, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,

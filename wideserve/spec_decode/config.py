@@ -17,9 +17,10 @@ No torch import here: the CLI parses this before anything heavy loads.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from wideserve.json_config import json_object
 
 METHODS = ("mtp", "ngram", "draft_model", "dspark")
 
@@ -76,15 +77,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
-        if not isinstance(data, dict):
-            # ValueError, not TypeError: the CLI turns ValueErrors into a flag error.
-            raise ValueError(f"speculative_config must be a JSON object, got "  # noqa: TRY004
-                             f"{type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(known))})")
+        data = json_object(data, "speculative_config", cls)
         if "method" not in data:
             raise ValueError("speculative_config.method is required "
                              f"(one of {', '.join(METHODS)})")
@@ -96,11 +89,6 @@ class SpeculativeConfig:
         """A JSON string, a dict, a SpeculativeConfig, or None (no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         return cls.from_dict(value)  # type: ignore[arg-type]
 
     @property

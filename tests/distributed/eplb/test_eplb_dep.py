@@ -15,7 +15,7 @@ from ep_harness import free_port_block
 from wideserve import LLM, SamplingParams
 
 EPLB = {"window_size": 4, "step_interval": 5, "num_redundant_experts": 4,
-        "layers_per_step": 1}
+        "layers_per_step": 1, "log_balancedness": True, "log_balancedness_interval": 3}
 
 
 def _prompts(vocab: int, n: int) -> list[list[int]]:
@@ -62,6 +62,9 @@ def _check_rebalanced(stats: dict, roles: set[str]) -> None:
         assert all(p["rebalances"] >= 2 for p in per), per        # several: during + after
         assert len({p["rebalances"] for p in per}) == 1, "ranks disagree on the schedule"
         assert sum(p["bytes_sent"] for p in per) > 0, f"{role}: no weights moved"
+        # Measured over the EP group's window (all-reduced): the same number on every rank.
+        assert len({p["balancedness"] for p in per}) == 1 and 0 < per[0]["balancedness"] <= 1
+        assert per[0]["balancedness_steps"] > 0
 
 
 def test_dep2_bundled_model_mtp_eplb():

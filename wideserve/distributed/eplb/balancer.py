@@ -46,6 +46,7 @@ class EpGroup:
 @dataclass(slots=True)
 class BalancerStats:
     balancedness: float = 1.0          # mean over layers of mean/max rank load, last window
+                                       # (1.0 until the first refresh)
     balancedness_steps: int = 0        # window steps behind that number
     rebalances: int = 0                # completed rebalances
     rebalancing: bool = False
@@ -155,6 +156,7 @@ class ExpertBalancer:
 
     # ------------------------------------------------------------------------- step
     def step(self, dummy: bool = False) -> None:
+        self._read_balancedness()
         self.recorder.end_step(dummy)
         self.steps += 1
         self.stats.steps = self.steps
@@ -192,7 +194,8 @@ class ExpertBalancer:
                          if not torch.equal(new[i], self.placement[i])]
         self.stats.last_plan_s = time.perf_counter() - t0
         self.stats.rebalancing = bool(self._pending)
-        self.stats.max_move_step_s = 0.0
+        if self._pending:           # a plan that moves nothing keeps the last move's numbers
+            self.stats.max_move_step_s = 0.0
         self._started, self._started_step = t0, self.steps
         logger.info("EPLB %s: rebalance planned at step %d in %.3f s; %d of %d layers move",
                     self.name, self.steps, self.stats.last_plan_s, len(self._pending),
@@ -243,15 +246,21 @@ class ExpertBalancer:
                     1e3 * s.max_move_step_s, s.bytes_sent)
 
     # -------------------------------------------------------------------- metrics
+    def _read_balancedness(self) -> None:
+        """The value the previous step's refresh copied out: a whole step later, the engine's
+        own host reads (the sampled tokens) have synchronised the device since."""
+        if self._stat is None:
+            return
+        value, steps = self._stat.tolist()
+        self._stat = None
+        self.stats.balancedness, self.stats.balancedness_steps = value, int(steps)
+        if self.config.log_balancedness:
+            logger.info("EPLB %s: balancedness %.4f over the last %d steps", self.name,
+                        value, int(steps))
+
     def _refresh_balancedness(self) -> None:
-        """Computed on the device from the window; read back on the *next* refresh, so the
-        decode loop never waits for it (the number is one refresh stale)."""
-        if self._stat is not None:
-            value, steps = self._stat.tolist()
-            self.stats.balancedness, self.stats.balancedness_steps = value, int(steps)
-            if self.config.log_balancedness:
-                logger.info("EPLB %s: balancedness %.4f over the last %d steps", self.name,
-                            value, int(steps))
+        """Computed on the device from the window and copied to the host without blocking;
+        read at the next step (`_read_balancedness`), so the decode loop never waits for it."""
         per_rank = self._global_slot_load().reshape(len(self.layers), self.ep.size, -1).sum(-1)
         peak = per_rank.amax(1)
         ratio = per_rank.double().mean(1) / peak.clamp(min=1)
@@ -261,6 +270,4 @@ class ExpertBalancer:
                             torch.ones((), dtype=torch.float64, device=peak.device))
         steps = torch.full((), float(min(self.recorder.steps, self.config.window_size)),
                            dtype=torch.float64, device=peak.device)
-        # Non-blocking: read at the next refresh, after the engine's own per-step host reads
-        # (the sampled tokens) have synchronised the stream many times over.
         self._stat = torch.stack([value, steps]).to("cpu", non_blocking=True)

@@ -15,9 +15,10 @@ No torch import here: the CLI parses this before anything heavy loads.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from wideserve.json_config import json_object
 
 POLICIES = ("default", "auto", "global", "hierarchical")
 
@@ -68,20 +69,7 @@ class EplbConfig:
             return cls()
         if isinstance(value, EplbConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"eplb_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"eplb_config must be a JSON object, got "  # noqa: TRY004
-                             f"{type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"eplb_config: unknown key {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(known))})")
-        return cls(**value)
+        return cls(**json_object(value, "eplb_config", cls))
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
