@@ -50,7 +50,8 @@ def load_reference(path: str) -> Callable:
 
 def load_vllm() -> Callable:
     from vllm.distributed.eplb.policy.default import DefaultEplbPolicy  # noqa: PLC0415
-    return lambda w, p, g, n, r: DefaultEplbPolicy.rebalance_experts(w, p, g, n, r)
+    # vLLM's returns phy2log alone (deepseek-ai's a tuple of three).
+    return lambda w, p, g, n, r: (DefaultEplbPolicy.rebalance_experts(w, p, g, n, r),)
 
 
 def score(load: np.ndarray, phy2log: torch.Tensor, ranks: int) -> float:
