@@ -63,7 +63,7 @@ def test_the_grammar_makes_the_tiny_model_write_valid_json(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=SO(json=json.dumps(SCHEMA)))
     sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=96,
                              structured_outputs=SO(json=json.dumps(SCHEMA)))
-    for out in _texts(llm, PROMPTS, greedy) + _texts(llm, PROMPTS[:2], sampled):
+    for out in _texts(llm, PROMPTS[:3], greedy) + _texts(llm, PROMPTS[:2], sampled):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
     # Unconstrained, the same model writes verse, not JSON.
@@ -88,9 +88,9 @@ def test_regex_choice_grammar_and_unconstrained_neighbours(llm):
     assert re.fullmatch(r"My (lord|liege), [a-z]{2,6}\.", outs[3].text), outs[3].text
 
 
-@pytest.mark.parametrize("spec", [{"method": "mtp", "num_speculative_tokens": 3},
-                                  {"method": "ngram", "num_speculative_tokens": 3}])
-def test_speculation_under_a_grammar_is_lossless(llm, spec):
+def test_speculation_under_a_grammar_is_lossless(llm):
+    # MTP (the bundled checkpoint's head) drafts freely; the grammar refuses some drafts.
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
     params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=SO(
         json=json.dumps(SCHEMA))), SamplingParams(temperature=0.0, max_tokens=16,
                                                   structured_outputs=SO(regex=REGEX)),
