@@ -141,7 +141,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = parse_body(serving_responses.ResponsesRequest, await read_body(request, limit))
+        req = await ctx.parse(serving_responses.ResponsesRequest, await read_body(request))
         return await serving_responses.create_response(ctx, req, request)
 
     @app.post("/v1/embeddings")
