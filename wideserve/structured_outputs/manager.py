@@ -105,10 +105,6 @@ class StructuredOutputManager:
             if entry is not None:
                 entry[1].cancel()
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
     # ------------------------------------------------------------------------ a step
     def masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None
               ) -> GrammarMask | None:
