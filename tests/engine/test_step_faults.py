@@ -19,7 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     # 64-token blocks and chunks: a long prompt is prefilled over several steps.
-    return LLM(None, dtype="float32", block_size=64, max_num_batched_tokens=64, max_num_seqs=2)
+    return LLM(None, dtype="float32", block_size=64, max_num_batched_tokens=64, max_num_seqs=2,
+               kv_cache_memory=1 << 26)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_fault_in_sampling_mid_decode(llm, prompts, reference, monkeypatch):
 
 
 def test_untrustworthy_state_is_reported_and_the_engine_refuses_work(prompts, monkeypatch):
-    llm = LLM(None, dtype="float32", block_size=64)
+    llm = LLM(None, dtype="float32", block_size=64, kv_cache_memory=1 << 26)
     core = llm.engine
     core.add_request(EngineCoreRequest("x", prompts[1], GREEDY))
     with _faulty_forward(core.model, _FailOnce(1, RuntimeError(
@@ -154,7 +155,7 @@ def test_untrustworthy_state_is_reported_and_the_engine_refuses_work(prompts, mo
 
 
 def test_scheduler_bookkeeping_fault_is_fatal(prompts, monkeypatch):
-    llm = LLM(None, dtype="float32", block_size=64)
+    llm = LLM(None, dtype="float32", block_size=64, kv_cache_memory=1 << 26)
     core = llm.engine
     monkeypatch.setattr(core.scheduler, "update_from_output",
                         lambda *a, **k: (_ for _ in ()).throw(KeyError("bookkeeping")))
