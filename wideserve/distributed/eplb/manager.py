@@ -12,6 +12,7 @@ from torch import nn
 
 from wideserve.distributed.eplb.balancer import EpGroup, ExpertBalancer
 from wideserve.distributed.eplb.config import EplbConfig
+from wideserve.distributed.expert_shard import routed_experts
 from wideserve.layers.experts import RoutedExperts
 
 logger = logging.getLogger(__name__)
@@ -20,11 +21,8 @@ logger = logging.getLogger(__name__)
 def moe_layers(module: nn.Module, mtp: bool | None = None) -> list[RoutedExperts]:
     """The routed-expert layers of a model, in module order; mtp=True/False keeps only the
     MTP block's (`mtp.*`) or only the others, None keeps all."""
-    out = []
-    for name, m in module.named_modules():
-        if isinstance(m, RoutedExperts) and (mtp is None or name.startswith("mtp.") == mtp):
-            out.append(m)
-    return out
+    return [m for name, m in routed_experts(module)
+            if mtp is None or name.startswith("mtp.") == mtp]
 
 
 def _num_groups(model: nn.Module, config: EplbConfig) -> int:
