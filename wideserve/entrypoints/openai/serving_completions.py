@@ -5,6 +5,7 @@ choice indices are prompt_index * n + sample_index, as OpenAI numbers them.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -22,6 +23,8 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingCon
                                                   usage_dict)
 from wideserve.entrypoints.openai.structured import structured_params
 from wideserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -78,7 +81,10 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
             text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
         prompts.append(_Prompt(text, ids, params))
     ctx.check_alive()
-    return _Call(random_id("cmpl"), now_s(), req, prompts, req.logprobs)
+    call = _Call(random_id("cmpl"), now_s(), req, prompts, req.logprobs)
+    if req.user:                                # OpenAI's end-user id: for the logs only
+        logger.info("request %s from user %r", call.request_id, req.user)
+    return call
 
 
 def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]]:
