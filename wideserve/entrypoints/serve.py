@@ -66,9 +66,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _heartbeat_timeout(text: str) -> float:
+    value = _seconds(text)
+    if value <= 1.0:            # the engine's heartbeat interval (engine_proc --heartbeat-s)
+        raise argparse.ArgumentTypeError(f"must exceed the 1 s heartbeat interval, got {text!r}")
+    return value
+
+
 def add_engine_health_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine health (docs/reliability.md)")
-    g.add_argument("--engine-heartbeat-timeout", type=_seconds, default=10.0,
+    g.add_argument("--engine-heartbeat-timeout", type=_heartbeat_timeout, default=10.0,
                    help="seconds without a heartbeat from the engine core (it sends one each "
                         "step, at least every second) before /health fails and new requests "
                         "get 503; it recovers if the engine speaks again (default 10)")

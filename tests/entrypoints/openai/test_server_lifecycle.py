@@ -36,6 +36,8 @@ def model_dir(tmp_path_factory):
     (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--block-size", "0"], "--block-size"),
+    (["--engine-heartbeat-timeout", "0.5"], "--engine-heartbeat-timeout"),
+    (["--engine-stall-timeout", "-1"], "--engine-stall-timeout"),
 ])
 def test_bad_flag_value_is_a_one_line_error(flags, flag_name, capsys):
     with pytest.raises(SystemExit) as exc:
