@@ -108,3 +108,17 @@ def test_leases_count_as_sequences_and_hold_only_the_window(tmp_path):
                 live = sum(1 for b in row if b)
                 assert live <= -(-g.spec.window // g.block_size) + 1, (g.spec.role, row)
     settle(p)
+
+
+def test_qwen3_moe_pd_equals_colocated(tmp_path):
+    path = write_config(tmp_path / "qwen3moe", {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 160,
+        "hidden_size": 48, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+        "tie_word_embeddings": False})
+    p, d, ref = make_engines(path, load_format="dummy", block_size=16, kv_cache_memory=1 << 24)
+    prompts = _prompts(160, [7, 30, 45], seed=7, prefix=17)
+    assert run_pd(p, d, prompts, MAX_NEW) == run_colocated(ref, prompts, MAX_NEW)
+    settle(p, d, ref)
