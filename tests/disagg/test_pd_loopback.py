@@ -41,8 +41,9 @@ def test_v4_dummy_pd_equals_colocated_with_decode_prefix_hits(tmp_path, name, bl
     window = getattr(v4_configs, name)["sliding_window"]
     first = _prompts(256, [3, 17, 41, 70], seed=1)
     assert max(map(len, first)) > 4 * window
-    turn1 = run_pd(p, d, first, 2 * block_size)
-    assert turn1 == run_colocated(ref, first, 2 * block_size)
+    # Turn 1's output crosses a logical block, so the decode side computes (and caches) it.
+    turn1 = run_pd(p, d, first, block_size + 4)
+    assert turn1 == run_colocated(ref, first, block_size + 4)
     # Turn 2 of each conversation (agentic): its prompt extends turn 1's prompt and output,
     # whose blocks the decode side computed and cached, so only the rest is pulled.
     second = [a + b + c for a, b, c in zip(first, turn1, _prompts(256, [5, 9, 2, 7], seed=2))]
@@ -60,7 +61,8 @@ def test_v4_dummy_pd_equals_colocated_with_decode_prefix_hits(tmp_path, name, bl
 
 
 def test_bundled_v4_pd_equals_colocated(tmp_path):
-    p, d, ref = make_engines(None, max_num_batched_tokens=512)
+    p, d, ref = make_engines(None, max_num_batched_tokens=512, max_num_seqs=8,
+                             kv_cache_memory=1 << 25)
     prompts = _prompts(512, [300, 90], seed=3)      # window 64, logical block 256
     assert run_pd(p, d, prompts, MAX_NEW) == run_colocated(ref, prompts, MAX_NEW)
     settle(p, d, ref)
@@ -97,7 +99,7 @@ def test_leases_count_as_sequences_and_hold_only_the_window(tmp_path):
     sliding pages the consumer's window will read."""
     p, _, _ = make_engines(_v4_dir(tmp_path, "A"), load_format="dummy", block_size=16,
                            max_num_seqs=4, max_num_batched_tokens=256,
-                           p_kv={"kv_lease_s": 0.3})
+                           kv_cache_memory=1 << 22, p_kv={"kv_lease_s": 0.3})
     prompts = _prompts(256, [60] * 10, seed=6)
     handles = prefill(p, prompts)
     assert all(h and h["do_remote_prefill"] for h in handles)
