@@ -2,7 +2,7 @@
 same MoE run in one process with all experts, on random routings. Covers experts that get no
 tokens, a rank that owns only idle experts, ranks that send nothing, ranks making different
 numbers of MoE calls in a step (the drain), peers in different layers in the same round, and
-bf16 with the V4 SwiGLU clamp. (Equal up to GEMM rounding; the engine tests check greedy
+bf16 with the V4 SwiGLU clamp. The same group then checks the per-step DP sync. (Equal up to GEMM rounding; the engine tests check greedy
 outputs token for token.)"""
 from __future__ import annotations
 
@@ -84,9 +84,26 @@ def _worker(rank: int, world: int, port: int) -> dict:
         disp.finish_step()
     loads = [m.expert_load.tolist() for m in sharded]
     ref_loads = [m.expert_load.tolist() for m in full]
+    syncs = _sync_rows(group, rank)
     group.destroy()
-    return dict(mismatches=mismatches, loads=loads, ref_loads=ref_loads,
+    return dict(mismatches=mismatches, loads=loads, ref_loads=ref_loads, syncs=syncs,
                 received=disp.stats.rows_received, drains=disp.stats.drain_calls)
+
+
+def _sync_rows(group, rank: int) -> dict:
+    """The per-step DP sync on the same group: both methods, then "auto"."""
+    import numpy as np
+    from wideserve.distributed.dp_sync import (GlooStepSync, RecursiveDoublingSync,
+                                               choose_step_sync)
+    out = {}
+    for sync in (GlooStepSync(group), RecursiveDoublingSync(group)):
+        out[sync.name] = [sync.exchange(np.array([rank, 10 * rank + s, s])).tolist()
+                          for s in range(3)]
+        sync.close()
+    chosen, stats = choose_step_sync(group, "auto", rounds=5)
+    out["chosen"], out["calibrated"] = stats.method, sorted(stats.calibration_us)
+    chosen.close()
+    return out
 
 
 def test_all_to_all_dispatch_equals_one_process_moe():
@@ -100,3 +117,9 @@ def test_all_to_all_dispatch_equals_one_process_moe():
     # Ranks 2, 3 made no call in step 1 and answered rank 0's and 1's: drain calls happened.
     # Step 1: rank 0 makes 3 calls, rank 1 one, ranks 2-3 none; every other round is a drain.
     assert [r["drains"] for r in results] == [0, 2, 3, 3]
+    # The step sync: both methods give every rank every row; "auto" picks one for all.
+    expected = [[[r, 10 * r + s, s] for r in range(world)] for s in range(3)]
+    for r in results:
+        assert r["syncs"]["gloo"] == expected and r["syncs"]["rd"] == expected
+        assert r["syncs"]["calibrated"] == ["gloo", "rd"]
+    assert len({r["syncs"]["chosen"] for r in results}) == 1

@@ -94,12 +94,14 @@ class RecursiveDoublingSync(StepSync):
         host = local_address_towards(g.address)
         listener = socket.create_server((host, 0), backlog=max(self.rounds, 1))
         listener.settimeout(g.timeout_s)
-        g.store.set(f"dp_rd_addr_{self.rank}", f"{host}:{listener.getsockname()[1]}")
+        prefix = g.store_prefix()
+        g.store.set(f"{prefix}dp_rd_addr_{self.rank}", f"{host}:{listener.getsockname()[1]}")
         partners = [self.rank ^ (1 << k) for k in range(self.rounds)]
         by_rank: dict[int, socket.socket] = {}
         try:
             for partner in (p for p in partners if p > self.rank):
-                peer_host, port = g.store.get(f"dp_rd_addr_{partner}").decode().rsplit(":", 1)
+                addr = g.store.get(f"{prefix}dp_rd_addr_{partner}").decode()
+                peer_host, port = addr.rsplit(":", 1)
                 sock = socket.create_connection((peer_host, int(port)), timeout=g.timeout_s)
                 sock.sendall(struct.pack("<q", self.rank))
                 by_rank[partner] = sock

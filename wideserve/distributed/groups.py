@@ -36,6 +36,14 @@ class DPGroup:
     store: dist.Store
     timeout_s: float
     address: str                         # node 0's address, as the ranks were told
+    store_generation: int = 0            # store keys of side channels built so far
+
+    def store_prefix(self) -> str:
+        """A fresh key prefix for one side channel: every rank builds its side channels in
+        the same order, so the n-th one of every rank uses the same prefix (a rebuilt
+        channel never reads a peer's stale address)."""
+        self.store_generation += 1
+        return f"g{self.store_generation}/"
 
     def destroy(self) -> None:
         if dist.is_initialized():
