@@ -58,7 +58,8 @@ class StructuredOutputsParams:
         """'' when the constraint compiles, else llguidance's message (checked by the server
         before the request reaches the engine, so a bad one is a 400)."""
         import llguidance
+        from llguidance.gbnf_to_lark import GbnfToLarkError   # not a ValueError
         try:
             return llguidance.LLMatcher.validate_grammar(self.to_grammar())
-        except (ValueError, TypeError, RuntimeError) as e:
-            return str(e)
+        except (ValueError, TypeError, RuntimeError, GbnfToLarkError) as e:
+            return str(e) or type(e).__name__

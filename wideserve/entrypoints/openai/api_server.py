@@ -48,12 +48,13 @@ from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engine_unavailable,
                                                   load_generation_defaults, shutting_down)
 from wideserve.entrypoints.openai.serving import read_body as serving_read_body
+from wideserve.entrypoints.openai.openapi import build_openapi
 from wideserve.entrypoints.openai.transport import protocol_with_header_timeout
 from wideserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("wideserve.server")
 DP_FAILURE_GRACE_S = 2.0
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json"})
 # Seconds uvicorn waits for open responses after SIGTERM before cancelling them.
 SHUTDOWN_GRACE_S = 5
 
@@ -149,6 +150,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         raise ApiError(404, f"/v1/embeddings: {ctx.model_name!r} is a generative model; this "
                             "server does not compute embeddings", type_="not_found_error",
                        code="embeddings_not_supported")
+
+    schema = build_openapi({"/v1/responses": serving_responses.ResponsesRequest})
+
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(schema)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
