@@ -193,3 +193,31 @@ def test_dummy_weights_from_the_config(oracle):
     model = load_model(LoadConfig(model=str(path), load_format="dummy", seed=3)).model
     out = _harness(model, seqs[:1]).step([0], seqs[:1])
     assert torch.isfinite(out).all() and out.std() > 0.1
+
+
+def test_decoder_bounded_replay(oracle):
+    """Off by default. On, it changes nothing while no request has more than `window` new
+    rows in a step (decode, short chunks); a long chunk runs the layers after the last KV
+    source on its last `window` rows only: the last row's logits are approximate, the cache
+    the later steps read is the same as without it for the sources."""
+    _, _, ws, seqs, refs = oracle("A", "off")
+    assert ws.decoder_replay is False
+    W = ws.config.sliding_window
+    short = [W - 1, W, 3] + [1] * (len(seqs[0]) - 2 * W - 2)
+    runs = {}
+    with h.kv_quant_off():
+        for on in (False, True):
+            ws.decoder_replay = on
+            try:
+                hr, done, rows = _harness(ws, seqs[:1], "raw"), 0, []
+                for n in short:
+                    rows.append(hr.step([0], [seqs[0][done:done + n]]))
+                    done += n
+                long = _harness(ws, seqs[:1], "raw").step([0], seqs[:1])
+            finally:
+                ws.decoder_replay = False
+            runs[on] = (torch.cat(rows), long)
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert (runs[False][1] - refs[0]).abs().max().item() <= TOL
+    last = (runs[True][1][-1] - refs[0][-1]).abs().max().item()
+    assert 0 < last < 1.0

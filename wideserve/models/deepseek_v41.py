@@ -13,6 +13,7 @@ DeepSeek names (`layers.{i}.attn.wq_a.weight`, `embed.weight`, `hc_attn_fn`, per
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Iterable
@@ -156,6 +157,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._hasher: NgramHasher | None = None
         self._token_map: torch.Tensor | None = None
         self._codecs = self._record_codecs()
+        # Decoder bounded replay (approximate; off by default): layers after the last KV
+        # source run only on each request's last `sliding_window` rows of the step.
+        self.decoder_replay = False
         # DSpark drafter stages (`mtp.*`, models/deepseek_v41_dspark.py); dropped when the
         # checkpoint has none (drop_mtp).
         self.mtp = nn.ModuleList()
@@ -251,13 +255,30 @@ class DeepseekV41ForCausalLM(nn.Module):
         taps = (set(c.dspark_target_layer_ids) if DSPARK_FEATURES in batch.kv_caches
                 else set())
         features = []
+        kept = None
+        replay_from = max(c.kv_source_layer_ids, default=-1) + 1 if self.decoder_replay else -1
         for i, layer in enumerate(self.model.layers):
+            if i == replay_from:
+                kept = decoder_replay_rows(batch, c.sliding_window)
+                if kept is not None:
+                    rows, sub = kept
+                    streams, pre, ids = streams[rows], pre[rows], ids[rows]
+                    state = CSA2State(None if state.picks is None else state.picks[rows],
+                                      None if state.candidates is None
+                                      else state.candidates[rows])
+                    engram_at = {k: v[rows] for k, v in engram_at.items()}
+                    step = V4Step(sub, self._codecs)
             if i in taps:   # the streams entering layer i (after its Engram)
                 features.append(layer.tap(streams, engram_at.get(i)))
             streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
         if features:
             step.write_window_rows(DSPARK_FEATURES, torch.cat(features, dim=-1))
-        return self.model.norm(collapse(streams, pre))
+        hidden = self.model.norm(collapse(streams, pre))
+        if kept is None:
+            return hidden
+        # Rows the replay skipped have no output (only each request's last rows are used).
+        full = hidden.new_zeros(batch.num_tokens, hidden.shape[-1])
+        return full.index_copy_(0, kept[0], hidden)
 
     def dspark_kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
         """The DSpark context window: W positions of tap features (taps * hidden each)."""
@@ -431,3 +452,32 @@ def _expert_layout(name: str, tensor: torch.Tensor
 def load_stage_weights(targets, weights):   # noqa: ANN001, ANN201 - see deepseek_v41_dspark
     from wideserve.models.deepseek_v41_dspark import load_stage_weights as load
     return load(targets, weights)
+
+
+def decoder_replay_rows(batch: ForwardBatch, window: int
+                        ) -> tuple[torch.Tensor, ForwardBatch] | None:
+    """The decoder bounded replay's sub-batch: each request keeps its last `window` new rows.
+    Layers after the last KV source write no shared KV, and future steps read their windows
+    only back to seq - window + 1, so only those rows matter later; the kept rows' windows are
+    clamped at the first kept row (kv_replay_start), the approximation (docs/deepseek_v41.md).
+    None when no request has more than `window` new rows."""
+    qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
+    qlen = np.diff(qsl)
+    if not (qlen > window).any():
+        return None
+    skip = np.maximum(qlen - window, 0)
+    new_len = qlen - skip
+    rows_np = np.concatenate([np.arange(a + k, b) for a, b, k in zip(qsl[:-1], qsl[1:], skip)])
+    rows = torch.from_numpy(rows_np).to(batch.input_ids.device)
+    new_qsl = np.concatenate([[0], np.cumsum(new_len)])
+    seq = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
+    ctx = seq - new_len
+    views = [dataclasses.replace(v, slot_mapping=None if v.slot_mapping is None
+                                 else v.slot_mapping[rows]) for v in batch.kv_groups]
+    sub = ForwardBatch(
+        input_ids=batch.input_ids[rows], positions=batch.positions[rows],
+        query_start_loc=torch.from_numpy(new_qsl).to(batch.query_start_loc.device),
+        seq_lens=batch.seq_lens, query_start_loc_cpu=new_qsl, seq_lens_cpu=seq,
+        kv_caches=batch.kv_caches, kv_groups=views, cache_group=batch.cache_group,
+        kv_replay_start=np.where(skip > 0, ctx, 0), extras=batch.extras)
+    return rows, sub
