@@ -2,7 +2,7 @@
 
   python offline_worker.py {wideserve|vllm} MODEL --num-prompts 64 --input-len 128 --output-len 128
 
-Token-id prompts (seeded, identical for both engines), greedy, EOS ignored, bf16. Prints one
+Token-id prompts (seeded, identical for both engines), greedy, EOS ignored. Prints one
 JSON line: output tokens per second over the timed generate call (after a short warm-up).
 Run with each engine's own interpreter; run.py alternates them.
 """
@@ -24,7 +24,7 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     torch.set_num_threads(args.threads)
     from wideserve.entrypoints.llm import LLM
     from wideserve.sampling_params import SamplingParams
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in ids[:4]], warm, use_tqdm=False)
@@ -36,7 +36,7 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
 def run_vllm(args, ids: list[list[int]]) -> float:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=args.max_model_len,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max(64, args.num_prompts), seed=0,
               gpu_memory_utilization=args.vllm_memory_fraction)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1, help="wideserve's torch threads")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="compute dtype (the checkpoint is bf16 either way)")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.15,
                     help="vLLM CPU: fraction of memory it reserves (KV cache + model)")
@@ -63,7 +65,8 @@ def main() -> None:
     ids = prompts(args.num_prompts, args.input_len, args.vocab, seed=0)
     elapsed = (run_wideserve if args.engine == "wideserve" else run_vllm)(args, ids)
     out = args.num_prompts * args.output_len
-    print(json.dumps({"engine": args.engine, "model": args.model, "elapsed_s": elapsed,
+    print(json.dumps({"engine": args.engine, "dtype": args.dtype, "model": args.model,
+                      "num_prompts": args.num_prompts, "elapsed_s": elapsed,
                       "output_tokens": out, "out_tok_s": out / elapsed}))
 
 

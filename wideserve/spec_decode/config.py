@@ -36,6 +36,11 @@ class SpeculativeConfig:
     forced_acceptance_length: float | None = None   # benchmarks only: outputs are not the model's
     # dspark: stop a block at the first slot whose predicted acceptance is below this
     dspark_confidence_threshold: float | None = None
+    # Drafts per request shrink with the batch so that decoding requests x (k + 1) stays
+    # within this many verified tokens per step (0: always k; None: the device's default,
+    # decoder.BATCH_TOKEN_BUDGET). Where a step is compute-bound every rejected draft is
+    # wasted work (BENCHMARKS.md, "Speculative decoding").
+    batch_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +71,11 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) is larger than "
                              f"prompt_lookup_max ({hi})")
+        budget = self.batch_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise ValueError(f"speculative_config.batch_token_budget must be an integer >= 0, "
+                             f"got {budget!r}")
         al = self.forced_acceptance_length
         if al is not None:
             if isinstance(al, bool) or not isinstance(al, (int, float)) \

@@ -53,11 +53,21 @@ def make_proposer(config: SpeculativeConfig, model: torch.nn.Module, load: LoadC
                               max_model_len)
 
 
+# Device type -> verified tokens per step beyond which drafts shrink (draft_depth). CPU: on
+# the bundled model k = 2 pays 1.19-1.25x at batch 1-8 and every k costs at batch 64 (0.81-
+# 0.96x; BENCHMARKS.md, "Speculative decoding"): 32 keeps k <= 3 to batch 8, k = 1 to 16 and
+# none from 32. Other devices: not measured yet, so always k.
+BATCH_TOKEN_BUDGET = {"cpu": 32}
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, load: LoadConfig,
                  vocab_size: int, max_model_len: int) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        self.batch_token_budget = (config.batch_token_budget
+                                   if config.batch_token_budget is not None else
+                                   BATCH_TOKEN_BUDGET.get(torch.device(load.device).type, 0))
         self.max_model_len = max_model_len
         self.proposer = make_proposer(config, model, load, vocab_size, max_model_len)
         self.sampler = RejectionSampler()
@@ -183,9 +193,11 @@ class SpecDecoder:
 
     def _draft_caps(self, requests: list[Request], emitted: list[list[int] | None]
                     ) -> np.ndarray:
-        """Drafts wanted per request: k, fewer near max_tokens / max_model_len (every draft
-        and the bonus token must fit), 0 where nothing was emitted."""
+        """Drafts wanted per request: k for the batch size (`draft_depth`), fewer near
+        max_tokens / max_model_len (every draft and the bonus token must fit), 0 where
+        nothing was emitted."""
         caps = np.zeros(len(requests), dtype=np.int64)
+        k = draft_depth(self.k, sum(1 for e in emitted if e), self.batch_token_budget)
         for i, (r, e) in enumerate(zip(requests, emitted)):
             if not e:
                 continue
@@ -194,5 +206,13 @@ class SpecDecoder:
             left = self.max_model_len - n_tok - 1
             if sp.max_tokens is not None:
                 left = min(left, sp.max_tokens - n_out - 1)
-            caps[i] = max(0, min(self.k, left))
+            caps[i] = max(0, min(k, left))
         return caps
+
+
+def draft_depth(k: int, batch: int, budget: int) -> int:
+    """Drafts per request for `batch` decoding requests: the largest k' <= k with
+    batch * (k' + 1) <= budget (0 = no speculation); budget 0 always gives k."""
+    if budget == 0 or batch == 0:
+        return k
+    return max(0, min(k, budget // batch - 1))
