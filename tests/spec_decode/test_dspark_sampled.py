@@ -82,7 +82,8 @@ def test_sampled_tokens_follow_the_target_distribution(setup):
         llm = LLM(path, dtype="float32", block_size=16, skip_tokenizer_init=True,
                   kv_cache_dtype="raw", kv_cache_memory=1 << 27, max_num_seqs=200,
                   max_num_batched_tokens=2048,
-                  speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+                  speculative_config={"method": "dspark", "num_speculative_tokens": 2,
+                                      "batch_token_budget": 0})   # full depth at batch N
     sp = SamplingParams(temperature=TEMP, top_k=TOP_K, repetition_penalty=REP, max_tokens=4,
                         ignore_eos=True)
     torch.manual_seed(0)
