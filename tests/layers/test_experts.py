@@ -109,3 +109,17 @@ def test_logical_to_physical_map_and_ep_hook() -> None:
 def test_unknown_impl_names_the_choices() -> None:
     with pytest.raises(ValueError, match="grouped_mm"):
         RoutedExperts(4, 8, 8, impl="fast")
+
+
+@pytest.mark.parametrize("intermediate", [12, 10])
+def test_grouped_mm_falls_back_when_row_strides_are_not_16_byte_aligned(
+        intermediate: int) -> None:
+    """torch._grouped_mm needs 16-byte row strides: bf16 with I = 12 or 10 must take the
+    padded path (not raise) and still equal the loop."""
+    E, d = 4, 24
+    fast = _experts(E, d, intermediate, "grouped_mm", dtype=torch.bfloat16)
+    ref = _experts(E, d, intermediate, "loop", dtype=torch.bfloat16)
+    assert fast.resolved_impl(torch.device("cpu"), torch.bfloat16) == "padded"
+    x = torch.randn(9, d, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ids, w = _routing(9, E, 2, seed=5)
+    torch.testing.assert_close(fast(x, ids, w), ref(x, ids, w), rtol=2e-2, atol=2e-2)

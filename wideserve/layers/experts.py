@@ -43,9 +43,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
     return F.silu(gate) * up
 
 
-def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this build runs torch._grouped_mm for `dtype` on `device` (a tiny probe)."""
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int,
+                     intermediate: int) -> bool:
+    """Whether this build runs torch._grouped_mm for `dtype` on `device` with these widths:
+    a tiny probe for the dtype, and the kernel's rule that every row stride (hidden, 2I and
+    I elements) is a multiple of 16 bytes (bf16 with I = 12 fails it)."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any(w * itemsize % 16 for w in (hidden, 2 * intermediate, intermediate)):
         return False
     try:
         a = torch.zeros(16, 16, device=device, dtype=dtype)
@@ -114,7 +120,9 @@ class RoutedExperts(nn.Module):
         key = (device.type, dtype)
         if key not in self._resolved:
             impl = self.impl or DEFAULT_EXPERT_IMPL.get(device.type, FALLBACK_EXPERT_IMPL)
-            if impl == "grouped_mm" and not _grouped_mm_runs(device, dtype):
+            hidden, intermediate = self.down_proj.shape[1], self.down_proj.shape[2]
+            if impl == "grouped_mm" and not _grouped_mm_runs(device, dtype, hidden,
+                                                             intermediate):
                 impl = FALLBACK_EXPERT_IMPL
             self._resolved[key] = impl
         return self._resolved[key]
