@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import argparse
 import re
+
 from wideserve.config import ParallelConfig
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from wideserve.entrypoints.engine_args import parse_positive_int as _positive_int
 
 
 def _rank(text: str) -> int:
