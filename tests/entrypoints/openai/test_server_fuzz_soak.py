@@ -2,8 +2,7 @@
 violations) and a short soak (many streams with random disconnects: then 0 errors, the KV
 pool's integrity check, stable RSS, greedy output unchanged). Both bounded for CI's budget:
 at most 200 examples per operation (about 800-1,000 generated requests over the 10
-operations) and 48 streams for 12 s, not the 128 streams x 60 s one would run by hand
-(`st run URL/openapi.json` for longer fuzzing)."""
+operations) and 128 streams for 60 s with 20% disconnects (`st run URL/openapi.json` for longer fuzzing)."""
 from __future__ import annotations
 
 import asyncio
@@ -103,14 +102,18 @@ def test_soak_with_random_disconnects(server):
                 stats["cut" if cut else "done"] += 1
 
     async def main() -> None:
-        until = time.monotonic() + 12
+        until = time.monotonic() + 60
+        # The pool drops idle connections after 2 s, before the server's 5 s keep-alive
+        # timeout: with both at 5 s (httpx's default) a reused connection can be closed under
+        # the client (ReadError), the HTTP/1.1 keep-alive race, not a server fault.
+        limits = httpx.Limits(max_connections=128, keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=server.url, timeout=120,
-                                     limits=httpx.Limits(max_connections=64)) as client:
-            await asyncio.gather(*(one(client, i, until) for i in range(48)))
+                                     limits=limits) as client:
+            await asyncio.gather(*(one(client, i, until) for i in range(128)))
 
     asyncio.run(main())
     assert not errors, errors[:5]
-    assert stats["done"] > 48 and stats["cut"] > 5, stats
+    assert stats["done"] > 128 and stats["cut"] > 20, stats
     state = _wait_idle_and_check(server)
     assert state["ok"], state["detail"]
     assert _rss_mb(server.proc.pid) - rss_before < 150
