@@ -89,17 +89,7 @@ class Llama3JsonToolParser(ToolParser):
             i = skip_ws(text, i + len(self.TAG))
         elif not rest.startswith("{"):
             return ParseResult(text if final else text.rstrip())
-        result = ParseResult("")
-        while i < len(text) and text[i] == "{":
-            call, end = call_from_object(text, i, len(text), final)
-            result.calls.append(call)
-            if end is None or call.name is None:
-                break
-            i = skip_ws(text, end)
-            if i >= len(text) or text[i] != ";":
-                break
-            i = skip_ws(text, i + 1)
-        return result
+        return ParseResult("", _calls_from(text, i, ";", final))
 
 
 class NamedCallParser(ToolParser):
@@ -124,14 +114,21 @@ class RequiredCallsParser(ToolParser):
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
             return result
-        i = skip_ws(text, i + 1)
-        while i < len(text) and text[i] == "{":
-            call, end = call_from_object(text, i, len(text), final)
-            result.calls.append(call)
-            if end is None or call.name is None:
-                break
-            i = skip_ws(text, end)
-            if i >= len(text) or text[i] != ",":
-                break
-            i = skip_ws(text, i + 1)
+        result.calls = _calls_from(text, skip_ws(text, i + 1), ",", final)
         return result
+
+
+def _calls_from(text: str, i: int, sep: str, final: bool) -> list[ParsedCall]:
+    """The JSON call objects from text[i:], separated by `sep`; stops at the first partial
+    object or missing separator (shared by the Llama 3 and "required" formats)."""
+    calls: list[ParsedCall] = []
+    while i < len(text) and text[i] == "{":
+        call, end = call_from_object(text, i, len(text), final)
+        calls.append(call)
+        if end is None or call.name is None:
+            break
+        i = skip_ws(text, end)
+        if i >= len(text) or text[i] != sep:
+            break
+        i = skip_ws(text, i + 1)
+    return calls
