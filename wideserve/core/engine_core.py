@@ -32,6 +32,7 @@ from wideserve.distributed.eplb.manager import EplbManager
 from wideserve.executor import memory_profile
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
+from wideserve.executor.penalties import PenaltyTracker
 from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
                                         compute_prompt_logprobs, make_generator)
 from wideserve.request import Request
@@ -156,6 +157,7 @@ class EngineCore:
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
         self.sampler = Sampler()
+        self.penalties = PenaltyTracker(self.vocab_size, self.device)   # counts kept per request
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)
@@ -313,6 +315,7 @@ class EngineCore:
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
             self._prompt_lp_sent.discard(rid)
+        self.penalties.drop(sched_out.finished_req_ids)
         if self.spec is not None and sched_out.finished_req_ids:
             self.spec.drop(sched_out.finished_req_ids)
         self.runner.drop(sched_out.finished_req_ids)
@@ -380,7 +383,7 @@ class EngineCore:
         if self.spec is not None:
             sampled, logprobs, propose = self.spec.verify(
                 sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size,
-                grammar=self.structured)
+                grammar=self.structured, penalties=self.penalties)
         elif fwd.logits is not None:
             rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
             sampled, logprobs = self._sample(rows, fwd.logits)
@@ -408,7 +411,8 @@ class EngineCore:
         md = build_sampling_metadata(
             [r.sampling_params for r in rows], [r.output_token_ids for r in rows],
             [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids,
+            penalties=self.penalties.state([(r, ()) for r in rows]))
         md.grammar = self.structured.masks(rows)
         out = self.sampler(logits, md)
         token_ids = out.token_ids.tolist()

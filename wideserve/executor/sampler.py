@@ -16,7 +16,9 @@ exponential race needs no multinomial and no host sync.
 
 SamplingMetadata is built once per step with numpy from the requests' params (a loop per
 request to read fields, never per token); tensors that no row needs are left None so the common
-cases (all greedy, plain temperature) skip whole stages.
+cases (all greedy, plain temperature) skip whole stages. The engine keeps the penalty counts
+per request across steps (executor/penalties.py) and passes them in; rebuilding them from the
+full histories here is the reference and the default for other callers.
 """
 from __future__ import annotations
 
@@ -101,7 +103,7 @@ def _flat_ids(lists: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, 
     return np.repeat(np.arange(len(arrays), dtype=np.int64), lens), ids
 
 
-def _check_ids(ids: np.ndarray, vocab_size: int, what: str) -> None:
+def check_ids(ids: np.ndarray, vocab_size: int, what: str) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"{what} holds token ids outside [0, {vocab_size}): "
                          f"min {ids.min()}, max {ids.max()}")
@@ -122,7 +124,7 @@ def _build_penalties(
     freq = np.array([p.frequency_penalty for p in sel], dtype=np.float32)
     rep = np.array([p.repetition_penalty for p in sel], dtype=np.float32)
     out_rows, out_ids = _flat_ids([output_token_ids_list[i] for i in rows])
-    _check_ids(out_ids, vocab_size, "output_token_ids_list")
+    check_ids(out_ids, vocab_size, "output_token_ids_list")
     counts = torch.zeros(rows.size, vocab_size, dtype=torch.float32, device=device)
     counts.index_put_((to_device(out_rows, device), to_device(out_ids, device)),
                       torch.ones(out_ids.size, dtype=torch.float32, device=device),
@@ -133,7 +135,7 @@ def _build_penalties(
             raise ValueError("prompt_token_ids_list is required when a request sets "
                              "repetition_penalty")
         pr_rows, pr_ids = _flat_ids([prompt_token_ids_list[i] for i in rows])
-        _check_ids(pr_ids, vocab_size, "prompt_token_ids_list")
+        check_ids(pr_ids, vocab_size, "prompt_token_ids_list")
         seen = counts > 0
         seen[to_device(pr_rows, device), to_device(pr_ids, device)] = True
     return PenaltyState(rows=to_device(rows, device), presence=to_device(pres, device),
@@ -181,6 +183,9 @@ def _build_bias(params_list: Sequence[SamplingParams], device: torch.device,
             to_device(np.array(vals, dtype=np.float32), device))
 
 
+REBUILD = object()   # build_sampling_metadata(penalties=...): rebuild from the histories
+
+
 def build_sampling_metadata(
     params_list: Sequence[SamplingParams],
     output_token_ids_list: Sequence[Sequence[int] | np.ndarray],
@@ -189,8 +194,13 @@ def build_sampling_metadata(
     device: torch.device | str,
     vocab_size: int,
     eos_token_ids: Iterable[int] = (),
+    penalties: PenaltyState | None | object = REBUILD,
 ) -> SamplingMetadata:
     """Batch the step's sampling inputs. Row i of every list is request i of the logits.
+
+    penalties: the step's PenaltyState when the caller keeps it incrementally
+    (executor/penalties.py's PenaltyTracker: the engine does); by default it is rebuilt here
+    from the full output (and prompt) histories, the reference the tracker is tested against.
 
     generators maps row -> that request's own generator (see make_generator); every row whose
     params set a seed must have one, since a fresh generator per step would repeat its noise.
@@ -235,8 +245,9 @@ def build_sampling_metadata(
         top_p=to_device(top_p, device) if random and use_p else None,
         min_p=to_device(min_p, device) if random and use_min_p else None,
         generators=generators,
-        penalties=_build_penalties(params_list, output_token_ids_list, prompt_token_ids_list,
-                                   device, vocab_size),
+        penalties=(_build_penalties(params_list, output_token_ids_list, prompt_token_ids_list,
+                                    device, vocab_size)
+                   if penalties is REBUILD else penalties),  # type: ignore[arg-type]
         stop_mask_rows=rows,
         stop_mask_cols=cols,
         bias=_build_bias(params_list, device, vocab_size),

@@ -23,6 +23,7 @@ from wideserve.config import LoadConfig
 from wideserve.core.messages import StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import SchedulerOutput
 from wideserve.executor.model_runner import ForwardOutput, ModelRunner, StepRequest
+from wideserve.executor.penalties import PenaltyTracker
 from wideserve.executor.sampler import build_sampling_metadata
 from wideserve.request import Request, RequestStatus
 from wideserve.sampling_params import SamplingParams
@@ -100,12 +101,15 @@ class SpecDecoder:
     def verify(self, sched_out: SchedulerOutput, step_reqs: list[StepRequest],
                fwd: ForwardOutput, generators: Mapping[str, torch.Generator],
                eos_token_ids: Sequence[int], vocab_size: int,
-               grammar: StructuredOutputManager | None = None
+               grammar: StructuredOutputManager | None = None,
+               penalties: PenaltyTracker | None = None
                ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs], ProposeInput]:
         """Tokens (accepted drafts + 1) and logprobs per sampled request, and what `propose`
         needs (call it before the scheduler's update, while every block is held). With
         structured outputs every row's target is masked by the grammar state after the
-        drafts before it, so constrained speculation stays lossless."""
+        drafts before it, so constrained speculation stays lossless. `penalties` (the
+        engine's tracker) gives row j of a request its output counts plus drafts 0..j-1;
+        without it they are rebuilt from the histories."""
         requests = [s.request for s in sched_out.scheduled]
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, StepLogprobs] = {}
@@ -115,7 +119,7 @@ class SpecDecoder:
             rows = fwd.sample_rows
             drafts = [sched_out.scheduled[i].spec_token_ids for i in rows]
             out = self._verify(fwd.logits, [requests[i] for i in rows], drafts, generators,
-                               eos_token_ids, vocab_size, grammar)
+                               eos_token_ids, vocab_size, grammar, penalties)
             lp = out.logprobs.tolists() if out.logprobs is not None else None
             offset = 0
             for m, i in enumerate(rows):
@@ -147,18 +151,21 @@ class SpecDecoder:
     # ------------------------------------------------------------------------ helpers
     def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
                 generators: Mapping[str, torch.Generator], eos_token_ids: Sequence[int],
-                vocab_size: int, grammar: StructuredOutputManager | None = None
-                ) -> VerifyOutput:
+                vocab_size: int, grammar: StructuredOutputManager | None = None,
+                penalties: PenaltyTracker | None = None) -> VerifyOutput:
         num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
         params: list[SamplingParams] = []
         outputs: list[list[int]] = []
         prompts: list[list[int]] = []
         gens: dict[int, torch.Generator] = {}
+        rows: list[tuple[Request, list[int]]] = []
         for r, d in zip(reqs, drafts):
             sp, hist = r.sampling_params, r.output_token_ids
             # Row j sees the drafts before it as output (penalties, min_tokens); rows whose
-            # params read neither keep the plain list (no copy).
-            exact = sp.has_penalties or len(hist) < sp.min_tokens
+            # params read neither keep the plain list (no copy). With the tracker the
+            # penalties take the drafts as extra tokens, so only min_tokens needs a copy
+            # (of an output shorter than min_tokens).
+            exact = len(hist) < sp.min_tokens or (sp.has_penalties and penalties is None)
             g = generators.get(r.request_id)
             for j in range(len(d) + 1):
                 if g is not None:
@@ -166,8 +173,10 @@ class SpecDecoder:
                 params.append(sp)
                 outputs.append(hist + d[:j] if exact and j else hist)
                 prompts.append(r.prompt_token_ids)
+                rows.append((r, d[:j]))
+        extra = {} if penalties is None else {"penalties": penalties.state(rows)}
         md = build_sampling_metadata(params, outputs, prompts, gens, logits.device, vocab_size,
-                                     eos_token_ids=eos_token_ids)
+                                     eos_token_ids=eos_token_ids, **extra)
         if grammar is not None:
             md.grammar = grammar.masks(reqs, drafts)
         forced = self._forced(reqs, num_drafts) if self.config.is_forced else None

@@ -9,7 +9,8 @@ target's step up to the last verified one, plus the token emitted this step (pos
 start .. c). Accepted drafts are recomputed rather than kept from the previous proposal: the
 cost is a few rows of a small model, and it needs no bookkeeping of which draft rows were
 right. Its last row gives draft 1 (position c + 1); drafts 2..k are one row per request each,
-fed back on the device. Drafts are the draft model's argmax (deterministic drafts).
+fed back on the device through proposer.ChainedProposer (one batch built for the chain, moved
+on in place). Drafts are the draft model's argmax (deterministic drafts).
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ import torch
 from wideserve.config import LoadConfig
 from wideserve.executor.loader import load_model
 from wideserve.executor.model_runner import ModelRunner, StepRequest
-from wideserve.spec_decode.proposer import ProposeInput, Proposer
+from wideserve.spec_decode.proposer import ChainedProposer, ProposeInput
 
 PREFIX = "draft."
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(ChainedProposer):
     def __init__(self, path: str, load_format: str, target_load: LoadConfig,
                  target_vocab: int, max_model_len: int) -> None:
         load = LoadConfig(model=path, dtype=target_load.dtype, load_format=load_format,  # type: ignore[arg-type]
@@ -84,21 +85,8 @@ class DraftModelProposer(Proposer):
         tok = fwd.logits.argmax(dim=-1)                                    # [A]
         # Position of each active request's draft 1 (the emitted token is at end - 1).
         pos = np.array([catch_up[i].start + len(catch_up[i].token_ids) for i in active])
-        steps = [(active, tok)]
-        for j in range(1, int(inp.num_drafts.max())):
-            keep = np.nonzero(inp.num_drafts[active] > j)[0]
-            if keep.size == 0:
-                break
-            active, pos = active[keep], pos[keep]
-            tok = tok.index_select(0, torch.from_numpy(keep).to(tok.device))
-            reqs = [StepRequest(inp.step_reqs[i].request_id, [0], int(p) + j - 1,
-                                inp.step_reqs[i].block_ids)
-                    for i, p in zip(active.tolist(), pos.tolist())]
-            logits = self.runner.forward(reqs, input_ids=tok).logits
-            assert logits is not None
-            tok = logits.argmax(dim=-1)
-            steps.append((active, tok))
-        for idx, t in steps:
-            for i, v in zip(idx.tolist(), t.tolist()):
-                out[i].append(v)
-        return out
+        return self.chain(inp, active, pos, tok, None, self._step)
+
+    def _step(self, batch, tok: torch.Tensor, state: None) -> tuple[torch.Tensor, None]:
+        hidden = self.model.forward(batch)                                 # [A, d]: one row each
+        return self.model.compute_logits(hidden).argmax(dim=-1), None

@@ -8,7 +8,8 @@ emitted token's position) gives draft 1 for position c + 1.
 
 Draft step j >= 2 is one row per request at position c + j - 2, fed the previous draft and, in
 place of the target's streams (not computed yet for that position), the MTP block's own output
-streams at the previous position (EAGLE-style chaining, as vLLM's DeepSeek MTP proposer does).
+streams at the previous position (EAGLE-style chaining, as vLLM's DeepSeek MTP proposer does);
+the chain (proposer.ChainedProposer) builds that batch once and moves it on in place.
 Its cache rows at positions >= c are provisional: the next step recomputes them from the
 target's streams before any query reads them as history.
 
@@ -24,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from wideserve.executor.model_runner import ModelRunner, StepRequest
-from wideserve.spec_decode.proposer import ProposeInput, Proposer
+from wideserve.executor.model_runner import ModelRunner
+from wideserve.spec_decode.proposer import ChainedProposer, ProposeInput
 
 
-class MTPProposer(Proposer):
+class MTPProposer(ChainedProposer):
     def __init__(self, model: Any) -> None:
         """model: a DeepseekV4ForCausalLM-like target (mtp, mtp_forward, last_streams)."""
         unavailable = getattr(model, "mtp_unavailable", None)
@@ -71,24 +72,10 @@ class MTPProposer(Proposer):
         tok = model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1)   # [A]
         streams = model.last_mtp_streams.index_select(0, rows)                   # [A, n, d]
         emitted = np.array([inp.step_reqs[i].start for i in want]) + inp.num_valid[want]
-        steps = [(want, tok)]
-        active, pos = want, emitted
-        for j in range(1, int(inp.num_drafts.max())):
-            keep = np.nonzero(inp.num_drafts[active] > j)[0]
-            if keep.size == 0:
-                break
-            keep_t = torch.from_numpy(keep).to(tok.device)
-            active, pos = active[keep], pos[keep]
-            tok, streams = tok.index_select(0, keep_t), streams.index_select(0, keep_t)
-            step = self.runner.build_batch([
-                StepRequest(inp.step_reqs[i].request_id, [0], int(p) + j - 1,
-                            inp.step_reqs[i].block_ids, sample=False)
-                for i, p in zip(active.tolist(), pos.tolist())])
-            hidden = model.mtp_forward(step, streams, tok)                     # [A, d]
-            tok = model.compute_logits(hidden).argmax(dim=-1)
-            streams = model.last_mtp_streams
-            steps.append((active, tok))
-        for idx, t in steps:
-            for i, v in zip(idx.tolist(), t.tolist()):
-                out[i].append(v)
-        return out
+        return self.chain(inp, want, emitted, tok, streams, self._step)
+
+    def _step(self, batch, tok: torch.Tensor, streams: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chained draft: the MTP block's own output streams stand in for the target's."""
+        hidden = self.model.mtp_forward(batch, streams, tok)                  # [A, d]
+        return self.model.compute_logits(hidden).argmax(dim=-1), self.model.last_mtp_streams
