@@ -1,8 +1,9 @@
-"""One side of a NIXL pull between two processes (run as a script by test_nixl.py).
+"""One side of a NIXL transfer between two processes (run as a script by test_nixl.py).
 
     producer HOST PORT_FILE       serve a filled KV layout, hold lease "req0", exit once
                                   released (prints a JSON line with the outcome)
-    consumer HOST PORT_FILE       wait for the producer's port, pull req0's pages, check
+    consumer HOST PORT_FILE OP    wait for the producer's port, load req0's pages (OP: pull =
+                                  READ them, push = have the producer WRITE them), check
                                   every byte, print a JSON line
 
 Both build the same small KV layout (so the fingerprints agree); the producer's page
@@ -52,7 +53,7 @@ def producer(host: str, port_file: str) -> None:
         for b in range(reg.num_blocks):
             pages[b] = pattern(r, b, reg.page_bytes)
     leases = LeaseTable()
-    leases.grant("req0", 60.0)
+    leases.grant("req0", 60.0, REMOTE_ROWS)
     worker = NixlWorker(KVTransferConfig(kv_role="kv_producer", engine_id="prod",
                                          kv_ip=host), lay, leases)
     host, port = worker.advertise()
@@ -62,13 +63,14 @@ def producer(host: str, port_file: str) -> None:
     os.replace(port_file + ".tmp", port_file)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not leases.take_released():
+        worker.get_finished()           # a push's write is watched here
         time.sleep(0.01)
     print(json.dumps({"released": time.monotonic() < deadline,
                       "refused": worker.server.num_refused}), flush=True)
     worker.close()
 
 
-def consumer(host: str, port_file: str) -> None:
+def consumer(host: str, port_file: str, op: str) -> None:
     import os
     from wideserve.disagg.nixl_worker import NixlWorker
     lay = layout()
@@ -78,7 +80,7 @@ def consumer(host: str, port_file: str) -> None:
     with open(port_file) as f:
         port = json.load(f)["port"]
     worker = NixlWorker(KVTransferConfig(kv_role="kv_consumer", engine_id="cons",
-                                         kv_load_timeout_s=20), lay, LeaseTable())
+                                         kv_load_timeout_s=20, kv_transfer_op=op), lay, LeaseTable())
     remote = RemoteKV(remote_engine_id="prod", remote_host=host, remote_port=port,
                       remote_request_id="req0", remote_block_ids=REMOTE_ROWS,
                       remote_num_tokens=END + 1, remote_layout=lay.fingerprint)
@@ -109,4 +111,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "producer":
         producer(sys.argv[2], sys.argv[3])
     else:
-        consumer(sys.argv[2], sys.argv[3])
+        consumer(sys.argv[2], sys.argv[3], sys.argv[4])

@@ -1,4 +1,4 @@
-"""NIXL pulls between two processes (UCX over loopback) and between two network namespaces
+"""NIXL pulls and pushes between two processes (UCX over loopback) and between two network namespaces
 with UCX_TLS=tcp; the side channel refuses peers without the shared secret."""
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def _env(dev: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _pull(tmp_path, prefix: list[str], prefix2: list[str], dev: str, dev2: str,
+def _load(tmp_path, op: str, prefix: list[str], prefix2: list[str], dev: str, dev2: str,
           host: str, **extra: str) -> tuple[dict, dict]:
     port_file = str(tmp_path / "port.json")
     prod = subprocess.Popen([*prefix, sys.executable, PEER, "producer", host, port_file],
                             env=_env(dev, **extra), stdout=subprocess.PIPE, text=True)
     try:
         # Started together: each spends most of its time importing torch.
-        cons = subprocess.run([*prefix2, sys.executable, PEER, "consumer", host, port_file],
+        cons = subprocess.run([*prefix2, sys.executable, PEER, "consumer", host, port_file, op],
                               env=_env(dev2, **extra), capture_output=True, text=True,
                               timeout=90)
         assert cons.returncode == 0, cons.stderr[-3000:]
@@ -47,8 +47,9 @@ def _pull(tmp_path, prefix: list[str], prefix2: list[str], dev: str, dev2: str,
             prod.wait()
 
 
-def test_nixl_pull_between_two_processes(tmp_path):
-    cons, prod = _pull(tmp_path, [], [], "lo", "lo", "127.0.0.1")
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_nixl_load_between_two_processes(tmp_path, op):
+    cons, prod = _load(tmp_path, op, [], [], "lo", "lo", "127.0.0.1")
     assert cons["ok"], cons
     assert cons["pages"] == 8 + 1          # window group: only the page the window reads
     assert prod == {"released": True, "refused": 0}
@@ -83,8 +84,9 @@ def namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-def test_nixl_pull_between_network_namespaces_over_tcp(tmp_path, namespaces):
-    cons, prod = _pull(tmp_path, ["ip", "netns", "exec", NS[0]], ["ip", "netns", "exec", NS[1]],
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_nixl_load_between_network_namespaces_over_tcp(tmp_path, namespaces, op):
+    cons, prod = _load(tmp_path, op, ["ip", "netns", "exec", NS[0]], ["ip", "netns", "exec", NS[1]],
                        "ws_pdv0", "ws_pdv1", "10.251.0.1", UCX_TLS="tcp")
     assert cons["ok"], cons
     assert prod["released"]

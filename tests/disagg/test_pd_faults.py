@@ -29,9 +29,10 @@ def _engines(model, p_kv=None, d_kv=None, **kw):
     return make_engines(model, load_format="dummy", block_size=16, p_kv=p_kv, d_kv=d_kv, **kw)
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_injected_transfer_failure_follows_policy(model, policy):
-    p, d, ref = _engines(model, d_kv={"kv_load_failure_policy": policy,
+@pytest.mark.parametrize("policy,op", [("recompute", "push"), ("fail", "push"),
+                                       ("recompute", "pull")])
+def test_injected_transfer_failure_follows_policy(model, policy, op):
+    p, d, ref = _engines(model, d_kv={"kv_load_failure_policy": policy, "kv_transfer_op": op,
                                       "kv_connector_extra_config": {"inject_load_failures": 2}})
     expected = run_colocated(ref, PROMPTS, MAX_NEW)
     outs = decode(d, p, PROMPTS, prefill(p, PROMPTS), MAX_NEW)
@@ -49,8 +50,9 @@ def test_injected_transfer_failure_follows_policy(model, policy):
     assert p.kv_connector.scheduler.stats.leases_expired == 0
 
 
-def test_lease_expiry_frees_prefill_blocks_and_decode_recomputes(model):
-    p, d, ref = _engines(model, p_kv={"kv_lease_s": 0.05})
+@pytest.mark.parametrize("op", ["push", "pull"])
+def test_lease_expiry_frees_prefill_blocks_and_decode_recomputes(model, op):
+    p, d, ref = _engines(model, p_kv={"kv_lease_s": 0.05}, d_kv={"kv_transfer_op": op})
     expected = run_colocated(ref, PROMPTS, MAX_NEW)
     handles = prefill(p, PROMPTS)
     assert p.kv_manager.usage > 0                   # held for the decode side
@@ -73,17 +75,44 @@ def test_lease_expired_mid_flight_fails_with_clear_error(model):
     settle(p, d)
 
 
-def test_abort_while_loading_frees_blocks(model):
-    p, d, _ = _engines(model)
+@pytest.mark.parametrize("op", ["push", "pull"])
+def test_abort_while_loading_frees_blocks(model, op):
+    p, d, _ = _engines(model, d_kv={"kv_transfer_op": op})
     handles = prefill(p, PROMPTS)
     for i, (prompt, h) in enumerate(zip(PROMPTS, handles)):
         d.add_request(EngineCoreRequest(f"a{i}", prompt, greedy(MAX_NEW, h)))
-    d.step()                                        # loads admitted (and, here, done)
+    d.step()        # loads admitted (pull: done; push: waiting for the producer's step)
     assert d.kv_connector.scheduler.stats.loads_started == len(PROMPTS)
+    assert len(getattr(d.kv_connector.worker, "waiting", {})) == \
+        (len(PROMPTS) if op == "push" else 0)
     d.abort_requests([f"a{i}" for i in range(len(PROMPTS))])
     outs = drain(d, {f"a{i}" for i in range(len(PROMPTS))})
     assert all(o["finish"] == "abort" for o in outs.values())
-    settle(p, d)
+    settle(p, d)        # the producer skips the cancelled pushes and frees the leases
+    assert p.kv_connector.scheduler.stats.leases_released == len(PROMPTS)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_push_from_a_stalled_producer_times_out_as_the_policy_says(model, policy):
+    """The producer stops stepping (hung or dead) after granting the handles: the consumer's
+    pushes time out and end as the policy says; once it steps again it skips the withdrawn
+    pushes and frees its blocks."""
+    p, d, ref = _engines(model, d_kv={"kv_load_failure_policy": policy,
+                                      "kv_load_timeout_s": 0.2})
+    expected = run_colocated(ref, PROMPTS[:2], MAX_NEW)
+    handles = prefill(p, PROMPTS[:2])
+    for i, (prompt, h) in enumerate(zip(PROMPTS[:2], handles)):
+        d.add_request(EngineCoreRequest(f"s{i}", prompt, greedy(MAX_NEW, h)))
+    outs = drain(d, {"s0", "s1"})                   # the producer is not stepped
+    for i in range(2):
+        if policy == "recompute":
+            assert outs[f"s{i}"]["tokens"] == expected[i]
+        else:
+            assert outs[f"s{i}"]["finish"] == "error" and "timed out" in outs[f"s{i}"]["error"]
+    assert d.kv_connector.scheduler.stats.loads_failed == 2
+    assert p.kv_manager.usage > 0                   # claimed: held until the push stops
+    settle(p, d, ref)
+    assert p.kv_connector.scheduler.stats.leases_released == 2
 
 
 def test_bad_handles_are_rejected_with_clear_errors(model):

@@ -68,17 +68,19 @@ def test_bundled_v4_pd_equals_colocated(tmp_path):
     settle(p, d, ref)
 
 
-def test_llama_pd_equals_colocated(tmp_path):
+@pytest.mark.parametrize("op", ["push", "pull"])
+def test_llama_pd_equals_colocated(tmp_path, op):
     p, d, ref = make_engines(_llama_dir(tmp_path), load_format="dummy", block_size=16,
-                             kv_cache_memory=1 << 24)
+                             kv_cache_memory=1 << 24, d_kv={"kv_transfer_op": op})
     prompts = _prompts(160, [2, 16, 33, 50], seed=4, prefix=20)
     assert run_pd(p, d, prompts, MAX_NEW) == run_colocated(ref, prompts, MAX_NEW)
     settle(p, d, ref)
 
 
-def test_v4_pull_moves_only_the_window_of_sliding_groups(tmp_path):
+@pytest.mark.parametrize("op", ["push", "pull"])
+def test_v4_load_moves_only_the_window_of_sliding_groups(tmp_path, op):
     p, d, ref = make_engines(_v4_dir(tmp_path, "A"), load_format="dummy", block_size=16,
-                             kv_cache_memory=1 << 24)
+                             kv_cache_memory=1 << 24, d_kv={"kv_transfer_op": op})
     (prompt,) = _prompts(256, [200], seed=5)
     assert run_pd(p, d, [prompt], 2) == run_colocated(ref, [prompt], 2)
     end = len(prompt) - 1                        # positions whose KV is pulled

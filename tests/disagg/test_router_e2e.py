@@ -126,6 +126,21 @@ def test_router_greedy_equals_colocated_streaming_and_not(cluster):
     assert _metric(metrics, "wideserve_router_remote_kv_total", used="true") == len(PROMPTS) + 1
     held = [_stats(cluster[p])["kv_transfer"]["leases_released"] for p in ("p1", "p2")]
     assert sum(held) == len(PROMPTS) + 1 and min(held) > 0        # both prefills served
+    # The engines' connector metrics on each server's /metrics (disagg/metrics.py).
+    dm = httpx.get(d.url + "/metrics").text
+    for name in ("loads_completed_total", "load_seconds_count"):
+        assert _metric(dm, "wideserve:kv_transfer_" + name) == len(PROMPTS) + 1, name
+    assert _metric(dm, "wideserve:kv_transfer_bytes_loaded_total") == kv["bytes_loaded"] > 0
+    assert _metric(dm, "wideserve:kv_transfer_loads_failed_total") == 0
+    # A producer frees after its last output: its snapshot arrives with the next heartbeat.
+    deadline = time.monotonic() + 10
+    while True:
+        pm = [httpx.get(cluster[p].url + "/metrics").text for p in ("p1", "p2")]
+        released = sum(_metric(m, "wideserve:kv_transfer_leases_released_total") for m in pm)
+        if released == len(PROMPTS) + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert released == len(PROMPTS) + 1
     for name in ("p1", "p2", "d"):
         _idle_and_intact(cluster[name])
 

@@ -2,8 +2,9 @@
 
 Spelled as vLLM spells it: `{"kv_connector": "NixlConnector", "kv_role": "kv_producer" |
 "kv_consumer" | "kv_both", ...}`. A producer (prefill instance) holds a finished request's
-blocks under a lease until a consumer (decode instance) has pulled them; a consumer loads
-the KV of requests that arrive with `kv_transfer_params` from a producer.
+blocks under a lease until a consumer (decode instance) has pulled them, or until it has
+pushed them into blocks the consumer allocated (`kv_transfer_op`, the consumer's choice); a
+consumer loads the KV of requests that arrive with `kv_transfer_params` from a producer.
 
 The shared secret that authenticates the side channel never travels in this config (it
 would show on command lines): it comes from the file named by `kv_secret_file` or from the
@@ -23,6 +24,7 @@ SECRET_ENV = "WIDESERVE_KV_SECRET"
 CONNECTORS = ("NixlConnector", "LoopbackConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("recompute", "fail")
+TRANSFER_OPS = ("push", "pull")
 
 
 @dataclass(slots=True)
@@ -38,6 +40,9 @@ class KVTransferConfig:
     kv_load_timeout_s: float = 10.0        # consumer: a load (handshake + pull) that takes longer fails
     max_new_kv_loads_per_step: int = 4     # consumer: new remote loads admitted per step (0 = no cap)
     kv_buffer_device: str = "auto"         # DRAM on CPU, VRAM on GPU (follows the KV tensors)
+    # consumer: "push" = the producer WRITEs into the blocks this side allocated (one packed
+    # write + a notification; the faster, see BENCHMARKS.md), "pull" = this side READs
+    kv_transfer_op: str = "push"
     # Test/benchmark knobs: {"inject_load_failures": n, "transfer_mode": "packed" | "per_block"}
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
@@ -53,6 +58,13 @@ class KVTransferConfig:
         if self.kv_load_failure_policy not in POLICIES:
             problems.append(f"kv_load_failure_policy must be 'recompute' or 'fail', got "
                             f"{self.kv_load_failure_policy!r}")
+        if self.kv_transfer_op not in TRANSFER_OPS:
+            problems.append(f"kv_transfer_op must be 'push' or 'pull', got "
+                            f"{self.kv_transfer_op!r}")
+        mode = self.kv_connector_extra_config.get("transfer_mode", "packed")
+        if mode not in ("packed", "per_block"):
+            problems.append(f"kv_connector_extra_config.transfer_mode must be 'packed' or "
+                            f"'per_block', got {mode!r}")
         if not 0 <= self.kv_port < 65536:
             problems.append(f"kv_port must be in [0, 65535], got {self.kv_port}")
         if self.kv_lease_s <= 0 or self.kv_load_timeout_s <= 0:

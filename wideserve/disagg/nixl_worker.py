@@ -1,16 +1,22 @@
-"""The NIXL (UCX) transport: one-sided pulls of KV pages from a prefill instance.
+"""The NIXL (UCX) transport: one-sided transfers of KV pages between engines.
 
 Setup (once per engine): a NIXL agent named by engine id registers the KV slabs (DRAM on CPU,
 VRAM on GPU) and prepares the local descriptor list, one descriptor per (slab, block).
 A producer also serves its agent metadata and region table on the authenticated side channel.
 
-Per peer (once): fetch the metadata over the side channel, check the layout fingerprint,
-`add_remote_agent`, prepare the remote descriptor list. Per load: one prepared READ over all
-the request's page descriptors (NIXL merges adjacent ones; "packed", the default) or one READ
-per descriptor ("per_block", for the benchmark), then the release/confirm call to the
-producer. Side-channel calls run on a small thread pool; every NIXL call stays on the engine
-thread. A load past `kv_load_timeout_s` is aborted (its transfer handles released) before it
-is reported failed, so its blocks are never written after they are freed.
+Pull (`kv_transfer_op: "pull"`), per peer (once): fetch the metadata over the side channel,
+check the layout fingerprint, `add_remote_agent`, prepare the remote descriptor list. Per
+load: one prepared READ over all the request's page descriptors (NIXL merges adjacent ones;
+"packed", the default) or one READ per descriptor ("per_block", for the benchmark), then the
+release/confirm call to the producer.
+
+Push (`"push"`, the default; protocol in push.py, producer half in nixl_push.py): per peer
+the consumer sends its own metadata ("hello"); per load it asks the producer to WRITE into
+the blocks it allocated and waits for the producer's notification.
+
+Side-channel calls run on a small thread pool. A load past `kv_load_timeout_s` is aborted
+(pull: its transfer handles released; push: the producer confirms its write stopped) before
+it is reported failed, so its blocks are never written after they are freed.
 """
 from __future__ import annotations
 
@@ -26,13 +32,19 @@ import numpy as np
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseTable
+from wideserve.disagg.nixl_push import PushProducer
 from wideserve.disagg.params import LoadSpec, RemoteKV
+from wideserve.disagg.push import PushRequest, new_token, pages_to_wire, parse_notification
 from wideserve.disagg.side_channel import SideChannelClient, SideChannelServer
 from wideserve.disagg.worker import KVConnectorWorker
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+# A producer that does not answer a cancel in this long is taken as gone (its own budget,
+# the consumer's remaining timeout, has then passed: it has aborted the write itself).
+CANCEL_TIMEOUT_S = 2.0
+CANCEL_RETRY_S = 0.01
 
 
 def import_nixl() -> Any:
@@ -72,6 +84,12 @@ class _InFlight:
     nbytes: int = 0
     num_transfers: int = 0
     cancelled: bool = False
+    # push: the token naming the write, the push call, the cancel call and why it failed
+    token: bytes = b""
+    accept: Future | None = None
+    cancel: Future | None = None
+    why: str = ""
+    stopped: bool = False           # the producer's notification came: its write has stopped
 
 
 class NixlWorker(KVConnectorWorker):
@@ -80,10 +98,10 @@ class NixlWorker(KVConnectorWorker):
         api = import_nixl()
         secret = config.secret()
         self.mode = str(config.kv_connector_extra_config.get("transfer_mode", "packed"))
-        if self.mode not in ("packed", "per_block"):
-            raise ValueError(f"--kv-transfer-config: transfer_mode must be 'packed' or "
-                             f"'per_block', got {self.mode!r}")
-        self.agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(backends=["UCX"]))
+        self.push = config.kv_transfer_op == "push"
+        # Strict: the producer's side-channel thread posts push WRITEs (nixl_push.py).
+        self.agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(
+            backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         cuda = any(r.tensor.is_cuda for r in layout.regions)
         self.mem = "VRAM" if cuda else "DRAM"
         self._reg = self.agent.register_memory([r.tensor for r in layout.regions])
@@ -96,13 +114,17 @@ class NixlWorker(KVConnectorWorker):
         self.waiting: dict[str, _InFlight] = {}      # for their peer's handshake
         self.inflight: dict[str, _InFlight] = {}     # transferring or confirming
         self.zombies: list[tuple[Any, str]] = []     # handles that refused to abort
+        self.by_token: dict[bytes, _InFlight] = {}   # push loads awaiting their notification
         info = AgentInfo(config.engine_id, self.agent.get_agent_metadata(), layout.fingerprint,
                          layout.region_info())
         self._info = msgspec.msgpack.encode(info)
+        self.pusher = PushProducer(self.agent, layout, leases, self.local_dlist, self.mem,
+                                   self._info, AgentInfo) if config.is_producer else None
         self.server = SideChannelServer(secret, config.kv_ip, config.kv_port, {
             "metadata": lambda _body: self._info,
             "release": self._serve_release,
-        }) if config.is_producer else None
+            **self.pusher.handlers(),
+        }) if self.pusher is not None else None
 
     # ------------------------------------------------------------------ producer
     def advertise(self) -> tuple[str, int]:
@@ -123,8 +145,9 @@ class NixlWorker(KVConnectorWorker):
             return
         if engine not in self.handshakes:
             r = load.remote
+            kind, body = ("hello", self._info) if self.push else ("metadata", b"")
             self.handshakes[engine] = self.pool.submit(
-                self.client.call, r.remote_host, r.remote_port, "metadata", b"",
+                self.client.call, r.remote_host, r.remote_port, kind, body,
                 min(HANDSHAKE_TIMEOUT_S, self.config.kv_load_timeout_s))
         self.waiting[load.request_id] = f
 
@@ -132,10 +155,13 @@ class NixlWorker(KVConnectorWorker):
         info = msgspec.msgpack.decode(body, type=AgentInfo)
         if info.fingerprint != self.layout.fingerprint:
             raise ValueError("the prefill instance's KV layout differs from this one's")
+        nb = [n for _, _, n, _ in info.regions]
+        if self.push:       # the producer writes: it needs us, not we it
+            peer = self.peers[engine] = _Peer(info.agent_name, None, region_bases(nb), nb)
+            return peer
         name = self.agent.add_remote_agent(info.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         dlist = self.agent.prep_xfer_dlist(name, descriptor_table(info.regions), self.mem)
-        nb = [n for _, _, n, _ in info.regions]
         peer = _Peer(name, dlist, region_bases(nb), nb)
         self.peers[engine] = peer
         return peer
@@ -147,10 +173,13 @@ class NixlWorker(KVConnectorWorker):
             if len(rem) and int(rem.max()) >= min(peer.num_blocks[r] for r in g.regions):
                 self._load_failed(load.request_id, "remote block ids out of range")
                 return
-        local = descriptor_indices(groups, self.layout.base, load.local_pages)
-        remote = descriptor_indices(groups, peer.base, load.remote_pages)
         f.nbytes = sum(len(p) * self.layout.regions[r].page_bytes
                        for g, p in zip(groups, load.local_pages) for r in g.regions.tolist())
+        if self.push:
+            self._ask_push(f)
+            return
+        local = descriptor_indices(groups, self.layout.base, load.local_pages)
+        remote = descriptor_indices(groups, peer.base, load.remote_pages)
         try:
             if self.mode == "packed":
                 chunks = [(local, remote)]
@@ -169,14 +198,94 @@ class NixlWorker(KVConnectorWorker):
             return
         self.inflight[load.request_id] = f
 
+    # ------------------------------------------------------------- consumer, push
+    def _ask_push(self, f: _InFlight) -> None:
+        load, r = f.load, f.load.remote
+        f.token = new_token()
+        f.num_transfers = 1 if self.mode == "packed" else \
+            sum(len(p) * len(g.regions) for g, p in zip(self.layout.groups, load.local_pages))
+        req = PushRequest(self.config.engine_id, f.token, r.remote_request_id,
+                          pages_to_wire(load.local_pages), pages_to_wire(load.remote_pages),
+                          max(0.0, f.deadline - time.monotonic()), self.mode == "per_block")
+        f.accept = self.pool.submit(self._call, r, "push", msgspec.msgpack.encode(req),
+                                    min(HANDSHAKE_TIMEOUT_S, req.budget_s + 0.1))
+        self.by_token[f.token] = f
+        self.inflight[load.request_id] = f
+
+    def _call(self, r: RemoteKV, kind: str, body: bytes, timeout_s: float,
+              delay_s: float = 0.0) -> Any:
+        if delay_s:
+            time.sleep(delay_s)
+        return msgspec.msgpack.decode(
+            self.client.call(r.remote_host, r.remote_port, kind, body, timeout_s))
+
+    def _poll_notifications(self) -> None:
+        if not self.by_token:
+            return
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                parsed = parse_notification(msg)
+                f = self.by_token.get(parsed[1]) if parsed else None
+                if f is None or f.stopped:
+                    continue
+                assert parsed is not None
+                f.stopped = True            # either way: nothing left to cancel
+                f.why = "ok" if parsed[0] else f"the prefill instance stopped the write: " \
+                    f"{parsed[2]}"
+
+    def _push_state(self, f: _InFlight, now: float) -> str | None:
+        """None while in progress, "ok", or why it failed (the write has stopped)."""
+        if f.stopped:
+            return f.why
+        if f.cancel is not None:
+            return self._cancel_state(f)
+        if f.accept is not None and f.accept.done():
+            try:
+                refused = f.accept.result()
+            except Exception as e:  # noqa: BLE001 - unknown whether it was posted: cancel
+                self._start_cancel(f, f"the push request failed: {e}")
+                return None
+            f.accept = None
+            if refused:
+                return f"the prefill instance refused the push: {refused}"
+        if f.cancelled or now > f.deadline:
+            self._start_cancel(f, "cancelled" if f.cancelled else
+                               f"timed out after {self.config.kv_load_timeout_s:g}s")
+        return None
+
+    def _start_cancel(self, f: _InFlight, why: str, delay_s: float = 0.0) -> None:
+        f.why = why
+        f.cancel = self.pool.submit(self._call, f.load.remote, "cancel",
+                                    msgspec.msgpack.encode(f.token), CANCEL_TIMEOUT_S,
+                                    delay_s)
+
+    def _cancel_state(self, f: _InFlight) -> str | None:
+        assert f.cancel is not None
+        if not f.cancel.done():
+            return None
+        try:
+            stopped = f.cancel.result()
+        except Exception:  # noqa: BLE001 - unreachable: gone, or past its own budget
+            self._drop_peer(f.load.remote.remote_engine_id)
+            return f.why
+        if stopped:
+            return f.why
+        self._start_cancel(f, f.why, CANCEL_RETRY_S)        # still writing: ask again
+        return None
+
+    # -------------------------------------------------------------------- common
     def poll(self) -> None:
         now = time.monotonic()
         self._poll_handshakes()
+        if self.pusher is not None:
+            self.pusher.poll()
+        self._poll_notifications()
         for rid, f in list(self.inflight.items()):
-            state = self._state(f, now)
+            state = self._push_state(f, now) if f.token else self._state(f, now)
             if state is None:
                 continue
             del self.inflight[rid]
+            self.by_token.pop(f.token, None)
             if state == "ok":
                 self._load_succeeded(f.load, f.nbytes, f.num_transfers)
             else:
@@ -253,7 +362,7 @@ class NixlWorker(KVConnectorWorker):
 
     def _drop_peer(self, engine: str) -> None:
         peer = self.peers.pop(engine, None)
-        if peer is not None:
+        if peer is not None and peer.dlist is not None:
             try:
                 self.agent.release_dlist_handle(peer.dlist)
                 self.agent.remove_remote_agent(peer.agent_name)
@@ -277,11 +386,14 @@ class NixlWorker(KVConnectorWorker):
             f.cancelled = True
 
     def has_pending(self) -> bool:
-        return bool(self.inflight or self.waiting or self.handshakes or self.zombies)
+        return bool(self.inflight or self.waiting or self.handshakes or self.zombies
+                    or (self.pusher is not None and self.pusher.has_pending()))
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.pusher is not None:
+            self.pusher.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for f in [*self.inflight.values()]:
             self._stop(f)

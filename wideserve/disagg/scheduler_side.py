@@ -18,12 +18,14 @@ in blocks another request already uses.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import GroupPlan, plan_pages
 from wideserve.disagg.leases import LeaseTable
+from wideserve.disagg.metrics import LOAD_BUCKETS, observe
 from wideserve.disagg.params import (ConnectorMeta, LoadSpec, RemoteKV, WorkerResult,
                                      wants_remote_decode, wants_remote_prefill)
 from wideserve.request import RequestStatus
@@ -47,6 +49,10 @@ class ConnectorStats:
     leases_released: int = 0
     leases_expired: int = 0
     max_loads_started_per_step: int = 0
+    # Completed loads' admission-to-arrival time: per-bucket counts (metrics.LOAD_BUCKETS).
+    load_seconds_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
+    load_seconds_sum: float = 0.0
 
 
 @dataclass(slots=True)
@@ -54,6 +60,7 @@ class _Load:
     request: Request
     end: int                          # num_computed_tokens once the KV has arrived
     remote: RemoteKV
+    started: float = field(default_factory=time.monotonic)
     aborted: bool = False
 
 
@@ -155,6 +162,9 @@ class ConnectorScheduler:
             self.kv.free(load.request)      # the request already ended; the pull has stopped
             return
         if error is None:
+            elapsed = time.monotonic() - load.started
+            observe(self.stats.load_seconds_buckets, elapsed)
+            self.stats.load_seconds_sum += elapsed
             self.stats.loads_done += 1
             self.stats.tokens_loaded += load.end - load.request.num_computed_tokens
             self._done.append((load.request, load.end))
@@ -180,12 +190,13 @@ class ConnectorScheduler:
             self._held[rid] = request
             # The consumer computes the last prompt token itself: only its window is needed.
             self.kv.trim_to_window(request, request.num_prompt_tokens - 1)
-            self.leases.grant(rid, self.config.kv_lease_s)
+            rows = self.kv.block_ids(rid)
+            self.leases.grant(rid, self.config.kv_lease_s, rows)
             self.stats.leases_granted += 1
             return RemoteKV(
                 remote_engine_id=self.config.engine_id, remote_host=self.host,
                 remote_port=self.port, remote_request_id=rid,
-                remote_block_ids=self.kv.block_ids(rid),
+                remote_block_ids=rows,
                 remote_num_tokens=request.num_prompt_tokens,
                 remote_layout=self.fingerprint).to_dict()
         self.kv.free(request)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from wideserve.disagg import metrics as kv_transfer_metrics
 from wideserve.entrypoints.openai.vllm_metrics import vllm_registry
 
 PREFIX = "wideserve:"
@@ -96,6 +97,7 @@ class EngineStatsCollector(Collector):
                 yield fam
         yield from self._spec_decode(stats.get("spec_decode"), labels)
         yield from self._eplb(stats.get("eplb"))
+        yield from kv_transfer_metrics.families(stats.get("kv_transfer"), self._model)
         steps = stats.get("steps") or {}
         for key, (name, doc) in STEP_COUNTERS.items():
             if key in steps:

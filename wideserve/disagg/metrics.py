@@ -1,0 +1,70 @@
+"""Prometheus families for the KV connector, from the engine's stats snapshot.
+
+The connector's counters are cumulative in the engine (scheduler_side.ConnectorStats) and
+ride on the stats snapshot like every other engine counter; the server's collector
+(entrypoints/openai/metrics.py) exports them at scrape time through `families`. The load
+time histogram is kept as per-bucket counts in the engine for the same reason.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+PREFIX = "wideserve:kv_transfer_"
+# Seconds from a load's admission to its KV having arrived (handshake included).
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0)
+
+COUNTERS = {
+    "loads_started": ("loads_started", "Remote KV loads started (decode side)."),
+    "loads_done": ("loads_completed", "Remote KV loads whose KV arrived."),
+    "loads_failed": ("loads_failed", "Remote KV loads that failed (then recomputed or "
+                                     "failed, kv_load_failure_policy)."),
+    "loads_skipped": ("loads_skipped", "Handles not loaded: the local prefix cache had it."),
+    "tokens_loaded": ("tokens_loaded", "Prompt tokens whose KV arrived instead of being "
+                                       "computed."),
+    "bytes_loaded": ("bytes_loaded", "KV bytes loaded."),
+    "pages_loaded": ("pages_loaded", "KV pages (group blocks) loaded."),
+    "transfers": ("transfers", "Transport operations posted for loads (packed: one per "
+                               "request)."),
+    "leases_granted": ("leases_granted", "Finished requests held for a decode instance "
+                                         "(prefill side)."),
+    "leases_released": ("leases_released", "Leases ended by the decode side (loaded, pushed "
+                                           "or given up)."),
+    "leases_expired": ("leases_expired", "Leases that expired before any decode side came."),
+}
+GAUGES = {
+    "loading": ("loads_in_flight", "Remote KV loads in flight (decode side)."),
+    "held": ("leases_held", "Requests whose blocks are held under a lease (prefill side)."),
+}
+
+
+def observe(buckets: list[int], seconds: float) -> None:
+    """Count one load in its (non-cumulative) bucket; the last one is +Inf."""
+    i = next((i for i, b in enumerate(LOAD_BUCKETS) if seconds <= b), len(LOAD_BUCKETS))
+    buckets[i] += 1
+
+
+def families(stats: Any, model: str) -> Iterator[Any]:
+    if not isinstance(stats, dict):
+        return
+    labels = ["model_name"]
+    for table, kind in ((COUNTERS, CounterMetricFamily), (GAUGES, GaugeMetricFamily)):
+        for key, (name, doc) in table.items():
+            if key in stats:
+                fam = kind(PREFIX + name, doc, labels=labels)
+                fam.add_metric([model], float(stats[key]))
+                yield fam
+    counts = stats.get("load_seconds_buckets")
+    if isinstance(counts, list) and len(counts) == len(LOAD_BUCKETS) + 1:
+        cumulative, total = [], 0
+        for bound, n in zip((*map(str, LOAD_BUCKETS), "+Inf"), counts):
+            total += int(n)
+            cumulative.append((bound, total))
+        fam = HistogramMetricFamily(PREFIX + "load_seconds", "Time from a remote KV load's "
+                                    "admission to its arrival (completed loads).",
+                                    labels=labels)
+        fam.add_metric([model], cumulative, float(stats.get("load_seconds_sum", 0.0)))
+        yield fam
