@@ -10,10 +10,16 @@ Two dummy models of the same width (hidden 256, 8 heads x 128, window 128, index
 One request decodes one token on top of a cache that holds `context` positions of random
 (finite) content: the caches are filled directly instead of by a prefill, which on this CPU
 would dominate the run; a decode step's cost depends on how much it reads, not on the values.
+Sliding-window caches (windows, compressor state) get a ring of RING blocks (block i of the
+request -> physical block 1 + i % RING), as the engine frees blocks behind a window, so only
+the growing caches scale with the context and 1M positions fit in memory. Both models store
+fp32 values (V4 "auto" on an fp32 model, V4.1 "raw": the same quantised values as its
+records), so neither pays a dtype conversion or record unpacking the other does not.
 Per context: 2 warm-up steps, then the median of 7 steps; V4 and V4.1 alternate at each
 context so load on the shared machine hits both alike.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v41_decode_context.py [max_context]
+        [--only v41|v4]
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ from wideserve.models.deepseek_v41_config import DeepseekV41Config
 
 OUT = Path(__file__).parent / "results" / "v41_decode_context.json"
 BLOCK = 256
+RING = 2      # blocks of a sliding-window cache (window 128 + the new token fit in 2 x 256)
+CONTEXTS = (2048, 8192, 32768, 131072, 262144, 524288, 1048576)
 COMMON = dict(vocab_size=1024, hidden_size=256, moe_intermediate_size=128,
               num_hidden_layers=12, num_attention_heads=8, head_dim=128, q_lora_rank=128,
               o_groups=2, o_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2,
@@ -82,18 +90,21 @@ class OneRequest:
             if spec not in self.groups:
                 self.groups.append(spec)
             self.cache_group[name] = self.groups.index(spec)
-            shape = (self.blocks + 1, BLOCK // spec.compress_ratio, spec.width)
+            ring = spec.kind == CacheKind.SLIDING_WINDOW
+            shape = (RING + 1 if ring else self.blocks + 1, BLOCK // spec.compress_ratio,
+                     spec.width)
             self.caches[name] = (torch.randn(shape, generator=g) * 0.5).to(spec.dtype)
         for name, owner in shared.items():
             self.caches[name] = self.caches[owner]
             self.cache_group[name] = self.cache_group[owner]
 
     def decode(self, position: int) -> float:
-        table = torch.arange(1, self.blocks + 1, dtype=torch.int64)[None]
+        blocks = torch.arange(self.blocks, dtype=torch.int64)[None]
         pos = torch.tensor([position])
         views = []
         for spec in self.groups:
-            view = KVGroupView(BLOCK, spec.compress_ratio, table)
+            ring = spec.kind == CacheKind.SLIDING_WINDOW
+            view = KVGroupView(BLOCK, spec.compress_ratio, 1 + (blocks % RING if ring else blocks))
             if spec.compress_ratio == 1:
                 view.slot_mapping = view.entry_slots(torch.zeros(1, dtype=torch.int64), pos)
             views.append(view)
@@ -111,12 +122,15 @@ class OneRequest:
 
 def main() -> None:
     torch.set_num_threads(1)
-    top = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
-    contexts = [c for c in (2048, 8192, 32768, 65536, 131072) if c <= top]
-    models = {"v4": v4_model(), "v41": v41_model()}
+    args = sys.argv[1:]
+    only = args[args.index("--only") + 1] if "--only" in args else None
+    top = int(args[0]) if args and args[0].isdigit() else 131072
+    contexts = [c for c in CONTEXTS if c <= top]
+    models = {k: build() for k, build in (("v4", v4_model), ("v41", v41_model))
+              if only in (None, k)}
     rows = []
     for ctx in contexts:
-        reqs = {k: OneRequest(m, ctx + 16, "bf16" if k == "v4" else "raw")
+        reqs = {k: OneRequest(m, ctx + 16, "auto" if k == "v4" else "raw")
                 for k, m in models.items()}
         times = {k: [] for k in models}
         for i in range(9):

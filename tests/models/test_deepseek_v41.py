@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from wideserve.config import CacheConfig
 from wideserve.core.kv_cache import allocate_kv_tensors, build_kv_cache_config
 from wideserve.core.kv_cache.spec import SharedKVSpec
+from wideserve.layers.attention import v41_attention
 
 TOL = 1e-4
 TOL_QUANT = 3e-2
@@ -36,6 +37,7 @@ TOL_QUANT = 3e-2
 CASES = {"A": ((41, 30), ([5, 7, 3, 11], [9, 2, 6])),
          "B": ((33, 26), ([3, 9], [5, 1, 4])),
          "C": ((38, 23), ([7, 5], [3]))}
+LENGTHS = {**{name: case[0] for name, case in CASES.items()}, "D": (60, 44)}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def oracle(tmp_path_factory):
             kw = h.CONFIGS[name]
             m = h.oracle_model(kw, seed=len(cache))
             path = h.save_checkpoint(m, kw, tmp_path_factory.mktemp(f"v41_{name}"))
-            seqs = [h.random_tokens(n, seed=10 + i) for i, n in enumerate(CASES[name][0])]
+            seqs = [h.random_tokens(n, seed=10 + i) for i, n in enumerate(LENGTHS[name])]
             refs = {"on": [h.oracle_logits(m, s) for s in seqs]}
             with h.kv_quant_off():
                 refs["off"] = [h.oracle_logits(m, s) for s in seqs]
@@ -85,8 +87,35 @@ def test_oneshot_prefill(oracle, name, quant):
 @pytest.mark.parametrize("quant", ["off", "on"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_chunked_prefill_then_decode(oracle, name, quant):
+    _chunked_then_decode(oracle, name, quant, CASES[name][1])
+
+
+def test_reindex_scores_only_the_candidate_blocks(oracle, monkeypatch):
+    """Config D: the candidate source keeps 6 of up to 60 visible entries; the Reindex layer
+    after it gathers and scores only those (asserted: narrower than what its queries see) and
+    its picks, and everything after them, equal the reference's masked top-k."""
+    widths = []
+    real = v41_attention._candidate_entries
+
+    def spy(cands, block_size, visible):
+        ids = real(cands, block_size, visible)
+        widths.append((ids.shape[-1], int(visible.max())))
+        return ids
+    monkeypatch.setattr(v41_attention, "_candidate_entries", spy)
+    _chunked_then_decode(oracle, "D", "off", ([13, 6], [5, 11]))
+    assert widths and all(w == 6 for w, _ in widths)
+    assert max(seen for _, seen in widths) == 60
+    # One-shot prefill: blocks of 32 queries, each gathering its own candidates' keys, here
+    # one query slot at a time (the split that bounds a long block's gathered keys).
+    monkeypatch.setattr(v41_attention, "CHUNK_ELEMENTS", 1)
+    _, _, ws, seqs, refs = oracle("D", "off")
+    with h.kv_quant_off():
+        out = _harness(ws, seqs, "raw").step([0, 1], seqs)
+    assert (out - torch.cat(refs)).abs().max().item() <= TOL
+
+
+def _chunked_then_decode(oracle, name: str, quant: str, plans) -> None:
     _, _, ws, seqs, refs = oracle(name, quant)
-    plans = CASES[name][1]
     steps = [list(p) + [1] * (len(s) - sum(p)) for p, s in zip(plans, seqs)]
     groups = [[0, 1]]
     worst = 0.0
@@ -221,3 +250,12 @@ def test_decoder_bounded_replay(oracle):
     assert (runs[False][1] - refs[0]).abs().max().item() <= TOL
     last = (runs[True][1][-1] - refs[0][-1]).abs().max().item()
     assert 0 < last < 1.0
+
+
+def test_config_rejects_candidates_across_ratios():
+    from wideserve.models.deepseek_v41_config import DeepseekV41Config
+    kw = dict(h.C, compress_ratios=[1, 1, 2, 0, 2, 2, 2, 0, 0, 0], kv_source_layer_ids=[0, 2],
+              index_source_layer_ids=[0, 2, 4], candidate_source_layer_id=0)
+    with pytest.raises(ValueError, match="index source 2 comes after the candidate source 0"):
+        DeepseekV41Config.from_dict({"text_config": kw})
+    DeepseekV41Config.from_dict({"text_config": dict(h.C)})

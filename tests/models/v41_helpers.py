@@ -46,7 +46,13 @@ C = dict(_COMMON, num_hidden_layers=7, compress_ratios=[1, 1, 1, 0, 2, 2, 2, 0, 
          candidate_source_layer_id=4, candidate_topk_blocks=2, candidate_block_size=2,
          index_topk=4, engram_layer_ids=[0], engram_num_embeddings=[300],
          dspark_target_layer_ids=[4, 5, 6])
-CONFIGS = {"A": A, "B": B, "C": C}
+# D: candidates that really restrict: a ratio-1 candidate source keeping 3 blocks of 2 (6 of
+# up to 60 visible entries), a Reindex choosing 3 of them, a Reuse after it.
+D = dict(_COMMON, num_hidden_layers=5, compress_ratios=[0, 1, 1, 1, 0, 0, 0, 0],
+         kv_source_layer_ids=[1], index_source_layer_ids=[1, 2], candidate_source_layer_id=1,
+         candidate_topk_blocks=3, candidate_block_size=2, index_topk=3, engram_layer_ids=[],
+         engram_num_embeddings=[], dspark_target_layer_ids=[2, 3, 4])
+CONFIGS = {"A": A, "B": B, "C": C, "D": D}
 
 
 def tokenizer(vocab: int = VOCAB):

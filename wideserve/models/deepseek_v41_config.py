@@ -173,6 +173,12 @@ class DeepseekV41Config:
         if c >= 0 and (self.candidate_block_size <= 0 or self.candidate_topk_blocks <= 0):
             raise ValueError(f"{where}: candidate_block_size and candidate_topk_blocks must "
                              f"be positive")
+        later = [i for i in self.index_source_layer_ids
+                 if 0 <= c < i < n and self.compress_ratio(i) != self.compress_ratio(c)]
+        if later:
+            raise ValueError(f"{where}: index source {later[0]} comes after the candidate "
+                             f"source {c} but has another compress ratio; its top-k chooses "
+                             f"among the candidate blocks' entries, so the ratios must match")
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ValueError(f"{where}: engram_num_embeddings needs one row count per "
                              f"engram_layer_ids entry")

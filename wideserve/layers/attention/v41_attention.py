@@ -28,7 +28,7 @@ from torch import nn
 
 from wideserve.layers import kv_quant
 from wideserve.layers.attention import v4_batched
-from wideserve.layers.attention.v4_batched import _chunks, _rows, _store
+from wideserve.layers.attention.v4_batched import CHUNK_ELEMENTS, _chunks, _rows, _store
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.indexer import index_topk
 from wideserve.layers.norm import RMSNorm
@@ -41,7 +41,8 @@ class CSA2State:
     """What index sources leave for the layers after them within one forward."""
 
     picks: torch.Tensor | None = None        # [T, k] entry ids (-1 none) or None = dense
-    candidates: torch.Tensor | None = None   # [T, K] bool, from the candidate source
+    # [T, n] the candidate source's kept block ids per query, ascending, -1 past them
+    candidates: torch.Tensor | None = None
 
 
 class SinkParam(nn.Module):
@@ -101,18 +102,62 @@ class CSA2Indexer(nn.Module):
 
 def _candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
                       block_size: int) -> torch.Tensor:
-    """scores [C, Q, K] (-inf where not visible), visible [C, Q] -> candidates [C, Q, K]:
-    the entries of the top `topk_blocks` blocks by max score, the newest visible block kept."""
+    """scores [C, Q, K] (-inf where not visible), visible [C, Q] -> [C, Q, n] ids of the top
+    `topk_blocks` blocks by max score, the newest visible block kept, ascending, -1 past the
+    kept ones (n = min(topk_blocks, blocks)). A block's max is one amax over a view."""
     K = scores.shape[-1]
-    blocks = F.pad(scores, (0, -K % block_size), value=float("-inf"))
-    blocks = blocks.unflatten(-1, (-1, block_size)).amax(dim=-1)              # [C, Q, nb]
+    if K % block_size:
+        scores = F.pad(scores, (0, -K % block_size), value=float("-inf"))
+    blocks = scores.unflatten(-1, (-1, block_size)).amax(dim=-1)              # [C, Q, nb]
+    nb = blocks.shape[-1]
     newest = (visible - 1).div(block_size, rounding_mode="floor")
-    ids = torch.arange(blocks.shape[-1], device=scores.device)
+    ids = torch.arange(nb, device=scores.device)
     blocks = blocks.masked_fill(ids == newest[..., None], float("inf"))
-    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, top.indices,
-                                                              top.values > float("-inf"))
-    return keep.repeat_interleave(block_size, dim=-1)[..., :K] & (scores > float("-inf"))
+    top = blocks.topk(min(topk_blocks, nb), dim=-1)
+    kept = torch.where(top.values > float("-inf"), top.indices, nb).sort(dim=-1).values
+    return kept.masked_fill(kept == nb, -1)
+
+
+def _candidate_entries(cands: torch.Tensor, block_size: int,
+                       visible: torch.Tensor) -> torch.Tensor:
+    """Candidate block ids [C, Q, n] -> their visible entry ids [C, Q, n * block_size],
+    ascending, -1 elsewhere (a kept block's ids are a prefix: blocks ascend, -1 last)."""
+    ids = cands[..., None] * block_size + torch.arange(block_size, device=cands.device)
+    ids = ids.flatten(-2)
+    return torch.where((ids >= 0) & (ids < visible[..., None]), ids, -1)
+
+
+def _candidate_mask(cands: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """Candidate block ids [C, Q, n] -> [C, Q, width] bool over entries 0..width-1."""
+    nb = -(-width // block_size)
+    keep = torch.zeros(*cands.shape[:-1], nb + 1, dtype=torch.bool, device=cands.device)
+    keep.scatter_(-1, torch.where(cands >= 0, cands, nb), True)
+    return keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """sum_h relu(q_h . k) * w_h: q [C, Q, H, D], weights [C, Q, H], keys [C, K, D] (one set
+    per block) or [C, Q, K, D] (one per query) -> [C, Q, K]."""
+    spec = "cqhd,ckd->cqhk" if keys.dim() == 3 else "cqhd,cqkd->cqhk"
+    return (torch.einsum(spec, q, keys).relu() * weights[..., None]).sum(dim=2)
+
+
+def _candidate_scores(step: V4Step, keys_name: str, ratio: int, block_req: torch.Tensor,
+                      q: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Scores [C, Q, n] of each query's own candidate entries ids [C, Q, n] (-1: -inf). Each
+    query gathers its own keys, so a long-query block is scored a few query slots at a time
+    to keep the gathered keys within CHUNK_ELEMENTS."""
+    C, Q, n = ids.shape
+    H, D = q.shape[2], q.shape[3]
+    chosen = ids >= 0
+    per = max(1, CHUNK_ELEMENTS // max(1, C * n * (D + 3 * H)))
+    parts = []
+    for u in range(0, Q, per):
+        keys = step.gather_picked(keys_name, ratio, block_req, ids[:, u:u + per],
+                                  chosen[:, u:u + per])                       # [C, q, n, D]
+        parts.append(_index_scores(q[:, u:u + per], weights[:, u:u + per], keys))
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return scores.masked_fill(~chosen, float("-inf"))
 
 
 def csa2_select(indexer: CSA2Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
@@ -120,7 +165,13 @@ def csa2_select(indexer: CSA2Indexer, x: torch.Tensor, q_res: torch.Tensor, step
                 candidate_source: bool, use_candidates: bool, topk_blocks: int,
                 block_size: int) -> None:
     """Top-k entry ids per query into state.picks (None: every visible entry, dense), and the
-    candidate mask into state.candidates at the candidate source."""
+    candidate blocks into state.candidates at the candidate source.
+
+    An index source after the candidate source scores only the entries of its queries'
+    candidate blocks (at most topk_blocks * block_size, gathered per query) when they are
+    fewer than the visible entries: the same picks as scoring every entry and masking the
+    others (candidates ascend, so ties still go to the lowest entry id), but work bounded by
+    the candidate budget instead of the context."""
     T = x.shape[0]
     K = step.entry_width(ratio)
     dense = indexer.topk >= K and not use_candidates
@@ -133,26 +184,37 @@ def csa2_select(indexer: CSA2Indexer, x: torch.Tensor, q_res: torch.Tensor, step
     weights = indexer.weights_proj(x).float() * (D ** -0.5 * H ** -0.5)       # [T, H]
     k = min(indexer.topk, K)
     picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
-    cands = (torch.zeros(T + 1, K, dtype=torch.bool, device=x.device)
-             if candidate_source else None)
+    cands = (torch.full((T + 1, min(topk_blocks, -(-K // block_size))), -1,
+                        dtype=torch.int64, device=x.device) if candidate_source else None)
+    width = state.candidates.shape[1] * block_size if use_candidates else K
+    restricted = width < K
     for blocks in step.query_groups():
         Q = blocks.block_q
         ent = step.block_entries(blocks, ratio)
-        for a, b in _chunks(blocks.num_blocks, K * (D + 3 * Q * H)):
-            C = b - a
-            keys = step.gather_block_entries(keys_name, blocks, ratio, a, b)   # [C, K, D]
-            scores = torch.einsum("cqhd,ckd->cqhk", _rows(q, blocks, a, b), keys)
-            scores = (scores.relu() * _rows(weights, blocks, a, b)[..., None]).sum(dim=2)
-            scores = scores + ent.bias[a:b]                                   # [C, Q, K]
-            if candidate_source:
-                _store(cands, blocks, a, b, _candidate_blocks(
-                    scores, ent.visible[a:b], topk_blocks, block_size))
-            elif use_candidates:
-                scores = scores.masked_fill(~_rows(state.candidates, blocks, a, b),
-                                            float("-inf"))
-            idx = index_topk(scores, k)                                       # [C, Q, k]
+        per_block = Q * width * (D + 3 * H) if restricted else K * (D + 3 * Q * H)
+        for a, b in _chunks(blocks.num_blocks, per_block):
+            qb, wb = _rows(q, blocks, a, b), _rows(weights, blocks, a, b)
+            ids = None
+            if restricted:
+                ids = _candidate_entries(_rows(state.candidates, blocks, a, b), block_size,
+                                         ent.visible[a:b])                    # [C, Q, n*bs]
+                scores = _candidate_scores(step, keys_name, ratio, blocks.block_req[a:b],
+                                           qb, wb, ids)
+            else:
+                keys = step.gather_block_entries(keys_name, blocks, ratio, a, b)   # [C, K, D]
+                scores = _index_scores(qb, wb, keys) + ent.bias[a:b]          # [C, Q, K]
+                if candidate_source:
+                    _store(cands, blocks, a, b, _candidate_blocks(
+                        scores, ent.visible[a:b], topk_blocks, block_size))
+                elif use_candidates:
+                    mask = _candidate_mask(_rows(state.candidates, blocks, a, b), block_size, K)
+                    scores = scores.masked_fill(~mask, float("-inf"))
+            idx = index_topk(scores, min(k, scores.shape[-1]))                # [C, Q, <= k]
             ok = scores.gather(-1, idx) > float("-inf")
-            _store(picks, blocks, a, b, torch.where(ok, idx, -1))
+            if ids is not None:
+                idx = ids.gather(-1, idx)
+            got = torch.where(ok, idx, -1)
+            _store(picks, blocks, a, b, F.pad(got, (0, k - got.shape[-1]), value=-1))
     if candidate_source:
         state.candidates = cands[:T]
     state.picks = None if dense else picks[:T]
