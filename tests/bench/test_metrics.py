@@ -108,3 +108,18 @@ def test_absent_server_counters_are_none():
     d = server_metric_deltas({}, {"prefix_cache_queries": 10.0})
     assert d["prefix_cache_hit_rate"] is None          # hits absent: no guess
     assert d["spec_decode"] is None
+
+
+def test_mean_engine_step_from_the_step_histogram():
+    text = """wideserve:engine_step_seconds_bucket{model_name="m",le="0.01"} 3.0
+wideserve:engine_step_seconds_sum{model_name="m"} 0.9
+wideserve:engine_step_seconds_count{model_name="m"} 30.0
+wideserve:time_to_first_token_seconds_sum{model_name="m"} 5.0
+"""
+    after = parse_metrics(text)
+    assert "time_to_first_token_seconds_sum" not in after     # only the kept histogram
+    assert "engine_step_seconds_bucket" not in after
+    d = server_metric_deltas({"engine_step_seconds_sum": 0.3,
+                              "engine_step_seconds_count": 10.0}, after)
+    assert d["engine_steps"] == 20.0 and d["mean_step_s"] == pytest.approx(0.6 / 20)
+    assert server_metric_deltas({}, {})["mean_step_s"] is None

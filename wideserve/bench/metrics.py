@@ -150,7 +150,8 @@ def _error_summary(failed: Sequence[RequestRecord]) -> dict[str, int]:
 
 
 def server_metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """Prefix-cache hit rate and speculative-decoding acceptance over the profiling window, from
+    """Prefix-cache hit rate, speculative-decoding acceptance and the mean engine step (wideserve's
+    step histogram) over the profiling window, from
     two /metrics scrapes (see prometheus.scrape). Absent counters give None, never a guess."""
     def delta(*names: str) -> float | None:
         for n in names:
@@ -167,7 +168,12 @@ def server_metric_deltas(before: dict[str, float], after: dict[str, float]) -> d
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
         "spec_decode": None,
+        "engine_steps": None, "mean_step_s": None,
     }
+    steps = delta("engine_step_seconds_count")
+    step_s = delta("engine_step_seconds_sum")
+    if steps and step_s is not None:
+        out["engine_steps"], out["mean_step_s"] = steps, step_s / steps
     if accepted is not None and (draft_tokens or drafts):
         out["spec_decode"] = {
             "num_drafts": drafts, "num_draft_tokens": draft_tokens,

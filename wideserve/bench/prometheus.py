@@ -8,6 +8,8 @@ histogram parts (`_bucket`, `_sum`, `_count`) are skipped. Counters read by the 
     prefix_cache_queries, prefix_cache_hits                     (tokens)
     spec_decode_num_drafts, spec_decode_num_draft_tokens,
     spec_decode_num_accepted_tokens                             (vLLM's names)
+    engine_step_seconds_sum, engine_step_seconds_count          (wideserve's step histogram:
+                                                                 the mean step over a window)
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _NAMESPACES = ("wideserve:", "vllm:", "sglang:", "wideserve_", "vllm_", "sglang_")
 _SKIP_SUFFIXES = ("_created", "_bucket", "_sum", "_count")
+# Histograms whose _sum and _count are kept (a mean over a window is their delta ratio).
+_KEPT_HISTOGRAMS = ("engine_step_seconds",)
 
 
 def normalise(name: str) -> str:
@@ -36,7 +40,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         if m is None:
             continue
         name = m.group(1)
-        if name.endswith(_SKIP_SUFFIXES):
+        if name.endswith(_SKIP_SUFFIXES) and not _kept(name):
             continue
         try:
             value = float(m.group(3))
@@ -45,6 +49,11 @@ def parse_metrics(text: str) -> dict[str, float]:
         key = normalise(name)
         out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _kept(name: str) -> bool:
+    base = normalise(name).rsplit("_", 1)[0]
+    return base in _KEPT_HISTOGRAMS and name.endswith(("_sum", "_count"))
 
 
 async def scrape(client: Any, base_url: str) -> dict[str, float] | None:
