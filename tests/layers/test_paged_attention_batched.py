@@ -150,3 +150,12 @@ def test_rejects_bad_shapes():
     q, k = torch.randn(3, 4, 8), torch.randn(3, 1, 8)
     with pytest.raises(ValueError, match="cache width"):
         h.run([0], [[0] * 3], lambda b: paged_attention_batched(q, k, k, b, NAME, 1.0))
+
+
+@pytest.mark.parametrize("max_rows", [0, 1 << 30])
+@pytest.mark.parametrize("schedule", ["mixed", "decode", "long-chunks"])
+def test_sdpa_and_matmul_paths_each_match_reference(schedule, max_rows, monkeypatch):
+    """Every bucket through SDPA (max_rows 0), or every bucket through the two GEMMs."""
+    monkeypatch.setattr(pab, "MATMUL_MAX_ROWS", max_rows)
+    run_both(SCHEDULES[schedule], 6, 2, 8, None)
+    run_both(SCHEDULES[schedule], 4, 1, 8, 3, cache_dtype=torch.bfloat16)

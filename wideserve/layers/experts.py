@@ -13,8 +13,12 @@ weighted and summed back per token. Three implementations of the grouped SwiGLU 
 per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "Routed experts"):
 - "grouped_mm": torch._grouped_mm with per-expert row offsets: no host sync, graph-capturable.
 - "padded": one bmm over experts padded to the largest segment (one host read of its size).
+- "packed": one matmul pair per non-empty expert through weights prepacked for oneDNN
+  (layers/linear.py), the default on the CPU where packing runs for the dtype (bf16): the
+  plain kernels re-lay every expert's weight out on each call. Its host read of the counts
+  costs nothing on the CPU; it holds a second, packed copy of the expert weights.
 - "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
-  reference the other two are tested against.
+  reference the others are tested against.
 With expert parallelism, `ep` (default None) is the dispatcher that moves rows to the ranks
 owning their experts and calls `grouped_mlp` there.
 """
@@ -27,12 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.distributed.eplb.replicas import map_to_physical
+from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
 
-EXPERT_IMPLS = ("grouped_mm", "padded", "loop")
-# Device type -> the implementation measured fastest there (a fallback applies where the
-# build cannot run torch._grouped_mm for the dtype, e.g. fp32 on CUDA).
-DEFAULT_EXPERT_IMPL = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
+EXPERT_IMPLS = ("grouped_mm", "padded", "packed", "loop")
+# Device type -> the implementation measured fastest there (fallbacks apply where the build
+# cannot pack the dtype (packed -> grouped_mm) or run torch._grouped_mm for it (-> padded)).
+DEFAULT_EXPERT_IMPL = {"cpu": "packed", "cuda": "grouped_mm"}
 FALLBACK_EXPERT_IMPL = "padded"
+# The CPU default packs only experts at least this large (hidden x intermediate elements):
+# below it the per-expert Python loop costs more than the re-layout it saves (measured on the
+# 11M model's 256 x 256 experts; the 653M model's 1024 x 384 ones gain, BENCHMARKS.md).
+PACKED_MIN_ELEMENTS = 1 << 18
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -79,6 +88,7 @@ class RoutedExperts(nn.Module):
         self.impl = impl                 # None: DEFAULT_EXPERT_IMPL for the device
         self.ep: Any = None              # expert-parallel dispatcher (wideserve/distributed)
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
+        self._packs: _ExpertPacks | None = None     # "packed": derived copies of the weights
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -116,11 +126,19 @@ class RoutedExperts(nn.Module):
         ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
+    def weights_changed(self) -> None:
+        """Call after writing the expert weights through `.data` (which the version counter
+        misses): the packed copies are rebuilt on the next forward."""
+        self._packs = None
+
     def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
         key = (device.type, dtype)
         if key not in self._resolved:
             impl = self.impl or DEFAULT_EXPERT_IMPL.get(device.type, FALLBACK_EXPERT_IMPL)
             hidden, intermediate = self.down_proj.shape[1], self.down_proj.shape[2]
+            small = self.impl is None and hidden * intermediate < PACKED_MIN_ELEMENTS
+            if impl == "packed" and (small or not (device.type == "cpu" and packing_runs(dtype))):
+                impl = "grouped_mm"
             if impl == "grouped_mm" and not _grouped_mm_runs(device, dtype, hidden,
                                                              intermediate):
                 impl = FALLBACK_EXPERT_IMPL
@@ -137,7 +155,23 @@ class RoutedExperts(nn.Module):
             return grouped_mm_mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "padded":
             return padded_mlp(xs, counts, w1, w2, self.swiglu_limit)
+        if impl == "packed":
+            if self._packs is None or not self._packs.current(w1, w2):
+                self._packs = _ExpertPacks(w1, w2)
+            return packed_mlp(xs, counts, self._packs, self.swiglu_limit)
         return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
+
+
+class _ExpertPacks:
+    """Per-expert packed copies of gate_up_proj and down_proj (layers/linear.py)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        self.key = weights_fingerprint((w1, w2))
+        self.w1 = [prepack(w) for w in w1.detach()]
+        self.w2 = [prepack(w) for w in w2.detach()]
+
+    def current(self, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+        return self.key == weights_fingerprint((w1, w2))
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -156,6 +190,20 @@ def loop_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch
             out[start:start + n] = F.linear(swiglu(gate, up, limit), w2[e])
             start += n
     return out
+
+
+def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: _ExpertPacks,
+               limit: float | None) -> torch.Tensor:
+    """loop_mlp through the packed weights; the activation runs once over all rows."""
+    segments = [(e, n) for e, n in enumerate(counts.tolist()) if n]
+    bounds = [0]
+    for _, n in segments:
+        bounds.append(bounds[-1] + n)
+    h = torch.cat([packed_linear(xs[bounds[i]:bounds[i + 1]], packs.w1[e])
+                   for i, (e, _) in enumerate(segments)])
+    a = swiglu(*h.chunk(2, dim=-1), limit)
+    return torch.cat([packed_linear(a[bounds[i]:bounds[i + 1]], packs.w2[e])
+                      for i, (e, _) in enumerate(segments)])
 
 
 def grouped_mm_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,

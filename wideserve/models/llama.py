@@ -24,6 +24,7 @@ from wideserve.layers.attention.registry import (
     get_paged_attention_backend,
     resolve_paged_attention_backend,
 )
+from wideserve.layers.linear import WeightPack
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary, parse_rope_config
 
@@ -152,19 +153,26 @@ class Attention(nn.Module):
         self.window = cfg.window_of(layer_idx)
         self.cache_name = kv_cache_name(layer_idx)
         self.backend = backend                  # a layers/attention/registry.py paged backend name
+        # q/k/v as one GEMM and o packed (layers/linear.py); the parameters stay HF's.
+        self._qkv, self._o = WeightPack(), WeightPack()
+        self._split = (self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = self._qkv.linear(x, tuple(m.weight for m in p), tuple(m.bias for m in p))
+        q, k, v = torch.split(qkv, self._split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)                     # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attend = get_paged_attention_backend(self.backend)
         o = attend(q, k, v, batch, self.cache_name, self.scale, self.window, plans)
-        return self.o_proj(o.reshape(t, -1))                              # [T, d]
+        return self._o.linear(o.reshape(t, -1), (self.o_proj.weight,),
+                              (self.o_proj.bias,))                         # [T, d]
 
 
 class DenseMLP(nn.Module):
@@ -174,9 +182,13 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
+        self._gate_up, self._down = WeightPack(), WeightPack()   # layers/linear.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj, self.up_proj
+        gate, up = self._gate_up.linear(x, (g.weight, u.weight), (g.bias, u.bias)).chunk(2, -1)
+        return self._down.linear(self.act(gate) * up, (self.down_proj.weight,),
+                                 (self.down_proj.bias,))
 
 
 class DecoderLayer(nn.Module):
@@ -234,6 +246,7 @@ class DecoderForCausalLM(nn.Module):
                                   resolve_paged_attention_backend(attention_backend))
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self._head = WeightPack()
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config
@@ -278,7 +291,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()                 # [N, V]
+        return self._head.linear(hidden, (weight,)).float()     # [N, V]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

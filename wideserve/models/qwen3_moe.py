@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.layers.experts import RoutedExperts
+from wideserve.layers.linear import WeightPack
 from wideserve.models.llama import (
     DecoderForCausalLM,
     DenseMLP,
@@ -72,10 +73,12 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k = top_k
         self.renormalize = renormalize
+        self._pack = WeightPack()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (topk_ids [T, k] int64, topk_weights [T, k] in x.dtype)."""
-        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)   # [T, E]
+        logits = self._pack.linear(x, (self.weight,))                              # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -224,6 +224,8 @@ class ExpertBalancer:
                                                    spare, self.ep.group)
             for w, s in zip(expert_weights(self.layers[i]), spare):
                 w.data.copy_(s)
+            if hasattr(self.layers[i], "weights_changed"):
+                self.layers[i].weights_changed()     # packed copies (layers/experts.py)
         self.placement[layers] = self._next[layers]
         self.table.update(layers, self.placement)
         self.recorder.forget_layers(layers)

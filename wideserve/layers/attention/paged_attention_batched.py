@@ -25,6 +25,14 @@ Grouped-query heads are folded into the query axis ([n, Hkv, Q*G, D], query head
 h // G), so SDPA sees plain multi-head attention: no repeat_interleave copies of K/V, and GPU
 fused kernels that take a mask apply.
 
+Two ways to attend a bucket, picked by its shape (docs/cpu_kernels.md):
+- SDPA (prefill-shaped buckets): the fused kernel over [n, Hkv, Q*G, D] queries;
+- two batched GEMMs (decode-shaped buckets, Q*G <= MATMUL_MAX_ROWS query rows per KV head):
+  scores = q @ k^T in the model dtype, softmax in fp32 over the scores plus an additive mask,
+  then p @ v, as transformers' eager attention does. On the CPU the fused SDPA kernel spends
+  most of its time on per-(segment, head) setup when each has only a handful of query rows
+  (measured 2-3x slower than the GEMMs here, BENCHMARKS.md "CPU kernels").
+
 Index tensors and masks depend only on the step's batch, the cache group, the window and the
 head count, so `PagedAttentionPlans` builds each plan once per step for all layers.
 """
@@ -41,6 +49,7 @@ from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
+MATMUL_MAX_ROWS = 16              # folded query rows (Q*G) up to which a bucket uses two GEMMs
 
 
 @dataclass(slots=True)
@@ -56,6 +65,7 @@ class _Bucket:
     keep: torch.Tensor | None         # [V] which of the n*Q padded queries are real; None: all
     out_rows: torch.Tensor            # [V] token rows of the real ones
     folded: dict[int, torch.Tensor] = field(default_factory=dict)   # G -> [n, 1, Q*G, L]
+    bias: dict[int, torch.Tensor | None] = field(default_factory=dict)  # G -> additive fp32
 
     def folded_mask(self, groups: int) -> torch.Tensor | None:
         """The mask for queries folded as row q*G + g (see module docstring)."""
@@ -66,6 +76,15 @@ class _Bucket:
             self.folded[groups] = self.mask[:, :, :, None, :].expand(
                 n, 1, q, groups, l).reshape(n, 1, q * groups, l)
         return self.folded[groups]
+
+    def folded_bias(self, groups: int) -> torch.Tensor | None:
+        """folded_mask as an additive fp32 mask (0 visible, -inf hidden)."""
+        if groups not in self.bias:
+            mask = self.folded_mask(groups)
+            self.bias[groups] = None if mask is None else torch.zeros(
+                mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+                    ~mask, float("-inf"))
+        return self.bias[groups]
 
 
 @dataclass(slots=True)
@@ -206,6 +225,8 @@ def _attend_bucket(b: _Bucket, flat: torch.Tensor, q: torch.Tensor, num_kv_heads
     """Outputs [n*Q, H, D] of the bucket's padded queries."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     g = num_heads // num_kv_heads
+    if b.q * g <= MATMUL_MAX_ROWS:
+        return _attend_bucket_matmul(b, flat, q, num_kv_heads, scale)
     entries = flat.index_select(0, b.slots).to(q.dtype).view(b.n, b.l, 2, num_kv_heads, head_dim)
     keys = entries[:, :, 0].transpose(1, 2)                                   # [n, Hkv, L, D]
     values = entries[:, :, 1].transpose(1, 2)                                 # [n, Hkv, L, D]
@@ -215,6 +236,27 @@ def _attend_bucket(b: _Bucket, flat: torch.Tensor, q: torch.Tensor, num_kv_heads
                                        scale=scale)                          # [n, Hkv, Q*G, D]
     o = o.view(b.n, num_kv_heads, b.q, g, head_dim).transpose(1, 2)           # [n, Q, Hkv, G, D]
     return o.reshape(b.n * b.q, num_heads, head_dim)
+
+
+def _attend_bucket_matmul(b: _Bucket, flat: torch.Tensor, q: torch.Tensor, num_kv_heads: int,
+                          scale: float) -> torch.Tensor:
+    """_attend_bucket as two batched GEMMs over [n*Hkv] (Q*G x L) score blocks."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    g, n, rows = num_heads // num_kv_heads, b.n, b.q * num_heads // num_kv_heads
+    entries = flat.index_select(0, b.slots).to(q.dtype).view(n, b.l, 2, num_kv_heads, head_dim)
+    # [n*Hkv, L, D] keys and values (one copy each when Hkv > 1: the cache is position-major)
+    keys = entries[:, :, 0].transpose(1, 2).reshape(n * num_kv_heads, b.l, head_dim)
+    values = entries[:, :, 1].transpose(1, 2).reshape(n * num_kv_heads, b.l, head_dim)
+    queries = q.index_select(0, b.q_rows).view(n, b.q, num_kv_heads, g, head_dim)
+    queries = queries.transpose(1, 2).reshape(n * num_kv_heads, rows, head_dim)
+    scores = torch.bmm(queries, keys.transpose(1, 2)).view(n, num_kv_heads, rows, b.l)
+    scores = scores.float().mul_(scale)
+    bias = b.folded_bias(g)                                                  # [n, 1, rows, L]
+    if bias is not None:
+        scores.add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n * num_kv_heads, rows, b.l)
+    o = torch.bmm(probs, values).view(n, num_kv_heads, b.q, g, head_dim).transpose(1, 2)
+    return o.reshape(n * b.q, num_heads, head_dim)
 
 
 def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
