@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from wideserve.layers.attention.v4_blocks import QueryBlocks
+from wideserve.layers.attention.v4_blocks import Part, QueryBlocks, take
 from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
 from wideserve.layers.indexer import Indexer, index_topk
 from wideserve.layers.rope import rotate
@@ -37,18 +37,30 @@ def _chunks(num_blocks: int, per_block: int) -> list[tuple[int, int]]:
 
 def _rows(x: torch.Tensor, blocks: QueryBlocks, a: int, b: int) -> torch.Tensor:
     """x [T, ...] -> the rows of blocks a..b-1's query slots [b-a, Q, ...]."""
-    if blocks.identity:
-        return x[a:b, None]
-    idx = blocks.q_rows[a:b]
-    return x.index_select(0, idx.flatten()).view(*idx.shape, *x.shape[1:])
+    return _part_rows(x, blocks, slice(a, b))
 
 
 def _store(out: torch.Tensor, blocks: QueryBlocks, a: int, b: int, rows: torch.Tensor) -> None:
     """rows [b-a, Q, ...] -> out's token rows (padding slots land on the scratch row T)."""
+    _part_store(out, blocks, slice(a, b), rows)
+
+
+def _part_rows(x: torch.Tensor, blocks: QueryBlocks, sel: Part | slice) -> torch.Tensor:
+    """x [T, ...] -> the rows of the selected blocks' query slots [P, Q, ...]."""
     if blocks.identity:
-        out[a:b] = rows[:, 0]
+        return take(x, sel)[:, None]
+    idx = take(blocks.q_rows, sel)
+    return x.index_select(0, idx.flatten()).view(*idx.shape, *x.shape[1:])
+
+
+def _part_store(out: torch.Tensor, blocks: QueryBlocks, sel: Part | slice,
+                rows: torch.Tensor) -> None:
+    """rows [P, Q, ...] -> out's token rows (padding slots land on the scratch row T)."""
+    sel = sel.sel if isinstance(sel, Part) else sel
+    if blocks.identity and isinstance(sel, slice):
+        out[sel] = rows[:, 0]
     else:
-        out.index_copy_(0, blocks.out_rows[a:b].flatten(), rows.flatten(0, 1))
+        out.index_copy_(0, take(blocks.out_rows, sel).flatten(), rows.flatten(0, 1))
 
 
 def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
@@ -56,30 +68,35 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     """Top-k entry ids per query [T, index_topk] (-1 = nothing picked; ties: lowest id), or
     None when index_topk covers every visible entry of every query (attention goes dense).
 
-    Padding entries (ids a query cannot see) score -inf like future ones, so each row is the
-    reference's per-request top-k: visible scores are finite and sort first, ties by id.
-    """
+    Blocks are scored in buckets of similar entry counts (V4Step.entry_parts, at least
+    index_topk wide); padding entries (ids a query cannot see) score -inf like future ones, so
+    each row is the reference's per-request top-k: visible scores are finite and sort first,
+    ties by id. Blocks without entries pick nothing."""
     T = x.shape[0]
     K = step.entry_width(indexer.ratio)
     if T == 0 or indexer.topk >= K:
         return None
-    H, D = indexer.n_heads, indexer.head_dim
+    H, D, k = indexer.n_heads, indexer.head_dim, indexer.topk
     q = rotate(indexer.q_b_proj(q_res).view(T, H, D), cis).float()  # [T, H_I, D_I]
     weights = indexer.scorer.weights_proj(x).float() * H ** -0.5              # [T, H_I]
-    picks = torch.empty(T + 1, indexer.topk, dtype=torch.int64, device=x.device)
+    picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
     for blocks in step.query_groups():
         Q = blocks.block_q
-        ent = step.block_entries(blocks, indexer.ratio)
-        for a, b in _chunks(blocks.num_blocks, K * (D + 3 * Q * H)):
-            C = b - a
-            keys = step.gather_block_entries(keys_name, blocks, indexer.ratio, a, b)
-            scores = torch.bmm(_rows(q, blocks, a, b).flatten(1, 2), keys.transpose(1, 2))
-            scores = torch.relu(scores) * D ** -0.5                           # [C, Q*H_I, K]
-            # Weighted sum over heads as one batched matmul: [C*Q, 1, H_I] @ [C*Q, H_I, K].
-            w = _rows(weights, blocks, a, b).reshape(C * Q, 1, H)
-            scores = torch.bmm(w, scores.view(C * Q, H, K)).view(C, Q, K) + ent.bias[a:b]
-            idx = index_topk(scores, indexer.topk)                            # [C, Q, k]
-            _store(picks, blocks, a, b, torch.where(idx >= ent.visible[a:b, :, None], -1, idx))
+        for part in step.entry_parts(blocks, indexer.ratio, k, 0, D + 3 * Q * H,
+                                     CHUNK_ELEMENTS):
+            if not part.width:
+                continue                                # no entries yet: nothing to pick
+            P = part.num_blocks
+            keys = step.gather_part_entries(keys_name, blocks, part, indexer.ratio)
+            scores = torch.bmm(_part_rows(q, blocks, part).flatten(1, 2), keys.transpose(1, 2))
+            scores = torch.relu(scores) * D ** -0.5                           # [P, Q*H_I, N]
+            # Weighted sum over heads as one batched matmul: [P*Q, 1, H_I] @ [P*Q, H_I, N].
+            w = _part_rows(weights, blocks, part).reshape(P * Q, 1, H)
+            scores = torch.bmm(w, scores.view(P * Q, H, part.width)).view(P, Q, part.width)
+            scores = scores + step.part_entry_bias(blocks, part, indexer.ratio)
+            idx = index_topk(scores, k)                                       # [P, Q, k]
+            visible = part.take(step.block_visible(blocks, indexer.ratio))
+            _part_store(picks, blocks, part, torch.where(idx >= visible[..., None], -1, idx))
     return picks[:T]
 
 
@@ -106,49 +123,51 @@ def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4S
     return out[:T]
 
 
+ENTRY_FLOOR = 16    # narrowest entry bucket of dense attention (a few wasted columns at most)
+
+
 def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                   step: V4Step, blocks: QueryBlocks, picks: torch.Tensor | None,
                   out: torch.Tensor) -> None:
     """Attention of one block group's queries, written into out's rows. src: the window
     sources, or (plain decode) the window keys themselves [B, Lk + 1, D].
 
-    Keys of a block: [window (Lk) | sink slot (a zero row) | entries (K)]; with per-query
-    top-k entries and Q > 1 the entries are scored separately (they differ per query)."""
+    Keys of a block: [window (Lk) | sink slot (a zero row) | entries]. Dense (HCA, or CSA
+    when index_topk covers every entry): the entries 0..width-1 of its bucket (a part).
+    Sparse: each query's own top-k entries; with Q > 1 they are scored separately (they
+    differ per query)."""
     H, D = q.shape[1], q.shape[2]
     Q = blocks.block_q
     win = step.window_keys(blocks, attn.window)
     Lk = win.rows.shape[1] - 1
     comp_name = attn.prefix + "compressed"
     dense = bool(attn.ratio) and picks is None
-    if picks is not None:
-        K = int(picks.shape[1])
-        bias = step.padded_bias(blocks, attn.window, K)                      # [B, Q, 1, N]
-    elif dense:
-        K = step.entry_width(attn.ratio)
-        bias = step.dense_bias(blocks, attn.window, attn.ratio)
-    else:
-        K, bias = 0, win.bias
-    for a, b in _chunks(blocks.num_blocks, (Lk + K) * (D + 3 * Q * H) + Q * K * D):
-        C = b - a
-        qb = _rows(q, blocks, a, b).flatten(1, 2)                             # [C, Q*H, D]
+    k = 0 if picks is None else int(picks.shape[1])
+    ratio = attn.ratio if dense else 0
+    per_entry = D + 3 * Q * H
+    for part in step.entry_parts(blocks, ratio, ENTRY_FLOOR, (Lk + k) * per_entry + Q * k * D,
+                                 per_entry, CHUNK_ELEMENTS):
+        P = part.num_blocks
+        qb = _part_rows(q, blocks, part).flatten(1, 2)                        # [P, Q*H, D]
         if src.dim() == 3:
-            keys = src[a:b]
+            keys = part.take(src)
         else:
-            keys = src.index_select(0, win.rows[a:b].flatten()).view(C, Lk + 1, D)
-        if dense:                                   # every entry of the block's request
-            keys = torch.cat([keys, step.gather_block_entries(comp_name, blocks, attn.ratio,
-                                                              a, b)], dim=1)
+            keys = src.index_select(0, part.take(win.rows).flatten()).view(P, Lk + 1, D)
+        if part.width:                               # the block's entries 0..width-1
+            keys = torch.cat([keys, step.gather_part_entries(comp_name, blocks, part,
+                                                             attn.ratio)], dim=1)
         own = None
         if picks is not None:                       # each query's own top-k entries
-            sel = _rows(picks, blocks, a, b)                                  # [C, Q, k]
+            sel = _part_rows(picks, blocks, part)                             # [P, Q, k]
             chosen = sel >= 0
-            rows = step.gather_picked(comp_name, attn.ratio, blocks.block_req[a:b], sel,
-                                      chosen)                                 # [C, Q, k, D]
+            rows = step.gather_picked(comp_name, attn.ratio, part.take(blocks.block_req), sel,
+                                      chosen)                                 # [P, Q, k, D]
             if Q == 1:                              # decode: they are the block's keys too
                 keys = torch.cat([keys, rows[:, 0]], dim=1)
             own = (rows, chosen)
-        _store(out, blocks, a, b, _softmax_attend(qb, keys, bias[a:b], attn.sinks.float(),
-                                                  attn.head_dim ** -0.5, Lk, own))
+        bias = step.part_bias(blocks, part, attn.window, ratio, k)
+        _part_store(out, blocks, part, _softmax_attend(qb, keys, bias, attn.sinks.float(),
+                                                       attn.head_dim ** -0.5, Lk, own))
 
 
 def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,

@@ -18,6 +18,7 @@ Glossary: t = token row in the step, r = request, p = position, u = query slot i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -132,3 +133,72 @@ def build_block_entries(blocks: QueryBlocks, ratio: int, width: int,
     unwritten = np.flatnonzero(ids[None, :] >= most[:, None])                # of [B * K]
     return BlockEntries(to_device(visible, device), to_device(_bias(ids < visible[..., None]), device),
                         to_device(unwritten, device), unwritten, width)
+
+
+# ---------------------------------------------------------------------- entry buckets
+# Compressed entries are read per block up to the block's own most visible entry, not up to
+# the step's longest request: blocks are bucketed by that count (counts within a factor of 2
+# share a bucket, padded to its largest), so a step reads less than twice the entries its
+# queries can see, however mixed the contexts (docs/deepseek_v4.md, "Batched attention").
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Some blocks of a query group that read compressed entries 0..width-1 (width 0: none).
+
+    `sel` picks them out of the group's per-block tensors: a slice when they are consecutive,
+    else a device index tensor; `ids` are the same block ids on the host."""
+
+    sel: slice | torch.Tensor
+    ids: np.ndarray
+    width: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of t [B, ...] for this part's blocks."""
+        return take(t, self.sel)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def take(t: torch.Tensor, sel: "Part | slice | torch.Tensor") -> torch.Tensor:
+    """Rows of t [B, ...] picked by a part, a slice or an index tensor."""
+    sel = sel.sel if isinstance(sel, Part) else sel
+    return t[sel] if isinstance(sel, slice) else t.index_select(0, sel)
+
+
+def most_visible(blocks: QueryBlocks, ratio: int) -> np.ndarray:
+    """[B] host: the most entries any real query of each block sees ((p + 1) // ratio)."""
+    return np.where(blocks.q_valid, (blocks.q_pos + 1) // ratio, 0).max(axis=1)
+
+
+def bucket_widths(counts: np.ndarray, floor: int) -> np.ndarray:
+    """Padded width per block: 0 without entries; else blocks are bucketed by the power of
+    two at or above their count, and a bucket's width is its largest count (at least floor).
+    So no block reads twice what it needs, and a batch of equal contexts reads no padding."""
+    bucket = np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64)
+    widths = np.zeros_like(counts)
+    for b in np.unique(bucket[counts > 0]):
+        mine = (bucket == b) & (counts > 0)
+        widths[mine] = max(int(counts[mine].max()), floor)
+    return widths
+
+
+def build_parts(widths: np.ndarray, per_block: Callable[[int], int], budget: int,
+                device: torch.device) -> list[Part]:
+    """Split a group's blocks into parts of one width each (ascending widths), each part
+    small enough that per_block(width) * its blocks <= budget (at least one block)."""
+    parts = []
+    distinct = np.unique(widths)
+    for w in distinct:
+        ids = np.flatnonzero(widths == w)
+        n = max(1, budget // max(1, per_block(int(w))))
+        for a in range(0, len(ids), n):
+            chunk = ids[a:a + n]
+            # One width: consecutive blocks, sliced. Several: always gathered, so that the
+            # number of ops depends on the widths present, not on how requests interleave.
+            sel = (slice(int(chunk[0]), int(chunk[-1]) + 1) if len(distinct) == 1
+                   else to_device(chunk, device))
+            parts.append(Part(sel, chunk, int(w)))
+    return parts

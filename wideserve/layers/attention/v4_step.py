@@ -25,10 +25,11 @@ import torch
 
 from wideserve.device import to_device
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
-from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, QueryBlocks,
-                                                  WindowKeys, build_block_entries,
-                                                  build_query_blocks, build_token_blocks,
-                                                  build_window_keys)
+from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, Part, QueryBlocks,
+                                                  WindowKeys, bucket_widths, build_block_entries,
+                                                  build_parts, build_query_blocks,
+                                                  build_token_blocks, build_window_keys,
+                                                  most_visible)
 from wideserve.layers.compressor import CompressPlan, build_compress_plan
 from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.rope import RotaryTable, rope_cis
@@ -189,6 +190,67 @@ class V4Step:
         return self._once(("padded_bias", id(blocks), window, extra), lambda: torch.cat(
             [bias, bias.new_zeros(*bias.shape[:3], extra)], dim=-1))
 
+    # ------------------------------------------------------------------ entry buckets
+    def entry_parts(self, blocks: QueryBlocks, ratio: int, floor: int, fixed: int,
+                    per_entry: int, budget: int) -> list[Part]:
+        """The group's blocks in parts (v4_blocks.build_parts): by padded entry width for
+        ratio > 0 (bucket_widths with `floor`), all of width 0 for ratio 0; each part's cost
+        (fixed + width * per_entry per block) within `budget`. Shared by every layer."""
+        def build() -> list[Part]:
+            widths = (bucket_widths(most_visible(blocks, ratio), floor) if ratio
+                      else np.zeros(blocks.num_blocks, dtype=np.int64))
+            return build_parts(widths, lambda w: fixed + w * per_entry, budget, self.device)
+        return self._once(("parts", id(blocks), ratio, floor, fixed, per_entry, budget), build)
+
+    def block_visible(self, blocks: QueryBlocks, ratio: int) -> torch.Tensor:
+        """[B, Q] int64 (p + 1) // ratio of each query slot (padding slots: past the end)."""
+        return self._once(("visible", id(blocks), ratio),
+                          lambda: self._dev((blocks.q_pos + 1) // ratio))
+
+    def part_entry_bias(self, blocks: QueryBlocks, part: Part, ratio: int) -> torch.Tensor:
+        """[P, Q, width] fp32: 0 where the query sees the entry, -inf elsewhere (built on the
+        device from the visible counts)."""
+        def build() -> torch.Tensor:
+            ids = torch.arange(part.width, device=self.device)
+            seen = ids < part.take(self.block_visible(blocks, ratio))[..., None]
+            return torch.where(seen, 0.0, float("-inf")).float()
+        return self._once(("part_entry_bias", id(part), ratio), build)
+
+    def part_bias(self, blocks: QueryBlocks, part: Part, window: int, ratio: int,
+                  extra: int) -> torch.Tensor:
+        """[P, Q, 1, Lk + 1 + N]: the window bias, then (ratio > 0) the part's entries 0..width-1
+        or `extra` zero columns (per-query entries, masked later)."""
+        def build() -> torch.Tensor:
+            if ratio:
+                return torch.cat([part.take(self.window_keys(blocks, window).bias),
+                                  self.part_entry_bias(blocks, part, ratio)[:, :, None]], -1)
+            return part.take(self.padded_bias(blocks, window, extra))
+        return self._once(("part_bias", id(part), window, ratio, extra), build)
+
+    def gather_part_entries(self, name: str, blocks: QueryBlocks, part: Part,
+                            ratio: int) -> torch.Tensor:
+        """Entries 0..width-1 of each part block's request -> [P, width, C] fp32; entries past
+        the block's most visible repeat its last visible one (written, finite), so the bias
+        alone keeps them out. Slots are computed on the device from the block table."""
+        flat, view = self.flat_cache(name)
+
+        def build() -> torch.Tensor:
+            # Whole table blocks, then every entry of each: one row gather and a broadcast
+            # add, not a table lookup per entry.
+            epb, width = view.entries_per_block, part.width
+            table = view.block_table.index_select(0, view.rows(part.take(blocks.block_req)))
+            nblk = -(-width // epb)
+            if table.shape[1] < nblk:       # a bucket floor wider than any row: pad (masked)
+                table = torch.nn.functional.pad(table, (0, nblk - table.shape[1]))
+            slots = (table[:, :nblk, None] * epb
+                     + torch.arange(epb, device=self.device)).flatten(1)[:, :width]
+            last = self._dev(most_visible(blocks, ratio)[part.ids] - 1)[:, None]
+            ids = torch.arange(width, device=self.device)
+            return torch.where(ids <= last, slots, slots.gather(1, last))
+
+        slots = self._once(("part_slots", id(view), id(part), ratio), build)
+        return self._read(name, flat, slots.flatten()).view(*slots.shape, -1)
+
     # ------------------------------------------------------------------ cache access
     def _view(self, name: str) -> KVGroupView:
         if name not in self.batch.kv_caches:
@@ -322,9 +384,8 @@ class V4Step:
                       chosen: torch.Tensor) -> torch.Tensor:
         """Entries `picks` [B, Q, k] (-1 = none, `chosen` = picks >= 0) of each block's
         request -> [B, Q, k, width] fp32; rows not chosen are zero or a finite entry."""
-        slots = self.request_entry_slots(name, ratio)                          # [R, K]
-        ids = block_req[:, None, None] * slots.shape[1] + picks.clamp(min=0)
-        slots = slots.view(-1).index_select(0, ids.flatten()).view(picks.shape)
+        view = self._view(name)
+        slots = view.entry_slots(block_req[:, None, None].expand_as(picks), picks.clamp(min=0))
         # If every request has entry 0 (written, finite), a -1 pick reads it and stays masked;
         # otherwise unchosen rows may hold anything and are zeroed.
         if int(self.active_seq.min(initial=ratio)) >= ratio:

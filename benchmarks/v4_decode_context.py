@@ -1,0 +1,153 @@
+"""DeepSeek-V4 decode step time against context length, a batch of a few requests (BENCHMARKS.md,
+"DeepSeek-V4: decode step time at 2K vs 32K context").
+
+The model is benchmarks/v41_decode_context.py's V4 (hidden 256, 8 heads x 128, window 128,
+index_topk 512, 12 layers: 2 sliding + 5 CSA(4) + 5 HCA(128), 8 experts top-2: V4-Flash's
+shape scaled down), built with wideserve's dummy weights in the model dtype (bf16 by default,
+fp32 for the parameters the loader keeps in fp32). Each request decodes one token on top of a
+cache holding its `context` positions of random finite content, filled directly rather than by
+a prefill (a decode step's cost depends on how much it reads, not on the values); only the
+blocks a step can read are allocated for the per-position groups (window, compressor state),
+the others point at block 0, as the KV manager's freed sliding-window pages do.
+
+Scenarios (name: contexts of the batch's requests): short (4 x 2K), long (4 x 32K) and mixed
+(1 x 32K + 3 x 2K: what padding to the longest context costs). Per scenario: 2 warm-up steps,
+then the median of `--steps` steps.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v4_decode_context.py [--dtype bf16]
+        [--steps 7] [--out benchmarks/results/v4_decode_context.json] [--tag after]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from wideserve.bench.report import machine_info
+from wideserve.core.kv_cache.spec import split_shared
+from wideserve.executor.dummy_weights import init_dummy_weights
+from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.executor.loader import build_model
+from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+HERE = Path(__file__).parent
+SCENARIOS = {"short": [2048] * 4, "long": [32768] * 4, "mixed": [32768, 2048, 2048, 2048]}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _v41_bench():
+    """benchmarks/v41_decode_context.py as a module (its V4 config and block size)."""
+    spec = importlib.util.spec_from_file_location("v41_decode_context",
+                                                  HERE / "v41_decode_context.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def v4_model(dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+    """The V4 of v41_decode_context.py, loaded the engine's way in `dtype`."""
+    cfg = _v41_bench().v4_model().config
+    model = build_model(DeepseekV4ForCausalLM, cfg, dtype, torch.device("cpu"))
+    init_dummy_weights(model, seed=0)
+    return model
+
+
+class Batch:
+    """Caches for requests of the given context lengths (+ `extra` decode positions each)."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, contexts: list[int], block: int,
+                 extra: int = 16) -> None:
+        self.model, self.contexts, self.block = model, contexts, block
+        owned, shared = split_shared(model.kv_cache_specs("auto"))
+        width = math.ceil((max(contexts) + extra) / block)
+        self.groups, self.cache_group, self.caches, self.tables = [], {}, {}, []
+        g = torch.Generator().manual_seed(0)
+        for name, spec in owned.items():
+            if spec not in self.groups:
+                self.groups.append(spec)
+                self.tables.append(self._table(spec.compress_ratio, width, extra))
+            gi = self.groups.index(spec)
+            self.cache_group[name] = gi
+            shape = (int(self.tables[gi].max()) + 1, block // spec.compress_ratio, spec.width)
+            self.caches[name] = (torch.randn(shape, generator=g) * 0.5).to(spec.dtype)
+        for name, owner in shared.items():
+            self.caches[name] = self.caches[owner]
+            self.cache_group[name] = self.cache_group[owner]
+
+    def _table(self, ratio: int, width: int, extra: int) -> torch.Tensor:
+        """Block ids per request: every block for growing groups; for per-position groups
+        (ratio 1: window, state) only the blocks from one window before the context on."""
+        table = np.zeros((len(self.contexts), width), dtype=np.int64)
+        next_id = 1
+        for r, ctx in enumerate(self.contexts):
+            first = 0 if ratio > 1 else max(0, ctx - 2 * 128) // self.block
+            last = (ctx + extra - 1) // self.block
+            n = last + 1 - first
+            table[r, first:last + 1] = np.arange(next_id, next_id + n)
+            next_id += n
+        return torch.from_numpy(table)
+
+    def decode(self, step: int) -> float:
+        """One decode step, each request one token past its context (+ step) -> seconds."""
+        seq = np.array(self.contexts, dtype=np.int64) + step + 1
+        pos = torch.from_numpy(seq - 1)
+        rows = torch.arange(len(seq))
+        views = []
+        for spec, table in zip(self.groups, self.tables):
+            view = KVGroupView(self.block, spec.compress_ratio, table)
+            if spec.compress_ratio == 1:
+                view.slot_mapping = view.entry_slots(rows, pos)
+            views.append(view)
+        qsl = np.arange(len(seq) + 1, dtype=np.int64)
+        batch = ForwardBatch(input_ids=torch.full((len(seq),), 7), positions=pos,
+                             query_start_loc=torch.from_numpy(qsl),
+                             seq_lens=torch.from_numpy(seq), query_start_loc_cpu=qsl,
+                             seq_lens_cpu=seq, kv_caches=self.caches, kv_groups=views,
+                             cache_group=self.cache_group)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            self.model.compute_logits(self.model.forward(batch))
+        return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS),
+                    default=["short", "long", "mixed"])
+    ap.add_argument("--tag", default="", help="label stored with the results (e.g. before)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "v4_decode_context.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = v4_model(DTYPES[args.dtype])
+    block = _v41_bench().BLOCK
+    rows = []
+    for name in args.scenarios:
+        batch = Batch(model, SCENARIOS[name], block)
+        times = [batch.decode(i) for i in range(args.steps + 2)][2:]
+        rows.append({"scenario": name, "contexts": SCENARIOS[name],
+                     "ms": 1000 * float(np.median(times)),
+                     "min_ms": 1000 * float(np.min(times))})
+        print(rows[-1], flush=True)
+        del batch
+    by = {r["scenario"]: r["ms"] for r in rows}
+    if "short" in by and "long" in by:
+        print(f"long / short = {by['long'] / by['short']:.3f}")
+    record = {"tag": args.tag, "dtype": args.dtype, "machine": machine_info(), "rows": rows,
+              "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                   time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
