@@ -9,6 +9,7 @@ import pytest
 
 from models import v4_configs
 from pd_harness import make_engines, prefill, run_colocated, run_pd, settle, write_config
+from wideserve.tokenizer import Tokenizer
 
 MAX_NEW = 6
 
@@ -125,4 +126,25 @@ def test_qwen3_moe_pd_equals_colocated(tmp_path):
     p, d, ref = make_engines(path, load_format="dummy", block_size=16, kv_cache_memory=1 << 24)
     prompts = _prompts(160, [7, 30, 45], seed=7, prefix=17)
     assert run_pd(p, d, prompts, MAX_NEW) == run_colocated(ref, prompts, MAX_NEW)
+    settle(p, d, ref)
+
+
+def test_bundled_v4_mtp_acceptance_after_handoff_equals_colocated():
+    """Both sides run the bundled model's MTP head (k = 3): the MTP layer's KV travels with
+    the rest of the layout, so the decode side drafts and accepts exactly as the colocated
+    engine does, token for token (docs/disaggregation.md, "Speculative decoding")."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    p, d, ref = make_engines(None, max_num_batched_tokens=512, max_num_seqs=8,
+                             kv_cache_memory=1 << 25, speculative_config=spec)
+    tok = Tokenizer.from_pretrained(ref.loaded.path)
+    texts = ["KING HENRY.\nMy lord, I will not hear of it; " * 6,
+             "First Citizen.\nBefore we proceed any further, hear me speak.\n\nAll.\nSpeak."]
+    prompts = [tok.encode(t) for t in texts]
+    assert max(map(len, prompts)) > 64                     # longer than the window
+    expected = run_colocated(ref, prompts, 24)
+    assert run_pd(p, d, prompts, 24) == expected
+    got, want = d.get_stats().spec_decode, ref.get_stats().spec_decode
+    assert want.num_drafts > 0 and want.num_accepted_tokens > 0
+    assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens_per_pos) == \
+        (want.num_drafts, want.num_draft_tokens, want.num_accepted_tokens_per_pos)
     settle(p, d, ref)

@@ -12,6 +12,7 @@ environment variable WIDESERVE_KV_SECRET.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -81,6 +82,12 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    def for_dp_rank(self, rank: int) -> KVTransferConfig:
+        """One rank's config in a data-parallel group: every rank runs its own connector (its
+        own KV cache), so it needs its own NIXL agent name and, when fixed, side-channel port."""
+        return dataclasses.replace(self, engine_id=f"{self.engine_id}-dp{rank}",
+                                   kv_port=self.kv_port + rank if self.kv_port else 0)
 
     def secret(self) -> bytes:
         """The side-channel secret; a clear error naming the flag when there is none."""

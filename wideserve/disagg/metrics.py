@@ -47,6 +47,21 @@ def observe(buckets: list[int], seconds: float) -> None:
     buckets[i] += 1
 
 
+def sum_counters(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """A data-parallel group's connector stats: numbers and bucket lists summed over ranks
+    (a max stays a max)."""
+    out: dict[str, Any] = dict(per_rank[0])
+    for key, value in out.items():
+        values = [s.get(key) for s in per_rank]
+        if key.startswith("max_"):
+            out[key] = max(values)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = sum(values)
+        elif isinstance(value, list):
+            out[key] = [sum(col) for col in zip(*values)]
+    return out
+
+
 def families(stats: Any, model: str) -> Iterator[Any]:
     if not isinstance(stats, dict):
         return

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from wideserve.config import EngineConfig, ParallelConfig
 from wideserve.core.engine_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from wideserve.disagg.metrics import sum_counters
 from wideserve.distributed.balancer import LoadBalancer
 
 DP_ENGINE = "wideserve.distributed.dp_engine:DPEngineCore"
@@ -201,5 +202,7 @@ def aggregate_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         if all(key in s for s in present):
             out[key] = sum(s[key] for s in present)
     out["kv_usage"] = sum(float(s.get("kv_usage", 0.0)) for s in present) / len(present)
+    if all(s.get("kv_transfer") for s in present):
+        out["kv_transfer"] = sum_counters([s["kv_transfer"] for s in present])
     out["per_rank"] = per_rank
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import faulthandler
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -66,6 +66,9 @@ class DPEngineCore(EngineCore):
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         parallel.check()
+        if config.kv_transfer is not None:      # P/D: each rank loads its own requests' KV
+            config = replace(config, kv_transfer=config.kv_transfer.for_dp_rank(
+                parallel.data_parallel_rank))
         self.parallel = parallel
         self.group: DPGroup | None = None
         self.dispatcher: AllToAllDispatcher | None = None
