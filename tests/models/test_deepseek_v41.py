@@ -93,7 +93,8 @@ def test_chunked_prefill_then_decode(oracle, name, quant):
 def test_reindex_scores_only_the_candidate_blocks(oracle, monkeypatch):
     """Config D: the candidate source keeps 6 of up to 60 visible entries; the Reindex layer
     after it gathers and scores only those (asserted: narrower than what its queries see) and
-    its picks, and everything after them, equal the reference's masked top-k."""
+    its picks, and everything after them, equal the reference's masked top-k. The candidate
+    source scores its entries in pieces of 7 (the shorter request's unwritten rows included)."""
     widths = []
     real = v41_attention._candidate_entries
 
@@ -102,6 +103,8 @@ def test_reindex_scores_only_the_candidate_blocks(oracle, monkeypatch):
         widths.append((ids.shape[-1], int(visible.max())))
         return ids
     monkeypatch.setattr(v41_attention, "_candidate_entries", spy)
+    # The candidate source scores its keys 7 entries at a time (pieces, _entry_scores).
+    monkeypatch.setattr(v41_attention, "KEY_CHUNK", 7)
     _chunked_then_decode(oracle, "D", "off", ([13, 6], [5, 11]))
     assert widths and all(w == 6 for w, _ in widths)
     assert max(seen for _, seen in widths) == 60

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,11 +30,15 @@ from torch import nn
 from wideserve.layers import kv_quant
 from wideserve.layers.attention import v4_batched
 from wideserve.layers.attention.v4_batched import CHUNK_ELEMENTS, _chunks, _rows, _store
+from wideserve.layers.attention.v4_blocks import QueryBlocks
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.indexer import index_topk
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable, rope_cis, rotate
 from wideserve.models.deepseek_v41_config import FULL, REINDEX, SWA, DeepseekV41Config
+
+
+KEY_CHUNK = 8192    # entries per gather-and-score piece at an index source (_entry_scores)
 
 
 @dataclass(slots=True)
@@ -142,6 +147,33 @@ def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) ->
     return (torch.einsum(spec, q, keys).relu() * weights[..., None]).sum(dim=2)
 
 
+def _entry_scores(step: V4Step, keys_name: str, ratio: int, blocks: QueryBlocks, a: int,
+                  b: int, q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Scores [C, Q, K] of every entry 0..K-1 of the requests of blocks a..b-1, KEY_CHUNK
+    entries at a time: a piece's gathered keys are scored while they are still in the CPU's
+    cache instead of gathering all K first and reading them back from memory (2.5-4x faster
+    at 512K entries on the benchmark machine; same values). Entries no query of a block has
+    yet score 0 (their rows may hold stale data or NaN; the caller's bias masks them)."""
+    K = step.entry_width(ratio)
+    if K <= KEY_CHUNK:
+        return _index_scores(q, weights, step.gather_block_entries(keys_name, blocks, ratio,
+                                                                   a, b))
+    slots = step.request_entry_slots(keys_name, ratio).index_select(0, blocks.block_req[a:b])
+    seen = np.where(blocks.q_valid, (blocks.q_pos + 1) // ratio, 0).max(axis=1)[a:b]
+    written = torch.from_numpy(seen).to(q.device)[:, None, None]             # [C, 1, 1]
+    parts = []
+    for k0 in range(0, K, KEY_CHUNK):
+        piece = slots[:, k0:k0 + KEY_CHUNK]
+        n = piece.shape[1]
+        keys = step.read_rows(keys_name, piece.flatten()).view(*piece.shape, -1)  # [C, n, D]
+        scores = _index_scores(q, weights, keys)                              # [C, Q, n]
+        if int(seen.min()) < k0 + n:      # a score from an unwritten row may be NaN: zero it
+            ids = torch.arange(k0, k0 + n, device=q.device)
+            scores = torch.where(ids < written, scores, 0.0)
+        parts.append(scores)
+    return torch.cat(parts, dim=-1)
+
+
 def _candidate_scores(step: V4Step, keys_name: str, ratio: int, block_req: torch.Tensor,
                       q: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Scores [C, Q, n] of each query's own candidate entries ids [C, Q, n] (-1: -inf). Each
@@ -201,8 +233,8 @@ def csa2_select(indexer: CSA2Indexer, x: torch.Tensor, q_res: torch.Tensor, step
                 scores = _candidate_scores(step, keys_name, ratio, blocks.block_req[a:b],
                                            qb, wb, ids)
             else:
-                keys = step.gather_block_entries(keys_name, blocks, ratio, a, b)   # [C, K, D]
-                scores = _index_scores(qb, wb, keys) + ent.bias[a:b]          # [C, Q, K]
+                scores = _entry_scores(step, keys_name, ratio, blocks, a, b, qb, wb)
+                scores = scores + ent.bias[a:b]                               # [C, Q, K]
                 if candidate_source:
                     _store(cands, blocks, a, b, _candidate_blocks(
                         scores, ent.visible[a:b], topk_blocks, block_size))

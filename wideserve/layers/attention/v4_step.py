@@ -273,6 +273,12 @@ class V4Step:
             return self.codecs[name].unpack(rows)
         return rows.float()
 
+    def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `slots` [N] of cache `name` as fp32 values [N, width] (unpacked records), as
+        they are: a row nothing was written to may hold stale data or NaN (mask it)."""
+        flat, _ = self.flat_cache(name)
+        return self._read(name, flat, slots)
+
     def _encode(self, name: str, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows to store in cache `name`: packed records, quantised values, or as given."""
         codec = self.codecs.get(name)
