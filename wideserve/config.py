@@ -17,6 +17,10 @@ class LoadConfig:
     seed: int = 0
     device: str = "cpu"
     tokenizer: str | None = None             # defaults to the model directory
+    # DeepSeek-V4.1 only, approximate: layers after the last KV source run on each
+    # request's last `sliding_window` rows of a step (docs/deepseek_v41.md). Prompt logprobs
+    # cannot be computed with it (the skipped rows have no output).
+    decoder_bounded_replay: bool = False
 
 
 @dataclass(slots=True)

@@ -100,3 +100,31 @@ def test_packed_records_greedy_matches_the_quantised_reference(case):
     assert llm.engine.kv_caches["model.layers.2.attn.compressed"].dtype == torch.uint8
     assert _generate(llm, case["prompts"][:3], quant=True) == case["expected_quantised"]
     _check_idle(llm)
+
+
+def test_decoder_bounded_replay_flag(case):
+    """--decoder-bounded-replay (off by default): the engine turns it on in the model; a prompt
+    within the window has nothing to skip (the reference's greedy output), a longer one is
+    served; prompt logprobs are refused with a clear error, and so is a model that is not
+    V4.1; the CLI flag reaches the config."""
+    import argparse
+
+    from wideserve.core.engine_core import _enable_decoder_bounded_replay
+    from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+    llm = _llm(case, decoder_bounded_replay=True)
+    assert llm.engine.model.decoder_replay is True
+    short, long = case["prompts"][0], case["prompts"][4]
+    assert len(short) <= 8 < len(long)
+    outs = _generate(llm, [short, long])
+    assert outs[0] == case["expected"][0] and len(outs[1]) == MAX_NEW
+    with pytest.raises(ValueError, match="prompt_logprobs .* --decoder-bounded-replay"):
+        llm.generate([{"prompt_token_ids": short}],
+                     SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    _check_idle(llm)
+    with pytest.raises(ValueError, match="--decoder-bounded-replay applies to DeepSeek-V4.1"):
+        _enable_decoder_bounded_replay(torch.nn.Linear(1, 1))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).load.decoder_bounded_replay is False
+    on = parser.parse_args(["--decoder-bounded-replay"])
+    assert engine_config_from_args(on).load.decoder_bounded_replay is True

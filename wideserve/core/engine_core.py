@@ -119,6 +119,8 @@ class EngineCore:
         self.config = config
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
+        if config.load.decoder_bounded_replay:
+            _enable_decoder_bounded_replay(self.model)
         self.device = torch.device(config.load.device)
         model_len = _model_max_len(self.loaded.config_json)
         self.max_model_len = config.scheduler.max_model_len or model_len
@@ -251,6 +253,10 @@ class EngineCore:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {n} prompt tokens and asks for {max_tokens} more")
+        if req.sampling_params.prompt_logprobs is not None and \
+                self.config.load.decoder_bounded_replay:
+            raise ValueError("prompt_logprobs cannot be returned by a server started with "
+                             "--decoder-bounded-replay (the replay skips most prompt rows)")
         self._check_kv_transfer_params(req)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                           arrival_time=req.arrival_time, priority=req.priority,
@@ -483,3 +489,11 @@ class EngineCore:
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
             kv_transfer=self.kv_connector.scheduler.snapshot() if self.kv_connector else None,
             eplb=self.eplb.stats() if self.eplb is not None else None)
+
+
+def _enable_decoder_bounded_replay(model: torch.nn.Module) -> None:
+    enable = getattr(model, "enable_decoder_bounded_replay", None)
+    if enable is None:
+        raise ValueError(f"--decoder-bounded-replay applies to DeepSeek-V4.1 models only; "
+                         f"this model is {type(model).__name__}")
+    enable()

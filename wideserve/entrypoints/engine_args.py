@@ -151,6 +151,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="'auto' (the model's generation_config.json), 'vllm' or 'none' "
                         "(ignore it), or a directory holding one")
+    g.add_argument("--decoder-bounded-replay", action="store_true",
+                   help="DeepSeek-V4.1 only, approximate (off by default): layers after the "
+                        "last KV source run only on each prefill chunk's last sliding-window "
+                        "rows; faster long prefills, outputs may differ; no prompt logprobs "
+                        "(docs/deepseek_v41.md)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "mtp", '
                         '"num_speculative_tokens": 3}\'; methods mtp, ngram '
@@ -176,7 +181,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
-                        tokenizer=args.tokenizer),
+                        tokenizer=args.tokenizer,
+                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", False)),
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=_KV_DTYPES[args.kv_cache_dtype],  # type: ignore[arg-type]

@@ -169,6 +169,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             from wideserve.models.deepseek_v41_dspark import build_stages, dspark_rope
             self.mtp = build_stages(config, dspark_rope(config))
 
+    def enable_decoder_bounded_replay(self) -> None:
+        """--decoder-bounded-replay: layers after the last KV source run only on each
+        request's last `sliding_window` rows of a step (approximate; docs/deepseek_v41.md)."""
+        if not self.config.kv_source_layer_ids:
+            raise ValueError("--decoder-bounded-replay: this DeepSeek-V4.1 config has no KV "
+                             "source layers, so there is no decoder to bound")
+        self.decoder_replay = True
+
     def drop_mtp(self, reason: str) -> None:
         """Serve without DSpark: the checkpoint has no mtp.* tensors."""
         self.mtp = nn.ModuleList()
@@ -259,10 +267,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         replay_from = max(c.kv_source_layer_ids, default=-1) + 1 if self.decoder_replay else -1
         for i, layer in enumerate(self.model.layers):
             if i == replay_from:
-                kept = decoder_replay_rows(batch, c.sliding_window)
+                kept = decoder_replay_rows(batch, c.sliding_window, step.lo)
                 if kept is not None:
                     rows, sub = kept
                     streams, pre, ids = streams[rows], pre[rows], ids[rows]
+                    features = [f[rows] for f in features]   # DSpark taps before it
                     state = CSA2State(None if state.picks is None else state.picks[rows],
                                       None if state.candidates is None
                                       else state.candidates[rows])
@@ -454,13 +463,14 @@ def load_stage_weights(targets, weights):   # noqa: ANN001, ANN201 - see deepsee
     return load(targets, weights)
 
 
-def decoder_replay_rows(batch: ForwardBatch, window: int
+def decoder_replay_rows(batch: ForwardBatch, window: int, lo: np.ndarray
                         ) -> tuple[torch.Tensor, ForwardBatch] | None:
     """The decoder bounded replay's sub-batch: each request keeps its last `window` new rows.
     Layers after the last KV source write no shared KV, and future steps read their windows
     only back to seq - window + 1, so only those rows matter later; the kept rows' windows are
     clamped at the first kept row (kv_replay_start), the approximation (docs/deepseek_v41.md).
-    None when no request has more than `window` new rows."""
+    lo [R]: the full step's first readable positions (V4Step.lo: a prefix-cache replay's
+    start), which stay in force. None when no request has more than `window` new rows."""
     qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
     qlen = np.diff(qsl)
     if not (qlen > window).any():
@@ -479,5 +489,5 @@ def decoder_replay_rows(batch: ForwardBatch, window: int
         query_start_loc=torch.from_numpy(new_qsl).to(batch.query_start_loc.device),
         seq_lens=batch.seq_lens, query_start_loc_cpu=new_qsl, seq_lens_cpu=seq,
         kv_caches=batch.kv_caches, kv_groups=views, cache_group=batch.cache_group,
-        kv_replay_start=np.where(skip > 0, ctx, 0), extras=batch.extras)
+        kv_replay_start=np.where(skip > 0, np.maximum(ctx, lo), lo), extras=batch.extras)
     return rows, sub
