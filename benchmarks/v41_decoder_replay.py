@@ -8,10 +8,15 @@ replay off and on, alternating, median of 3; then greedy 16 tokens both ways ove
 the share of identical continuations and of identical first tokens.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v41_decoder_replay.py [prompt lengths]
+
+The engine option is `--decoder-bounded-replay` / `LLM(decoder_bounded_replay=True)`; here one
+engine flips the model's switch between runs so that on and off alternate on the same caches.
+V41_REPLAY_OUT overrides where the results go.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -27,7 +32,8 @@ from v41_decode_context import COMMON  # noqa: E402
 from wideserve import LLM, SamplingParams  # noqa: E402
 from wideserve.bench.report import machine_info  # noqa: E402
 
-OUT = Path(__file__).parent / "results" / "v41_decoder_replay.json"
+OUT = Path(os.environ.get("V41_REPLAY_OUT",
+                         Path(__file__).parent / "results" / "v41_decoder_replay.json"))
 
 
 def _llm(tmp: Path) -> LLM:
@@ -60,7 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llm = _llm(Path(tmp))
         model = llm.engine.model
-        for length in [int(a) for a in sys.argv[1:]] or [512, 2048]:
+        for length in [int(a) for a in sys.argv[1:]] or [512, 1024]:
             prompt = [g.integers(3, 1024, length).tolist()]
             times = {False: [], True: []}
             for _ in range(3):
