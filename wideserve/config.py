@@ -25,7 +25,10 @@ class LoadConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 256                    # positions per logical (hash) block
+    # Positions per logical (hash) block, the prefix cache's granularity; None = the model's
+    # default (kv_cache/groups.py default_block_size: 64, or the smallest multiple of every
+    # compression ratio, 128 for DeepSeek-V4).
+    block_size: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     kv_cache_memory: int | None = None       # bytes for KV on CPU; None = a default budget

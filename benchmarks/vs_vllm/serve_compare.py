@@ -22,8 +22,10 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -163,7 +165,8 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 def bench_engine(a: argparse.Namespace, engine: str, model: Path, rnd: int,
                  out: Any) -> None:
     port = a.port + (0 if engine == "wideserve" else 1)
-    proc = start_server(engine, model, port, Path(a.out).with_suffix(f".{engine}.log"))
+    log = Path(tempfile.gettempdir()) / f"serve_compare.{engine}.log"      # server output
+    proc = start_server(engine, model, port, log)
     try:
         ready_s = wait_ready(proc, port, a.start_timeout)
         target = ServeTarget(f"http://127.0.0.1:{port}", str(model),
@@ -172,7 +175,10 @@ def bench_engine(a: argparse.Namespace, engine: str, model: Path, rnd: int,
         for c in a.concurrency:
             n = max(a.min_prompts, a.prompts_per_concurrency * c)
             for client in a.clients:
-                reqs = prompts(n, a.input_len, a.output_len, seed=1000 * c)
+                # Fresh prompts for every point and client: a repeat would be a prefix-cache
+                # hit (both engines cache by default) and time a shorter prefill.
+                reqs = prompts(n, a.input_len, a.output_len,
+                               seed=1000 * c + 100 * a.clients.index(client))
                 t = time.perf_counter()
                 recs = asyncio.run(run_point(client, target, reqs, c))
                 row = {"engine": engine, "model": model.name, "round": rnd,
@@ -203,6 +209,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8631)
     ap.add_argument("--start-timeout", type=float, default=400.0)
     a = ap.parse_args()
+    # A timeout's SIGTERM unwinds through bench_engine's finally: no server is left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with open(a.out, "a") as out:
         for model in a.models:
             for rnd in range(a.rounds):

@@ -153,14 +153,15 @@ def _body(model: str, length: int, seed: int) -> dict[str, Any]:
             "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
 
 
-async def _aiohttp(url: str, model: str, n: int, length: int) -> list[tuple[float, float]]:
+async def _aiohttp(url: str, model: str, n: int, length: int,
+                   seed0: int) -> list[tuple[float, float]]:
     import aiohttp
     out = []
     async with aiohttp.ClientSession() as s:
         for i in range(n):
             t0 = time.monotonic()
             first = None
-            async with s.post(url, json=_body(model, length, i)) as r:
+            async with s.post(url, json=_body(model, length, seed0 + i)) as r:
                 async for line in r.content:
                     if first is None and line.startswith(b"data: {"):
                         first = time.monotonic()
@@ -168,14 +169,15 @@ async def _aiohttp(url: str, model: str, n: int, length: int) -> list[tuple[floa
     return out
 
 
-def _httpx(url: str, model: str, n: int, length: int) -> list[tuple[float, float]]:
+def _httpx(url: str, model: str, n: int, length: int,
+           seed0: int) -> list[tuple[float, float]]:
     import httpx
     out = []
     with httpx.Client(timeout=60) as c:
         for i in range(n):
             t0 = time.monotonic()
             first = None
-            with c.stream("POST", url, json=_body(model, length, i)) as r:
+            with c.stream("POST", url, json=_body(model, length, seed0 + i)) as r:
                 for line in r.iter_lines():
                     if first is None and line.startswith("data: {"):
                         first = time.monotonic()
@@ -220,10 +222,12 @@ def run(a: argparse.Namespace, serve_args: list[str]) -> int:
                     return 1
                 time.sleep(0.5)
         url = base + "/v1/completions"
-        for client in a.client:
+        for k, client in enumerate(a.client):
             n = a.n + a.warmup
-            got = asyncio.run(_aiohttp(url, a.model, n, a.input_len)) if client == "aiohttp" \
-                else _httpx(url, a.model, n, a.input_len)
+            # Distinct prompts per client: a repeated prompt is a prefix-cache hit.
+            seed0 = 10_000 * (k + 1)
+            got = asyncio.run(_aiohttp(url, a.model, n, a.input_len, seed0)) \
+                if client == "aiohttp" else _httpx(url, a.model, n, a.input_len, seed0)
             traces = json.load(urllib.request.urlopen(base + "/debug/ttft_traces"))
             print(json.dumps({"client": client, "input_len": a.input_len,
                               **breakdown(got, traces[-n:], a.warmup)}), flush=True)

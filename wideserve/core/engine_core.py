@@ -56,6 +56,7 @@ class ModelInfo:
     kv_capacity_tokens: int | None
     eos_token_ids: list[int]
     dtype: str
+    kv_block_size: int | None = None         # positions per logical (prefix-hash) block
 
 
 @dataclass(slots=True)
@@ -233,7 +234,8 @@ class EngineCore:
             name=str(self.config.load.model or self.loaded.path.name), architecture=arch,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, num_params=total,
             num_active_params=active, kv_capacity_tokens=self.kv_config.capacity_tokens,
-            eos_token_ids=list(self.eos_token_ids), dtype=str(self.loaded.dtype).split(".")[-1])
+            eos_token_ids=list(self.eos_token_ids), dtype=str(self.loaded.dtype).split(".")[-1],
+            kv_block_size=self.kv_config.block_size)
 
     # ---------------------------------------------------------------------- requests
     def add_request(self, req: EngineCoreRequest) -> None:

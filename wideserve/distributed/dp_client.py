@@ -62,8 +62,9 @@ class DPEngineClient:
             client.on_dead = self._dead_handler(rank)
             client.on_step_times = self._step_times
             self.clients.append(client)
+        block = config.cache.block_size         # None: the model's; the balancer's own
         self.balancer = LoadBalancer(self.num_ranks, prefix_affinity=prefix_affinity,
-                                     affinity_block=config.cache.block_size)
+                                     **({} if block is None else {"affinity_block": block}))
         self.on_outputs: Callable[[list[Any]], None] = lambda outputs: None
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.on_step_times: Callable[[list[float]], None] = lambda seconds: None

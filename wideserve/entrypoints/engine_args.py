@@ -141,7 +141,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=parse_positive_int, default=64)
     g.add_argument("--max-num-batched-tokens", type=parse_positive_int, default=2048)
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
-    g.add_argument("--block-size", type=parse_positive_int, default=256)
+    g.add_argument("--block-size", type=parse_positive_int, default=None,
+                   help="positions per KV block, the prefix cache's granularity (default: "
+                        "the model's: 64, or 128 for DeepSeek-V4, whose compression ratios "
+                        "4 and 128 it must be a multiple of)")
     g.add_argument("--enable-prefix-caching", default=True,
                    action=argparse.BooleanOptionalAction)
     g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(_KV_DTYPES))

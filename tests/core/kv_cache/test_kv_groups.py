@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from wideserve.core.kv_cache.groups import (
     allocate_kv_tensors,
     bounded_blocks_per_request,
     build_kv_cache_config,
+    default_block_size,
     exact_replay_tokens,
     sliding_page_size,
     window_pages_for_hit,
@@ -18,6 +20,8 @@ from wideserve.core.kv_cache.groups import (
 from wideserve.core.kv_cache.spec import KVCacheSpec
 
 F32 = torch.float32
+# The layouts below are worked out for 256-position logical blocks.
+C256 = functools.partial(CacheConfig, block_size=256)
 
 
 def roles(cfg):
@@ -26,7 +30,7 @@ def roles(cfg):
 
 
 def test_v4_groups_and_page_sizes():
-    cfg = build_kv_cache_config(v4_specs(), CacheConfig(num_blocks_override=10))
+    cfg = build_kv_cache_config(v4_specs(), C256(num_blocks_override=10))
     assert roles(cfg) == [
         ("window", 1, 128, 43, 128),
         ("compressed", 4, 0, 21, 256),
@@ -49,7 +53,7 @@ def test_v4_groups_and_page_sizes():
     (True, {"compressed": 21 * 584 / 4 + 20 * 584 / 128, "indexer": 21 * 68 / 4}, 3514.25),
 ])
 def test_v4_flash_bytes_per_token(quantised, per_role, total):
-    cfg = build_kv_cache_config(v4_specs(quantised=quantised), CacheConfig(num_blocks_override=4))
+    cfg = build_kv_cache_config(v4_specs(quantised=quantised), C256(num_blocks_override=4))
     assert cfg.bytes_per_token == pytest.approx(per_role)
     assert cfg.total_bytes_per_token == pytest.approx(total)
     window_bytes = 43 * 128 * (584 if quantised else 1024)    # ~3.1 MiB fp8 (§6.3)
@@ -88,7 +92,7 @@ def shared_bucket_specs() -> dict[str, KVCacheSpec]:
 
 
 def test_buckets_and_slab_aliasing():
-    cfg = build_kv_cache_config(shared_bucket_specs(), CacheConfig(num_blocks_override=6))
+    cfg = build_kv_cache_config(shared_bucket_specs(), C256(num_blocks_override=6))
     assert [(b.page_bytes, b.group_ids, b.num_slabs, b.num_blocks) for b in cfg.buckets] == [
         (128 * 1024, (0, 1), 4, 6), (64 * 64, (2,), 2, 6)]
     t = allocate_kv_tensors(cfg, "cpu")
@@ -107,7 +111,7 @@ def test_buckets_and_slab_aliasing():
 
 def test_quantised_tensors_are_bytes():
     cfg = build_kv_cache_config(v4_specs(1, 1, 1, quantised=True),
-                                CacheConfig(num_blocks_override=3))
+                                C256(num_blocks_override=3))
     t = allocate_kv_tensors(cfg, "cpu")
     assert t["model.layers.1.self_attn.compressed"].shape == (3, 64, 584)
     assert t["model.layers.1.self_attn.indexer"].shape == (3, 64, 68)
@@ -120,7 +124,7 @@ def test_sizing_from_budget_is_maximal_and_bounded_first():
     specs = v4_specs(2, 3, 2)
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512)
     budget = 96 << 20
-    cfg = build_kv_cache_config(specs, CacheConfig(kv_cache_memory=budget), sched,
+    cfg = build_kv_cache_config(specs, C256(kv_cache_memory=budget), sched,
                                 max_model_len=2048)
     assert cfg.budget_bytes == budget and cfg.total_bytes <= budget
     n_full = sum(not g.is_sliding for g in cfg.groups)
@@ -153,18 +157,18 @@ def test_sizing_from_budget_is_maximal_and_bounded_first():
 def test_sizing_errors_and_override():
     specs = v4_specs(1, 1, 1)
     with pytest.raises(ValueError, match="sliding windows"):
-        build_kv_cache_config(specs, CacheConfig(kv_cache_memory=1 << 20))
+        build_kv_cache_config(specs, C256(kv_cache_memory=1 << 20))
     with pytest.raises(ValueError, match="max_model_len=1000000"):
-        build_kv_cache_config(specs, CacheConfig(kv_cache_memory=256 << 20),
+        build_kv_cache_config(specs, C256(kv_cache_memory=256 << 20),
                               SchedulerConfig(max_num_seqs=2), max_model_len=1_000_000)
-    cfg = build_kv_cache_config(specs, CacheConfig(num_blocks_override=9))
+    cfg = build_kv_cache_config(specs, C256(num_blocks_override=9))
     assert [b.num_blocks for b in cfg.buckets] == [9] * len(cfg.buckets)
     assert cfg.capacity_tokens == 8 * 256 and cfg.budget_bytes is None
 
 
 def test_only_bounded_groups_spend_the_whole_budget():
     win = KVCacheSpec(SLIDING, "window", 64, F32, window=32)
-    cfg = build_kv_cache_config({"a": win, "b": win}, CacheConfig(kv_cache_memory=8 << 20))
+    cfg = build_kv_cache_config({"a": win, "b": win}, C256(kv_cache_memory=8 << 20))
     assert cfg.capacity_tokens is None
     assert cfg.total_bytes <= 8 << 20 and cfg.total_bytes > (8 << 20) - cfg.buckets[0].block_bytes
 
@@ -176,12 +180,12 @@ def test_budget_source(monkeypatch):
         raise AssertionError("torch.cuda queried for a CPU cache")
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", boom)
-    cfg = build_kv_cache_config(specs, CacheConfig())
+    cfg = build_kv_cache_config(specs, C256())
     assert cfg.budget_bytes == 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2 << 30, 1 << 34))
-    cfg = build_kv_cache_config(specs, CacheConfig(gpu_memory_utilization=0.5), device="cuda")
+    cfg = build_kv_cache_config(specs, C256(gpu_memory_utilization=0.5), device="cuda")
     assert cfg.budget_bytes == 1 << 30
-    cfg = build_kv_cache_config(specs, CacheConfig(kv_cache_memory=512 << 20), device="cuda")
+    cfg = build_kv_cache_config(specs, C256(kv_cache_memory=512 << 20), device="cuda")
     assert cfg.budget_bytes == 512 << 20
 
 
@@ -191,3 +195,15 @@ def test_exact_replay_tokens():
     assert exact_replay_tokens(full_only, replay_depth=4) == 0
     with pytest.raises(ValueError):
         exact_replay_tokens(full_only, -1)
+
+
+def test_default_block_size_is_the_models():
+    """None = the model's: 64 positions, raised to a multiple of every compression ratio."""
+    gqa = {"l0": KVCacheSpec(FULL, "kv", 64, F32), "l1": KVCacheSpec(FULL, "kv", 64, F32)}
+    assert default_block_size(gqa) == 64
+    assert default_block_size(v4_specs()) == 128                  # ratios 4 and 128
+    assert default_block_size({"a": KVCacheSpec(FULL, "c", 8, F32, compress_ratio=3)}) == 66
+    assert build_kv_cache_config(gqa, CacheConfig(num_blocks_override=4)).block_size == 64
+    v4 = build_kv_cache_config(v4_specs(), CacheConfig(num_blocks_override=4))
+    assert v4.block_size == 128 and {g.block_size for g in v4.groups} == {8, 128}
+    assert build_kv_cache_config(gqa, C256(num_blocks_override=4)).block_size == 256

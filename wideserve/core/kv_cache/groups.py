@@ -121,6 +121,21 @@ class KVCacheConfig:
 
 
 # ---------------------------------------------------------------------------- grouping
+# The default prefix-hash granularity, in positions (docs/memory.md, "The logical block"; measured
+# in BENCHMARKS.md, "KV block size on the agentic workload"): a hit is only ever a whole
+# number of blocks, so the part of a shared prefix past the last boundary is recomputed.
+# On the agentic replay 64-token blocks served more of the prompt from the cache than 128 or
+# 256 and their steps were no slower; models with compressed caches cannot go below the
+# least common multiple of their compression ratios (DeepSeek-V4: 4 and 128 -> 128).
+DEFAULT_BLOCK_POSITIONS = 64
+
+
+def default_block_size(specs: dict[str, KVCacheSpec]) -> int:
+    """The smallest multiple of every compression ratio that is >= DEFAULT_BLOCK_POSITIONS."""
+    lcm = math.lcm(*{s.compress_ratio for s in specs.values()})
+    return lcm * math.ceil(DEFAULT_BLOCK_POSITIONS / lcm)
+
+
 def _check_logical_block(specs: dict[str, KVCacheSpec], block_size: int) -> None:
     ratios = {s.compress_ratio for s in specs.values()}
     lcm = math.lcm(*ratios)
@@ -257,6 +272,8 @@ def build_kv_cache_config(specs: dict[str, KVCacheSpec | SharedKVSpec],
         raise ValueError("the model declared no KV cache specs")
     sched = scheduler_config or SchedulerConfig()
     block_size = cache_config.block_size
+    if block_size is None:
+        block_size = default_block_size(specs)
     _check_logical_block(specs, block_size)
     groups = _group_specs(specs, block_size)
     cfg = KVCacheConfig(block_size=block_size, groups=groups, buckets=_make_buckets(groups),

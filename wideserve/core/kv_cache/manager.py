@@ -107,7 +107,8 @@ class KVCacheManager:
         if mode not in ("keep", "replay"):
             raise ValueError(f"CacheConfig.prefix_window_mode must be 'keep' or 'replay', "
                              f"got {mode!r}")
-        if kv_config.block_size != cache_config.block_size:
+        requested = cache_config.block_size          # None: the model's default was taken
+        if requested is not None and kv_config.block_size != requested:
             raise ValueError(f"KVCacheConfig.block_size={kv_config.block_size} differs from "
                              f"CacheConfig.block_size={cache_config.block_size}")
         self.enable_caching = cache_config.enable_prefix_caching

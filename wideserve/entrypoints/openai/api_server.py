@@ -280,6 +280,11 @@ def _fmt_count(n: int) -> str:
     return str(n)
 
 
+def _block_note(info: dict[str, Any]) -> str:
+    block = info.get("kv_block_size")
+    return f", {block}-token blocks" if block else ""
+
+
 def _summary(info: dict[str, Any], ctx: ServingContext, url: str, config: EngineConfig) -> str:
     kv = info.get("kv_capacity_tokens")
     lines = [
@@ -289,7 +294,8 @@ def _summary(info: dict[str, Any], ctx: ServingContext, url: str, config: Engine
         f"{_fmt_count(int(info.get('num_active_params', 0)))} active per token",
         f"context:    {ctx.max_model_len} tokens; KV cache "
         f"{kv if kv is not None else '?'} tokens "
-        f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'})",
+        f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}"
+        f"{_block_note(info)})",
         f"serving:    {url}/v1  (health {url}/health, metrics {url}/metrics)",
     ]
     p = config.parallel

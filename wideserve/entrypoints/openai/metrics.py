@@ -180,41 +180,47 @@ class ServerMetrics:
                                    labels, buckets=_STEP_BUCKETS, registry=reg)
         reg.register(EngineStatsCollector(engine_stats, model_name))
         self.vllm_aliases = vllm_registry(reg, PREFIX)
-        for outcome in OUTCOMES:                      # export zeros before the first request
-            self.requests.labels(model_name, outcome)
+        # One label set (this model) per family: bound once here, not looked up (under the
+        # family's lock) for every token of every request.
+        self._outcomes = {o: self.requests.labels(model_name, o) for o in OUTCOMES}
+        self._prompt = self.prompt_tokens.labels(model_name)
+        self._cached = self.cached_prompt_tokens.labels(model_name)
+        self._generated = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._step = self.step_time.labels(model_name)
 
     def observe_request_start(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self._prompt.inc(num_prompt_tokens)
 
     def observe_tokens(self, num_new: int, since_last_s: float | None,
                        ttft_s: float | None) -> None:
         """One output step of one sequence: num_new tokens, since_last_s after the previous."""
-        m = self.model_name
-        self.generation_tokens.labels(m).inc(num_new)
+        self._generated.inc(num_new)
         if ttft_s is not None:
-            self.ttft.labels(m).observe(ttft_s)
+            self._ttft.observe(ttft_s)
         elif since_last_s is not None and num_new > 0:
             # Several tokens in one chunk (a speculative step): spread the gap evenly.
             per_token = since_last_s / num_new
-            hist = self.itl.labels(m)
             for _ in range(num_new):
-                hist.observe(per_token)
+                self._itl.observe(per_token)
 
     def observe_cached(self, num_cached_tokens: int) -> None:
-        self.cached_prompt_tokens.labels(self.model_name).inc(num_cached_tokens)
+        self._cached.inc(num_cached_tokens)
 
     def observe_finish(self, outcome: str, e2e_s: float | None) -> None:
-        self.requests.labels(self.model_name, outcome).inc()
+        child = self._outcomes.get(outcome) or self.requests.labels(self.model_name, outcome)
+        child.inc()
         if e2e_s is not None:
-            self.e2e.labels(self.model_name).observe(e2e_s)
+            self._e2e.observe(e2e_s)
 
     def observe_rejected(self) -> None:
-        self.requests.labels(self.model_name, "rejected").inc()
+        self._outcomes["rejected"].inc()
 
     def observe_step_times(self, seconds: list[float]) -> None:
-        hist = self.step_time.labels(self.model_name)
         for s in seconds:
-            hist.observe(s)
+            self._step.observe(s)
 
     def render(self) -> bytes:
         """wideserve's families, then the same again under vLLM's names (vllm_metrics.py)."""
