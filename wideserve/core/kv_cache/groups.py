@@ -121,9 +121,9 @@ class KVCacheConfig:
 
 
 # ---------------------------------------------------------------------------- grouping
-# The default prefix-hash granularity, in positions (docs/memory.md, "The logical block"; measured
-# in BENCHMARKS.md, "KV block size on the agentic workload"): a hit is only ever a whole
-# number of blocks, so the part of a shared prefix past the last boundary is recomputed.
+# The default prefix-hash granularity, in positions (docs/memory.md, "The logical block";
+# measured in BENCHMARKS.md, "KV block size on the agentic workload"): a hit is only ever a
+# whole number of blocks, so the part of a shared prefix past the last boundary is recomputed.
 # On the agentic replay 64-token blocks served more of the prompt from the cache than 128 or
 # 256 and their steps were no slower; models with compressed caches cannot go below the
 # least common multiple of their compression ratios (DeepSeek-V4: 4 and 128 -> 128).
