@@ -15,7 +15,7 @@ Scenarios (name: contexts of the batch's requests): short (4 x 2K), long (4 x 32
 then the median of `--steps` steps.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v4_decode_context.py [--dtype bf16]
-        [--steps 7] [--out benchmarks/results/v4_decode_context.json] [--tag after]
+        [--steps 7] [--out benchmarks/results/v4_decode_context.jsonl] [--tag after]
 """
 from __future__ import annotations
 
@@ -59,12 +59,28 @@ def v4_model(dtype: torch.dtype) -> DeepseekV4ForCausalLM:
     return model
 
 
+def set_precision(model, attn, index) -> None:
+    """Override the attention products' and the indexer's dtype on every layer ("model": the
+    model dtype; None: back to the defaults, docs/deepseek_v4.md "Attention precision")."""
+    attn, index = (model.dtype if d == "model" else d for d in (attn, index))
+    for layer in [*model.model.layers, *model.mtp]:
+        layer.self_attn.dtype_override = attn
+        indexer = getattr(getattr(layer.self_attn, "compressor", None), "indexer", None)
+        if indexer is not None:
+            indexer.dtype_override = index
+
+
 class Batch:
-    """Caches for requests of the given context lengths (+ `extra` decode positions each)."""
+    """Paged caches for a few requests, block table rows 0..R-1, and steps over them."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, contexts: list[int], block: int,
                  extra: int = 16) -> None:
+        """Requests holding `contexts` positions of random content, room for `extra` more."""
         self.model, self.contexts, self.block = model, contexts, block
+        self.lengths = list(contexts)       # positions held per request (grows as it runs)
+        c = model.config     # how far back a step reads per-position rows (window, state)
+        self.reach = 2 * max([c.sliding_window] + [c.compress_ratio(i)
+                                                   for i in range(c.num_hidden_layers)])
         owned, shared = split_shared(model.kv_cache_specs("auto"))
         width = math.ceil((max(contexts) + extra) / block)
         self.groups, self.cache_group, self.caches, self.tables = [], {}, {}, []
@@ -87,52 +103,67 @@ class Batch:
         table = np.zeros((len(self.contexts), width), dtype=np.int64)
         next_id = 1
         for r, ctx in enumerate(self.contexts):
-            first = 0 if ratio > 1 else max(0, ctx - 2 * 128) // self.block
+            first = 0 if ratio > 1 else max(0, ctx - self.reach) // self.block
             last = (ctx + extra - 1) // self.block
             n = last + 1 - first
             table[r, first:last + 1] = np.arange(next_id, next_id + n)
             next_id += n
         return torch.from_numpy(table)
 
-    def decode(self, step: int) -> float:
-        """One decode step, each request one token past its context (+ step) -> seconds."""
-        seq = np.array(self.contexts, dtype=np.int64) + step + 1
-        pos = torch.from_numpy(seq - 1)
-        rows = torch.arange(len(seq))
+    def forward(self, new_tokens: list[list[int]]) -> tuple[torch.Tensor, float]:
+        """One step: request r appends new_tokens[r] after its current length -> (logits of
+        every new token [T, vocab], seconds)."""
+        qlens = np.array([len(t) for t in new_tokens], dtype=np.int64)
+        start = np.array(self.lengths, dtype=np.int64)
+        seq = start + qlens
+        pos = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in zip(start, seq)]))
+        rows = torch.from_numpy(np.repeat(np.arange(len(seq)), qlens))
         views = []
         for spec, table in zip(self.groups, self.tables):
             view = KVGroupView(self.block, spec.compress_ratio, table)
             if spec.compress_ratio == 1:
                 view.slot_mapping = view.entry_slots(rows, pos)
             views.append(view)
-        qsl = np.arange(len(seq) + 1, dtype=np.int64)
-        batch = ForwardBatch(input_ids=torch.full((len(seq),), 7), positions=pos,
-                             query_start_loc=torch.from_numpy(qsl),
+        qsl = np.concatenate([[0], np.cumsum(qlens)])
+        batch = ForwardBatch(input_ids=torch.tensor([t for ts in new_tokens for t in ts]),
+                             positions=pos, query_start_loc=torch.from_numpy(qsl),
                              seq_lens=torch.from_numpy(seq), query_start_loc_cpu=qsl,
                              seq_lens_cpu=seq, kv_caches=self.caches, kv_groups=views,
                              cache_group=self.cache_group)
         t = time.perf_counter()
         with torch.inference_mode():
-            self.model.compute_logits(self.model.forward(batch))
-        return time.perf_counter() - t
+            logits = self.model.compute_logits(self.model.forward(batch))
+        dt = time.perf_counter() - t
+        self.lengths = seq.tolist()
+        return logits, dt
+
+    def decode(self) -> float:
+        """One decode step, one token per request -> seconds."""
+        return self.forward([[7]] * len(self.lengths))[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--attention-dtype", choices=["default", "fp32", "model"], default="default",
+                    help="attention products (and indexer q.k) dtype: the defaults, all fp32, "
+                         "or all in the model dtype")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS),
                     default=["short", "long", "mixed"])
     ap.add_argument("--tag", default="", help="label stored with the results (e.g. before)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "v4_decode_context.json")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "v4_decode_context.jsonl")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = v4_model(DTYPES[args.dtype])
+    if args.attention_dtype != "default":
+        d = torch.float32 if args.attention_dtype == "fp32" else "model"
+        set_precision(model, d, d)
     block = _v41_bench().BLOCK
     rows = []
     for name in args.scenarios:
         batch = Batch(model, SCENARIOS[name], block)
-        times = [batch.decode(i) for i in range(args.steps + 2)][2:]
+        times = [batch.decode() for _ in range(args.steps + 2)][2:]
         rows.append({"scenario": name, "contexts": SCENARIOS[name],
                      "ms": 1000 * float(np.median(times)),
                      "min_ms": 1000 * float(np.min(times))})
@@ -141,7 +172,7 @@ def main() -> None:
     by = {r["scenario"]: r["ms"] for r in rows}
     if "short" in by and "long" in by:
         print(f"long / short = {by['long'] / by['short']:.3f}")
-    record = {"tag": args.tag, "dtype": args.dtype, "machine": machine_info(), "rows": rows,
+    record = {"tag": args.tag, "dtype": args.dtype, "attention_dtype": args.attention_dtype, "machine": machine_info(), "rows": rows,
               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                    time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -288,3 +288,46 @@ def test_op_count_does_not_grow_with_requests(model, monkeypatch):
         return counts
 
     assert ops(3) == ops(7)
+
+
+def test_bf16_model_runs_attention_products_in_bf16(model, monkeypatch):
+    """A bf16 model: the batched products run in bf16, and their error against the fp32
+    reference attention (same bf16 model) is within what bf16 already costs elsewhere (the
+    fp32 model with the same weights against the bf16 one, both with fp32 attention: a tiny
+    random model amplifies rounding, so this is the honest yardstick; a bug such as a lost
+    mask lands far outside it). Forced to fp32 the batched products match the reference."""
+    from wideserve.executor.loader import build_model
+    from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    ws32 = model("A")
+    ws = build_model(DeepseekV4ForCausalLM, ws32.config, torch.bfloat16, torch.device("cpu"))
+    ws.load_weights(ws32.state_dict().items())
+    dtypes = set()
+    softmax_attend = v4_batched._softmax_attend
+
+    def spy(qb, keys, *args):
+        dtypes.add((qb.dtype, keys.dtype))
+        return softmax_attend(qb, keys, *args)
+
+    monkeypatch.setattr(v4_batched, "_softmax_attend", spy)
+    steps = [_seqs("A", [50, 9, 30]), [[5]] * 3]
+
+    def logits(m, backend: str, override: torch.dtype | None) -> torch.Tensor:
+        m.set_attention_backend(backend)
+        for layer in m.model.layers:
+            layer.self_attn.dtype_override = override
+        h = PagedHarness(m, 3, 56)
+        out = torch.cat([h.step([0, 1, 2], toks).float() for toks in steps])
+        m.set_attention_backend("batched")
+        return out
+
+    ref = logits(ws, "reference", None)
+    yard = (logits(ws32, "reference", None) - ref).abs()
+    dtypes.clear()
+    bf16 = (logits(ws, "batched", None) - ref).abs()
+    assert dtypes == {(torch.bfloat16, torch.bfloat16)}
+    assert bf16.max() <= yard.max() and bf16.mean() <= yard.mean(), (bf16.max(), yard.max())
+    dtypes.clear()
+    fp32 = (logits(ws, "batched", torch.float32) - ref).abs()
+    assert dtypes == {(torch.float32, torch.float32)}
+    assert fp32.max() <= 0.1 * bf16.max()

@@ -71,3 +71,11 @@ class Indexer(Compressor):
         self.topk = topk
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden, n_heads)
+        # None: the index scores' q.k runs in the model dtype (measured as accurate as the
+        # rest of a bf16 model: docs/deepseek_v4.md, "Attention precision"); a dtype forces it.
+        self.dtype_override: torch.dtype | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the index scores' q.k runs in (v4_batched.compute_dtype)."""
+        return self.dtype_override or self.q_b_proj.weight.dtype

@@ -7,7 +7,8 @@ requests) and a "batched" one (the default: a constant number of torch ops per l
 - kind "v4" (DeepSeek-V4 CSA/HCA/sliding attention, v4_attention.py): a backend is a pair of
   ops over one step (`V4Step`):
     select(indexer, x, q_res, step, keys_name, cis) -> picks     (CSA top-k; None = dense)
-    attend(attn, q, kv, step, picks) -> [T, H, D] fp32            (window + entries + sink)
+    attend(attn, q, kv, step, picks) -> [T, H, D]   (window + entries + sink; the batched
+                                                    backend: in the layer's compute dtype)
   `picks` is whatever that backend's `select` returns; only its own `attend` reads it.
 - kind "paged" (standard GQA paged attention for Llama / Qwen2 / Qwen3 / Qwen3-MoE): a backend
   is one op fn(q, k, v, batch, cache_name, scale, window, plans), where `plans` is the step's

@@ -58,6 +58,9 @@ class DeepseekV4Attention(nn.Module):
                                   c.o_groups * c.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        # None: the attention products run in the model dtype (docs/deepseek_v4.md,
+        # "Attention precision"); a dtype (e.g. torch.float32) forces that one.
+        self.dtype_override: torch.dtype | None = None
         self.ratio = 0
         if layer_type == CSA:
             self.ratio = c.csa_ratio
@@ -69,6 +72,12 @@ class DeepseekV4Attention(nn.Module):
             self.ratio = c.hca_ratio
             self.compressor = Compressor(c.hidden_size, self.head_dim, self.ratio, False,
                                          c.rms_norm_eps)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What q.k and p.v run in (v4_batched.compute_dtype): the model dtype unless
+        `dtype_override` is set."""
+        return self.dtype_override or self.q_b_proj.weight.dtype
 
     def forward(self, x: torch.Tensor, step: V4Step) -> torch.Tensor:
         """x [T, d] (after input_layernorm) -> [T, d]."""
@@ -90,7 +99,7 @@ class DeepseekV4Attention(nn.Module):
                 indexer(x, step, self.prefix + "indexer_state", self.prefix + "indexer",
                         self.rope)
                 picks = ops.select(indexer, x, q_res, step, self.prefix + "indexer", cis)
-        out = ops.attend(self, q, kv, step, picks)                            # [T, H, D] fp32
+        out = ops.attend(self, q, kv, step, picks)                            # [T, H, D]
         # V = K carries rope: rotating the output back by -p leaves relative positions only.
         out = rotate(out, step.cis(self.rope, inverse=True)).to(x.dtype)
         return self._project_out(out)

@@ -1,22 +1,25 @@
 """Batched DeepSeek-V4 attention ops (backend "batched"): every token of every request at once.
 
-Same maths as v4_reference.py (the oracle these are tested against), with a constant number of
-torch ops per layer and no host loop over requests or tokens. Queries are grouped into blocks
-(v4_blocks.py: one token per block for decode, blocks of LONG_QUERY queries of one request for
-prefill chunks; at most two groups per step); only a long prefill is split into a few chunks of
-blocks, so no intermediate exceeds CHUNK_ELEMENTS.
+Same maths as v4_reference.py (the oracle these are tested against), with a number of torch ops
+per layer that grows with the entry buckets present, never with the requests or tokens.
+Queries are grouped into blocks (v4_blocks.py: one token per block for decode, blocks of
+LONG_QUERY queries of one request for prefill chunks; at most two groups per step), and a
+group's blocks into parts (V4Step.entry_parts): by entry bucket, and a long prefill into a few
+parts so that no intermediate exceeds CHUNK_ELEMENTS (docs/deepseek_v4.md, "Batched attention").
 
 Per block of Q queries (one request):
 - window: the Q + W - 1 keys its queries' windows cover, gathered once from the window sources
   (V4Step), each query masking its own band of W and what it may not read;
 - compressed entries: HCA (and CSA when index_topk covers every visible entry) the request's
-  entries 0..K-1 gathered once, each query masking those it cannot see yet; CSA otherwise each
-  query's own top-k entries [Q, k] from the indexer;
+  entries 0..n-1 (n: the block's most visible, padded to its bucket's width), each query
+  masking those it cannot see yet; CSA otherwise each query's own top-k entries [Q, k];
 - one softmax over [window | entries | sink] per head.
+Products run in compute_dtype (the model dtype), scores and the softmax in fp32
+(docs/deepseek_v4.md, "Attention precision").
 Masking a score to -inf is not enough to keep an unreadable row (outside the window, an entry
 not written yet) out of the output, since 0 * NaN = NaN. So such rows are never gathered as
-they are: they point at an explicit zero row, are zeroed (torch.where / index_fill_ on
-host-known rows), or read a finite row that is masked (a readable position, entry 0).
+they are: they point at an explicit zero row, are zeroed (torch.where on the picks), or read a
+finite row that is masked (a readable position, the block's last visible entry, entry 0).
 """
 from __future__ import annotations
 
@@ -77,7 +80,8 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     if T == 0 or indexer.topk >= K:
         return None
     H, D, k = indexer.n_heads, indexer.head_dim, indexer.topk
-    q = rotate(indexer.q_b_proj(q_res).view(T, H, D), cis).float()  # [T, H_I, D_I]
+    dt = compute_dtype(indexer)
+    q = rotate(indexer.q_b_proj(q_res).view(T, H, D), cis).to(dt)    # [T, H_I, D_I]
     weights = indexer.scorer.weights_proj(x).float() * H ** -0.5              # [T, H_I]
     picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
     for blocks in step.query_groups():
@@ -87,9 +91,9 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
             if not part.width:
                 continue                                # no entries yet: nothing to pick
             P = part.num_blocks
-            keys = step.gather_part_entries(keys_name, blocks, part, indexer.ratio)
+            keys = step.gather_part_entries(keys_name, blocks, part, indexer.ratio, dt)
             scores = torch.bmm(_part_rows(q, blocks, part).flatten(1, 2), keys.transpose(1, 2))
-            scores = torch.relu(scores) * D ** -0.5                           # [P, Q*H_I, N]
+            scores = torch.relu(scores.float()) * D ** -0.5                   # [P, Q*H_I, N]
             # Weighted sum over heads as one batched matmul: [P*Q, 1, H_I] @ [P*Q, H_I, N].
             w = _part_rows(weights, blocks, part).reshape(P * Q, 1, H)
             scores = torch.bmm(w, scores.view(P * Q, H, part.width)).view(P, Q, part.width)
@@ -100,26 +104,36 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     return picks[:T]
 
 
+def compute_dtype(layer: object) -> torch.dtype:
+    """The dtype a layer's q.k and p.v products run in: its `compute_dtype` attribute
+    (DeepseekV4Attention and Indexer: the model dtype unless overridden), else fp32. Scores
+    always leave the product as fp32: masks, sinks, softmax and top-k run in fp32
+    (docs/deepseek_v4.md, "Attention precision")."""
+    return getattr(layer, "compute_dtype", None) or torch.float32
+
+
 def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
            picks: torch.Tensor | None) -> torch.Tensor:
-    """q [T, H, D], kv [T, D] (this step's latents) -> attention output [T, H, D] fp32."""
+    """q [T, H, D], kv [T, D] (this step's latents) -> attention output [T, H, D] in
+    compute_dtype(attn)."""
     T, H, D = q.shape
-    out = torch.empty(T + 1, H, D, dtype=torch.float32, device=q.device)     # + scratch row
+    dt = compute_dtype(attn)
+    out = torch.empty(T + 1, H, D, dtype=dt, device=q.device)                # + scratch row
     if T == 0:
         return out[:0]
-    hist = step.window_history(attn.prefix + "window", attn.window)         # [R*(W-1), D]
-    zero = torch.zeros(1, D, dtype=torch.float32, device=q.device)
+    hist = step.window_history(attn.prefix + "window", attn.window, dt)     # [R*(W-1), D]
+    zero = torch.zeros(1, D, dtype=dt, device=q.device)
     if step.plain_decode:
         # One new token per request, no replay: its window is its request's W-1 history rows
         # (each readable or a copy of readable position 0) and itself, in key-slot order.
         R, W = step.num_reqs, attn.window
-        keys = torch.cat([hist.view(R, W - 1, D), kv.float()[:, None],
+        keys = torch.cat([hist.view(R, W - 1, D), kv.to(dt)[:, None],
                           zero.expand(R, 1, D)], dim=1)                       # [T, W + 1, D]
-        _attend_group(attn, q.float(), keys, step, step.query_groups()[0], picks, out)
+        _attend_group(attn, q.to(dt), keys, step, step.query_groups()[0], picks, out)
         return out[:T]
-    src = torch.cat([kv.float(), hist, zero])                                # [T+R*(W-1)+1, D]
+    src = torch.cat([kv.to(dt), hist, zero])                                 # [T+R*(W-1)+1, D]
     for blocks in step.query_groups():
-        _attend_group(attn, q.float(), src, step, blocks, picks, out)
+        _attend_group(attn, q.to(dt), src, step, blocks, picks, out)
     return out[:T]
 
 
@@ -155,13 +169,13 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
             keys = src.index_select(0, part.take(win.rows).flatten()).view(P, Lk + 1, D)
         if part.width:                               # the block's entries 0..width-1
             keys = torch.cat([keys, step.gather_part_entries(comp_name, blocks, part,
-                                                             attn.ratio)], dim=1)
+                                                             attn.ratio, q.dtype)], dim=1)
         own = None
         if picks is not None:                       # each query's own top-k entries
             sel = _part_rows(picks, blocks, part)                             # [P, Q, k]
             chosen = sel >= 0
             rows = step.gather_picked(comp_name, attn.ratio, part.take(blocks.block_req), sel,
-                                      chosen)                                 # [P, Q, k, D]
+                                      chosen, q.dtype)                        # [P, Q, k, D]
             if Q == 1:                              # decode: they are the block's keys too
                 keys = torch.cat([keys, rows[:, 0]], dim=1)
             own = (rows, chosen)
@@ -177,15 +191,16 @@ def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
     own: per-query entries [C, Q, k, D] and whether each was picked [C, Q, k] (when Q == 1
     they are already the last k keys, only their mask applies) -> [C, Q, H, D].
 
-    The sink slot's key is a zero row whose score is replaced by the sink logit: it enlarges
-    the softmax denominator and adds nothing to the output."""
+    The products run in qb's dtype; scores, masks, sinks and the softmax in fp32, the
+    probabilities go back to qb's dtype for p.v. The sink slot's key is a zero row whose score
+    is replaced by the sink logit: it enlarges the denominator and adds nothing to the output."""
     C, N, D = keys.shape
     Q = bias.shape[1]
     H = qb.shape[1] // Q
-    if Q == 1:   # the bias [C, 1, N] broadcasts over the heads: one fused op
+    if Q == 1 and qb.dtype == torch.float32:   # bias [C, 1, N] broadcasts over heads: fused
         scores = torch.baddbmm(bias[:, 0, :, :N], qb, keys.transpose(1, 2), alpha=scale)
     else:
-        scores = torch.bmm(qb, keys.transpose(1, 2)).view(C, Q, H, N) * scale
+        scores = torch.bmm(qb, keys.transpose(1, 2)).float().view(C, Q, H, N) * scale
         scores = scores + bias[..., :N]
     scores = scores.view(C, Q, H, N)
     scores[..., sink_slot] = sinks
@@ -195,9 +210,9 @@ def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
         if Q == 1:
             scores[..., N - rows.shape[2]:].masked_fill_(hidden, float("-inf"))
         else:
-            extra = torch.matmul(qb.view(C, Q, H, D), rows.transpose(-1, -2)) * scale
+            extra = torch.matmul(qb.view(C, Q, H, D), rows.transpose(-1, -2)).float() * scale
             scores = torch.cat([scores, extra.masked_fill(hidden, float("-inf"))], dim=-1)
-    probs = torch.softmax(scores, dim=-1)                                     # [C, Q, H, N(+k)]
+    probs = torch.softmax(scores, dim=-1).to(qb.dtype)                       # [C, Q, H, N(+k)]
     out = torch.bmm(probs[..., :N].reshape(C, Q * H, N), keys).view(C, Q, H, D)
     if own is not None and Q > 1:
         out = out + torch.matmul(probs[..., N:], own[0])

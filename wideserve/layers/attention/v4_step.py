@@ -44,6 +44,8 @@ class V4AttentionParams(Protocol):
     ratio: int                 # compression ratio (0: sliding-window layer)
     head_dim: int
     sinks: torch.Tensor        # [H] fp32 per-head sink logits
+    # Optional `compute_dtype` (torch.dtype): what the window/entry products run in
+    # (v4_batched.compute_dtype; absent: fp32).
 
 
 class V4Step:
@@ -227,9 +229,9 @@ class V4Step:
             return part.take(self.padded_bias(blocks, window, extra))
         return self._once(("part_bias", id(part), window, ratio, extra), build)
 
-    def gather_part_entries(self, name: str, blocks: QueryBlocks, part: Part,
-                            ratio: int) -> torch.Tensor:
-        """Entries 0..width-1 of each part block's request -> [P, width, C] fp32; entries past
+    def gather_part_entries(self, name: str, blocks: QueryBlocks, part: Part, ratio: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Entries 0..width-1 of each part block's request -> [P, width, C] `dtype`; entries past
         the block's most visible repeat its last visible one (written, finite), so the bias
         alone keeps them out. Slots are computed on the device from the block table."""
         flat, view = self.flat_cache(name)
@@ -249,7 +251,7 @@ class V4Step:
             return torch.where(ids <= last, slots, slots.gather(1, last))
 
         slots = self._once(("part_slots", id(view), id(part), ratio), build)
-        return self._read(name, flat, slots.flatten()).view(*slots.shape, -1)
+        return self._read(name, flat, slots.flatten(), dtype).view(*slots.shape, -1)
 
     # ------------------------------------------------------------------ cache access
     def _view(self, name: str) -> KVGroupView:
@@ -266,12 +268,13 @@ class V4Step:
                              f"the model gave no codec for it")
         return cache.view(-1, cache.shape[-1]), view
 
-    def _read(self, name: str, flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Rows `slots` of cache `name` as fp32 values [N, width] (unpacked records)."""
+    def _read(self, name: str, flat: torch.Tensor, slots: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `slots` of cache `name` as `dtype` values [N, width] (unpacked records)."""
         rows = flat.index_select(0, slots)
         if flat.dtype == torch.uint8:
-            return self.codecs[name].unpack(rows)
-        return rows.float()
+            return self.codecs[name].unpack(rows).to(dtype)
+        return rows.to(dtype)
 
     def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows `slots` [N] of cache `name` as fp32 values [N, width] (unpacked records), as
@@ -342,8 +345,9 @@ class V4Step:
         return self._read(name, flat, view.entry_slots(torch.full_like(idx, r), idx))
 
     # ------------------------------------------------------------------ batched cache reads
-    def window_history(self, name: str, window: int) -> torch.Tensor:
-        """Each request's cached latents at positions ctx-W+1 .. ctx-1 -> [R * (W-1), D] fp32.
+    def window_history(self, name: str, window: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Each request's cached latents at positions ctx-W+1 .. ctx-1 -> [R * (W-1), D].
 
         Rows at unreadable positions (< lo) are read through a safe slot and NOT cleaned: no
         key row of `window_keys` points at them (unreadable keys point at the zero row)."""
@@ -355,7 +359,7 @@ class V4Step:
             safe = np.where(pos >= self.lo[:, None], pos, 0)
             return self._slots(view, req, safe).flatten()
 
-        return self._read(name, flat, self._once(("hist", id(view), window), build))
+        return self._read(name, flat, self._once(("hist", id(view), window), build), dtype)
 
     def request_entry_slots(self, name: str, ratio: int) -> torch.Tensor:
         """[R, K] cache slots of entries 0..K-1 (K = `entry_width(ratio)`) of every request
@@ -387,23 +391,24 @@ class V4Step:
         return rows.view(b - a, K, rows.shape[-1])
 
     def gather_picked(self, name: str, ratio: int, block_req: torch.Tensor, picks: torch.Tensor,
-                      chosen: torch.Tensor) -> torch.Tensor:
+                      chosen: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Entries `picks` [B, Q, k] (-1 = none, `chosen` = picks >= 0) of each block's
-        request -> [B, Q, k, width] fp32; rows not chosen are zero or a finite entry."""
+        request -> [B, Q, k, width] `dtype`; rows not chosen are zero or a finite entry."""
         view = self._view(name)
         slots = view.entry_slots(block_req[:, None, None].expand_as(picks), picks.clamp(min=0))
         # If every request has entry 0 (written, finite), a -1 pick reads it and stays masked;
         # otherwise unchosen rows may hold anything and are zeroed.
         if int(self.active_seq.min(initial=ratio)) >= ratio:
             flat, _ = self.flat_cache(name)
-            rows = self._read(name, flat, slots.flatten())
+            rows = self._read(name, flat, slots.flatten(), dtype)
             return rows.view(*picks.shape, rows.shape[-1])
-        return self.gather_rows(name, slots, chosen)
+        return self.gather_rows(name, slots, chosen, dtype)
 
-    def gather_rows(self, name: str, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """flat[slots] as fp32 with rows where `valid` is False set to 0 (they may hold NaN or
+    def gather_rows(self, name: str, slots: torch.Tensor, valid: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """flat[slots] as `dtype` with rows where `valid` is False set to 0 (they may hold NaN or
         stale data, and 0-weight * NaN would still be NaN) -> [*slots.shape, width]."""
         flat, _ = self.flat_cache(name)
-        rows = self._read(name, flat, slots.flatten())
+        rows = self._read(name, flat, slots.flatten(), dtype)
         rows = torch.where(valid.reshape(-1, 1), rows, 0.0)
         return rows.view(*slots.shape, rows.shape[-1])
