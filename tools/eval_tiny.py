@@ -133,8 +133,10 @@ def write_card(model_dir: str, info: dict, metrics: dict) -> None:
         f.write(text)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, evaluate_fn=evaluate, write_card_fn=write_card,  # noqa: ANN001
+         doc: str | None = __doc__) -> None:
+    """The CLI of this file and of tools/eval_tiny_v41.py (which passes its own functions)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir")
     p.add_argument("--corpus-limit-bytes", type=int, default=None)
     p.add_argument("--max-windows", type=int, default=None)
@@ -142,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write-card", action="store_true", help="rewrite README.md (needs training_info.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    metrics = evaluate(args.model_dir, args.corpus_limit_bytes, args.max_windows)
+    metrics = evaluate_fn(args.model_dir, args.corpus_limit_bytes, args.max_windows)
     if args.write_card:
         with open(os.path.join(args.model_dir, "training_info.json")) as f:
-            write_card(args.model_dir, json.load(f), metrics)
+            write_card_fn(args.model_dir, json.load(f), metrics)
     print(json.dumps({k: v for k, v in metrics.items() if k != "samples"}, indent=2))
 
 

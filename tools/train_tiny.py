@@ -21,6 +21,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -48,14 +49,13 @@ from tiny_v4 import (  # noqa: E402
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The flags every tiny-model trainer has (tools/train_tiny.py, tools/train_tiny_v41.py)."""
     p.add_argument("--out", required=True, help="output model directory")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--minutes", type=float, help="wall-clock training budget")
     budget.add_argument("--steps", type=int, help="number of optimizer steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--corpus-limit-bytes", type=int, default=None, help="use only this much text (smoke tests)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=8)
@@ -65,32 +65,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--mtp-weight", type=float, default=0.3)
     p.add_argument("--bias-rate", type=float, default=2e-4, help="aux-loss-free router bias step")
     p.add_argument("--eval-every-s", type=float, default=120.0)
     p.add_argument("--eval-windows", type=int, default=16, help="windows in the periodic (partial) val")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--card-max-windows", type=int, default=None, help="limit final eval windows (smoke tests)")
     p.add_argument("--sample-tokens", type=int, default=60, help="new tokens per model-card sample")
-    for f in dataclasses.fields(TinySizes):
+
+
+def add_size_args(p: argparse.ArgumentParser, sizes: type) -> None:
+    for f in dataclasses.fields(sizes):
         p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    add_size_args(p, TinySizes)
     return p.parse_args(argv)
 
 
 class RouterBalancer:
-    """Counts top-k picks per router during training steps and nudges e_score_correction_bias."""
+    """Counts top-k picks per router during training steps (grad enabled) and nudges each
+    router's e_score_correction_bias: `picks(output)` reads the expert ids from its output."""
 
-    def __init__(self, model: TinyV4WithMTP, rate: float) -> None:
+    def __init__(self, routers: list[torch.nn.Module], rate: float, n_experts: Callable[[torch.nn.Module], int],
+                 picks: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]) -> None:
         self.rate = rate
-        self.routers = [m for _, m in topk_routers(model)]
-        self.counts = [torch.zeros(r.num_experts) for r in self.routers]
-        for i, r in enumerate(self.routers):
-            r.register_forward_hook(self._hook(i))
+        self.routers = routers
+        self.counts = [torch.zeros(n_experts(r)) for r in routers]
+        for r, c in zip(routers, self.counts):
+            r.register_forward_hook(self._hook(c, picks))
 
-    def _hook(self, i: int):
-        def hook(module: torch.nn.Module, _args: object, out: tuple[torch.Tensor, ...]) -> None:
-            if module.training:
-                self.counts[i] += torch.bincount(out[2].reshape(-1), minlength=module.num_experts).float()
+    @staticmethod
+    def _hook(counts: torch.Tensor, picks: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]):
+        def hook(_module: torch.nn.Module, _args: object, out: tuple[torch.Tensor, ...]) -> None:
+            if torch.is_grad_enabled():
+                counts.add_(torch.bincount(picks(out).reshape(-1), minlength=counts.numel()).float())
 
         return hook
 
@@ -129,7 +142,8 @@ def quick_val(model: TinyV4WithMTP, val: np.ndarray, seq: int, windows: int) -> 
 
 def train(model: TinyV4WithMTP, train_ids: np.ndarray, val_ids: np.ndarray, args: argparse.Namespace) -> dict:
     opt = make_optimizer(model, args)
-    balancer = RouterBalancer(model, args.bias_rate)
+    balancer = RouterBalancer([m for _, m in topk_routers(model)], args.bias_rate,
+                              lambda r: r.num_experts, lambda out: out[2])
     rng = np.random.default_rng(args.seed)
     span = args.seq + 2
     if len(train_ids) <= span:

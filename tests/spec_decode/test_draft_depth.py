@@ -17,3 +17,42 @@ def test_depth_shrinks_with_the_batch() -> None:
 def test_budget_is_validated() -> None:
     with pytest.raises(ValueError, match="batch_token_budget"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, batch_token_budget=-1)
+
+
+def test_no_proposer_work_when_the_batch_allows_no_drafts(tmp_path) -> None:
+    """Budget 8 with k = 3: four decoding requests get depth 8 // 4 - 1 = 1, five or more get
+    0, and then the proposer does not run at all; outputs stay the non-speculative ones and
+    drafting resumes once requests finish (over caches that miss the skipped positions)."""
+    import warnings
+
+    from spec_models import llama_checkpoint
+
+    from wideserve import LLM, SamplingParams
+    path = str(llama_checkpoint(tmp_path / "llama", vocab=64, seed=2))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(5 + i)] for i in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 4 * i, ignore_eos=True)
+              for i in range(6)]
+
+    def run(spec):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            llm = LLM(path, dtype="float32", skip_tokenizer_init=True, speculative_config=spec,
+                      max_num_seqs=8)
+        calls = []
+        if spec is not None:
+            prop, original = llm.engine.spec.proposer, llm.engine.spec.proposer.propose
+            prop.propose = lambda inp: calls.append(sum(1 for e in inp.sampled if e)) or \
+                original(inp)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], calls, llm
+
+    base, _, _ = run(None)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+            "batch_token_budget": 8}
+    out, calls, llm = run(spec)
+    assert out == base
+    assert calls and max(calls) <= 4       # never called with 5 or 6 decoding requests
+    sd = llm.engine.get_stats().spec_decode
+    # Self-drafts after the skipped steps: the draft model's KV misses those positions, so
+    # some drafts are rejected (without the skip all would be accepted), and none is wrong.
+    assert sd.num_drafts > 0 and 0 < sd.num_accepted_tokens < sd.num_draft_tokens

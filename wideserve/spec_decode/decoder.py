@@ -74,6 +74,7 @@ class SpecDecoder:
         self.sampler = RejectionSampler()
         self.stats = SpecDecodeStats(config.method, self.k, config.forced_acceptance_length)
         self._pending: dict[str, list[int]] = {}
+        self._depth = self.k                    # drafts per request this step (draft_depth)
         self._credit: dict[str, float] = {}     # forced acceptance: drafts owed per request
         if config.is_forced:
             logger.warning(
@@ -137,6 +138,12 @@ class SpecDecoder:
         return sampled, logprobs, inp
 
     def propose(self, inp: ProposeInput) -> None:
+        if self._depth == 0:
+            # The batch is too large for any draft (draft_depth): skip the proposer, whose
+            # forward (MTP block, draft model catch-up) would cost ~15-20% of the step for
+            # nothing. Its caches then miss these positions: drafts after the batch shrinks
+            # are worse for up to a window's tokens, never wrong (verification is lossless).
+            return
         for i, d in enumerate(self.proposer.propose(inp)):
             if d:
                 self._pending[inp.requests[i].request_id] = d
@@ -206,7 +213,8 @@ class SpecDecoder:
         max_tokens / max_model_len (every draft and the bonus token must fit), 0 where
         nothing was emitted."""
         caps = np.zeros(len(requests), dtype=np.int64)
-        k = draft_depth(self.k, sum(1 for e in emitted if e), self.batch_token_budget)
+        k = self._depth = draft_depth(self.k, sum(1 for e in emitted if e),
+                                      self.batch_token_budget)
         for i, (r, e) in enumerate(zip(requests, emitted)):
             if not e:
                 continue
