@@ -21,6 +21,10 @@ class LoadConfig:
     # request's last `sliding_window` rows of a step (docs/deepseek_v41.md). Prompt logprobs
     # cannot be computed with it (the skipped rows have no output).
     decoder_bounded_replay: bool = False
+    # Run the forward eagerly (True) or compiled (False: torch.compile of the decoder layers,
+    # the attention op left eager; docs/cpu_kernels.md). None = the device's default: eager on
+    # the CPU, where compiling costs tens of seconds against a 2-5 s start; compiled elsewhere.
+    enforce_eager: bool | None = None
 
 
 @dataclass(slots=True)

@@ -152,3 +152,12 @@ def test_param_counts():
     per_expert = 3 * 32 * 64
     routed = 2 * 8 * per_expert                       # two MoE layers, 8 experts each
     assert model.param_counts() == (total, total - routed + 2 * 2 * per_expert)
+
+
+def test_compiled_forward_matches_transformers():
+    """LoadConfig.enforce_eager=False: the compiled layer stack (attention eager between the
+    graphs) gives transformers' logits on prefill, chunked and decode steps, single-token
+    batches included (a size the compiler specialises separately)."""
+    hf, model = build_pair(VARIANTS["mlp-only"])
+    model.compile_forward()
+    run_schedule(hf, model, SCHEDULES["single-decode"])      # a 9-token prefill, then T = 1

@@ -90,6 +90,20 @@ def _model_max_len(config_json: dict) -> int:
     return 4096
 
 
+def _compile_model(model: torch.nn.Module, enforce_eager: bool | None,
+                   device: torch.device) -> bool:
+    """Compile the model's forward unless eager is asked for (LoadConfig.enforce_eager; None:
+    eager on the CPU). Models without a compiled path (`compile_forward`) stay eager."""
+    eager = device.type == "cpu" if enforce_eager is None else enforce_eager
+    compile_forward = getattr(model, "compile_forward", None)
+    if eager or compile_forward is None:
+        if not eager:
+            logger.warning("%s has no compiled forward; running eagerly", type(model).__name__)
+        return False
+    compile_forward()
+    return True
+
+
 def _device_sync(device: torch.device):
     """What the step timer calls before reading the clock: CUDA runs asynchronously."""
     if device.type == "cuda":
@@ -123,6 +137,7 @@ class EngineCore:
         if config.load.decoder_bounded_replay:
             _enable_decoder_bounded_replay(self.model)
         self.device = torch.device(config.load.device)
+        self.compiled = _compile_model(self.model, config.load.enforce_eager, self.device)
         model_len = _model_max_len(self.loaded.config_json)
         self.max_model_len = config.scheduler.max_model_len or model_len
         if self.max_model_len > model_len:

@@ -136,6 +136,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto",
                    choices=("auto", "safetensors", "gguf", "dummy"))
     g.add_argument("--seed", type=_seed, default=0)
+    g.add_argument("--enforce-eager", default=None, action=argparse.BooleanOptionalAction,
+                   help="run the model eagerly; --no-enforce-eager compiles the decoder layers "
+                        "(torch.compile; attention stays eager). Default: eager on the CPU "
+                        "(compiling takes tens of seconds there), compiled on other devices")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=_human_int, default=None)
     g.add_argument("--max-num-seqs", type=parse_positive_int, default=64)
@@ -184,7 +188,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
-                        tokenizer=args.tokenizer,
+                        tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
                         decoder_bounded_replay=getattr(args, "decoder_bounded_replay", False)),
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,

@@ -52,6 +52,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
     return F.silu(gate) * up
 
 
+@torch.compiler.disable      # a probe that may raise: never traced
 def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int,
                      intermediate: int) -> bool:
     """Whether this build runs torch._grouped_mm for `dtype` on `device` with these widths:
@@ -192,6 +193,7 @@ def loop_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch
     return out
 
 
+@torch.compiler.disable      # eager inside a compiled forward: its packed ops are opaque there
 def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: _ExpertPacks,
                limit: float | None) -> torch.Tensor:
     """loop_mlp through the packed weights; the activation runs once over all rows."""
@@ -206,6 +208,9 @@ def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: _ExpertPacks,
                       for i, (e, _) in enumerate(segments)])
 
 
+# Eager inside a compiled forward: torch._grouped_mm's shape function accepts bf16 only,
+# while the CPU kernel also runs fp32.
+@torch.compiler.disable
 def grouped_mm_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Both projections as torch._grouped_mm over the segments (no host sync)."""

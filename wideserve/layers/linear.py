@@ -92,6 +92,12 @@ class WeightPack:
     def linear(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                biases: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
         """x [..., in] -> [..., sum(out_i)], the same as F.linear over the concatenation."""
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph the compiler picks the GEMM and fuses the concatenation;
+            # the parameters are graph inputs (they may change), never constants.
+            biases = biases or (None,) * len(weights)
+            ys = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         self._prepare(weights, biases or (None,) * len(weights))
         if self._packed and x.dtype == self._weight.dtype and x.device.type == "cpu":
             lead = x.shape[:-1]

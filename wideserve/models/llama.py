@@ -169,10 +169,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attend = get_paged_attention_backend(self.backend)
-        o = attend(q, k, v, batch, self.cache_name, self.scale, self.window, plans)
+        o = _attend(get_paged_attention_backend(self.backend), q, k, v, batch, self.cache_name,
+                    self.scale, self.window, plans)
         return self._o.linear(o.reshape(t, -1), (self.o_proj.weight,),
                               (self.o_proj.bias,))                         # [T, d]
+
+
+@torch.compiler.disable
+def _attend(attend: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """The paged attention op, always eager: its plan is host (numpy) work over the step's
+    batch, and its shapes follow the contexts; a compiled forward is split around it."""
+    return attend(*args)
 
 
 class DenseMLP(nn.Module):
@@ -215,13 +222,25 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
+        self._run_layers = self.run_layers     # compile_layers(): its compiled form
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
         cos, sin = self.rotary.cos_sin(batch.positions)        # [T, D] fp32, shared by layers
         plans = PagedAttentionPlans(batch)                     # attention indices, shared too
+        return self._run_layers(h, cos, sin, batch, plans)
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
         for layer in self.layers:
             h = layer(h, cos, sin, batch, plans)
         return self.norm(h)
+
+    def compile_layers(self) -> None:
+        """torch.compile the layer stack, the token count dynamic (one graph set serves every
+        batch size; no padding). The attention ops stay eager (`_attend`), so the graphs are
+        the pieces between them: norms, projections, RoPE, residuals, MLP / MoE."""
+        self._run_layers = torch.compile(self.run_layers, dynamic=True)
 
 
 def kv_cache_name(layer_idx: int) -> str:
@@ -288,6 +307,11 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
+
+    def compile_forward(self) -> None:
+        """The compiled forward (LoadConfig.enforce_eager=False); compiling happens lazily, at
+        the first steps of each shape class (prefill, decode)."""
+        self.model.compile_layers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

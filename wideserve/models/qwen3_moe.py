@@ -112,6 +112,14 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             return SparseMoeBlock(c)
         return DenseMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
+    def compile_forward(self) -> None:
+        # Pick each expert layer's implementation now, eagerly (it probes the build), so
+        # the traced forward only reads the choice.
+        for m in self.modules():
+            if isinstance(m, RoutedExperts):
+                m.resolved_impl(m.down_proj.device, m.down_proj.dtype)
+        super().compile_forward()
+
     def param_counts(self) -> tuple[int, int]:
         total = sum(p.numel() for p in self.parameters())
         c = self.config
