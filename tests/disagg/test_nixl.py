@@ -30,7 +30,7 @@ def _env(dev: str, **extra: str) -> dict[str, str]:
 def _load(tmp_path, op: str, prefix: list[str], prefix2: list[str], dev: str, dev2: str,
           host: str, **extra: str) -> tuple[dict, dict]:
     port_file = str(tmp_path / "port.json")
-    prod = subprocess.Popen([*prefix, sys.executable, PEER, "producer", host, port_file],
+    prod = subprocess.Popen([*prefix, sys.executable, PEER, "producer", host, port_file, op],
                             env=_env(dev, **extra), stdout=subprocess.PIPE, text=True)
     try:
         # Started together: each spends most of its time importing torch.
@@ -52,7 +52,20 @@ def test_nixl_load_between_two_processes(tmp_path, op):
     cons, prod = _load(tmp_path, op, [], [], "lo", "lo", "127.0.0.1")
     assert cons["ok"], cons
     assert cons["pages"] == 8 + 1          # window group: only the page the window reads
-    assert prod == {"released": True, "refused": 0}
+    assert prod == {"released": ["req0"], "pushed": int(op == "push"), "refused": 0}
+
+
+def test_nixl_push_faults_between_two_processes(tmp_path):
+    """An expired lease refuses the push; a stopped (SIGSTOP) producer makes the push time
+    out within the load timeout + the cancel timeout instead of hanging the load. (Whether
+    the resumed producer refuses the stale push is not asserted: under load it was seen to
+    land in 2 of about 20 runs, docs/disaggregation.md.)"""
+    cons, prod = _load(tmp_path, "faults", [], [], "lo", "lo", "127.0.0.1")
+    assert cons["req0"] is True
+    assert "refused the push" in cons["expired"] and "lease expired" in cons["expired"]
+    assert "timed out" in cons["stalled"], cons
+    assert 3 <= cons["stalled_s"] < 3 + 2 + 3, cons        # timeout + cancel timeout (+ slack)
+    assert prod["released"] == ["expired", "req0", "req1"]
 
 
 NS = ("ws_pd0", "ws_pd1")
@@ -84,12 +97,11 @@ def namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-@pytest.mark.parametrize("op", ["pull", "push"])
-def test_nixl_load_between_network_namespaces_over_tcp(tmp_path, namespaces, op):
-    cons, prod = _load(tmp_path, op, ["ip", "netns", "exec", NS[0]], ["ip", "netns", "exec", NS[1]],
+def test_nixl_push_between_network_namespaces_over_tcp(tmp_path, namespaces):
+    cons, prod = _load(tmp_path, "push", ["ip", "netns", "exec", NS[0]], ["ip", "netns", "exec", NS[1]],
                        "ws_pdv0", "ws_pdv1", "10.251.0.1", UCX_TLS="tcp")
     assert cons["ok"], cons
-    assert prod["released"]
+    assert prod["released"] == ["req0"] and prod["pushed"] == 1
 
 
 def test_side_channel_refuses_unauthenticated_peers():

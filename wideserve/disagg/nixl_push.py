@@ -4,7 +4,7 @@ The side-channel handlers post the WRITE themselves (the agent runs with strict 
 synchronisation), so a push starts as soon as the consumer asks, not at the producer's next
 engine step, which may be a long prefill away. The engine thread's `poll` only watches the
 writes: a finished or failed one ends the claim (the blocks are freed at the next step), one
-past its budget or cancelled by the consumer is aborted first.
+past the consumer's deadline or cancelled by it is aborted first.
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.push import PushRequest, check_source_pages, notification, pages_from_wire
 
 logger = logging.getLogger(__name__)
+
+# The push refusal that tells a consumer to send its hello again (this side dropped it).
+UNKNOWN_CONSUMER = "unknown decode instance (no hello)"
 
 
 @dataclass(slots=True)
@@ -79,19 +82,22 @@ class PushProducer:
     def _serve_push(self, body: bytes) -> bytes:
         """"" once the write is posted, else why it was refused (nothing written)."""
         req = msgspec.msgpack.decode(body, type=PushRequest)
+        budget = req.deadline - time.time()
+        if budget <= 0:     # the consumer has given up (or will have, before we are done)
+            return msgspec.msgpack.encode("the decode instance's deadline had passed")
         rows = self.leases.claim(req.request_id)
         if rows is None:
             return msgspec.msgpack.encode("this instance no longer held the blocks "
                                           "(lease expired)")
         try:
-            why = self._post(req, rows)
+            why = self._post(req, rows, budget)
         except Exception as e:  # noqa: BLE001 - nixl raises its own error types
             why = f"the write failed to start: {e}"
         if why:
             self.leases.finish_claim(req.request_id)
         return msgspec.msgpack.encode(why)
 
-    def _post(self, req: PushRequest, rows: list[list[int]]) -> str:
+    def _post(self, req: PushRequest, rows: list[list[int]], budget_s: float) -> str:
         groups = self.layout.groups
         src_pages = pages_from_wire(req.remote_pages, len(groups))
         dst_pages = pages_from_wire(req.local_pages, len(groups))
@@ -101,13 +107,13 @@ class PushProducer:
         with self._lock:
             peer = self.consumers.get(req.consumer)
             if peer is None:
-                return "unknown decode instance (no hello)"
+                return UNKNOWN_CONSUMER
             for g, dst in zip(groups, dst_pages):
                 if len(dst) and int(dst.max()) >= min(peer.num_blocks[r] for r in g.regions):
                     return "destination block ids out of range"
             src = descriptor_indices(groups, self.layout.base, src_pages)
             dst = descriptor_indices(groups, peer.base, dst_pages)
-            w = _Write(req, time.monotonic() + req.budget_s)
+            w = _Write(req, time.monotonic() + budget_s)
             chunks = [(src[i:i + 1], dst[i:i + 1]) for i in range(len(src))] \
                 if req.per_block else [(src, dst)]
             # Packed: the notification rides on the write. Per block: sent when all are done.
@@ -161,7 +167,7 @@ class PushProducer:
             why = "the write failed (the decode instance is gone?)" if "ERR" in states \
                 else "ok"
         else:
-            why = "cancelled" if w.cancelled else f"the write took over {w.req.budget_s:.3g}s"
+            why = "cancelled" if w.cancelled else "the write ran past the decode side's deadline"
         for h in w.handles:
             if not self._try_release(h):
                 w.stuck.append(h)

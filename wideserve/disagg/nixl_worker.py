@@ -32,7 +32,7 @@ import numpy as np
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseTable
-from wideserve.disagg.nixl_push import PushProducer
+from wideserve.disagg.nixl_push import UNKNOWN_CONSUMER, PushProducer
 from wideserve.disagg.params import LoadSpec, RemoteKV
 from wideserve.disagg.push import PushRequest, new_token, pages_to_wire, parse_notification
 from wideserve.disagg.side_channel import SideChannelClient, SideChannelServer
@@ -41,8 +41,8 @@ from wideserve.disagg.worker import KVConnectorWorker
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-# A producer that does not answer a cancel in this long is taken as gone (its own budget,
-# the consumer's remaining timeout, has then passed: it has aborted the write itself).
+# A producer that does not answer a cancel in this long is taken as gone (the push's
+# deadline has then passed: it refuses the push, or aborts the write, itself; push.py).
 CANCEL_TIMEOUT_S = 2.0
 CANCEL_RETRY_S = 0.01
 
@@ -204,11 +204,12 @@ class NixlWorker(KVConnectorWorker):
         f.token = new_token()
         f.num_transfers = 1 if self.mode == "packed" else \
             sum(len(p) * len(g.regions) for g, p in zip(self.layout.groups, load.local_pages))
+        left = max(0.0, f.deadline - time.monotonic())
         req = PushRequest(self.config.engine_id, f.token, r.remote_request_id,
                           pages_to_wire(load.local_pages), pages_to_wire(load.remote_pages),
-                          max(0.0, f.deadline - time.monotonic()), self.mode == "per_block")
+                          time.time() + left, self.mode == "per_block")
         f.accept = self.pool.submit(self._call, r, "push", msgspec.msgpack.encode(req),
-                                    min(HANDSHAKE_TIMEOUT_S, req.budget_s + 0.1))
+                                    min(HANDSHAKE_TIMEOUT_S, left + 0.1))
         self.by_token[f.token] = f
         self.inflight[load.request_id] = f
 
@@ -247,6 +248,8 @@ class NixlWorker(KVConnectorWorker):
                 return None
             f.accept = None
             if refused:
+                if refused == UNKNOWN_CONSUMER:       # it dropped us: hello again next time
+                    self._drop_peer(f.load.remote.remote_engine_id)
                 return f"the prefill instance refused the push: {refused}"
         if f.cancelled or now > f.deadline:
             self._start_cancel(f, "cancelled" if f.cancelled else
@@ -265,7 +268,7 @@ class NixlWorker(KVConnectorWorker):
             return None
         try:
             stopped = f.cancel.result()
-        except Exception:  # noqa: BLE001 - unreachable: gone, or past its own budget
+        except Exception:  # noqa: BLE001 - unreachable: gone, or past the deadline
             self._drop_peer(f.load.remote.remote_engine_id)
             return f.why
         if stopped:

@@ -3,17 +3,19 @@
 The protocol (docs/disaggregation.md, "Push"), the same for every transport:
 1. The consumer allocates the request's blocks (as for a pull), then asks the producer to
    push: a `PushRequest` naming the producer's request (its lease), the consumer's and the
-   producer's pages, a random token and a time budget.
+   producer's pages, a random token and its deadline.
 2. The producer *claims* the lease (leases.py: the blocks stay held, the lease cannot expire
    under the write), checks the source pages are the request's own, posts the write and
    answers "" (accepted) or why not (nothing was written).
 3. When the write has landed the consumer receives a notification `OK + token`; a write the
-   producer stopped (failed, aborted at the budget) gives `ERR + token + why`. Either way the
+   producer stopped (failed, aborted at the deadline) gives `ERR + token + why`. Either way the
    producer frees the blocks once its write has stopped.
 4. A consumer that times out (or whose request was aborted) asks `cancel(token)` until the
    producer says the write has stopped, so its blocks are never freed under a live write. A
-   producer that cannot be reached is taken as gone; it aborts its own write at the budget,
-   which ends before the consumer's deadline.
+   producer that cannot be reached is taken as gone: past the deadline it refuses the push
+   (e.g. one that waited in its socket while the producer was stalled) and aborts its own
+   write. Not covered: a producer that stalls in the middle of a posted write and resumes
+   after the consumer gave up (a one-sided write has no fence the consumer could raise).
 """
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ class PushRequest(msgspec.Struct, array_like=True):
     request_id: str               # the producer's request id (its lease)
     local_pages: list[bytes]      # per group, int32 consumer page ids (the destination)
     remote_pages: list[bytes]     # per group, int32 producer page ids (the source)
-    budget_s: float               # the producer aborts the write after this long
+    # Wall-clock (time.time) deadline: the producer refuses a push it sees later (one that
+    # waited in its socket while it was stalled) and aborts a write still running then.
+    # Clocks of the two hosts must agree to well under CANCEL_TIMEOUT_S (nixl_worker.py).
+    deadline: float
     per_block: bool = False       # one write per page (benchmark) instead of one packed
 
 
