@@ -262,3 +262,54 @@ def test_config_rejects_candidates_across_ratios():
     with pytest.raises(ValueError, match="index source 2 comes after the candidate source 0"):
         DeepseekV41Config.from_dict({"text_config": kw})
     DeepseekV41Config.from_dict({"text_config": dict(h.C)})
+
+
+def test_official_fp8_engram_tables_stay_fp8(oracle, tmp_path):
+    """Official checkpoints store each Engram table as FP8 e4m3 rows with a UE8M0 scale per
+    row and 32 channels (the reference adapter's layout). wideserve keeps them FP8 in host
+    memory and dequantises only the gathered rows: the logits equal the reference's with the
+    table decoded by the reference adapter's own dequantize_checkpoint_weight (rowwise)."""
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import \
+        dequantize_checkpoint_weight
+
+    from wideserve.layers.quant import quantize_fp8_block
+    m, path, _, seqs, _ = oracle("A", "off")
+    state = _official_state(m)
+    params = dict(m.named_parameters())
+    saved = {}
+    for name in [n for n in state if n.endswith(".engram.embed.weight")]:
+        codes, scale = quantize_fp8_block(state[name], (1, 32))
+        state[name], state[name.removesuffix(".weight") + ".scale"] = codes, scale
+        table = params["model." + name]
+        saved[table] = table.data.clone()
+        table.data.copy_(dequantize_checkpoint_weight(codes, scale, dtype=torch.float32,
+                                                      rowwise=True))
+    try:
+        with h.kv_quant_off():
+            ref = h.oracle_logits(m, seqs[0])
+    finally:
+        for table, value in saved.items():
+            table.data.copy_(value)
+    for f in ("config.json", "tokenizer.json"):
+        (tmp_path / f).write_text((path / f).read_text())
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ws = h.ws_model(tmp_path)
+    tables = [mod for name, mod in ws.named_modules() if name.endswith("engram.embed")]
+    assert len(tables) == 2 and all(t.weight.dtype == torch.float8_e4m3fn for t in tables)
+    with h.kv_quant_off():
+        out = _harness(ws, seqs[:1], "raw").step([0], seqs[:1])
+    assert (out - ref).abs().max().item() <= TOL
+    del state["layers.4.engram.embed.scale"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="FP8 tensor without a .scale companion"):
+        h.ws_model(tmp_path)
+    # Tables wider than one scale group (Flash: 256 channels, 8 scales a row), gathered by id.
+    from wideserve.layers.engram import HostTable
+    dense = torch.randn(50, 96) * torch.logspace(-3, 2, 50)[:, None]
+    codes, scale = quantize_fp8_block(dense, (1, 32))
+    table = HostTable(50, 96)
+    table.load_fp8(codes, scale)
+    ids = torch.tensor([[7, 0, 49], [7, 31, 2]])
+    expect = dequantize_checkpoint_weight(codes, scale, dtype=torch.float32, rowwise=True)
+    assert torch.equal(table.gather(ids), expect[ids])
+    assert table.float().weight.dtype == torch.float8_e4m3fn

@@ -202,7 +202,8 @@ def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype:
                     tensor_filter: TensorFilter | None = None) -> None:
     """Stream the checkpoint into `model`. Unknown tensor names are the model's to reject
     (its `load_weights` raises for a name it cannot place); the error then names the file."""
-    reader = CheckpointReader(model_dir, config_json, dtype)
+    reader = CheckpointReader(model_dir, config_json, dtype,
+                              keep_quantised=getattr(model, "keeps_quantised", None))
     yielded: list[str] = []
     try:
         with torch.no_grad():

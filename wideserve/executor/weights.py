@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -108,6 +108,10 @@ class CheckpointReader:
     sources: dict[str, str] = field(default_factory=dict)
     quant_format: QuantFormat = field(default_factory=QuantFormat)
     rename: bool = False
+    # Names (as yielded) whose quantised tensor is passed on as stored, followed by its scale
+    # as `<name without .weight>.scale` (the model's `keeps_quantised`, e.g. V4.1's FP8
+    # Engram tables kept FP8 in host memory); None: everything is dequantised.
+    keep_quantised: Callable[[str], bool] | None = None
     _handles: dict[Path, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -196,6 +200,12 @@ class CheckpointReader:
             if prefix is None:
                 hf = self._hf_name(name)
                 self.sources[hf] = self.where(name)
+                scale = self._scale_of(name)
+                if scale is not None and self.keep_quantised is not None and \
+                        self.keep_quantised(hf):
+                    yield hf, self._raw(name)
+                    yield hf.removesuffix(".weight") + ".scale", self._raw(scale)
+                    continue
                 yield hf, self._dense(name)
             elif prefix not in done:
                 done.add(prefix)

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from wideserve.layers import quant
+
 
 def compressed_token_map(tokenizer_json: str) -> tuple[list[int], int]:
     """Token id -> normalised-vocabulary id, from a tokenizer.json string.
@@ -111,25 +113,52 @@ class NgramHasher:
 
 class HostTable(nn.Module):
     """An embedding table that stays in host memory (`weight` [rows, dim]); `gather(ids)`
-    reads rows by id on the host and returns them on the ids' device."""
+    reads rows by id on the host and returns them on the ids' device. An official FP8
+    checkpoint's table stays FP8 (e4m3 rows, one UE8M0 scale per row and 32 channels: a
+    quarter of the fp32 bytes) and only the gathered rows are dequantised."""
 
     host_resident = True    # the loader allocates it in host memory (executor/loader.py)
+    SCALE_GROUP = 32        # channels per scale of an FP8 table
 
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
+        self.register_buffer("scale", None, persistent=False)   # [rows, dim / 32] (FP8)
+
+    def load_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep an FP8 e4m3 table [>= rows, dim] with its scales [>= rows, dim / 32] (rows past
+        the config's count are the checkpoint's padding)."""
+        rows, dim = self.weight.shape
+        grid = (rows, -(-dim // self.SCALE_GROUP))
+        if weight.dtype != torch.float8_e4m3fn or weight.shape[0] < rows or \
+                weight.shape[1] != dim or scale.shape[0] < rows or scale.shape[1] != grid[1]:
+            raise ValueError(f"FP8 Engram table {tuple(weight.shape)} {weight.dtype} with scales "
+                             f"{tuple(scale.shape)}: expected float8_e4m3fn [{rows}, {dim}] and "
+                             f"scales [{rows}, {grid[1]}]")
+        self.weight = nn.Parameter(weight[:rows].to("cpu"), requires_grad=False)
+        self.scale = scale[:rows].to("cpu")
 
     def _apply(self, fn, recurse: bool = True):   # noqa: ANN001 - nn.Module's signature
         # Moving the model (to a GPU, or to another dtype) leaves the table where it is:
-        # only the rows a step gathers travel.
-        weight = self.weight
+        # only the rows a step gathers travel. An FP8 table also keeps its storage dtype.
+        # (nn.Module._apply may swap a parameter's .data in place: keep the tensors.)
+        weight, scale = self.weight.data, self.scale
         super()._apply(fn, recurse)
-        if self.weight.device.type != "cpu":
-            self.weight = weight
+        if self.weight.device.type != "cpu" or scale is not None:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.scale = scale
         return self
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.index_select(0, ids.reshape(-1).to(self.weight.device))
+        flat = ids.reshape(-1).to(self.weight.device)
+        if self.scale is None:
+            rows = self.weight.index_select(0, flat)
+        else:   # byte views: index_select on the float8 dtypes is not available everywhere
+            codes = self.weight.view(torch.uint8).index_select(0, flat)
+            scales = self.scale.view(torch.uint8).index_select(0, flat)
+            rows = quant.dequantize_fp8_block(codes.view(self.weight.dtype),
+                                              scales.view(self.scale.dtype),
+                                              (1, self.SCALE_GROUP), torch.float32)
         return rows.view(*ids.shape, -1).to(ids.device, non_blocking=True)
 
 

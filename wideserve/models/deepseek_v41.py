@@ -360,12 +360,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         targets = self.state_dict(keep_vars=True)
         loaded: set[str] = set()
         parts: dict[str, int] = {}
+        fp8_tables: dict[str, torch.Tensor] = {}    # an FP8 Engram table until its scale
         for raw, tensor in weights:
             if raw.startswith("mtp.") and len(self.mtp):
                 loaded |= load_stage_weights(targets, [(raw, tensor)])
                 continue
             name = official_to_reference(raw)
             if name is None:
+                continue
+            if name.endswith(_TABLE) and tensor.dtype == torch.float8_e4m3fn:
+                fp8_tables[name] = tensor
+                continue
+            if name.endswith(".engram.embed.scale"):
+                table = name.removesuffix(".scale") + ".weight"
+                if table not in fp8_tables:
+                    raise ValueError(f"DeepSeek-V4.1: {raw!r} comes without its FP8 table")
+                self.get_submodule(table.removesuffix(".weight")).load_fp8(
+                    fp8_tables.pop(table), tensor)
+                loaded.add(table)
                 continue
             name, tensor, part = _expert_layout(name, tensor)
             target = targets.get(name)
@@ -382,7 +394,16 @@ class DeepseekV41ForCausalLM(nn.Module):
                 parts[name] = parts.get(name, 0) + 1
                 if parts[name] == target.shape[0] * part[2]:
                     loaded.add(name)
+        if fp8_tables:
+            raise ValueError(f"DeepSeek-V4.1: FP8 Engram table {next(iter(fp8_tables))!r} has "
+                             f"no .scale companion")
         return loaded
+
+    @staticmethod
+    def keeps_quantised(name: str) -> bool:
+        """Checkpoint tensors the reader passes on as stored, with their `.scale`: Engram
+        tables stay FP8 in host memory (HostTable.load_fp8); only gathered rows dequantise."""
+        return name.endswith(_TABLE)
 
     def param_counts(self) -> tuple[int, int]:
         """(total, active per token): routed experts count at k/E; an Engram table (in host
@@ -407,6 +428,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 # ------------------------------------------------------------------ checkpoint names
 _IGNORED = re.compile(r"(^|\.)(bias_vl|tid2eid)$|^(model\.)?(vision|aligner)\.|"
                       r"^(model\.)?image_(start|end|newline)$")
+_TABLE = ".engram.embed.weight"
 _HC = re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
 _SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
