@@ -110,7 +110,8 @@ def faults(host: str, port_file: str) -> None:
     lay = layout()
     info = _wait_for(port_file)
     worker = NixlWorker(KVTransferConfig(kv_role="kv_consumer", engine_id="cons",
-                                         kv_load_timeout_s=3), lay, LeaseTable())
+                                         kv_load_timeout_s=3, kv_transfer_op="push"),
+                        lay, LeaseTable())
     out = {"req0": bool(_load(worker, lay, host, info["port"], "req0",
                               LOCAL_ROWS)[0].finished_loads)}
     out["expired"] = _load(worker, lay, host, info["port"], "expired",

@@ -1,6 +1,6 @@
 """Prefill -> a decode instance that is a DEP group (`serve -dp 2 --enable-expert-parallel`
 with a consumer `--kv-transfer-config`): the group's client routes each request with its KV
-handle to a rank, that rank's connector has the KV pushed into its own cache, and the greedy
+handle to a rank, that rank's connector loads the KV into its own cache, and the greedy
 outputs equal a colocated server's (the bundled V4; 1 torch thread per process)."""
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def test_push_from_a_stalled_producer_times_out_as_the_policy_says(model, policy
     pushes time out and end as the policy says; once it steps again it skips the withdrawn
     pushes and frees its blocks."""
     p, d, ref = _engines(model, d_kv={"kv_load_failure_policy": policy,
-                                      "kv_load_timeout_s": 0.2})
+                                      "kv_load_timeout_s": 0.2, "kv_transfer_op": "push"})
     expected = run_colocated(ref, PROMPTS[:2], MAX_NEW)
     handles = prefill(p, PROMPTS[:2])
     for i, (prompt, h) in enumerate(zip(PROMPTS[:2], handles)):
