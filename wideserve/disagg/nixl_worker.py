@@ -4,13 +4,13 @@ Setup (once per engine): a NIXL agent named by engine id registers the KV slabs 
 VRAM on GPU) and prepares the local descriptor list, one descriptor per (slab, block).
 A producer also serves its agent metadata and region table on the authenticated side channel.
 
-Pull (`kv_transfer_op: "pull"`), per peer (once): fetch the metadata over the side channel,
+Pull (`kv_transfer_op: "pull"`, the default), per peer (once): fetch the metadata over the side channel,
 check the layout fingerprint, `add_remote_agent`, prepare the remote descriptor list. Per
 load: one prepared READ over all the request's page descriptors (NIXL merges adjacent ones;
 "packed", the default) or one READ per descriptor ("per_block", for the benchmark), then the
 release/confirm call to the producer.
 
-Push (`"push"`, the default; protocol in push.py, producer half in nixl_push.py): per peer
+Push (`"push"`, opt-in; protocol in push.py, producer half in nixl_push.py): per peer
 the consumer sends its own metadata ("hello"); per load it asks the producer to WRITE into
 the blocks it allocated and waits for the producer's notification.
 
