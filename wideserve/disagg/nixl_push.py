@@ -27,6 +27,16 @@ logger = logging.getLogger(__name__)
 UNKNOWN_CONSUMER = "unknown decode instance (no hello)"
 
 
+def try_release(agent: Any, handle: Any) -> bool:
+    """Release a NIXL transfer handle; False while it is still in flight and cannot be
+    aborted (the caller keeps it and retries later)."""
+    try:
+        agent.release_xfer_handle(handle)
+        return True
+    except Exception:  # noqa: BLE001 - still in flight and not abortable: retry later
+        return False
+
+
 @dataclass(slots=True)
 class _Consumer:
     agent_name: str
@@ -146,7 +156,7 @@ class PushProducer:
                 if why is None:
                     continue
                 if w.stuck:
-                    w.stuck = [h for h in w.stuck if not self._try_release(h)]
+                    w.stuck = [h for h in w.stuck if not try_release(self.agent, h)]
                     if w.stuck:
                         continue
                 del self.writes[token]
@@ -169,7 +179,7 @@ class PushProducer:
         else:
             why = "cancelled" if w.cancelled else "the write ran past the decode side's deadline"
         for h in w.handles:
-            if not self._try_release(h):
+            if not try_release(self.agent, h):
                 w.stuck.append(h)
         w.handles = []
         if why.startswith("the write failed") and not any(
@@ -185,13 +195,6 @@ class PushProducer:
             self.agent.send_notif(peer.agent_name, notification(ok, w.req.token, why))
         except Exception as e:  # noqa: BLE001 - the consumer's timeout covers it
             logger.info("push notification to %s failed: %s", peer.agent_name, e)
-
-    def _try_release(self, h: Any) -> bool:
-        try:
-            self.agent.release_xfer_handle(h)
-            return True
-        except Exception:  # noqa: BLE001 - still in flight and not abortable: retry later
-            return False
 
     def _drop(self, consumer: str) -> None:
         peer = self.consumers.pop(consumer, None)
@@ -211,5 +214,5 @@ class PushProducer:
         with self._lock:
             for w in self.writes.values():
                 for h in w.handles:
-                    self._try_release(h)
+                    try_release(self.agent, h)
             self.writes.clear()

@@ -32,7 +32,7 @@ import numpy as np
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseTable
-from wideserve.disagg.nixl_push import UNKNOWN_CONSUMER, PushProducer
+from wideserve.disagg.nixl_push import UNKNOWN_CONSUMER, PushProducer, try_release
 from wideserve.disagg.params import LoadSpec, RemoteKV
 from wideserve.disagg.push import PushRequest, new_token, pages_to_wire, parse_notification
 from wideserve.disagg.side_channel import SideChannelClient, SideChannelServer
@@ -293,7 +293,7 @@ class NixlWorker(KVConnectorWorker):
                 self._load_succeeded(f.load, f.nbytes, f.num_transfers)
             else:
                 self._load_failed(rid, state)
-        self.zombies = [(h, rid) for h, rid in self.zombies if not self._try_release(h)]
+        self.zombies = [(h, rid) for h, rid in self.zombies if not try_release(self.agent, h)]
 
     def _poll_handshakes(self) -> None:
         now = time.monotonic()
@@ -352,16 +352,9 @@ class NixlWorker(KVConnectorWorker):
 
     def _stop(self, f: _InFlight) -> None:
         for h in f.handles:
-            if not self._try_release(h):
+            if not try_release(self.agent, h):
                 self.zombies.append((h, f.load.request_id))
         f.handles = []
-
-    def _try_release(self, h: Any) -> bool:
-        try:
-            self.agent.release_xfer_handle(h)
-            return True
-        except Exception:  # noqa: BLE001 - still in flight and not abortable: retry later
-            return False
 
     def _drop_peer(self, engine: str) -> None:
         peer = self.peers.pop(engine, None)

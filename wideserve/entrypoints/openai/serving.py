@@ -395,6 +395,23 @@ def request_failed_error(error: RequestFailed) -> ApiError:
     return ApiError(400, text, code=code)
 
 
+async def final_item(stream: AsyncIterator[StreamItem]) -> StreamItem:
+    """Drain one request's stream to its last item (a non-streamed response), mapping a dead
+    engine to 503 and a failed request to its 4xx/5xx; the stream is closed either way."""
+    final: StreamItem | None = None
+    try:
+        async for item in stream:
+            final = item
+    except EngineDeadError as e:
+        raise engine_unavailable(str(e)) from None
+    except RequestFailed as e:
+        raise request_failed_error(e) from None
+    finally:
+        await stream.aclose()                                # type: ignore[attr-defined]
+    assert final is not None
+    return final
+
+
 def sse(payload: Any) -> str:
     return f"data: {msgspec.json.encode(payload).decode()}\n\n"
 

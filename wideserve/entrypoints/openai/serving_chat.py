@@ -21,9 +21,8 @@ from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
 from wideserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, random_id
 from wideserve.entrypoints.openai.reasoning import TextDiff, ThinkParser
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ChatOptions, ServingContext,
-                                                  chat_logprobs, engine_unavailable, now_s,
-                                                  request_failed_error, respond, sse,
-                                                  stream_error_event, usage_dict)
+                                                  chat_logprobs, final_item, now_s, respond,
+                                                  sse, stream_error_event, usage_dict)
 from wideserve.entrypoints.openai.structured import structured_params
 from wideserve.entrypoints.openai.tool_parsers import (ToolCallStream, ToolParser,
                                                        calls_to_openai, get_tool_parser)
@@ -221,18 +220,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
-    final: StreamItem | None = None
-    stream = _stream_of(ctx, call)
-    try:
-        async for item in stream:
-            final = item
-    except EngineDeadError as e:
-        raise engine_unavailable(str(e)) from None
-    except RequestFailed as e:
-        raise request_failed_error(e) from None
-    finally:
-        await stream.aclose()                                # type: ignore[attr-defined]
-    assert final is not None
+    final = await final_item(_stream_of(ctx, call))
     out = final.output
     choices = []
     for co in out.outputs:

@@ -23,8 +23,8 @@ from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
 from wideserve.entrypoints.openai.protocol import ChatCompletionRequest
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
-                                                  engine_unavailable, request_failed_error,
-                                                  respond, sse, stream_error_event)
+                                                  final_item, respond, sse,
+                                                  stream_error_event)
 from wideserve.entrypoints.openai.serving_chat import ChoiceOutput, _Call, _stream_of, prepare
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -187,18 +187,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
 
 
 async def _full(ctx: ServingContext, call: _Call, rid: str) -> dict[str, Any]:
-    final: StreamItem | None = None
-    stream = _stream_of(ctx, call)
-    try:
-        async for item in stream:
-            final = item
-    except EngineDeadError as e:
-        raise engine_unavailable(str(e)) from None
-    except RequestFailed as e:
-        raise request_failed_error(e) from None
-    finally:
-        await stream.aclose()                                # type: ignore[attr-defined]
-    assert final is not None
+    final = await final_item(_stream_of(ctx, call))
     co = final.output.outputs[0]
     choice = ChoiceOutput(call)
     choice.text = co.text
