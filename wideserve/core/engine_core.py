@@ -30,6 +30,7 @@ from wideserve.disagg.connector import KVConnector
 from wideserve.distributed.eplb.balancer import EpGroup
 from wideserve.distributed.eplb.manager import EplbManager
 from wideserve.executor import memory_profile
+from wideserve.executor.decode_capture import EagerReplay, capture_sizes, decode_capture_enabled
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.penalties import PenaltyTracker
@@ -174,6 +175,7 @@ class EngineCore:
                                   self.kv_caches, self.device, with_drafts=self.spec is not None)
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
+        self._enable_decode_capture()
         self.sampler = Sampler()
         self.penalties = PenaltyTracker(self.vocab_size, self.device)   # counts kept per request
         self.structured = StructuredOutputManager(
@@ -192,6 +194,21 @@ class EngineCore:
     def _ep_group(self) -> EpGroup:
         """The expert-parallel group EPLB balances over: one process here."""
         return EpGroup()
+
+    def _enable_decode_capture(self) -> None:
+        """The captured decode step (LoadConfig.decode_capture). Off with EPLB: padded rows
+        would count as expert load. With speculation replays stay eager (a graph would skip
+        the proposers' Python side)."""
+        load = self.config.load
+        if not decode_capture_enabled(load.enforce_eager, load.decode_capture, self.device):
+            return
+        if self.eplb is not None:
+            logger.info("captured decode step off: EPLB counts every routed row")
+            return
+        sizes = capture_sizes(self.scheduler_config.max_num_seqs)
+        capturer = EagerReplay() if self.spec is not None else None
+        self.runner.enable_decode_capture(
+            sizes, self.max_model_len + self.scheduler_config.num_lookahead_tokens, capturer)
 
     def _hidden_size(self) -> int:
         cfg = self.loaded.config_json

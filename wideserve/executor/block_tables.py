@@ -73,6 +73,21 @@ class BlockTables:
     def row_of(self, request_id: str) -> int | None:
         return self._row.get(request_id)
 
+    def reserve_row(self) -> int:
+        """A row no request will get: all null blocks in every group, for ever (the padding
+        rows of a captured decode step, executor/decode_capture.py)."""
+        return self._take_row()
+
+    def reserve(self, rows: int, widths: Sequence[int]) -> None:
+        """Grow now to at least `rows` rows and `widths[g]` blocks per row of group g, so no
+        later update reallocates (a captured CUDA graph holds the tables' addresses)."""
+        while self._len.shape[0] < rows:
+            self._grow_rows()
+        for g, width in enumerate(widths):
+            if width > self._host[g].shape[1]:
+                self._regrow(g, np.pad(self._host[g],
+                                       ((0, 0), (0, width - self._host[g].shape[1]))))
+
     # ---------------------------------------------------------------------- tables
     def host(self, group: int) -> np.ndarray:
         """[rows, width] int64 host table of `group` (entries past a row's length are 0)."""
@@ -112,12 +127,16 @@ class BlockTables:
 
     def _take_row(self) -> int:
         if not self._free:
-            old = self._len.shape[0]
-            self._len = np.concatenate([self._len, np.zeros_like(self._len)])
-            for g in range(self.num_groups):
-                self._regrow(g, np.pad(self._host[g], ((0, old), (0, 0))))
-            self._free = list(range(2 * old - 1, old - 1, -1))
+            self._grow_rows()
         return self._free.pop()
+
+    def _grow_rows(self) -> None:
+        """Double the rows; the new ones join the free list (lowest handed out first)."""
+        old = self._len.shape[0]
+        self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+        for g in range(self.num_groups):
+            self._regrow(g, np.pad(self._host[g], ((0, old), (0, 0))))
+        self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
 
     def _widen(self, group: int, width: int) -> None:
         host = self._host[group]

@@ -5,6 +5,9 @@ Python loop per token). Block tables persist across steps (block_tables.py): a s
 only the block ids each request gained, so its cost does not grow with the context. Every
 metadata array goes to the device through `to_device` (shared memory on the CPU, pinned and
 non-blocking on CUDA), and nothing in here reads a device value back.
+
+Decode steps can instead go through the captured decode step (decode_capture.py, enabled by
+`enable_decode_capture`): padded to a capture size, metadata in static buffers, replayed.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 from wideserve.device import to_device
 from wideserve.executor.block_tables import BlockTables
+from wideserve.executor.decode_capture import CapturedDecode, Capturer
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 
 
@@ -67,6 +71,19 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.tables = tables if tables is not None else BlockTables(len(groups), device)
+        self.captured: CapturedDecode | None = None     # enable_decode_capture()
+
+    def enable_decode_capture(self, sizes: list[int] | tuple[int, ...], max_model_len: int,
+                              capturer: Capturer | None = None) -> CapturedDecode:
+        """Decode steps of up to max(sizes) requests run padded over static buffers (CUDA
+        graphs where the model is capturable, captured here); other steps stay eager."""
+        cap = CapturedDecode(self.model, self.groups, self.cache_group, self.kv_caches,
+                             self.tables, self.device, sizes, capturer)
+        cap.reserve_tables(max_model_len)
+        with torch.inference_mode():
+            cap.capture()
+        self.captured = cap
+        return cap
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished or preempted requests (their block-table rows are freed). A
@@ -118,10 +135,16 @@ class ModelRunner:
                 input_ids: torch.Tensor | None = None) -> ForwardOutput:
         """input_ids [T] on the device replaces the requests' token ids (a proposer feeding
         its own drafts back without a host sync)."""
-        batch = self.build_batch(reqs)
-        if input_ids is not None:
-            batch.input_ids = input_ids
-        hidden = self.model.forward(batch)
+        n = None if self.captured is None or input_ids is not None else \
+            self.captured.padded_size(reqs)
+        if n is not None:
+            step = self.captured.run(reqs, n)
+            hidden, batch = step.hidden, step.batch
+        else:
+            batch = self.build_batch(reqs)
+            if input_ids is not None:
+                batch.input_ids = input_ids
+            hidden = self.model.forward(batch)
         ends = batch.query_start_loc_cpu[1:] - 1
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = None

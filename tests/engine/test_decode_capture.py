@@ -1,0 +1,199 @@
+"""The captured decode step (executor/decode_capture.py) on the CPU: decode batches padded to
+capture sizes and run over static buffers ("replayed" eagerly: the CUDA graph capture itself
+needs a GPU). Greedy outputs equal the eager path's across batch-size changes, preemption,
+prefix hits and speculative decoding; padded rows write nothing but the null block."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from oracle import mixed_prompts, save_hf
+from wideserve import LLM, SamplingParams
+from wideserve.executor.decode_capture import (CapturedDecode, capture_sizes,
+                                               decode_capture_enabled, padded_size)
+
+LENGTHS = [3, 9, 17, 30, 41, 5, 12, 27]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_capture_sizes_and_padding() -> None:
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(6) == (1, 2, 4, 6)
+    assert capture_sizes(64) == (1, 2, 4, *range(8, 65, 8))
+    assert capture_sizes(1000)[-1] == 512
+    sizes = capture_sizes(20)
+    assert sizes == (1, 2, 4, 8, 16, 20)
+    assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 17, 20, 21)] == \
+        [1, 4, 8, 16, 20, 20, None]
+
+
+def test_enforce_eager_turns_it_off() -> None:
+    assert not decode_capture_enabled(None, None, CPU)        # CPU default: eager
+    assert decode_capture_enabled(None, None, CUDA)           # CUDA default: captured
+    assert not decode_capture_enabled(True, None, CUDA)       # --enforce-eager
+    assert decode_capture_enabled(False, None, CPU)
+    assert decode_capture_enabled(None, True, CPU) and not decode_capture_enabled(None, False, CUDA)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        decode_capture_enabled(True, True, CPU)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=160, hidden_size=48, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, tie_word_embeddings=False)).eval()
+
+
+def _v4():
+    from models import v4_configs
+    from models.v4_helpers import hf_model
+    return hf_model(v4_configs.A, seed=3)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "v4_A"])
+def model_path(request, tmp_path_factory) -> str:
+    model = _qwen3_moe() if request.param == "qwen3_moe" else _v4()
+    return str(save_hf(model, tmp_path_factory.mktemp(request.param)))
+
+
+def _llm(path: str, capture: bool, **kw) -> LLM:
+    args = dict(dtype="float32", block_size=16, kv_cache_memory=1 << 26,
+                skip_tokenizer_init=True, max_num_seqs=6, decode_capture=capture)
+    args.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LLM(path, **args)
+
+
+def _watch(llm: LLM) -> list[tuple[int, int]]:
+    """Record (real rows, padded size) of every captured step."""
+    cap = llm.engine.runner.captured
+    assert isinstance(cap, CapturedDecode)
+    calls: list[tuple[int, int]] = []
+    run = cap.run
+
+    def counted(reqs, n):
+        calls.append((len(reqs), n))
+        return run(reqs, n)
+    cap.run = counted
+    return calls
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    # Different lengths: requests finish at different steps, so the batch shrinks.
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _idle(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert llm.engine.kv_manager.usage == 0.0
+
+
+def test_greedy_equal_with_batch_changes_preemption_and_prefix_hits(model_path) -> None:
+    prompts = mixed_prompts(160, LENGTHS, seed=1)
+    shared = mixed_prompts(160, [4, 11, 23, 7], seed=2, shared_prefix=3 * 16 + 5)
+    runs = {}
+    for capture in (False, True):
+        plain = _llm(model_path, capture, max_num_batched_tokens=64)
+        calls = _watch(plain) if capture else []
+        out = _generate(plain, prompts)
+        out += _generate(plain, shared[:1]) + _generate(plain, shared[1:])
+        assert plain.engine.get_stats().prefix_hits >= 3 * 3 * 16
+        _idle(plain)
+        tight = _llm(model_path, capture, max_num_batched_tokens=64, num_blocks_override=8)
+        out += _generate(tight, prompts)
+        assert tight.engine.get_stats().num_preemptions > 0
+        _idle(tight)
+        runs[capture] = out
+        if capture:
+            assert plain.engine.runner.captured.sizes == (1, 2, 4, 6)
+            padded = {n for r, n in calls if n > r}
+            assert len({n for _, n in calls}) >= 3 and padded, calls
+    assert runs[True] == runs[False]
+
+
+def _copy_caches(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy that keeps the aliasing: the caches of a page-size bucket share one slab."""
+    slabs: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, v in caches.items():
+        ptr = v.untyped_storage().data_ptr()
+        if ptr not in slabs:
+            slabs[ptr] = v.view(torch.uint8).reshape(-1).clone()
+        out[name] = slabs[ptr].view(v.dtype).view(v.shape)
+    return out
+
+
+def test_padded_rows_write_only_the_null_block(model_path) -> None:
+    """Each captured step, against the eager forward of the same requests on a copy of the
+    caches: every entry outside the null block ends equal (the same entries changed, to the
+    same values), and the block pool is untouched."""
+    llm = _llm(model_path, True)
+    runner, kv = llm.engine.runner, llm.engine.kv_manager
+    cap = runner.captured
+    run, seen = cap.run, []
+
+    def checked(reqs, n):
+        before = _copy_caches(runner.kv_caches)
+        eager = runner.build_batch(reqs)
+        eager.kv_caches = _copy_caches(runner.kv_caches)
+        with torch.inference_mode():
+            runner.model.forward(eager)
+        used, free = kv.usage, kv.num_free_blocks
+        out = run(reqs, n)
+        assert (kv.usage, kv.num_free_blocks) == (used, free)
+        for name, cache in runner.kv_caches.items():
+            want, old = eager.kv_caches[name][1:], before[name][1:]
+            assert torch.equal(cache[1:] != old, want != old), name
+            torch.testing.assert_close(cache[1:], want, atol=1e-5, rtol=1e-4)
+        seen.append((len(reqs), n))
+        return out
+    cap.run = checked
+    _generate(llm, mixed_prompts(160, LENGTHS[:5], seed=3))
+    assert any(n > r for r, n in seen), seen
+    _idle(llm)
+
+
+def test_speculative_decoding_composes(tmp_path) -> None:
+    """Draft-model speculation with a budget that allows drafts at <= 3 requests only: steps
+    without drafts run captured, verification steps eagerly; outputs equal no speculation."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=False)).eval()
+    path = str(save_hf(model, tmp_path / "llama"))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(5 + i)] for i in range(6)]
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2,
+            "batch_token_budget": 9}
+    base = _generate(_llm(path, False), prompts)
+    llm = _llm(path, True, speculative_config=spec)
+    calls = _watch(llm)
+    assert _generate(llm, prompts) == base
+    assert any(n > r for r, n in calls)
+    assert llm.engine.get_stats().spec_decode.num_drafts > 0
+    _idle(llm)
+
+
+def test_block_tables_reserve_keeps_the_tables() -> None:
+    from wideserve.executor.block_tables import BlockTables
+    t = BlockTables(2, CPU, rows=2, separate_copy=True)
+    pad = t.reserve_row()
+    t.reserve(9, [5, 40])
+    tables = [t.device_table(g) for g in range(2)]
+    for i in range(8):
+        t.update(f"r{i}", [list(range(1, 6)), list(range(1, 41))])
+    assert all(t.device_table(g) is tables[g] for g in range(2))
+    assert not t.host(0)[pad].any() and not t.host(1)[pad].any()
+    assert np.array_equal(t.device_table(1).numpy()[t.row_of("r3")], np.arange(1, 41))

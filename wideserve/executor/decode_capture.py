@@ -1,0 +1,287 @@
+"""The captured decode step: decode batches padded to capture sizes, over static buffers.
+
+docs/host_path.md ("The captured decode step") describes the design; in short:
+- A decode step (every request one new token: no prefill chunk, no drafts, no replay, no prompt
+  logprobs) of R requests is padded to the smallest capture size >= R (`capture_sizes`: 1, 2,
+  4, then multiples of 8 up to max_num_seqs, as vLLM pads). Larger or other steps run eagerly.
+- Its metadata (token ids, positions, context lengths, query offsets, block-table rows, slots)
+  is written into buffers allocated once for the largest size (`StaticDecodeInputs`): on CUDA
+  a pinned host staging copy uploaded with non_blocking, on the CPU the device buffer itself.
+  A step allocates no metadata tensor; the batch the model sees is views of these buffers.
+- Padded rows are requests of one token (id 0) at position 0 whose block-table row is all null
+  blocks (`BlockTables.reserve_row`): they write only the null block (block 0, never handed
+  out, never read as data) and their outputs are dropped. The KV cache's other blocks and the
+  block pool are untouched (tests/executor/test_decode_capture.py).
+- One replay per capture size. On CUDA, for a model that declares its decode forward
+  capturable (`decode_capturable(device)`, see `_capturable`), the replay is a
+  `torch.cuda.CUDAGraph` captured at startup after warm-up runs; everywhere else a replay is
+  the eager forward run over the static buffers (`EagerReplay`). The CUDA capture is the
+  only part the CPU cannot run: it is untested here for want of a GPU.
+
+Buffers are restaged every step while the previous step's upload may still be in flight only
+after that step's sampled tokens were read back (a host sync), so one staging copy suffices.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+
+if TYPE_CHECKING:
+    from wideserve.executor.block_tables import BlockTables
+    from wideserve.executor.model_runner import GroupLayout, StepRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512          # vLLM's default largest capture size
+_FIELDS = ("input_ids", "positions", "seq_lens", "req_rows")
+
+
+def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> tuple[int, ...]:
+    """1, 2, 4, then every multiple of 8, up to min(max_num_seqs, max_size) (included)."""
+    top = max(1, min(max_num_seqs, max_size))
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8)) + [top]
+    return tuple(sorted(set(sizes)))
+
+
+def decode_capture_enabled(enforce_eager: bool | None, decode_capture: bool | None,
+                           device: torch.device) -> bool:
+    """LoadConfig.decode_capture, resolved: None follows the forward (on wherever it is not
+    eager: CUDA graphs with the compiled forward, as vLLM does); --enforce-eager turns both
+    off, so asking for both is an error."""
+    if enforce_eager and decode_capture:
+        raise ValueError("decode_capture=True contradicts enforce_eager=True (--enforce-eager "
+                         "runs every step eagerly, without the captured decode step)")
+    if decode_capture is not None:
+        return decode_capture
+    eager = device.type == "cpu" if enforce_eager is None else enforce_eager
+    return not eager
+
+
+def padded_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest capture size >= num_reqs; None when the batch is larger than all."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_decode_step(reqs: Sequence[StepRequest]) -> bool:
+    """A step the captured decode covers: every request one new token and nothing else."""
+    return bool(reqs) and all(len(r.token_ids) == 1 and not r.num_spec and not r.prompt_logits
+                              and not r.kv_write_start for r in reqs)
+
+
+class StaticDecodeInputs:
+    """The decode step's metadata for up to `size` rows, allocated once.
+
+    `host[name]` is where a step writes (numpy); `dev[name]` what the model reads. On the CPU
+    they are the same memory; on CUDA `host` is pinned and `upload` copies without blocking."""
+
+    def __init__(self, size: int, slot_groups: Sequence[int], device: torch.device) -> None:
+        self.size, self.device = size, device
+        self._same = device.type == "cpu"
+        names = [*_FIELDS, "query_start_loc", *(f"slots{g}" for g in slot_groups)]
+        self._host_t: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for name in names:
+            n = size + 1 if name == "query_start_loc" else size
+            pin = device.type == "cuda"
+            self._host_t[name] = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+            self.dev[name] = self._host_t[name] if self._same else \
+                torch.zeros(n, dtype=torch.int64, device=device)
+        self.host = {k: t.numpy() for k, t in self._host_t.items()}
+        self.host["query_start_loc"][:] = np.arange(size + 1)    # one token per row, always
+
+    def upload(self, n: int) -> None:
+        """Make rows [:n] of the device buffers equal the host's (a no-op on the CPU)."""
+        if self._same:
+            return
+        for name, host in self._host_t.items():
+            m = n + 1 if name == "query_start_loc" else n
+            self.dev[name][:m].copy_(host[:m], non_blocking=True)
+
+
+class Capturer(Protocol):
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Given the forward over one size's static buffers, the replay of it."""
+
+
+class EagerReplay:
+    """A replay that runs the forward again over the static buffers (the CPU's, and every
+    model that cannot be captured): the same buffers, padding and outputs as a graph."""
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return run
+
+
+class CudaGraphCapturer:
+    """torch.cuda.CUDAGraph per size, sharing one memory pool (captured largest first, so the
+    smaller graphs fit in the largest one's pool). The replay returns the graph's static
+    output, overwritten by the next replay: the runner reads it within the step.
+    UNTESTED: no GPU was available where this was written (docs/host_path.md)."""
+
+    def __init__(self, device: torch.device, warmup: int = 2) -> None:
+        self.device, self.warmup = device, warmup
+        self._pool = None
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        cuda = torch.cuda
+        side = cuda.Stream(self.device)
+        side.wait_stream(cuda.current_stream(self.device))
+        with cuda.stream(side):           # warm-up off the default stream, as capture wants
+            for _ in range(self.warmup):
+                run()
+        cuda.current_stream(self.device).wait_stream(side)
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph, pool=self._pool):
+            out = run()
+        if self._pool is None:
+            self._pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+
+def _capturable(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a CUDA graph may record the model's decode forward: no host sync, no host-built
+    per-step tensor, shapes fixed by the batch size. A model says so with a method
+    `decode_capturable(device) -> bool`; none does today (the GQA and V4 attention plans are
+    built on the host from the step's context lengths), so they replay eagerly."""
+    check = getattr(model, "decode_capturable", None)
+    return bool(check(device)) if callable(check) else False
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    hidden: torch.Tensor          # [R, d] the real rows' outputs
+    batch: ForwardBatch           # the real rows' batch (views of the static buffers)
+
+
+class CapturedDecode:
+    """One runner's captured decode: static buffers, the padding row, a replay per size."""
+
+    def __init__(self, model: torch.nn.Module, groups: Sequence[GroupLayout],
+                 cache_group: dict[str, int], kv_caches: dict[str, torch.Tensor],
+                 tables: BlockTables, device: torch.device, sizes: Sequence[int],
+                 capturer: Capturer | None = None) -> None:
+        """capturer None: CUDA graphs where the device is CUDA and the model is capturable,
+        else EagerReplay."""
+        self.model, self.groups, self.cache_group = model, list(groups), cache_group
+        self.kv_caches, self.tables, self.device = kv_caches, tables, device
+        self.sizes = tuple(sorted(sizes))
+        if capturer is None:
+            graphs = device.type == "cuda" and _capturable(model, device)
+            if device.type == "cuda" and not graphs:
+                logger.info("%s is not capturable: decode steps replay eagerly over the static "
+                            "buffers", type(model).__name__)
+            capturer = CudaGraphCapturer(device) if graphs else EagerReplay()
+        self.capturer = capturer
+        self.slot_groups = [g for g, lay in enumerate(self.groups) if lay.compress_ratio == 1]
+        self.inputs = StaticDecodeInputs(self.sizes[-1], self.slot_groups, device)
+        self.pad_row = tables.reserve_row()      # all null blocks, never assigned a request
+        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self._tables: list[torch.Tensor] | None = None   # device tables the replays were made on
+
+    # ------------------------------------------------------------------------ setup
+    def reserve_tables(self, max_model_len: int) -> None:
+        """Grow the block tables once to every row and block a run can need, so their device
+        tensors keep their address (a CUDA graph bakes it in)."""
+        widths = [math.ceil(max_model_len / lay.block_size) + 1 for lay in self.groups]
+        self.tables.reserve(self.sizes[-1] + 1, widths)
+
+    def capture(self) -> None:
+        """Capture every size, largest first, over all-padding batches (which write only the
+        null block). EagerReplay makes this free; CUDA graphs warm up and record here."""
+        for n in reversed(self.sizes):
+            self._stage_padding(0, n)
+            self.inputs.upload(n)
+            self._replays[n] = self.capturer.capture(self._forward_over(n))
+        self._tables = self._current_tables()
+
+    # ------------------------------------------------------------------------- a step
+    def padded_size(self, reqs: Sequence[StepRequest]) -> int | None:
+        """The size this step replays at; None when it is not a decode step or too large."""
+        return padded_size(len(reqs), self.sizes) if is_decode_step(reqs) else None
+
+    def run(self, reqs: Sequence[StepRequest], n: int) -> DecodeStep:
+        """The step of `reqs`, padded to n rows: staged, uploaded, replayed."""
+        self.stage(reqs, n)
+        self.inputs.upload(n)
+        hidden = self._replay(n)()
+        return DecodeStep(hidden[:len(reqs)], self._batch(len(reqs)))
+
+    def stage(self, reqs: Sequence[StepRequest], n: int) -> None:
+        """Write the step's metadata and the padding rows into the host buffers."""
+        r = len(reqs)
+        host = self.inputs.host
+        rows = np.fromiter((self.tables.update(q.request_id, q.block_ids, q.is_new)
+                            for q in reqs), dtype=np.int64, count=r)
+        pos = np.fromiter((q.start for q in reqs), dtype=np.int64, count=r)
+        host["input_ids"][:r] = [q.token_ids[0] for q in reqs]
+        host["positions"][:r] = pos
+        host["seq_lens"][:r] = pos + 1
+        host["req_rows"][:r] = rows
+        for g in self.slot_groups:
+            bs = self.groups[g].block_size
+            host[f"slots{g}"][:r] = self.tables.host(g)[rows, pos // bs] * bs + pos % bs
+        self._stage_padding(r, n)
+
+    # ---------------------------------------------------------------------- helpers
+    def _stage_padding(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi): token 0 at position 0 through the null-block row."""
+        host = self.inputs.host
+        for name in ("input_ids", "positions"):
+            host[name][lo:hi] = 0
+        host["seq_lens"][lo:hi] = 1
+        host["req_rows"][lo:hi] = self.pad_row
+        for g in self.slot_groups:
+            host[f"slots{g}"][lo:hi] = 0              # slot 0 of the null block
+
+    def _replay(self, n: int) -> Callable[[], torch.Tensor]:
+        if isinstance(self.capturer, EagerReplay):
+            if n not in self._replays:
+                self._replays[n] = self.capturer.capture(self._forward_over(n))
+            return self._replays[n]
+        if self._tables is None or n not in self._replays:
+            raise RuntimeError(f"decode size {n} was not captured (call capture() at startup)")
+        if any(a is not b for a, b in zip(self._current_tables(), self._tables)):
+            # A table outgrew its reservation (a new tensor): the graphs read the old one.
+            logger.warning("block tables were reallocated; decode steps now replay eagerly")
+            self.capturer, self._replays, self._tables = EagerReplay(), {}, None
+            return self._replay(n)
+        return self._replays[n]
+
+    def _forward_over(self, n: int) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            # A fresh batch object per call: a model may keep per-step state in batch.extras.
+            return self.model.forward(self._batch(n))
+        return run
+
+    def _current_tables(self) -> list[torch.Tensor]:
+        return [self.tables.device_table(g) for g in range(len(self.groups))]
+
+    def _batch(self, n: int) -> ForwardBatch:
+        """The first n rows of the static buffers as the model's batch."""
+        dev, host = self.inputs.dev, self.inputs.host
+        rows, rows_cpu = dev["req_rows"][:n], host["req_rows"][:n]
+        views = []
+        for g, lay in enumerate(self.groups):
+            slots = dev[f"slots{g}"][:n] if lay.compress_ratio == 1 else None
+            views.append(KVGroupView(lay.block_size, lay.compress_ratio,
+                                     self.tables.device_table(g), slot_mapping=slots,
+                                     req_rows=rows, req_rows_cpu=rows_cpu))
+        return ForwardBatch(
+            input_ids=dev["input_ids"][:n], positions=dev["positions"][:n],
+            query_start_loc=dev["query_start_loc"][:n + 1], seq_lens=dev["seq_lens"][:n],
+            query_start_loc_cpu=host["query_start_loc"][:n + 1],
+            seq_lens_cpu=host["seq_lens"][:n], kv_caches=self.kv_caches, kv_groups=views,
+            cache_group=self.cache_group)
