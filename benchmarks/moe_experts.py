@@ -1,8 +1,8 @@
 """Routed-expert implementations side by side (BENCHMARKS.md, "Routed experts").
 
-Times RoutedExperts.forward for each implementation ("loop", "grouped_mm", "padded") on the
-expert shapes of the two Qwen3-MoE benchmark models, at decode-like and prefill-like token
-counts, alternating the implementations in one run (the machine is shared and noisy), and
+Times RoutedExperts.forward for each implementation (`--impls`, default all of EXPERT_IMPLS)
+on the expert shapes of the two Qwen3-MoE benchmark models, at decode-like and prefill-like
+token counts (`--tokens`), alternating the implementations in one run (the machine is shared and noisy), and
 prints the fastest per shape; outputs are checked equal to the loop's.
 
   PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/moe_experts.py [--dtype bfloat16] [--device cpu]
@@ -15,12 +15,10 @@ import time
 
 import torch
 
-from wideserve.layers.experts import RoutedExperts
-
-IMPLS = ("loop", "grouped_mm", "padded")   # the loop first: the others are checked against it
+from wideserve.layers.experts import EXPERT_IMPLS, RoutedExperts
 
 SHAPES = {  # name: (experts, top-k, hidden, moe_intermediate)
-    "qwen3moe-11m": (8, 2, 256, 512),
+    "qwen3moe-11m": (8, 2, 256, 256),
     "qwen3moe-653m": (64, 8, 1024, 384),
 }
 
@@ -31,7 +29,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run(shape: str, tokens: int, dtype: torch.dtype, device: torch.device,
-        rounds: int) -> dict[str, float]:
+        rounds: int, impls: tuple[str, ...]) -> dict[str, float]:
     E, k, d, I = SHAPES[shape]
     torch.manual_seed(0)
     m = RoutedExperts(E, d, I).to(device=device, dtype=dtype)
@@ -41,11 +39,11 @@ def run(shape: str, tokens: int, dtype: torch.dtype, device: torch.device,
     x = torch.randn(tokens, d, dtype=dtype, device=device)
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(tokens)]).to(device)
     w = torch.rand(tokens, k, device=device)
-    times: dict[str, list[float]] = {i: [] for i in IMPLS}
+    times: dict[str, list[float]] = {i: [] for i in impls}
     ref = None
     with torch.inference_mode():
         for _ in range(rounds):
-            for impl in IMPLS:          # alternate: noise hits every impl alike
+            for impl in impls:          # alternate: noise hits every impl alike
                 m.impl = impl
                 m._resolved.clear()
                 m(x, ids, w)                   # warm
@@ -66,17 +64,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--impls", default=",".join(EXPERT_IMPLS),
+                    help="comma-separated; the loop always runs first (the others are checked "
+                         "against it)")
+    ap.add_argument("--tokens", default="1,16,64,512")
     args = ap.parse_args()
+    impls = ("loop",) + tuple(i for i in args.impls.split(",") if i != "loop")
     torch.set_num_threads(1)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    print(f"| shape | tokens | {' | '.join(IMPLS)} (ms, median of {args.rounds}) "
+    print(f"| shape | tokens | {' | '.join(impls)} (ms, median of {args.rounds}) "
           f"| fastest |")
-    print("|---|---|" + "---|" * len(IMPLS) + "---|")
+    print("|---|---|" + "---|" * len(impls) + "---|")
     for shape in SHAPES:
-        for tokens in (1, 16, 64, 512):
-            ms = run(shape, tokens, dtype, device, args.rounds)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            ms = run(shape, tokens, dtype, device, args.rounds, impls)
             best = min(ms, key=ms.get)
-            print(f"| {shape} | {tokens} | " + " | ".join(f"{ms[i]:.2f}" for i in IMPLS)
+            print(f"| {shape} | {tokens} | " + " | ".join(f"{ms[i]:.2f}" for i in impls)
                   + f" | {best} |", flush=True)
 
 

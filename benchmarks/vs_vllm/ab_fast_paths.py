@@ -1,7 +1,10 @@
 """In-process A/B of the CPU fast paths (BENCHMARKS.md, "CPU kernels"): one engine, the paths
 switched between alternated generate calls, so load noise hits every configuration alike.
 
-  OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/vs_vllm/ab_fast_paths.py MODEL PROMPTS OUT_LEN
+  OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/vs_vllm/ab_fast_paths.py MODEL PROMPTS OUT_LEN [CONFIGS]
+
+CONFIGS: comma-separated names from `configs` below (default all); "fused" is the C++
+routed-experts op (wideserve/kernels), the CPU default in bf16 since session 4.
 """
 import sys, time, random, torch
 torch.set_num_threads(1)
@@ -29,7 +32,8 @@ def setcfg(attn_mm, experts, pack):
         for v in vars(m).values():
             if isinstance(v, lin.WeightPack): v.invalidate()
 configs = {"old": (False, "grouped_mm", False), "attn": (True, "grouped_mm", False),
-           "attn+pack": (True, "grouped_mm", True), "all": (True, "packed", True)}
+           "attn+pack": (True, "grouped_mm", True), "all": (True, "packed", True),
+           "fused": (True, "fused", True)}
 sel = sys.argv[4].split(",") if len(sys.argv) > 4 else list(configs)
 llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 for rnd in range(2):

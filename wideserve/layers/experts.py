@@ -17,6 +17,10 @@ per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "R
   (layers/linear.py), the default on the CPU where packing runs for the dtype (bf16): the
   plain kernels re-lay every expert's weight out on each call. Its host read of the counts
   costs nothing on the CPU; it holds a second, packed copy of the expert weights.
+- "fused": the C++ CPU op (wideserve/kernels/csrc/moe.cpp): gather, both GEMMs, SwiGLU and the
+  weighted sum per token in one call over weights prepacked for it (AVX512-BF16 where the
+  build has it); the CPU default in bf16 where that fast path is compiled. No sort, no
+  per-expert Python, no host read.
 - "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
   reference the others are tested against.
 With expert parallelism, `ep` (default None) is the dispatcher that moves rows to the ranks
@@ -24,6 +28,7 @@ owning their experts and calls `grouped_mlp` there.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -31,12 +36,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.distributed.eplb.replicas import map_to_physical
+from wideserve.kernels import moe as moe_op
+from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
 
-EXPERT_IMPLS = ("grouped_mm", "padded", "packed", "loop")
-# Device type -> the implementation measured fastest there (fallbacks apply where the build
-# cannot pack the dtype (packed -> grouped_mm) or run torch._grouped_mm for it (-> padded)).
-DEFAULT_EXPERT_IMPL = {"cpu": "packed", "cuda": "grouped_mm"}
+logger = logging.getLogger(__name__)
+
+EXPERT_IMPLS = ("grouped_mm", "padded", "packed", "fused", "loop")
+# Device type -> the implementation measured fastest there (fallbacks apply where the C++ op
+# cannot run (fused -> packed), the build cannot pack the dtype (packed -> grouped_mm) or run
+# torch._grouped_mm for it (-> padded)). On the CPU "fused" is the default only where its
+# AVX512-BF16 path is compiled and the weights are bf16 (measured, BENCHMARKS.md "Fused routed
+# experts"); elsewhere the CPU default is "packed".
+DEFAULT_EXPERT_IMPL = {"cpu": "fused", "cuda": "grouped_mm"}
+FUSED_DEFAULT_DTYPES = (torch.bfloat16,)
 FALLBACK_EXPERT_IMPL = "padded"
 # The CPU default packs only experts at least this large (hidden x intermediate elements):
 # below it the per-expert Python loop costs more than the re-layout it saves (measured on the
@@ -89,7 +102,7 @@ class RoutedExperts(nn.Module):
         self.impl = impl                 # None: DEFAULT_EXPERT_IMPL for the device
         self.ep: Any = None              # expert-parallel dispatcher (wideserve/distributed)
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
-        self._packs: _ExpertPacks | None = None     # "packed": derived copies of the weights
+        self._packs: _ExpertPacks | _FusedPack | None = None   # derived copies of the weights
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -113,6 +126,8 @@ class RoutedExperts(nn.Module):
         self.expert_load += load
         if self.ep is not None:
             return self.ep.forward(self, x, phys, topk_weights)
+        if self.resolved_impl(x.device, x.dtype) == "fused":
+            return self._fused(x, phys, topk_weights)
         T, k = phys.shape
         order = torch.argsort(flat, stable=True)                   # rows sorted by expert
         ys = self._sorted_mlp(x.index_select(0, order // k), load)
@@ -135,16 +150,37 @@ class RoutedExperts(nn.Module):
     def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
         key = (device.type, dtype)
         if key not in self._resolved:
-            impl = self.impl or DEFAULT_EXPERT_IMPL.get(device.type, FALLBACK_EXPERT_IMPL)
-            hidden, intermediate = self.down_proj.shape[1], self.down_proj.shape[2]
-            small = self.impl is None and hidden * intermediate < PACKED_MIN_ELEMENTS
-            if impl == "packed" and (small or not (device.type == "cpu" and packing_runs(dtype))):
-                impl = "grouped_mm"
-            if impl == "grouped_mm" and not _grouped_mm_runs(device, dtype, hidden,
-                                                             intermediate):
-                impl = FALLBACK_EXPERT_IMPL
-            self._resolved[key] = impl
+            self._resolved[key] = self._resolve(device, dtype)
         return self._resolved[key]
+
+    def _resolve(self, device: torch.device, dtype: torch.dtype) -> str:
+        hidden, intermediate = self.down_proj.shape[1], self.down_proj.shape[2]
+        impl = self.impl or DEFAULT_EXPERT_IMPL.get(device.type, FALLBACK_EXPERT_IMPL)
+        if impl == "fused":
+            if self.impl is None:
+                usable = dtype in FUSED_DEFAULT_DTYPES and _fused_runs(device, dtype) \
+                    and moe_op.fast_path_compiled()
+            else:
+                usable = _fused_runs(device, dtype)
+                if not usable:
+                    logger.warning("fused experts cannot run on %s for %s: using the torch "
+                                   "path", device.type, dtype)
+            if usable:
+                return "fused"
+            impl = "packed"
+        small = self.impl is None and hidden * intermediate < PACKED_MIN_ELEMENTS
+        if impl == "packed" and (small or not (device.type == "cpu" and packing_runs(dtype))):
+            impl = "grouped_mm"
+        if impl == "grouped_mm" and not _grouped_mm_runs(device, dtype, hidden, intermediate):
+            impl = FALLBACK_EXPERT_IMPL
+        return impl
+
+    def _fused(self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.gate_up_proj, self.down_proj
+        if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
+            self._packs = _FusedPack(w1, w2)
+        return moe_op.fused_experts(x, phys, weights, self._packs.w13, self._packs.w2,
+                                    w2.shape[2], self.swiglu_limit)
 
     def _sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [N, d] sorted by expert, counts [L] rows per expert -> [N, d] in xs.dtype."""
@@ -157,22 +193,42 @@ class RoutedExperts(nn.Module):
         if impl == "padded":
             return padded_mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "packed":
-            if self._packs is None or not self._packs.current(w1, w2):
+            if not isinstance(self._packs, _ExpertPacks) or not self._packs.current(w1, w2):
                 self._packs = _ExpertPacks(w1, w2)
             return packed_mlp(xs, counts, self._packs, self.swiglu_limit)
         return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
 
 
-class _ExpertPacks:
-    """Per-expert packed copies of gate_up_proj and down_proj (layers/linear.py)."""
+class _DerivedPack:
+    """A copy of the expert weights prepared for one implementation, with the fingerprint of
+    the sources it was made from (rebuilt when they change, layers/linear.py)."""
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         self.key = weights_fingerprint((w1, w2))
-        self.w1 = [prepack(w) for w in w1.detach()]
-        self.w2 = [prepack(w) for w in w2.detach()]
 
     def current(self, w1: torch.Tensor, w2: torch.Tensor) -> bool:
         return self.key == weights_fingerprint((w1, w2))
+
+
+class _ExpertPacks(_DerivedPack):
+    """Per-expert oneDNN-packed copies of gate_up_proj and down_proj (layers/linear.py)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__(w1, w2)
+        self.w1 = [prepack(w) for w in w1.detach()]
+        self.w2 = [prepack(w) for w in w2.detach()]
+
+
+class _FusedPack(_DerivedPack):
+    """gate_up_proj and down_proj in the fused op's layout (wideserve/kernels/moe.py)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__(w1, w2)
+        self.w13, self.w2 = moe_op.pack_experts(w1, w2)
+
+
+def _fused_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in moe_op.DTYPES and cpu_ops_available()
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""The fused routed-experts C++ op (wideserve/kernels/csrc/moe.cpp) against a per-token fp64
+oracle and the readable loop, on random shapes: empty experts, empty and single-token
+batches, every row on one expert, odd widths, the SwiGLU limit clamp, bf16 and fp32, through
+both the AVX512-BF16 and the portable paths; the default choice. (RoutedExperts("fused")
+following weight writes after packing: tests/layers/test_experts.py.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from wideserve.kernels import loader
+from wideserve.kernels import moe as moe_op
+from wideserve.layers.experts import RoutedExperts, swiglu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> Path:
+    return loader.build()        # a compiler error fails every test here, never a skip
+
+
+CASES = {  # name: (experts, k, hidden, intermediate, tokens, limit, routing)
+    "half-empty": (8, 2, 32, 48, 37, None, "half"),
+    "odd-widths": (4, 2, 33, 12, 7, None, "all"),
+    "single-token": (6, 3, 16, 40, 1, None, "all"),
+    "one-expert": (5, 4, 24, 16, 6, None, "one"),      # all T*k rows on expert 0
+    "limit-clamp": (16, 4, 32, 16, 19, 0.5, "half"),
+    "empty-batch": (4, 2, 16, 16, 0, None, "all"),
+    "wide-tiles": (3, 2, 80, 200, 21, 1.0, "all"),     # >1 row tile, output-block tails
+}
+
+
+def _weights(E: int, d: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, d, generator=g) * 0.3, torch.randn(E, d, I, generator=g) * 0.3
+
+
+def _routing(T: int, E: int, k: int, kind: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        ids = torch.zeros(T, k, dtype=torch.int64)
+    else:
+        used = max(k, E // 2) if kind == "half" else E
+        rows = [torch.randperm(used, generator=g)[:k] for _ in range(T)]
+        ids = torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
+    return ids, torch.rand(T, k, generator=g)
+
+
+def _oracle(x, ids, w, w1, w2, limit) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w1[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(w[t, j]) * (w2[e].double() @ swiglu(gate, up, limit))
+    return out
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_op_matches_oracle(case: str, dtype: torch.dtype, portable: bool) -> None:
+    E, k, d, I, T, limit, kind = CASES[case]
+    w1, w2 = (t.to(dtype) for t in _weights(E, d, I, seed=E + d))
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(dtype)
+    ids, w = _routing(T, E, k, kind, seed=T + k)
+    packed = moe_op.pack_experts(w1, w2)
+    got = moe_op.fused_experts(x, ids, w.to(dtype), *packed, I, limit, portable)
+    assert got.dtype == dtype and got.shape == (T, d)
+    want = _oracle(x, ids, w.to(dtype), w1, w2, limit)
+    scale = max(want.abs().max().item(), 1.0) if T else 1.0
+    # bf16: the activation and the output are rounded once each (fp32 accumulation).
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+
+
+def test_limit_changes_the_result() -> None:
+    """The clamp case really clamps (else the oracle comparison above could not tell)."""
+    E, k, d, I, T, limit, kind = CASES["limit-clamp"]
+    w1, w2 = _weights(E, d, I, seed=E + d)
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(T))
+    ids, w = _routing(T, E, k, kind, seed=T + k)
+    packed = moe_op.pack_experts(w1, w2)
+    clamped = moe_op.fused_experts(x, ids, w, *packed, I, limit)
+    free = moe_op.fused_experts(x, ids, w, *packed, I, None)
+    assert (clamped - free).abs().max() > 0.1
+
+
+def test_fast_path_is_compiled_where_the_cpu_has_avx512_bf16() -> None:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert moe_op.fast_path_compiled() == ("avx512_bf16" in flags)
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    w1, w2 = _weights(4, 16, 16, seed=0)
+    packed = moe_op.pack_experts(w1, w2)
+    x = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        moe_op.fused_experts(x, torch.tensor([[0], [4], [1]]), torch.ones(3, 1), *packed, 16,
+                             None)
+    with pytest.raises(RuntimeError, match="do not match"):
+        moe_op.fused_experts(x, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1),
+                             *packed, 32, None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        moe_op.fused_experts(x.half(), torch.zeros(3, 1, dtype=torch.int64),
+                             torch.ones(3, 1), *(p.half() for p in packed), 16, None)
+
+
+def test_default_choice_and_fallback() -> None:
+    """bf16 on a CPU with the fast path: fused by default; fp32 keeps the torch path; an
+    explicit "fused" in a dtype the op lacks (fp16) falls back to a torch impl and still
+    computes the experts."""
+    m = RoutedExperts(4, 16, 16)
+    fast = moe_op.fast_path_compiled()
+    assert (m.resolved_impl(torch.device("cpu"), torch.bfloat16) == "fused") == fast
+    assert m.resolved_impl(torch.device("cpu"), torch.float32) != "fused"
+    w1, w2 = _weights(4, 16, 16, seed=5)
+    fused, ref = RoutedExperts(4, 16, 16, impl="fused"), RoutedExperts(4, 16, 16, impl="loop")
+    for mod in (fused, ref):
+        with torch.no_grad():
+            mod.gate_up_proj.copy_(w1)
+            mod.down_proj.copy_(w2)
+        mod.half()
+    assert fused.resolved_impl(torch.device("cpu"), torch.float16) != "fused"
+    x = torch.randn(5, 16).half()
+    ids, w = _routing(5, 4, 2, "all", seed=3)
+    torch.testing.assert_close(fused(x, ids, w), ref(x, ids, w), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,379 @@
+// Fused routed experts on the CPU: one call per MoE layer (docs/cpu_kernels.md, docs/moe.md).
+//
+//   out[t] = sum_j  w[t, j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = ids[t, j]
+//
+// The T*k (token, pick) rows are counting-sorted by expert here, then two phases:
+//   1. gate/up GEMM + SwiGLU, parallel over (expert, 16-column block of I): the activation of
+//      every sorted row goes to a scratch [N, Ip] buffer in the model dtype;
+//   2. down GEMM + weighted scatter-add, parallel over 16-column blocks of the output, so no
+//      two threads ever add into the same output element.
+// Accumulation is fp32; the output is rounded to the model dtype once, at the end.
+//
+// Weights come prepacked (wideserve/kernels/moe.py): every expert's [N, K] matrix is cut into
+// blocks of 16 output rows, each stored as [K/P, 16, P] (P = 2 for bf16, 1 for fp32), so one
+// 64-byte load holds the next P inputs' weights for 16 outputs. With AVX512-BF16 one
+// `vdpbf16ps` then multiplies a broadcast pair of inputs into 16 fp32 accumulators that run
+// along the output dimension: no horizontal reductions. Gate and up blocks are interleaved
+// (gate block j, up block j, ...) so the SwiGLU of a block is computed where it is produced.
+// I is padded to a multiple of 16 with zero weights (the padded activations are exactly 0).
+//
+// The portable path (plain C++, any CPU, and fp32) runs the same tiling with scalar code; it is
+// what machines without AVX512-BF16 run and is selected by `portable=True` for tests.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;   // output columns per packed block (one zmm of fp32)
+constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (2 blocks: 16 accs)
+constexpr int kRowsDown = 4;     // rows per register tile in phase 2 ...
+constexpr int kBlocksDown = 4;   // ... times output blocks (16 accs)
+
+// The sorted rows: expert e owns rows [offsets[e], offsets[e + 1]).
+struct Rows {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> token;
+  std::vector<float> weight;
+  std::vector<int64_t> active;   // experts with at least one row
+};
+
+Rows sort_rows(const at::Tensor& ids, const at::Tensor& weights, int64_t experts) {
+  const int64_t n = ids.numel(), k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* w = weights.data_ptr<float>();
+  Rows rows;
+  rows.offsets.assign(experts + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < experts, "moe_fused_experts: expert id ", id[i],
+                " out of range [0, ", experts, ")");
+    ++rows.offsets[id[i] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows.offsets[e + 1]) rows.active.push_back(e);
+    rows.offsets[e + 1] += rows.offsets[e];
+  }
+  std::vector<int64_t> fill(rows.offsets.begin(), rows.offsets.end() - 1);
+  rows.token.resize(n);
+  rows.weight.resize(n);
+  for (int64_t i = 0; i < n; ++i) {          // stable: rows of one expert stay in token order
+    const int64_t r = fill[id[i]]++;
+    rows.token[r] = i / k;
+    rows.weight[r] = w[i];
+  }
+  return rows;
+}
+
+// Packed-layout geometry, derived from the shapes and checked against the packed tensors.
+struct Geometry {
+  int64_t d, inter, ip, pair;          // hidden, intermediate, I padded to 16, P
+  int64_t up_blocks, up_pairs;         // w13 [E, up_blocks, up_pairs, 16, P]
+  int64_t down_blocks, down_pairs;     // w2  [E, down_blocks, down_pairs, 16, P]
+  int64_t up_block_stride() const { return up_pairs * kLanes * pair; }
+  int64_t down_block_stride() const { return down_pairs * kLanes * pair; }
+};
+
+Geometry geometry(int64_t d, int64_t inter, int64_t pair) {
+  Geometry g;
+  g.d = d;
+  g.inter = inter;
+  g.ip = (inter + kLanes - 1) / kLanes * kLanes;
+  g.pair = pair;
+  g.up_blocks = 2 * g.ip / kLanes;
+  g.up_pairs = (d + pair - 1) / pair;
+  g.down_blocks = (d + kLanes - 1) / kLanes;
+  g.down_pairs = g.ip / pair;
+  return g;
+}
+
+inline float silu_mul(float gate, float up, bool clamp, float limit) {
+  if (clamp) {  // DeepSeek-V4: the gate is clamped from above only, up both ways
+    gate = std::min(gate, limit);
+    up = std::min(std::max(up, -limit), limit);
+  }
+  return gate / (1.0f + std::exp(-gate)) * up;
+}
+
+// ---------------------------------------------------------------- portable (plain C++)
+
+template <typename T, int M, int NB>
+void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w, int64_t bstride,
+                   float (&acc)[M][NB][kLanes]) {
+  std::memset(acc, 0, sizeof(acc));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int n = 0; n < NB; ++n) {
+      const T* wp = w + n * bstride + p * kLanes * pair;
+      for (int m = 0; m < M; ++m) {
+        for (int q = 0; q < pair; ++q) {
+          const float xv = static_cast<float>(x[m][p * pair + q]);
+          for (int l = 0; l < kLanes; ++l)
+            acc[m][n][l] += xv * static_cast<float>(wp[l * pair + q]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int M>
+void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, const Geometry& g,
+                      int64_t j, bool clamp, float limit, T* act) {
+  const T* xr[M];
+  for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * g.pair;
+  float acc[M][2][kLanes];
+  tile_portable<T, M, 2>(xr, g.up_pairs, g.pair, w, g.up_block_stride(), acc);
+  for (int m = 0; m < M; ++m) {
+    T* a = act + (r0 + m) * g.ip + j * kLanes;
+    for (int l = 0; l < kLanes; ++l) a[l] = static_cast<T>(silu_mul(acc[m][0][l], acc[m][1][l],
+                                                                     clamp, limit));
+  }
+}
+
+template <typename T, int M, int NB>
+void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
+                        const Geometry& g, int64_t b, float* out) {
+  const T* ar[M];
+  for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
+  float acc[M][NB][kLanes];
+  tile_portable<T, M, NB>(ar, g.down_pairs, g.pair, w, g.down_block_stride(), acc);
+  for (int m = 0; m < M; ++m) {
+    float* o = out + rows.token[r0 + m] * g.d;
+    const float wt = rows.weight[r0 + m];
+    for (int n = 0; n < NB; ++n) {
+      const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
+      for (int64_t l = 0; l < cols; ++l) o[c0 + l] += wt * acc[m][n][l];
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX512-BF16
+
+#ifdef __AVX512BF16__
+inline __m512 exp_ps(__m512 x) {
+  // exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2: Cephes' degree-6 polynomial
+  // for e^r (about 1 ulp), the 2^n scaling by vscalefps (exact, and saturating).
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+template <int M, int NB>
+inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
+                      int64_t bstride, __m512 (&acc)[M][NB]) {
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[NB];
+    for (int n = 0; n < NB; ++n)
+      wv[n] = _mm512_loadu_si512(w + n * bstride + p * 2 * kLanes);
+    for (int m = 0; m < M; ++m) {
+      int32_t both;
+      std::memcpy(&both, x[m] + 2 * p, sizeof(both));
+      const __m512bh xb = as_bh(_mm512_set1_epi32(both));
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], as_bh(wv[n]), xb);
+    }
+  }
+}
+
+template <int M>
+void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at::BFloat16* w,
+                  const Geometry& g, int64_t j, bool clamp, float limit, at::BFloat16* act) {
+  const at::BFloat16* xr[M];
+  for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * 2;
+  __m512 acc[M][2];
+  tile_bf16<M, 2>(xr, g.up_pairs, w, g.up_block_stride(), acc);
+  const __m512 lim = _mm512_set1_ps(limit), one = _mm512_set1_ps(1.0f);
+  for (int m = 0; m < M; ++m) {
+    __m512 gate = acc[m][0], up = acc[m][1];
+    if (clamp) {
+      gate = _mm512_min_ps(gate, lim);
+      up = _mm512_min_ps(_mm512_max_ps(up, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+    }
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+    const __m512 a = _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(one, e)), up);
+    const __m256bh packed = _mm512_cvtneps_pbh(a);
+    std::memcpy(act + (r0 + m) * g.ip + j * kLanes, &packed, sizeof(packed));
+  }
+}
+
+template <int M, int NB>
+void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
+                    const at::BFloat16* w, const Geometry& g, int64_t b, float* out) {
+  const at::BFloat16* ar[M];
+  for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
+  __m512 acc[M][NB];
+  tile_bf16<M, NB>(ar, g.down_pairs, w, g.down_block_stride(), acc);
+  for (int m = 0; m < M; ++m) {
+    float* o = out + rows.token[r0 + m] * g.d;
+    const __m512 wt = _mm512_set1_ps(rows.weight[r0 + m]);
+    for (int n = 0; n < NB; ++n) {
+      const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
+      const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+      const __m512 cur = _mm512_maskz_loadu_ps(mask, o + c0);
+      _mm512_mask_storeu_ps(o + c0, mask, _mm512_fmadd_ps(wt, acc[m][n], cur));
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
+// ---------------------------------------------------------------- tile dispatch
+
+template <typename T, int M>
+void up_tile(bool fast, const T* x, const Rows& rows, int64_t r0, const T* w, const Geometry& g,
+             int64_t j, bool clamp, float limit, T* act) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (fast) return up_tile_bf16<M>(x, rows, r0, w, g, j, clamp, limit, act);
+  }
+#endif
+  up_tile_portable<T, M>(x, rows, r0, w, g, j, clamp, limit, act);
+}
+
+template <typename T, int M, int NB>
+void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w,
+               const Geometry& g, int64_t b, float* out) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (fast) return down_tile_bf16<M, NB>(act, rows, r0, w, g, b, out);
+  }
+#endif
+  down_tile_portable<T, M, NB>(act, rows, r0, w, g, b, out);
+}
+
+// Runtime row count (1..MaxM) -> the tile instantiated for it.
+template <int M, typename F>
+void with_rows(int64_t m, F&& f) {
+  if constexpr (M > 1) {
+    if (m < M) return with_rows<M - 1>(m, f);
+  }
+  f(std::integral_constant<int, M>{});
+}
+
+template <typename T>
+void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
+                 const Geometry& g, bool clamp, float limit, T* act, float* out) {
+  const int64_t jblocks = g.ip / kLanes;
+  const int64_t e13 = g.up_blocks * g.up_block_stride();
+  const int64_t e2 = g.down_blocks * g.down_block_stride();
+  const int64_t active = static_cast<int64_t>(rows.active.size());
+  // Phase 1: (expert, block j) items, contiguous in memory in this order.
+  at::parallel_for(0, active * jblocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = rows.active[item / jblocks], j = item % jblocks;
+      const T* w = w13 + e * e13 + 2 * j * g.up_block_stride();
+      for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
+        with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
+          up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
+        });
+      }
+    }
+  });
+  // Phase 2: groups of output blocks; each thread owns its columns of `out` for all rows.
+  // Within a thread's range the expert loop is outside, so its weights stream in order.
+  const int64_t groups = (g.down_blocks + kBlocksDown - 1) / kBlocksDown;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (const int64_t e : rows.active) {
+      for (int64_t grp = begin; grp < end; ++grp) {
+        const int64_t b = grp * kBlocksDown, nb = std::min(kBlocksDown * 1L, g.down_blocks - b);
+        const T* w = w2 + e * e2 + b * g.down_block_stride();
+        for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsDown) {
+          with_rows<kRowsDown>(rows.offsets[e + 1] - r, [&](auto m) {
+            constexpr int M = decltype(m)::value;
+            with_rows<kBlocksDown>(nb, [&](auto n) {
+              down_tile<T, M, decltype(n)::value>(fast, act, rows, r, w, g, b, out);
+            });
+          });
+        }
+      }
+    }
+  });
+}
+
+bool fast_path_compiled() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const at::Tensor& w13,
+                             const at::Tensor& w2, int64_t intermediate,
+                             std::optional<double> limit, bool portable) {
+  TORCH_CHECK(x_in.dim() == 2, "moe_fused_experts: x must be [T, d]");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x_in.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "moe_fused_experts: topk_ids and topk_weights must both be [T, k]");
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "moe_fused_experts: bfloat16 or float32 only, got ", dtype);
+  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype,
+              "moe_fused_experts: packed weights must have the dtype of x");
+  const int64_t pair = dtype == at::kBFloat16 ? 2 : 1, d = x_in.size(1);
+  const Geometry g = geometry(d, intermediate, pair);
+  const int64_t experts = w13.size(0);
+  TORCH_CHECK(w13.sizes() == at::IntArrayRef({experts, g.up_blocks, g.up_pairs, kLanes, pair}) &&
+                  w2.sizes() == at::IntArrayRef({experts, g.down_blocks, g.down_pairs, kLanes,
+                                                 pair}),
+              "moe_fused_experts: packed weights ", w13.sizes(), " / ", w2.sizes(),
+              " do not match hidden ", d, ", intermediate ", intermediate,
+              " (pack them with wideserve.kernels.moe.pack_experts)");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_fused_experts: packed weights "
+              "must be contiguous");
+  at::Tensor x = x_in.contiguous();
+  if (d % pair) x = at::constant_pad_nd(x, {0, 1});   // the last bf16 pair reads one past d
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const Rows rows = sort_rows(ids, wts, experts);
+  at::Tensor out = at::zeros({x_in.size(0), d}, x_in.options().dtype(at::kFloat));
+  if (rows.active.empty()) return out.to(dtype);
+  at::Tensor act = at::empty({ids.numel(), g.ip}, x_in.options());
+  const bool fast = !portable && fast_path_compiled();
+  const bool clamp = limit.has_value();
+  const float lim = clamp ? static_cast<float>(*limit) : 0.0f;
+  if (dtype == at::kBFloat16) {
+    run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
+                              w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
+                              act.data_ptr<at::BFloat16>(), out.data_ptr<float>());
+  } else {
+    run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
+                       rows, g, clamp, lim, act.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wideserve, m) {
+  m.def("moe_fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
+        "Tensor w2, int intermediate, float? limit=None, bool portable=False) -> Tensor");
+  m.def("moe_fast_path_compiled() -> bool", &fast_path_compiled);
+}
+
+TORCH_LIBRARY_IMPL(wideserve, CPU, m) {
+  m.impl("moe_fused_experts", &moe_fused_experts);
+}

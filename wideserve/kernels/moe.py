@@ -1,0 +1,61 @@
+"""The fused routed-experts CPU op (`csrc/moe.cpp`): weight packing and the call.
+
+`pack_experts` lays each expert's weights out for the kernel once (a derived copy, rebuilt by
+`RoutedExperts` when the weights change): every [N, K] matrix is cut into blocks of 16 output
+rows stored as [K/P, 16, P] (P = 2 bf16 inputs per 32-bit lane for `vdpbf16ps`, 1 for fp32),
+gate and up blocks interleaved so the SwiGLU of a block runs where it is produced, the
+intermediate width padded to 16 with zero weights (whose activations are exactly 0).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from wideserve.kernels.loader import cpu_ops_available
+
+LANES = 16
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _pair(dtype: torch.dtype) -> int:
+    return 2 if dtype == torch.bfloat16 else 1
+
+
+def _pack(w: torch.Tensor, pair: int) -> torch.Tensor:
+    """[E, N, K] -> [E, ceil(N/16), ceil(K/P), 16, P], zero-padded."""
+    E, N, K = w.shape
+    w = F.pad(w, (0, -K % pair, 0, -N % LANES))
+    nb, kp = w.shape[1] // LANES, w.shape[2] // pair
+    return w.reshape(E, nb, LANES, kp, pair).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, d] (gate rows first), down [E, d, I] -> (w13, w2) for the op."""
+    E, two_i, d = gate_up.shape
+    inter = two_i // 2
+    pad = -inter % LANES
+    pair = _pair(gate_up.dtype)
+    with torch.no_grad():
+        gate, up = F.pad(gate_up.detach(), (0, 0, 0, 0)).split(inter, dim=1)
+        gate, up = F.pad(gate, (0, 0, 0, pad)), F.pad(up, (0, 0, 0, pad))
+        ip = inter + pad
+        blocks = torch.stack([gate.reshape(E, ip // LANES, LANES, d),
+                              up.reshape(E, ip // LANES, LANES, d)], dim=2)
+        w13 = _pack(blocks.reshape(E, 2 * ip, d), pair)
+        w2 = _pack(F.pad(down.detach(), (0, pad)), pair)
+    return w13, w2
+
+
+def fast_path_compiled() -> bool:
+    """Whether the op's AVX512-BF16 path was compiled on this machine (else portable C++)."""
+    return cpu_ops_available() and bool(torch.ops.wideserve.moe_fast_path_compiled())
+
+
+@torch.compiler.disable      # an opaque C++ op: eager inside a compiled forward
+def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor, intermediate: int,
+                  limit: float | None, portable: bool = False) -> torch.Tensor:
+    """x [T, d]; topk_ids [T, k] physical experts; topk_weights [T, k] -> [T, d] in x.dtype:
+    sum_j w[t, j] * swiglu-MLP_{ids[t, j]}(x[t]), accumulated in fp32."""
+    return torch.ops.wideserve.moe_fused_experts(x, topk_ids, topk_weights, w13, w2,
+                                                 intermediate, limit, portable)
