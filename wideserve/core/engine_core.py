@@ -420,13 +420,16 @@ class EngineCore:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, StepLogprobs] = {}
         propose = None
-        if self.spec is not None:
+        if self.spec is not None and self.spec.has_drafts(sched_out):
             sampled, logprobs, propose = self.spec.verify(
                 sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size,
                 grammar=self.structured, penalties=self.penalties)
-        elif fwd.logits is not None:
-            rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
-            sampled, logprobs = self._sample(rows, fwd.logits)
+        else:       # no drafts to verify (also with speculation): the plain sampler
+            if fwd.logits is not None:
+                rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
+                sampled, logprobs = self._sample(rows, fwd.logits)
+            if self.spec is not None:
+                propose = self.spec.after_plain_step(sched_out, reqs, fwd, sampled)
         for rid, tokens in sampled.items():
             self.structured.accept(rid, tokens)
         for i, hidden in fwd.prompt_hidden.items():

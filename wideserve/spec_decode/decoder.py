@@ -137,6 +137,28 @@ class SpecDecoder:
                            self._draft_caps(requests, per_req))
         return sampled, logprobs, inp
 
+    @staticmethod
+    def has_drafts(sched_out: SchedulerOutput) -> bool:
+        """Whether the step verifies any draft. A step that does not is sampled by the plain
+        sampler (EngineCore._sample: the same tokens as verifying zero drafts, without the
+        rejection sampler's per-step work) and then hands `after_plain_step` its tokens."""
+        return any(s.spec_token_ids for s in sched_out.scheduled)
+
+    def after_plain_step(self, sched_out: SchedulerOutput, step_reqs: list[StepRequest],
+                         fwd: ForwardOutput, sampled: Mapping[str, list[int]]
+                         ) -> ProposeInput | None:
+        """What `propose` needs after a step without drafts; None when the batch allows no
+        drafts (draft_depth 0), so such a step costs what a non-speculative one does."""
+        requests = [s.request for s in sched_out.scheduled]
+        per_req = [sampled.get(r.request_id) for r in requests]
+        caps = self._draft_caps(requests, per_req)
+        if self._depth == 0:
+            return None
+        assert fwd.batch is not None
+        num_valid = np.fromiter((len(s.token_ids) for s in step_reqs), dtype=np.int64,
+                                count=len(step_reqs))
+        return ProposeInput(step_reqs, requests, fwd.batch, num_valid, per_req, caps)
+
     def propose(self, inp: ProposeInput) -> None:
         if self._depth == 0:
             # The batch is too large for any draft (draft_depth): skip the proposer, whose
@@ -215,6 +237,8 @@ class SpecDecoder:
         caps = np.zeros(len(requests), dtype=np.int64)
         k = self._depth = draft_depth(self.k, sum(1 for e in emitted if e),
                                       self.batch_token_budget)
+        if k == 0:
+            return caps
         for i, (r, e) in enumerate(zip(requests, emitted)):
             if not e:
                 continue
