@@ -17,6 +17,7 @@ paths.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -60,9 +61,16 @@ def build() -> Path:
         raise RuntimeError(f"no C++ sources in {CSRC}")
     directory = _build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in srcs],
-                       extra_cflags=list(CFLAGS), build_directory=str(directory),
-                       is_python_module=False, verbose=False)
+    # torch's own build lock is a file that a killed builder leaves behind, after which every
+    # later build waits on it forever (seen when a test killed an engine mid-build). An flock
+    # dies with its holder: under it no other builder of ours is alive, so a leftover torch
+    # lock file is stale and is removed before torch looks at it.
+    with open(directory / "wideserve-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in srcs],
+                           extra_cflags=list(CFLAGS), build_directory=str(directory),
+                           is_python_module=False, verbose=False)
     return directory
 
 
