@@ -12,7 +12,7 @@ import torch
 
 from oracle import mixed_prompts, save_hf
 from wideserve import LLM, SamplingParams
-from wideserve.executor.decode_capture import (CapturedDecode, capture_sizes,
+from wideserve.executor.decode_capture import (CPU_DEFAULT, CapturedDecode, capture_sizes,
                                                decode_capture_enabled, padded_size)
 
 LENGTHS = [3, 9, 17, 30, 41, 5, 12, 27]
@@ -31,13 +31,15 @@ def test_capture_sizes_and_padding() -> None:
 
 
 def test_enforce_eager_turns_it_off() -> None:
-    assert not decode_capture_enabled(None, None, CPU)        # CPU default: eager
-    assert decode_capture_enabled(None, None, CUDA)           # CUDA default: captured
-    assert not decode_capture_enabled(True, None, CUDA)       # --enforce-eager
-    assert decode_capture_enabled(False, None, CPU)
-    assert decode_capture_enabled(None, True, CPU) and not decode_capture_enabled(None, False, CUDA)
+    def on(eager, capture, device, capturable=True):
+        return decode_capture_enabled(eager, capture, device, capturable)
+    assert on(None, None, CPU) is CPU_DEFAULT                  # measured (BENCHMARKS.md)
+    assert on(None, None, CUDA) and on(False, None, CUDA)      # a capturable model on CUDA
+    assert not on(None, None, CUDA, capturable=False)          # nothing to capture: eager
+    assert not on(True, None, CUDA) and not on(True, None, CPU)    # --enforce-eager
+    assert on(None, True, CPU, capturable=False) and not on(None, False, CUDA)
     with pytest.raises(ValueError, match="enforce_eager"):
-        decode_capture_enabled(True, True, CPU)
+        on(True, True, CPU)
 
 
 def _qwen3_moe():

@@ -30,7 +30,8 @@ from wideserve.disagg.connector import KVConnector
 from wideserve.distributed.eplb.balancer import EpGroup
 from wideserve.distributed.eplb.manager import EplbManager
 from wideserve.executor import memory_profile
-from wideserve.executor.decode_capture import EagerReplay, capture_sizes, decode_capture_enabled
+from wideserve.executor.decode_capture import (EagerReplay, capturable, capture_sizes,
+                                               decode_capture_enabled)
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.penalties import PenaltyTracker
@@ -200,7 +201,8 @@ class EngineCore:
         would count as expert load. With speculation replays stay eager (a graph would skip
         the proposers' Python side)."""
         load = self.config.load
-        if not decode_capture_enabled(load.enforce_eager, load.decode_capture, self.device):
+        if not decode_capture_enabled(load.enforce_eager, load.decode_capture, self.device,
+                                      capturable(self.model, self.device)):
             return
         if self.eplb is not None:
             logger.info("captured decode step off: EPLB counts every routed row")

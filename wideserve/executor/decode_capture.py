@@ -11,15 +11,15 @@ docs/host_path.md ("The captured decode step") describes the design; in short:
 - Padded rows are requests of one token (id 0) at position 0 whose block-table row is all null
   blocks (`BlockTables.reserve_row`): they write only the null block (block 0, never handed
   out, never read as data) and their outputs are dropped. The KV cache's other blocks and the
-  block pool are untouched (tests/executor/test_decode_capture.py).
+  block pool are untouched (tests/engine/test_decode_capture.py).
 - One replay per capture size. On CUDA, for a model that declares its decode forward
-  capturable (`decode_capturable(device)`, see `_capturable`), the replay is a
+  capturable (`decode_capturable(device)`, see `capturable`), the replay is a
   `torch.cuda.CUDAGraph` captured at startup after warm-up runs; everywhere else a replay is
   the eager forward run over the static buffers (`EagerReplay`). The CUDA capture is the
   only part the CPU cannot run: it is untested here for want of a GPU.
 
-Buffers are restaged every step while the previous step's upload may still be in flight only
-after that step's sampled tokens were read back (a host sync), so one staging copy suffices.
+One staging copy suffices: a step rewrites it only after the previous step's sampled tokens
+were read back (a host sync), so the previous upload has run.
 """
 from __future__ import annotations
 
@@ -52,18 +52,26 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> tuple[
     return tuple(sorted(set(sizes)))
 
 
+# Whether the CPU pads decode steps over static buffers by default: measured not to pay on
+# the 11M Qwen3-MoE (BENCHMARKS.md, "Captured decode step on the CPU"), so it does not.
+CPU_DEFAULT = False
+
+
 def decode_capture_enabled(enforce_eager: bool | None, decode_capture: bool | None,
-                           device: torch.device) -> bool:
-    """LoadConfig.decode_capture, resolved: None follows the forward (on wherever it is not
-    eager: CUDA graphs with the compiled forward, as vLLM does); --enforce-eager turns both
-    off, so asking for both is an error."""
+                           device: torch.device, capturable: bool) -> bool:
+    """LoadConfig.decode_capture, resolved. None: on CUDA where the model is capturable (a
+    graph is really captured; an eager replay of a padded batch would only add rows), on the
+    CPU as CPU_DEFAULT says. --enforce-eager (vLLM's meaning: every step eager) turns it off,
+    and asking for both is an error. True/False force it (True on a model that cannot be
+    captured: padded eager replays over the static buffers)."""
     if enforce_eager and decode_capture:
         raise ValueError("decode_capture=True contradicts enforce_eager=True (--enforce-eager "
                          "runs every step eagerly, without the captured decode step)")
     if decode_capture is not None:
         return decode_capture
-    eager = device.type == "cpu" if enforce_eager is None else enforce_eager
-    return not eager
+    if enforce_eager:
+        return False
+    return capturable if device.type == "cuda" else CPU_DEFAULT
 
 
 def padded_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
@@ -151,7 +159,7 @@ class CudaGraphCapturer:
         return replay
 
 
-def _capturable(model: torch.nn.Module, device: torch.device) -> bool:
+def capturable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a CUDA graph may record the model's decode forward: no host sync, no host-built
     per-step tensor, shapes fixed by the batch size. A model says so with a method
     `decode_capturable(device) -> bool`; none does today (the GQA and V4 attention plans are
@@ -179,7 +187,7 @@ class CapturedDecode:
         self.kv_caches, self.tables, self.device = kv_caches, tables, device
         self.sizes = tuple(sorted(sizes))
         if capturer is None:
-            graphs = device.type == "cuda" and _capturable(model, device)
+            graphs = device.type == "cuda" and capturable(model, device)
             if device.type == "cuda" and not graphs:
                 logger.info("%s is not capturable: decode steps replay eagerly over the static "
                             "buffers", type(model).__name__)
