@@ -4,7 +4,8 @@ switched between alternated generate calls, so load noise hits every configurati
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/vs_vllm/ab_fast_paths.py MODEL PROMPTS OUT_LEN [CONFIGS]
 
 CONFIGS: comma-separated names from `configs` below (default all); "fused" is the C++
-routed-experts op (wideserve/kernels), the CPU default in bf16 since session 4.
+routed-experts op (wideserve/kernels), the CPU default in bf16 since session 4; "+cattn" adds
+the C++ paged attention op (kernels/csrc/paged_attention.cpp), the CPU default since session 4.
 """
 import sys, time, random, torch
 torch.set_num_threads(1)
@@ -21,8 +22,9 @@ rng = random.Random(0)
 ids = [[rng.randrange(3, 8192) for _ in range(128)] for _ in range(n)]
 llm = LLM(model, dtype="bfloat16", max_model_len=1024)
 sp = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
-def setcfg(attn_mm, experts, pack):
+def setcfg(attn_mm, experts, pack, cattn=False):
     pab.MATMUL_MAX_ROWS = 16 if attn_mm else 0
+    pab.USE_CPU_KERNEL = cattn          # the C++ paged attention op (csrc/paged_attention.cpp)
     for m in llm.engine.model.modules():
         if isinstance(m, RoutedExperts):
             m.impl = experts; m._resolved.clear()
@@ -33,7 +35,8 @@ def setcfg(attn_mm, experts, pack):
             if isinstance(v, lin.WeightPack): v.invalidate()
 configs = {"old": (False, "grouped_mm", False), "attn": (True, "grouped_mm", False),
            "attn+pack": (True, "grouped_mm", True), "all": (True, "packed", True),
-           "fused": (True, "fused", True)}
+           "fused": (True, "fused", True),
+           "fused+cattn": (True, "fused", True, True)}
 sel = sys.argv[4].split(",") if len(sys.argv) > 4 else list(configs)
 llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 for rnd in range(2):

@@ -1,4 +1,5 @@
-"""Batched paged attention against the per-request reference op (fp32, random q/k/v).
+"""Batched paged attention (the torch buckets) against the per-request reference op (fp32,
+random q/k/v).
 
 Caches start as NaN and the harness poisons entries that left a sliding window, so reading an
 unwritten, stale or out-of-window slot shows up as NaN; reading another request's (written)
@@ -26,6 +27,12 @@ SCHEDULES = {
     "mixed": [[9, 1, 1, 1], [0, 7, 1, 1], [2, 1, 6, 1], [1, 1, -1, 13]],
     "long-chunks": [[13, 1, 9, 1], [2, 11, 1, 1]],
 }
+
+
+@pytest.fixture(autouse=True)
+def _torch_buckets(monkeypatch):
+    """This file tests the torch buckets; the CPU's C++ op has tests/kernels/ of its own."""
+    monkeypatch.setattr(pab, "USE_CPU_KERNEL", False)
 
 
 class _Specs:

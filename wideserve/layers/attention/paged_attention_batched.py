@@ -35,6 +35,13 @@ Two ways to attend a bucket, picked by its shape (docs/cpu_kernels.md):
 
 Index tensors and masks depend only on the step's batch, the cache group, the window and the
 head count, so `PagedAttentionPlans` builds each plan once per step for all layers.
+
+On the CPU, when the C++ extension is built (wideserve/kernels/loader.py), every segment goes
+instead to `torch.ops.wideserve.paged_attention` (wideserve/kernels/csrc/paged_attention.cpp),
+which reads the paged cache in place through the block table: no gather, no padding, no plan,
+an online softmax in fp32 per (request, query block) over all KV heads. It is faster than the
+buckets at every shape measured, decode and prefill (docs/cpu_kernels.md); the buckets stay
+the path on other devices, for other dtypes, and where the extension failed to build.
 """
 from __future__ import annotations
 
@@ -46,10 +53,13 @@ import torch.nn.functional as F
 
 from wideserve.device import to_device
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.kernels.loader import cpu_ops_available
 
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
 MATMUL_MAX_ROWS = 16              # folded query rows (Q*G) up to which a bucket uses two GEMMs
+USE_CPU_KERNEL = True             # the C++ op on the CPU (False: the buckets; for A/B runs)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # q and cache dtypes the C++ op takes
 
 
 @dataclass(slots=True)
@@ -259,6 +269,25 @@ def _attend_bucket_matmul(b: _Bucket, flat: torch.Tensor, q: torch.Tensor, num_k
     return o.reshape(n * b.q, num_heads, head_dim)
 
 
+def cpu_kernel_applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether this call runs the C++ op (see the module docstring)."""
+    return (USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
+            and cache.dtype in KERNEL_DTYPES and cpu_ops_available())
+
+
+def paged_attention_kernel(q: torch.Tensor, cache: torch.Tensor, view: KVGroupView,
+                           batch: ForwardBatch, scale: float, window: int | None,
+                           portable: bool = False) -> torch.Tensor:
+    """The C++ op over every request of the step ([T, H, D], q's dtype); this step's entries
+    must already be in the cache. portable: force its plain C++ loop (no AVX512)."""
+    if view.block_size != cache.shape[1]:
+        raise ValueError(f"block size {view.block_size} != cache entries per block "
+                         f"{cache.shape[1]} (paged attention needs compress_ratio 1)")
+    return torch.ops.wideserve.paged_attention(
+        q, cache, view.block_table, view.req_rows, batch.query_start_loc, batch.seq_lens,
+        scale, 0 if window is None else window, portable)
+
+
 def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             batch: ForwardBatch, cache_name: str, scale: float,
                             window: int | None = None,
@@ -285,6 +314,8 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if wp.rows is not None:
         entries = entries.index_select(0, wp.rows)
     flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
+    if cpu_kernel_applies(q, cache):
+        return paged_attention_kernel(q, cache, view, batch, scale, window)
 
     plan = plans.attention(cache_name, window, num_heads)
     if plan.identity:

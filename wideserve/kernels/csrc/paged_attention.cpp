@@ -1,0 +1,535 @@
+// Causal grouped-query attention that reads the paged K||V cache in place (docs/cpu_kernels.md,
+// "Paged attention"). The contract is layers/attention/paged_attention.py's (the reference op):
+//
+//   q            [T, H, D]   rotated queries, fp32 or bf16; the step's tokens, request-major
+//   cache        [blocks, block_size, 2*Hkv*D]  entry = [k_0 .. k_{Hkv-1} | v_0 .. v_{Hkv-1}]
+//   block_table  [rows, max_blocks] int64; request r's row is req_rows[r] (identity if absent)
+//   query_start_loc [R+1], seq_lens [R] int64: request r's queries are rows qsl[r]..qsl[r+1]-1
+//                at positions seq_len - query_len .. seq_len-1 (their entries already written)
+//   window       <= 0: full attention; else query position p sees keys (p - window, p]
+//
+// Work item: one (request, block of queries), every KV head: a tile of kTile keys is whole
+// cache entries (contiguous within a block, so DRAM streams them), read through the block table
+// once and then used by every head. A KV head's G query heads per query are folded into rows
+// (row = (head * queries + query) * G + g) that share each K/V load. An online softmax in fp32
+// (running max, sum, output per row) means one pass over the keys an item can see. Only entries a query may
+// attend to are read: a NaN in a never-written or out-of-window slot cannot reach an output.
+//
+// Two implementations of the same loop: a portable one (plain C++) and an AVX512 one (fp32
+// FMAs on converted K/V, a vector exp; avx512_bf16 dot products when q and the cache are
+// bf16). `portable=true` forces the first, so both are testable on one machine.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 128;      // keys per online-softmax step
+constexpr int64_t kMaxRows = 16;    // folded rows per KV head of an item (multi-query segments)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t req, q0, q1;              // queries q0..q1-1 of request req (local indices)
+};
+
+// Everything an item needs, resolved once per call.
+struct Problem {
+  const char* q;
+  char* out;
+  const char* cache;
+  const int64_t* table;
+  int64_t table_stride;
+  const int64_t* req_rows;          // nullptr: identity
+  const int64_t* qsl;
+  const int64_t* seq_lens;
+  int64_t heads, kv_heads, groups, dim, width, block_size, num_blocks, window;
+  float scale;
+};
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
+
+// Per-item geometry: query positions and the key span each row may read.
+struct Span {
+  int64_t qstart;                   // token row of local query 0
+  int64_t pos0;                     // position of local query 0
+  int64_t lo, hi;                   // keys [lo, hi) the item reads
+  int64_t head_rows;                // rows per KV head: queries * G
+  int64_t rows;                     // all heads
+};
+
+inline int64_t key_lo(const Problem& p, int64_t pos) {
+  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+}
+
+inline Span span_of(const Problem& p, const Item& it) {
+  int64_t qs = p.qsl[it.req], qlen = p.qsl[it.req + 1] - qs;
+  int64_t pos0 = p.seq_lens[it.req] - qlen;
+  int64_t head_rows = (it.q1 - it.q0) * p.groups;
+  return Span{qs, pos0, key_lo(p, pos0 + it.q0), pos0 + it.q1, head_rows,
+              head_rows * p.kv_heads};
+}
+
+// Row r's visible keys, clipped to [k0, k1).
+inline void row_range(const Problem& p, const Item& it, const Span& s, int64_t r, int64_t k0,
+                      int64_t k1, int64_t* a, int64_t* b) {
+  int64_t pos = s.pos0 + it.q0 + (r % s.head_rows) / p.groups;
+  *a = std::max(k0, key_lo(p, pos));
+  *b = std::min(k1, pos + 1);
+}
+
+// Entry pointers (bytes) of keys k0..k1-1 of the item's request, through its block table row.
+template <typename CT>
+void entry_ptrs(const Problem& p, const Item& it, int64_t k0, int64_t k1, const CT** out) {
+  int64_t row = p.req_rows ? p.req_rows[it.req] : it.req;
+  const int64_t* blocks = p.table + row * p.table_stride;
+  const CT* base = reinterpret_cast<const CT*>(p.cache);
+  for (int64_t k = k0; k < k1;) {
+    int64_t b = k / p.block_size, off = k % p.block_size;
+    int64_t blk = blocks[b];
+    TORCH_CHECK(blk >= 0 && blk < p.num_blocks, "paged_attention: block id ", blk,
+                " out of range [0, ", p.num_blocks, ")");
+    int64_t n = std::min(k1 - k, p.block_size - off);
+    const CT* e = base + (blk * p.block_size + off) * p.width;
+    for (int64_t j = 0; j < n; ++j) out[k - k0 + j] = e + j * p.width;
+    k += n;
+  }
+}
+
+// Scratch of one thread: fp32 queries, running max/sum, output accumulators, tile scores.
+struct Scratch {
+  std::vector<float> q, m, l, acc, s;
+  std::vector<at::BFloat16> qb;     // bf16 queries for avx512_bf16 dot products
+  std::vector<const void*> kp;
+  Scratch(int64_t rows, int64_t dim)
+      : q(rows * dim), m(rows), l(rows), acc(rows * dim), s(rows * kTile), qb(rows * dim),
+        kp(kTile) {}
+};
+
+template <typename QT>
+void load_queries(const Problem& p, const Item& it, const Span& s, float* qf) {
+  const QT* q = reinterpret_cast<const QT*>(p.q);
+  for (int64_t r = 0; r < s.rows; ++r) {
+    int64_t tok = s.qstart + it.q0 + (r % s.head_rows) / p.groups;
+    int64_t head = (r / s.head_rows) * p.groups + r % p.groups;
+    const QT* src = q + (tok * p.heads + head) * p.dim;
+    for (int64_t d = 0; d < p.dim; ++d) qf[r * p.dim + d] = to_f32(src[d]);
+  }
+}
+
+template <typename QT>
+void store_outputs(const Problem& p, const Item& it, const Span& s, const float* acc,
+                   const float* l) {
+  QT* out = reinterpret_cast<QT*>(p.out);
+  for (int64_t r = 0; r < s.rows; ++r) {
+    int64_t tok = s.qstart + it.q0 + (r % s.head_rows) / p.groups;
+    int64_t head = (r / s.head_rows) * p.groups + r % p.groups;
+    QT* dst = out + (tok * p.heads + head) * p.dim;
+    float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < p.dim; ++d) dst[d] = static_cast<QT>(acc[r * p.dim + d] * inv);
+  }
+}
+
+// Load the item's queries, reset its running max/sum/output; returns the tile's key pointers.
+template <typename QT, typename CT>
+const CT** start_item(const Problem& p, const Item& it, const Span& s, Scratch& w) {
+  load_queries<QT>(p, it, s, w.q.data());
+  std::fill(w.m.begin(), w.m.begin() + s.rows, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + s.rows, 0.0f);
+  std::fill(w.acc.begin(), w.acc.begin() + s.rows * p.dim, 0.0f);
+  return reinterpret_cast<const CT**>(w.kp.data());
+}
+
+// Online-softmax update of row r over its tile scores s[a..b) (others are not visible):
+// rescale the row's sum and output by exp(old max - new max), turn the scores into weights.
+// Returns false when the row sees nothing in this tile (its weights are all zero).
+template <typename ExpFn>
+bool softmax_update(float* srow, int64_t n, int64_t a, int64_t b, float* m, float* l,
+                    float* acc, int64_t dim, ExpFn exp_span) {
+  if (a >= b) {
+    std::fill(srow, srow + n, 0.0f);
+    return false;
+  }
+  float mx = *m;
+  for (int64_t j = a; j < b; ++j) mx = std::max(mx, srow[j]);
+  float corr = std::exp(*m - mx);   // *m = -inf on the first tile: corr = 0, acc is 0 anyway
+  std::fill(srow, srow + a, 0.0f);
+  std::fill(srow + b, srow + n, 0.0f);
+  float sum = exp_span(srow + a, b - a, mx);
+  *l = *l * corr + sum;
+  *m = mx;
+  if (corr != 1.0f)
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= corr;
+  return true;
+}
+
+// ---------------------------------------------------------------- portable implementation
+
+float exp_span_portable(float* x, int64_t n, float mx) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] - mx);
+    sum += x[j];
+  }
+  return sum;
+}
+
+template <typename QT, typename CT>
+void attend_portable(const Problem& p, const Item& it, Scratch& w) {
+  Span s = span_of(p, it);
+  const int64_t D = p.dim, voff = p.kv_heads * D;
+  const CT** kp = start_item<QT, CT>(p, it, s, w);
+  for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
+    int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
+    entry_ptrs<CT>(p, it, k0, k1, kp);
+    for (int64_t r = 0; r < s.rows; ++r) {
+      int64_t a, b;
+      row_range(p, it, s, r, k0, k1, &a, &b);
+      float* srow = w.s.data() + r * kTile;
+      const float* qr = w.q.data() + r * D;
+      const int64_t koff = (r / s.head_rows) * D;
+      for (int64_t j = a - k0; j < b - k0; ++j) {
+        const CT* kr = kp[j] + koff;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * to_f32(kr[d]);
+        srow[j] = dot * p.scale;
+      }
+      softmax_update(srow, n, a - k0, b - k0, &w.m[r], &w.l[r], w.acc.data() + r * D, D,
+                     exp_span_portable);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t r = 0; r < s.rows; ++r) {
+        const CT* vr = kp[j] + voff + (r / s.head_rows) * D;
+        float pj = w.s[r * kTile + j];
+        if (pj == 0.0f) continue;
+        float* ar = w.acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) ar[d] += pj * to_f32(vr[d]);
+      }
+    }
+  }
+  store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
+}
+
+// ---------------------------------------------------------------- AVX512 implementation
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {   // bf16 -> fp32 is a 16-bit left shift
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e^x for x <= 0 (scores minus their max): 2^n * e^r, |r| <= ln2/2, degree-6 Taylor
+// polynomial (relative error ~2e-7); inputs below -104 (and -inf) give 0 through scalef.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+float exp_span_avx512(float* x, int64_t n, float mx) {
+  __m512 vm = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
+    _mm512_storeu_ps(x + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (j < n) {
+    __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm));
+    e = _mm512_maskz_mov_ps(k, e);
+    _mm512_mask_storeu_ps(x + j, k, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// Blocks are scattered, so the hardware prefetcher loses the stream at every block edge: the
+// first head's score pass asks for a later key's whole entry (every head's K and V) itself.
+constexpr int64_t kPrefetch = 8;
+template <typename CT>
+inline void prefetch_entry(const CT* const* kp, int64_t j, int64_t jb, int64_t bytes) {
+  if (j >= jb) return;
+  const char* e = reinterpret_cast<const char*>(kp[j]);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(e + b, _MM_HINT_T0);
+}
+
+// Scores of NR rows against keys [ja, jb) of the tile: fp32 dot products, D % 16 == 0.
+template <int NR, typename CT>
+void scores_f32(const float* q, int64_t D, const CT* const* kp, int64_t koff, int64_t pf_bytes,
+                int64_t ja, int64_t jb, float scale, float* s) {
+  for (int64_t j = ja; j < jb; ++j) {
+    const CT* kr = kp[j] + koff;
+    prefetch_entry(kp, j + kPrefetch, jb, pf_bytes);
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 kv = load16(kr + d);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(load16(q + r * D + d), kv, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) s[r * kTile + j] = _mm512_reduce_add_ps(acc[r]) * scale;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same with bf16 queries and keys: exact bf16 products summed in fp32 (D % 32 == 0).
+template <int NR>
+void scores_bf16(const at::BFloat16* q, int64_t D, const at::BFloat16* const* kp, int64_t koff,
+                 int64_t pf_bytes, int64_t ja, int64_t jb, float scale, float* s) {
+  for (int64_t j = ja; j < jb; ++j) {
+    const at::BFloat16* kr = kp[j] + koff;
+    prefetch_entry(kp, j + kPrefetch, jb, pf_bytes);
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + d);
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(q + r * D + d), kv);
+    }
+    for (int r = 0; r < NR; ++r) s[r * kTile + j] = _mm512_reduce_add_ps(acc[r]) * scale;
+  }
+}
+#endif
+
+// acc[r] += sum_j s[r][j] * v_j for NR rows, NV*16 output columns at column c0.
+template <int NR, int NV, typename CT>
+void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
+                  int64_t D, int64_t c0) {
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + c0 + v * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    const CT* vr = kp[j] + voff + c0;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vr + v * 16);
+    for (int r = 0; r < NR; ++r) {
+      __m512 pj = _mm512_set1_ps(s[r * kTile + j]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + c0 + v * 16, a[r][v]);
+}
+
+template <int NR, typename CT>
+void accumulate_rows(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
+                     int64_t D) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) accumulate_v<NR, 4, CT>(s, kp, voff, n, acc, D, c);
+  for (; c < D; c += 16) accumulate_v<NR, 1, CT>(s, kp, voff, n, acc, D, c);
+}
+
+// Dispatch a row count 1..4 to a template (rows are handled four at a time).
+template <typename F>
+void by_rows(int64_t nr, F f) {
+  switch (nr) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Calls f(r0, nr, koff) for each group of at most four rows of one KV head (koff: the head's
+// offset in an entry); groups never straddle heads.
+template <typename F>
+void row_groups(const Problem& p, const Span& s, F f) {
+  for (int64_t h = 0; h < p.kv_heads; ++h)
+    for (int64_t r = 0; r < s.head_rows; r += 4)
+      f(h * s.head_rows + r, std::min<int64_t>(4, s.head_rows - r), h * p.dim);
+}
+
+template <typename QT, typename CT>
+void attend_avx512(const Problem& p, const Item& it, Scratch& w) {
+  Span s = span_of(p, it);
+  const int64_t D = p.dim, voff = p.kv_heads * D;
+  const int64_t entry_bytes = p.width * static_cast<int64_t>(sizeof(CT));
+  const CT** kp = start_item<QT, CT>(p, it, s, w);
+#if defined(__AVX512BF16__)
+  // bf16 x bf16 dot products take the queries as bf16: the caller's own values, unchanged.
+  constexpr bool kBf16 = std::is_same_v<QT, at::BFloat16> && std::is_same_v<CT, QT>;
+  const bool bf16_dots = kBf16 && D % 32 == 0;
+  if (bf16_dots)
+    for (int64_t i = 0; i < s.rows * D; ++i) w.qb[i] = at::BFloat16(w.q[i]);
+#endif
+  for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
+    int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
+    entry_ptrs<CT>(p, it, k0, k1, kp);
+    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
+      // Keys any of these rows sees: the first row's window start to the last row's query.
+      int64_t a0, b0, a1, b1;
+      row_range(p, it, s, r0, k0, k1, &a0, &b0);
+      row_range(p, it, s, r0 + nr - 1, k0, k1, &a1, &b1);
+      int64_t ja = a0 - k0, jb = std::max(b1 - k0, ja);
+      int64_t pf = r0 == 0 ? entry_bytes : 0;
+      float* srow = w.s.data() + r0 * kTile;
+      by_rows(nr, [&](auto c) {
+        constexpr int NR = decltype(c)::value;
+#if defined(__AVX512BF16__)
+        if (bf16_dots) {
+          scores_bf16<NR>(w.qb.data() + r0 * D, D,
+                          reinterpret_cast<const at::BFloat16* const*>(kp), koff, pf, ja, jb,
+                          p.scale, srow);
+          return;
+        }
+#endif
+        scores_f32<NR, CT>(w.q.data() + r0 * D, D, kp, koff, pf, ja, jb, p.scale, srow);
+      });
+    });
+    bool any = false;
+    for (int64_t r = 0; r < s.rows; ++r) {
+      int64_t a, b;
+      row_range(p, it, s, r, k0, k1, &a, &b);
+      any |= softmax_update(w.s.data() + r * kTile, n, a - k0, b - k0, &w.m[r], &w.l[r],
+                            w.acc.data() + r * D, D, exp_span_avx512);
+    }
+    if (!any) continue;
+    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
+      by_rows(nr, [&](auto c) {
+        accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
+                                                w.acc.data() + r0 * D, D);
+      });
+    });
+  }
+  store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
+}
+#endif  // __AVX512F__
+
+// ---------------------------------------------------------------- the op
+
+// Queries per work item: kMaxRows folded rows per KV head.
+inline int64_t query_block(const Problem& p) { return std::max<int64_t>(1, kMaxRows / p.groups); }
+
+// Work items: (request, block of queries); requests with no queries this step have none.
+std::vector<Item> make_items(const Problem& p, int64_t num_reqs) {
+  std::vector<Item> items;
+  const int64_t qblock = query_block(p);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    int64_t qlen = p.qsl[r + 1] - p.qsl[r];
+    TORCH_CHECK(qlen >= 0 && qlen <= p.seq_lens[r], "paged_attention: request ", r, " has ",
+                qlen, " queries but seq_len ", p.seq_lens[r]);
+    for (int64_t q0 = 0; q0 < qlen; q0 += qblock)
+      items.push_back(Item{r, q0, std::min(qlen, q0 + qblock)});
+  }
+  return items;
+}
+
+template <typename QT, typename CT>
+void run(const Problem& p, const std::vector<Item>& items, bool portable) {
+  auto fn = attend_portable<QT, CT>;
+#if defined(__AVX512F__)
+  if (!portable && p.dim % 16 == 0) fn = attend_avx512<QT, CT>;
+#endif
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    Scratch w(query_block(p) * p.heads, p.dim);
+    for (int64_t i = b; i < e; ++i) fn(p, items[i], w);
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
+                           const at::Tensor& block_table,
+                           const std::optional<at::Tensor>& req_rows_in,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           double scale, int64_t window, bool portable) {
+  TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D]");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(),
+              "paged_attention: cache must be a contiguous [blocks, block_size, width]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
+              "paged_attention: q must be float32 or bfloat16");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
+              "paged_attention: cache must be float32 or bfloat16");
+  for (const at::Tensor* t : {&block_table, &query_start_loc, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu(),
+                "paged_attention: index tensors must be int64 CPU tensors");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1,
+              "paged_attention: block_table must be [rows, max_blocks] with unit row stride");
+  at::Tensor q = q_in.contiguous();
+  at::Tensor qsl = query_start_loc.contiguous(), lens = seq_lens.contiguous();
+  const int64_t num_reqs = lens.numel();
+  TORCH_CHECK(qsl.numel() == num_reqs + 1, "paged_attention: query_start_loc must be [R+1]");
+  const int64_t heads = q.size(1), dim = q.size(2), width = cache.size(2);
+  TORCH_CHECK(dim > 0 && width % (2 * dim) == 0, "paged_attention: cache width ", width,
+              " is not 2 * kv_heads * head_dim (head_dim ", dim, ")");
+  const int64_t kv_heads = width / (2 * dim);
+  TORCH_CHECK(heads % kv_heads == 0, "paged_attention: ", heads,
+              " query heads are not a multiple of ", kv_heads, " KV heads");
+  TORCH_CHECK(qsl.data_ptr<int64_t>()[num_reqs] == q.size(0),
+              "paged_attention: query_start_loc does not end at T");
+  at::Tensor req_rows;
+  if (req_rows_in.has_value()) {
+    req_rows = req_rows_in->contiguous();
+    TORCH_CHECK(req_rows.scalar_type() == at::kLong && req_rows.numel() == num_reqs,
+                "paged_attention: req_rows must be int64 [R]");
+    const int64_t* rr = req_rows.data_ptr<int64_t>();
+    for (int64_t r = 0; r < num_reqs; ++r)
+      TORCH_CHECK(rr[r] >= 0 && rr[r] < block_table.size(0), "paged_attention: req_rows[", r,
+                  "] out of range");
+  } else {
+    TORCH_CHECK(block_table.size(0) >= num_reqs, "paged_attention: block_table has fewer rows "
+                "than requests");
+  }
+  const int64_t block_size = cache.size(1);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_reqs; ++r)
+    TORCH_CHECK(lp[r] >= 0 && (lp[r] + block_size - 1) / block_size <= block_table.size(1),
+                "paged_attention: seq_lens[", r, "] = ", lp[r], " passes its block table");
+
+  at::Tensor out = at::empty_like(q);
+  Problem p{static_cast<const char*>(q.data_ptr()), static_cast<char*>(out.data_ptr()),
+            static_cast<const char*>(cache.data_ptr()), block_table.data_ptr<int64_t>(),
+            block_table.stride(0), req_rows.defined() ? req_rows.data_ptr<int64_t>() : nullptr,
+            qsl.data_ptr<int64_t>(), lp, heads, kv_heads, heads / kv_heads, dim, width,
+            block_size, cache.size(0), window, static_cast<float>(scale)};
+  std::vector<Item> items = make_items(p, num_reqs);
+  const bool qb = q.scalar_type() == at::kBFloat16, cb = cache.scalar_type() == at::kBFloat16;
+  if (qb && cb) run<at::BFloat16, at::BFloat16>(p, items, portable);
+  else if (qb) run<at::BFloat16, float>(p, items, portable);
+  else if (cb) run<float, at::BFloat16>(p, items, portable);
+  else run<float, float>(p, items, portable);
+  return out;
+}
+
+bool has_avx512_path() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wideserve, m) {
+  m.def("paged_attention(Tensor q, Tensor cache, Tensor block_table, Tensor? req_rows, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int window, "
+        "bool portable=False) -> Tensor");
+  // Whether this build has the AVX512 path (else `portable` changes nothing).
+  m.def("paged_attention_has_avx512() -> bool", [] { return has_avx512_path(); });
+}
+
+TORCH_LIBRARY_IMPL(wideserve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
