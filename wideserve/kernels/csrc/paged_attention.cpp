@@ -163,11 +163,10 @@ bool softmax_update(float* srow, int64_t n, int64_t a, int64_t b, float* m, floa
     return false;
   }
   float mx = *m;
-  for (int64_t j = a; j < b; ++j) mx = std::max(mx, srow[j]);
+  float sum = exp_span(srow + a, b - a, &mx);
   float corr = std::exp(*m - mx);   // *m = -inf on the first tile: corr = 0, acc is 0 anyway
   std::fill(srow, srow + a, 0.0f);
   std::fill(srow + b, srow + n, 0.0f);
-  float sum = exp_span(srow + a, b - a, mx);
   *l = *l * corr + sum;
   *m = mx;
   if (corr != 1.0f)
@@ -177,7 +176,11 @@ bool softmax_update(float* srow, int64_t n, int64_t a, int64_t b, float* m, floa
 
 // ---------------------------------------------------------------- portable implementation
 
-float exp_span_portable(float* x, int64_t n, float mx) {
+// x[j] <- exp(x[j] - max), max = max(*mx, x[0..n)) written back to *mx; returns the sum.
+float exp_span_portable(float* x, int64_t n, float* mx_io) {
+  float mx = *mx_io;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
+  *mx_io = mx;
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     x[j] = std::exp(x[j] - mx);
@@ -249,9 +252,15 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-float exp_span_avx512(float* x, int64_t n, float mx) {
-  __m512 vm = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+float exp_span_avx512(float* x, int64_t n, float* mx_io) {
+  __m512 vmax = _mm512_set1_ps(*mx_io);
   int64_t j = 0;
+  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + j));
+  float mx = _mm512_reduce_max_ps(vmax);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  *mx_io = mx;
+  __m512 vm = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+  j = 0;
   for (; j + 16 <= n; j += 16) {
     __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
     _mm512_storeu_ps(x + j, e);
