@@ -92,9 +92,12 @@ class StaticDecodeInputs:
     `host[name]` is where a step writes (numpy); `dev[name]` what the model reads. On the CPU
     they are the same memory; on CUDA `host` is pinned and `upload` copies without blocking."""
 
-    def __init__(self, size: int, slot_groups: Sequence[int], device: torch.device) -> None:
+    def __init__(self, size: int, slot_groups: Sequence[int], device: torch.device,
+                 separate_copy: bool = False) -> None:
+        """separate_copy: a device copy uploaded each step even on the CPU (what CUDA does;
+        lets the CPU tests exercise that path)."""
         self.size, self.device = size, device
-        self._same = device.type == "cpu"
+        self._same = device.type == "cpu" and not separate_copy
         names = [*_FIELDS, "query_start_loc", *(f"slots{g}" for g in slot_groups)]
         self._host_t: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
