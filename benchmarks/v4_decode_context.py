@@ -12,10 +12,12 @@ the others point at block 0, as the KV manager's freed sliding-window pages do.
 
 Scenarios (name: contexts of the batch's requests): short (4 x 2K), long (4 x 32K) and mixed
 (1 x 32K + 3 x 2K: what padding to the longest context costs). Per scenario: 2 warm-up steps,
-then the median of `--steps` steps.
+then the median of `--steps` steps. `--interleave` keeps every scenario's batch alive and
+round-robins single steps over all (scenario, indexer path) pairs: on a shared machine the
+ratios then compare steps taken under the same load.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v4_decode_context.py [--dtype bf16]
-        [--steps 7] [--out benchmarks/results/v4_decode_context.jsonl] [--tag after]
+        [--steps 7] [--indexer fused torch] [--interleave] [--out benchmarks/results/v4_decode_context.jsonl] [--tag after]
 """
 from __future__ import annotations
 
@@ -68,6 +70,15 @@ def set_precision(model, attn, index) -> None:
         indexer = getattr(getattr(layer.self_attn, "compressor", None), "indexer", None)
         if indexer is not None:
             indexer.dtype_override = index
+
+
+def set_indexer_path(model, fused: bool) -> None:
+    """The CSA indexer's scoring: the fused CPU op (the default where it runs) or the torch
+    bucket loop (v4_batched.select)."""
+    for layer in model.model.layers:
+        indexer = getattr(getattr(layer.self_attn, "compressor", None), "indexer", None)
+        if indexer is not None:
+            indexer.use_cpu_kernel = fused
 
 
 class Batch:
@@ -142,6 +153,40 @@ class Batch:
         return self.forward([[7]] * len(self.lengths))[1]
 
 
+def measure(model, names: list[str], paths: list[str], steps: int, block: int,
+            interleave: bool) -> list[dict]:
+    """Median and fastest decode step per (scenario, indexer path). Interleaved: every
+    scenario's batch stays alive and each step round-robins over all (scenario, path) pairs,
+    so a load change on a shared machine hits every pair alike."""
+    pairs = [(n, p) for n in names for p in paths]
+    times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
+    if interleave:
+        batches = {n: Batch(model, SCENARIOS[n], block) for n in names}
+        for i in range(steps + 2):
+            for name, path in pairs:
+                set_indexer_path(model, path == "fused")
+                dt = batches[name].decode()
+                if i >= 2:
+                    times[name, path].append(dt)
+    else:
+        for name, path in pairs:
+            set_indexer_path(model, path == "fused")
+            batch = Batch(model, SCENARIOS[name], block)
+            times[name, path] = [batch.decode() for _ in range(steps + 2)][2:]
+            del batch
+    rows = [{"scenario": n, "indexer": p, "contexts": SCENARIOS[n],
+             "ms": 1000 * float(np.median(times[n, p])),
+             "min_ms": 1000 * float(np.min(times[n, p]))} for n, p in pairs]
+    for row in rows:
+        print(row, flush=True)
+    for path in paths:
+        by = {r["scenario"]: r for r in rows if r["indexer"] == path}
+        if "short" in by and "long" in by:
+            print(f"{path}: long / short = {by['long']['ms'] / by['short']['ms']:.3f} "
+                  f"(best steps {by['long']['min_ms'] / by['short']['min_ms']:.3f})")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -149,6 +194,10 @@ def main() -> None:
     ap.add_argument("--attention-dtype", choices=["default", "fp32", "model"], default="default",
                     help="attention products (and indexer q.k) dtype: the defaults, all fp32, "
                          "or all in the model dtype")
+    ap.add_argument("--indexer", nargs="+", choices=["fused", "torch"], default=["fused"],
+                    help="CSA indexer scoring: the fused CPU op (default) and/or the torch loop")
+    ap.add_argument("--interleave", action="store_true",
+                    help="round-robin the steps of every (scenario, indexer) pair")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS),
                     default=["short", "long", "mixed"])
     ap.add_argument("--tag", default="", help="label stored with the results (e.g. before)")
@@ -159,20 +208,10 @@ def main() -> None:
     if args.attention_dtype != "default":
         d = torch.float32 if args.attention_dtype == "fp32" else "model"
         set_precision(model, d, d)
-    block = _v41_bench().BLOCK
-    rows = []
-    for name in args.scenarios:
-        batch = Batch(model, SCENARIOS[name], block)
-        times = [batch.decode() for _ in range(args.steps + 2)][2:]
-        rows.append({"scenario": name, "contexts": SCENARIOS[name],
-                     "ms": 1000 * float(np.median(times)),
-                     "min_ms": 1000 * float(np.min(times))})
-        print(rows[-1], flush=True)
-        del batch
-    by = {r["scenario"]: r["ms"] for r in rows}
-    if "short" in by and "long" in by:
-        print(f"long / short = {by['long'] / by['short']:.3f}")
-    record = {"tag": args.tag, "dtype": args.dtype, "attention_dtype": args.attention_dtype, "machine": machine_info(), "rows": rows,
+    rows = measure(model, args.scenarios, args.indexer, args.steps, _v41_bench().BLOCK,
+                   args.interleave)
+    record = {"tag": args.tag, "dtype": args.dtype, "attention_dtype": args.attention_dtype,
+              "interleave": args.interleave, "machine": machine_info(), "rows": rows,
               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                    time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)

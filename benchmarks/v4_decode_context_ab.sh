@@ -2,7 +2,8 @@
 # Alternate benchmarks/v4_decode_context.py between two source trees (BENCHMARKS.md, "DeepSeek-V4:
 # decode step time at 2K vs 32K context"): BEFORE (a tree holding an older wideserve/, e.g.
 # `git archive <commit> wideserve | tar -x -C /tmp/before`) and this checkout, the latter also
-# with the attention products forced to fp32. Run it through /work/notes/quiet.
+# with the CSA indexer on its torch loop instead of the fused CPU op. Run it through
+# /work/notes/quiet (build the C++ extension first: python -m wideserve.kernels.loader).
 #   benchmarks/v4_decode_context_ab.sh /tmp/before <before-tag> [rounds] [python]
 set -e
 BEFORE=$1; TAG=$2; ROUNDS=${3:-3}; PY=${4:-.venv/bin/python}
@@ -13,6 +14,6 @@ uptime
 for _ in $(seq "$ROUNDS"); do
   run "$BEFORE" --tag "$TAG"
   run "$PWD" --tag after
-  run "$PWD" --tag "after, fp32 attention" --attention-dtype fp32
+  run "$PWD" --tag "after, torch indexer" --indexer torch
   uptime
 done

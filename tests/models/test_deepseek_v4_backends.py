@@ -13,6 +13,7 @@ import v4_configs as cfgs
 from paged_harness import PagedHarness
 from v4_helpers import hf_model, random_tokens, randomize_, ws_model
 
+from wideserve.kernels import v4_indexer as indexer_op
 from wideserve.layers.attention import v4_batched
 from wideserve.layers.attention.v4_blocks import LONG_QUERY
 from wideserve.layers.attention.v4_step import V4Step
@@ -170,13 +171,33 @@ def _widths(ws, h, slots, tokens) -> list[tuple[int, bool]]:
                 for m, floor in cases), key=len)
 
 
+def _indexers(ws) -> list:
+    return [layer.self_attn.compressor.indexer for layer in ws.model.layers
+            if getattr(getattr(layer.self_attn, "compressor", None), "indexer", None)]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused-indexer", "torch-indexer"])
 @pytest.mark.parametrize("name", ["A", "C", "E"])
-def test_mixed_contexts_read_their_own_entries(model, name):
+def test_mixed_contexts_read_their_own_entries(model, name, kernel, monkeypatch):
     """Decode batches whose contexts differ by up to 60x, interleaved (so one bucket's blocks
     are not consecutive), some with no compressed entry yet; then a chunked prefill joins the
     decodes. Equal to the reference at every step (NaN poison on), and the step really splits
-    into several entry buckets."""
+    into several entry buckets. Both indexer paths of the batched backend: the fused CPU op
+    (which must be the one that runs on the CPU by default) and the torch bucket loop."""
     ws = model(name)
+    calls = []
+    topk = indexer_op.indexer_topk
+    monkeypatch.setattr(indexer_op, "indexer_topk", lambda *a, **k: calls.append(1) or topk(*a, **k))
+    for indexer in _indexers(ws):
+        monkeypatch.setattr(indexer, "use_cpu_kernel", kernel)
+    try:
+        _mixed_contexts(ws, name)
+    finally:
+        monkeypatch.undo()
+    assert bool(calls) == (kernel and name != "E")    # E's index_topk covers every entry
+
+
+def _mixed_contexts(ws, name: str) -> None:
     lengths = [2, 120, 1, 61, 4, 9, 118, 3]
     rng = np.random.default_rng(NAMES.index(name))
     seqs = _seqs(name, [n + 12 for n in lengths] + [80], seed=20)

@@ -74,6 +74,9 @@ class Indexer(Compressor):
         # None: the index scores' q.k runs in the model dtype (measured as accurate as the
         # rest of a bf16 model: docs/deepseek_v4.md, "Attention precision"); a dtype forces it.
         self.dtype_override: torch.dtype | None = None
+        # False: the batched backend scores with its torch loop even where the fused CPU op
+        # runs (v4_batched.select; tests and benchmarks compare the two).
+        self.use_cpu_kernel = True
 
     @property
     def compute_dtype(self) -> torch.dtype:

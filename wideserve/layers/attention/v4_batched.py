@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from wideserve.kernels import v4_indexer as indexer_op
 from wideserve.layers.attention.v4_blocks import Part, QueryBlocks, take
 from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
 from wideserve.layers.indexer import Indexer, index_topk
@@ -74,7 +75,9 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     Blocks are scored in buckets of similar entry counts (V4Step.entry_parts, at least
     index_topk wide); padding entries (ids a query cannot see) score -inf like future ones, so
     each row is the reference's per-request top-k: visible scores are finite and sort first,
-    ties by id. Blocks without entries pick nothing."""
+    ties by id. Blocks without entries pick nothing. On the CPU the fused op
+    (wideserve/kernels/v4_indexer.py) does the same per token without gathering the keys;
+    this loop is its readable reference (`Indexer.use_cpu_kernel = False` forces it)."""
     T = x.shape[0]
     K = step.entry_width(indexer.ratio)
     if T == 0 or indexer.topk >= K:
@@ -83,6 +86,12 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     dt = compute_dtype(indexer)
     q = rotate(indexer.q_b_proj(q_res).view(T, H, D), cis).to(dt)    # [T, H_I, D_I]
     weights = indexer.scorer.weights_proj(x).float() * H ** -0.5              # [T, H_I]
+    flat, view = step.flat_cache(keys_name)
+    if indexer.use_cpu_kernel and indexer_op.supports(dt, flat):
+        # Scored in place in the paged cache, one pass per token (csrc/v4_indexer.cpp).
+        return indexer_op.indexer_topk(q, weights * D ** -0.5, flat, view.block_table,
+                                       step.token_rows(view), step.token_visible(indexer.ratio),
+                                       view.entries_per_block, k)
     picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
     for blocks in step.query_groups():
         Q = blocks.block_q

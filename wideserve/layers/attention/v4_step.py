@@ -209,6 +209,16 @@ class V4Step:
         return self._once(("visible", id(blocks), ratio),
                           lambda: self._dev((blocks.q_pos + 1) // ratio))
 
+    def token_rows(self, view: KVGroupView) -> torch.Tensor:
+        """[T] int64 block-table row of each new token's request in `view`."""
+        return self._once(("token_rows", id(view)),
+                          lambda: view.rows(self._dev(self.token_req)))
+
+    def token_visible(self, ratio: int) -> torch.Tensor:
+        """[T] int64 entries each new token sees: (p + 1) // ratio."""
+        return self._once(("token_visible", ratio),
+                          lambda: self._dev((self.token_pos + 1) // ratio))
+
     def part_entry_bias(self, blocks: QueryBlocks, part: Part, ratio: int) -> torch.Tensor:
         """[P, Q, width] fp32: 0 where the query sees the entry, -inf elsewhere (built on the
         device from the visible counts)."""
