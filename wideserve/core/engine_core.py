@@ -35,6 +35,7 @@ from wideserve.executor.decode_capture import (EagerReplay, capturable, capture_
 from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.penalties import PenaltyTracker
+from wideserve.kernels.loader import cpu_ops_available
 from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
                                         compute_prompt_logprobs, make_generator)
 from wideserve.request import Request
@@ -139,6 +140,10 @@ class EngineCore:
         if config.load.decoder_bounded_replay:
             _enable_decoder_bounded_replay(self.model)
         self.device = torch.device(config.load.device)
+        if self.device.type == "cpu":
+            # Build or load the C++ CPU kernels now, inside startup's deadline, not in the
+            # first step, where a first build would outlast the engine's heartbeat.
+            cpu_ops_available()
         self.compiled = _compile_model(self.model, config.load.enforce_eager, self.device)
         model_len = _model_max_len(self.loaded.config_json)
         self.max_model_len = config.scheduler.max_model_len or model_len

@@ -42,7 +42,9 @@ def sources() -> list[Path]:
 
 
 def _build_directory() -> Path:
-    digest = hashlib.sha256()
+    # The directory of the sources is part of the key: torch's build.ninja names them by
+    # absolute path, so two checkouts sharing one build directory would rebuild it in turn.
+    digest = hashlib.sha256(str(CSRC).encode() + b"\0")
     for path in sources() + sorted(CSRC.glob("*.h")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
