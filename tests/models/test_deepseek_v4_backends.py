@@ -318,11 +318,19 @@ def test_bf16_model_runs_attention_products_in_bf16(model, monkeypatch):
     random model amplifies rounding, so this is the honest yardstick; a bug such as a lost
     mask lands far outside it). Forced to fp32 the batched products match the reference."""
     from wideserve.executor.loader import build_model
+    from wideserve.layers.experts import RoutedExperts
     from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     ws32 = model("A")
     ws = build_model(DeepseekV4ForCausalLM, ws32.config, torch.bfloat16, torch.device("cpu"))
     ws.load_weights(ws32.state_dict().items())
+    # The routed experts through the torch path, as in the fp32 model: this test is about the
+    # attention products, and on a tiny random model a different MoE rounding (the fused C++
+    # op, fp32 inside) moves which routing choices flip under bf16 attention, and so the
+    # largest logit error, while being closer to fp64 itself (tests/kernels/test_moe_kernel.py).
+    for module in ws.modules():
+        if isinstance(module, RoutedExperts):
+            module.impl = "loop"
     dtypes = set()
     softmax_attend = v4_batched._softmax_attend
 
