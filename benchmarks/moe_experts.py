@@ -55,7 +55,9 @@ def run(shape: str, tokens: int, dtype: torch.dtype, device: torch.device,
                 if impl == "loop":
                     ref = out
                 else:
-                    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+                    # bf16 paths round at different points: 2% of the output's scale
+                    scale = ref.abs().max().item() if tokens else 0.0
+                    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * scale)
     return {i: statistics.median(v) * 1e3 for i, v in times.items()}
 
 

@@ -1,10 +1,11 @@
 """The fused routed-experts CPU op (`csrc/moe.cpp`): weight packing and the call.
 
 `pack_experts` lays each expert's weights out for the kernel once (a derived copy, rebuilt by
-`RoutedExperts` when the weights change): every [N, K] matrix is cut into blocks of 16 output
-rows stored as [K/P, 16, P] (P = 2 bf16 inputs per 32-bit lane for `vdpbf16ps`, 1 for fp32),
-gate and up blocks interleaved so the SwiGLU of a block runs where it is produced, the
-intermediate width padded to 16 with zero weights (whose activations are exactly 0).
+`RoutedExperts` when the weights change): every [N, K] matrix is cut into groups of g blocks
+of 16 output rows, each group stored as [K/P, g, 16, P] (P = 2 bf16 inputs per 32-bit lane for
+`vdpbf16ps`, 1 for fp32) so a register tile streams it in order; up groups pair gate block j
+with up block j so the SwiGLU of a block runs where it is produced. The intermediate width is
+padded to 16 and the hidden one to 64 with zero weights (padded activations are exactly 0).
 """
 from __future__ import annotations
 
@@ -21,28 +22,29 @@ def _pair(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.bfloat16 else 1
 
 
-def _pack(w: torch.Tensor, pair: int) -> torch.Tensor:
-    """[E, N, K] -> [E, ceil(N/16), ceil(K/P), 16, P], zero-padded."""
+def _pack(w: torch.Tensor, pair: int, group: int) -> torch.Tensor:
+    """[E, N, K] -> [E, ceil(N / 16g), ceil(K/P), g, 16, P] (g = group blocks), zero-padded."""
     E, N, K = w.shape
-    w = F.pad(w, (0, -K % pair, 0, -N % LANES))
-    nb, kp = w.shape[1] // LANES, w.shape[2] // pair
-    return w.reshape(E, nb, LANES, kp, pair).permute(0, 1, 3, 2, 4).contiguous()
+    w = F.pad(w, (0, -K % pair, 0, -N % (LANES * group)))
+    groups, kp = w.shape[1] // (LANES * group), w.shape[2] // pair
+    return w.reshape(E, groups, group, LANES, kp, pair).permute(0, 1, 4, 2, 3, 5).contiguous()
 
 
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [E, 2I, d] (gate rows first), down [E, d, I] -> (w13, w2) for the op."""
+    """gate_up [E, 2I, d] (gate rows first), down [E, d, I] -> (w13, w2) for the op: w13 in
+    groups (gate block j, up block j), w2 in groups of 4 blocks."""
     E, two_i, d = gate_up.shape
     inter = two_i // 2
     pad = -inter % LANES
     pair = _pair(gate_up.dtype)
     with torch.no_grad():
-        gate, up = F.pad(gate_up.detach(), (0, 0, 0, 0)).split(inter, dim=1)
+        gate, up = gate_up.detach().split(inter, dim=1)
         gate, up = F.pad(gate, (0, 0, 0, pad)), F.pad(up, (0, 0, 0, pad))
         ip = inter + pad
         blocks = torch.stack([gate.reshape(E, ip // LANES, LANES, d),
                               up.reshape(E, ip // LANES, LANES, d)], dim=2)
-        w13 = _pack(blocks.reshape(E, 2 * ip, d), pair)
-        w2 = _pack(F.pad(down.detach(), (0, pad)), pair)
+        w13 = _pack(blocks.reshape(E, 2 * ip, d), pair, group=2)
+        w2 = _pack(F.pad(down.detach(), (0, pad)), pair, group=4)
     return w13, w2
 
 

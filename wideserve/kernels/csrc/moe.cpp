@@ -10,12 +10,14 @@
 // Accumulation is fp32; the output is rounded to the model dtype once, at the end.
 //
 // Weights come prepacked (wideserve/kernels/moe.py): every expert's [N, K] matrix is cut into
-// blocks of 16 output rows, each stored as [K/P, 16, P] (P = 2 for bf16, 1 for fp32), so one
-// 64-byte load holds the next P inputs' weights for 16 outputs. With AVX512-BF16 one
-// `vdpbf16ps` then multiplies a broadcast pair of inputs into 16 fp32 accumulators that run
-// along the output dimension: no horizontal reductions. Gate and up blocks are interleaved
-// (gate block j, up block j, ...) so the SwiGLU of a block is computed where it is produced.
-// I is padded to a multiple of 16 with zero weights (the padded activations are exactly 0).
+// groups of G blocks of 16 output rows, each group stored as [K/P, G, 16, P] (P = 2 for bf16,
+// 1 for fp32), so one 64-byte load holds the next P inputs' weights for 16 outputs, and a
+// register tile reads its group as one sequential stream. With AVX512-BF16 one `vdpbf16ps`
+// then multiplies a broadcast pair of inputs into 16 fp32 accumulators that run along the
+// output dimension: no horizontal reductions. Up groups are (gate block j, up block j), G = 2,
+// so the SwiGLU of a block is computed where it is produced; down groups are G = 4 blocks.
+// I is padded to a multiple of 16 and d to one of 64 with zero weights (the padded
+// activations are exactly 0; the padded output columns are never stored).
 //
 // The portable path (plain C++, any CPU, and fp32) runs the same tiling with scalar code; it is
 // what machines without AVX512-BF16 run and is selected by `portable=True` for tests.
@@ -37,9 +39,9 @@
 namespace {
 
 constexpr int64_t kLanes = 16;   // output columns per packed block (one zmm of fp32)
-constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (2 blocks: 16 accs)
+constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (gate + up: 16 accs)
 constexpr int kRowsDown = 4;     // rows per register tile in phase 2 ...
-constexpr int kBlocksDown = 4;   // ... times output blocks (16 accs)
+constexpr int kBlocksDown = 4;   // ... times output blocks (16 accs): a down group
 
 // The sorted rows: expert e owns rows [offsets[e], offsets[e + 1]).
 struct Rows {
@@ -78,10 +80,10 @@ Rows sort_rows(const at::Tensor& ids, const at::Tensor& weights, int64_t experts
 // Packed-layout geometry, derived from the shapes and checked against the packed tensors.
 struct Geometry {
   int64_t d, inter, ip, pair;          // hidden, intermediate, I padded to 16, P
-  int64_t up_blocks, up_pairs;         // w13 [E, up_blocks, up_pairs, 16, P]
-  int64_t down_blocks, down_pairs;     // w2  [E, down_blocks, down_pairs, 16, P]
-  int64_t up_block_stride() const { return up_pairs * kLanes * pair; }
-  int64_t down_block_stride() const { return down_pairs * kLanes * pair; }
+  int64_t up_groups, up_pairs;         // w13 [E, up_groups, up_pairs, 2, 16, P]
+  int64_t down_groups, down_pairs;     // w2  [E, down_groups, down_pairs, 4, 16, P]
+  int64_t up_group_size() const { return up_pairs * 2 * kLanes * pair; }
+  int64_t down_group_size() const { return down_pairs * kBlocksDown * kLanes * pair; }
 };
 
 Geometry geometry(int64_t d, int64_t inter, int64_t pair) {
@@ -90,9 +92,9 @@ Geometry geometry(int64_t d, int64_t inter, int64_t pair) {
   g.inter = inter;
   g.ip = (inter + kLanes - 1) / kLanes * kLanes;
   g.pair = pair;
-  g.up_blocks = 2 * g.ip / kLanes;
+  g.up_groups = g.ip / kLanes;
   g.up_pairs = (d + pair - 1) / pair;
-  g.down_blocks = (d + kLanes - 1) / kLanes;
+  g.down_groups = (d + kBlocksDown * kLanes - 1) / (kBlocksDown * kLanes);
   g.down_pairs = g.ip / pair;
   return g;
 }
@@ -107,13 +109,14 @@ inline float silu_mul(float gate, float up, bool clamp, float limit) {
 
 // ---------------------------------------------------------------- portable (plain C++)
 
+// acc[m][n][:] = x[m] . (block n of the group at w), the group laid out [pairs, NB, 16, P].
 template <typename T, int M, int NB>
-void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w, int64_t bstride,
+void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w,
                    float (&acc)[M][NB][kLanes]) {
   std::memset(acc, 0, sizeof(acc));
   for (int64_t p = 0; p < pairs; ++p) {
     for (int n = 0; n < NB; ++n) {
-      const T* wp = w + n * bstride + p * kLanes * pair;
+      const T* wp = w + (p * NB + n) * kLanes * pair;
       for (int m = 0; m < M; ++m) {
         for (int q = 0; q < pair; ++q) {
           const float xv = static_cast<float>(x[m][p * pair + q]);
@@ -131,7 +134,7 @@ void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, cons
   const T* xr[M];
   for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * g.pair;
   float acc[M][2][kLanes];
-  tile_portable<T, M, 2>(xr, g.up_pairs, g.pair, w, g.up_block_stride(), acc);
+  tile_portable<T, M, 2>(xr, g.up_pairs, g.pair, w, acc);
   for (int m = 0; m < M; ++m) {
     T* a = act + (r0 + m) * g.ip + j * kLanes;
     for (int l = 0; l < kLanes; ++l) a[l] = static_cast<T>(silu_mul(acc[m][0][l], acc[m][1][l],
@@ -139,18 +142,20 @@ void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, cons
   }
 }
 
-template <typename T, int M, int NB>
+template <typename T, int M>
 void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
                         const Geometry& g, int64_t b, float* out) {
+  constexpr int NB = kBlocksDown;
   const T* ar[M];
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   float acc[M][NB][kLanes];
-  tile_portable<T, M, NB>(ar, g.down_pairs, g.pair, w, g.down_block_stride(), acc);
+  tile_portable<T, M, NB>(ar, g.down_pairs, g.pair, w, acc);
   for (int m = 0; m < M; ++m) {
     float* o = out + rows.token[r0 + m] * g.d;
     const float wt = rows.weight[r0 + m];
     for (int n = 0; n < NB; ++n) {
       const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
+      if (cols <= 0) break;
       for (int64_t l = 0; l < cols; ++l) o[c0 + l] += wt * acc[m][n][l];
     }
   }
@@ -182,13 +187,12 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 template <int M, int NB>
 inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
-                      int64_t bstride, __m512 (&acc)[M][NB]) {
+                      __m512 (&acc)[M][NB]) {
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[NB];
-    for (int n = 0; n < NB; ++n)
-      wv[n] = _mm512_loadu_si512(w + n * bstride + p * 2 * kLanes);
+    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + (p * NB + n) * 2 * kLanes);
     for (int m = 0; m < M; ++m) {
       int32_t both;
       std::memcpy(&both, x[m] + 2 * p, sizeof(both));
@@ -204,7 +208,7 @@ void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at:
   const at::BFloat16* xr[M];
   for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * 2;
   __m512 acc[M][2];
-  tile_bf16<M, 2>(xr, g.up_pairs, w, g.up_block_stride(), acc);
+  tile_bf16<M, 2>(xr, g.up_pairs, w, acc);
   const __m512 lim = _mm512_set1_ps(limit), one = _mm512_set1_ps(1.0f);
   for (int m = 0; m < M; ++m) {
     __m512 gate = acc[m][0], up = acc[m][1];
@@ -219,18 +223,20 @@ void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at:
   }
 }
 
-template <int M, int NB>
+template <int M>
 void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
                     const at::BFloat16* w, const Geometry& g, int64_t b, float* out) {
+  constexpr int NB = kBlocksDown;
   const at::BFloat16* ar[M];
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   __m512 acc[M][NB];
-  tile_bf16<M, NB>(ar, g.down_pairs, w, g.down_block_stride(), acc);
+  tile_bf16<M, NB>(ar, g.down_pairs, w, acc);
   for (int m = 0; m < M; ++m) {
     float* o = out + rows.token[r0 + m] * g.d;
     const __m512 wt = _mm512_set1_ps(rows.weight[r0 + m]);
     for (int n = 0; n < NB; ++n) {
       const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
+      if (cols <= 0) break;
       const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
       const __m512 cur = _mm512_maskz_loadu_ps(mask, o + c0);
       _mm512_mask_storeu_ps(o + c0, mask, _mm512_fmadd_ps(wt, acc[m][n], cur));
@@ -252,15 +258,15 @@ void up_tile(bool fast, const T* x, const Rows& rows, int64_t r0, const T* w, co
   up_tile_portable<T, M>(x, rows, r0, w, g, j, clamp, limit, act);
 }
 
-template <typename T, int M, int NB>
+template <typename T, int M>
 void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w,
                const Geometry& g, int64_t b, float* out) {
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (fast) return down_tile_bf16<M, NB>(act, rows, r0, w, g, b, out);
+    if (fast) return down_tile_bf16<M>(act, rows, r0, w, g, b, out);
   }
 #endif
-  down_tile_portable<T, M, NB>(act, rows, r0, w, g, b, out);
+  down_tile_portable<T, M>(act, rows, r0, w, g, b, out);
 }
 
 // Runtime row count (1..MaxM) -> the tile instantiated for it.
@@ -275,15 +281,15 @@ void with_rows(int64_t m, F&& f) {
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
                  const Geometry& g, bool clamp, float limit, T* act, float* out) {
-  const int64_t jblocks = g.ip / kLanes;
-  const int64_t e13 = g.up_blocks * g.up_block_stride();
-  const int64_t e2 = g.down_blocks * g.down_block_stride();
+  const int64_t jblocks = g.up_groups;
+  const int64_t e13 = g.up_groups * g.up_group_size();
+  const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
   // Phase 1: (expert, block j) items, contiguous in memory in this order.
   at::parallel_for(0, active * jblocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = rows.active[item / jblocks], j = item % jblocks;
-      const T* w = w13 + e * e13 + 2 * j * g.up_block_stride();
+      const T* w = w13 + e * e13 + j * g.up_group_size();
       for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
         with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
           up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
@@ -291,20 +297,15 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       }
     }
   });
-  // Phase 2: groups of output blocks; each thread owns its columns of `out` for all rows.
-  // Within a thread's range the expert loop is outside, so its weights stream in order.
-  const int64_t groups = (g.down_blocks + kBlocksDown - 1) / kBlocksDown;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  // Phase 2: down groups; each thread owns its columns of `out` for all rows. Within a
+  // thread's range the expert loop is outside, so its weights stream in order.
+  at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
     for (const int64_t e : rows.active) {
       for (int64_t grp = begin; grp < end; ++grp) {
-        const int64_t b = grp * kBlocksDown, nb = std::min(kBlocksDown * 1L, g.down_blocks - b);
-        const T* w = w2 + e * e2 + b * g.down_block_stride();
+        const T* w = w2 + e * e2 + grp * g.down_group_size();
         for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsDown) {
           with_rows<kRowsDown>(rows.offsets[e + 1] - r, [&](auto m) {
-            constexpr int M = decltype(m)::value;
-            with_rows<kBlocksDown>(nb, [&](auto n) {
-              down_tile<T, M, decltype(n)::value>(fast, act, rows, r, w, g, b, out);
-            });
+            down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown, out);
           });
         }
       }
@@ -336,9 +337,10 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
   const int64_t pair = dtype == at::kBFloat16 ? 2 : 1, d = x_in.size(1);
   const Geometry g = geometry(d, intermediate, pair);
   const int64_t experts = w13.size(0);
-  TORCH_CHECK(w13.sizes() == at::IntArrayRef({experts, g.up_blocks, g.up_pairs, kLanes, pair}) &&
-                  w2.sizes() == at::IntArrayRef({experts, g.down_blocks, g.down_pairs, kLanes,
-                                                 pair}),
+  TORCH_CHECK(w13.sizes() == at::IntArrayRef({experts, g.up_groups, g.up_pairs, 2, kLanes,
+                                              pair}) &&
+                  w2.sizes() == at::IntArrayRef({experts, g.down_groups, g.down_pairs,
+                                                 kBlocksDown, kLanes, pair}),
               "moe_fused_experts: packed weights ", w13.sizes(), " / ", w2.sizes(),
               " do not match hidden ", d, ", intermediate ", intermediate,
               " (pack them with wideserve.kernels.moe.pack_experts)");
