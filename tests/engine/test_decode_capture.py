@@ -142,6 +142,45 @@ def test_cuda_like_copies(model_path) -> None:
     _idle(llm)
 
 
+class _GraphLike:
+    """A capturer with a CUDA graph's contract, on the CPU: run once at capture; a replay
+    recomputes from the static buffers' current contents into the same output tensor."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []
+
+    def capture(self, run):
+        out = run()
+        self.captured.append(out.shape[0])
+
+        def replay():
+            out.copy_(run())
+            return out
+        return replay
+
+
+def test_capture_at_startup_and_the_reallocation_fallback(model_path, caplog) -> None:
+    """The graph path's bookkeeping: every size captured at startup (largest first) over
+    reserved block tables that keep their tensors, replays read the static output, and a table
+    reallocated later sends the runner back to eager replays with the same outputs."""
+    import logging
+    prompts = mixed_prompts(160, LENGTHS, seed=6)
+    base = _generate(_llm(model_path, False), prompts)
+    llm = _llm(model_path, False)
+    graphs = _GraphLike()
+    cap = llm.engine.runner.enable_decode_capture((1, 2, 4, 6), 512, capturer=graphs)
+    assert graphs.captured == [6, 4, 2, 1]
+    calls = _watch(llm)
+    assert _generate(llm, prompts) == base
+    assert cap.capturer is graphs and any(n > r for r, n in calls)
+    _idle(llm)
+    cap.tables.reserve(64, [100] * len(cap.groups))          # new table tensors
+    with caplog.at_level(logging.WARNING):
+        assert _generate(llm, prompts) == base
+    assert "reallocated" in caplog.text and cap.capturer is not graphs
+    _idle(llm)
+
+
 def _copy_caches(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy that keeps the aliasing: the caches of a page-size bucket share one slab."""
     slabs: dict[int, torch.Tensor] = {}

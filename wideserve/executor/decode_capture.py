@@ -209,9 +209,13 @@ class CapturedDecode:
         widths = [math.ceil(max_model_len / lay.block_size) + 1 for lay in self.groups]
         self.tables.reserve(self.sizes[-1] + 1, widths)
 
-    def capture(self) -> None:
-        """Capture every size, largest first, over all-padding batches (which write only the
-        null block). EagerReplay makes this free; CUDA graphs warm up and record here."""
+    def capture(self, max_model_len: int) -> None:
+        """With CUDA graphs: reserve the block tables, then capture every size, largest first,
+        over all-padding batches (which write only the null block). Eager replays need
+        neither: they are made on first use."""
+        if isinstance(self.capturer, EagerReplay):
+            return
+        self.reserve_tables(max_model_len)
         for n in reversed(self.sizes):
             self._stage_padding(0, n)
             self.inputs.upload(n)

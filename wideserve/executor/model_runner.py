@@ -79,9 +79,8 @@ class ModelRunner:
         graphs where the model is capturable, captured here); other steps stay eager."""
         cap = CapturedDecode(self.model, self.groups, self.cache_group, self.kv_caches,
                              self.tables, self.device, sizes, capturer)
-        cap.reserve_tables(max_model_len)
         with torch.inference_mode():
-            cap.capture()
+            cap.capture(max_model_len)
         self.captured = cap
         return cap
 
