@@ -26,8 +26,9 @@ class LoadConfig:
     # the CPU, where compiling costs tens of seconds against a 2-5 s start; compiled elsewhere.
     enforce_eager: bool | None = None
     # The captured decode step (executor/decode_capture.py): decode batches padded to capture
-    # sizes over static buffers, CUDA graphs where the model is capturable. None = on where the
-    # forward is not eager (so --enforce-eager turns it off, as in vLLM); True/False force it.
+    # sizes over static buffers, CUDA graphs where the model is capturable. None = on CUDA for
+    # a capturable model, off on the CPU (measured, docs/host_path.md); --enforce-eager turns
+    # it off, as in vLLM; True/False force it.
     decode_capture: bool | None = None
 
 

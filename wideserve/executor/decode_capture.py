@@ -165,8 +165,9 @@ class CudaGraphCapturer:
 def capturable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a CUDA graph may record the model's decode forward: no host sync, no host-built
     per-step tensor, shapes fixed by the batch size. A model says so with a method
-    `decode_capturable(device) -> bool`; none does today (the GQA and V4 attention plans are
-    built on the host from the step's context lengths), so they replay eagerly."""
+    `decode_capturable(device) -> bool`. None does today: on CUDA the GQA attention buckets
+    and the V4 layouts are planned on the host from the step's context lengths (the C++
+    paged attention op that reads only device metadata is CPU-only)."""
     check = getattr(model, "decode_capturable", None)
     return bool(check(device)) if callable(check) else False
 
