@@ -201,6 +201,7 @@ template <typename Op, int G>
 void score_avx512(const CacheView& c, const TokenView& t, float* out, Scratch& scratch) {
   using KT = typename Op::K;
   constexpr int Hc = 16 / G, E = 8;
+  constexpr int64_t kAhead = 32;   // entries (4-8 KiB of keys at D = 64 / 128 in bf16)
   const int64_t H = c.heads, D = c.dim, S = D / (G * Op::u), groups = (H + Hc - 1) / Hc;
   // q in lane layout [groups, S, 16] and the head weights [groups, 16] (lane (h, 0) only).
   std::vector<uint32_t>& qt = scratch.qt;
@@ -216,8 +217,14 @@ void score_avx512(const CacheView& c, const TokenView& t, float* out, Scratch& s
         std::memcpy(&qt[(g * S + s) * 16 + lane0 + o], q + h * D + (s * G + o) * Op::u, 4);
   }
   key_rows<KT>(c, t, scratch.keys);
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KT));
   for (int64_t e0 = 0; e0 < t.visible; e0 += E) {
     const int n = static_cast<int>(std::min<int64_t>(E, t.visible - e0));
+    // Prefetch the rows kAhead entries on: table blocks are scattered, and the hardware
+    // prefetcher loses the stream at every block edge (and never sees the next block).
+    for (int64_t j = e0 + kAhead; j < std::min(e0 + kAhead + E, t.visible); ++j)
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(static_cast<const char*>(scratch.keys[j]) + b, _MM_HINT_T0);
     const KT* key[E];
     for (int j = 0; j < E; ++j) key[j] = static_cast<const KT*>(scratch.keys[e0 + (j < n ? j : 0)]);
     __m512 score[E];
