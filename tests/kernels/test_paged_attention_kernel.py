@@ -9,6 +9,8 @@ a multiple of 16 takes the portable loop in both.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,9 @@ def test_rejects_bad_metadata():
         h.run([0], [[0] * 3], lambda b: call(b, lens=torch.tensor([2])))
     with pytest.raises(RuntimeError, match="passes its block table"):
         h.run([0], [[0] * 3], lambda b: call(b, lens=torch.tensor([40])))
+
+
+def test_avx512_path_is_built_where_the_cpu_has_it():
+    """Otherwise `portable=False` would silently test the portable loop twice."""
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    assert torch.ops.wideserve.paged_attention_has_avx512() == ("avx512f" in flags)
