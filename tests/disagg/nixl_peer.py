@@ -1,15 +1,20 @@
 """One side of a NIXL transfer between two processes (run as a script by test_nixl.py).
 
-    producer HOST PORT_FILE OP    serve a filled KV layout, hold leases "req0", "expired"
-                                  and "req1", exit once req0 (OP faults: all) is released
-                                  (prints a JSON line with the outcome)
+    producer HOST PORT_FILE OP    serve a filled KV layout, hold leases "req0", "expired",
+                                  "req1" and "late", exit once req0 (OP faults: all) is
+                                  released (prints a JSON line with the outcome); OP faults:
+                                  the push of req1 stops this process (SIGSTOP) right
+                                  before it posts the write (after its deadline check)
     consumer HOST PORT_FILE OP    wait for the producer's port, load req0's pages (OP: pull =
                                   READ them, push = have the producer WRITE them), check
                                   every byte, print a JSON line
     consumer HOST PORT_FILE faults   push faults: req0 pushed; "expired" (its lease expired)
-                                  refused; then the producer is stopped (SIGSTOP) and req1's
-                                  push times out (reports whether req1's pages stayed
-                                  untouched once the producer runs again)
+                                  refused; req1's push stalls the producer mid-push, times
+                                  out and is quarantined; no new load from that producer
+                                  starts; the producer is resumed (SIGCONT) and its stale
+                                  write lands, in the quarantined pages only; the fence
+                                  frees them; reused, they stay intact; a push whose
+                                  cancel overtook it is refused
 
 Both build the same small KV layout (so the fingerprints agree); the producer's page
 (region r, block b) holds a pattern of (r, b), which the consumer checks after the pull.
@@ -20,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -38,7 +44,7 @@ BLOCKS = 32
 REMOTE_ROWS = [list(range(3, 3 + 8)), [0, 0, 0, 0, 0, 0, 20, 21]]   # full group, window group
 LOCAL_ROWS = [list(range(12, 20)), [0, 0, 0, 0, 0, 0, 5, 9]]
 LOCAL_ROWS1 = [list(range(21, 29)), [0, 0, 0, 0, 0, 0, 29, 30]]
-LEASES = {"req0": 60.0, "expired": 0.001, "req1": 60.0}
+LEASES = {"req0": 60.0, "expired": 0.001, "req1": 60.0, "late": 60.0}
 START, END = 0, 8 * 16 - 1
 
 
@@ -67,6 +73,17 @@ def producer(host: str, port_file: str, op: str) -> None:
         leases.grant(rid, lease_s, REMOTE_ROWS)
     worker = NixlWorker(KVTransferConfig(kv_role="kv_producer", engine_id="prod",
                                          kv_ip=host), lay, leases)
+    if op == "faults":
+        post = worker.pusher._post
+
+        def stalling_post(req, rows, budget_s):
+            if req.request_id == "req1":    # the deadline check has passed: stall here
+                # Thread-directed: this thread stops at once. (A process-directed SIGSTOP is
+                # taken by the main thread, and the others run on until it is scheduled:
+                # under load long enough to accept and post a push, docs/disaggregation.md.)
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            return post(req, rows, budget_s)
+        worker.pusher._post = stalling_post
     host, port = worker.advertise()
     with open(port_file + ".tmp", "w") as f:
         json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
@@ -81,7 +98,8 @@ def producer(host: str, port_file: str, op: str) -> None:
         released.update(leases.take_released())
         time.sleep(0.01)
     print(json.dumps({"released": sorted(released), "pushed": worker.pusher.num_pushed,
-                      "refused": worker.server.num_refused}), flush=True)
+                      "refused": worker.server.num_refused,
+                      "refused_after_cancel": worker.pusher.num_refused_stopped}), flush=True)
     worker.close()
 
 
@@ -99,34 +117,90 @@ def _load(worker, lay: KVLayout, host: str, port: int, rid: str, local_rows: lis
     return result, local, rem, remote
 
 
-def _untouched(lay: KVLayout, rows: list[list[int]]) -> bool:
-    return not any(reg.tensor.view(reg.num_blocks, reg.page_bytes)[[b for b in row if b]].any()
-                   for g, row in zip(lay.groups, rows)
-                   for reg in (lay.regions[r] for r in g.regions.tolist()))
+def _pages(lay: KVLayout, rows: list[list[int]]) -> list[torch.Tensor]:
+    """The pages of `rows` (consumer blocks), as [num_pages, page_bytes] views per region."""
+    return [reg.tensor.view(reg.num_blocks, reg.page_bytes)[[b for b in row if b]]
+            for g, row in zip(lay.groups, rows) for reg in (lay.regions[r] for r in
+                                                          g.regions.tolist())]
+
+
+def _holds(lay: KVLayout, local: list[np.ndarray], remote: list[np.ndarray]) -> bool:
+    """Every planned consumer page holds the producer's page it was loaded from."""
+    ok = True
+    for g, loc, rm in zip(lay.groups, local, remote):
+        for r in g.regions.tolist():
+            reg = lay.regions[r]
+            pages = reg.tensor.view(reg.num_blocks, reg.page_bytes)
+            for lb, rb in zip(loc.tolist(), rm.tolist()):
+                ok &= torch.equal(pages[lb], pattern(r, rb, reg.page_bytes))
+    return ok
+
+
+def _fill(lay: KVLayout, rows: list[list[int]], value: int) -> None:
+    for g, row in zip(lay.groups, rows):
+        for r in g.regions.tolist():
+            reg = lay.regions[r]
+            reg.tensor.view(reg.num_blocks, reg.page_bytes)[[b for b in row if b]] = value
+
+
+def _filled(lay: KVLayout, rows: list[list[int]], value: int) -> bool:
+    return all(bool((p == value).all()) for p in _pages(lay, rows))
+
+
+def _wait_fenced(worker, fence: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if fence in worker.get_finished().fenced:
+            return True
+        time.sleep(0.005)
+    return False
 
 
 def faults(host: str, port_file: str) -> None:
     from wideserve.disagg.nixl_worker import NixlWorker
+    from wideserve.disagg.push import PushRequest, new_token, pages_to_wire
     lay = layout()
     info = _wait_for(port_file)
+    port = info["port"]
     worker = NixlWorker(KVTransferConfig(kv_role="kv_consumer", engine_id="cons",
                                          kv_load_timeout_s=3, kv_transfer_op="push"),
                         lay, LeaseTable())
-    out = {"req0": bool(_load(worker, lay, host, info["port"], "req0",
-                              LOCAL_ROWS)[0].finished_loads)}
-    out["expired"] = _load(worker, lay, host, info["port"], "expired",
+    out = {"req0": bool(_load(worker, lay, host, port, "req0", LOCAL_ROWS)[0].finished_loads)}
+    out["expired"] = _load(worker, lay, host, port, "expired",
                            LOCAL_ROWS1)[0].failed_loads.get("expired", "")
-    os.kill(info["pid"], signal.SIGSTOP)
     try:
+        # req1's push stops the producer between its deadline check and its post.
         start = time.monotonic()
-        result, _, _, remote = _load(worker, lay, host, info["port"], "req1", LOCAL_ROWS1)
+        result, local, rem, remote = _load(worker, lay, host, port, "req1", LOCAL_ROWS1)
         out["stalled"] = result.failed_loads.get("req1", "")
         out["stalled_s"] = time.monotonic() - start
+        fence = result.quarantined.get("req1", "")
+        out["quarantined"] = bool(fence)
+        out["untouched_while_stalled"] = _filled(lay, LOCAL_ROWS1, 0)
+        # No new load from a producer with an open fence.
+        out["refused_while_fenced"] = _load(worker, lay, host, port, "late",
+                                            LOCAL_ROWS)[0].failed_loads.get("late", "")
     finally:
         os.kill(info["pid"], signal.SIGCONT)
-    # The producer answers in order: by its reply to this release, it has seen the stale push.
-    worker.client.call(host, info["port"], "release", msgspec.msgpack.encode(["req1"]), 10)
-    out["untouched"] = _untouched(lay, LOCAL_ROWS1)
+    out["fenced"] = _wait_fenced(worker, fence, 15)
+    # The stale write landed, and before the fence: into quarantined pages only.
+    out["landed_before_fence"] = _holds(lay, local, rem)
+    # Reused by "another request": nothing of the old push may land any more.
+    _fill(lay, LOCAL_ROWS1, 0xAB)
+    worker.client.call(host, port, "release", msgspec.msgpack.encode(["req1"]), 10)
+    time.sleep(0.2)
+    worker.get_finished()
+    out["reused_intact"] = _filled(lay, LOCAL_ROWS1, 0xAB)
+    # A push overtaken by its own cancel (the cancel arrives first) is refused on arrival.
+    token = new_token()
+    worker.client.call(host, port, "cancel", msgspec.msgpack.encode([token]), 10)
+    req = PushRequest("cons", token, "late", pages_to_wire(local), pages_to_wire(rem),
+                      time.time() + 10)
+    out["overtaken"] = msgspec.msgpack.decode(
+        worker.client.call(host, port, "push", msgspec.msgpack.encode(req), 10))
+    time.sleep(0.2)
+    out["intact_after_overtaken"] = _filled(lay, LOCAL_ROWS1, 0xAB)
+    worker.client.call(host, port, "release", msgspec.msgpack.encode(["late"]), 10)
     print(json.dumps(out), flush=True)
     worker.close()
 

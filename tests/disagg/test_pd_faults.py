@@ -10,6 +10,7 @@ import pytest
 from pd_harness import (decode, drain, greedy, make_engines, prefill, run_colocated, settle,
                         write_config)
 from wideserve.core.messages import EngineCoreRequest
+from wideserve.disagg.metrics import families
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 160,
          "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -95,8 +96,10 @@ def test_abort_while_loading_frees_blocks(model, op):
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_push_from_a_stalled_producer_times_out_as_the_policy_says(model, policy):
     """The producer stops stepping (hung or dead) after granting the handles: the consumer's
-    pushes time out and end as the policy says; once it steps again it skips the withdrawn
-    pushes and frees its blocks."""
+    pushes time out and end as the policy says, while the blocks they targeted stay
+    quarantined (counted as such by the integrity check and the metrics: neither free nor
+    leaked) since the producer has not confirmed the writes stopped; once it steps again it
+    skips the withdrawn pushes, frees its blocks, and the consumer frees the quarantine."""
     p, d, ref = _engines(model, d_kv={"kv_load_failure_policy": policy,
                                       "kv_load_timeout_s": 0.2, "kv_transfer_op": "push"})
     expected = run_colocated(ref, PROMPTS[:2], MAX_NEW)
@@ -109,10 +112,20 @@ def test_push_from_a_stalled_producer_times_out_as_the_policy_says(model, policy
             assert outs[f"s{i}"]["tokens"] == expected[i]
         else:
             assert outs[f"s{i}"]["finish"] == "error" and "timed out" in outs[f"s{i}"]["error"]
-    assert d.kv_connector.scheduler.stats.loads_failed == 2
+    conn = d.kv_connector.scheduler
+    assert conn.stats.loads_failed == 2 and conn.stats.loads_quarantined == 2
     assert p.kv_manager.usage > 0                   # claimed: held until the push stops
-    settle(p, d, ref)
+    counts = d.kv_manager.check_integrity()
+    held = sum(c["quarantined"] for c in counts.values())
+    assert held > 0 and held == d.kv_manager.num_quarantined_blocks
+    assert all(c["used"] == c["quarantined"] for c in counts.values())  # nothing else held
+    snap = conn.snapshot()
+    assert (snap["quarantined"], snap["quarantined_blocks"]) == (2, held)
+    gauges = {f.name: f.samples[0].value for f in families(snap, "m")}
+    assert gauges["wideserve:kv_transfer_blocks_quarantined"] == held
+    settle(p, d, ref)       # the producer steps: the pushes have stopped, the fence is reached
     assert p.kv_connector.scheduler.stats.leases_released == 2
+    assert conn.stats.quarantines_released == 2 and conn.num_quarantined == 0
 
 
 def test_bad_handles_are_rejected_with_clear_errors(model):

@@ -316,10 +316,11 @@ class Scheduler:
         return self.connector.num_loading if self.connector is not None else 0
 
     def _num_held_by_connector(self) -> int:
-        """Requests whose blocks the connector holds (loading, or under a lease): they take
-        sequence slots like running ones, since the pools are sized per sequence."""
+        """Requests whose blocks the connector holds (loading, under a lease, or given-up
+        loads in quarantine): they take sequence slots like running ones, since the pools
+        are sized per sequence."""
         c = self.connector
-        return c.num_loading + c.num_held if c is not None else 0
+        return c.num_loading + c.num_held + c.num_quarantined if c is not None else 0
 
     def _start_remote_load(self, request: Request, hit_blocks: Any, num_hit: int) -> bool | None:
         """Admit a request whose prompt KV comes from a prefill instance: slots for the

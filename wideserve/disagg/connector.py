@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 # (waiting for a consumer's release or the expiry) it sleeps longer.
 TRANSFER_BACKOFF_S = 0.0005
 LEASE_BACKOFF_S = 0.005
+# With only quarantined blocks waiting for their fence (a silent producer, maybe for long),
+# the worker still polls the fences, but rarely.
+QUARANTINE_BACKOFF_S = 0.05
 
 
 class KVConnector:
@@ -54,7 +57,8 @@ class KVConnector:
         if self.worker.has_pending() or self.scheduler.num_loading:
             time.sleep(TRANSFER_BACKOFF_S)
         elif self.scheduler.has_pending():
-            time.sleep(LEASE_BACKOFF_S)
+            time.sleep(QUARANTINE_BACKOFF_S if self.scheduler.waits_only_for_fences
+                       else LEASE_BACKOFF_S)
 
     def finish_step(self) -> None:
         self.scheduler.update(self.worker.get_finished())

@@ -8,17 +8,21 @@ does over its side channel, so lease and failure handling is the same code in bo
 Push (push.py) is asynchronous here as over NIXL: the consumer's request claims the lease,
 the producer copies into the consumer's tensors at its own next step and then notifies, so
 a producer that stops stepping leaves the consumer to time out and cancel, as a dead one.
+A cancelled push is known to have stopped only once the producer has stepped past it (it
+then skips the copy); a consumer that gives up before that quarantines the blocks until
+then, as it does over NIXL with a producer that does not answer (fencing).
 """
 from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
 
 import torch
 
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout
 from wideserve.disagg.leases import LeaseTable
-import time
-from dataclasses import dataclass
-
 from wideserve.disagg.params import LoadSpec, RemoteKV
 from wideserve.disagg.push import check_source_pages
 from wideserve.disagg.worker import KVConnectorWorker
@@ -44,6 +48,7 @@ class _Push:
     load: LoadSpec
     deadline: float
     cancelled: bool = False
+    stopped: bool = False           # the producer has stepped past it (copied or skipped)
 
 
 class LoopbackWorker(KVConnectorWorker):
@@ -56,6 +61,8 @@ class LoopbackWorker(KVConnectorWorker):
         self.jobs: list[_Push] = []                 # producer: pushes to do at the next poll
         self.waiting: dict[str, _Push] = {}         # consumer: pushes not yet notified
         self.notified: list[str] = []               # consumer: request ids pushed
+        self.fencing: dict[str, _Push] = {}         # consumer: given up, not yet stopped
+        self._fence_ids = itertools.count()
 
     def advertise(self) -> tuple[str, int]:
         return "loopback", 0
@@ -120,6 +127,7 @@ class LoopbackWorker(KVConnectorWorker):
             if not job.cancelled:
                 self._copy(job.consumer, self, job.load)
                 job.consumer.notified.append(job.load.request_id)
+            job.stopped = True
             self.leases.finish_claim(job.load.remote.remote_request_id)
         # Consumer: pushed loads are done; late or cancelled ones are withdrawn (the copy is
         # synchronous at the producer, so a job not yet done is not started either).
@@ -135,7 +143,15 @@ class LoopbackWorker(KVConnectorWorker):
                     f"timed out after {self.config.kv_load_timeout_s:g}s"
                 job.cancelled = True
                 del self.waiting[rid]
-                self._load_failed(rid, why)
+                fence = None
+                if not job.stopped:         # the producer has not seen the cancel yet
+                    fence = f"loopback-{next(self._fence_ids)}"
+                    self.fencing[fence] = job
+                self._load_failed(rid, why, fence)
+        for fence, job in list(self.fencing.items()):
+            if job.stopped:
+                del self.fencing[fence]
+                self._fenced(fence)
 
     def _copy_size(self, load: LoadSpec) -> tuple[int, int]:
         nbytes = sum(len(p) * self.layout.regions[r].page_bytes
@@ -144,7 +160,7 @@ class LoopbackWorker(KVConnectorWorker):
         return nbytes, 1
 
     def has_pending(self) -> bool:
-        return bool(self.jobs or self.waiting or self.notified)
+        return bool(self.jobs or self.waiting or self.notified or self.fencing)
 
     def cancel(self, request_id: str) -> None:
         job = self.waiting.get(request_id)

@@ -34,10 +34,18 @@ COUNTERS = {
     "leases_released": ("leases_released", "Leases ended by the decode side (loaded, pushed "
                                            "or given up)."),
     "leases_expired": ("leases_expired", "Leases that expired before any decode side came."),
+    "loads_quarantined": ("loads_quarantined", "Failed loads whose blocks were quarantined "
+                                               "(their transfer not known to have stopped)."),
+    "quarantines_released": ("quarantines_released", "Quarantined loads whose transfer was "
+                                                     "then known to have stopped (freed)."),
 }
 GAUGES = {
     "loading": ("loads_in_flight", "Remote KV loads in flight (decode side)."),
     "held": ("leases_held", "Requests whose blocks are held under a lease (prefill side)."),
+    "quarantined": ("loads_in_quarantine", "Given-up loads whose blocks are held until their "
+                                           "transfer is known to have stopped (decode side)."),
+    "quarantined_blocks": ("blocks_quarantined", "KV blocks held in quarantine (neither free "
+                                                 "nor leaked)."),
 }
 
 

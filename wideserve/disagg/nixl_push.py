@@ -3,8 +3,15 @@
 The side-channel handlers post the WRITE themselves (the agent runs with strict thread
 synchronisation), so a push starts as soon as the consumer asks, not at the producer's next
 engine step, which may be a long prefill away. The engine thread's `poll` only watches the
-writes: a finished or failed one ends the claim (the blocks are freed at the next step), one
-past the consumer's deadline or cancelled by it is aborted first.
+writes: one that reached DONE or ERR ends the claim (the blocks are freed at the next step).
+
+Fencing (fence.py): a one-sided write cannot be recalled for sure once posted, so a write
+the consumer cancelled (or that ran past its deadline) is let finish and counts as stopped
+only when its handles are DONE or ERR and released; `cancel` answers per token whether that
+is so, with this process's incarnation. A token once answered "stopped" is remembered
+(`TOMBSTONE_S`, longer than the side channel accepts a message for), so a push request that
+was overtaken by its cancel, or that waited in the socket while this process was stalled, is
+refused when it arrives: no write starts after the consumer was told none would.
 """
 from __future__ import annotations
 
@@ -20,11 +27,32 @@ import numpy as np
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.push import PushRequest, check_source_pages, notification, pages_from_wire
+from wideserve.disagg.side_channel import MAX_SKEW_S
 
 logger = logging.getLogger(__name__)
 
 # The push refusal that tells a consumer to send its hello again (this side dropped it).
 UNKNOWN_CONSUMER = "unknown decode instance (no hello)"
+# How long a stopped (or cancelled-before-arrival) token is refused: a push request older
+# than 2 * MAX_SKEW_S (sent before its cancel) fails the side channel's timestamp check.
+TOMBSTONE_S = 2 * MAX_SKEW_S + 10.0
+
+
+class CancelReply(msgspec.Struct, array_like=True):
+    stopped: list[bool]             # per token: no write of it is (or will be) in flight
+    incarnation: bytes              # this producer process (fence.py)
+
+
+def xfer_states(agent: Any, handles: list[Any]) -> list[str]:
+    """NIXL states of transfer handles ("PROC", "DONE", "ERR"); a handle whose check raises
+    (e.g. the remote disconnected) counts as "ERR": it is over."""
+    states = []
+    for h in handles:
+        try:
+            states.append(agent.check_xfer_state(h))
+        except Exception:  # noqa: BLE001 - nixl raises its own error types
+            states.append("ERR")
+    return states
 
 
 def try_release(agent: Any, handle: Any) -> bool:
@@ -51,13 +79,14 @@ class _Write:
     deadline: float
     handles: list[Any] = field(default_factory=list)
     cancelled: bool = False
-    # Zombie handles (refused to abort) keep the claim: the blocks stay held until released.
+    # Zombie handles (refused to release) keep the claim: the blocks stay held until released.
     stuck: list[Any] = field(default_factory=list)
+    why: str = ""                   # how it ended, once it has
 
 
 class PushProducer:
     def __init__(self, agent: Any, layout: KVLayout, leases: LeaseTable, local_dlist: Any,
-                 mem: str, info: bytes, info_type: type) -> None:
+                 mem: str, info: bytes, info_type: type, incarnation: bytes) -> None:
         self.agent = agent
         self.layout = layout
         self.leases = leases
@@ -67,7 +96,10 @@ class PushProducer:
         self._lock = threading.Lock()
         self.consumers: dict[str, _Consumer] = {}
         self.writes: dict[bytes, _Write] = {}            # token -> write in flight
+        self.stopped: dict[bytes, float] = {}            # token -> when answered "stopped"
+        self.incarnation = incarnation
         self.num_pushed = 0
+        self.num_refused_stopped = 0                     # push requests after their cancel
 
     def handlers(self) -> dict[str, Any]:
         return {"hello": self._serve_hello, "push": self._serve_push,
@@ -92,6 +124,10 @@ class PushProducer:
     def _serve_push(self, body: bytes) -> bytes:
         """"" once the write is posted, else why it was refused (nothing written)."""
         req = msgspec.msgpack.decode(body, type=PushRequest)
+        with self._lock:
+            if req.token in self.stopped or req.token in self.writes:
+                self.num_refused_stopped += req.token in self.stopped
+                return msgspec.msgpack.encode("the decode instance had cancelled this push")
         budget = req.deadline - time.time()
         if budget <= 0:     # the consumer has given up (or will have, before we are done)
             return msgspec.msgpack.encode("the decode instance's deadline had passed")
@@ -139,18 +175,29 @@ class PushProducer:
         return ""
 
     def _serve_cancel(self, body: bytes) -> bytes:
-        """True once the write named by the token has stopped (or never existed)."""
-        token = msgspec.msgpack.decode(body, type=bytes)
+        """Per token: True once no write of it is in flight, nor can start (the token is
+        refused from now on); a write still in flight is cancelled and answers False."""
+        tokens = msgspec.msgpack.decode(body, type=list[bytes])
+        now = time.monotonic()
         with self._lock:
-            w = self.writes.get(token)
-            if w is not None:
-                w.cancelled = True
-            return msgspec.msgpack.encode(w is None)
+            self.stopped = {t: at for t, at in self.stopped.items() if now - at < TOMBSTONE_S}
+            answer = []
+            for token in tokens:
+                w = self.writes.get(token)
+                if w is not None:
+                    w.cancelled = True
+                else:
+                    self.stopped[token] = now
+                answer.append(w is None)
+            return msgspec.msgpack.encode(CancelReply(answer, self.incarnation))
 
     # -------------------------------------------------------------- engine thread
     def poll(self) -> None:
         now = time.monotonic()
         with self._lock:
+            if len(self.stopped) > 4096:
+                self.stopped = {t: at for t, at in self.stopped.items()
+                                if now - at < TOMBSTONE_S}
             for token, w in list(self.writes.items()):
                 why = self._check(w, now)
                 if why is None:
@@ -160,24 +207,31 @@ class PushProducer:
                     if w.stuck:
                         continue
                 del self.writes[token]
+                self.stopped[token] = now
                 self.leases.finish_claim(w.req.request_id)
                 if why == "ok":
                     self.num_pushed += 1
                     if w.req.per_block:
                         self._notify(w, True, "")
-                elif not w.cancelled:
+                else:       # also tells a consumer that gave up: its fence (fence.py)
                     self._notify(w, False, why)
 
     def _check(self, w: _Write, now: float) -> str | None:
-        """None while writing, "ok", or why it stopped (its handles then released)."""
-        if w.handles and not w.cancelled and now <= w.deadline:
-            states = [self.agent.check_xfer_state(h) for h in w.handles]
-            if "PROC" in states:
-                return None
-            why = "the write failed (the decode instance is gone?)" if "ERR" in states \
-                else "ok"
+        """None while writing, "ok", or why it stopped (its handles then released). A write
+        in flight is never abandoned, even when cancelled: it may not be recallable."""
+        if w.why:
+            return w.why
+        states = xfer_states(self.agent, w.handles)
+        if "PROC" in states:
+            return None
+        if "ERR" in states:
+            why = "the write failed (the decode instance is gone?)"
+        elif w.cancelled:
+            why = "cancelled"
+        elif now > w.deadline:
+            why = "the write ran past the decode side's deadline"
         else:
-            why = "cancelled" if w.cancelled else "the write ran past the decode side's deadline"
+            why = "ok"
         for h in w.handles:
             if not try_release(self.agent, h):
                 w.stuck.append(h)
@@ -185,6 +239,7 @@ class PushProducer:
         if why.startswith("the write failed") and not any(
                 o.req.consumer == w.req.consumer and o is not w for o in self.writes.values()):
             self._drop(w.req.consumer)
+        w.why = why
         return why
 
     def _notify(self, w: _Write, ok: bool, why: str) -> None:
@@ -211,6 +266,7 @@ class PushProducer:
             return bool(self.writes)
 
     def close(self) -> None:
+        """Shutdown (the process is going away: its writes with it)."""
         with self._lock:
             for w in self.writes.values():
                 for h in w.handles:

@@ -14,13 +14,16 @@ Push (`"push"`, opt-in; protocol in push.py, producer half in nixl_push.py): per
 the consumer sends its own metadata ("hello"); per load it asks the producer to WRITE into
 the blocks it allocated and waits for the producer's notification.
 
-Side-channel calls run on a small thread pool. A load past `kv_load_timeout_s` is aborted
-(pull: its transfer handles released; push: the producer confirms its write stopped) before
-it is reported failed, so its blocks are never written after they are freed.
+Side-channel calls run on a small thread pool. A load past `kv_load_timeout_s` is stopped
+(pull: its READ handles released once no longer in flight; push: the producer confirms on
+`cancel` that its write has stopped) before it is reported failed; where that cannot be
+known within CANCEL_TIMEOUT_S it fails anyway, with its blocks quarantined until the fence
+(fence.py), so its blocks are never written after they are freed.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +35,9 @@ import numpy as np
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseTable
-from wideserve.disagg.nixl_push import UNKNOWN_CONSUMER, PushProducer, try_release
+from wideserve.disagg.fence import Fence, FenceTable
+from wideserve.disagg.nixl_push import (UNKNOWN_CONSUMER, CancelReply, PushProducer, try_release,
+                                        xfer_states)
 from wideserve.disagg.params import LoadSpec, RemoteKV
 from wideserve.disagg.push import PushRequest, new_token, pages_to_wire, parse_notification
 from wideserve.disagg.side_channel import SideChannelClient, SideChannelServer
@@ -41,8 +46,8 @@ from wideserve.disagg.worker import KVConnectorWorker
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-# A producer that does not answer a cancel in this long is taken as gone (the push's
-# deadline has then passed: it refuses the push, or aborts the write, itself; push.py).
+# A push not confirmed stopped this long after its cancel fails with its blocks quarantined
+# (fence.py): the request goes on, the blocks wait for the fence.
 CANCEL_TIMEOUT_S = 2.0
 CANCEL_RETRY_S = 0.01
 
@@ -65,6 +70,7 @@ class AgentInfo(msgspec.Struct, array_like=True):
     agent_metadata: bytes
     fingerprint: str
     regions: list[tuple[int, int, int, int]]    # (addr, page_bytes, num_blocks, device)
+    incarnation: bytes = b""    # random per process: a restarted producer has a new one
 
 
 @dataclass(slots=True)
@@ -73,6 +79,7 @@ class _Peer:
     dlist: Any
     base: np.ndarray
     num_blocks: list[int]
+    incarnation: bytes = b""
 
 
 @dataclass(slots=True)
@@ -90,6 +97,9 @@ class _InFlight:
     cancel: Future | None = None
     why: str = ""
     stopped: bool = False           # the producer's notification came: its write has stopped
+    cancel_until: float = 0.0       # give up waiting for the cancel's "stopped" then: fence
+    fence: str | None = None        # failed with its blocks quarantined (fence.py)
+    incarnation: bytes = b""        # push: the producer process it was asked of
 
 
 class NixlWorker(KVConnectorWorker):
@@ -108,18 +118,23 @@ class NixlWorker(KVConnectorWorker):
         self.local_dlist = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descriptor_table(layout.region_info()), self.mem)
         self.client = SideChannelClient(secret)
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="kv-side-client")
+        # Blocking side-channel calls: a silent producer holds a thread per call for up to
+        # its timeout, so there are a few (handshakes, push, cancel and fence calls).
+        self.pool = ThreadPoolExecutor(4, thread_name_prefix="kv-side-client")
         self.peers: dict[str, _Peer] = {}
         self.handshakes: dict[str, Future] = {}
         self.waiting: dict[str, _InFlight] = {}      # for their peer's handshake
         self.inflight: dict[str, _InFlight] = {}     # transferring or confirming
         self.zombies: list[tuple[Any, str]] = []     # handles that refused to abort
         self.by_token: dict[bytes, _InFlight] = {}   # push loads awaiting their notification
+        self.fences = FenceTable(self.agent, self.pool, self._cancel_call, CANCEL_TIMEOUT_S)
+        incarnation = os.urandom(8)
         info = AgentInfo(config.engine_id, self.agent.get_agent_metadata(), layout.fingerprint,
-                         layout.region_info())
+                         layout.region_info(), incarnation)
         self._info = msgspec.msgpack.encode(info)
         self.pusher = PushProducer(self.agent, layout, leases, self.local_dlist, self.mem,
-                                   self._info, AgentInfo) if config.is_producer else None
+                                   self._info, AgentInfo, incarnation) \
+            if config.is_producer else None
         self.server = SideChannelServer(secret, config.kv_ip, config.kv_port, {
             "metadata": lambda _body: self._info,
             "release": self._serve_release,
@@ -140,6 +155,11 @@ class NixlWorker(KVConnectorWorker):
     def start_load(self, load: LoadSpec) -> None:
         f = _InFlight(load, time.monotonic() + self.config.kv_load_timeout_s)
         engine = load.remote.remote_engine_id
+        if n := self.fences.blocks_loads_from(engine):
+            self._load_failed(load.request_id, f"the prefill instance has not confirmed that "
+                              f"{n} earlier transfer(s) from it stopped (their blocks are "
+                              f"quarantined); no loads from it until it does")
+            return
         if engine in self.peers:
             self._post(f)
             return
@@ -156,13 +176,16 @@ class NixlWorker(KVConnectorWorker):
         if info.fingerprint != self.layout.fingerprint:
             raise ValueError("the prefill instance's KV layout differs from this one's")
         nb = [n for _, _, n, _ in info.regions]
+        for fence in self.fences.saw_incarnation(engine, info.incarnation):
+            self._fenced(fence)
         if self.push:       # the producer writes: it needs us, not we it
-            peer = self.peers[engine] = _Peer(info.agent_name, None, region_bases(nb), nb)
+            peer = self.peers[engine] = _Peer(info.agent_name, None, region_bases(nb), nb,
+                                              info.incarnation)
             return peer
         name = self.agent.add_remote_agent(info.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         dlist = self.agent.prep_xfer_dlist(name, descriptor_table(info.regions), self.mem)
-        peer = _Peer(name, dlist, region_bases(nb), nb)
+        peer = _Peer(name, dlist, region_bases(nb), nb, info.incarnation)
         self.peers[engine] = peer
         return peer
 
@@ -194,7 +217,7 @@ class NixlWorker(KVConnectorWorker):
         except Exception as e:  # noqa: BLE001 - nixl raises its own error types
             self._stop(f)
             self._drop_peer(load.remote.remote_engine_id)
-            self._load_failed(load.request_id, f"transfer failed to start: {e}")
+            self._load_failed(load.request_id, f"transfer failed to start: {e}", f.fence)
             return
         self.inflight[load.request_id] = f
 
@@ -202,6 +225,7 @@ class NixlWorker(KVConnectorWorker):
     def _ask_push(self, f: _InFlight) -> None:
         load, r = f.load, f.load.remote
         f.token = new_token()
+        f.incarnation = self.peers[r.remote_engine_id].incarnation
         f.num_transfers = 1 if self.mode == "packed" else \
             sum(len(p) * len(g.regions) for g, p in zip(self.layout.groups, load.local_pages))
         left = max(0.0, f.deadline - time.monotonic())
@@ -213,19 +237,21 @@ class NixlWorker(KVConnectorWorker):
         self.by_token[f.token] = f
         self.inflight[load.request_id] = f
 
-    def _call(self, r: RemoteKV, kind: str, body: bytes, timeout_s: float,
-              delay_s: float = 0.0) -> Any:
-        if delay_s:
-            time.sleep(delay_s)
+    def _call(self, r: RemoteKV, kind: str, body: bytes, timeout_s: float) -> Any:
         return msgspec.msgpack.decode(
             self.client.call(r.remote_host, r.remote_port, kind, body, timeout_s))
 
     def _poll_notifications(self) -> None:
-        if not self.by_token:
+        fenced = self.fences.tokens
+        if not (self.by_token or fenced):
             return
         for msgs in self.agent.get_new_notifs().values():
             for msg in msgs:
                 parsed = parse_notification(msg)
+                if parsed and parsed[1] in fenced:   # a given-up write has stopped
+                    self._fenced(*self.fences.stopped([fenced.pop(parsed[1])],
+                                                      "its notification came"))
+                    continue
                 f = self.by_token.get(parsed[1]) if parsed else None
                 if f is None or f.stopped:
                     continue
@@ -256,25 +282,49 @@ class NixlWorker(KVConnectorWorker):
                                f"timed out after {self.config.kv_load_timeout_s:g}s")
         return None
 
+    def _cancel_call(self, r: RemoteKV, tokens: list[bytes]) -> tuple[list[bool], bytes]:
+        reply = msgspec.msgpack.decode(self.client.call(
+            r.remote_host, r.remote_port, "cancel", msgspec.msgpack.encode(tokens),
+            CANCEL_TIMEOUT_S), type=CancelReply)
+        return reply.stopped, reply.incarnation
+
     def _start_cancel(self, f: _InFlight, why: str, delay_s: float = 0.0) -> None:
         f.why = why
-        f.cancel = self.pool.submit(self._call, f.load.remote, "cancel",
-                                    msgspec.msgpack.encode(f.token), CANCEL_TIMEOUT_S,
-                                    delay_s)
+        if not f.cancel_until:
+            f.cancel_until = time.monotonic() + CANCEL_TIMEOUT_S
+        f.cancel = self.pool.submit(self._delayed, delay_s, self._cancel_call, f.load.remote,
+                                    [f.token])
+
+    @staticmethod
+    def _delayed(delay_s: float, fn: Any, *args: Any) -> Any:
+        if delay_s:
+            time.sleep(delay_s)
+        return fn(*args)
 
     def _cancel_state(self, f: _InFlight) -> str | None:
+        """The cancel's answer: the write stopped (f.why), still writing (ask again, until
+        cancel_until), or no answer: fail now, with the blocks quarantined until the fence."""
         assert f.cancel is not None
         if not f.cancel.done():
             return None
+        incarnation = f.incarnation
         try:
-            stopped = f.cancel.result()
-        except Exception:  # noqa: BLE001 - unreachable: gone, or past the deadline
-            self._drop_peer(f.load.remote.remote_engine_id)
-            return f.why
-        if stopped:
-            return f.why
+            stopped, answered_by = f.cancel.result()
+            if stopped[0] or answered_by != incarnation:
+                return f.why
+        except Exception as e:  # noqa: BLE001 - no answer: stalled, partitioned or gone
+            f.why = f"{f.why}; the prefill instance did not answer the cancel ({e})"
+            return self._quarantine(f, incarnation)
+        if time.monotonic() >= f.cancel_until:
+            return self._quarantine(f, incarnation)
         self._start_cancel(f, f.why, CANCEL_RETRY_S)        # still writing: ask again
         return None
+
+    def _quarantine(self, f: _InFlight, incarnation: bytes) -> str:
+        fence = Fence(f.token.hex(), f.load.remote.remote_engine_id, f.load.remote,
+                      incarnation, token=f.token)
+        f.fence = self.fences.add(fence, f.why)
+        return f.why
 
     # -------------------------------------------------------------------- common
     def poll(self) -> None:
@@ -292,7 +342,9 @@ class NixlWorker(KVConnectorWorker):
             if state == "ok":
                 self._load_succeeded(f.load, f.nbytes, f.num_transfers)
             else:
-                self._load_failed(rid, state)
+                self._load_failed(rid, state, f.fence)
+        for fence in self.fences.poll():
+            self._fenced(fence)
         self.zombies = [(h, rid) for h, rid in self.zombies if not try_release(self.agent, h)]
 
     def _poll_handshakes(self) -> None:
@@ -325,7 +377,7 @@ class NixlWorker(KVConnectorWorker):
             return "cancelled" if f.cancelled else \
                 f"timed out after {self.config.kv_load_timeout_s:g}s"
         if f.confirm is None:
-            states = [self.agent.check_xfer_state(h) for h in f.handles]
+            states = xfer_states(self.agent, f.handles)
             if "ERR" in states:
                 self._stop(f)
                 self._drop_peer(f.load.remote.remote_engine_id)
@@ -351,6 +403,14 @@ class NixlWorker(KVConnectorWorker):
         return bool(msgspec.msgpack.decode(body, type=list[bool])[0])
 
     def _stop(self, f: _InFlight) -> None:
+        """Release a pull's READ handles; ones still in flight (a stalled producer over tcp)
+        go to a fence instead: their blocks are quarantined until they are done (fence.py)."""
+        if "PROC" in xfer_states(self.agent, f.handles):
+            f.fence = self.fences.add(Fence(
+                f"read-{id(f):x}-{time.monotonic_ns()}", f.load.remote.remote_engine_id,
+                f.load.remote, b"", handles=f.handles), "its read was still in flight")
+            f.handles = []
+            return
         for h in f.handles:
             if not try_release(self.agent, h):
                 self.zombies.append((h, f.load.request_id))
@@ -386,10 +446,12 @@ class NixlWorker(KVConnectorWorker):
                     or (self.pusher is not None and self.pusher.has_pending()))
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        # Writes first: once the side channel's port refuses, consumers take this process as
+        # gone (fence.py).
         if self.pusher is not None:
             self.pusher.close()
+        if self.server is not None:
+            self.server.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for f in [*self.inflight.values()]:
             self._stop(f)

@@ -80,6 +80,11 @@ class WorkerResult:
 
     finished_loads: list[str] = field(default_factory=list)
     failed_loads: dict[str, str] = field(default_factory=dict)      # request id -> why
+    # Failed loads whose transfer may still write into their blocks (not known to have
+    # stopped): request id -> fence id. Their blocks are quarantined, not freed ...
+    quarantined: dict[str, str] = field(default_factory=dict)
+    # ... until the fence id shows up here (the transfer has stopped, or its producer is gone).
+    fenced: list[str] = field(default_factory=list)
     # Producer: held requests a consumer has released (pulled, or given up).
     released: list[str] = field(default_factory=list)
     bytes_loaded: int = 0

@@ -12,9 +12,11 @@ request's blocks under a lease and returns the handle (RemoteKV) for the respons
 are freed when a consumer releases them or the lease expires, whichever comes first.
 
 Ownership: a request's blocks belong to exactly one of the scheduler (queued/running), this
-object (loading, or held under a lease) or nobody (freed). A load that is aborted keeps its
-blocks here until the worker says the transfer has stopped, so a late write can never land
-in blocks another request already uses.
+object (loading, or held under a lease), the quarantine, or nobody (freed). A load that is
+aborted keeps its blocks here until the worker says the transfer has stopped; one the worker
+gave up on without knowing that (a producer that does not answer) moves its blocks to the
+quarantine (KVCacheManager.quarantine) until the worker reports its fence. So a late write
+can never land in blocks another request already uses.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from wideserve.disagg.metrics import LOAD_BUCKETS, observe
 from wideserve.disagg.params import (ConnectorMeta, LoadSpec, RemoteKV, WorkerResult,
                                      wants_remote_decode, wants_remote_prefill)
 from wideserve.request import RequestStatus
+
+# The KV manager key a quarantined load's blocks are held under (+ the fence id).
+QUARANTINE_KEY = "kv-quarantine:"
 
 if TYPE_CHECKING:
     from wideserve.core.kv_cache.manager import KVCacheManager
@@ -48,6 +53,8 @@ class ConnectorStats:
     leases_granted: int = 0
     leases_released: int = 0
     leases_expired: int = 0
+    loads_quarantined: int = 0       # failed loads whose blocks had to wait for a fence
+    quarantines_released: int = 0
     max_loads_started_per_step: int = 0
     # Completed loads' admission-to-arrival time: per-bucket counts (metrics.LOAD_BUCKETS).
     load_seconds_buckets: list[int] = field(
@@ -78,6 +85,7 @@ class ConnectorScheduler:
         self._held: dict[str, Request] = {}         # producer: leased requests
         self._done: list[tuple[Request, int]] = []
         self._failed: list[tuple[Request, str]] = []
+        self._quarantine: dict[str, str] = {}       # fence id -> KV manager key
         self._meta = ConnectorMeta()
         self._started_this_step = 0
 
@@ -153,10 +161,19 @@ class ConnectorScheduler:
     def num_loading(self) -> int:
         return len(self._loads)
 
-    def _finish_load(self, request_id: str, error: str | None) -> None:
+    def _finish_load(self, request_id: str, error: str | None,
+                     fence: str | None = None) -> None:
         load = self._loads.pop(request_id, None)
         if load is None:
             return
+        if fence is not None:
+            # The transfer may still write into these blocks: they stay held, unpublished,
+            # until the worker reports the fence; the request goes on without them.
+            assert self.kv is not None
+            key = f"{QUARANTINE_KEY}{fence}"
+            self.kv.quarantine(request_id, key)
+            self._quarantine[fence] = key
+            self.stats.loads_quarantined += 1
         if load.aborted:
             assert self.kv is not None
             self.kv.free(load.request)      # the request already ended; the pull has stopped
@@ -230,18 +247,38 @@ class ConnectorScheduler:
         for rid in result.finished_loads:
             self._finish_load(rid, None)
         for rid, why in result.failed_loads.items():
-            self._finish_load(rid, why)
+            self._finish_load(rid, why, result.quarantined.get(rid))
+        for fence in result.fenced:
+            key = self._quarantine.pop(fence, None)
+            if key is not None:
+                assert self.kv is not None
+                self.kv.release_quarantine(key)
+                self.stats.quarantines_released += 1
         self.stats.bytes_loaded += result.bytes_loaded
         self.stats.transfers += result.num_transfers
         self.stats.pages_loaded += result.pages_loaded
 
     def has_pending(self) -> bool:
-        return bool(self._loads or self._held or self._done or self._failed
+        return bool(self._loads or self._held or self._done or self._failed or self._quarantine
                     or self._meta.loads or self._meta.releases or self._meta.cancels)
+
+    @property
+    def waits_only_for_fences(self) -> bool:
+        return bool(self._quarantine) and not (self._loads or self._held or self._done
+                                               or self._failed or self._meta.loads
+                                               or self._meta.releases or self._meta.cancels)
 
     @property
     def num_held(self) -> int:
         return len(self._held)
 
+    @property
+    def num_quarantined(self) -> int:
+        """Given-up loads whose blocks wait for their fence (they hold blocks like a
+        sequence, hence count against max_num_seqs)."""
+        return len(self._quarantine)
+
     def snapshot(self) -> dict[str, Any]:
-        return {**asdict(self.stats), "loading": len(self._loads), "held": len(self._held)}
+        blocks = self.kv.num_quarantined_blocks if self.kv is not None else 0
+        return {**asdict(self.stats), "loading": len(self._loads), "held": len(self._held),
+                "quarantined": len(self._quarantine), "quarantined_blocks": blocks}

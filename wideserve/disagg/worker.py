@@ -3,7 +3,9 @@
 `start(meta)` begins the step's pulls (and releases / cancels), `get_finished()` reports which
 loads completed or failed since the last call. A load is complete only once the producer has
 confirmed it still held the blocks (leases.py); a load that fails or times out is reported
-only after its transfer has stopped, so its blocks can be freed safely.
+only after its transfer has stopped, so its blocks can be freed safely; or, where the
+transfer cannot be known to have stopped (a producer that does not answer), with a fence:
+its blocks are quarantined until the fence is reported (docs/disaggregation.md, "Fencing").
 """
 from __future__ import annotations
 
@@ -51,8 +53,15 @@ class KVConnectorWorker(abc.ABC):
         self._result.pages_loaded += load.num_pages
         self._result.num_transfers += num_transfers
 
-    def _load_failed(self, request_id: str, why: str) -> None:
+    def _load_failed(self, request_id: str, why: str, fence: str | None = None) -> None:
+        """`fence`: the transfer is not known to have stopped; the blocks stay quarantined
+        until `_fenced(fence)`."""
         self._result.failed_loads[request_id] = f"KV load failed: {why}"
+        if fence is not None:
+            self._result.quarantined[request_id] = fence
+
+    def _fenced(self, fence: str) -> None:
+        self._result.fenced.append(fence)
 
     # ---------------------------------------------------------------- backends
     @abc.abstractmethod

@@ -78,7 +78,11 @@ def _expected_refs(managers: Iterable[GroupManager], pools: list[BlockPool],
 
 def check_manager_integrity(pools: list[BlockPool], managers: list[GroupManager],
                             requests: set[str],
-                            write_start_ids: set[str]) -> dict[int, dict[str, int]]:
+                            write_start_ids: set[str],
+                            quarantined: frozenset[str] | set[str] = frozenset()
+                            ) -> dict[int, dict[str, int]]:
+    """`quarantined`: keys holding blocks outside any request (KVCacheManager.quarantine);
+    they count as live tables, and their blocks also as "quarantined"."""
     problems: list[str] = []
     refs = _expected_refs(managers, pools, problems)
     counts: dict[int, dict[str, int]] = {}
@@ -107,11 +111,17 @@ def check_manager_integrity(pools: list[BlockPool], managers: list[GroupManager]
         if free + cached + used != pool.num_usable:
             problems.append(f"bucket {bucket}: free {free} + cached {cached} + used {used} "
                             f"!= {pool.num_usable}")
-        counts[bucket] = {"free": free, "cached": cached, "used": used}
+        held = {i for m in managers if m.group.bucket_id == bucket
+                for k in quarantined for i in m.req_tables.get(k, ()) if i}
+        counts[bucket] = {"free": free, "cached": cached, "used": used,
+                          "quarantined": len(held)}
+    if requests & set(quarantined):
+        problems.append(f"keys both requests and quarantined: {sorted(requests & quarantined)}")
+    tracked = requests | set(quarantined)
     for m in managers:
-        if set(m.req_tables) != requests:
+        if set(m.req_tables) != tracked:
             problems.append(f"group {m.group_id}: tracks requests "
-                            f"{sorted(set(m.req_tables) ^ requests)} inconsistently")
+                            f"{sorted(set(m.req_tables) ^ tracked)} inconsistently")
         skipped = getattr(m, "num_skipped", None)
         if skipped is not None:
             for rid, table in m.req_tables.items():

@@ -132,6 +132,9 @@ class KVCacheManager:
         self._sliding: list[SlidingWindowManager] = [
             m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self._requests: set[str] = set()          # admitted and not freed
+        # Keys holding the blocks of P/D loads given up before their transfer was known to
+        # have stopped (quarantine): held, never published, freed by release_quarantine.
+        self._quarantined: set[str] = set()
         self._write_start: dict[str, int] = {}
         self._replay_start: dict[str, int] = {}    # where a bounded replay began (S)
         self._state: dict[str, _RequestState] = {}
@@ -331,6 +334,36 @@ class KVCacheManager:
         self._requests.discard(rid)
         self._state.pop(rid, None)
 
+    def quarantine(self, request_id: str, key: str) -> None:
+        """Keep a request's blocks held under `key`, unpublished, instead of freeing them: a
+        remote write may still land in them (a P/D load given up before its transfer was
+        known to have stopped, docs/disaggregation.md). The request no longer holds blocks
+        (it may be admitted again, with new ones); `release_quarantine(key)` frees them."""
+        self._write_start.pop(request_id, None)
+        self._replay_start.pop(request_id, None)
+        self._state.pop(request_id, None)
+        if request_id not in self._requests:
+            return
+        for m in self.managers:
+            for table in (m.req_tables, m.num_cached, getattr(m, "num_skipped", {})):
+                if request_id in table:
+                    table[key] = table.pop(request_id)
+        self._requests.discard(request_id)
+        self._quarantined.add(key)
+
+    def release_quarantine(self, key: str) -> None:
+        """The transfer that could write into `key`'s blocks has stopped: free them (their
+        content is unknown, so nothing is published)."""
+        if key in self._quarantined:
+            for m in self.managers:
+                m.free(key)
+            self._quarantined.discard(key)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(set(m.req_tables.get(k, ())) - {0})
+                   for k in self._quarantined for m in self.managers)
+
     # ------------------------------------------------------------------------ queries
     def kv_write_start(self, request_id: str) -> int:
         return self._write_start.get(request_id, 0)
@@ -395,6 +428,7 @@ class KVCacheManager:
         return out
 
     def check_integrity(self) -> dict[int, dict[str, int]]:
-        """Assert the pool invariants; returns {bucket: {"free", "cached", "used"}}."""
+        """Assert the pool invariants; returns {bucket: {"free", "cached", "used",
+        "quarantined"}} (quarantined blocks are also counted as used: they are held)."""
         return check_manager_integrity(self.pools, self.managers, self._requests,
-                                       set(self._write_start))
+                                       set(self._write_start), self._quarantined)
