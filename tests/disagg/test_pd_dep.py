@@ -1,7 +1,9 @@
-"""Prefill -> a decode instance that is a DEP group (`serve -dp 2 --enable-expert-parallel`
-with a consumer `--kv-transfer-config`): the group's client routes each request with its KV
-handle to a rank, that rank's connector loads the KV into its own cache, and the greedy
-outputs equal a colocated server's (the bundled V4; 1 torch thread per process)."""
+"""A prefill instance that is a DEP group -> a decode instance that is a DEP group (each
+`serve -dp 2 --enable-expert-parallel` with a producer / consumer `--kv-transfer-config`):
+each group's client routes a request to a rank; a prefill rank holds the lease of the
+requests it computed and its handle names that rank's side channel; a decode rank's
+connector loads the KV into its own cache; the greedy outputs equal a colocated server's
+(the bundled V4; 1 torch thread per process)."""
 from __future__ import annotations
 
 import json
@@ -40,32 +42,45 @@ def _handoff(prefill: str, decode: str, prompt: str) -> str:
     return _complete(decode, prompt, kv_transfer_params=handle)["choices"][0]["text"]
 
 
-def test_prefill_to_dep_decode_group_equals_colocated():
+def _dep(port_base: int, kv: dict) -> list[str]:
+    return COMMON + ["-dp", "2", "--enable-expert-parallel", "--dp-sync-timeout", "30",
+                     "--data-parallel-rpc-port", str(port_base),
+                     "--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", **kv})]
+
+
+def _per_rank(url: str) -> tuple[dict, list[dict]]:
+    stats = httpx.get(url + "/debug/stats", timeout=30).json()["stats"]
+    return stats["kv_transfer"], [r["kv_transfer"] for r in stats["per_rank"]]
+
+
+def test_dep_prefill_group_to_dep_decode_group_equals_colocated():
     saved = dict(os.environ)
     os.environ.update(WIDESERVE_KV_SECRET=SECRET, UCX_NET_DEVICES="lo", UCX_MODULES="^ib")
     servers: list[RemoteServer] = []
+    ports = free_port_block(12)         # one block: the two groups' RPC ports never overlap
     try:
         with ThreadPoolExecutor(2) as pool:
-            p = pool.submit(RemoteServer, COMMON + ["--kv-transfer-config", json.dumps(
-                {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_lease_s": 30})])
-            d = pool.submit(RemoteServer, COMMON + [
-                "-dp", "2", "--enable-expert-parallel", "--dp-sync-timeout", "30",
-                "--data-parallel-rpc-port", str(free_port_block(6)), "--kv-transfer-config",
-                json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
-                            "kv_load_failure_policy": "fail", "kv_load_timeout_s": 20})])
+            p = pool.submit(RemoteServer, _dep(ports, {"kv_role": "kv_producer",
+                                                       "kv_lease_s": 30}))
+            d = pool.submit(RemoteServer, _dep(ports + 6, {
+                "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
+                "kv_load_timeout_s": 20}))
             servers = [p.result(), d.result()]
         prefill, decode = servers[0].url, servers[1].url
-        # Colocated: the prefill server itself serves the whole request.
-        expected = [_complete(prefill, q)["choices"][0]["text"] for q in PROMPTS]
-        with ThreadPoolExecutor(4) as pool:        # concurrent: the group spreads them
+        # Colocated: the prefill group itself serves the whole requests.
+        with ThreadPoolExecutor(4) as pool:
+            expected = list(pool.map(lambda q: _complete(prefill, q)["choices"][0]["text"],
+                                     PROMPTS))
+        with ThreadPoolExecutor(4) as pool:        # concurrent: each group spreads them
             got = list(pool.map(lambda q: _handoff(prefill, decode, q), PROMPTS))
         assert got == expected
-        stats = httpx.get(decode + "/debug/stats", timeout=30).json()["stats"]
-        per_rank = [r["kv_transfer"] for r in stats["per_rank"]]
+        total, per_rank = _per_rank(decode)
         assert [r["loads_failed"] for r in per_rank] == [0, 0]
-        assert sum(r["loads_done"] for r in per_rank) == len(PROMPTS) == \
-            stats["kv_transfer"]["loads_done"]
+        assert sum(r["loads_done"] for r in per_rank) == len(PROMPTS) == total["loads_done"]
         assert min(r["loads_done"] for r in per_rank) >= 1, per_rank     # both ranks loaded
+        total, per_rank = _per_rank(prefill)
+        assert total["leases_granted"] == len(PROMPTS)
+        assert min(r["leases_granted"] for r in per_rank) >= 1, per_rank  # both ranks leased
     finally:
         for s in servers:
             s.close()
