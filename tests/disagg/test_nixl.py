@@ -144,3 +144,15 @@ def test_side_channel_refuses_unauthenticated_peers():
         bad.close()
     finally:
         server.close()
+
+
+def test_nixl_memory_type_follows_the_kv_tensors():
+    """DRAM or VRAM is chosen from the KV slabs' device (no device runtime is imported for
+    it); a kv_buffer_device that disagrees is a clear error naming the flag."""
+    from nixl_peer import layout
+
+    from wideserve.disagg.nixl_worker import memory_type
+    lay = layout()
+    assert memory_type(lay, "auto") == memory_type(lay, "cpu") == "DRAM"
+    with pytest.raises(ValueError, match="kv-transfer-config.*kv_buffer_device is 'cuda'"):
+        memory_type(lay, "cuda")

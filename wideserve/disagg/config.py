@@ -40,7 +40,8 @@ class KVTransferConfig:
     kv_lease_s: float = 30.0               # producer: free held blocks after this long
     kv_load_timeout_s: float = 10.0        # consumer: a load (handshake + pull) that takes longer fails
     max_new_kv_loads_per_step: int = 4     # consumer: new remote loads admitted per step (0 = no cap)
-    kv_buffer_device: str = "auto"         # DRAM on CPU, VRAM on GPU (follows the KV tensors)
+    kv_buffer_device: str = "auto"         # DRAM on CPU, VRAM on GPU: follows the KV tensors (a
+                                           # different value must agree with them)
     # consumer: "pull" = this side READs (the default: it alone decides when its blocks stop
     # changing), "push" = the producer WRITEs into the blocks this side allocated (one packed
     # write + a notification; 2.5x faster over UCX tcp for contiguous pages, equal on local
@@ -61,6 +62,9 @@ class KVTransferConfig:
         if self.kv_load_failure_policy not in POLICIES:
             problems.append(f"kv_load_failure_policy must be 'recompute' or 'fail', got "
                             f"{self.kv_load_failure_policy!r}")
+        if self.kv_buffer_device not in ("auto", "cpu", "cuda"):
+            problems.append(f"kv_buffer_device must be 'auto', 'cpu' or 'cuda', got "
+                            f"{self.kv_buffer_device!r}")
         if self.kv_transfer_op not in TRANSFER_OPS:
             problems.append(f"kv_transfer_op must be 'push' or 'pull', got "
                             f"{self.kv_transfer_op!r}")

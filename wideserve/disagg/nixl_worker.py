@@ -65,6 +65,25 @@ def import_nixl() -> Any:
     return _api
 
 
+# NIXL's memory type for a torch device type: the KV slabs are registered where they live.
+MEMORY_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
+def memory_type(layout: KVLayout, requested: str) -> str:
+    """NIXL's memory type of the KV slabs, chosen from their device (never from an import of
+    a device runtime); `requested` (kv_buffer_device) must agree with it, if not "auto"."""
+    kinds = {r.tensor.device.type for r in layout.regions}
+    if len(kinds) != 1 or next(iter(kinds)) not in MEMORY_TYPES:
+        raise ValueError(f"--kv-transfer-config: NixlConnector registers the KV cache in "
+                         f"place and needs it on one of {sorted(MEMORY_TYPES)}; it is on "
+                         f"{sorted(kinds)}")
+    kind = next(iter(kinds))
+    if requested not in ("auto", kind):
+        raise ValueError(f"--kv-transfer-config: kv_buffer_device is {requested!r} but the KV "
+                         f"cache is on {kind!r} (it is registered where it lives: use 'auto')")
+    return MEMORY_TYPES[kind]
+
+
 class AgentInfo(msgspec.Struct, array_like=True):
     agent_name: str
     agent_metadata: bytes
@@ -105,6 +124,7 @@ class _InFlight:
 class NixlWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, layout: KVLayout, leases: LeaseTable) -> None:
         super().__init__(config, layout, leases)
+        self.mem = memory_type(layout, config.kv_buffer_device)
         api = import_nixl()
         secret = config.secret()
         self.mode = str(config.kv_connector_extra_config.get("transfer_mode", "packed"))
@@ -112,8 +132,6 @@ class NixlWorker(KVConnectorWorker):
         # Strict: the producer's side-channel thread posts push WRITEs (nixl_push.py).
         self.agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(
             backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
-        cuda = any(r.tensor.is_cuda for r in layout.regions)
-        self.mem = "VRAM" if cuda else "DRAM"
         self._reg = self.agent.register_memory([r.tensor for r in layout.regions])
         self.local_dlist = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descriptor_table(layout.region_info()), self.mem)
