@@ -1,8 +1,19 @@
-"""RMS norms (computed in fp32, cast back)."""
+"""RMS norms (computed in fp32, cast back).
+
+`rms_norm` is the readable torch reference. `fast_rms_norm` / `add_rms_norm` are what the
+decoder stack calls: on the CPU (fp32 / bf16, no autograd, not under torch.compile) they run
+the C++ kernels of wideserve/kernels/csrc/norm.cpp, one pass per row instead of ~8 small torch
+ops (docs/cpu_kernels.md, "Norms and greedy argmax"); elsewhere they are the reference.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from wideserve.kernels.loader import cpu_ops_available
+
+USE_CPU_KERNEL = True          # the C++ norm ops on the CPU (False: the torch path; for A/B runs)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -14,6 +25,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return xf.to(dtype)
 
 
+def cpu_kernel_applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether the C++ norm op may stand in for the torch path for this call."""
+    if not USE_CPU_KERNEL or x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
+        return False
+    if torch.compiler.is_compiling():
+        return False       # the ops have no fake kernels: a compiled graph keeps the torch path
+    if torch.is_grad_enabled() and (x.requires_grad
+                                    or (weight is not None and weight.requires_grad)):
+        return False       # no autograd formula: training keeps the torch path
+    return cpu_ops_available()
+
+
+def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rms_norm, by the C++ op where it applies."""
+    if cpu_kernel_applies(x, weight):
+        return torch.ops.wideserve.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)): a residual add and the next norm, fused on the CPU."""
+    if delta.dtype == h.dtype and cpu_kernel_applies(h, weight) and not delta.requires_grad:
+        return torch.ops.wideserve.add_rms_norm(h, delta, weight, eps)
+    s = h + delta
+    return s, rms_norm(s, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -22,3 +61,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def fast(self, x: torch.Tensor) -> torch.Tensor:
+        return fast_rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(h, delta, self.weight, self.eps)

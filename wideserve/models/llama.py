@@ -208,8 +208,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, plans)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, delta = self.step(h, None, cos, sin, batch, plans)
+        return h + delta
+
+    def step(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+             sin: torch.Tensor, batch: ForwardBatch, plans: PagedAttentionPlans
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream h + delta (delta None: h alone) -> (h', delta'),
+        the MLP's output left unadded, so each residual add is fused with the norm after it
+        (layers/norm.py add_rms_norm: one C++ pass on the CPU)."""
+        if delta is None:
+            x = self.input_layernorm.fast(h)
+        else:
+            h, x = self.input_layernorm.add_and_norm(h, delta)
+        h, x = self.post_attention_layernorm.add_and_norm(
+            h, self.self_attn(x, cos, sin, batch, plans))
+        return h, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -232,9 +246,10 @@ class DecoderModel(nn.Module):
 
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, plans)
-        return self.norm(h)
+            h, delta = layer.step(h, delta, cos, sin, batch, plans)
+        return self.norm.fast(h) if delta is None else self.norm.add_and_norm(h, delta)[1]
 
     def compile_layers(self) -> None:
         """torch.compile the layer stack, the token count dynamic (one graph set serves every
