@@ -6,7 +6,8 @@ switched between alternated generate calls, so load noise hits every configurati
 CONFIGS: comma-separated names from `configs` below (default all); "fused" is the C++
 routed-experts op (wideserve/kernels), the CPU default in bf16 since session 4; "+cattn" adds
 the C++ paged attention op (kernels/csrc/paged_attention.cpp), the CPU default since session 4;
-"+norm" adds the C++ fused residual-add + RMS norm and greedy argmax ops (kernels/csrc/norm.cpp).
+"+norm" adds the C++ fused residual-add + RMS norm and greedy argmax ops (kernels/csrc/norm.cpp);
+"+qkr" adds the fused q/k norm + RoPE op (kernels/csrc/qk_norm_rope.cpp).
 """
 import sys, time, random, torch
 torch.set_num_threads(1)
@@ -16,6 +17,7 @@ from wideserve.entrypoints.llm import LLM
 from wideserve.sampling_params import SamplingParams
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers import linear as lin
+from wideserve.layers import rotary
 from wideserve.layers.experts import RoutedExperts
 from wideserve.layers import norm as norm_mod
 from wideserve.executor import sampler as sampler_mod
@@ -25,9 +27,10 @@ rng = random.Random(0)
 ids = [[rng.randrange(3, 8192) for _ in range(128)] for _ in range(n)]
 llm = LLM(model, dtype="bfloat16", max_model_len=1024)
 sp = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
-def setcfg(attn_mm, experts, pack, cattn=False, fastnorm=False):
+def setcfg(attn_mm, experts, pack, cattn=False, fastnorm=False, qkr=False):
     norm_mod.USE_CPU_KERNEL = sampler_mod.USE_CPU_ARGMAX = fastnorm   # csrc/norm.cpp ops
     pab.MATMUL_MAX_ROWS = 16 if attn_mm else 0
+    rotary.USE_CPU_KERNEL = qkr         # the fused q/k norm + RoPE op (csrc/qk_norm_rope.cpp)
     pab.USE_CPU_KERNEL = cattn          # the C++ paged attention op (csrc/paged_attention.cpp)
     for m in llm.engine.model.modules():
         if isinstance(m, RoutedExperts):
@@ -41,7 +44,9 @@ configs = {"old": (False, "grouped_mm", False), "attn": (True, "grouped_mm", Fal
            "attn+pack": (True, "grouped_mm", True), "all": (True, "packed", True),
            "fused": (True, "fused", True),
            "fused+cattn": (True, "fused", True, True),
-           "+norm": (True, "fused", True, True, True)}
+           "+norm": (True, "fused", True, True, True),
+           "fused+cattn+qkr": (True, "fused", True, True, False, True),
+           "+norm+qkr": (True, "fused", True, True, True, True)}
 sel = sys.argv[4].split(",") if len(sys.argv) > 4 else list(configs)
 llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 for rnd in range(2):

@@ -119,3 +119,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos.to(x.dtype)[:, None, :]                                    # [T, 1, D]
     sin = sin.to(x.dtype)[:, None, :]
     return x * cos + rotate_half(x) * sin
+
+
+USE_CPU_KERNEL = True             # the fused C++ q/k norm + RoPE op on the CPU (False: torch)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fused_norm_rope_applies(qkv: torch.Tensor) -> bool:
+    """Whether `norm_rope_qkv_` runs the C++ op (docs/cpu_kernels.md, "q/k norm + RoPE"): CPU,
+    fp32/bf16, row-contiguous, no autograd (the op writes in place), the extension built; not
+    inside torch.compile (the op has no fake kernel; a compiled graph fuses these ops itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    if not (USE_CPU_KERNEL and qkv.device.type == "cpu" and qkv.dtype in KERNEL_DTYPES
+            and qkv.dim() == 2 and qkv.stride(-1) == 1 and not qkv.requires_grad):
+        return False
+    from wideserve.kernels.loader import cpu_ops_available
+    return cpu_ops_available()
+
+
+def norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, heads: int,
+                   kv_heads: int, eps: float, portable: bool = False) -> None:
+    """In place on qkv [T, (H + 2*Hkv) * D] (q heads, k heads, v heads): the per-head RMSNorm
+    of q and k (when weights are given) then RoPE, as `rms_norm` + `apply_rotary` do, in one
+    pass of torch.ops.wideserve.qk_norm_rope_ (wideserve/kernels/csrc/qk_norm_rope.cpp).
+    portable: force its plain C++ loop (no AVX512)."""
+    dim = cos.shape[-1]
+    torch.ops.wideserve.qk_norm_rope_(qkv, cos.contiguous(), sin.contiguous(), q_weight,
+                                      k_weight, heads, kv_heads, dim, eps, portable)

@@ -26,7 +26,14 @@ from wideserve.layers.attention.registry import (
 )
 from wideserve.layers.linear import WeightPack
 from wideserve.layers.norm import RMSNorm
-from wideserve.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary, parse_rope_config
+from wideserve.layers.rotary import (
+    RopeScaling,
+    RotaryEmbedding,
+    apply_rotary,
+    fused_norm_rope_applies,
+    norm_rope_qkv_,
+    parse_rope_config,
+)
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -162,13 +169,22 @@ class Attention(nn.Module):
         t = x.shape[0]
         p = (self.q_proj, self.k_proj, self.v_proj)
         qkv = self._qkv.linear(x, tuple(m.weight for m in p), tuple(m.bias for m in p))
+        # On the CPU one C++ pass does the q/k norms and RoPE in place (layers/rotary.py);
+        # elsewhere the torch ops below, which are its reference.
+        fused = fused_norm_rope_applies(qkv)
+        if fused:
+            qn, kn = self.q_norm, self.k_norm
+            norm_rope_qkv_(qkv, cos, sin, None if qn is None else qn.weight,
+                           None if kn is None else kn.weight, self.num_heads,
+                           self.num_kv_heads, 0.0 if qn is None else qn.eps)
         q, k, v = torch.split(qkv, self._split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                     # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = _attend(get_paged_attention_backend(self.backend), q, k, v, batch, self.cache_name,
                     self.scale, self.window, plans)
         return self._o.linear(o.reshape(t, -1), (self.o_proj.weight,),
