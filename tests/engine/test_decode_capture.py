@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from oracle import mixed_prompts, save_hf
+from test_engine_greedy import _qwen3_moe
 from wideserve import LLM, SamplingParams
 from wideserve.executor.decode_capture import (CPU_DEFAULT, CapturedDecode, capture_sizes,
                                                decode_capture_enabled, padded_size)
@@ -40,16 +41,6 @@ def test_enforce_eager_turns_it_off() -> None:
     assert on(None, True, CPU, capturable=False) and not on(None, False, CUDA)
     with pytest.raises(ValueError, match="enforce_eager"):
         on(True, True, CPU)
-
-
-def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=160, hidden_size=48, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        max_position_embeddings=512, tie_word_embeddings=False)).eval()
 
 
 def _v4():
