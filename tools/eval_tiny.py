@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_data import held_out_stream  # noqa: E402
+from tiny_data import held_out_stream, held_out_windows  # noqa: E402
 from tiny_v4 import TinyV4WithMTP, all_routers, load_model  # noqa: E402
 
 WINDOW = 256
@@ -61,11 +61,7 @@ def evaluate(
 ) -> dict:
     model = load_model(model_dir, torch.float32)
     val = held_out_stream(model_dir, limit_bytes)
-    n_win = (len(val) - 1) // WINDOW
-    if max_windows is not None:
-        n_win = min(n_win, max_windows)
-    if n_win == 0:
-        raise ValueError(f"held-out stream of {len(val)} tokens is shorter than one {WINDOW}-token window")
+    n_win = held_out_windows(val, WINDOW, max_windows)
     counts = _load_counters(model)
     main_nll = mtp_nll = 0.0
     acc_text = acc_main = 0

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_data import held_out_stream  # noqa: E402
+from tiny_data import held_out_stream, held_out_windows  # noqa: E402
 from tiny_v41 import TinyV41, load_model, routers  # noqa: E402
 
 WINDOW = 256
@@ -122,11 +122,7 @@ def evaluate(model_dir: str, limit_bytes: int | None = None, max_windows: int | 
              batch: int = 4, sample_tokens: int = 60, dspark_windows: int = 64) -> dict:
     model = load_model(model_dir)
     val = held_out_stream(model_dir, limit_bytes)
-    n_win = (len(val) - 1) // WINDOW
-    if max_windows is not None:
-        n_win = min(n_win, max_windows)
-    if n_win == 0:
-        raise ValueError(f"held-out stream of {len(val)} tokens is shorter than one {WINDOW}-token window")
+    n_win = held_out_windows(val, WINDOW, max_windows)
     counts = _load_counters(model)
     nll = torch.zeros(n_win, dtype=torch.float64)
     sums = _Sums()

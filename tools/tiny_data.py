@@ -152,3 +152,13 @@ def held_out_stream(model_dir: str, limit_bytes: int | None = None) -> np.ndarra
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     ids = encode_stream(tok, [t for _, t in read_corpus(limit_bytes)])
     return split_stream(ids)[1]
+
+
+def held_out_windows(val: np.ndarray, window: int, max_windows: int | None) -> int:
+    """How many whole `window`-token windows (+1 target token) of the held-out stream to score."""
+    n_win = (len(val) - 1) // window
+    if max_windows is not None:
+        n_win = min(n_win, max_windows)
+    if n_win == 0:
+        raise ValueError(f"held-out stream of {len(val)} tokens is shorter than one {window}-token window")
+    return n_win

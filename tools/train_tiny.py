@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,6 +36,14 @@ from tiny_data import (  # noqa: E402
     train_tokenizer,
     write_tokenizer_files,
 )
+from train_loop import (  # noqa: E402
+    RouterBalancer,
+    TrainHooks,
+    add_common_args,
+    add_size_args,
+    train_loop,
+    write_training_info,
+)
 from tiny_v4 import (  # noqa: E402
     TinySizes,
     TinyV4WithMTP,
@@ -49,35 +55,6 @@ from tiny_v4 import (  # noqa: E402
 )
 
 
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    """The flags every tiny-model trainer has (tools/train_tiny.py, tools/train_tiny_v41.py)."""
-    p.add_argument("--out", required=True, help="output model directory")
-    budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--minutes", type=float, help="wall-clock training budget")
-    budget.add_argument("--steps", type=int, help="number of optimizer steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-limit-bytes", type=int, default=None, help="use only this much text (smoke tests)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr-frac", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--bias-rate", type=float, default=2e-4, help="aux-loss-free router bias step")
-    p.add_argument("--eval-every-s", type=float, default=120.0)
-    p.add_argument("--eval-windows", type=int, default=16, help="windows in the periodic (partial) val")
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--card-max-windows", type=int, default=None, help="limit final eval windows (smoke tests)")
-    p.add_argument("--sample-tokens", type=int, default=60, help="new tokens per model-card sample")
-
-
-def add_size_args(p: argparse.ArgumentParser, sizes: type) -> None:
-    for f in dataclasses.fields(sizes):
-        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -85,46 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-weight", type=float, default=0.3)
     add_size_args(p, TinySizes)
     return p.parse_args(argv)
-
-
-class RouterBalancer:
-    """Counts top-k picks per router during training steps (grad enabled) and nudges each
-    router's e_score_correction_bias: `picks(output)` reads the expert ids from its output."""
-
-    def __init__(self, routers: list[torch.nn.Module], rate: float, n_experts: Callable[[torch.nn.Module], int],
-                 picks: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]) -> None:
-        self.rate = rate
-        self.routers = routers
-        self.counts = [torch.zeros(n_experts(r)) for r in routers]
-        for r, c in zip(routers, self.counts):
-            r.register_forward_hook(self._hook(c, picks))
-
-    @staticmethod
-    def _hook(counts: torch.Tensor, picks: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]):
-        def hook(_module: torch.nn.Module, _args: object, out: tuple[torch.Tensor, ...]) -> None:
-            if torch.is_grad_enabled():
-                counts.add_(torch.bincount(picks(out).reshape(-1), minlength=counts.numel()).float())
-
-        return hook
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for r, c in zip(self.routers, self.counts):
-            r.e_score_correction_bias += self.rate * torch.sign(c.mean() - c)
-            c.zero_()
-
-
-def lr_at(args: argparse.Namespace, step: int, progress: float) -> float:
-    warm = min(1.0, (step + 1) / args.warmup)
-    cos = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return args.lr * warm * (args.min_lr_frac + (1.0 - args.min_lr_frac) * cos)
-
-
-def make_optimizer(model: TinyV4WithMTP, args: argparse.Namespace) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 @torch.no_grad()
@@ -141,54 +78,17 @@ def quick_val(model: TinyV4WithMTP, val: np.ndarray, seq: int, windows: int) -> 
 
 
 def train(model: TinyV4WithMTP, train_ids: np.ndarray, val_ids: np.ndarray, args: argparse.Namespace) -> dict:
-    opt = make_optimizer(model, args)
+    def loss(chunk: torch.Tensor) -> tuple[torch.Tensor, str]:
+        total, main, mtp = joint_loss(model, chunk, args.mtp_weight)
+        return total, f"loss {float(main.detach()):.3f} mtp {float(mtp.detach()):.3f}"
+
+    def validate() -> dict[str, float]:
+        vm, vt = quick_val(model, val_ids, args.seq, args.eval_windows)
+        return {"val_main": vm, "val_mtp": vt}
+
     balancer = RouterBalancer([m for _, m in topk_routers(model)], args.bias_rate,
                               lambda r: r.num_experts, lambda out: out[2])
-    rng = np.random.default_rng(args.seed)
-    span = args.seq + 2
-    if len(train_ids) <= span:
-        raise ValueError(f"training stream has {len(train_ids)} tokens, need more than {span}")
-    budget_s = args.minutes * 60.0 if args.minutes is not None else math.inf
-    t0 = time.time()
-    last_eval, step, curve = t0, 0, []
-    model.train()
-    while True:
-        elapsed = time.time() - t0
-        progress = step / args.steps if args.steps is not None else elapsed / budget_s
-        if progress >= 1.0:
-            break
-        lr = lr_at(args, step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        starts = rng.integers(0, len(train_ids) - span, size=args.batch)
-        chunk = torch.from_numpy(np.stack([train_ids[s : s + span] for s in starts]))
-        loss, main, mtp = joint_loss(model, chunk, args.mtp_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        balancer.step()
-        step += 1
-        if step % args.log_every == 0:
-            tps = step * args.batch * args.seq / (time.time() - t0)
-            print(
-                f"step {step} t {time.time() - t0:.0f}s lr {lr:.2e} loss {float(main.detach()):.3f} "
-                f"mtp {float(mtp.detach()):.3f} gnorm {float(gnorm):.2f} tok/s {tps:.0f}",
-                flush=True,
-            )
-        if time.time() - last_eval >= args.eval_every_s:
-            last_eval = time.time()
-            vm, vt = quick_val(model, val_ids, args.seq, args.eval_windows)
-            curve.append({"t_s": round(last_eval - t0), "step": step, "val_main": vm, "val_mtp": vt})
-            print(f"VAL step {step} t {last_eval - t0:.0f}s main {vm:.4f} mtp {vt:.4f}", flush=True)
-    wall = time.time() - t0
-    return {
-        "steps": step,
-        "tokens_seen": step * args.batch * args.seq,
-        "train_wall_s": round(wall, 1),
-        "tokens_per_s": round(step * args.batch * args.seq / max(wall, 1e-9), 1),
-        "val_curve_partial": curve,
-    }
+    return train_loop(model, train_ids, args.seq + 2, args, TrainHooks(loss, validate, balancer))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -227,10 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         total_wall_s=round(time.time() - t_start, 1),
         hparams={k: v for k, v in vars(args).items() if k not in ("out",)},
     )
-    with open(os.path.join(args.out, "training_info.json"), "w") as f:
-        json.dump(info, f, indent=2)
-        f.write("\n")
-    print(f"saved {args.out} after {info['steps']} steps, {info['tokens_seen']} tokens", flush=True)
+    write_training_info(args.out, info)
 
     from eval_tiny import evaluate, write_card  # late import: eval needs the saved directory
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shlex
 import shutil
@@ -39,7 +38,7 @@ from tiny_v41 import (  # noqa: E402
     save_model,
     text_config,
 )
-from train_tiny import RouterBalancer, add_common_args, add_size_args, lr_at  # noqa: E402
+from train_loop import RouterBalancer, TrainHooks, add_common_args, add_size_args, train_loop, write_training_info  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V4_DIR = os.path.join(ROOT, "wideserve", "assets", "shakespeare-v4-tiny")
@@ -58,14 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_optimizer(model: TinyV41, args: argparse.Namespace) -> torch.optim.Optimizer:
-    train = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in train if p.ndim >= 2]
-    no_decay = [p for p in train if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 @torch.no_grad()
 def quick_val(model: TinyV41, val: np.ndarray, seq: int, windows: int) -> dict:
     """Main CE and the drafter's terms over the first `windows` held-out windows (curve only)."""
@@ -79,55 +70,19 @@ def quick_val(model: TinyV41, val: np.ndarray, seq: int, windows: int) -> dict:
 
 
 def train(model: TinyV41, train_ids: np.ndarray, val_ids: np.ndarray, args: argparse.Namespace) -> dict:
-    opt = make_optimizer(model, args)
-    balancer = RouterBalancer([m for _, m in routers(model)], args.bias_rate,
-                              lambda g: g.n_experts, lambda out: out[1])
-    rng = np.random.default_rng(args.seed)
-    span = args.seq + 1
-    budget_s = args.minutes * 60.0 if args.minutes is not None else math.inf
-    t0 = time.time()
-    last_eval = last_save = t0
-    step, curve = 0, []
-    model.train()
-    while True:
-        elapsed = time.time() - t0
-        progress = step / args.steps if args.steps is not None else elapsed / budget_s
-        if progress >= 1.0:
-            break
-        lr = lr_at(args, step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        starts = rng.integers(0, len(train_ids) - span, size=args.batch)
-        chunk = torch.from_numpy(np.stack([train_ids[s: s + span] for s in starts]))
+    def loss(chunk: torch.Tensor) -> tuple[torch.Tensor, str]:
         model.sync_draft_head()
         main, met, _ = model(chunk)
-        loss = main + args.dspark_weight * met.loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.clip)
-        opt.step()
-        balancer.step()
-        step += 1
-        if step % args.log_every == 0:
-            tps = step * args.batch * args.seq / (time.time() - t0)
-            tau = float(met.tau_num / met.tau_den.clamp(min=1))
-            print(f"step {step} t {time.time() - t0:.0f}s lr {lr:.2e} loss {float(main):.3f} "
-                  f"dspark ce {float(met.ce_loss):.3f} l1 {float(met.l1_loss):.3f} "
-                  f"conf {float(met.confidence_loss):.3f} tau {tau:.2f} gnorm {float(gnorm):.2f} "
-                  f"tok/s {tps:.0f}", flush=True)
-        if time.time() - last_eval >= args.eval_every_s:
-            last_eval = time.time()
-            v = quick_val(model, val_ids, args.seq, args.eval_windows)
-            curve.append({"t_s": round(last_eval - t0), "step": step, **v})
-            print(f"VAL step {step} t {last_eval - t0:.0f}s {v}", flush=True)
-        if time.time() - last_save >= args.save_every_s:
-            last_save = time.time()
-            save_model(model, args.out)
-    wall = time.time() - t0
-    return {"steps": step, "tokens_seen": step * args.batch * args.seq,
-            "train_wall_s": round(wall, 1),
-            "tokens_per_s": round(step * args.batch * args.seq / max(wall, 1e-9), 1),
-            "val_curve_partial": curve}
+        terms = {k: float(v.detach()) for k, v in (("loss", main), ("dspark ce", met.ce_loss),
+                                                    ("l1", met.l1_loss), ("conf", met.confidence_loss))}
+        terms["tau"] = float(met.tau_num / met.tau_den.clamp(min=1))
+        return main + args.dspark_weight * met.loss, " ".join(f"{k} {v:.3f}" for k, v in terms.items())
+
+    balancer = RouterBalancer([m for _, m in routers(model)], args.bias_rate,
+                              lambda g: g.n_experts, lambda out: out[1])
+    hooks = TrainHooks(loss, lambda: quick_val(model, val_ids, args.seq, args.eval_windows), balancer,
+                       save=lambda: save_model(model, args.out))
+    return train_loop(model, train_ids, args.seq + 1, args, hooks)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,10 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         corpus_tokens=int(len(ids)), held_out_tokens=int(len(val_ids)),
         total_wall_s=round(time.time() - t_start, 1),
         hparams={k: v for k, v in vars(args).items() if k not in ("out", "tokenizer_dir")})
-    with open(os.path.join(args.out, "training_info.json"), "w") as f:
-        json.dump(info, f, indent=2)
-        f.write("\n")
-    print(f"saved {args.out} after {info['steps']} steps, {info['tokens_seen']} tokens", flush=True)
+    write_training_info(args.out, info)
 
     from eval_tiny_v41 import evaluate, write_card  # late import: eval needs the saved directory
 
