@@ -73,7 +73,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=1, help="wideserve's torch threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="wideserve: its torch threads; vllm: recorded only (the cores it binds "
+                         "come from VLLM_CPU_OMP_THREADS_BIND, see run_offline.sh)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="compute dtype (the checkpoint is bf16 either way)")
     ap.add_argument("--vocab", type=int, default=8192)
@@ -90,7 +92,7 @@ def main() -> None:
     elapsed = (run_wideserve if args.engine == "wideserve" else run_vllm)(args, ids)
     out = args.num_prompts * args.output_len
     print(json.dumps({"engine": args.engine, "dtype": args.dtype, "model": args.model,
-                      "num_prompts": args.num_prompts, "elapsed_s": elapsed,
+                      "num_prompts": args.num_prompts, "threads": args.threads, "elapsed_s": elapsed,
                       "output_tokens": out, "out_tok_s": out / elapsed, **args.result}))
 
 

