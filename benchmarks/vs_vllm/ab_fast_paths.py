@@ -7,7 +7,9 @@ CONFIGS: comma-separated names from `configs` below (default all); "fused" is th
 routed-experts op (wideserve/kernels), the CPU default in bf16 since session 4; "+cattn" adds
 the C++ paged attention op (kernels/csrc/paged_attention.cpp), the CPU default since session 4;
 "+norm" adds the C++ fused residual-add + RMS norm and greedy argmax ops (kernels/csrc/norm.cpp);
-"+qkr" adds the fused q/k norm + RoPE op (kernels/csrc/qk_norm_rope.cpp).
+"+qkr" adds the fused q/k norm + RoPE op (kernels/csrc/qk_norm_rope.cpp); "+gemm" adds the
+small-M GEMM micro-kernel for the linears, the LM head and the fused router
+(kernels/csrc/linear.cpp; without it they run oneDNN and the torch router).
 """
 import sys, time, random, torch
 torch.set_num_threads(1)
@@ -27,7 +29,8 @@ rng = random.Random(0)
 ids = [[rng.randrange(3, 8192) for _ in range(128)] for _ in range(n)]
 llm = LLM(model, dtype="bfloat16", max_model_len=1024)
 sp = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
-def setcfg(attn_mm, experts, pack, cattn=False, fastnorm=False, qkr=False):
+def setcfg(attn_mm, experts, pack, cattn=False, fastnorm=False, qkr=False, gemm=False):
+    lin.USE_CPU_KERNEL = gemm           # csrc/linear.cpp: linears, LM head, router
     norm_mod.USE_CPU_KERNEL = sampler_mod.USE_CPU_ARGMAX = fastnorm   # csrc/norm.cpp ops
     pab.MATMUL_MAX_ROWS = 16 if attn_mm else 0
     rotary.USE_CPU_KERNEL = qkr         # the fused q/k norm + RoPE op (csrc/qk_norm_rope.cpp)
@@ -46,7 +49,8 @@ configs = {"old": (False, "grouped_mm", False), "attn": (True, "grouped_mm", Fal
            "fused+cattn": (True, "fused", True, True),
            "+norm": (True, "fused", True, True, True),
            "fused+cattn+qkr": (True, "fused", True, True, False, True),
-           "+norm+qkr": (True, "fused", True, True, True, True)}
+           "+norm+qkr": (True, "fused", True, True, True, True),
+           "+gemm": (True, "fused", True, True, True, True, True)}
 sel = sys.argv[4].split(",") if len(sys.argv) > 4 else list(configs)
 llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 for rnd in range(2):

@@ -12,22 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wideserve.kernels.loader import cpu_ops_available
+from wideserve.kernels.gemm import fast_path_compiled, pack_panels  # noqa: F401 (re-exported)
 
 LANES = 16
 DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _pair(dtype: torch.dtype) -> int:
-    return 2 if dtype == torch.bfloat16 else 1
-
-
-def _pack(w: torch.Tensor, pair: int, group: int) -> torch.Tensor:
-    """[E, N, K] -> [E, ceil(N / 16g), ceil(K/P), g, 16, P] (g = group blocks), zero-padded."""
-    E, N, K = w.shape
-    w = F.pad(w, (0, -K % pair, 0, -N % (LANES * group)))
-    groups, kp = w.shape[1] // (LANES * group), w.shape[2] // pair
-    return w.reshape(E, groups, group, LANES, kp, pair).permute(0, 1, 4, 2, 3, 5).contiguous()
 
 
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,21 +24,15 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tenso
     E, two_i, d = gate_up.shape
     inter = two_i // 2
     pad = -inter % LANES
-    pair = _pair(gate_up.dtype)
     with torch.no_grad():
         gate, up = gate_up.detach().split(inter, dim=1)
         gate, up = F.pad(gate, (0, 0, 0, pad)), F.pad(up, (0, 0, 0, pad))
         ip = inter + pad
         blocks = torch.stack([gate.reshape(E, ip // LANES, LANES, d),
                               up.reshape(E, ip // LANES, LANES, d)], dim=2)
-        w13 = _pack(blocks.reshape(E, 2 * ip, d), pair, group=2)
-        w2 = _pack(F.pad(down.detach(), (0, pad)), pair, group=4)
+        w13 = pack_panels(blocks.reshape(E, 2 * ip, d), group=2)
+        w2 = pack_panels(F.pad(down.detach(), (0, pad)), group=4)
     return w13, w2
-
-
-def fast_path_compiled() -> bool:
-    """Whether the op's AVX512-BF16 path was compiled on this machine (else portable C++)."""
-    return cpu_ops_available() and bool(torch.ops.wideserve.moe_fast_path_compiled())
 
 
 @torch.compiler.disable      # an opaque C++ op: eager inside a compiled forward

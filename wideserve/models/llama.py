@@ -346,7 +346,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._head.linear(hidden, (weight,)).float()     # [N, V]
+        # fp32 logits of the bf16-rounded values, in one pass on the CPU kernel path
+        return self._head.linear(hidden, (weight,), widen=True)     # [N, V]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

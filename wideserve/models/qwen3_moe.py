@@ -77,6 +77,12 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (topk_ids [T, k] int64, topk_weights [T, k] in x.dtype)."""
+        routed = self._pack.route(x, (self.weight,), self.top_k, self.renormalize)
+        if routed is not None:       # the C++ op: all of the below in one pass per row
+            return routed
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._pack.linear(x, (self.weight,))                              # [T, E]
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)

@@ -32,13 +32,11 @@
 #include <optional>
 #include <vector>
 
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
+#include "gemm.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;   // output columns per packed block (one zmm of fp32)
+using namespace wideserve_gemm;
 constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (gate + up: 16 accs)
 constexpr int kRowsDown = 4;     // rows per register tile in phase 2 ...
 constexpr int kBlocksDown = 4;   // ... times output blocks (16 accs): a down group
@@ -109,25 +107,6 @@ inline float silu_mul(float gate, float up, bool clamp, float limit) {
 
 // ---------------------------------------------------------------- portable (plain C++)
 
-// acc[m][n][:] = x[m] . (block n of the group at w), the group laid out [pairs, NB, 16, P].
-template <typename T, int M, int NB>
-void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w,
-                   float (&acc)[M][NB][kLanes]) {
-  std::memset(acc, 0, sizeof(acc));
-  for (int64_t p = 0; p < pairs; ++p) {
-    for (int n = 0; n < NB; ++n) {
-      const T* wp = w + (p * NB + n) * kLanes * pair;
-      for (int m = 0; m < M; ++m) {
-        for (int q = 0; q < pair; ++q) {
-          const float xv = static_cast<float>(x[m][p * pair + q]);
-          for (int l = 0; l < kLanes; ++l)
-            acc[m][n][l] += xv * static_cast<float>(wp[l * pair + q]);
-        }
-      }
-    }
-  }
-}
-
 template <typename T, int M>
 void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, const Geometry& g,
                       int64_t j, bool clamp, float limit, T* act) {
@@ -164,44 +143,6 @@ void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
 // ---------------------------------------------------------------- AVX512-BF16
 
 #ifdef __AVX512BF16__
-inline __m512 exp_ps(__m512 x) {
-  // exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2: Cephes' degree-6 polynomial
-  // for e^r (about 1 ulp), the 2^n scaling by vscalefps (exact, and saturating).
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
-                    _mm512_set1_ps(-88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
-
-template <int M, int NB>
-inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
-                      __m512 (&acc)[M][NB]) {
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512i wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + (p * NB + n) * 2 * kLanes);
-    for (int m = 0; m < M; ++m) {
-      int32_t both;
-      std::memcpy(&both, x[m] + 2 * p, sizeof(both));
-      const __m512bh xb = as_bh(_mm512_set1_epi32(both));
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], as_bh(wv[n]), xb);
-    }
-  }
-}
-
 template <int M>
 void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at::BFloat16* w,
                   const Geometry& g, int64_t j, bool clamp, float limit, at::BFloat16* act) {
@@ -269,15 +210,6 @@ void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w
   down_tile_portable<T, M>(act, rows, r0, w, g, b, out);
 }
 
-// Runtime row count (1..MaxM) -> the tile instantiated for it.
-template <int M, typename F>
-void with_rows(int64_t m, F&& f) {
-  if constexpr (M > 1) {
-    if (m < M) return with_rows<M - 1>(m, f);
-  }
-  f(std::integral_constant<int, M>{});
-}
-
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
                  const Geometry& g, bool clamp, float limit, T* act, float* out) {
@@ -313,14 +245,6 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   });
 }
 
-bool fast_path_compiled() {
-#ifdef __AVX512BF16__
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& w13,
                              const at::Tensor& w2, int64_t intermediate,
@@ -354,7 +278,7 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
   at::Tensor out = at::zeros({x_in.size(0), d}, x_in.options().dtype(at::kFloat));
   if (rows.active.empty()) return out.to(dtype);
   at::Tensor act = at::empty({ids.numel(), g.ip}, x_in.options());
-  const bool fast = !portable && fast_path_compiled();
+  const bool fast = !portable && bf16_fast_path_compiled();
   const bool clamp = limit.has_value();
   const float lim = clamp ? static_cast<float>(*limit) : 0.0f;
   if (dtype == at::kBFloat16) {
@@ -373,7 +297,7 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("moe_fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
         "Tensor w2, int intermediate, float? limit=None, bool portable=False) -> Tensor");
-  m.def("moe_fast_path_compiled() -> bool", &fast_path_compiled);
+  m.def("moe_fast_path_compiled() -> bool", &bf16_fast_path_compiled);
 }
 
 TORCH_LIBRARY_IMPL(wideserve, CPU, m) {

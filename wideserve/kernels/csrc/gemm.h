@@ -1,0 +1,105 @@
+// The small-M GEMM micro-kernel shared by the CPU ops (docs/cpu_kernels.md, "Linear layers"):
+// csrc/linear.cpp (dense linears, the LM head, the router) and csrc/moe.cpp (routed experts).
+//
+// Weight layout ("panel packed"): a [N, K] matrix is cut into groups of NB blocks of 16
+// output rows, each group stored as [K/P, NB, 16, P] (P = 2 bf16 inputs per 32-bit lane, as
+// `vdpbf16ps` wants them, or 1 for fp32). One 64-byte load then holds the next P inputs'
+// weights for 16 outputs, and a register tile of M input rows x NB blocks reads its group as
+// one sequential stream. With AVX512-BF16 one `vdpbf16ps` multiplies a broadcast pair of
+// inputs into 16 fp32 accumulators that run along the output dimension: no horizontal sums.
+// The packing is done once, in Python (wideserve/kernels/gemm.py), padded with zero weights.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace wideserve_gemm {
+
+constexpr int64_t kLanes = 16;   // output columns per packed block (one zmm of fp32)
+
+// Runtime row count (1..MaxM) -> the tile instantiated for it.
+template <int M, typename F>
+inline void with_rows(int64_t m, F&& f) {
+  if constexpr (M > 1) {
+    if (m < M) return with_rows<M - 1>(m, f);
+  }
+  f(std::integral_constant<int, M>{});
+}
+
+// Portable: acc[m][n][:] = x[m] . (block n of the group at w), the group laid out
+// [pairs, NB, 16, P]; x[m] holds pairs * P values.
+template <typename T, int M, int NB>
+inline void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w,
+                          float (&acc)[M][NB][kLanes]) {
+  std::memset(acc, 0, sizeof(acc));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int n = 0; n < NB; ++n) {
+      const T* wp = w + (p * NB + n) * kLanes * pair;
+      for (int m = 0; m < M; ++m) {
+        for (int q = 0; q < pair; ++q) {
+          const float xv = static_cast<float>(x[m][p * pair + q]);
+          for (int l = 0; l < kLanes; ++l)
+            acc[m][n][l] += xv * static_cast<float>(wp[l * pair + q]);
+        }
+      }
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers.
+template <int M, int NB>
+inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
+                      __m512 (&acc)[M][NB]) {
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + (p * NB + n) * 2 * kLanes);
+    for (int m = 0; m < M; ++m) {
+      int32_t both;
+      std::memcpy(&both, x[m] + 2 * p, sizeof(both));
+      const __m512bh xb = as_bh(_mm512_set1_epi32(both));
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], as_bh(wv[n]), xb);
+    }
+  }
+}
+
+inline __m512 exp_ps(__m512 x) {
+  // exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2: Cephes' degree-6 polynomial
+  // for e^r (about 1 ulp), the 2^n scaling by vscalefps (exact, and saturating).
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif  // __AVX512BF16__
+
+inline bool bf16_fast_path_compiled() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace wideserve_gemm
