@@ -357,3 +357,27 @@ def test_logits_shape_is_checked():
     md = meta([SamplingParams()] * 2, vocab=8)
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(3, 8), md)
+
+
+@pytest.mark.parametrize("kw,plain", [
+    ({}, True), ({"logprobs": 0}, False), ({"logit_bias": {1: 2.0}}, False),
+    ({"presence_penalty": 0.5}, False), ({"repetition_penalty": 1.2}, False),
+    ({"min_tokens": 3}, False), ({"min_tokens": 2}, True)])
+def test_plain_greedy_is_what_the_sampler_does_without_metadata(kw, plain):
+    """plain_greedy (the engine's fast path: argmax without SamplingMetadata) holds exactly
+    when the metadata would apply nothing; then the sampler's tokens are the argmax."""
+    from wideserve.executor.sampler import argmax_rows, plain_greedy
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, **kw)]
+    outputs = [[1, 2], [3, 4]]
+    assert plain_greedy(params, [len(o) for o in outputs]) is plain
+    assert not plain_greedy([SamplingParams(temperature=0.0),
+                             SamplingParams(temperature=0.7)], [0, 0])
+    md = meta(params, outputs, prompts=[[1], [2]], vocab=16, eos=(5,))
+    bare = (md.all_greedy and md.penalties is None and md.bias is None
+            and md.stop_mask_rows is None and md.max_num_logprobs is None)
+    assert bare is plain
+    logits = torch.randn(2, 16, dtype=torch.bfloat16)
+    logits[0, 3] = logits[0, 7] = logits[0].max() + 1        # a tie: the first index wins
+    if plain:
+        assert Sampler()(logits, md).token_ids.tolist() == argmax_rows(logits.float()).tolist()
+        assert argmax_rows(logits.float()).tolist()[0] == 3

@@ -31,6 +31,7 @@ OutputsHandler = Callable[[list[Any]], None]
 DeadHandler = Callable[[str], None]
 logger = logging.getLogger(__name__)
 WATCH_S = 0.2                               # the watchdog's period
+DRAIN_BATCH = 64                            # engine messages routed per event-loop turn
 
 
 class EngineDeadError(RuntimeError):
@@ -83,6 +84,9 @@ class EngineCoreClient:
         self._decoder = ipc.make_output_decoder()
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future[Any]] = {}
+        # Set when the output socket's FD is readable (and by the watchdog's tick, so a
+        # socket that failed without a wake-up is still noticed: the next recv raises).
+        self._output_wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
@@ -230,6 +234,7 @@ class EngineCoreClient:
             now = time.monotonic()
             self._observe(now - tick)
             tick = now
+            self._output_wake.set()
             if self.proc is not None and self.proc.poll() is not None:
                 # Let a last EngineDead message (with the real reason) win the race.
                 await asyncio.sleep(0.2)
@@ -252,16 +257,46 @@ class EngineCoreClient:
     # ------------------------------------------------------------------ traffic
 
     async def _output_loop(self) -> None:
-        while True:
-            data = await self._out_sock.recv()
+        """Route the engine's messages as they arrive (docs/host_path.md, "The serving
+        path per token"). The socket is read without pyzmq's asyncio futures, which cost a
+        Future, a reader (re)registration and a chain of callbacks per message (about a
+        quarter of the API process's CPU per streamed token at concurrency 1): its FD is
+        watched once, and each wake-up drains every queued message with non-blocking recvs.
+        ZMQ's FD only says "something may have changed", and a recv can make several
+        messages ready at once, so the loop waits for the FD only after a recv said Again."""
+        loop = asyncio.get_running_loop()
+        sock = zmq.Socket.shadow(self._out_sock.underlying)
+        fd = sock.getsockopt(zmq.FD)
+        wake = self._output_wake
+        loop.add_reader(fd, wake.set)
+        try:
+            while True:
+                if self._drain(sock) < DRAIN_BATCH:
+                    await wake.wait()
+                    wake.clear()
+                else:
+                    # More may be queued: let the HTTP handlers (and aborts) run first, or a
+                    # busy engine would starve every other task of the loop.
+                    await asyncio.sleep(0)
+        finally:
+            try:
+                loop.remove_reader(fd)
+            except (OSError, ValueError):   # the socket (and its FD) was closed first
+                pass
+
+    def _drain(self, sock: zmq.Socket) -> int:
+        """Handle up to DRAIN_BATCH queued messages; returns how many there were."""
+        for n in range(DRAIN_BATCH):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
             self.last_heard = time.monotonic()
             try:
                 self._handle_output(data)
             except Exception:  # noqa: BLE001 - one bad message must not stop every stream
                 logger.exception("engine output message could not be handled; routing goes on")
-            # Awaiting a ready socket does not yield to the event loop; without this a busy
-            # engine would starve every other task (HTTP handlers, aborts) of the loop.
-            await asyncio.sleep(0)
+        return DRAIN_BATCH
 
     def _handle_output(self, data: bytes) -> None:
         msg = self._decoder.decode(data)

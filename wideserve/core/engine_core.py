@@ -36,8 +36,9 @@ from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.penalties import PenaltyTracker
 from wideserve.kernels.loader import cpu_ops_available
-from wideserve.executor.sampler import (Sampler, build_sampling_metadata,
-                                        compute_prompt_logprobs, make_generator)
+from wideserve.executor.sampler import (Sampler, argmax_rows, build_sampling_metadata,
+                                        compute_prompt_logprobs, make_generator,
+                                        plain_greedy)
 from wideserve.request import Request
 from wideserve.spec_decode.decoder import SpecDecoder
 from wideserve.structured_outputs.manager import StructuredOutputManager
@@ -456,6 +457,12 @@ class EngineCore:
     def _sample(self, rows: list[Request], logits: torch.Tensor
                 ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs]]:
         """One token per row (no speculation): the requests whose tokens are all computed."""
+        grammar = self.structured.masks(rows)
+        if grammar is None and plain_greedy([r.sampling_params for r in rows],
+                                            [len(r.output_token_ids) for r in rows]):
+            # What the sampler would compute, without building its metadata.
+            ids = argmax_rows(logits.float()).tolist()
+            return {r.request_id: [ids[k]] for k, r in enumerate(rows)}, {}
         gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
                 if r.request_id in self._generators}
         md = build_sampling_metadata(
@@ -463,7 +470,7 @@ class EngineCore:
             [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             penalties=self.penalties.state([(r, ()) for r in rows]))
-        md.grammar = self.structured.masks(rows)
+        md.grammar = grammar
         out = self.sampler(logits, md)
         token_ids = out.token_ids.tolist()
         lp = out.logprobs.tolists() if out.logprobs is not None else None
