@@ -126,3 +126,49 @@ def test_default_choice_and_fallback() -> None:
     x = torch.randn(5, 16).half()
     ids, w = _routing(5, 4, 2, "all", seed=3)
     torch.testing.assert_close(fused(x, ids, w), ref(x, ids, w), rtol=2e-2, atol=2e-2)
+
+
+def test_op_maps_logical_ids_and_counts_loads() -> None:
+    """expert_map [E, 1] maps logical ids to their physical slot inside the op, and
+    expert_load gains each physical expert's row count (EPLB's counters), accumulating."""
+    E, k, d, I, T = 6, 2, 16, 16, 11
+    w1, w2 = _weights(E, d, I, seed=7)
+    packed = moe_op.pack_experts(w1, w2)
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(1))
+    ids, w = _routing(T, E, k, "half", seed=2)
+    perm = torch.randperm(E, generator=torch.Generator().manual_seed(3))
+    load = torch.zeros(E, dtype=torch.int64)
+    mapped = moe_op.fused_experts(x, ids, w, *packed, I, None, expert_map=perm[:, None],
+                                  expert_load=load)
+    direct = moe_op.fused_experts(x, perm[ids], w, *packed, I, None)
+    assert torch.equal(mapped, direct)
+    assert load.tolist() == torch.bincount(perm[ids].flatten(), minlength=E).tolist()
+    moe_op.fused_experts(x, ids, w, *packed, I, None, expert_map=perm[:, None],
+                         expert_load=load)
+    assert load.tolist() == (2 * torch.bincount(perm[ids].flatten(), minlength=E)).tolist()
+    with pytest.raises(RuntimeError, match="logical expert id"):
+        moe_op.fused_experts(x, ids + E, w, *packed, I, None, expert_map=perm[:, None])
+    with pytest.raises(RuntimeError, match="expert_load"):
+        moe_op.fused_experts(x, ids, w, *packed, I, None, expert_load=load[:3])
+
+
+def test_module_with_replicas_matches_loop() -> None:
+    """Two replicas per logical expert (W = 2): the fused module spreads rows over them as
+    map_to_physical does, computes the loop's outputs and counts the same physical loads."""
+    E, k, d, I, T = 4, 2, 16, 24, 13
+    mods = {}
+    for impl in ("fused", "loop"):
+        m = RoutedExperts(E, d, I, num_local_experts=2 * E, impl=impl)
+        w1, w2 = _weights(E, d, I, seed=9)
+        with torch.no_grad():                 # physical slot p holds logical expert p % E
+            m.gate_up_proj.copy_(w1.repeat(2, 1, 1))
+            m.down_proj.copy_(w2.repeat(2, 1, 1))
+        m.logical_to_physical = torch.stack([torch.arange(E), torch.arange(E) + E], dim=1)
+        m.replica_count.fill_(2)
+        mods[impl] = m
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(4))
+    ids, w = _routing(T, E, k, "all", seed=5)
+    torch.testing.assert_close(mods["fused"](x, ids, w), mods["loop"](x, ids, w),
+                               rtol=1e-5, atol=1e-5)
+    assert mods["fused"].expert_load.tolist() == mods["loop"].expert_load.tolist()
+    assert (mods["fused"].expert_load[E:] > 0).any()         # the second replicas got rows

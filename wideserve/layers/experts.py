@@ -119,6 +119,8 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, d]; topk_ids/topk_weights [T, k] (logical ids) -> [T, d]."""
+        if self.ep is None and self.resolved_impl(x.device, x.dtype) == "fused":
+            return self._fused(x, topk_ids, topk_weights)
         phys = map_to_physical(topk_ids, self.logical_to_physical, self.replica_count,
                                self.replica_offset)                           # [T, k]
         flat = phys.reshape(-1)
@@ -126,8 +128,6 @@ class RoutedExperts(nn.Module):
         self.expert_load += load
         if self.ep is not None:
             return self.ep.forward(self, x, phys, topk_weights)
-        if self.resolved_impl(x.device, x.dtype) == "fused":
-            return self._fused(x, phys, topk_weights)
         T, k = phys.shape
         order = torch.argsort(flat, stable=True)                   # rows sorted by expert
         ys = self._sorted_mlp(x.index_select(0, order // k), load)
@@ -175,12 +175,19 @@ class RoutedExperts(nn.Module):
             impl = FALLBACK_EXPERT_IMPL
         return impl
 
-    def _fused(self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The C++ op on logical ids: with one replica per expert it maps them itself (else
+        map_to_physical spreads them first); it adds each expert's rows to expert_load."""
         w1, w2 = self.gate_up_proj, self.down_proj
         if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
             self._packs = _FusedPack(w1, w2)
-        return moe_op.fused_experts(x, phys, weights, self._packs.w13, self._packs.w2,
-                                    w2.shape[2], self.swiglu_limit)
+        table = self.logical_to_physical
+        if table.shape[1] != 1:
+            ids = map_to_physical(ids, table, self.replica_count, self.replica_offset)
+            table = None
+        return moe_op.fused_experts(x, ids, weights, self._packs.w13, self._packs.w2,
+                                    w2.shape[2], self.swiglu_limit, expert_map=table,
+                                    expert_load=self.expert_load)
 
     def _sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [N, d] sorted by expert, counts [L] rows per expert -> [N, d] in xs.dtype."""

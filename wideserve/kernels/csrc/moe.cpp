@@ -8,6 +8,10 @@
 //   2. down GEMM + weighted scatter-add, parallel over 16-column blocks of the output, so no
 //      two threads ever add into the same output element.
 // Accumulation is fp32; the output is rounded to the model dtype once, at the end.
+// With `expert_map` ([E, 1]: each logical expert's one physical slot) the ids are logical and
+// mapped here; `expert_load` ([L] int64) is incremented in place by the rows each physical
+// expert received (the counts the sort makes anyway): the EPLB counters without the torch
+// index/bincount/add ops around the call.
 //
 // Weights come prepacked (wideserve/kernels/moe.py): every expert's [N, K] matrix is cut into
 // groups of G blocks of 16 output rows, each group stored as [K/P, G, 16, P] (P = 2 for bf16,
@@ -49,9 +53,30 @@ struct Rows {
   std::vector<int64_t> active;   // experts with at least one row
 };
 
-Rows sort_rows(const at::Tensor& ids, const at::Tensor& weights, int64_t experts) {
-  const int64_t n = ids.numel(), k = ids.size(1);
+// ids [T, k] -> physical ids: through `expert_map` [E, 1] (logical -> its one physical slot)
+// when given, else as they are.
+std::vector<int64_t> physical_ids(const at::Tensor& ids, const std::optional<at::Tensor>& map) {
+  const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
+  if (!map.has_value() || !map->defined()) return std::vector<int64_t>(id, id + n);
+  TORCH_CHECK(map->dim() == 2 && map->size(1) == 1 && map->scalar_type() == at::kLong,
+              "moe_fused_experts: expert_map must be an int64 [E, 1] table");
+  const at::Tensor table = map->contiguous();
+  const int64_t logical = table.size(0);
+  const int64_t* to = table.data_ptr<int64_t>();
+  std::vector<int64_t> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < logical, "moe_fused_experts: logical expert id ", id[i],
+                " out of range [0, ", logical, ")");
+    out[i] = to[id[i]];
+  }
+  return out;
+}
+
+Rows sort_rows(const std::vector<int64_t>& ids, int64_t k, const at::Tensor& weights,
+               int64_t experts) {
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const int64_t* id = ids.data();
   const float* w = weights.data_ptr<float>();
   Rows rows;
   rows.offsets.assign(experts + 1, 0);
@@ -248,7 +273,9 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& w13,
                              const at::Tensor& w2, int64_t intermediate,
-                             std::optional<double> limit, bool portable) {
+                             std::optional<double> limit, bool portable,
+                             const std::optional<at::Tensor>& expert_map,
+                             const std::optional<at::Tensor>& expert_load) {
   TORCH_CHECK(x_in.dim() == 2, "moe_fused_experts: x must be [T, d]");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x_in.size(0) &&
                   topk_weights.sizes() == topk_ids.sizes(),
@@ -274,7 +301,14 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
   if (d % pair) x = at::constant_pad_nd(x, {0, 1});   // the last bf16 pair reads one past d
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
-  const Rows rows = sort_rows(ids, wts, experts);
+  const Rows rows = sort_rows(physical_ids(ids, expert_map), ids.size(1), wts, experts);
+  if (expert_load.has_value() && expert_load->defined()) {   // EPLB's counters, in place
+    TORCH_CHECK(expert_load->dim() == 1 && expert_load->size(0) == experts &&
+                    expert_load->scalar_type() == at::kLong && expert_load->is_contiguous(),
+                "moe_fused_experts: expert_load must be a contiguous int64 [", experts, "]");
+    int64_t* load = expert_load->data_ptr<int64_t>();
+    for (int64_t e = 0; e < experts; ++e) load[e] += rows.offsets[e + 1] - rows.offsets[e];
+  }
   at::Tensor out = at::zeros({x_in.size(0), d}, x_in.options().dtype(at::kFloat));
   if (rows.active.empty()) return out.to(dtype);
   at::Tensor act = at::empty({ids.numel(), g.ip}, x_in.options());
@@ -296,7 +330,8 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
 
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("moe_fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
-        "Tensor w2, int intermediate, float? limit=None, bool portable=False) -> Tensor");
+        "Tensor w2, int intermediate, float? limit=None, bool portable=False, "
+        "Tensor? expert_map=None, Tensor(a!)? expert_load=None) -> Tensor");
   m.def("moe_fast_path_compiled() -> bool", &bf16_fast_path_compiled);
 }
 
