@@ -86,3 +86,24 @@ def test_sampler_argmax_uses_the_op_and_falls_back():
     assert torch.equal(sampler.argmax_rows(x.double()), x.double().argmax(dim=-1))
     with pytest.raises(RuntimeError, match="empty"):
         OPS.argmax_rows(torch.zeros(2, 0))
+
+
+def test_module_caches_its_fp32_weight_and_follows_writes() -> None:
+    """RMSNorm hands the ops its weight converted once to fp32: the same results as the op
+    converting the bf16 weight itself, and a new copy after the parameter is written."""
+    from wideserve.layers.norm import RMSNorm
+    norm = RMSNorm(64, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_()
+    h, delta = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(norm.fast(h), torch.ops.wideserve.rms_norm(h, norm.weight, 1e-6))
+            got = norm.add_and_norm(h, delta)
+            want = torch.ops.wideserve.add_rms_norm(h, delta, norm.weight, 1e-6)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            first = norm.fp32_weight()
+            assert first.dtype == torch.float32 and norm.fp32_weight() is first
+            with torch.no_grad():
+                norm.weight.mul_(2)              # in place: the version counter moves
+            assert norm.fp32_weight() is not first

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.linear import weights_fingerprint
 
 USE_CPU_KERNEL = True          # the C++ norm ops on the CPU (False: the torch path; for A/B runs)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -37,18 +38,23 @@ def cpu_kernel_applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     return cpu_ops_available()
 
 
-def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """rms_norm, by the C++ op where it applies."""
+def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  kernel_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm, by the C++ op where it applies; `kernel_weight`: the same weight in fp32
+    (what the op computes with; else it converts `weight` on every call)."""
     if cpu_kernel_applies(x, weight):
-        return torch.ops.wideserve.rms_norm(x, weight, eps)
+        return torch.ops.wideserve.rms_norm(x, weight if kernel_weight is None else kernel_weight,
+                                            eps)
     return rms_norm(x, weight, eps)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, kernel_weight: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta)): a residual add and the next norm, fused on the CPU."""
     if delta.dtype == h.dtype and cpu_kernel_applies(h, weight) and not delta.requires_grad:
-        return torch.ops.wideserve.add_rms_norm(h, delta, weight, eps)
+        return torch.ops.wideserve.add_rms_norm(
+            h, delta, weight if kernel_weight is None else kernel_weight, eps)
     s = h + delta
     return s, rms_norm(s, weight, eps)
 
@@ -58,13 +64,27 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._fp32: tuple[tuple, torch.Tensor] | None = None   # derived: (fingerprint, copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def fp32_weight(self) -> torch.Tensor:
+        """The weight in fp32 for the C++ ops, converted once (a bf16 weight cost a ~15 us
+        conversion per call), rebuilt when the parameter changes (layers/linear.py)."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        key = weights_fingerprint((w,))
+        if self._fp32 is None or self._fp32[0] != key:
+            self._fp32 = (key, w.detach().float())
+        return self._fp32[1]
+
     def fast(self, x: torch.Tensor) -> torch.Tensor:
-        return fast_rms_norm(x, self.weight, self.eps)
+        kernel_w = self.fp32_weight() if cpu_kernel_applies(x, self.weight) else None
+        return fast_rms_norm(x, self.weight, self.eps, kernel_w)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(h, delta, self.weight, self.eps)
+        kernel_w = self.fp32_weight() if cpu_kernel_applies(h, self.weight) else None
+        return add_rms_norm(h, delta, self.weight, self.eps, kernel_w)
