@@ -247,3 +247,44 @@ def test_block_tables_reserve_keeps_the_tables() -> None:
     assert all(t.device_table(g) is tables[g] for g in range(2))
     assert not t.host(0)[pad].any() and not t.host(1)[pad].any()
     assert np.array_equal(t.device_table(1).numpy()[t.row_of("r3")], np.arange(1, 41))
+
+
+def test_the_cuda_decode_path_replays_as_captured(tmp_path, monkeypatch) -> None:
+    """Qwen3-MoE on the code paths it takes on CUDA (tests/cuda_paths.py), every size
+    "captured" by GuardedCapturer: each replay passes the capture guard and records the op and
+    shape trace of its capture (other contexts, tokens, rows: what a graph replays), and the
+    greedy outputs equal the default eager engine's."""
+    from cuda_paths import force_cuda_paths
+    from wideserve.executor.capture_guard import GuardedCapturer
+    path = str(save_hf(_qwen3_moe(), tmp_path / "qwen3_moe"))
+    prompts = mixed_prompts(160, LENGTHS, seed=7)
+    base = _generate(_llm(path, False), prompts)
+    llm = _llm(path, False)
+    force_cuda_paths(monkeypatch, llm.engine.model)
+    guarded = GuardedCapturer()
+    llm.engine.runner.enable_decode_capture((1, 2, 4, 6), 512, capturer=guarded)
+    assert len(guarded.traces) == 4
+    calls = _watch(llm)
+    assert _generate(llm, prompts) == base
+    assert guarded.replays == len(calls) and any(n > r for r, n in calls)
+    _idle(llm)
+
+
+def test_the_gpu_check_script_runs_its_cpu_flow(capsys) -> None:
+    """benchmarks/cuda_graph_check.py (the check prepared for a GPU) on the CPU: the eager and
+    the captured-step runs, equal greedy tokens, one JSON line per run and batch size."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_graph_check.py"
+    spec = importlib.util.spec_from_file_location("cuda_graph_check", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--dtype", "float32", "--batches", "1,3",
+                        "--max-tokens", "5", "--max-num-seqs", "4", "--prompt-len", "9"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in lines if "batch" in r]
+    assert {(r["run"], r["batch"]) for r in rows} == {(run, b) for run in ("eager", "graphs")
+                                                      for b in (1, 3)}
+    assert all(r["greedy_equal_to_eager"] and r["steps"] == 5 for r in rows)
+    assert lines[-1] == {"result": "OK"}

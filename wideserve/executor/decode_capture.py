@@ -16,7 +16,8 @@ docs/host_path.md ("The captured decode step") describes the design; in short:
   capturable (`decode_capturable(device)`, see `capturable`), the replay is a
   `torch.cuda.CUDAGraph` captured at startup after warm-up runs; everywhere else a replay is
   the eager forward run over the static buffers (`EagerReplay`). The CUDA capture is the
-  only part the CPU cannot run: it is untested here for want of a GPU.
+  only part the CPU cannot run; the CPU tests hold the forward to what it needs
+  (executor/capture_guard.py) and benchmarks/cuda_graph_check.py checks it on a GPU.
 
 One staging copy suffices: a step rewrites it only after the previous step's sampled tokens
 were read back (a host sync), so the previous upload has run.
@@ -136,7 +137,8 @@ class CudaGraphCapturer:
     """torch.cuda.CUDAGraph per size, sharing one memory pool (captured largest first, so the
     smaller graphs fit in the largest one's pool). The replay returns the graph's static
     output, overwritten by the next replay: the runner reads it within the step.
-    UNTESTED: no GPU was available where this was written (docs/host_path.md)."""
+    Not yet run on a GPU (no GPU was lent where it was written): benchmarks/cuda_graph_check.py
+    is the check to run there (docs/cuda_graphs.md)."""
 
     def __init__(self, device: torch.device, warmup: int = 2) -> None:
         self.device, self.warmup = device, warmup
@@ -164,10 +166,11 @@ class CudaGraphCapturer:
 
 def capturable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a CUDA graph may record the model's decode forward: no host sync, no host-built
-    per-step tensor, shapes fixed by the batch size. A model says so with a method
-    `decode_capturable(device) -> bool`. None does today: on CUDA the GQA attention buckets
-    and the V4 layouts are planned on the host from the step's context lengths (the C++
-    paged attention op that reads only device metadata is CPU-only)."""
+    per-step tensor, shapes fixed by the batch size (docs/cuda_graphs.md). A model says so
+    with a method `decode_capturable(device) -> bool`: the Llama family (Llama, Qwen2, Qwen3,
+    Qwen3-MoE) does on CUDA, through the static-shape decode attention and, for Qwen3-MoE,
+    the grouped_mm experts; DeepSeek-V4/V4.1 do not (their attention layouts are planned on
+    the host from the step's context lengths)."""
     check = getattr(model, "decode_capturable", None)
     return bool(check(device)) if callable(check) else False
 

@@ -5,13 +5,15 @@ in the weight tensors (`num_local_experts` rows on this rank). `logical_to_physi
 lists each logical expert's replicas (identity, W = 1, until expert parallelism / EPLB place
 replicas; `replica_count` [E] says how many are valid) and the router's choice is spread over
 them (`distributed/eplb/replicas.py`); `expert_load` counts routed rows per physical expert on
-the device, without a host sync, for EPLB and the load-skew reports.
+the device, without a host sync (a scatter into a fixed-size tensor, `count_rows`: bincount
+sizes its output from the data), for EPLB and the load-skew reports.
 
 Fused path (docs/moe.md): the T*k (token, expert) rows are sorted by physical expert, both
 projections run as grouped GEMMs over the contiguous per-expert segments, and the rows are
 weighted and summed back per token. Three implementations of the grouped SwiGLU MLP, picked
 per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "Routed experts"):
-- "grouped_mm": torch._grouped_mm with per-expert row offsets: no host sync, graph-capturable.
+- "grouped_mm": torch._grouped_mm with per-expert row offsets (a cumsum of the counts): no
+  host sync, no data-dependent shape, CUDA-graph capturable (docs/cuda_graphs.md).
 - "padded": one bmm over experts padded to the largest segment (one host read of its size).
 - "packed": one matmul pair per non-empty expert through weights prepacked for oneDNN
   (layers/linear.py), the default on the CPU where packing runs for the dtype (bf16): the
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wideserve.distributed.eplb.replicas import map_to_physical
+from wideserve.distributed.eplb.replicas import count_rows, map_to_physical
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
@@ -82,8 +84,8 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int,
         offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
         torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
         return True
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+    except (RuntimeError, NotImplementedError, TypeError, AssertionError):
+        return False        # AssertionError: a torch built without the device (CUDA)
 
 
 class RoutedExperts(nn.Module):
@@ -124,7 +126,7 @@ class RoutedExperts(nn.Module):
         phys = map_to_physical(topk_ids, self.logical_to_physical, self.replica_count,
                                self.replica_offset)                           # [T, k]
         flat = phys.reshape(-1)
-        load = torch.bincount(flat, minlength=self.expert_load.shape[0])
+        load = count_rows(flat, self.expert_load.shape[0])
         self.expert_load += load
         if self.ep is not None:
             return self.ep.forward(self, x, phys, topk_weights)
@@ -138,7 +140,7 @@ class RoutedExperts(nn.Module):
         """x_rows [N, d], slot_ids [N] int64 local physical experts -> [N, d]: each row
         through its expert's (unweighted) SwiGLU MLP."""
         order = torch.argsort(slot_ids, stable=True)
-        counts = torch.bincount(slot_ids, minlength=self.num_local_experts)
+        counts = count_rows(slot_ids, self.num_local_experts)
         ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 

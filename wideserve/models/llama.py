@@ -23,6 +23,7 @@ from wideserve.layers.attention.paged_attention_batched import PagedAttentionPla
 from wideserve.layers.attention.registry import (
     get_paged_attention_backend,
     resolve_paged_attention_backend,
+    static_decode,
 )
 from wideserve.layers.linear import WeightPack
 from wideserve.layers.norm import RMSNorm
@@ -312,6 +313,14 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = name
+
+    def decode_capturable(self, device: torch.device) -> bool:
+        """Whether a CUDA graph can record the decode forward on `device` (docs/cuda_graphs.md):
+        on CUDA, when every attention layer runs decode batches through the static-shape
+        path (registry.static_decode; the default backend does there). The rest of the
+        decoder is plain torch on CUDA (the C++ ops are CPU-only): fixed shapes, no sync."""
+        return device.type == "cuda" and all(
+            static_decode(m.backend, device) for m in self.modules() if isinstance(m, Attention))
 
     def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
         if kv_cache_dtype == "auto":

@@ -126,6 +126,13 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 m.resolved_impl(m.down_proj.device, m.down_proj.dtype)
         super().compile_forward()
 
+    def decode_capturable(self, device: torch.device) -> bool:
+        """The dense decoder's condition, and every routed-expert layer on "grouped_mm" (no
+        host sync: layers/experts.py) without an expert-parallel dispatcher."""
+        return super().decode_capturable(device) and all(
+            m.ep is None and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
+            for m in self.modules() if isinstance(m, RoutedExperts))
+
     def param_counts(self) -> tuple[int, int]:
         total = sum(p.numel() for p in self.parameters())
         c = self.config

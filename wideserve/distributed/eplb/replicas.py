@@ -11,7 +11,8 @@ token at row t of a call goes to replica (t + offset) % count, and the layer's d
 through the replicas, and ranks start at different offsets (their EP rank). Deterministic,
 no randomness, no host sync. (By token, not by (token, k) position: with k even, position
 parity would pin an expert that sits in the same top-k column to one replica.) Replicas hold
-identical weights, so which one a token meets does not change its output.
+identical weights, so which one a token meets does not change its output. The load counters
+count with `count_rows`: fixed shapes, no sync, as capture needs (docs/cuda_graphs.md).
 """
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def map_to_physical(topk_ids: torch.Tensor, table: torch.Tensor, count: torch.Te
         rows = rows + offset
         offset.add_(topk_ids.shape[0])
     return table[topk_ids, rows % count[topk_ids]]
+
+
+def count_rows(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[N] int64 slot ids in [0, num_slots) -> [num_slots] int64 rows per slot. A scatter into
+    a fixed-size tensor: torch.bincount sizes its output from the data (a host sync on CUDA,
+    which a CUDA graph cannot record)."""
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=slots.device)
+    return counts.index_add_(0, slots, torch.ones_like(slots))
 
 
 class ReplicaTable:

@@ -13,6 +13,11 @@ requests) and a "batched" one (the default: a constant number of torch ops per l
 - kind "paged" (standard GQA paged attention for Llama / Qwen2 / Qwen3 / Qwen3-MoE): a backend
   is one op fn(q, k, v, batch, cache_name, scale, window, plans), where `plans` is the step's
   PagedAttentionPlans (built once per forward; backends that need no plan ignore it).
+  "static" (paged_decode_static.py) runs decode batches in shapes fixed by the batch size,
+  over device metadata only: what a CUDA graph records (docs/cuda_graphs.md). It is where
+  "batched" sends decode batches on devices other than the CPU; the backend "static" sends
+  them there on every device (the CPU tests run the CUDA decode path that way). Other
+  batches (prefill, mixed, bounded replay) go to the batched op under both names.
 
 Choice: an explicit name (model constructor / `set_attention_backend`), else the environment
 variable WIDESERVE_ATTENTION_BACKEND (one knob for every kind: the names mean the same thing
@@ -35,6 +40,7 @@ from wideserve.layers.attention import v4_batched, v4_reference
 from wideserve.layers.attention.paged_attention import paged_attention
 from wideserve.layers.attention.paged_attention_batched import (PagedAttentionPlans,
                                                                 paged_attention_batched)
+from wideserve.layers.attention.paged_decode_static import is_decode_batch, paged_decode_static
 
 ENV_VAR = "WIDESERVE_ATTENTION_BACKEND"
 DEFAULT_ATTENTION_BACKEND = "batched"
@@ -61,6 +67,28 @@ def _paged_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: F
     return paged_attention(q, k, v, batch, cache_name, scale, window)
 
 
+def static_decode(name: str, device: torch.device) -> bool:
+    """Whether paged backend `name` runs decode batches on `device` through the static,
+    graph-capturable path."""
+    return name == "static" or (name == "batched" and device.type != "cpu")
+
+
+def _paged_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                   cache_name: str, scale: float, window: int | None,
+                   plans: PagedAttentionPlans) -> torch.Tensor:
+    if static_decode("batched", q.device) and is_decode_batch(batch):
+        return paged_decode_static(q, k, v, batch, cache_name, scale, window)
+    return paged_attention_batched(q, k, v, batch, cache_name, scale, window, plans)
+
+
+def _paged_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                  cache_name: str, scale: float, window: int | None,
+                  plans: PagedAttentionPlans) -> torch.Tensor:
+    if is_decode_batch(batch):
+        return paged_decode_static(q, k, v, batch, cache_name, scale, window)
+    return paged_attention_batched(q, k, v, batch, cache_name, scale, window, plans)
+
+
 # Read-only: the module's only tables.
 ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
     "reference": AttentionBackend("reference", v4_reference.select, v4_reference.attend),
@@ -68,7 +96,8 @@ ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
 })
 PAGED_ATTENTION_BACKENDS: Mapping[str, PagedAttentionFn] = MappingProxyType({
     "reference": _paged_reference,
-    "batched": paged_attention_batched,
+    "batched": _paged_batched,
+    "static": _paged_static,
 })
 
 

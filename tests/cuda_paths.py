@@ -1,0 +1,34 @@
+"""Run a GQA model's forward on CPU tensors through the code paths it takes on CUDA.
+
+On the CPU the decoder's layers pick C++ ops (norms, q/k norm + RoPE, paged attention, fused
+experts) and oneDNN-packed weights; on CUDA every one of them is the plain torch path, the
+attention of decode batches is the static-shape op and the routed experts are "grouped_mm".
+`force_cuda_paths` switches a model (and, through pytest's monkeypatch, the modules' CPU-op
+switches) to those, so a CPU test runs the forward a CUDA graph would record. CaptureGuard
+(wideserve/executor/capture_guard.py) rejects every CPU-only op, so a path this misses fails
+the guarded tests instead of passing unnoticed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wideserve.layers import linear, norm, rotary
+from wideserve.layers.attention import paged_attention_batched
+from wideserve.layers.experts import RoutedExperts
+from wideserve.layers.linear import WeightPack
+
+
+def force_cuda_paths(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> None:
+    for module in (norm, rotary, paged_attention_batched):
+        monkeypatch.setattr(module, "USE_CPU_KERNEL", False)
+    monkeypatch.setattr(linear, "packing_runs", lambda dtype: False)
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            m.impl = "grouped_mm"
+            m._resolved.clear()
+            m.weights_changed()
+        for value in vars(m).values():
+            if isinstance(value, WeightPack):
+                value.invalidate()
+    model.set_attention_backend("static")
