@@ -1,7 +1,7 @@
 """Run a GQA model's forward on CPU tensors through the code paths it takes on CUDA.
 
 On the CPU the decoder's layers pick C++ ops (norms, q/k norm + RoPE, paged attention, fused
-experts) and oneDNN-packed weights; on CUDA every one of them is the plain torch path, the
+experts, the GEMM micro-kernel and the fused router) and oneDNN-packed weights; on CUDA every one of them is the plain torch path, the
 attention of decode batches is the static-shape op and the routed experts are "grouped_mm".
 `force_cuda_paths` switches a model (and, through pytest's monkeypatch, the modules' CPU-op
 switches) to those, so a CPU test runs the forward a CUDA graph would record. CaptureGuard
@@ -20,7 +20,7 @@ from wideserve.layers.linear import WeightPack
 
 
 def force_cuda_paths(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> None:
-    for module in (norm, rotary, paged_attention_batched):
+    for module in (norm, rotary, paged_attention_batched, linear):
         monkeypatch.setattr(module, "USE_CPU_KERNEL", False)
     monkeypatch.setattr(linear, "packing_runs", lambda dtype: False)
     for m in model.modules():

@@ -60,6 +60,16 @@ def test_cuda_decode_path_is_capturable(variant, monkeypatch) -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_cuda_decode_path_is_capturable_in_bf16(monkeypatch) -> None:
+    """bf16 is where the CPU picks most of its C++ ops (GEMM micro-kernel, fused router and
+    experts): forced to the CUDA paths none of them runs (the guard would reject it)."""
+    model = build("qwen3-moe", None).to(torch.bfloat16)
+    force_cuda_paths(monkeypatch, model)
+    got, traces = _decode_steps(model, guard_from=2)
+    assert len(traces) == 2 and traces[0] == traces[1]
+    assert all(torch.isfinite(x).all() for x in got)
+
+
 def test_the_guard_fails_the_other_paths(monkeypatch) -> None:
     """The guard is not vacuous on the real forward: the CPU default (C++ ops), the
     host-planned attention (the reference's boolean-mask write, the buckets' host-built
