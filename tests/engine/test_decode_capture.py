@@ -14,7 +14,8 @@ from oracle import mixed_prompts, save_hf
 from test_engine_greedy import _qwen3_moe
 from wideserve import LLM, SamplingParams
 from wideserve.executor.decode_capture import (CPU_DEFAULT, CapturedDecode, capture_sizes,
-                                               decode_capture_enabled, padded_size)
+                                               context_buckets, decode_capture_enabled,
+                                               padded_size)
 
 LENGTHS = [3, 9, 17, 30, 41, 5, 12, 27]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -169,6 +170,33 @@ def test_capture_at_startup_and_the_reallocation_fallback(model_path, caplog) ->
     with caplog.at_level(logging.WARNING):
         assert _generate(llm, prompts) == base
     assert "reallocated" in caplog.text and cap.capturer is not graphs
+    _idle(llm)
+
+
+def test_context_buckets(model_path) -> None:
+    """Graphs per size and context bucket (max_model_len, / 4, ... >= 1024): a step replays
+    the smallest bucket holding its longest context, over block tables narrowed to it (views
+    of the reserved tensors), with the eager outputs."""
+    assert context_buckets(512) == (512,) and context_buckets(1000) == (1000,)
+    assert context_buckets(4096) == (1024, 4096)
+    assert context_buckets(40960) == (2560, 10240, 40960)
+    prompts = mixed_prompts(160, LENGTHS, seed=8)
+    base = _generate(_llm(model_path, False), prompts)
+    llm = _llm(model_path, False)
+    graphs = _GraphLike()
+    cap = llm.engine.runner.enable_decode_capture((1, 2, 4, 6), 4096, capturer=graphs)
+    assert cap.buckets == (1024, 4096) and graphs.captured == [6, 6, 4, 4, 2, 2, 1, 1]
+    widths = []
+    forward = llm.engine.model.forward
+
+    def seen(batch):
+        widths.append({v.block_table.shape[1] for v in batch.kv_groups})
+        return forward(batch)
+    llm.engine.model.forward = seen
+    assert _generate(llm, prompts) == base
+    full = {cap.tables.device_table(g).shape[1] for g in range(len(cap.groups))}
+    assert {1024 // lay.block_size for lay in cap.groups} in widths      # replays: narrowed
+    assert max(max(w) for w in widths) >= max(full) > 1024 // 16       # eager prefills: whole
     _idle(llm)
 
 

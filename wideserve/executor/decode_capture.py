@@ -14,10 +14,11 @@ docs/host_path.md ("The captured decode step") describes the design; in short:
   block pool are untouched (tests/engine/test_decode_capture.py).
 - One replay per capture size. On CUDA, for a model that declares its decode forward
   capturable (`decode_capturable(device)`, see `capturable`), the replay is a
-  `torch.cuda.CUDAGraph` captured at startup after warm-up runs; everywhere else a replay is
-  the eager forward run over the static buffers (`EagerReplay`). The CUDA capture is the
-  only part the CPU cannot run; the CPU tests hold the forward to what it needs
-  (executor/capture_guard.py) and benchmarks/cuda_graph_check.py checks it on a GPU.
+  `torch.cuda.CUDAGraph` captured at startup after warm-up runs, one per size and context
+  bucket (`context_buckets`: each reads the block tables narrowed to its bucket); everywhere
+  else a replay is the eager forward run over the static buffers (`EagerReplay`). The CUDA
+  capture is the only part the CPU cannot run; the CPU tests hold the forward to what it
+  needs (executor/capture_guard.py) and benchmarks/cuda_graph_check.py checks it on a GPU.
 
 One staging copy suffices: a step rewrites it only after the previous step's sampled tokens
 were read back (a host sync), so the previous upload has run.
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512          # vLLM's default largest capture size
+# Context buckets of the CUDA graphs: max_model_len, then / CONTEXT_BUCKET_FACTOR down to no
+# less than MIN_CONTEXT_BUCKET positions (see `context_buckets`).
+MIN_CONTEXT_BUCKET = 1024
+CONTEXT_BUCKET_FACTOR = 4
 _FIELDS = ("input_ids", "positions", "seq_lens", "req_rows")
 
 
@@ -51,6 +56,19 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> tuple[
     top = max(1, min(max_num_seqs, max_size))
     sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8)) + [top]
     return tuple(sorted(set(sizes)))
+
+
+def context_buckets(max_model_len: int, smallest: int = MIN_CONTEXT_BUCKET,
+                    factor: int = CONTEXT_BUCKET_FACTOR) -> tuple[int, ...]:
+    """The longest contexts (positions) the graphs of one size are captured for, ascending:
+    max_model_len, max_model_len / factor, ... while >= smallest. A graph reads its block
+    tables narrowed to its bucket's width, and the static decode attention gathers every
+    position of that width (docs/cuda_graphs.md): without buckets a short-context step would
+    read max_model_len positions per request and layer."""
+    out = [max_model_len]
+    while -(-out[-1] // factor) >= smallest:
+        out.append(-(-out[-1] // factor))
+    return tuple(sorted(out))
 
 
 # Whether the CPU pads decode steps over static buffers by default: measured not to pay on
@@ -203,7 +221,9 @@ class CapturedDecode:
         self.slot_groups = [g for g, lay in enumerate(self.groups) if lay.compress_ratio == 1]
         self.inputs = StaticDecodeInputs(self.sizes[-1], self.slot_groups, device)
         self.pad_row = tables.reserve_row()      # all null blocks, never assigned a request
-        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        # (size, context bucket or None: the whole tables) -> replay
+        self._replays: dict[tuple[int, int | None], Callable[[], torch.Tensor]] = {}
+        self.buckets: tuple[int, ...] = ()       # context_buckets(), for CUDA graphs only
         self._tables: list[torch.Tensor] | None = None   # device tables the replays were made on
 
     # ------------------------------------------------------------------------ setup
@@ -214,16 +234,18 @@ class CapturedDecode:
         self.tables.reserve(self.sizes[-1] + 1, widths)
 
     def capture(self, max_model_len: int) -> None:
-        """With CUDA graphs: reserve the block tables, then capture every size, largest first,
-        over all-padding batches (which write only the null block). Eager replays need
-        neither: they are made on first use."""
+        """With CUDA graphs: reserve the block tables, then capture every size and context
+        bucket, largest first, over all-padding batches (which write only the null block).
+        Eager replays need neither: they are made on first use, over the whole tables."""
         if isinstance(self.capturer, EagerReplay):
             return
         self.reserve_tables(max_model_len)
+        self.buckets = context_buckets(max_model_len)
         for n in reversed(self.sizes):
-            self._stage_padding(0, n)
-            self.inputs.upload(n)
-            self._replays[n] = self.capturer.capture(self._forward_over(n))
+            for ctx in reversed(self.buckets):
+                self._stage_padding(0, n)
+                self.inputs.upload(n)
+                self._replays[n, ctx] = self.capturer.capture(self._forward_over(n, ctx))
         self._tables = self._current_tables()
 
     # ------------------------------------------------------------------------- a step
@@ -235,7 +257,7 @@ class CapturedDecode:
         """The step of `reqs`, padded to n rows: staged, uploaded, replayed."""
         self.stage(reqs, n)
         self.inputs.upload(n)
-        hidden = self._replay(n)()
+        hidden = self._replay(n, max(q.start for q in reqs) + 1)()
         return DecodeStep(hidden[:len(reqs)], self._batch(len(reqs)))
 
     def stage(self, reqs: Sequence[StepRequest], n: int) -> None:
@@ -265,39 +287,47 @@ class CapturedDecode:
         for g in self.slot_groups:
             host[f"slots{g}"][lo:hi] = 0              # slot 0 of the null block
 
-    def _replay(self, n: int) -> Callable[[], torch.Tensor]:
+    def _replay(self, n: int, context: int) -> Callable[[], torch.Tensor]:
+        """The replay of size n for a step whose longest context is `context` positions."""
         if isinstance(self.capturer, EagerReplay):
-            if n not in self._replays:
-                self._replays[n] = self.capturer.capture(self._forward_over(n))
-            return self._replays[n]
-        if self._tables is None or n not in self._replays:
-            raise RuntimeError(f"decode size {n} was not captured (call capture() at startup)")
+            if (n, None) not in self._replays:
+                self._replays[n, None] = self.capturer.capture(self._forward_over(n, None))
+            return self._replays[n, None]
+        i = bisect.bisect_left(self.buckets, context)
+        key = (n, self.buckets[i]) if i < len(self.buckets) else (n, context)
+        if self._tables is None or key not in self._replays:
+            raise RuntimeError(f"decode size {n} at context {context} was not captured (call "
+                               f"capture() at startup with max_model_len >= {context})")
         if any(a is not b for a, b in zip(self._current_tables(), self._tables)):
             # A table outgrew its reservation (a new tensor): the graphs read the old one.
             logger.warning("block tables were reallocated; decode steps now replay eagerly")
             self.capturer, self._replays, self._tables = EagerReplay(), {}, None
-            return self._replay(n)
-        return self._replays[n]
+            self.buckets = ()
+            return self._replay(n, context)
+        return self._replays[key]
 
-    def _forward_over(self, n: int) -> Callable[[], torch.Tensor]:
+    def _forward_over(self, n: int, context: int | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             # A fresh batch object per call: a model may keep per-step state in batch.extras.
-            return self.model.forward(self._batch(n))
+            return self.model.forward(self._batch(n, context))
         return run
 
     def _current_tables(self) -> list[torch.Tensor]:
         return [self.tables.device_table(g) for g in range(len(self.groups))]
 
-    def _batch(self, n: int) -> ForwardBatch:
-        """The first n rows of the static buffers as the model's batch."""
+    def _batch(self, n: int, context: int | None = None) -> ForwardBatch:
+        """The first n rows of the static buffers as the model's batch; context: the block
+        tables narrowed to the blocks of that many positions (a view: same address)."""
         dev, host = self.inputs.dev, self.inputs.host
         rows, rows_cpu = dev["req_rows"][:n], host["req_rows"][:n]
         views = []
         for g, lay in enumerate(self.groups):
             slots = dev[f"slots{g}"][:n] if lay.compress_ratio == 1 else None
-            views.append(KVGroupView(lay.block_size, lay.compress_ratio,
-                                     self.tables.device_table(g), slot_mapping=slots,
-                                     req_rows=rows, req_rows_cpu=rows_cpu))
+            table = self.tables.device_table(g)
+            if context is not None:
+                table = table[:, :-(-context // lay.block_size)]
+            views.append(KVGroupView(lay.block_size, lay.compress_ratio, table,
+                                     slot_mapping=slots, req_rows=rows, req_rows_cpu=rows_cpu))
         return ForwardBatch(
             input_ids=dev["input_ids"][:n], positions=dev["positions"][:n],
             query_start_loc=dev["query_start_loc"][:n + 1], seq_lens=dev["seq_lens"][:n],
