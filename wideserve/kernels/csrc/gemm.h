@@ -57,13 +57,20 @@ inline void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 // AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers.
+// `next` (optional): a group of the same size to prefetch into L2 meanwhile, one 64-byte
+// line per block per pair, so a whole group arrives during one tile (a GEMM whose weight
+// groups are each read once, the LM head, otherwise waits on L3 at each group's start).
 template <int M, int NB>
 inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
-                      __m512 (&acc)[M][NB]) {
+                      __m512 (&acc)[M][NB], const at::BFloat16* next = nullptr) {
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[NB];
+    if (next != nullptr)
+      for (int n = 0; n < NB; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (p * NB + n) * 2 * kLanes),
+                     _MM_HINT_T1);
     for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + (p * NB + n) * 2 * kLanes);
     for (int m = 0; m < M; ++m) {
       int32_t both;

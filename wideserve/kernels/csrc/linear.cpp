@@ -73,11 +73,11 @@ void tile_rows_portable(const T* x, const T* w, const Problem& p, int64_t r0, in
 #ifdef __AVX512BF16__
 template <typename Out, int NB, int R>
 void tile_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const Problem& p, int64_t r0,
-                    int64_t c0, bool widen, Out* out) {
+                    int64_t c0, bool widen, Out* out, const at::BFloat16* next) {
   const at::BFloat16* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (r0 + r) * p.pairs * 2;
   __m512 acc[R][NB];
-  tile_bf16<R, NB>(xr, p.pairs, w, acc);
+  tile_bf16<R, NB>(xr, p.pairs, w, acc, next);
   for (int b = 0; b < NB; ++b) {
     const int64_t c = c0 + b * kLanes, cols = std::min<int64_t>(kLanes, p.n - c);
     if (cols <= 0) break;
@@ -102,16 +102,19 @@ void tile_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const Problem&
 }
 #endif
 
+// `next`: the group this thread multiplies after this one (nullptr: none), prefetched during
+// the first tile.
 template <typename T, typename Out, int NB>
 void run_group(bool fast, const T* x, const T* w, const Problem& p, int64_t r_begin,
-               int64_t r_end, int64_t c0, bool widen, Out* out) {
+               int64_t r_end, int64_t c0, bool widen, Out* out, const T* next) {
   constexpr int R = tile_rows<NB>();
   for (int64_t r = r_begin; r < r_end; r += R) {
     with_rows<R>(r_end - r, [&](auto rows) {
       constexpr int RR = decltype(rows)::value;
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (fast) return tile_rows_bf16<Out, NB, RR>(x, w, p, r, c0, widen, out);
+        if (fast) return tile_rows_bf16<Out, NB, RR>(x, w, p, r, c0, widen, out,
+                                                     r == r_begin ? next : nullptr);
       }
 #endif
       tile_rows_portable<T, Out, NB, RR>(x, w, p, r, c0, widen, out);
@@ -123,16 +126,21 @@ template <typename T, typename Out>
 void run_linear(bool fast, const T* x, const T* w, const Problem& p, bool widen, Out* out) {
   const int64_t chunks = (p.m + kChunkRows - 1) / kChunkRows;
   const int64_t group_size = p.pairs * p.nb * kLanes * p.pair;
-  at::parallel_for(0, chunks * p.groups, 1, [&](int64_t begin, int64_t end) {
+  // Below ~1M multiply-adds (~10 us of one core) a second thread's fork/join costs more than
+  // it saves: one item range, run inline.
+  const int64_t items = chunks * p.groups;
+  const int64_t grain = p.m * p.n * p.k < (int64_t{1} << 20) ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / p.groups, g = item % p.groups;
       const int64_t r0 = chunk * kChunkRows, r1 = std::min(p.m, r0 + kChunkRows);
       const T* wg = w + g * group_size;
+      const T* next = item + 1 < end ? w + ((item + 1) % p.groups) * group_size : nullptr;
       const int64_t c0 = g * p.nb * kLanes;
       switch (p.nb) {
-        case 1: run_group<T, Out, 1>(fast, x, wg, p, r0, r1, c0, widen, out); break;
-        case 2: run_group<T, Out, 2>(fast, x, wg, p, r0, r1, c0, widen, out); break;
-        default: run_group<T, Out, 4>(fast, x, wg, p, r0, r1, c0, widen, out); break;
+        case 1: run_group<T, Out, 1>(fast, x, wg, p, r0, r1, c0, widen, out, next); break;
+        case 2: run_group<T, Out, 2>(fast, x, wg, p, r0, r1, c0, widen, out, next); break;
+        default: run_group<T, Out, 4>(fast, x, wg, p, r0, r1, c0, widen, out, next); break;
       }
     }
   });
