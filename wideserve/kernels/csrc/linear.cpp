@@ -205,12 +205,37 @@ at::Tensor gemm_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n,
   return out;
 }
 
-// One row's routing from its logits (already rounded to x's dtype). The top-k runs the same
-// standard-library selection as torch.topk on the CPU (ATen/native/TopKImpl.h: a partial
-// sort when k * 64 <= E, else nth_element and a sort of the k - 1 before it, NaN largest),
-// so equal probabilities, common with bf16-rounded logits, pick the same experts.
-void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize,
-               std::vector<std::pair<float, int64_t>>& queue, int64_t* ids, float* weights) {
+// Softmax of one row of logits into queue[e] = (probability, e). NaN anywhere: all NaN.
+void softmax_row(const float* logits, int64_t experts, bool fast,
+                 std::vector<std::pair<float, int64_t>>& queue) {
+#ifdef __AVX512BF16__
+  if (fast) {   // 16 experts at a time; exp_ps is within ~1 ulp of std::exp
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t e = 0; e < experts; e += kLanes) {
+      const __mmask16 m = experts - e >= kLanes ? __mmask16(0xFFFF)
+                                                 : __mmask16((1u << (experts - e)) - 1);
+      const __m512 v = _mm512_mask_loadu_ps(vmax, m, logits + e);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    const float mx = nan ? NAN : _mm512_reduce_max_ps(vmax);
+    alignas(64) float probs[kLanes];
+    float sum = 0.0f;
+    for (int64_t e = 0; e < experts; e += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, experts - e);
+      const __mmask16 m = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, logits + e);
+      const __m512 ex = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(v, _mm512_set1_ps(mx))));
+      _mm512_store_ps(probs, ex);
+      sum += _mm512_reduce_add_ps(ex);
+      for (int64_t l = 0; l < n; ++l) queue[e + l] = {probs[l], e + l};
+    }
+    if (nan) sum = NAN;
+    for (int64_t e = 0; e < experts; ++e) queue[e].first = nan ? NAN : queue[e].first / sum;
+    return;
+  }
+#endif
   float mx = -INFINITY;
   bool nan = false;
   for (int64_t e = 0; e < experts; ++e) {
@@ -223,6 +248,15 @@ void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize
     sum += queue[e].first;
   }
   for (int64_t e = 0; e < experts; ++e) queue[e].first /= sum;
+}
+
+// One row's routing from its logits (already rounded to x's dtype). The top-k runs the same
+// standard-library selection as torch.topk on the CPU (ATen/native/TopKImpl.h: a partial
+// sort when k * 64 <= E, else nth_element and a sort of the k - 1 before it, NaN largest),
+// so equal probabilities, common with bf16-rounded logits, pick the same experts.
+void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize, bool fast,
+               std::vector<std::pair<float, int64_t>>& queue, int64_t* ids, float* weights) {
+  softmax_row(logits, experts, fast, queue);
   const auto before = [](const std::pair<float, int64_t>& a,
                          const std::pair<float, int64_t>& b) {
     return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
@@ -259,10 +293,12 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::T
     const float* lg = logits.data_ptr<float>();
     int64_t* id = ids.data_ptr<int64_t>();
     float* wt = weights.data_ptr<float>();
+    const bool fast = !portable && bf16_fast_path_compiled();
     at::parallel_for(0, p.m, 64, [&](int64_t begin, int64_t end) {
       std::vector<std::pair<float, int64_t>> queue(experts);
       for (int64_t t = begin; t < end; ++t)
-        route_row(lg + t * experts, experts, k, renormalize, queue, id + t * k, wt + t * k);
+        route_row(lg + t * experts, experts, k, renormalize, fast, queue, id + t * k,
+                  wt + t * k);
     });
   }
   return {ids, dtype == at::kFloat ? weights : weights.to(dtype)};
