@@ -141,7 +141,6 @@ class WeightPack:
             y = F.linear(x, self._weight, self._bias)
         return y.float() if widen and y.dtype != torch.float32 else y
 
-
     def route(self, x: torch.Tensor, weights: tuple[torch.Tensor], top_k: int,
               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A softmax top-k router over the projection `weights` (one [E, in] weight) in one
