@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wideserve.config import CacheConfig, SchedulerConfig
+from wideserve.core.kv_cache import host_memory
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec, split_shared
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -330,7 +331,7 @@ def allocate_kv_tensors(kv_config: KVCacheConfig,
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     for b in kv_config.buckets:
-        slabs = [torch.zeros(b.num_blocks * b.page_bytes, dtype=torch.uint8, device=device)
+        slabs = [host_memory.zeros(b.num_blocks * b.page_bytes, device)
                  for _ in range(b.num_slabs)]
         for gid in b.group_ids:
             g = kv_config.groups[gid]

@@ -112,10 +112,10 @@ void entry_ptrs(const Problem& p, const Item& it, int64_t k0, int64_t k1, const 
 struct Scratch {
   std::vector<float> q, m, l, acc, s;
   std::vector<at::BFloat16> qb;     // bf16 queries for avx512_bf16 dot products
-  std::vector<const void*> kp;
+  std::vector<const void*> kp, next_kp;   // this tile's entries, the next tile's
   Scratch(int64_t rows, int64_t dim)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), s(rows * kTile), qb(rows * dim),
-        kp(kTile) {}
+        kp(kTile), next_kp(kTile) {}
 };
 
 template <typename QT>
@@ -190,7 +190,7 @@ float exp_span_portable(float* x, int64_t n, float* mx_io) {
 }
 
 template <typename QT, typename CT>
-void attend_portable(const Problem& p, const Item& it, Scratch& w) {
+void attend_portable(const Problem& p, const Item& it, const Item* /*next*/, Scratch& w) {
   Span s = span_of(p, it);
   const int64_t D = p.dim, voff = p.kv_heads * D;
   const CT** kp = start_item<QT, CT>(p, it, s, w);
@@ -276,14 +276,17 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
   return _mm512_reduce_add_ps(vsum);
 }
 
-// Blocks are scattered, so the hardware prefetcher loses the stream at every block edge: the
-// first head's score pass asks for a later key's whole entry (every head's K and V) itself.
-constexpr int64_t kPrefetch = 8;
+// Blocks are scattered over the pool, so the hardware prefetcher loses the stream at every
+// block edge and a new block's first lines arrive at DRAM latency. Before a tile is scored,
+// the next tile's entries (this item's, or the next item's first) are requested into L2, so
+// they stream in while this tile is computed. (A per-key prefetch of whole entries a few keys
+// ahead in the score loop, the earlier scheme, cost more than it saved: docs/cpu_kernels.md.)
 template <typename CT>
-inline void prefetch_entry(const CT* const* kp, int64_t j, int64_t jb, int64_t bytes) {
-  if (j >= jb) return;
-  const char* e = reinterpret_cast<const char*>(kp[j]);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(e + b, _MM_HINT_T0);
+void prefetch_tile(const CT* const* kp, int64_t n, int64_t entry_bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* e = reinterpret_cast<const char*>(kp[j]);
+    for (int64_t b = 0; b < entry_bytes; b += 64) _mm_prefetch(e + b, _MM_HINT_T1);
+  }
 }
 
 // One step of a q.k dot product: fp32 FMAs over 16 converted elements (D % 16 == 0), or, with
@@ -334,13 +337,12 @@ inline __m512 hsum16(const __m512* v) {
 // at a time.
 template <int NR, typename CT, bool kBf16>
 void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp, int64_t koff,
-            int64_t pf_bytes, int64_t ja, int64_t jb, float scale, float* s) {
+            int64_t ja, int64_t jb, float scale, float* s) {
   using Dt = Dot<CT, kBf16>;
   int64_t j = ja;
   if constexpr (16 % NR == 0) {
     constexpr int KB = 16 / NR;
     for (; j + KB <= jb; j += KB) {
-      for (int kk = 0; kk < KB; ++kk) prefetch_entry(kp, j + kPrefetch + kk, jb, pf_bytes);
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += Dt::kStep) {
@@ -357,7 +359,6 @@ void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp
     }
   }
   for (; j < jb; ++j) {
-    prefetch_entry(kp, j + kPrefetch, jb, pf_bytes);
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += Dt::kStep) {
@@ -368,7 +369,33 @@ void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp
   }
 }
 
-// acc[r] += sum_j s[r][j] * v_j for NR rows, NV*16 output columns at column c0.
+// 32 bf16 values as two fp32 vectors without a widening shuffle: the even-indexed ones (low
+// halves of each 32-bit pair, shifted up) and the odd ones (high halves, masked). Accumulators
+// fed this way hold each 32 columns as [16 even | 16 odd]; unsplit_columns restores the order.
+inline void load32_split(const at::BFloat16* x, __m512* even, __m512* odd) {
+  __m512i v = _mm512_loadu_si512(x);
+  *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(~0xFFFF)));
+}
+inline void load32_split(const float* x, __m512* lo, __m512* hi) {   // fp32: plain order
+  *lo = _mm512_loadu_ps(x);
+  *hi = _mm512_loadu_ps(x + 16);
+}
+
+// The columns accumulate_v wrote split (whole 64-column chunks of a bf16 cache), back in order.
+inline void unsplit_columns(float* acc, int64_t D) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                      24, 8);
+  for (int64_t c = 0; c < D / 64 * 64; c += 32) {
+    __m512 even = _mm512_loadu_ps(acc + c), odd = _mm512_loadu_ps(acc + c + 16);
+    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(even, hi, odd));
+  }
+}
+
+// acc[r] += sum_j s[r][j] * v_j for NR rows, NV*16 output columns at column c0 (NV even: split
+// pairs, see load32_split; NV = 1: in order).
 template <int NR, int NV, typename CT>
 void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
                   int64_t D, int64_t c0) {
@@ -378,7 +405,11 @@ void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, 
   for (int64_t j = 0; j < n; ++j) {
     const CT* vr = kp[j] + voff + c0;
     __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = load16(vr + v * 16);
+    if constexpr (NV % 2 == 0) {
+      for (int v = 0; v < NV; v += 2) load32_split(vr + v * 16, &vv[v], &vv[v + 1]);
+    } else {
+      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + v * 16);
+    }
     for (int r = 0; r < NR; ++r) {
       __m512 pj = _mm512_set1_ps(s[r * kTile + j]);
       for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
@@ -416,8 +447,25 @@ void row_groups(const Problem& p, const Span& s, F f) {
       f(h * s.head_rows + r, std::min<int64_t>(4, s.head_rows - r), h * p.dim);
 }
 
+// The tile after keys [.., k1) of `it`: its own next tile, else the next item's first.
+template <typename CT>
+void prefetch_next_tile(const Problem& p, const Item& it, const Item* next, const Span& s,
+                        int64_t k1, Scratch& w, int64_t entry_bytes) {
+  const CT** kp = reinterpret_cast<const CT**>(w.next_kp.data());
+  if (k1 < s.hi) {
+    int64_t n1 = std::min(k1 + kTile, s.hi);
+    entry_ptrs<CT>(p, it, k1, n1, kp);
+    prefetch_tile(kp, n1 - k1, entry_bytes);
+  } else if (next != nullptr) {
+    Span ns = span_of(p, *next);
+    int64_t n1 = std::min(ns.lo + kTile, ns.hi);
+    entry_ptrs<CT>(p, *next, ns.lo, n1, kp);
+    prefetch_tile(kp, n1 - ns.lo, entry_bytes);
+  }
+}
+
 template <typename QT, typename CT>
-void attend_avx512(const Problem& p, const Item& it, Scratch& w) {
+void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& w) {
   Span s = span_of(p, it);
   const int64_t D = p.dim, voff = p.kv_heads * D;
   const int64_t entry_bytes = p.width * static_cast<int64_t>(sizeof(CT));
@@ -432,13 +480,13 @@ void attend_avx512(const Problem& p, const Item& it, Scratch& w) {
   for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
     int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
     entry_ptrs<CT>(p, it, k0, k1, kp);
+    prefetch_next_tile<CT>(p, it, next, s, k1, w, entry_bytes);
     row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
       // Keys any of these rows sees: the first row's window start to the last row's query.
       int64_t a0, b0, a1, b1;
       row_range(p, it, s, r0, k0, k1, &a0, &b0);
       row_range(p, it, s, r0 + nr - 1, k0, k1, &a1, &b1);
       int64_t ja = a0 - k0, jb = std::max(b1 - k0, ja);
-      int64_t pf = r0 == 0 ? entry_bytes : 0;
       float* srow = w.s.data() + r0 * kTile;
       by_rows(nr, [&](auto c) {
         constexpr int NR = decltype(c)::value;
@@ -447,12 +495,12 @@ void attend_avx512(const Problem& p, const Item& it, Scratch& w) {
           if (bf16_dots) {
             scores<NR, at::BFloat16, true>(w.qb.data() + r0 * D, D,
                                            reinterpret_cast<const at::BFloat16* const*>(kp),
-                                           koff, pf, ja, jb, p.scale, srow);
+                                           koff, ja, jb, p.scale, srow);
             return;
           }
         }
 #endif
-        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, pf, ja, jb, p.scale, srow);
+        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow);
       });
     });
     bool any = false;
@@ -470,6 +518,8 @@ void attend_avx512(const Problem& p, const Item& it, Scratch& w) {
       });
     });
   }
+  if constexpr (std::is_same_v<CT, at::BFloat16>)
+    for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
   store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
 }
 #endif  // __AVX512F__
@@ -501,7 +551,7 @@ void run(const Problem& p, const std::vector<Item>& items, bool portable) {
 #endif
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     Scratch w(query_block(p) * p.heads, p.dim);
-    for (int64_t i = b; i < e; ++i) fn(p, items[i], w);
+    for (int64_t i = b; i < e; ++i) fn(p, items[i], i + 1 < e ? &items[i + 1] : nullptr, w);
   });
 }
 
