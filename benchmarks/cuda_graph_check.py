@@ -139,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             llm = make_llm(path, args, run)
             startup = time.perf_counter() - t0
             problem = check_setup(llm, run, device)
+            captured = llm.engine.runner.captured
             print(json.dumps(dict(run=run, startup_s=round(startup, 2), ok=problem is None,
-                                  problem=problem)), flush=True)
+                                  problem=problem,
+                                  replays_made=0 if captured is None else captured.num_replays,
+                                  context_buckets=None if captured is None else
+                                  list(captured.buckets))), flush=True)
             if problem is not None:
                 failed = True
                 continue

@@ -186,6 +186,7 @@ def test_context_buckets(model_path) -> None:
     graphs = _GraphLike()
     cap = llm.engine.runner.enable_decode_capture((1, 2, 4, 6), 4096, capturer=graphs)
     assert cap.buckets == (1024, 4096) and graphs.captured == [6, 6, 4, 4, 2, 2, 1, 1]
+    assert cap.num_replays == 8
     widths = []
     forward = llm.engine.model.forward
 
@@ -290,8 +291,8 @@ def test_the_cuda_decode_path_replays_as_captured(tmp_path, monkeypatch) -> None
     llm = _llm(path, False)
     force_cuda_paths(monkeypatch, llm.engine.model)
     guarded = GuardedCapturer()
-    llm.engine.runner.enable_decode_capture((1, 2, 4, 6), 512, capturer=guarded)
-    assert len(guarded.traces) == 4
+    cap = llm.engine.runner.enable_decode_capture((1, 2, 4, 6), 4096, capturer=guarded)
+    assert len(guarded.traces) == 8 and cap.buckets == (1024, 4096)     # sizes x buckets
     calls = _watch(llm)
     assert _generate(llm, prompts) == base
     assert guarded.replays == len(calls) and any(n > r for r, n in calls)

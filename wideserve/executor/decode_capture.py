@@ -226,6 +226,11 @@ class CapturedDecode:
         self.buckets: tuple[int, ...] = ()       # context_buckets(), for CUDA graphs only
         self._tables: list[torch.Tensor] | None = None   # device tables the replays were made on
 
+    @property
+    def num_replays(self) -> int:
+        """Replays made so far (with CUDA graphs: the graphs captured, sizes x buckets)."""
+        return len(self._replays)
+
     # ------------------------------------------------------------------------ setup
     def reserve_tables(self, max_model_len: int) -> None:
         """Grow the block tables once to every row and block a run can need, so their device
