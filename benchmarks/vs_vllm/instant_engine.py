@@ -24,3 +24,24 @@ class InstantForwardEngineCore(EngineCore):
         # 2048-token budget), so each scheduled request samples.
         return {s.request_id: [(s.request.all_token_ids[-1] + 1) % 1000]
                 for s in sched_out.scheduled}, None
+
+
+def _fake_engine_class() -> type:
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "entrypoints"
+                           / "openai"))
+    from fake_engine_core import FakeEngineCore
+    return FakeEngineCore
+
+
+class PacedFakeEngineCore(_fake_engine_class()):  # type: ignore[misc]
+    """The test suite's fake engine (no model), each step busy-waiting $WS_BENCH_FORWARD_MS:
+    output_routing.py --step-ms, one message per step as a real decode sends them."""
+    step_s = float(os.environ.get("WS_BENCH_FORWARD_MS", "0")) / 1e3
+
+    def step(self) -> list[Any]:
+        end = time.perf_counter() + self.step_s
+        while time.perf_counter() < end:
+            pass
+        return super().step()
