@@ -181,7 +181,7 @@ def main() -> int:
                 n = max(a.min_prompts, a.prompts_per_concurrency * c)
                 for client in a.clients:
                     row = {"tag": a.tag, "instant_forward": a.instant_forward,
-                           "forward_ms": a.forward_ms, **measure(a.port, pids, client, target, c, n,
+                           "stand_in_forward_ms": a.forward_ms, **measure(a.port, pids, client, target, c, n,
                                                    seed=1000 * c + 100 * a.clients.index(client))}
                     print(json.dumps(row), flush=True)
                     out.write(json.dumps(row) + "\n")
