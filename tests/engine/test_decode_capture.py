@@ -317,3 +317,67 @@ def test_the_gpu_check_script_runs_its_cpu_flow(capsys) -> None:
                                                       for b in (1, 3)}
     assert all(r["greedy_equal_to_eager"] and r["steps"] == 5 for r in rows)
     assert lines[-1] == {"result": "OK"}
+
+
+def test_cuda_graph_capturer_protocol(monkeypatch) -> None:
+    """CudaGraphCapturer against a stand-in torch.cuda that logs the calls (the CPU cannot
+    capture): warm-up runs on a side stream, then one run inside torch.cuda.graph; the first
+    graph's pool is handed to every later capture; a replay is graph.replay() returning the
+    captured output, without running the forward."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from wideserve.executor.decode_capture import CudaGraphCapturer
+    log: list = []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.name = "side" if device is not None else "main"
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    class Graph:
+        def __init__(self):
+            self.id = sum(1 for e in log if e[0] == "graph")
+
+        def pool(self):
+            return ("pool", self.id)
+
+        def replay(self):
+            log.append(("replay", self.id))
+
+    @contextmanager
+    def stream(s):
+        log.append(("on", s.name))
+        yield
+
+    @contextmanager
+    def graph(g, pool=None):
+        log.append(("graph", g.id, pool))
+        yield
+        log.append(("end", g.id))
+
+    fake = SimpleNamespace(Stream=Stream, current_stream=lambda device=None: Stream(),
+                           stream=stream, CUDAGraph=Graph, graph=graph)
+    monkeypatch.setattr(torch, "cuda", fake)
+    runs = []
+
+    def forward(tag):
+        def run():
+            runs.append(tag)
+            log.append(("run", tag))
+            return torch.full((2,), float(len(runs)))
+        return run
+
+    cap = CudaGraphCapturer(torch.device("cpu"), warmup=2)
+    big, small = cap.capture(forward("big")), cap.capture(forward("small"))
+    graphs = [e for e in log if e[0] == "graph"]
+    assert graphs == [("graph", 0, None), ("graph", 1, ("pool", 0))]
+    first = log[:log.index(("graph", 0, None)) + 3]
+    assert first == [("wait", "side", "main"), ("on", "side"), ("run", "big"), ("run", "big"),
+                     ("wait", "main", "side"), ("graph", 0, None), ("run", "big"), ("end", 0)]
+    n = len(runs)
+    out = big()
+    assert len(runs) == n and log[-1] == ("replay", 0) and torch.equal(out, torch.full((2,), 3.0))
+    assert small() is not out and log[-1] == ("replay", 1)
