@@ -178,3 +178,51 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_burst_queued_while_the_loop_was_busy_is_routed_whole_and_in_order(monkeypatch):
+    """The output loop drains queued messages per wake-up, DRAIN_BATCH at a time: a burst of
+    several batches, sent while the event loop is blocked, still arrives complete and in
+    order, and other tasks run between the batches. The watchdog's tick (which also wakes
+    the loop) is slowed to 60 s, so a loop that waited for the FD with messages still
+    queued would stall here: the engine sends nothing more once the burst is out."""
+    from wideserve.core import engine_client
+    from wideserve.core.engine_client import DRAIN_BATCH
+    monkeypatch.setattr(engine_client, "WATCH_S", 60.0)
+
+    async def main():
+        client = _client()
+        await client.start(timeout_s=30)
+        try:
+            got, wait = await _collect(client, {"burst"})
+            calls = []
+            handler = client.on_outputs
+
+            def counting(outputs):
+                calls.append(len(outputs))
+                handler(outputs)
+
+            client.on_outputs = counting
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            n = 5 * DRAIN_BATCH
+            await client.add_requests([_req("burst", [7], n)])
+            time.sleep(1.0)                 # the loop is blocked: the engine's messages queue
+            tick_task = asyncio.create_task(ticker())
+            await wait
+            tick_task.cancel()
+            tokens = [t for o in got["burst"] for t in o.new_token_ids]
+            assert tokens == [t % 1000 for t in range(8, 8 + n)]
+            assert got["burst"][-1].finish_reason == "length"
+            assert len(calls) >= n // 2     # one message per engine step, routed one by one
+            assert ticks >= 2               # the ticker ran while the burst was drained
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
