@@ -12,7 +12,9 @@ The maths: request r's query (at position seq_len - 1) attends to every position
 of the block table, gathered through it; positions >= seq_len (and, with a sliding
 window, those at or below seq_len - 1 - window) are masked on the device. The gathered width
 is the whole table row, not the request's context: the price of fixed shapes, paid in
-memory traffic, not in host time. The row is walked in chunks of whole blocks (at most
+memory traffic, not in host time. With a sliding window only the `window_columns` columns
+the window can touch are gathered, from a first column computed per request on the device:
+a width fixed by the window. The row is walked in chunks of whole blocks (at most
 KEY_CHUNK_ELEMENTS gathered cache elements per chunk) combined by an online softmax, so the
 scratch stays bounded at long tables; a table that fits is one chunk.
 
@@ -60,6 +62,11 @@ def chunk_blocks(num_reqs: int, width: int, block_size: int, entry_width: int,
     return max(1, min(width, budget // per_block))
 
 
+def window_columns(window: int, block_size: int) -> int:
+    """Table columns the positions (p - window, p] can touch, whatever p is."""
+    return -(-(window - 1) // block_size) + 1
+
+
 def paged_decode_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                         cache_name: str, scale: float, window: int | None = None,
                         plans: object = None) -> torch.Tensor:
@@ -94,6 +101,13 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, view: KVGroupView,
             else torch.arange(num_reqs, device=q.device))
     table = view.block_table.index_select(0, rows)                       # [R, width]
     width = table.shape[1]
+    cols = torch.arange(width, device=q.device)[None, :]                # [1, width] columns
+    if window is not None and window_columns(window, block_size) < width:
+        # A window touches a fixed number of columns: gather those of each request's row.
+        first = torch.div((seq_lens - window).clamp(min=0), block_size, rounding_mode="floor")
+        cols = first[:, None] + cols[:, :window_columns(window, block_size)]   # [R, span]
+        table = table.gather(1, cols.clamp(max=width - 1))   # past the row: masked positions
+        width = cols.shape[1]
     queries = q.float().view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     req = _Requests(queries,
                     cache.view(-1, entry_width), (seq_lens - 1)[:, None],
@@ -101,7 +115,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, view: KVGroupView,
     step = chunk_blocks(num_reqs, width, block_size, entry_width, budget)
     m = total = acc = None
     for b0 in range(0, width, step):
-        m_c, total_c, out_c = req.chunk(table[:, b0:b0 + step], b0 * block_size, block_size)
+        m_c, total_c, out_c = req.chunk(table[:, b0:b0 + step], cols[:, b0:b0 + step],
+                                        block_size)
         if m is None:
             m, total, acc = m_c, total_c, out_c
             continue
@@ -124,16 +139,16 @@ class _Requests:
     scale: float
     window: int | None
 
-    def chunk(self, blocks: torch.Tensor, pos0: int, block_size: int
+    def chunk(self, blocks: torch.Tensor, cols: torch.Tensor, block_size: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Positions [pos0, pos0 + c) through the table columns `blocks` [R, c / block_size]:
+        """The blocks [R, n] at table columns `cols` ([1 or R, n]: their positions):
         (max [R, Hkv, G, 1], sum of exp [R, Hkv, G, 1], unnormalised output [R, Hkv, G, D]),
         all fp32."""
         num_reqs, num_kv_heads, _, head_dim = self.queries.shape
         c = blocks.shape[1] * block_size
         offsets = torch.arange(block_size, device=blocks.device)
         slots = (blocks[:, :, None] * block_size + offsets).view(num_reqs, c)   # [R, c]
-        key_pos = torch.arange(pos0, pos0 + c, device=blocks.device)[None, :]   # [1, c]
+        key_pos = (cols[:, :, None] * block_size + offsets).view(cols.shape[0], c)
         hidden = key_pos > self.q_pos                                            # [R, c]
         if self.window is not None:
             hidden |= key_pos <= self.q_pos - self.window
