@@ -6,7 +6,7 @@ and prefill-like row counts, and the router as one op (`moe_route`) against the 
 (linear + softmax + topk + renormalisation + cast). Alternates the paths in one run (the
 machine is shared); outputs are checked against an fp32 reference.
 
-  PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/gemm_linear.py [--rows 1,16,64,256,2048]
+  PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/gemm_linear.py [--rows 1,16,64,256,2048] [--threads 2]
 """
 from __future__ import annotations
 
@@ -99,8 +99,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,256,2048")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (both paths)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     build()
     rows = [int(r) for r in args.rows.split(",")]
     print("| model | linear [M, K] x [N, K] | kernel | oneDNN packed | F.linear (us, best of 3 "

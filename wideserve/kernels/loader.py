@@ -32,7 +32,12 @@ EXTENSION_NAME = "wideserve_cpu_ops"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # -march=native: the kernels' AVX512-BF16 paths are compiled where the build machine has it
 # (the .so is built on the machine that runs it); the portable paths elsewhere.
-CFLAGS = ("-O3", "-march=native")
+# -fopenmp: at::parallel_for is a header template whose OpenMP backend is a `#pragma omp
+# parallel` compiled into the caller; without the flag every kernel ran on one thread whatever
+# torch.set_num_threads said. The .so then needs libgomp.so.1, which resolves to the copy torch
+# already loaded (same soname), so kernels and torch share one OpenMP thread pool.
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 # Where the builds live: $WIDESERVE_KERNELS_CACHE, else ~/.cache/wideserve/kernels.
 CACHE_ENV = "WIDESERVE_KERNELS_CACHE"
 
@@ -47,7 +52,7 @@ def _build_directory() -> Path:
     digest = hashlib.sha256(str(CSRC).encode() + b"\0")
     for path in sources() + sorted(CSRC.glob("*.h")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode())
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "wideserve" / "kernels")
     return root / f"{EXTENSION_NAME}-{digest.hexdigest()[:16]}"
 
@@ -71,7 +76,8 @@ def build() -> Path:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
         cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in srcs],
-                           extra_cflags=list(CFLAGS), build_directory=str(directory),
+                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                           build_directory=str(directory),
                            is_python_module=False, verbose=False)
     return directory
 
