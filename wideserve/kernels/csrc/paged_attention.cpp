@@ -115,7 +115,7 @@ struct Scratch {
   std::vector<const void*> kp, next_kp;   // this tile's entries, the next tile's
   Scratch(int64_t rows, int64_t dim)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), s(rows * kTile), qb(rows * dim),
-        kp(kTile), next_kp(kTile) {}
+        kp(kTile), next_kp(2 * kTile) {}
 };
 
 template <typename QT>
@@ -277,17 +277,23 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 }
 
 // Blocks are scattered over the pool, so the hardware prefetcher loses the stream at every
-// block edge and a new block's first lines arrive at DRAM latency. Before a tile is scored,
-// the next tile's entries (this item's, or the next item's first) are requested into L2, so
-// they stream in while this tile is computed. (A per-key prefetch of whole entries a few keys
-// ahead in the score loop, the earlier scheme, cost more than it saved: docs/cpu_kernels.md.)
-template <typename CT>
-void prefetch_tile(const CT* const* kp, int64_t n, int64_t entry_bytes) {
-  for (int64_t j = 0; j < n; ++j) {
-    const char* e = reinterpret_cast<const char*>(kp[j]);
-    for (int64_t b = 0; b < entry_bytes; b += 64) _mm_prefetch(e + b, _MM_HINT_T1);
+// block edge and a new block's first lines arrive at DRAM latency. The entries of the next
+// tile (this item's, and the next item's first when this item ends within a tile) are
+// requested into L2 while this tile is scored: a share of them after each batch of keys, so
+// that the requests do not stall the loop in one burst when the miss queues fill. (Per-key
+// prefetches of whole entries a few keys ahead, the earlier scheme, came too late and cost
+// more than they saved: docs/cpu_kernels.md.)
+struct Prefetch {
+  const char* const* entries = nullptr;
+  int64_t n = 0, done = 0, entry_bytes = 0;
+  void upto(int64_t k) {
+    for (k = std::min(k, n); done < k; ++done)
+      for (int64_t b = 0; b < entry_bytes; b += 64)
+        _mm_prefetch(entries[done] + b, _MM_HINT_T1);
   }
-}
+  // The share due once `keys` of a pass over `total` keys are done.
+  void share(int64_t keys, int64_t total) { upto(total > 0 ? (keys * n + total - 1) / total : n); }
+};
 
 // One step of a q.k dot product: fp32 FMAs over 16 converted elements (D % 16 == 0), or, with
 // bf16 q and keys and avx512_bf16, vdpbf16ps over 32 (exact bf16 products summed in fp32).
@@ -337,7 +343,7 @@ inline __m512 hsum16(const __m512* v) {
 // at a time.
 template <int NR, typename CT, bool kBf16>
 void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp, int64_t koff,
-            int64_t ja, int64_t jb, float scale, float* s) {
+            int64_t ja, int64_t jb, float scale, float* s, Prefetch* pf) {
   using Dt = Dot<CT, kBf16>;
   int64_t j = ja;
   if constexpr (16 % NR == 0) {
@@ -356,6 +362,7 @@ void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp
       alignas(64) float sums[16];
       _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
       for (int r = 0; r < NR; ++r) std::memcpy(s + r * kTile + j, sums + r * KB, KB * 4);
+      if (pf != nullptr) pf->share(j + KB - ja, jb - ja);
     }
   }
   for (; j < jb; ++j) {
@@ -447,21 +454,26 @@ void row_groups(const Problem& p, const Span& s, F f) {
       f(h * s.head_rows + r, std::min<int64_t>(4, s.head_rows - r), h * p.dim);
 }
 
-// The tile after keys [.., k1) of `it`: its own next tile, else the next item's first.
+// The entries to prefetch while keys [.., k1) of `it` are scored: its next tile, and the next
+// item's first tile once `it` ends within the next tile (so an item's last tile is not left
+// without a prefetch running ahead).
 template <typename CT>
-void prefetch_next_tile(const Problem& p, const Item& it, const Item* next, const Span& s,
-                        int64_t k1, Scratch& w, int64_t entry_bytes) {
+Prefetch next_entries(const Problem& p, const Item& it, const Item* next, const Span& s,
+                      int64_t k1, Scratch& w, int64_t entry_bytes) {
   const CT** kp = reinterpret_cast<const CT**>(w.next_kp.data());
+  int64_t n = 0;
   if (k1 < s.hi) {
     int64_t n1 = std::min(k1 + kTile, s.hi);
     entry_ptrs<CT>(p, it, k1, n1, kp);
-    prefetch_tile(kp, n1 - k1, entry_bytes);
-  } else if (next != nullptr) {
+    n = n1 - k1;
+  }
+  if (k1 + kTile >= s.hi && next != nullptr) {
     Span ns = span_of(p, *next);
     int64_t n1 = std::min(ns.lo + kTile, ns.hi);
-    entry_ptrs<CT>(p, *next, ns.lo, n1, kp);
-    prefetch_tile(kp, n1 - ns.lo, entry_bytes);
+    entry_ptrs<CT>(p, *next, ns.lo, n1, kp + n);
+    n += n1 - ns.lo;
   }
+  return Prefetch{reinterpret_cast<const char* const*>(kp), n, 0, entry_bytes};
 }
 
 template <typename QT, typename CT>
@@ -480,7 +492,7 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
   for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
     int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
     entry_ptrs<CT>(p, it, k0, k1, kp);
-    prefetch_next_tile<CT>(p, it, next, s, k1, w, entry_bytes);
+    Prefetch ahead = next_entries<CT>(p, it, next, s, k1, w, entry_bytes);
     row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
       // Keys any of these rows sees: the first row's window start to the last row's query.
       int64_t a0, b0, a1, b1;
@@ -488,6 +500,7 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       row_range(p, it, s, r0 + nr - 1, k0, k1, &a1, &b1);
       int64_t ja = a0 - k0, jb = std::max(b1 - k0, ja);
       float* srow = w.s.data() + r0 * kTile;
+      Prefetch* pf = r0 == 0 ? &ahead : nullptr;
       by_rows(nr, [&](auto c) {
         constexpr int NR = decltype(c)::value;
 #if defined(__AVX512BF16__)
@@ -495,14 +508,15 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
           if (bf16_dots) {
             scores<NR, at::BFloat16, true>(w.qb.data() + r0 * D, D,
                                            reinterpret_cast<const at::BFloat16* const*>(kp),
-                                           koff, ja, jb, p.scale, srow);
+                                           koff, ja, jb, p.scale, srow, pf);
             return;
           }
         }
 #endif
-        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow);
+        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow, pf);
       });
     });
+    ahead.upto(ahead.n);              // what the score pass left (few keys, empty rows)
     bool any = false;
     for (int64_t r = 0; r < s.rows; ++r) {
       int64_t a, b;
