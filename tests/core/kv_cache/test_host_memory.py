@@ -20,7 +20,8 @@ def test_zeros_are_zero_and_sized() -> None:
         assert not buf.any()
 
 
-def test_large_buffer_gets_huge_pages_where_thp_is_offered() -> None:
+def test_large_buffer_gets_huge_pages_where_thp_is_offered(monkeypatch) -> None:
+    monkeypatch.setattr(host_memory, "USE_HUGE_PAGES", True)
     if not sys.platform.startswith("linux"):
         assert host_memory.zeros(8 << 20, torch.device("cpu")).numel() == 8 << 20
         return
@@ -36,10 +37,6 @@ def test_large_buffer_gets_huge_pages_where_thp_is_offered() -> None:
     assert not buf.any()
 
 
-def test_switch_off_gives_plain_zeros() -> None:
-    old = host_memory.USE_HUGE_PAGES
-    host_memory.USE_HUGE_PAGES = False
-    try:
-        assert not host_memory.zeros(4 << 20, torch.device("cpu")).any()
-    finally:
-        host_memory.USE_HUGE_PAGES = old
+def test_switch_off_gives_plain_zeros(monkeypatch) -> None:
+    monkeypatch.setattr(host_memory, "USE_HUGE_PAGES", False)
+    assert not host_memory.zeros(4 << 20, torch.device("cpu")).any()

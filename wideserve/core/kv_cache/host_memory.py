@@ -19,7 +19,8 @@ import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14                # <sys/mman.h> on Linux
-USE_HUGE_PAGES = True             # False: plain torch.zeros (for A/B runs)
+USE_HUGE_PAGES = False            # off: no gain measured in the engine, +0.6-2 s startup
+                                  # (BENCHMARKS.md "Paged attention decode near the read roofline")
 
 
 @functools.cache
