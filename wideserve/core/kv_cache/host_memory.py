@@ -4,9 +4,14 @@ The paged KV cache is read block by block from scattered places in a pool of hun
 With 4 KiB pages each 32 KiB block spans 8 pages, and the TLB covers only a few MB: reading
 the cache from DRAM then runs at ~9 GB/s on one Zen 4 core against ~15 GB/s with 2 MiB pages
 (docs/cpu_kernels.md, "Paged attention"). Linux distributions mostly set THP to "madvise"
-(this machine too), so the pool asks for huge pages itself (madvise(MADV_HUGEPAGE) on the untouched buffer, then
-zeroing it faults them in). Where that is unavailable (not Linux, THP off, a failing call)
-the buffer is ordinary memory: huge pages change speed, never contents.
+(this machine too), so the pool can ask for huge pages itself (madvise(MADV_HUGEPAGE) on the
+untouched buffer, then zeroing it faults them in). Where that is unavailable (not Linux, THP
+off, a failing call) the buffer is ordinary memory: huge pages change speed, never contents.
+
+Off by default (`USE_HUGE_PAGES`): in the engine the 11M Qwen3-MoE decode read no faster on
+them (its per-step KV is small and partly cached) while zeroing a huge-page pool added 0.6-2 s
+to startup (BENCHMARKS.md, "Paged attention decode near the read roofline"); the gain in
+the random-block read test above is for pools whose reads miss the TLB far more often.
 """
 from __future__ import annotations
 
