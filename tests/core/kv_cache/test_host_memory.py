@@ -1,6 +1,7 @@
 """KV cache slabs on the CPU: zeroed, huge-page backed where Linux offers it (host_memory.py)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -8,9 +9,18 @@ import torch
 from wideserve.core.kv_cache import host_memory
 
 
-def _anon_huge_kb() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        return int(f.read().split("AnonHugePages:")[1].split()[0])
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `addr` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
 
 
 def test_zeros_are_zero_and_sized() -> None:
@@ -20,21 +30,19 @@ def test_zeros_are_zero_and_sized() -> None:
         assert not buf.any()
 
 
-def test_large_buffer_gets_huge_pages_where_thp_is_offered(monkeypatch) -> None:
+def test_large_buffer_is_advised_for_huge_pages_where_thp_exists(monkeypatch) -> None:
+    """The pool's interior is marked MADV_HUGEPAGE ("hg" in its VmFlags). Whether the kernel
+    then backs it with huge pages depends on free, unfragmented memory at that moment (a
+    test that counted AnonHugePages failed in a full suite run), so that is not asserted."""
     monkeypatch.setattr(host_memory, "USE_HUGE_PAGES", True)
-    if not sys.platform.startswith("linux"):
-        assert host_memory.zeros(8 << 20, torch.device("cpu")).numel() == 8 << 20
-        return
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-        mode = f.read().split("[")[1].split("]")[0]
-    before = _anon_huge_kb()
     buf = host_memory.zeros(64 << 20, torch.device("cpu"))
-    gained = _anon_huge_kb() - before
-    if mode == "never":
-        assert gained <= 0
-    else:   # at least most of the 2 MiB-aligned interior (defrag may leave a few small)
-        assert gained >= 32 << 10, (mode, gained)
-    assert not buf.any()
+    assert not buf.any() and buf.numel() == 64 << 20
+    if not (sys.platform.startswith("linux")
+            and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")):
+        return          # no THP in this kernel: plain memory, checked above
+    interior = -(-buf.data_ptr() // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE
+    assert "hg" in _vm_flags(interior + (4 << 20))
+    assert host_memory.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))
 
 
 def test_switch_off_gives_plain_zeros(monkeypatch) -> None:
