@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from wideserve import LLM, SamplingParams
+from wideserve.core import engine_core as engine_core_mod
 from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.messages import EngineCoreRequest
 
@@ -122,11 +123,16 @@ def test_fault_in_sampling_mid_decode(llm, prompts, reference, monkeypatch):
     real = core.sampler
     fault = _FailOnce(4, ValueError("injected sampler fault"))
 
-    def sampler(*args, **kwargs):
-        fault()
-        return real(*args, **kwargs)
+    def faulty(fn):
+        def call(*args, **kwargs):
+            fault()
+            return fn(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(core, "sampler", sampler)
+    # A step samples through the sampler, or through argmax_rows alone when every row is
+    # plain greedy (EngineCore._sample): the fault is in both, a step calls one of them.
+    monkeypatch.setattr(core, "sampler", faulty(real))
+    monkeypatch.setattr(engine_core_mod, "argmax_rows", faulty(engine_core_mod.argmax_rows))
     got = _run(core, {"a": prompts[1], "b": prompts[2]})
     for rid in ("a", "b"):
         assert got[rid][-1].finish_reason == "error"
