@@ -2,6 +2,7 @@
 
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py batched|kernel
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py op [--small-pages]
+  OMP_NUM_THREADS=N PYTHONPATH=. python benchmarks/paged_attention_kernel.py fused --threads N
 
 batched|kernel: the batched backend with the C++ op (`kernel`) or the torch buckets
 (`batched`), 8 layers of cache (DRAM-sized), random block placement, one torch thread; wall
@@ -14,11 +15,20 @@ from the pool). Caches come from the KV allocator's host_memory.zeros (huge page
 4 KiB pages with --small-pages. Prints thread CPU ms per call (the median of rounds: the
 machine is shared, and CPU time is what other processes disturb least) and the KV bytes read
 per second of it.
+
+fused: one layer's attention as paged_attention_batched runs it in the engine, the 11M decode
+shape at N torch threads, q/k/v as views of one qkv tensor, blocks laid out as the engine's
+allocator hands them out (each request's prompt blocks consecutive, later blocks interleaved
+over the batch): "write+op" = torch.cat + index_copy_ of the step's entries then the op,
+"fused" = paged_attention_write (the write inside the op), "op" = the op alone, "op-rand" =
+the op alone over blocks drawn at random from the pool. ms per call, the median of rounds:
+thread CPU time at one thread, wall time at more (thread CPU time misses the other threads).
 """
 import sys, time, numpy as np, torch
-torch.set_num_threads(1)
+threads = int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else 1
+torch.set_num_threads(threads)
 variant = sys.argv[1]
-if variant in ("kernel", "op"):
+if variant in ("kernel", "op", "fused"):
     from wideserve.kernels.loader import build
     build()
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
@@ -78,7 +88,67 @@ def bench_op(R, H, KVH, D, ctx, qlen, small_pages, layers=4, pool=8192, bs=64, r
     kv = float(lens.sum()) * 2 * KVH * D * 2
     print(f"op{' 4K-pages' if small_pages else ''} R={R:3d} H={H}/{KVH} D={D} ctx~{ctx} q={qlen}: "
           f"{ms:6.3f} ms/call CPU ({kv / ms / 1e6:5.1f} GB/s of KV)", flush=True)
-if variant == "op":
+def engine_table(R, lens, prompt, bs, pool):
+    """Block ids as a fresh engine allocates them: a request's prompt blocks together, then one
+    block per request each time the batch crosses a block edge (the decode steps)."""
+    table, nxt = np.zeros((R, int(-(-lens.max() // bs))), np.int64), 1
+    for r in range(R):
+        n = -(-prompt // bs)
+        table[r, :n] = np.arange(nxt, nxt + n); nxt += n
+    for b in range(-(-prompt // bs), table.shape[1]):
+        for r in range(R):
+            if b * bs < lens[r]:
+                table[r, b] = nxt; nxt += 1
+    assert nxt <= pool
+    return torch.from_numpy(table)
+def bench_fused(R=64, H=4, KVH=2, D=64, layers=4, pool=8192, bs=64, rounds=9):
+    from wideserve.core.kv_cache import host_memory
+    rng = np.random.default_rng(0)
+    lens = rng.integers(128, 257, R) + 1            # the 11M run: 128-token prompts, 128 out
+    shape = (pool, bs, 2 * KVH * D)
+    caches = [host_memory.zeros(int(np.prod(shape)) * 2, torch.device("cpu"))
+              .view(torch.bfloat16).view(shape) for _ in range(layers)]
+    for c in caches: c.normal_()
+    table = engine_table(R, lens, 128, bs, pool)
+    qsl, sl = torch.arange(R + 1), torch.from_numpy(lens)
+    pos = sl - 1
+    slots = table[torch.arange(R), pos // bs] * bs + pos % bs
+    qkv = torch.randn(R, (H + 2 * KVH) * D).to(torch.bfloat16)
+    q, k, v = (t.view(R, -1, D) for t in torch.split(qkv, (H * D, KVH * D, KVH * D), -1))
+    ops = torch.ops.wideserve
+    def write_op(c):
+        flat = c.view(-1, c.shape[-1])
+        flat.index_copy_(0, slots, torch.cat((k.reshape(R, -1), v.reshape(R, -1)), -1))
+        return ops.paged_attention(q, c, table, None, qsl, sl, D ** -0.5, 0, False)
+    def fused(c):
+        return ops.paged_attention_write(q, k, v, c, slots, table, None, qsl, sl, D ** -0.5, 0,
+                                         False)
+    def op(c):
+        return ops.paged_attention(q, c, table, None, qsl, sl, D ** -0.5, 0, False)
+    shuffled = torch.from_numpy(rng.permutation(pool)[:table.numel()].reshape(table.shape).copy())
+    def op_random(c):      # the same reads from blocks at random places in the pool
+        return ops.paged_attention(q, c, shuffled, None, qsl, sl, D ** -0.5, 0, False)
+    # One thread: thread CPU time (what other processes disturb least); more: wall time.
+    clock, unit = (time.thread_time, "CPU") if threads == 1 else (time.perf_counter, "wall")
+    res = {}
+    for rnd in range(rounds):
+        for name, fn in (("write+op", write_op), ("fused", fused), ("op", op),
+                         ("op-rand", op_random)):
+            if fn is fused and not hasattr(ops, "paged_attention_write"):
+                continue                    # a tree from before the fused write
+            t0, n = clock(), 0
+            while clock() - t0 < 0.15:
+                for c in caches: fn(c)
+                n += layers
+            res.setdefault(name, []).append((clock() - t0) / n)
+    kv = float(lens.sum()) * 2 * KVH * D * 2
+    for name, ts in res.items():
+        ms = float(np.median(ts)) * 1e3
+        print(f"{name:8s} threads={threads} R={R} H={H}/{KVH} D={D} ctx~{int(lens.mean())}: "
+              f"{ms:6.3f} ms/call {unit} ({kv / ms / 1e6:5.1f} GB/s of KV)", flush=True)
+if variant == "fused":
+    bench_fused()
+elif variant == "op":
     small = "--small-pages" in sys.argv
     for args in [(64, 4, 2, 64, 192, 1), (64, 16, 4, 64, 192, 1), (8, 4, 2, 64, 2048, 1), (64, 4, 2, 64, 192, 4)]:
         bench_op(*args, small)

@@ -69,6 +69,19 @@ def random_schedule(rng: np.random.Generator, reqs: int, steps: int,
     return schedule
 
 
+def step_qkv(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             g: torch.Generator, strided: bool) -> tuple[torch.Tensor, ...]:
+    """A step's q [T, H, D], k and v [T, Hkv, D]; strided: views into one [T, (H+2Hkv)*D]
+    tensor, as the attention layer splits its qkv GEMM output (the op reads them in place)."""
+    if not strided:
+        return tuple(torch.randn(t, hh, head_dim, generator=g).to(dtype)
+                     for hh in (heads, kv_heads, kv_heads))
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = torch.split(qkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+    return (q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim),
+            v.view(t, kv_heads, head_dim))
+
+
 def run_schedule(schedule: list[list[int]], heads: int, kv_heads: int, head_dim: int,
                  window: int | None, dtype: torch.dtype, block_size: int = 4,
                  seed: int = 0) -> float:
@@ -86,15 +99,21 @@ def run_schedule(schedule: list[list[int]], heads: int, kv_heads: int, head_dim:
                 slots.append(r)
                 new.append([0] * max(n, 0))
         t = sum(len(x) for x in new)
-        q, k, v = (torch.randn(t, hh, head_dim, generator=g).to(dtype)
-                   for hh in (heads, kv_heads, kv_heads))
+        q, k, v = step_qkv(t, heads, kv_heads, head_dim, dtype, g, strided=seed % 2 == 1)
 
         def both(b):
+            cache, view = b.cache(NAME)
+            before = cache.clone()
             # The reference's write cannot take T = 0 (no step of the engine has no token).
             want = paged_attention(q, k, v, b, NAME, scale, window) if t else q
-            cache, view = b.cache(NAME)
-            return want, [pab.paged_attention_kernel(q, cache, view, b, scale, window, portable)
-                          for portable in (False, True)]
+            outs = [pab.paged_attention_kernel(q, cache, view, b, scale, window, portable)
+                    for portable in (False, True)]
+            for portable in (False, True):   # the op's own write, from the cache before it
+                fused = before.clone()
+                outs.append(pab.paged_attention_kernel(q, fused, view, b, scale, window,
+                                                       portable, k=k, v=v))
+                torch.testing.assert_close(fused, cache, rtol=0, atol=0, equal_nan=True)
+            return want, outs
 
         want, gots = h.run(slots, new, both)
         for got in gots:
@@ -140,22 +159,28 @@ def test_mixed_cache_and_query_dtypes():
         q, k, v = (torch.randn(9, hh, 32, generator=g).to(q_dtype) for hh in (4, 2, 2))
 
         def both(b):
-            want = paged_attention(q, k, v, b, NAME, 0.2, None)
             cache, view = b.cache(NAME)
-            return want, pab.paged_attention_kernel(q, cache, view, b, 0.2, None)
+            fused = cache.clone()
+            want = paged_attention(q, k, v, b, NAME, 0.2, None)
+            return want, fused, cache, [
+                pab.paged_attention_kernel(q, cache, view, b, 0.2, None),
+                pab.paged_attention_kernel(q, fused, view, b, 0.2, None, k=k, v=v)]
 
-        want, got = h.run([0, 1], [[0] * 7, [0] * 2], both)
-        assert got.dtype == q_dtype
-        assert (got.float() - want.float()).abs().max().item() <= TOL[torch.bfloat16]
+        want, fused, cache, gots = h.run([0, 1], [[0] * 7, [0] * 2], both)
+        torch.testing.assert_close(fused, cache, rtol=0, atol=0, equal_nan=True)
+        for got in gots:
+            assert got.dtype == q_dtype
+            assert (got.float() - want.float()).abs().max().item() <= TOL[torch.bfloat16]
 
 
 def test_default_batched_backend_uses_the_op(monkeypatch):
     """paged_attention_batched on the CPU: the op's output and the same cache writes as the
-    reference (replayed prefix positions of a FULL cache are not rewritten)."""
+    reference (replayed prefix positions of a FULL cache are not rewritten). A plain step
+    takes the op's own write; the replay step the torch write of its rows, then the op."""
     calls = []
     kernel = pab.paged_attention_kernel
     monkeypatch.setattr(pab, "paged_attention_kernel",
-                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+                        lambda *a, **kw: calls.append("k" in kw) or kernel(*a, **kw))
     outs, caches = [], []
     for op in (paged_attention, pab.paged_attention_batched):
         h = make_harness(2, 16, None, torch.float32, 2, 24, 4)
@@ -169,7 +194,7 @@ def test_default_batched_backend_uses_the_op(monkeypatch):
         h.seq_lens[0] = 8                  # replay positions 8..11, then 12, 13 are new
         outs.append(h.run([0, 1], [[0] * 6, [0]], lambda b: call(b, 7), kv_write_start=[12, 5]))
         caches.append(h.kv_caches[NAME])
-    assert len(calls) == 2
+    assert calls == [True, False]
     assert (outs[0] - outs[1]).abs().max().item() <= TOL[torch.float32]
     torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0, equal_nan=True)
 
@@ -190,6 +215,39 @@ def test_rejects_bad_metadata():
         h.run([0], [[0] * 3], lambda b: call(b, lens=torch.tensor([2])))
     with pytest.raises(RuntimeError, match="passes its block table"):
         h.run([0], [[0] * 3], lambda b: call(b, lens=torch.tensor([40])))
+
+    def write(b, slots):
+        cache, view = b.cache(NAME)
+        kv = torch.randn(3, 2, 16)
+        return torch.ops.wideserve.paged_attention_write(
+            q, kv, kv, cache, slots, view.block_table, None, b.query_start_loc, b.seq_lens,
+            1.0, 0, False)
+
+    with pytest.raises(RuntimeError, match="past the cache"):
+        h.run([0], [[0] * 3], lambda b: write(b, torch.tensor([4, 5, 10 ** 6])))
+    with pytest.raises(RuntimeError, match="slot_mapping must be"):
+        h.run([0], [[0] * 3], lambda b: write(b, torch.tensor([4, 5])))
+
+
+def test_write_skips_negative_slots():
+    """Rows whose slot is -1 are not written (the reference's rule), the others are."""
+    h = make_harness(2, 16, None, torch.float32, 1, 8, 4)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, hh, 16, generator=g) for hh in (4, 2, 2))
+
+    def call(b):
+        cache, view = b.cache(NAME)
+        slots = view.slot_mapping.clone()
+        slots[1] = -1
+        torch.ops.wideserve.paged_attention_write(
+            q, k, v, cache, slots, view.block_table, None, b.query_start_loc, b.seq_lens,
+            1.0, 0, False)
+        return cache.view(-1, cache.shape[-1])[view.slot_mapping]
+
+    rows = h.run([0], [[0] * 3], call)
+    torch.testing.assert_close(rows[0], torch.cat((k[0].reshape(-1), v[0].reshape(-1))))
+    torch.testing.assert_close(rows[2], torch.cat((k[2].reshape(-1), v[2].reshape(-1))))
+    assert torch.isnan(rows[1]).all()
 
 
 def test_avx512_path_is_built_where_the_cpu_has_it():

@@ -1,180 +1,28 @@
 // Causal grouped-query attention that reads the paged K||V cache in place (docs/cpu_kernels.md,
 // "Paged attention"). The contract is layers/attention/paged_attention.py's (the reference op):
 //
-//   q            [T, H, D]   rotated queries, fp32 or bf16; the step's tokens, request-major
+//   q            [T, H, D]   rotated queries, fp32 or bf16; the step's tokens, request-major;
+//                any token and head strides (a view into the qkv GEMM output is read in place)
 //   cache        [blocks, block_size, 2*Hkv*D]  entry = [k_0 .. k_{Hkv-1} | v_0 .. v_{Hkv-1}]
 //   block_table  [rows, max_blocks] int64; request r's row is req_rows[r] (identity if absent)
 //   query_start_loc [R+1], seq_lens [R] int64: request r's queries are rows qsl[r]..qsl[r+1]-1
 //                at positions seq_len - query_len .. seq_len-1 (their entries already written)
 //   window       <= 0: full attention; else query position p sees keys (p - window, p]
 //
-// Work item: one (request, block of queries), every KV head: a tile of kTile keys is whole
-// cache entries (contiguous within a block, so DRAM streams them), read through the block table
-// once and then used by every head. A KV head's G query heads per query are folded into rows
-// (row = (head * queries + query) * G + g) that share each K/V load. An online softmax in fp32
-// (running max, sum, output per row) means one pass over the keys an item can see. Only entries a query may
-// attend to are read: a NaN in a never-written or out-of-window slot cannot reach an output.
+// paged_attention_write is the same op that first stores the step's new entries: token t's
+// [k_t | v_t] (k/v [T, Hkv, D]) goes to flat slot slot_mapping[t] (skipped where < 0), all of
+// them before any query is attended, as the reference's write-then-attend does.
 //
-// Two implementations of the same loop: a portable one (plain C++) and an AVX512 one (fp32
-// FMAs on converted K/V, a vector exp; avx512_bf16 dot products when q and the cache are
-// bf16). `portable=true` forces the first, so both are testable on one machine.
-#include <ATen/ATen.h>
+// Two implementations of the same loop (paged_attention.h): a portable one here (plain C++)
+// and an AVX512 one (paged_attention_avx512.cpp). `portable=true` forces the first, so both
+// are testable on one machine.
+#include "paged_attention.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+namespace wideserve_paged {
 namespace {
-
-constexpr int64_t kTile = 128;      // keys per online-softmax step
-constexpr int64_t kMaxRows = 16;    // folded rows per KV head of an item (multi-query segments)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Item {
-  int64_t req, q0, q1;              // queries q0..q1-1 of request req (local indices)
-};
-
-// Everything an item needs, resolved once per call.
-struct Problem {
-  const char* q;
-  char* out;
-  const char* cache;
-  const int64_t* table;
-  int64_t table_stride;
-  const int64_t* req_rows;          // nullptr: identity
-  const int64_t* qsl;
-  const int64_t* seq_lens;
-  int64_t heads, kv_heads, groups, dim, width, block_size, num_blocks, window;
-  float scale;
-};
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
-
-// Per-item geometry: query positions and the key span each row may read.
-struct Span {
-  int64_t qstart;                   // token row of local query 0
-  int64_t pos0;                     // position of local query 0
-  int64_t lo, hi;                   // keys [lo, hi) the item reads
-  int64_t head_rows;                // rows per KV head: queries * G
-  int64_t rows;                     // all heads
-};
-
-inline int64_t key_lo(const Problem& p, int64_t pos) {
-  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
-}
-
-inline Span span_of(const Problem& p, const Item& it) {
-  int64_t qs = p.qsl[it.req], qlen = p.qsl[it.req + 1] - qs;
-  int64_t pos0 = p.seq_lens[it.req] - qlen;
-  int64_t head_rows = (it.q1 - it.q0) * p.groups;
-  return Span{qs, pos0, key_lo(p, pos0 + it.q0), pos0 + it.q1, head_rows,
-              head_rows * p.kv_heads};
-}
-
-// Row r's visible keys, clipped to [k0, k1).
-inline void row_range(const Problem& p, const Item& it, const Span& s, int64_t r, int64_t k0,
-                      int64_t k1, int64_t* a, int64_t* b) {
-  int64_t pos = s.pos0 + it.q0 + (r % s.head_rows) / p.groups;
-  *a = std::max(k0, key_lo(p, pos));
-  *b = std::min(k1, pos + 1);
-}
-
-// Entry pointers (bytes) of keys k0..k1-1 of the item's request, through its block table row.
-template <typename CT>
-void entry_ptrs(const Problem& p, const Item& it, int64_t k0, int64_t k1, const CT** out) {
-  int64_t row = p.req_rows ? p.req_rows[it.req] : it.req;
-  const int64_t* blocks = p.table + row * p.table_stride;
-  const CT* base = reinterpret_cast<const CT*>(p.cache);
-  for (int64_t k = k0; k < k1;) {
-    int64_t b = k / p.block_size, off = k % p.block_size;
-    int64_t blk = blocks[b];
-    TORCH_CHECK(blk >= 0 && blk < p.num_blocks, "paged_attention: block id ", blk,
-                " out of range [0, ", p.num_blocks, ")");
-    int64_t n = std::min(k1 - k, p.block_size - off);
-    const CT* e = base + (blk * p.block_size + off) * p.width;
-    for (int64_t j = 0; j < n; ++j) out[k - k0 + j] = e + j * p.width;
-    k += n;
-  }
-}
-
-// Scratch of one thread: fp32 queries, running max/sum, output accumulators, tile scores.
-struct Scratch {
-  std::vector<float> q, m, l, acc, s;
-  std::vector<at::BFloat16> qb;     // bf16 queries for avx512_bf16 dot products
-  std::vector<const void*> kp, next_kp;   // this tile's entries, the next tile's
-  Scratch(int64_t rows, int64_t dim)
-      : q(rows * dim), m(rows), l(rows), acc(rows * dim), s(rows * kTile), qb(rows * dim),
-        kp(kTile), next_kp(2 * kTile) {}
-};
-
-template <typename QT>
-void load_queries(const Problem& p, const Item& it, const Span& s, float* qf) {
-  const QT* q = reinterpret_cast<const QT*>(p.q);
-  for (int64_t r = 0; r < s.rows; ++r) {
-    int64_t tok = s.qstart + it.q0 + (r % s.head_rows) / p.groups;
-    int64_t head = (r / s.head_rows) * p.groups + r % p.groups;
-    const QT* src = q + (tok * p.heads + head) * p.dim;
-    for (int64_t d = 0; d < p.dim; ++d) qf[r * p.dim + d] = to_f32(src[d]);
-  }
-}
-
-template <typename QT>
-void store_outputs(const Problem& p, const Item& it, const Span& s, const float* acc,
-                   const float* l) {
-  QT* out = reinterpret_cast<QT*>(p.out);
-  for (int64_t r = 0; r < s.rows; ++r) {
-    int64_t tok = s.qstart + it.q0 + (r % s.head_rows) / p.groups;
-    int64_t head = (r / s.head_rows) * p.groups + r % p.groups;
-    QT* dst = out + (tok * p.heads + head) * p.dim;
-    float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < p.dim; ++d) dst[d] = static_cast<QT>(acc[r * p.dim + d] * inv);
-  }
-}
-
-// Load the item's queries, reset its running max/sum/output; returns the tile's key pointers.
-template <typename QT, typename CT>
-const CT** start_item(const Problem& p, const Item& it, const Span& s, Scratch& w) {
-  load_queries<QT>(p, it, s, w.q.data());
-  std::fill(w.m.begin(), w.m.begin() + s.rows, kNegInf);
-  std::fill(w.l.begin(), w.l.begin() + s.rows, 0.0f);
-  std::fill(w.acc.begin(), w.acc.begin() + s.rows * p.dim, 0.0f);
-  return reinterpret_cast<const CT**>(w.kp.data());
-}
-
-// Online-softmax update of row r over its tile scores s[a..b) (others are not visible):
-// rescale the row's sum and output by exp(old max - new max), turn the scores into weights.
-// Returns false when the row sees nothing in this tile (its weights are all zero).
-template <typename ExpFn>
-bool softmax_update(float* srow, int64_t n, int64_t a, int64_t b, float* m, float* l,
-                    float* acc, int64_t dim, ExpFn exp_span) {
-  if (a >= b) {
-    std::fill(srow, srow + n, 0.0f);
-    return false;
-  }
-  float mx = *m;
-  float sum = exp_span(srow + a, b - a, &mx);
-  float corr = std::exp(*m - mx);   // *m = -inf on the first tile: corr = 0, acc is 0 anyway
-  std::fill(srow, srow + a, 0.0f);
-  std::fill(srow + b, srow + n, 0.0f);
-  *l = *l * corr + sum;
-  *m = mx;
-  if (corr != 1.0f)
-    for (int64_t d = 0; d < dim; ++d) acc[d] *= corr;
-  return true;
-}
-
-// ---------------------------------------------------------------- portable implementation
 
 // x[j] <- exp(x[j] - max), max = max(*mx, x[0..n)) written back to *mx; returns the sum.
 float exp_span_portable(float* x, int64_t n, float* mx_io) {
@@ -225,319 +73,6 @@ void attend_portable(const Problem& p, const Item& it, const Item* /*next*/, Scr
   store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
 }
 
-// ---------------------------------------------------------------- AVX512 implementation
-#if defined(__AVX512F__)
-
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const at::BFloat16* x) {   // bf16 -> fp32 is a 16-bit left shift
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// e^x for x <= 0 (scores minus their max): 2^n * e^r, |r| <= ln2/2, degree-6 Taylor
-// polynomial (relative error ~2e-7); inputs below -104 (and -inf) give 0 through scalef.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 720);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
-
-float exp_span_avx512(float* x, int64_t n, float* mx_io) {
-  __m512 vmax = _mm512_set1_ps(*mx_io);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + j));
-  float mx = _mm512_reduce_max_ps(vmax);
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
-  *mx_io = mx;
-  __m512 vm = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
-  j = 0;
-  for (; j + 16 <= n; j += 16) {
-    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
-    _mm512_storeu_ps(x + j, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  if (j < n) {
-    __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vm));
-    e = _mm512_maskz_mov_ps(k, e);
-    _mm512_mask_storeu_ps(x + j, k, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  return _mm512_reduce_add_ps(vsum);
-}
-
-// Blocks are scattered over the pool, so the hardware prefetcher loses the stream at every
-// block edge and a new block's first lines arrive at DRAM latency. The entries of the next
-// tile (this item's, and the next item's first when this item ends within a tile) are
-// requested into L2 while this tile is scored: a share of them after each batch of keys, so
-// that the requests do not stall the loop in one burst when the miss queues fill. (Per-key
-// prefetches of whole entries a few keys ahead, the earlier scheme, came too late and cost
-// more than they saved: docs/cpu_kernels.md.)
-struct Prefetch {
-  const char* const* entries = nullptr;
-  int64_t n = 0, done = 0, entry_bytes = 0;
-  void upto(int64_t k) {
-    for (k = std::min(k, n); done < k; ++done)
-      for (int64_t b = 0; b < entry_bytes; b += 64)
-        _mm_prefetch(entries[done] + b, _MM_HINT_T1);
-  }
-  // The share due once `keys` of a pass over `total` keys are done.
-  void share(int64_t keys, int64_t total) { upto(total > 0 ? (keys * n + total - 1) / total : n); }
-};
-
-// One step of a q.k dot product: fp32 FMAs over 16 converted elements (D % 16 == 0), or, with
-// bf16 q and keys and avx512_bf16, vdpbf16ps over 32 (exact bf16 products summed in fp32).
-template <typename CT, bool kBf16>
-struct Dot {
-  static constexpr int kStep = 16;
-  using QT = float;
-  using Vec = __m512;
-  static Vec load_q(const float* q) { return _mm512_loadu_ps(q); }
-  static Vec load_k(const CT* k) { return load16(k); }
-  static __m512 fma(__m512 acc, Vec q, Vec k) { return _mm512_fmadd_ps(q, k, acc); }
-};
-#if defined(__AVX512BF16__)
-template <>
-struct Dot<at::BFloat16, true> {
-  static constexpr int kStep = 32;
-  using QT = at::BFloat16;
-  using Vec = __m512bh;
-  static Vec load_q(const at::BFloat16* q) { return (__m512bh)_mm512_loadu_si512(q); }
-  static Vec load_k(const at::BFloat16* k) { return (__m512bh)_mm512_loadu_si512(k); }
-  static __m512 fma(__m512 acc, Vec q, Vec k) { return _mm512_dpbf16_ps(acc, q, k); }
-};
-#endif
-
-// Lane i of the result is the sum of v[i]'s 16 lanes (a transpose-and-add tree: ~3 ops per
-// sum, against ~8 for a horizontal reduction of each vector alone).
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int k = 0; k < 8; ++k)   // per 128-bit lane: v[2k] at positions 0, 2; v[2k+1] at 1, 3
-    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: v[4k + m] at position m
-    __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
-    b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Scores s[r][j] = scale * q_r . k_j of NR rows against keys [ja, jb) of the tile. Where 16 % NR
-// == 0, blocks of 16 / NR keys fill 16 accumulators that one hsum16 reduces; the rest one key
-// at a time.
-template <int NR, typename CT, bool kBf16>
-void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp, int64_t koff,
-            int64_t ja, int64_t jb, float scale, float* s, Prefetch* pf) {
-  using Dt = Dot<CT, kBf16>;
-  int64_t j = ja;
-  if constexpr (16 % NR == 0) {
-    constexpr int KB = 16 / NR;
-    for (; j + KB <= jb; j += KB) {
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += Dt::kStep) {
-        typename Dt::Vec qv[NR];
-        for (int r = 0; r < NR; ++r) qv[r] = Dt::load_q(q + r * D + d);
-        for (int kk = 0; kk < KB; ++kk) {
-          typename Dt::Vec kv = Dt::load_k(kp[j + kk] + koff + d);
-          for (int r = 0; r < NR; ++r) acc[r * KB + kk] = Dt::fma(acc[r * KB + kk], qv[r], kv);
-        }
-      }
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-      for (int r = 0; r < NR; ++r) std::memcpy(s + r * kTile + j, sums + r * KB, KB * 4);
-      if (pf != nullptr) pf->share(j + KB - ja, jb - ja);
-    }
-  }
-  for (; j < jb; ++j) {
-    __m512 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += Dt::kStep) {
-      typename Dt::Vec kv = Dt::load_k(kp[j] + koff + d);
-      for (int r = 0; r < NR; ++r) acc[r] = Dt::fma(acc[r], Dt::load_q(q + r * D + d), kv);
-    }
-    for (int r = 0; r < NR; ++r) s[r * kTile + j] = _mm512_reduce_add_ps(acc[r]) * scale;
-  }
-}
-
-// 32 bf16 values as two fp32 vectors without a widening shuffle: the even-indexed ones (low
-// halves of each 32-bit pair, shifted up) and the odd ones (high halves, masked). Accumulators
-// fed this way hold each 32 columns as [16 even | 16 odd]; unsplit_columns restores the order.
-inline void load32_split(const at::BFloat16* x, __m512* even, __m512* odd) {
-  __m512i v = _mm512_loadu_si512(x);
-  *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(~0xFFFF)));
-}
-inline void load32_split(const float* x, __m512* lo, __m512* hi) {   // fp32: plain order
-  *lo = _mm512_loadu_ps(x);
-  *hi = _mm512_loadu_ps(x + 16);
-}
-
-// The columns accumulate_v wrote split (whole 64-column chunks of a bf16 cache), back in order.
-inline void unsplit_columns(float* acc, int64_t D) {
-  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                      24, 8);
-  for (int64_t c = 0; c < D / 64 * 64; c += 32) {
-    __m512 even = _mm512_loadu_ps(acc + c), odd = _mm512_loadu_ps(acc + c + 16);
-    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(even, lo, odd));
-    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(even, hi, odd));
-  }
-}
-
-// acc[r] += sum_j s[r][j] * v_j for NR rows, NV*16 output columns at column c0 (NV even: split
-// pairs, see load32_split; NV = 1: in order).
-template <int NR, int NV, typename CT>
-void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
-                  int64_t D, int64_t c0) {
-  __m512 a[NR][NV];
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + c0 + v * 16);
-  for (int64_t j = 0; j < n; ++j) {
-    const CT* vr = kp[j] + voff + c0;
-    __m512 vv[NV];
-    if constexpr (NV % 2 == 0) {
-      for (int v = 0; v < NV; v += 2) load32_split(vr + v * 16, &vv[v], &vv[v + 1]);
-    } else {
-      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + v * 16);
-    }
-    for (int r = 0; r < NR; ++r) {
-      __m512 pj = _mm512_set1_ps(s[r * kTile + j]);
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + c0 + v * 16, a[r][v]);
-}
-
-template <int NR, typename CT>
-void accumulate_rows(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
-                     int64_t D) {
-  int64_t c = 0;
-  for (; c + 64 <= D; c += 64) accumulate_v<NR, 4, CT>(s, kp, voff, n, acc, D, c);
-  for (; c < D; c += 16) accumulate_v<NR, 1, CT>(s, kp, voff, n, acc, D, c);
-}
-
-// Dispatch a row count 1..4 to a template (rows are handled four at a time).
-template <typename F>
-void by_rows(int64_t nr, F f) {
-  switch (nr) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
-}
-
-// Calls f(r0, nr, koff) for each group of at most four rows of one KV head (koff: the head's
-// offset in an entry); groups never straddle heads.
-template <typename F>
-void row_groups(const Problem& p, const Span& s, F f) {
-  for (int64_t h = 0; h < p.kv_heads; ++h)
-    for (int64_t r = 0; r < s.head_rows; r += 4)
-      f(h * s.head_rows + r, std::min<int64_t>(4, s.head_rows - r), h * p.dim);
-}
-
-// The entries to prefetch while keys [.., k1) of `it` are scored: its next tile, and the next
-// item's first tile once `it` ends within the next tile (so an item's last tile is not left
-// without a prefetch running ahead).
-template <typename CT>
-Prefetch next_entries(const Problem& p, const Item& it, const Item* next, const Span& s,
-                      int64_t k1, Scratch& w, int64_t entry_bytes) {
-  const CT** kp = reinterpret_cast<const CT**>(w.next_kp.data());
-  int64_t n = 0;
-  if (k1 < s.hi) {
-    int64_t n1 = std::min(k1 + kTile, s.hi);
-    entry_ptrs<CT>(p, it, k1, n1, kp);
-    n = n1 - k1;
-  }
-  if (k1 + kTile >= s.hi && next != nullptr) {
-    Span ns = span_of(p, *next);
-    int64_t n1 = std::min(ns.lo + kTile, ns.hi);
-    entry_ptrs<CT>(p, *next, ns.lo, n1, kp + n);
-    n += n1 - ns.lo;
-  }
-  return Prefetch{reinterpret_cast<const char* const*>(kp), n, 0, entry_bytes};
-}
-
-template <typename QT, typename CT>
-void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& w) {
-  Span s = span_of(p, it);
-  const int64_t D = p.dim, voff = p.kv_heads * D;
-  const int64_t entry_bytes = p.width * static_cast<int64_t>(sizeof(CT));
-  const CT** kp = start_item<QT, CT>(p, it, s, w);
-#if defined(__AVX512BF16__)
-  // bf16 x bf16 dot products take the queries as bf16: the caller's own values, unchanged.
-  constexpr bool kBf16 = std::is_same_v<QT, at::BFloat16> && std::is_same_v<CT, QT>;
-  const bool bf16_dots = kBf16 && D % 32 == 0;
-  if (bf16_dots)
-    for (int64_t i = 0; i < s.rows * D; ++i) w.qb[i] = at::BFloat16(w.q[i]);
-#endif
-  for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
-    int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
-    entry_ptrs<CT>(p, it, k0, k1, kp);
-    Prefetch ahead = next_entries<CT>(p, it, next, s, k1, w, entry_bytes);
-    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
-      // Keys any of these rows sees: the first row's window start to the last row's query.
-      int64_t a0, b0, a1, b1;
-      row_range(p, it, s, r0, k0, k1, &a0, &b0);
-      row_range(p, it, s, r0 + nr - 1, k0, k1, &a1, &b1);
-      int64_t ja = a0 - k0, jb = std::max(b1 - k0, ja);
-      float* srow = w.s.data() + r0 * kTile;
-      Prefetch* pf = r0 == 0 ? &ahead : nullptr;
-      by_rows(nr, [&](auto c) {
-        constexpr int NR = decltype(c)::value;
-#if defined(__AVX512BF16__)
-        if constexpr (kBf16) {
-          if (bf16_dots) {
-            scores<NR, at::BFloat16, true>(w.qb.data() + r0 * D, D,
-                                           reinterpret_cast<const at::BFloat16* const*>(kp),
-                                           koff, ja, jb, p.scale, srow, pf);
-            return;
-          }
-        }
-#endif
-        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow, pf);
-      });
-    });
-    ahead.upto(ahead.n);              // what the score pass left (few keys, empty rows)
-    bool any = false;
-    for (int64_t r = 0; r < s.rows; ++r) {
-      int64_t a, b;
-      row_range(p, it, s, r, k0, k1, &a, &b);
-      any |= softmax_update(w.s.data() + r * kTile, n, a - k0, b - k0, &w.m[r], &w.l[r],
-                            w.acc.data() + r * D, D, exp_span_avx512);
-    }
-    if (!any) continue;
-    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
-      by_rows(nr, [&](auto c) {
-        accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
-                                                w.acc.data() + r0 * D, D);
-      });
-    });
-  }
-  if constexpr (std::is_same_v<CT, at::BFloat16>)
-    for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
-  store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
-}
-#endif  // __AVX512F__
-
 // ---------------------------------------------------------------- the op
 
 // Queries per work item: kMaxRows folded rows per KV head.
@@ -557,16 +92,76 @@ std::vector<Item> make_items(const Problem& p, int64_t num_reqs) {
   return items;
 }
 
-template <typename QT, typename CT>
-void run(const Problem& p, const std::vector<Item>& items, bool portable) {
-  auto fn = attend_portable<QT, CT>;
-#if defined(__AVX512F__)
-  if (!portable && p.dim % 16 == 0) fn = attend_avx512<QT, CT>;
-#endif
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+// Item boundaries of `parts` consecutive runs of about equal work (keys read x rows, plus a
+// fixed cost per item). Equal item counts per thread, what at::parallel_for gives, leave one
+// thread idle while the other finishes longer contexts.
+std::vector<int64_t> balanced_runs(const Problem& p, const std::vector<Item>& items,
+                                   int64_t parts) {
+  std::vector<double> done(items.size() + 1, 0.0);
+  for (size_t i = 0; i < items.size(); ++i) {
+    Span s = span_of(p, items[i]);
+    done[i + 1] = done[i] + static_cast<double>(s.hi - s.lo) * (s.rows + 4) + 256.0;
+  }
+  std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(items.size()));
+  bounds[0] = 0;
+  for (int64_t c = 1; c < parts; ++c) {
+    double target = done.back() * static_cast<double>(c) / static_cast<double>(parts);
+    bounds[c] = std::lower_bound(done.begin(), done.end(), target) - done.begin();
+    bounds[c] = std::max(bounds[c - 1], bounds[c]);
+  }
+  return bounds;
+}
+
+void run(const Problem& p, const std::vector<Item>& items, bool q_bf16, bool cache_bf16,
+         bool portable) {
+  AttendFn fn = q_bf16 ? (cache_bf16 ? attend_portable<at::BFloat16, at::BFloat16>
+                                     : attend_portable<at::BFloat16, float>)
+                       : (cache_bf16 ? attend_portable<float, at::BFloat16>
+                                     : attend_portable<float, float>);
+  if (AttendFn fast = avx512_attend(q_bf16, cache_bf16); fast && !portable && p.dim % 16 == 0)
+    fn = fast;
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> bounds = balanced_runs(p, items, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t c0, int64_t c1) {
     Scratch w(query_block(p) * p.heads, p.dim);
-    for (int64_t i = b; i < e; ++i) fn(p, items[i], i + 1 < e ? &items[i + 1] : nullptr, w);
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t i = bounds[c], e = bounds[c + 1]; i < e; ++i)
+        fn(p, items[i], i + 1 < e ? &items[i + 1] : nullptr, w);
   });
+}
+
+// Store token t's [k_t | v_t] (each [Hkv, D], any token/head strides, unit column stride) at
+// flat slot slots[t] of the cache, in the cache's dtype (round to nearest even, as .to()).
+template <typename ST, typename CT>
+void write_entries(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                   at::Tensor& cache) {
+  const int64_t T = k.size(0), kvh = k.size(1), D = k.size(2), width = cache.size(2);
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] < num_slots, "paged_attention_write: slot_mapping[", t, "] = ", sl[t],
+                " is past the cache's ", num_slots, " slots");
+  const ST* kp = k.data_ptr<ST>();
+  const ST* vp = v.data_ptr<ST>();
+  CT* dst = cache.data_ptr<CT>();
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sl[t] < 0) continue;
+      CT* e = dst + sl[t] * width;
+      for (int64_t h = 0; h < kvh; ++h) {
+        const ST* ks = kp + t * k.stride(0) + h * k.stride(1);
+        const ST* vs = vp + t * v.stride(0) + h * v.stride(1);
+        for (int64_t d = 0; d < D; ++d) e[h * D + d] = static_cast<CT>(ks[d]);
+        for (int64_t d = 0; d < D; ++d) e[(kvh + h) * D + d] = static_cast<CT>(vs[d]);
+      }
+    }
+  });
+}
+
+void check_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "paged_attention: ", name, " must be float32 or bfloat16");
 }
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
@@ -577,16 +172,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
   TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D]");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(),
               "paged_attention: cache must be a contiguous [blocks, block_size, width]");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
-              "paged_attention: q must be float32 or bfloat16");
-  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16,
-              "paged_attention: cache must be float32 or bfloat16");
+  check_dtype(q_in, "q");
+  check_dtype(cache, "cache");
   for (const at::Tensor* t : {&block_table, &query_start_loc, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu(),
                 "paged_attention: index tensors must be int64 CPU tensors");
   TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1,
               "paged_attention: block_table must be [rows, max_blocks] with unit row stride");
-  at::Tensor q = q_in.contiguous();
+  at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   at::Tensor qsl = query_start_loc.contiguous(), lens = seq_lens.contiguous();
   const int64_t num_reqs = lens.numel();
   TORCH_CHECK(qsl.numel() == num_reqs + 1, "paged_attention: query_start_loc must be [R+1]");
@@ -617,39 +210,66 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
     TORCH_CHECK(lp[r] >= 0 && (lp[r] + block_size - 1) / block_size <= block_table.size(1),
                 "paged_attention: seq_lens[", r, "] = ", lp[r], " passes its block table");
 
-  at::Tensor out = at::empty_like(q);
-  Problem p{static_cast<const char*>(q.data_ptr()), static_cast<char*>(out.data_ptr()),
-            static_cast<const char*>(cache.data_ptr()), block_table.data_ptr<int64_t>(),
-            block_table.stride(0), req_rows.defined() ? req_rows.data_ptr<int64_t>() : nullptr,
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  Problem p{static_cast<const char*>(q.data_ptr()), q.stride(0), q.stride(1),
+            static_cast<char*>(out.data_ptr()), static_cast<const char*>(cache.data_ptr()),
+            block_table.data_ptr<int64_t>(), block_table.stride(0),
+            req_rows.defined() ? req_rows.data_ptr<int64_t>() : nullptr,
             qsl.data_ptr<int64_t>(), lp, heads, kv_heads, heads / kv_heads, dim, width,
             block_size, cache.size(0), window, static_cast<float>(scale)};
-  std::vector<Item> items = make_items(p, num_reqs);
-  const bool qb = q.scalar_type() == at::kBFloat16, cb = cache.scalar_type() == at::kBFloat16;
-  if (qb && cb) run<at::BFloat16, at::BFloat16>(p, items, portable);
-  else if (qb) run<at::BFloat16, float>(p, items, portable);
-  else if (cb) run<float, at::BFloat16>(p, items, portable);
-  else run<float, float>(p, items, portable);
+  run(p, make_items(p, num_reqs), q.scalar_type() == at::kBFloat16,
+      cache.scalar_type() == at::kBFloat16, portable);
   return out;
 }
 
-bool has_avx512_path() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
+at::Tensor paged_attention_write(const at::Tensor& q, const at::Tensor& k_in,
+                                 const at::Tensor& v_in, at::Tensor& cache,
+                                 const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                 const std::optional<at::Tensor>& req_rows,
+                                 const at::Tensor& query_start_loc,
+                                 const at::Tensor& seq_lens, double scale, int64_t window,
+                                 bool portable) {
+  TORCH_CHECK(k_in.dim() == 3 && v_in.sizes() == k_in.sizes() &&
+                  k_in.scalar_type() == v_in.scalar_type(),
+              "paged_attention_write: k and v must be [T, Hkv, D] of one dtype");
+  TORCH_CHECK(k_in.size(0) == q.size(0) && k_in.size(2) == q.size(2) && q.dim() == 3,
+              "paged_attention_write: k/v [T, Hkv, D] do not match q [T, H, D]");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && 2 * k_in.size(1) * k_in.size(2) ==
+                  cache.size(2),
+              "paged_attention_write: cache width is not 2 * Hkv * D");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
+                  slot_mapping.numel() == k_in.size(0),
+              "paged_attention_write: slot_mapping must be int64 CPU [T]");
+  check_dtype(k_in, "k");
+  check_dtype(cache, "cache");
+  at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
+  at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
+  at::Tensor slots = slot_mapping.contiguous();
+  const bool kb = k.scalar_type() == at::kBFloat16, cb = cache.scalar_type() == at::kBFloat16;
+  if (kb && cb) write_entries<at::BFloat16, at::BFloat16>(k, v, slots, cache);
+  else if (kb) write_entries<at::BFloat16, float>(k, v, slots, cache);
+  else if (cb) write_entries<float, at::BFloat16>(k, v, slots, cache);
+  else write_entries<float, float>(k, v, slots, cache);
+  return paged_attention(q, cache, block_table, req_rows, query_start_loc, seq_lens, scale,
+                         window, portable);
 }
 
 }  // namespace
+}  // namespace wideserve_paged
 
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_table, Tensor? req_rows, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int window, "
         "bool portable=False) -> Tensor");
+  m.def("paged_attention_write(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, "
+        "Tensor slot_mapping, Tensor block_table, Tensor? req_rows, Tensor query_start_loc, "
+        "Tensor seq_lens, float scale, int window, bool portable=False) -> Tensor");
   // Whether this build has the AVX512 path (else `portable` changes nothing).
-  m.def("paged_attention_has_avx512() -> bool", [] { return has_avx512_path(); });
+  m.def("paged_attention_has_avx512() -> bool",
+        [] { return wideserve_paged::avx512_attend(false, false) != nullptr; });
 }
 
 TORCH_LIBRARY_IMPL(wideserve, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention", &wideserve_paged::paged_attention);
+  m.impl("paged_attention_write", &wideserve_paged::paged_attention_write);
 }

@@ -41,7 +41,10 @@ instead to `torch.ops.wideserve.paged_attention` (wideserve/kernels/csrc/paged_a
 which reads the paged cache in place through the block table: no gather, no padding, no plan,
 an online softmax in fp32 per (request, query block) over all KV heads. It is faster than the
 buckets at every shape measured, decode and prefill (docs/cpu_kernels.md); the buckets stay
-the path on other devices, for other dtypes, and where the extension failed to build.
+the path on other devices, for other dtypes, and where the extension failed to build. Its
+`paged_attention_write` form also stores the step's K/V entries first (one call per layer, no
+torch.cat + index_copy_); a prefix replay, which writes only some rows, keeps the torch write
+and the plain op.
 """
 from __future__ import annotations
 
@@ -277,15 +280,23 @@ def cpu_kernel_applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def paged_attention_kernel(q: torch.Tensor, cache: torch.Tensor, view: KVGroupView,
                            batch: ForwardBatch, scale: float, window: int | None,
-                           portable: bool = False) -> torch.Tensor:
-    """The C++ op over every request of the step ([T, H, D], q's dtype); this step's entries
-    must already be in the cache. portable: force its plain C++ loop (no AVX512)."""
+                           portable: bool = False, k: torch.Tensor | None = None,
+                           v: torch.Tensor | None = None) -> torch.Tensor:
+    """The C++ op over every request of the step ([T, H, D], q's dtype). Without k/v this
+    step's entries must already be in the cache; with k/v [T, Hkv, D] the op first writes
+    every token's entry at the view's slot mapping (one call, no torch.cat/index_copy_).
+    portable: force its plain C++ loop (no AVX512)."""
     if view.block_size != cache.shape[1]:
         raise ValueError(f"block size {view.block_size} != cache entries per block "
                          f"{cache.shape[1]} (paged attention needs compress_ratio 1)")
-    return torch.ops.wideserve.paged_attention(
-        q, cache, view.block_table, view.req_rows, batch.query_start_loc, batch.seq_lens,
-        scale, 0 if window is None else window, portable)
+    w = 0 if window is None else window
+    if k is None:
+        return torch.ops.wideserve.paged_attention(
+            q, cache, view.block_table, view.req_rows, batch.query_start_loc, batch.seq_lens,
+            scale, w, portable)
+    return torch.ops.wideserve.paged_attention_write(
+        q, k, v, cache, view.slot_mapping, view.block_table, view.req_rows,
+        batch.query_start_loc, batch.seq_lens, scale, w, portable)
 
 
 def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -308,13 +319,18 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"KV entry width {2 * num_kv_heads * head_dim} != cache width "
                          f"{cache.shape[-1]}")
     plans = PagedAttentionPlans(batch) if plans is None else plans
-    flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
     wp = plans.write(cache_name, window)
+    kernel = cpu_kernel_applies(q, cache) and k.dtype in KERNEL_DTYPES
+    if kernel and wp.rows is None:
+        # The op writes every token's entry and attends, in one call.
+        return paged_attention_kernel(q, cache, view, batch, scale, window, k=k, v=v)
+    flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
     entries = torch.cat((k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)), dim=-1)
     if wp.rows is not None:
+        # Prefix replay: a FULL cache already holds the entries below kv_write_start.
         entries = entries.index_select(0, wp.rows)
     flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
-    if cpu_kernel_applies(q, cache):
+    if kernel:
         return paged_attention_kernel(q, cache, view, batch, scale, window)
 
     plan = plans.attention(cache_name, window, num_heads)
