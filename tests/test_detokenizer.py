@@ -175,3 +175,64 @@ def test_leading_space_uses_prompt_context():
 def test_rejects_empty_stop_string(ds):
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(ds, [], stop=[""])
+
+
+class _PythonOnly:
+    """The tokenizer without its Rust stream: IncrementalDetokenizer's Python path."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.decode = tok.decode
+
+
+def _feed(det: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> list:
+    seen, i = [], 0
+    for n in chunks:
+        seen.append((det.update(ids[i:i + n]), det.get_next_delta()))
+        i += n
+        if det.finished:
+            break
+    det.finish()
+    return seen + [(det.get_next_delta(), det.output_text, det.token_ids, det.stop_reason)]
+
+
+def test_rust_stream_matches_python_path(ds):
+    # Random ids split characters across tokens and hit special tokens; the prompt contexts
+    # include one ending in half a character (the stream is then not used).
+    rng = random.Random(3)
+    half = ds.encode(" 🌍")[:1]
+    streamed = 0
+    for trial in range(40):
+        prompt = [rng.randrange(3, 128000) for _ in range(rng.randint(0, 8))]
+        if trial % 5 == 0:
+            prompt += half
+        ids = [rng.randrange(0, 128000) for _ in range(rng.randint(1, 50))]
+        chunks = [rng.randint(1, 3) for _ in ids]
+        kw = dict(skip_special_tokens=trial % 2 == 0, stop=["ab", "\u4e16"] if trial % 3 else ())
+        fast = IncrementalDetokenizer(ds, prompt, **kw)
+        assert (fast._stream is None) == (trial % 5 == 0 and
+                                          ds.decode(prompt[-5:]).endswith("\ufffd"))
+        slow = IncrementalDetokenizer(_PythonOnly(ds), prompt, **kw)
+        assert slow._stream is None
+        assert _feed(fast, ids, chunks) == _feed(slow, ids, chunks)
+        streamed += fast._stream is not None       # it ran to the end, no fallback
+    assert streamed >= 25
+
+
+def test_rust_stream_failure_continues_on_python_path(ds):
+    class Failing:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def step(self, token_id: int) -> str | None:
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("InvalidPrefix")
+            return real.step(token_id)
+
+    ids = ds.encode(UTF8_TEXT)
+    det = IncrementalDetokenizer(ds, [])
+    real, det._stream = det._stream, Failing()
+    assert real is not None
+    det.update(ids)
+    det.finish()
+    assert det._stream is None and det.output_text == UTF8_TEXT

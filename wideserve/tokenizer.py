@@ -35,6 +35,22 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from wideserve.chat_templates import default_for_vocab
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# tokenizers >= 0.21; None on older builds (the detokenizer's Python path then).
+_DecodeStream = getattr(tokenizers.decoders, "DecodeStream", None)
+
+
+class DecodeStep:
+    """One request's tokenizers.decoders.DecodeStream bound to its backend: step(id) is the
+    text the id completes (None: none yet), as IncrementalDetokenizer's window computes it."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: tokenizers.Tokenizer, stream: Any) -> None:
+        self._backend, self._stream = backend, stream
+
+    def step(self, token_id: int) -> str | None:
+        text: str | None = self._stream.step(self._backend, token_id)
+        return text
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -289,6 +305,14 @@ class Tokenizer:
             ids = ids.tolist()
         text: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self._clean_up else text
+
+    def decode_stream(self, skip_special_tokens: bool, context: Sequence[int]
+                      ) -> DecodeStep | None:
+        """tokenizers' incremental decoder over `context` (wideserve/detokenizer.py), or None
+        where it would not decode as `decode` does: the space cleanup runs in Python here."""
+        if self._clean_up or _DecodeStream is None:
+            return None
+        return DecodeStep(self.backend, _DecodeStream(list(context), skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
         return [self.backend.id_to_token(int(i)) for i in ids]

@@ -72,8 +72,12 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stream: bool = True) -> None:
+        """stream=False (the offline LLM): a parent's RequestOutput is made only once it has
+        finished, and no CompletionDeltas, so a step costs no per-request output objects;
+        the finished outputs are the same."""
         self.tokenizer = tokenizer
+        self.stream = stream
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
 
@@ -111,7 +115,7 @@ class OutputProcessor:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                       params.stop or (), params.include_stop_str_in_output,
-                                      params.min_tokens)
+                                      params.min_tokens, streaming=self.stream)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a parent (e.g. the client went away); returns its children's core ids."""
@@ -156,6 +160,8 @@ class OutputProcessor:
         result = ProcessedOutputs([], {}, to_abort, failed)
         for pid, parent in touched.items():
             finished = parent.num_unfinished == 0
+            if not (finished or self.stream):
+                continue
             result.request_outputs.append(RequestOutput(
                 pid, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
                 [c.out for c in parent.children.values()], finished, parent.metrics,
@@ -207,11 +213,12 @@ class OutputProcessor:
             co.finish_reason, co.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:
             co.finish_reason, co.stop_reason = out.finish_reason, out.stop_reason
-        delta_text = child.detok.get_next_delta() if child.detok is not None else ""
-        if child.detok is not None:
+        if self.stream:
+            delta_text = child.detok.get_next_delta() if child.detok is not None else ""
+            child.delta = CompletionDelta(child.index, delta_text, ids, new_lps,
+                                          co.finish_reason, co.stop_reason)
+        if child.detok is not None and (self.stream or co.finished):
             co.text = child.detok.output_text
-        child.delta = CompletionDelta(child.index, delta_text, ids, new_lps, co.finish_reason,
-                                      co.stop_reason)
         if co.finished:
             parent.num_unfinished -= 1
             if parent.num_unfinished == 0:

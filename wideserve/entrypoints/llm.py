@@ -61,7 +61,7 @@ class LLM:
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else \
             load_tokenizer(model_path, config.load.tokenizer)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, stream=False)   # finished outputs only
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

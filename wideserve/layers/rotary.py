@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TABLE_MIN = 1024      # positions of the smallest cos/sin table (RotaryEmbedding.cos_sin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +99,28 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
         # frequencies (positions in the thousands would then rotate visibly wrong).
         self._inv_freq = inverse_frequencies(head_dim, theta, scaling or RopeScaling())
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None   # derived: cos_sin()
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] fp32."""
+    def cos_sin(self, positions: torch.Tensor, max_position: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] fp32. `max_position`: a bound (exclusive) on `positions` the caller
+        knows on the host; with it, on the CPU, the rows are gathered from tables of every
+        position below the bound, computed once (the same values: one row per position of the
+        same elementwise arithmetic), instead of five small ops over [T, D] every step. The
+        tables grow by doubling. Elsewhere (CUDA: a graph must not see the tables move) the
+        rows are computed."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
+        if max_position is None or positions.device.type != "cpu" \
+                or torch.compiler.is_compiling():
+            return self._compute(positions)
+        if self._table is None or self._table[0].shape[0] < max_position:
+            size = max(ROPE_TABLE_MIN, 1 << max(0, max_position - 1).bit_length())
+            self._table = self._compute(torch.arange(size, device=positions.device))
+        cos, sin = self._table
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self._inv_freq[None, :]   # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                        # [T, D]
         return emb.cos(), emb.sin()

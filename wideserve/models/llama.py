@@ -257,7 +257,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
-        cos, sin = self.rotary.cos_sin(batch.positions)        # [T, D] fp32, shared by layers
+        seq_lens = batch.seq_lens_cpu                          # bounds every position
+        cos, sin = self.rotary.cos_sin(                        # [T, D] fp32, shared by layers
+            batch.positions, int(seq_lens.max()) if seq_lens.size else 0)
         plans = PagedAttentionPlans(batch)                     # attention indices, shared too
         return self._run_layers(h, cos, sin, batch, plans)
 
