@@ -12,6 +12,7 @@ Decode steps can instead go through the captured decode step (decode_capture.py,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,15 +96,21 @@ class ModelRunner:
         qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
         num_tokens = int(qsl[-1])
-        req_of_token = np.repeat(np.arange(len(reqs)), qlens)
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], qlens)
-        input_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
+        input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64,
+                                count=num_tokens)
         seq_lens = starts + qlens
         dev = self.device
-        rows = np.fromiter((self.tables.update(r.request_id, r.block_ids, r.is_new)
-                            for r in reqs), dtype=np.int64, count=len(reqs))
+        update = self.tables.update
+        rows = np.fromiter((update(r.request_id, r.block_ids, r.is_new) for r in reqs),
+                           dtype=np.int64, count=len(reqs))
         rows_t = to_device(rows, dev)
-        token_rows = rows[req_of_token]
+        if num_tokens == len(reqs):        # one token per request (decode): token = request
+            positions, token_rows = starts, rows
+        else:
+            req_of_token = np.repeat(np.arange(len(reqs)), qlens)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1],
+                                                                          qlens)
+            token_rows = rows[req_of_token]
         views = [self._group_view(g, layout, rows, rows_t, token_rows, positions)
                  for g, layout in enumerate(self.groups)]
         write_start = write_start_cpu = replay_start = None
@@ -144,20 +151,24 @@ class ModelRunner:
             if input_ids is not None:
                 batch.input_ids = input_ids
             hidden = self.model.forward(batch)
-        ends = batch.query_start_loc_cpu[1:] - 1
-        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+        qsl = batch.query_start_loc_cpu
+        sample = np.fromiter((r.sample for r in reqs), dtype=bool, count=len(reqs))
+        sample_rows = np.flatnonzero(sample).tolist()
         logits = None
         if sample_rows:
-            idx = ends[sample_rows]
-            if self.with_drafts:
-                idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
-            rows = to_device(idx, hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if hidden.shape[0] == len(sample_rows):
+                sampled = hidden                    # every row is a request's last: no gather
+            else:
+                idx = qsl[1:][sample] - 1
+                if self.with_drafts:
+                    idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
+                sampled = hidden.index_select(0, to_device(idx, hidden.device))
+            logits = self.model.compute_logits(sampled)
         prompt_hidden: dict[int, torch.Tensor] = {}
-        for i, r in enumerate(reqs):
-            if r.prompt_logits:
-                lo, hi = int(batch.query_start_loc_cpu[i]), int(batch.query_start_loc_cpu[i + 1])
-                prompt_hidden[i] = hidden[lo:hi]
+        if any(r.prompt_logits for r in reqs):
+            for i, r in enumerate(reqs):
+                if r.prompt_logits:
+                    prompt_hidden[i] = hidden[int(qsl[i]):int(qsl[i + 1])]
         return ForwardOutput(logits, sample_rows, prompt_hidden, batch)
 
 

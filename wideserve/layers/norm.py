@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from wideserve.kernels.loader import cpu_ops_available
-from wideserve.layers.linear import weights_fingerprint
 
 USE_CPU_KERNEL = True          # the C++ norm ops on the CPU (False: the torch path; for A/B runs)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -27,14 +26,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def cpu_kernel_applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """Whether the C++ norm op may stand in for the torch path for this call."""
-    if not USE_CPU_KERNEL or x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
+    """Whether the C++ norm op may stand in for the torch path for this call. The cheap
+    attribute checks first: this runs twice per layer of every step (docs/host_path.md)."""
+    if not (USE_CPU_KERNEL and x.is_cpu and x.dtype in KERNEL_DTYPES):
         return False
-    if torch.compiler.is_compiling():
-        return False       # the ops have no fake kernels: a compiled graph keeps the torch path
     if torch.is_grad_enabled() and (x.requires_grad
                                     or (weight is not None and weight.requires_grad)):
         return False       # no autograd formula: training keeps the torch path
+    if torch.compiler.is_compiling():
+        return False       # the ops have no fake kernels: a compiled graph keeps the torch path
     return cpu_ops_available()
 
 
@@ -64,27 +64,40 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self._fp32: tuple[tuple, torch.Tensor] | None = None   # derived: (fingerprint, copy)
+        # derived: (source tensor, data_ptr, version, fp32 copy); see fp32_weight
+        self._fp32: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
     def fp32_weight(self) -> torch.Tensor:
         """The weight in fp32 for the C++ ops, converted once (a bf16 weight cost a ~15 us
-        conversion per call), rebuilt when the parameter changes (layers/linear.py)."""
+        conversion per call), rebuilt when the parameter changes: another tensor or storage
+        (`.data = ...`, `.to()`) or an in-place write (its version counter), as
+        layers/linear.py's WeightPack checks."""
         w = self.weight
         if w.dtype == torch.float32:
             return w
-        key = weights_fingerprint((w,))
-        if self._fp32 is None or self._fp32[0] != key:
-            self._fp32 = (key, w.detach().float())
-        return self._fp32[1]
+        c = self._fp32
+        if c is None or c[0] is not w or c[1] != w.data_ptr() or c[2] != _version(w):
+            c = self._fp32 = (w, w.data_ptr(), _version(w), w.detach().float())
+        return c[3]
 
     def fast(self, x: torch.Tensor) -> torch.Tensor:
-        kernel_w = self.fp32_weight() if cpu_kernel_applies(x, self.weight) else None
-        return fast_rms_norm(x, self.weight, self.eps, kernel_w)
+        if cpu_kernel_applies(x, self.weight):
+            return torch.ops.wideserve.rms_norm(x, self.fp32_weight(), self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        kernel_w = self.fp32_weight() if cpu_kernel_applies(h, self.weight) else None
-        return add_rms_norm(h, delta, self.weight, self.eps, kernel_w)
+        """add_rms_norm with this norm's weight (one C++ pass on the CPU)."""
+        if delta.dtype == h.dtype and not delta.requires_grad \
+                and cpu_kernel_applies(h, self.weight):
+            return torch.ops.wideserve.add_rms_norm(h, delta, self.fp32_weight(), self.eps)
+        s = h + delta
+        return s, rms_norm(s, self.weight, self.eps)
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors keep no version counter (and cannot be written outside inference mode).
+    return 0 if t.is_inference() else t._version

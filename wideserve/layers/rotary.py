@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from wideserve.kernels.loader import cpu_ops_available
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_TABLE_MIN = 1024      # positions of the smallest cos/sin table (RotaryEmbedding.cos_sin)
 
@@ -147,13 +149,10 @@ def fused_norm_rope_applies(qkv: torch.Tensor) -> bool:
     """Whether `norm_rope_qkv_` runs the C++ op (docs/cpu_kernels.md, "q/k norm + RoPE"): CPU,
     fp32/bf16, row-contiguous, no autograd (the op writes in place), the extension built; not
     inside torch.compile (the op has no fake kernel; a compiled graph fuses these ops itself)."""
-    if torch.compiler.is_compiling():
+    if not (USE_CPU_KERNEL and qkv.is_cpu and qkv.dtype in KERNEL_DTYPES and qkv.dim() == 2
+            and not qkv.requires_grad and qkv.stride(-1) == 1):
         return False
-    if not (USE_CPU_KERNEL and qkv.device.type == "cpu" and qkv.dtype in KERNEL_DTYPES
-            and qkv.dim() == 2 and qkv.stride(-1) == 1 and not qkv.requires_grad):
-        return False
-    from wideserve.kernels.loader import cpu_ops_available
-    return cpu_ops_available()
+    return not torch.compiler.is_compiling() and cpu_ops_available()
 
 
 def norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
