@@ -1,4 +1,5 @@
-"""KV cache slabs on the CPU: zeroed, huge-page backed where Linux offers it (host_memory.py)."""
+"""KV cache slabs on the CPU: zeroed, committed as they are first written, huge-page backed
+where Linux offers it and it is asked for (host_memory.py)."""
 from __future__ import annotations
 
 import os
@@ -48,3 +49,23 @@ def test_large_buffer_is_advised_for_huge_pages_where_thp_exists(monkeypatch) ->
 def test_switch_off_gives_plain_zeros(monkeypatch) -> None:
     monkeypatch.setattr(host_memory, "USE_HUGE_PAGES", False)
     assert not host_memory.zeros(4 << 20, torch.device("cpu")).any()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_large_buffer_is_committed_only_where_written() -> None:
+    """Allocating the pool costs no memory (nor the time to zero it) until it is written; the
+    buffer stays valid and zeroed elsewhere however it is viewed."""
+    if not sys.platform.startswith("linux"):
+        return          # elsewhere: torch.zeros, checked by test_zeros_are_zero_and_sized
+    before = _rss_bytes()
+    buf = host_memory.zeros(512 << 20, torch.device("cpu"))
+    assert _rss_bytes() - before < 64 << 20
+    view = buf.view(torch.bfloat16).view(1024, 64, -1)
+    view[3].fill_(1.5)
+    del buf
+    assert (view[3] == 1.5).all() and not view[4].any()
+    assert _rss_bytes() - before < 128 << 20

@@ -1,28 +1,37 @@
-"""Zeroed host buffers backed by transparent huge pages where Linux offers them.
+"""Zeroed host buffers for the KV pool: committed as they are first written, on transparent
+huge pages where Linux offers them and they are asked for.
 
-The paged KV cache is read block by block from scattered places in a pool of hundreds of MB.
-With 4 KiB pages each 32 KiB block spans 8 pages, and the TLB covers only a few MB: reading
-the cache from DRAM then runs at ~9 GB/s on one Zen 4 core against ~15 GB/s with 2 MiB pages
-(docs/cpu_kernels.md, "Paged attention"). Linux distributions mostly set THP to "madvise"
-(this machine too), so the pool can ask for huge pages itself (madvise(MADV_HUGEPAGE) on the
-untouched buffer, then zeroing it faults them in). Where that is unavailable (not Linux, THP
-off, a failing call) the buffer is ordinary memory: huge pages change speed, never contents.
+A large CPU buffer is a fresh anonymous mapping (`mmap`), which the kernel zero-fills page by
+page at first touch: allocating the pool (1 GiB by default) costs no time and no memory until
+blocks are written, where `torch.zeros` wrote every page at startup (0.3-1 s for 1 GiB on
+this VM, BENCHMARKS.md "KV write in the op, lazy KV pool"). The pool's size is still the
+budget: the scheduler never hands out more blocks than it holds, so what is committed grows
+with the blocks in use and stops at the budget (the memory must be there when it is reached,
+as before, only the moment it is taken moves from startup to first use).
 
-Off by default (`USE_HUGE_PAGES`): in the engine the 11M Qwen3-MoE decode read no faster on
-them (its per-step KV is small and partly cached) while zeroing a huge-page pool added 0.6-2 s
-to startup (BENCHMARKS.md, "Paged attention decode near the read roofline"); the gain in
-the random-block read test above is for pools whose reads miss the TLB far more often.
+The paged KV cache is read block by block from scattered places in the pool. With 4 KiB pages
+each 32 KiB block spans 8 pages, and the TLB covers only a few MB: reading the cache from DRAM
+then runs at ~9 GB/s on one Zen 4 core against ~15 GB/s with 2 MiB pages (docs/cpu_kernels.md,
+"Paged attention"). Linux distributions mostly set THP to "madvise" (this machine too), so the
+pool can ask for huge pages itself (madvise(MADV_HUGEPAGE) on the untouched mapping; each
+2 MiB page is then faulted in, zeroed, at its first write). Where that is unavailable (not
+Linux, THP off, a failing call, no free contiguous memory) the buffer is ordinary memory:
+huge pages change speed, never contents.
+
+`USE_HUGE_PAGES`: see its comment for the default and the measurement behind it.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
+LAZY_MIN_BYTES = 1 << 20          # smaller buffers: torch.zeros (a mapping each is not worth it)
 MADV_HUGEPAGE = 14                # <sys/mman.h> on Linux
 USE_HUGE_PAGES = False            # off: no gain measured in the engine, +0.6-2 s startup
                                   # (BENCHMARKS.md "Paged attention decode near the read roofline")
@@ -53,10 +62,15 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def zeros(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A zeroed uint8 buffer of `nbytes` on `device`; on the CPU backed by huge pages where
-    possible (module docstring)."""
-    if device.type != "cpu" or not USE_HUGE_PAGES or nbytes < HUGE_PAGE:
+    """A zeroed uint8 buffer of `nbytes` on `device`. On Linux CPUs a large one is a fresh
+    anonymous mapping, committed page by page as it is first written (module docstring), and
+    advised for huge pages when USE_HUGE_PAGES."""
+    if device.type != "cpu" or nbytes < LAZY_MIN_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    advise_huge_pages(buf)
-    return buf.zero_()
+    # The kernel zero-fills anonymous pages at their first touch; the tensor holds a reference
+    # to the mapping, which lives as long as the tensor's storage.
+    buf = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                           dtype=torch.uint8)
+    if USE_HUGE_PAGES:
+        advise_huge_pages(buf)
+    return buf

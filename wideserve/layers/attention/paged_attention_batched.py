@@ -62,6 +62,7 @@ MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
 MATMUL_MAX_ROWS = 16              # folded query rows (Q*G) up to which a bucket uses two GEMMs
 USE_CPU_KERNEL = True             # the C++ op on the CPU (False: the buckets; for A/B runs)
+FUSED_KV_WRITE = True             # the op writes the step's K/V itself (False: torch write; A/B)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # q and cache dtypes the C++ op takes
 
 
@@ -321,7 +322,7 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plans = PagedAttentionPlans(batch) if plans is None else plans
     wp = plans.write(cache_name, window)
     kernel = cpu_kernel_applies(q, cache) and k.dtype in KERNEL_DTYPES
-    if kernel and wp.rows is None:
+    if kernel and wp.rows is None and FUSED_KV_WRITE:
         # The op writes every token's entry and attends, in one call.
         return paged_attention_kernel(q, cache, view, batch, scale, window, k=k, v=v)
     flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
