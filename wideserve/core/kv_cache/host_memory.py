@@ -33,8 +33,11 @@ import torch
 HUGE_PAGE = 2 << 20
 LAZY_MIN_BYTES = 1 << 20          # smaller buffers: torch.zeros (a mapping each is not worth it)
 MADV_HUGEPAGE = 14                # <sys/mman.h> on Linux
-USE_HUGE_PAGES = False            # off: no gain measured in the engine, +0.6-2 s startup
-                                  # (BENCHMARKS.md "Paged attention decode near the read roofline")
+# Off: with the lazy pool they no longer cost startup, but a quiet in-engine A/B (11M decode,
+# 1 and 2 threads) showed no throughput gain again, and the first write into each 2 MiB page
+# took 0.2-6 ms (compaction) against ~0.02 ms for a 4 KiB page: a stall in whichever step
+# first fills it (BENCHMARKS.md "KV write in the op, lazy KV pool").
+USE_HUGE_PAGES = False
 
 
 @functools.cache
