@@ -65,9 +65,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
 
 def weights_fingerprint(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
     # Inference tensors keep no version counter (and cannot be written outside inference mode).
-    return tuple(None if t is None else
-                 (t.data_ptr(), 0 if t.is_inference() else t._version, t.dtype, t.device, t.shape)
-                 for t in tensors)
+    # A list comprehension: this runs for every prepared linear of every step.
+    return tuple([None if t is None else
+                  (t.data_ptr(), 0 if t.is_inference() else t._version, t.dtype, t.device, t.shape)
+                  for t in tensors])
 
 
 class WeightPack:

@@ -168,8 +168,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
         t = x.shape[0]
-        p = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = self._qkv.linear(x, tuple(m.weight for m in p), tuple(m.bias for m in p))
+        q_p, k_p, v_p = self.q_proj, self.k_proj, self.v_proj
+        qkv = self._qkv.linear(x, (q_p.weight, k_p.weight, v_p.weight),
+                               (q_p.bias, k_p.bias, v_p.bias))
         # On the CPU one C++ pass does the q/k norms and RoPE in place (layers/rotary.py);
         # elsewhere the torch ops below, which are its reference.
         fused = fused_norm_rope_applies(qkv)
