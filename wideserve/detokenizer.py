@@ -19,8 +19,8 @@ token after the one that completed it is ignored.
 Speed: where the tokenizer allows it (`Tokenizer.decode_stream`: a tokenizers backend without
 the Python-side space cleanup), each token's step runs in tokenizers' own `DecodeStream`, the
 same prefix/read offset algorithm in Rust: one call per token instead of two Python decodes
-(measured ~25 -> ~6 us per token on the bundled byte-level BPE: ~1 ms of a 64-request decode
-step; BENCHMARKS.md "Host path per decode step"). The Python offsets are kept in step with it,
+(measured ~6 -> ~3 us per token on a byte-level BPE: ~0.2 ms of a 64-request decode step;
+BENCHMARKS.md "Host path per decode step"). The Python offsets are kept in step with it,
 so finish() and a fallback (the stream rejects a window whose text changed under it, or the
 context's text ends in an incomplete character) continue from the same state on the Python
 path.

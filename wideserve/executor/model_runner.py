@@ -104,7 +104,8 @@ class ModelRunner:
         rows = np.fromiter((update(r.request_id, r.block_ids, r.is_new) for r in reqs),
                            dtype=np.int64, count=len(reqs))
         rows_t = to_device(rows, dev)
-        if num_tokens == len(reqs):        # one token per request (decode): token = request
+        one_each = num_tokens == len(reqs) and bool((qlens == 1).all())
+        if one_each:                       # one token per request (decode): token = request
             positions, token_rows = starts, rows
         else:
             req_of_token = np.repeat(np.arange(len(reqs)), qlens)
@@ -156,7 +157,8 @@ class ModelRunner:
         sample_rows = np.flatnonzero(sample).tolist()
         logits = None
         if sample_rows:
-            if hidden.shape[0] == len(sample_rows):
+            if hidden.shape[0] == len(sample_rows) == len(reqs) \
+                    and np.array_equal(qsl, np.arange(len(reqs) + 1)):
                 sampled = hidden                    # every row is a request's last: no gather
             else:
                 idx = qsl[1:][sample] - 1
