@@ -312,7 +312,11 @@ class Tokenizer:
         where it would not decode as `decode` does: the space cleanup runs in Python here."""
         if self._clean_up or _DecodeStream is None:
             return None
-        return DecodeStep(self.backend, _DecodeStream(list(context), skip_special_tokens))
+        try:
+            stream = _DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        except TypeError:      # a tokenizers release whose DecodeStream takes no prompt ids
+            return None
+        return DecodeStep(self.backend, stream)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
         return [self.backend.id_to_token(int(i)) for i in ids]
