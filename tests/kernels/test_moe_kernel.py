@@ -28,6 +28,7 @@ CASES = {  # name: (experts, k, hidden, intermediate, tokens, limit, routing)
     "limit-clamp": (16, 4, 32, 16, 19, 0.5, "half"),
     "empty-batch": (4, 2, 16, 16, 0, None, "all"),
     "wide-tiles": (3, 2, 80, 200, 21, 1.0, "all"),     # >1 row tile, output-block tails
+    "top-1": (6, 1, 32, 16, 9, None, "all"),          # each token's one row writes it
 }
 
 
@@ -73,6 +74,28 @@ def test_op_matches_oracle(case: str, dtype: torch.dtype, portable: bool) -> Non
     # bf16: the activation and the output are rounded once each (fp32 accumulation).
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("inter", [16, 200], ids=["block-items", "block-ranges"])
+def test_two_threads_give_the_one_thread_result(inter: int, dtype: torch.dtype) -> None:
+    """Phase 1 splits blocks of I into per-thread ranges when there are enough (200 -> 13
+    blocks), else (block, expert) items (16 -> 1 block); either way every output element is
+    computed by one thread in the same order: bit-identical to one thread."""
+    E, k, d, T = 8, 2, 48, 29
+    w1, w2 = (t.to(dtype) for t in _weights(E, d, inter, seed=11))
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    ids, w = _routing(T, E, k, "half", seed=7)
+    packed = moe_op.pack_experts(w1, w2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = moe_op.fused_experts(x, ids, w.to(dtype), *packed, inter, None)
+        torch.set_num_threads(2)
+        two = moe_op.fused_experts(x, ids, w.to(dtype), *packed, inter, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 def test_limit_changes_the_result() -> None:

@@ -3,11 +3,18 @@
 //   out[t] = sum_j  w[t, j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = ids[t, j]
 //
 // The T*k (token, pick) rows are counting-sorted by expert here, then two phases:
-//   1. gate/up GEMM + SwiGLU, parallel over (expert, 16-column block of I): the activation of
-//      every sorted row goes to a scratch [N, Ip] buffer in the model dtype;
-//   2. down GEMM + weighted scatter-add, parallel over 16-column blocks of the output, so no
+//   1. gate/up GEMM + SwiGLU, parallel over 16-column blocks j of I: a thread takes a range
+//      of blocks for every expert, so threads get the same number of rows whatever the
+//      routing (an expert-major split gave one thread the experts that happened to be busy);
+//      with more threads than that has blocks for, (block, expert) items in block-major
+//      order. The activation of every sorted row goes to a scratch [N, Ip] buffer in the
+//      model dtype;
+//   2. down GEMM + weighted scatter-add, parallel over 64-column groups of the output, so no
 //      two threads ever add into the same output element.
-// Accumulation is fp32; the output is rounded to the model dtype once, at the end.
+// Accumulation is fp32, rounded to the model dtype once. A token's first row (in the order
+// phase 2 visits them) stores its fp32 partial sum instead of adding, and its last row adds,
+// rounds and writes the output: no zero-filled accumulator and no separate conversion pass
+// (both were serial work outside the parallel phases, ~5% of a decode call).
 // With `expert_map` ([E, 1]: each logical expert's one physical slot) the ids are logical and
 // mapped here; `expert_load` ([L] int64) is incremented in place by the rows each physical
 // expert received (the counts the sort makes anyway): the EPLB counters without the torch
@@ -46,10 +53,14 @@ constexpr int kRowsDown = 4;     // rows per register tile in phase 2 ...
 constexpr int kBlocksDown = 4;   // ... times output blocks (16 accs): a down group
 
 // The sorted rows: expert e owns rows [offsets[e], offsets[e + 1]).
+// `order` per row: kFirst / kLast bits mark a token's first and last row in sorted order,
+// which is the order phase 2 visits them within each thread's columns.
+constexpr uint8_t kFirst = 1, kLast = 2;
 struct Rows {
   std::vector<int64_t> offsets;
   std::vector<int64_t> token;
   std::vector<float> weight;
+  std::vector<uint8_t> order;
   std::vector<int64_t> active;   // experts with at least one row
 };
 
@@ -74,7 +85,7 @@ std::vector<int64_t> physical_ids(const at::Tensor& ids, const std::optional<at:
 }
 
 Rows sort_rows(const std::vector<int64_t>& ids, int64_t k, const at::Tensor& weights,
-               int64_t experts) {
+               int64_t experts, int64_t tokens) {
   const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t* id = ids.data();
   const float* w = weights.data_ptr<float>();
@@ -97,6 +108,15 @@ Rows sort_rows(const std::vector<int64_t>& ids, int64_t k, const at::Tensor& wei
     rows.token[r] = i / k;
     rows.weight[r] = w[i];
   }
+  std::vector<int64_t> last(tokens, -1);
+  rows.order.assign(n, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    int64_t& prev = last[rows.token[r]];
+    if (prev < 0) rows.order[r] |= kFirst;
+    prev = r;
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    if (last[t] >= 0) rows.order[last[t]] |= kLast;
   return rows;
 }
 
@@ -146,21 +166,36 @@ void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, cons
   }
 }
 
+// Where phase 2 writes: the fp32 partial sums [T, d] and the output [T, d] in the model dtype
+// (for fp32 both are the output).
+template <typename T>
+struct Sums {
+  float* partial;
+  T* out;
+};
+
 template <typename T, int M>
 void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
-                        const Geometry& g, int64_t b, float* out) {
+                        const Geometry& g, int64_t b, Sums<T> sums) {
   constexpr int NB = kBlocksDown;
   const T* ar[M];
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   float acc[M][NB][kLanes];
   tile_portable<T, M, NB>(ar, g.down_pairs, g.pair, w, acc);
   for (int m = 0; m < M; ++m) {
-    float* o = out + rows.token[r0 + m] * g.d;
+    const int64_t row = rows.token[r0 + m] * g.d;
+    float* part = sums.partial + row;
+    T* o = sums.out + row;
     const float wt = rows.weight[r0 + m];
+    const uint8_t order = rows.order[r0 + m];
     for (int n = 0; n < NB; ++n) {
       const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
       if (cols <= 0) break;
-      for (int64_t l = 0; l < cols; ++l) o[c0 + l] += wt * acc[m][n][l];
+      for (int64_t l = 0; l < cols; ++l) {
+        const float v = wt * acc[m][n][l] + ((order & kFirst) ? 0.0f : part[c0 + l]);
+        if (order & kLast) o[c0 + l] = static_cast<T>(v);
+        else part[c0 + l] = v;
+      }
     }
   }
 }
@@ -191,21 +226,33 @@ void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at:
 
 template <int M>
 void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
-                    const at::BFloat16* w, const Geometry& g, int64_t b, float* out) {
+                    const at::BFloat16* w, const Geometry& g, int64_t b,
+                    Sums<at::BFloat16> sums) {
   constexpr int NB = kBlocksDown;
   const at::BFloat16* ar[M];
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   __m512 acc[M][NB];
   tile_bf16<M, NB>(ar, g.down_pairs, w, acc);
   for (int m = 0; m < M; ++m) {
-    float* o = out + rows.token[r0 + m] * g.d;
+    const int64_t row = rows.token[r0 + m] * g.d;
+    float* part = sums.partial + row;
+    at::BFloat16* o = sums.out + row;
     const __m512 wt = _mm512_set1_ps(rows.weight[r0 + m]);
+    const uint8_t order = rows.order[r0 + m];
     for (int n = 0; n < NB; ++n) {
       const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
       if (cols <= 0) break;
       const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-      const __m512 cur = _mm512_maskz_loadu_ps(mask, o + c0);
-      _mm512_mask_storeu_ps(o + c0, mask, _mm512_fmadd_ps(wt, acc[m][n], cur));
+      const __m512 cur = (order & kFirst) ? _mm512_setzero_ps()
+                                          : _mm512_maskz_loadu_ps(mask, part + c0);
+      const __m512 v = _mm512_fmadd_ps(wt, acc[m][n], cur);
+      if (order & kLast) {   // RNE, as at::Tensor::to(kBFloat16) rounds
+        const __m256i packed = reinterpret_cast<const __m256i&>(
+            static_cast<const __m256bh&>(_mm512_cvtneps_pbh(v)));
+        _mm256_mask_storeu_epi16(o + c0, mask, packed);
+      } else {
+        _mm512_mask_storeu_ps(part + c0, mask, v);
+      }
     }
   }
 }
@@ -226,34 +273,44 @@ void up_tile(bool fast, const T* x, const Rows& rows, int64_t r0, const T* w, co
 
 template <typename T, int M>
 void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w,
-               const Geometry& g, int64_t b, float* out) {
+               const Geometry& g, int64_t b, Sums<T> sums) {
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (fast) return down_tile_bf16<M>(act, rows, r0, w, g, b, out);
+    if (fast) return down_tile_bf16<M>(act, rows, r0, w, g, b, sums);
   }
 #endif
-  down_tile_portable<T, M>(act, rows, r0, w, g, b, out);
+  down_tile_portable<T, M>(act, rows, r0, w, g, b, sums);
 }
 
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
-                 const Geometry& g, bool clamp, float limit, T* act, float* out) {
-  const int64_t jblocks = g.up_groups;
+                 const Geometry& g, bool clamp, float limit, T* act, Sums<T> sums) {
   const int64_t e13 = g.up_groups * g.up_group_size();
   const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
-  // Phase 1: (expert, block j) items, contiguous in memory in this order.
-  at::parallel_for(0, active * jblocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = rows.active[item / jblocks], j = item % jblocks;
-      const T* w = w13 + e * e13 + j * g.up_group_size();
-      for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
-        with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
-          up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
-        });
-      }
+  // Phase 1. Each thread takes a range of blocks j for every expert (experts outside, so its
+  // weights stream in order, as they do at one thread), when there are blocks enough for
+  // that; else (block j, expert) items, block-major. Either way a thread's rows do not depend
+  // on the routing (the header says why).
+  auto up_group = [&](int64_t e, int64_t j) {
+    const T* w = w13 + e * e13 + j * g.up_group_size();
+    for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
+      with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
+        up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
+      });
     }
-  });
+  };
+  if (g.up_groups >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, g.up_groups, 1, [&](int64_t begin, int64_t end) {
+      for (const int64_t e : rows.active)
+        for (int64_t j = begin; j < end; ++j) up_group(e, j);
+    });
+  } else {
+    at::parallel_for(0, g.up_groups * active, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item)
+        up_group(rows.active[item % active], item / active);
+    });
+  }
   // Phase 2: down groups; each thread owns its columns of `out` for all rows. Within a
   // thread's range the expert loop is outside, so its weights stream in order.
   at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
@@ -262,7 +319,8 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
         const T* w = w2 + e * e2 + grp * g.down_group_size();
         for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsDown) {
           with_rows<kRowsDown>(rows.offsets[e + 1] - r, [&](auto m) {
-            down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown, out);
+            down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown,
+                                             sums);
           });
         }
       }
@@ -301,7 +359,8 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
   if (d % pair) x = at::constant_pad_nd(x, {0, 1});   // the last bf16 pair reads one past d
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
-  const Rows rows = sort_rows(physical_ids(ids, expert_map), ids.size(1), wts, experts);
+  const Rows rows = sort_rows(physical_ids(ids, expert_map), ids.size(1), wts, experts,
+                              x_in.size(0));
   if (expert_load.has_value() && expert_load->defined()) {   // EPLB's counters, in place
     TORCH_CHECK(expert_load->dim() == 1 && expert_load->size(0) == experts &&
                     expert_load->scalar_type() == at::kLong && expert_load->is_contiguous(),
@@ -309,21 +368,29 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
     int64_t* load = expert_load->data_ptr<int64_t>();
     for (int64_t e = 0; e < experts; ++e) load[e] += rows.offsets[e + 1] - rows.offsets[e];
   }
-  at::Tensor out = at::zeros({x_in.size(0), d}, x_in.options().dtype(at::kFloat));
-  if (rows.active.empty()) return out.to(dtype);
+  // k == 0 leaves tokens without rows: their sum is the empty one
+  if (rows.active.empty() || ids.size(1) == 0) return at::zeros({x_in.size(0), d},
+                                                                x_in.options());
+  at::Tensor out = at::empty({x_in.size(0), d}, x_in.options());
   at::Tensor act = at::empty({ids.numel(), g.ip}, x_in.options());
   const bool fast = !portable && bf16_fast_path_compiled();
   const bool clamp = limit.has_value();
   const float lim = clamp ? static_cast<float>(*limit) : 0.0f;
   if (dtype == at::kBFloat16) {
+    // partial sums are needed only while a token has rows still to come
+    at::Tensor partial = at::empty(ids.size(1) > 1 ? at::IntArrayRef({x_in.size(0), d})
+                                                   : at::IntArrayRef({0}),
+                                   x_in.options().dtype(at::kFloat));
     run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
                               w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
-                              act.data_ptr<at::BFloat16>(), out.data_ptr<float>());
+                              act.data_ptr<at::BFloat16>(),
+                              {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()});
   } else {
     run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
-                       rows, g, clamp, lim, act.data_ptr<float>(), out.data_ptr<float>());
+                       rows, g, clamp, lim, act.data_ptr<float>(),
+                       {out.data_ptr<float>(), out.data_ptr<float>()});
   }
-  return dtype == at::kFloat ? out : out.to(dtype);
+  return out;
 }
 
 }  // namespace
