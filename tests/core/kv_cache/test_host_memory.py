@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 from wideserve.core.kv_cache import host_memory
@@ -69,3 +70,23 @@ def test_large_buffer_is_committed_only_where_written() -> None:
     del buf
     assert (view[3] == 1.5).all() and not view[4].any()
     assert _rss_bytes() - before < 128 << 20
+
+
+
+def test_pool_larger_than_available_memory_is_refused_at_startup(monkeypatch) -> None:
+    """A lazily committed pool the machine cannot back fails when the engine starts, with an
+    error naming the flag, not by the kernel killing the process mid-run."""
+    from wideserve import LLM
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        LLM(None, dtype="float32", block_size=64, kv_cache_memory=1 << 26)
+    host_memory.check_pool_fits(1 << 26, torch.device("meta"))       # not host memory
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
+    host_memory.check_pool_fits(1 << 40, torch.device("cpu"))        # unknown: no refusal
+
+
+def test_available_bytes_reads_meminfo() -> None:
+    free = host_memory.available_bytes()
+    if sys.platform.startswith("linux"):
+        assert free is not None and 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_PHYS_PAGES")

@@ -329,6 +329,8 @@ def allocate_kv_tensors(kv_config: KVCacheConfig,
     mxfp4_index) are uint8 [num_blocks, entries_per_block, entry_bytes].
     """
     device = torch.device(device)
+    host_memory.check_pool_fits(
+        sum(b.num_blocks * b.page_bytes * b.num_slabs for b in kv_config.buckets), device)
     out: dict[str, torch.Tensor] = {}
     for b in kv_config.buckets:
         slabs = [host_memory.zeros(b.num_blocks * b.page_bytes, device)

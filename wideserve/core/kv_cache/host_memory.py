@@ -64,6 +64,33 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
+def available_bytes() -> int | None:
+    """The memory Linux can hand out now without swapping (MemAvailable), or None where that
+    is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_pool_fits(nbytes: int, device: torch.device) -> None:
+    """Refuse, at startup, a CPU KV pool larger than the memory available now. The pool is
+    committed lazily (`zeros`), so without this check a budget the machine cannot back would
+    be found out mid-run, when the kernel kills the process as the pages fill up."""
+    if device.type != "cpu":
+        return
+    free = available_bytes()
+    if free is not None and nbytes > free:
+        gib = 1 << 30
+        raise ValueError(f"the CPU KV cache needs {nbytes / gib:.2f} GiB but only "
+                         f"{free / gib:.2f} GiB of memory is available; lower --kv-cache-memory "
+                         f"(CacheConfig.kv_cache_memory)")
+
+
 def zeros(nbytes: int, device: torch.device) -> torch.Tensor:
     """A zeroed uint8 buffer of `nbytes` on `device`. On Linux CPUs a large one is a fresh
     anonymous mapping, committed page by page as it is first written (module docstring), and
