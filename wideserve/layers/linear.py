@@ -63,11 +63,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """In-place writes so far; inference tensors keep no version counter (and cannot be
+    written outside inference mode)."""
+    return 0 if t.is_inference() else t._version
+
+
 def weights_fingerprint(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
-    # Inference tensors keep no version counter (and cannot be written outside inference mode).
     # A list comprehension: this runs for every prepared linear of every step.
     return tuple([None if t is None else
-                  (t.data_ptr(), 0 if t.is_inference() else t._version, t.dtype, t.device, t.shape)
+                  (t.data_ptr(), tensor_version(t), t.dtype, t.device, t.shape)
                   for t in tensors])
 
 

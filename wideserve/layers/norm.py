@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.linear import tensor_version
 
 USE_CPU_KERNEL = True          # the C++ norm ops on the CPU (False: the torch path; for A/B runs)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -79,8 +80,8 @@ class RMSNorm(nn.Module):
         if w.dtype == torch.float32:
             return w
         c = self._fp32
-        if c is None or c[0] is not w or c[1] != w.data_ptr() or c[2] != _version(w):
-            c = self._fp32 = (w, w.data_ptr(), _version(w), w.detach().float())
+        if c is None or c[0] is not w or c[1] != w.data_ptr() or c[2] != tensor_version(w):
+            c = self._fp32 = (w, w.data_ptr(), tensor_version(w), w.detach().float())
         return c[3]
 
     def fast(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,3 @@ class RMSNorm(nn.Module):
         s = h + delta
         return s, rms_norm(s, self.weight, self.eps)
 
-
-def _version(t: torch.Tensor) -> int:
-    # Inference tensors keep no version counter (and cannot be written outside inference mode).
-    return 0 if t.is_inference() else t._version
