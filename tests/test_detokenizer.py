@@ -10,7 +10,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from wideserve.detokenizer import IncrementalDetokenizer
+from wideserve import detokenizer
+from wideserve.detokenizer import FinalDetokenizer, IncrementalDetokenizer, make_detokenizer
 from wideserve.tokenizer import Tokenizer
 
 UTF8_TEXT = (
@@ -236,3 +237,82 @@ def test_rust_stream_failure_continues_on_python_path(ds):
     det.update(ids)
     det.finish()
     assert det._stream is None and det.output_text == UTF8_TEXT
+
+
+def _final_vs_incremental(tok, prompt: list[int], ids: list[int], chunks: list[int],
+                          stop_terminated: bool, **kw) -> tuple:
+    """Feed both detokenisers the same chunks (the last one may end in a stop token id)."""
+    dets = [FinalDetokenizer(tok, prompt, **kw),
+            IncrementalDetokenizer(tok, prompt, streaming=False, **kw)]
+    got = []
+    for det in dets:
+        i = 0
+        for n in chunks:
+            last = i + n >= len(ids)
+            det.update(ids[i:i + n], stop_terminated=stop_terminated and last)
+            i += n
+            if last:
+                break
+        det.finish()
+        got.append((det.output_text, det.token_ids, det.finished, det.stop_reason))
+    return got[0], got[1]
+
+
+def test_final_text_equals_incremental(ds, monkeypatch):
+    # Random ids split characters across tokens and hit special tokens; some prompt
+    # contexts end in half a character (the incremental path then does not use the stream,
+    # and the final decode's prefix check sends those to the incremental replay).
+    replays = []
+
+    class Counted(IncrementalDetokenizer):
+        def __init__(self, *a, **k) -> None:
+            replays.append(1)
+            super().__init__(*a, **k)
+    monkeypatch.setattr(detokenizer, "IncrementalDetokenizer", Counted)
+    rng = random.Random(5)
+    half = ds.encode(" 🌍")[:1]
+    for trial in range(60):
+        prompt = [rng.randrange(3, 128000) for _ in range(rng.randint(0, 8))]
+        if trial % 4 == 0:
+            prompt += half
+        ids = ([rng.randrange(0, 128000) for _ in range(rng.randint(1, 50))] if trial % 3
+               else ds.encode(UTF8_TEXT[rng.randrange(40):]))
+        if trial % 8 == 0:
+            ids = ds.encode(" 🌍")[1:] + ids     # completes the context's half character
+        if trial % 7 == 0:
+            ids = ids[:-1] + ds.encode(" 🌍")[:1]       # the output ends mid-character
+        chunks = [rng.randint(1, 3) for _ in ids]
+        kw = dict(skip_special_tokens=trial % 2 == 0,
+                  include_stop_str_in_output=trial % 5 == 0)
+        final, incremental = _final_vs_incremental(ds, prompt, ids + [1], chunks + [1],
+                                                   stop_terminated=trial % 3 == 1, **kw)
+        assert final == incremental
+    assert 0 < len(replays) < 20        # some replays, most decoded whole
+
+
+def test_final_text_equals_incremental_metaspace_and_bundled():
+    corpus = ["the quick brown fox jumps over the lazy dog again and again"] * 10
+    tk = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    bundled = Path(__file__).resolve().parents[1] / "wideserve" / "assets" / "shakespeare-v4-tiny"
+    rng = random.Random(2)
+    for tok in (Tokenizer(tk), Tokenizer.from_pretrained(bundled)):
+        assert tok.decodes_natively
+        for trial in range(20):
+            prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 7))]
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+            final, incremental = _final_vs_incremental(
+                tok, prompt, ids, [rng.randint(1, 4) for _ in ids], stop_terminated=False,
+                skip_special_tokens=trial % 2 == 0)
+            assert final == incremental
+
+
+def test_make_detokenizer_defers_only_without_readers_of_partial_text(ds):
+    assert isinstance(make_detokenizer(ds, [1, 2], streaming=False), FinalDetokenizer)
+    for kw in (dict(streaming=True), dict(streaming=False, stop=["x"])):
+        assert isinstance(make_detokenizer(ds, [1, 2], **kw), IncrementalDetokenizer)
+    # a tokenizer whose decode has a Python-side cleanup decodes incrementally
+    assert isinstance(make_detokenizer(_PythonOnly(ds), [1], streaming=False),
+                      IncrementalDetokenizer)

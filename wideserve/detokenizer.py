@@ -222,3 +222,80 @@ class IncrementalDetokenizer:
                     best = n
                     break
         return best
+
+
+class FinalDetokenizer:
+    """The output's text decoded once, when the request finishes: for a consumer that reads
+    only the finished text (the offline LLM: OutputProcessor(stream=False)) of a request
+    without stop strings. The interface and the text are IncrementalDetokenizer's; a step
+    costs appending the ids, not a decode per token (docs/host_path.md).
+
+    Why the text is the same: the incremental windows start at character boundaries (a
+    window advances only once its text does not end in an incomplete character), and a
+    native decode (Tokenizer.decodes_natively) is consistent across such boundaries, so the
+    deltas add up to decode(context + output) minus decode(context). Where that prefix is not
+    the start of the whole decode (the context ends in half a character that the output
+    completes), finish() runs the incremental detokeniser over the ids instead."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
+        self._context = [int(t) for t in
+                         prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS):]]
+        self._text = ""
+        self.token_ids: list[int] = []
+        self.stop_reason: str | None = None     # never set: no stop strings here
+        self.finished = False
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> None:
+        """As IncrementalDetokenizer.update (stop_terminated: the last id ends the output and
+        is not decoded unless include_stop_str_in_output). Returns None: no stop strings."""
+        if self.finished:
+            return None
+        self.token_ids += new_token_ids
+        if stop_terminated:
+            self._decode_all(len(self.token_ids) - (not self._include_stop))
+        return None
+
+    def finish(self) -> None:
+        if not self.finished:
+            self._decode_all(len(self.token_ids))
+        return None
+
+    @property
+    def output_text(self) -> str:
+        return self._text
+
+    def _decode_all(self, num_ids: int) -> None:
+        self.finished = True
+        ids = [int(t) for t in self.token_ids[:num_ids]]
+        if not ids:
+            return
+        decode = self._tokenizer.decode
+        head = decode(self._context, skip_special_tokens=self._skip_special) \
+            if self._context else ""
+        whole = decode(self._context + ids, skip_special_tokens=self._skip_special)
+        if whole.startswith(head):
+            self._text = whole[len(head):]
+            return
+        slow = IncrementalDetokenizer(self._tokenizer, self._context, self._skip_special,
+                                      streaming=False)
+        slow.update(ids)
+        slow.finish()
+        self._text = slow.output_text
+
+
+def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                     skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                     include_stop_str_in_output: bool = False, min_tokens: int = 0,
+                     streaming: bool = True) -> IncrementalDetokenizer | FinalDetokenizer:
+    """FinalDetokenizer where only the finished text is read and nothing in between needs it
+    (not streaming, no stop strings, a native decode); IncrementalDetokenizer otherwise."""
+    if not streaming and not stop and getattr(tokenizer, "decodes_natively", False):
+        return FinalDetokenizer(tokenizer, prompt_ids, skip_special_tokens,
+                                include_stop_str_in_output)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens, stop,
+                                  include_stop_str_in_output, min_tokens, streaming)

@@ -306,6 +306,13 @@ class Tokenizer:
         text: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self._clean_up else text
 
+    @property
+    def decodes_natively(self) -> bool:
+        """decode is the backend's own (no Python-side space cleanup), so a text decoded
+        whole equals the same text decoded window by window where the windows start at
+        character boundaries (detokenizer.FinalDetokenizer relies on it)."""
+        return not self._clean_up
+
     def decode_stream(self, skip_special_tokens: bool, context: Sequence[int]
                       ) -> DecodeStep | None:
         """tokenizers' incremental decoder over `context` (wideserve/detokenizer.py), or None

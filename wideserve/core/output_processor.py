@@ -17,7 +17,7 @@ from typing import Any
 
 from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import EngineCoreOutput, RequestEventType
-from wideserve.detokenizer import IncrementalDetokenizer
+from wideserve.detokenizer import FinalDetokenizer, IncrementalDetokenizer, make_detokenizer
 from wideserve.outputs import (CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput,
                                make_logprobs_entry)
 from wideserve.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ class CompletionDelta:
 @dataclass(slots=True)
 class _Child:
     index: int
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | FinalDetokenizer | None
     out: CompletionOutput
     delta: CompletionDelta | None = None
 
@@ -110,12 +110,13 @@ class OutputProcessor:
         return core_requests
 
     def _detokenizer(self, prompt_ids: list[int],
-                     params: SamplingParams) -> IncrementalDetokenizer | None:
+                     params: SamplingParams
+                     ) -> IncrementalDetokenizer | FinalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                      params.stop or (), params.include_stop_str_in_output,
-                                      params.min_tokens, streaming=self.stream)
+        return make_detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                params.stop or (), params.include_stop_str_in_output,
+                                params.min_tokens, streaming=self.stream)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a parent (e.g. the client went away); returns its children's core ids."""
