@@ -34,7 +34,18 @@ for prompt in ("To be, or not to be", "Now is the winter of"):
                    "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}, timeout=120)
     r.raise_for_status()
     outs.append(r.json()["choices"][0]["text"])
-metrics = httpx.get(url + "/metrics", timeout=10).text
+# Each rank's stats reach the front end within the engine loop's stats interval (50 ms) of
+# its last step; wait for every rank's counters rather than racing the last message.
+want = [f'dp_rank="{r}"' for r in range(4)]
+deadline = time.monotonic() + 30
+while True:
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    moved = [l for l in metrics.splitlines()
+             if l.startswith("wideserve:ep_all_to_all_seconds_total{")
+             and float(l.rsplit(" ", 1)[1]) > 0]
+    if all(any(w in l for l in moved) for w in want) or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
 print(json.dumps({"texts": outs, "metrics": metrics}))
 """
 

@@ -52,6 +52,10 @@ class EngineLoop:
         self.running = True
         self.last_sent = 0.0
         self.last_stats = 0.0
+        # Stats changed since the last ones sent (a step ran; or none sent yet): they go out
+        # within STATS_INTERVAL_S even when the step had no outputs (a DP rank's dummy steps)
+        # or the engine then went idle, so a scrape never waits a heartbeat for them.
+        self.stats_dirty = True
         self.step_times: list[float] = []
 
     def close(self) -> None:
@@ -70,7 +74,7 @@ class EngineLoop:
     def run(self) -> None:
         while self.running:
             busy = self.engine.has_unfinished_requests()
-            self._take_input(timeout_ms=0 if busy else int(self.heartbeat_s * 1000))
+            self._take_input(timeout_ms=0 if busy else self.idle_wait_ms())
             if not self.running:
                 break
             outputs = []
@@ -78,21 +82,30 @@ class EngineLoop:
                 start = time.perf_counter()
                 outputs = self.engine.step()
                 self.step_times.append(time.perf_counter() - start)
+                self.stats_dirty = True
             self.emit(outputs)
             self.check_parent()
 
+    def idle_wait_ms(self) -> int:
+        """How long an idle loop blocks on input: a heartbeat, or less while changed stats
+        are still to be sent."""
+        wait_s = STATS_INTERVAL_S if self.stats_dirty else self.heartbeat_s
+        return max(1, int(wait_s * 1000))
+
     def emit(self, outputs: list[Any]) -> None:
-        """Send the step's outputs, or a heartbeat when nothing was sent for heartbeat_s."""
+        """Send the step's outputs, or a heartbeat when nothing was sent for heartbeat_s, or
+        stats that changed and were not sent for STATS_INTERVAL_S."""
         now = time.monotonic()
-        if outputs or now - self.last_sent >= self.heartbeat_s:
-            # Stats at most every STATS_INTERVAL_S while busy: a scrape never needs
-            # fresher numbers, and get_stats() stays off the per-step path.
-            fresh = now - self.last_stats >= STATS_INTERVAL_S
+        # Stats at most every STATS_INTERVAL_S while busy: a scrape never needs
+        # fresher numbers, and get_stats() stays off the per-step path.
+        fresh = now - self.last_stats >= STATS_INTERVAL_S
+        if outputs or now - self.last_sent >= self.heartbeat_s or (fresh and self.stats_dirty):
             self.send(ipc.Outputs(outputs=outputs, stats=self._stats() if fresh else None,
                                   timestamp=now, step_times=self.step_times))
             self.step_times = []
             if fresh:
                 self.last_stats = now
+                self.stats_dirty = False
 
     def check_parent(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:

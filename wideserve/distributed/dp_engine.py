@@ -205,5 +205,6 @@ class LockstepLoop(EngineLoop):
                 return
             if self.engine.group_busy:
                 self.step_times.append(time.perf_counter() - start)
+                self.stats_dirty = True
             self.emit(outputs)
             self.check_parent()
