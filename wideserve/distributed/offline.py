@@ -8,8 +8,11 @@ has_unfinished_requests). `step()` returns whatever outputs arrived (waiting for
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from wideserve.config import EngineConfig
 from wideserve.core.engine_client import EngineDeadError
@@ -70,10 +73,23 @@ class SyncDPEngine:
         try:
             await asyncio.wait_for(self._arrived.wait(), self.step_timeout_s)
         except asyncio.TimeoutError:
+            self._dump_rank_stacks()
             raise EngineDeadError(f"no output from the data-parallel engines in "
-                                  f"{self.step_timeout_s:.0f} s") from None
+                                  f"{self.step_timeout_s:.0f} s with requests unfinished ("
+                                  f"{stall_report(self.client.clients, time.monotonic())})"
+                                  ) from None
         if self.client.dead_reason is not None and not self._outputs:
             raise EngineDeadError(self.client.dead_reason)
+
+    def _dump_rank_stacks(self) -> None:
+        """Ask this node's ranks to print their Python stacks to stderr (DPEngineCore
+        registers faulthandler on SIGUSR1): the evidence for why nobody produced output."""
+        for client in self.client.clients:
+            if client.proc is not None and client.proc.poll() is None:
+                try:
+                    os.kill(client.proc.pid, signal.SIGUSR1)
+                except OSError:
+                    pass
 
     def get_stats(self) -> dict[str, Any]:
         return self._run(self.client.call_utility("get_stats"))
@@ -93,3 +109,16 @@ class SyncDPEngine:
                 self._run(asyncio.gather(*pending, return_exceptions=True))
         finally:
             self._loop.close()
+
+
+def stall_report(clients: Sequence[Any], now: float) -> str:
+    """Each rank's load as its last stats said, and how long ago it was last heard from:
+    a rank still heard from with requests that never finish points at the scheduler, one
+    long silent at its process or the network."""
+    parts = []
+    for rank, client in enumerate(clients):
+        stats = client.stats or {}
+        load = (f"{stats['num_running']} running, {stats['num_waiting']} waiting"
+                if "num_running" in stats and "num_waiting" in stats else "no stats yet")
+        parts.append(f"rank {rank}: {load}, last heard {now - client.last_heard:.1f} s ago")
+    return "; ".join(parts)
