@@ -385,8 +385,7 @@ class EngineCore:
         outputs.extend(grammar_errors)
         if self.spec is not None:
             self.spec.commit(sched_out)
-        for out in outputs:
-            self._generation_tokens += len(out.new_token_ids)
+        self._generation_tokens += sum([len(out.new_token_ids) for out in outputs])
         timer.mark("output")
         timer.finish(sched_out.num_batched_tokens, len(sched_out.scheduled))
         return outputs
@@ -442,7 +441,7 @@ class EngineCore:
             self.structured.accept(rid, tokens)
         for i, hidden in fwd.prompt_hidden.items():
             self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, hidden)
-        for rid in sampled:
+        for rid in sampled if self._prompt_logprobs else ():
             prompt_lp = self._prompt_logprobs.get(rid)
             if prompt_lp is not None and rid not in self._prompt_lp_sent:
                 logprobs.setdefault(rid, StepLogprobs()).prompt = prompt_lp
@@ -458,11 +457,10 @@ class EngineCore:
                 ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs]]:
         """One token per row (no speculation): the requests whose tokens are all computed."""
         grammar = self.structured.masks(rows)
-        if grammar is None and plain_greedy([r.sampling_params for r in rows],
-                                            [len(r.output_token_ids) for r in rows]):
+        if grammar is None and _all_plain_greedy(rows):
             # What the sampler would compute, without building its metadata.
             ids = argmax_rows(logits.float()).tolist()
-            return {r.request_id: [ids[k]] for k, r in enumerate(rows)}, {}
+            return {r.request_id: [t] for r, t in zip(rows, ids)}, {}
         gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
                 if r.request_id in self._generators}
         md = build_sampling_metadata(
@@ -485,26 +483,35 @@ class EngineCore:
         return sampled, logprobs
 
     def _step_request(self, s: ScheduledRequest) -> StepRequest:
+        # Runs once per scheduled request and step: plain list lengths, no properties.
         r = s.request
-        start = r.num_computed_tokens - s.num_new_tokens
+        rid = r.request_id
         end = r.num_computed_tokens
+        start = end - s.num_new_tokens
+        all_ids = r.all_token_ids
+        num_tokens = len(all_ids)
         # Drafts follow the verified tokens; slice both so a step never copies the context.
-        toks = r.all_token_ids[start:min(end, r.num_tokens)]
-        if end > r.num_tokens:
-            toks += s.spec_token_ids[max(0, start - r.num_tokens):end - r.num_tokens]
-        self._prompt_tokens += max(0, min(end, r.num_prompt_tokens) - start)
-        lp = self._prompt_logprobs.get(r.request_id)
-        # Prompt logprobs only for positions not covered yet (a resumed request recomputes).
-        want_prompt = lp is not None and len(lp) < r.num_prompt_tokens - 1 \
-            and end >= len(lp) + 1
+        if end <= num_tokens:
+            toks = all_ids[start:end]
+        else:
+            toks = all_ids[start:num_tokens] + \
+                s.spec_token_ids[max(0, start - num_tokens):end - num_tokens]
+        num_prompt = len(r.prompt_token_ids)
+        if start < num_prompt:
+            self._prompt_tokens += min(end, num_prompt) - start
+        want_prompt = False
+        if self._prompt_logprobs:
+            lp = self._prompt_logprobs.get(rid)
+            # Prompt logprobs only for positions not covered yet (a resumed request recomputes).
+            want_prompt = lp is not None and len(lp) < num_prompt - 1 and end >= len(lp) + 1
         # A bounded replay ends once the step starts at or past kv_write_start: later steps
         # are plain ones (no write mask, no replay bookkeeping).
         write_start = s.kv_write_start if s.kv_write_start > start else 0
-        return StepRequest(r.request_id, toks, start, self.kv_manager.block_rows(r.request_id),
-                           write_start, end >= r.num_tokens, want_prompt,
+        return StepRequest(rid, toks, start, self.kv_manager.block_rows(rid),
+                           write_start, end >= num_tokens, want_prompt,
                            len(s.spec_token_ids),
-                           self.kv_manager.replay_start(r.request_id) if write_start else 0,
-                           is_new=s.is_new_or_resumed)
+                           self.kv_manager.replay_start(rid) if write_start else 0,
+                           s.is_new_or_resumed)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
                              hidden: torch.Tensor) -> None:
@@ -540,6 +547,22 @@ class EngineCore:
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
             kv_transfer=self.kv_connector.scheduler.snapshot() if self.kv_connector else None,
             eplb=self.eplb.stats() if self.eplb is not None else None)
+
+
+def _all_plain_greedy(rows: list[Request]) -> bool:
+    """sampler.plain_greedy over the rows, each distinct SamplingParams checked once (the
+    requests of one generate call share theirs) and min_tokens per row."""
+    last = None
+    for r in rows:
+        p = r.sampling_params
+        if p is not last:
+            # min_tokens as the count: everything but the min_tokens test.
+            if not plain_greedy((p,), (p.min_tokens,)):
+                return False
+            last = p
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+            return False
+    return True
 
 
 def _enable_decoder_bounded_replay(model: torch.nn.Module) -> None:

@@ -213,28 +213,48 @@ class Scheduler:
         return max(0, min(n, budget, self.max_model_len - num_computed))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        # One pass per step over every running request, so the common case (a decode step:
+        # the tables already have room) is inlined: _num_new_tokens' arithmetic, the KV
+        # manager's allocation-free check, one ScheduledRequest (docs/host_path.md).
         lookahead = self.config.num_lookahead_tokens
+        threshold = self.config.long_prefill_token_threshold
+        max_len = self.max_model_len
+        has_room, write_start = self.kv.has_room, self.kv.kv_write_start
+        running = RequestStatus.RUNNING
         # A snapshot: preemption removes requests from self.running while we walk it.
         for request in list(self.running):
             if plan.budget <= 0:
                 return
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue    # preempted (or failed) earlier in this pass
-            n = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
-            if n == 0:
+            c = request.num_computed_tokens
+            n = len(request.all_token_ids) + len(request.spec_token_ids) - c
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, plan.budget, max_len - c)
+            if n <= 0:
                 continue
-            while self.kv.allocate_slots(request, n, num_lookahead_tokens=lookahead) is None:
-                if len(self.running) == 1:
-                    n = self._fit_alone(request, n)
-                    break
-                victim = self._pick_victim()
-                plan.unschedule(victim)     # PRIORITY may pick one already scheduled
-                self._preempt(victim, plan)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.RUNNING:
-                plan.running.append(self._scheduled(request, n, is_new_or_resumed=False))
-                plan.budget -= n
+            if not has_room(request, n, lookahead):
+                n = self._allocate_running(request, n, plan)
+                if request.status is not running:
+                    continue
+            plan.running.append(ScheduledRequest(request, n, False,
+                                                 write_start(request.request_id)))
+            plan.budget -= n
+
+    def _allocate_running(self, request: Request, n: int, plan: _StepPlan) -> int:
+        """Slots for n more tokens of a running request, preempting others while there is
+        no room; returns the share it gets (the request may end preempted or failed)."""
+        lookahead = self.config.num_lookahead_tokens
+        while self.kv.allocate_slots(request, n, num_lookahead_tokens=lookahead) is None:
+            if len(self.running) == 1:
+                return self._fit_alone(request, n)
+            victim = self._pick_victim()
+            plan.unschedule(victim)     # PRIORITY may pick one already scheduled
+            self._preempt(victim, plan)
+            if victim is request:
+                break
+        return n
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -410,14 +430,15 @@ class Scheduler:
         self._in_flight = None
         outputs, self._pending_outputs = self._pending_outputs, []
         ended = False
+        running, events = RequestStatus.RUNNING, self._events
         for s in sched_out.scheduled:
             request = s.request
-            if request.status.finished:
+            if request.status is not running and request.status.finished:
                 continue    # ended between schedule() and now (abort): already reported
             new_ids = sampled.get(request.request_id, [])
             if s.spec_token_ids:
                 self._rewind_rejected_drafts(request, s, len(new_ids))
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < len(request.all_token_ids):
                 if new_ids:
                     raise ValueError(f"request {request.request_id!r}: tokens were sampled for "
                                      f"a partial prefill chunk")
@@ -428,8 +449,9 @@ class Scheduler:
             out = self._append_and_check_stop(request, new_ids)
             if logprobs is not None:
                 out.new_logprobs = logprobs.get(request.request_id)
-            out.events = self._events.pop(request.request_id, None)
-            if out.finished:
+            if events:
+                out.events = events.pop(request.request_id, None)
+            if out.finish_reason is not None:
                 out.kv_transfer_params = self._release(request)
                 ended = True
             outputs.append(out)
@@ -482,15 +504,17 @@ class Scheduler:
         stop_reason: int | None = None
         # One token at a time: several may arrive at once (accepted drafts) and none may be
         # appended after the first stop condition.
+        output, all_ids = request.output_token_ids, request.all_token_ids
         for i, tok in enumerate(new_ids):
-            request.append_output_token_ids([tok])
-            if request.num_output_tokens >= sp.min_tokens:
+            output.append(tok)      # Request.append_output_token_ids, one token at a time
+            all_ids.append(tok)
+            if len(output) >= sp.min_tokens:
                 if tok in eos_ids and not sp.ignore_eos:
                     status = RequestStatus.FINISHED_STOPPED
                 elif tok in stop_ids:
                     status, stop_reason = RequestStatus.FINISHED_STOPPED, tok
-            if status is None and (request.num_output_tokens >= max_tokens
-                                   or request.num_tokens >= self.max_model_len):
+            if status is None and (len(output) >= max_tokens
+                                   or len(all_ids) >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 new_ids = new_ids[:i + 1]

@@ -34,7 +34,9 @@ class BlockTables:
         self._shared = device.type == "cpu" and not separate_copy
         self._host = [np.zeros((rows, _MIN_WIDTH), dtype=np.int64) for _ in range(num_groups)]
         self._dev = [self._mirror(t) for t in self._host]
-        self._len = np.zeros((rows, num_groups), dtype=np.int64)   # ids held per row, group
+        # Ids held per row and group: Python ints, read per request and step (a numpy scalar
+        # read costs several times a list's).
+        self._len: list[list[int]] = [[0] * num_groups for _ in range(rows)]
         self._row: dict[str, int] = {}
         self._free = list(range(rows - 1, -1, -1))
         self._pending: list[list[tuple[int, int, Sequence[int]]]] = [[] for _ in range(num_groups)]
@@ -50,15 +52,16 @@ class BlockTables:
             self._row[request_id] = row
         elif reset:
             self._clear(row)
+        held = self._len[row]
         for g, ids in enumerate(block_ids):
-            have, n = int(self._len[row, g]), len(ids)
+            have, n = held[g], len(ids)
             if n <= have:
                 continue
             if n > self._host[g].shape[1]:
                 self._widen(g, n)
             new = ids[have:n]
             self._host[g][row, have:n] = new
-            self._len[row, g] = n
+            held[g] = n
             if not self._shared:
                 self._pending[g].append((row, have, new))
         return row
@@ -81,7 +84,7 @@ class BlockTables:
     def reserve(self, rows: int, widths: Sequence[int]) -> None:
         """Grow now to at least `rows` rows and `widths[g]` blocks per row of group g, so no
         later update reallocates (a captured CUDA graph holds the tables' addresses)."""
-        while self._len.shape[0] < rows:
+        while len(self._len) < rows:
             self._grow_rows()
         for g, width in enumerate(widths):
             if width > self._host[g].shape[1]:
@@ -117,13 +120,14 @@ class BlockTables:
         return torch.from_numpy(table) if self._shared else to_device(table.copy(), self.device)
 
     def _clear(self, row: int) -> None:
+        held = self._len[row]
         for g in range(self.num_groups):
-            n = int(self._len[row, g])
+            n = held[g]
             if n:
                 self._host[g][row, :n] = 0
                 if not self._shared:
                     self._pending[g].append((row, 0, [0] * n))
-        self._len[row] = 0
+        self._len[row] = [0] * self.num_groups
 
     def _take_row(self) -> int:
         if not self._free:
@@ -132,8 +136,8 @@ class BlockTables:
 
     def _grow_rows(self) -> None:
         """Double the rows; the new ones join the free list (lowest handed out first)."""
-        old = self._len.shape[0]
-        self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+        old = len(self._len)
+        self._len += [[0] * self.num_groups for _ in range(old)]
         for g in range(self.num_groups):
             self._regrow(g, np.pad(self._host[g], ((0, old), (0, 0))))
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free

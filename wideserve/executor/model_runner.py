@@ -12,7 +12,6 @@ Decode steps can instead go through the captured decode step (decode_capture.py,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,18 +90,19 @@ class ModelRunner:
         self.tables.drop(request_ids)
 
     def build_batch(self, reqs: list[StepRequest]) -> ForwardBatch:
-        qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
-        starts = np.fromiter((r.start for r in reqs), dtype=np.int64, count=len(reqs))
+        # Per-request fields gathered by list comprehensions into np.array: several times
+        # cheaper per request than np.fromiter over a generator (docs/host_path.md).
+        qlens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+        starts = np.array([r.start for r in reqs], dtype=np.int64)
         qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
         num_tokens = int(qsl[-1])
-        input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64,
-                                count=num_tokens)
+        input_ids = np.array([t for r in reqs for t in r.token_ids], dtype=np.int64)
         seq_lens = starts + qlens
         dev = self.device
         update = self.tables.update
-        rows = np.fromiter((update(r.request_id, r.block_ids, r.is_new) for r in reqs),
-                           dtype=np.int64, count=len(reqs))
+        rows = np.array([update(r.request_id, r.block_ids, r.is_new) for r in reqs],
+                        dtype=np.int64)
         rows_t = to_device(rows, dev)
         one_each = num_tokens == len(reqs) and bool((qlens == 1).all())
         if one_each:                       # one token per request (decode): token = request
@@ -153,7 +153,7 @@ class ModelRunner:
                 batch.input_ids = input_ids
             hidden = self.model.forward(batch)
         qsl = batch.query_start_loc_cpu
-        sample = np.fromiter((r.sample for r in reqs), dtype=bool, count=len(reqs))
+        sample = np.array([r.sample for r in reqs], dtype=bool)
         sample_rows = np.flatnonzero(sample).tolist()
         logits = None
         if sample_rows:

@@ -224,19 +224,28 @@ class KVCacheManager:
             raise ValueError(f"allocate_slots: negative token count (new={num_new_tokens}, "
                              f"new_computed={num_new_computed_tokens}, "
                              f"lookahead={num_lookahead_tokens})")
-        st = self._state.get(request.request_id)
-        if st is not None and not num_new_computed_tokens and not num_external_tokens and (
-                new_computed_blocks is None or not new_computed_blocks.num_blocks):
-            # Fast path for a running request (most decode steps): every table already covers
-            # the slots, no new logical block is computed, and at most one page per sliding
-            # group waits to be freed (at the request's next page allocation).
-            c = request.num_computed_tokens
-            if (min(c + num_new_tokens + num_lookahead_tokens, self.max_model_len) <= st.capacity
-                    and min(c, request.num_tokens) < st.next_cache_at and c < st.skip_limit):
-                return KVCacheBlocks([[] for _ in self.managers])
+        if not num_new_computed_tokens and not num_external_tokens and (
+                new_computed_blocks is None or not new_computed_blocks.num_blocks) \
+                and self.has_room(request, num_new_tokens, num_lookahead_tokens):
+            return KVCacheBlocks([[] for _ in self.managers])
         return self._allocate(request, num_new_tokens, new_computed_blocks,
-                              num_new_computed_tokens, num_lookahead_tokens, st,
-                              num_external_tokens)
+                              num_new_computed_tokens, num_lookahead_tokens,
+                              self._state.get(request.request_id), num_external_tokens)
+
+    def has_room(self, request: Request, num_new_tokens: int,
+                 num_lookahead_tokens: int = 0) -> bool:
+        """allocate_slots' fast path for a running request (most decode steps): True when a
+        call with these counts and no hit would allocate, free and publish nothing, so the
+        call can be skipped. That is: every table already covers the slots, no new logical
+        block is computed, and at most one page per sliding group waits to be freed (at the
+        request's next page allocation)."""
+        st = self._state.get(request.request_id)
+        if st is None:
+            return False
+        c = request.num_computed_tokens
+        return (min(c + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+                <= st.capacity and min(c, len(request.all_token_ids)) < st.next_cache_at
+                and c < st.skip_limit)
 
     def _allocate(self, request: Request, num_new_tokens: int,
                   new_computed_blocks: KVCacheBlocks | None, num_new_computed_tokens: int,
