@@ -43,8 +43,10 @@ def cluster(tmp_path_factory):
     router = None
     try:
         with ThreadPoolExecutor(3) as pool:
-            futs = {k: pool.submit(RemoteServer, common + ["--kv-transfer-config", v])
-                    for k, v in specs.items()}
+            # Each instance in its own process group: a test kills an instance (server and
+            # engine core together) as a machine failure would, not the server alone.
+            futs = {k: pool.submit(RemoteServer, common + ["--kv-transfer-config", v],
+                                   new_session=True) for k, v in specs.items()}
             for k, f in futs.items():
                 servers[k] = f.result()
         port = free_port()
@@ -150,11 +152,12 @@ def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
     expected = _complete(d.url, PROMPTS[2])["choices"][0]["text"]
     handle = _complete(p2.url, PROMPTS[2], max_tokens=1,
                        kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-    p2.close(signal.SIGKILL)
+    p2.close(signal.SIGKILL, group=True)
     failed0 = _stats(d)["kv_transfer"]["loads_failed"]
     got = _complete(d.url, PROMPTS[2], kv_transfer_params=handle)
     assert got["choices"][0]["text"] == expected
-    assert _stats(d)["kv_transfer"]["loads_failed"] == failed0 + 1
+    kv = _stats(d)["kv_transfer"]
+    assert kv["loads_failed"] == failed0 + 1, kv
     # The router keeps serving: prefill legs to the dead instance fall back to decode.
     for p in PROMPTS:
         assert _complete(router, p)["choices"][0]["text"] == _complete(d.url, p)["choices"][0]["text"]
@@ -170,7 +173,7 @@ def test_decode_killed_holding_a_handle_frees_prefill_blocks_on_lease_expiry(clu
     r = _complete(p1.url, PROMPTS[0], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     assert r["kv_transfer_params"]["do_remote_prefill"] is True
     assert _stats(p1)["kv_usage"] > 0                      # held under the 3 s lease
-    d.close(signal.SIGKILL)
+    d.close(signal.SIGKILL, group=True)
     # Through the router the decode leg now fails fast with a clear error, not a hang ...
     r = httpx.post(router + "/v1/completions", json={"prompt": PROMPTS[1], **GREEDY}, timeout=30)
     assert r.status_code == 502 and "decode instance unreachable" in r.text

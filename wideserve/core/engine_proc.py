@@ -50,6 +50,7 @@ class EngineLoop:
         self.encoder = ipc.make_encoder()
         self.decoder = ipc.make_input_decoder()
         self.running = True
+        self.orphaned = False
         self.last_sent = 0.0
         self.last_stats = 0.0
         # Stats changed since the last ones sent (a step ran; or none sent yet): they go out
@@ -60,7 +61,9 @@ class EngineLoop:
 
     def close(self) -> None:
         self.in_sock.close(linger=0)
-        self.out_sock.close()
+        # An orphan's queued messages have no reader: lingering on them would keep a dying
+        # engine (and its KV-transfer side channel) up for seconds after its server died.
+        self.out_sock.close(linger=0 if self.orphaned else None)
         self.ctx.term()
 
     def send(self, msg: Any) -> None:
@@ -109,7 +112,8 @@ class EngineLoop:
 
     def check_parent(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            self.running = False                 # orphaned: nobody will read our output
+            self.orphaned = True                 # nobody will read our output
+            self.running = False
 
     def _stats(self) -> dict[str, Any] | None:
         get_stats = getattr(self.engine, "get_stats", None)
