@@ -16,8 +16,12 @@ def to_device(a: np.ndarray, device: torch.device | str,
     a tensor on `device`. On the CPU it shares `a`'s memory: do not write to `a` afterwards.
     On CUDA the array is staged in pinned memory and copied without blocking the host (the
     caching host allocator keeps the staging buffer alive until the copy has run)."""
-    host = torch.from_numpy(np.require(a, dtype=dtype, requirements=["C", "W"]))
-    kind = torch.device(device).type
+    flags = a.flags
+    if flags.c_contiguous and flags.writeable and (dtype is None or a.dtype == dtype):
+        host = torch.from_numpy(a)      # the common case: np.require's checks cost more
+    else:
+        host = torch.from_numpy(np.require(a, dtype=dtype, requirements=["C", "W"]))
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if kind == "cpu":
         return host
     if kind == "cuda":

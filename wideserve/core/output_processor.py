@@ -157,7 +157,8 @@ class OutputProcessor:
                 to_abort.extend(self.abort_request(pid))
                 touched.pop(pid, None)
                 continue
-            touched[pid] = parent
+            if self.stream or not parent.num_unfinished:    # else: nothing to report yet
+                touched[pid] = parent
         result = ProcessedOutputs([], {}, to_abort, failed)
         for pid, parent in touched.items():
             finished = parent.num_unfinished == 0
@@ -177,11 +178,14 @@ class OutputProcessor:
     def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput,
                now: float) -> bool:
         """Fold one core output into a child; True if a stop string finished it here."""
+        # Runs once per request and step: the rare fields are tested before any work.
         m = parent.metrics
-        for ev in out.events or ():
-            if ev.type is RequestEventType.SCHEDULED and m.first_scheduled_time is None:
-                m.first_scheduled_time = ev.timestamp
-        m.num_cached_tokens = max(m.num_cached_tokens, out.num_cached_tokens)
+        if out.events:
+            for ev in out.events:
+                if ev.type is RequestEventType.SCHEDULED and m.first_scheduled_time is None:
+                    m.first_scheduled_time = ev.timestamp
+        if out.num_cached_tokens > m.num_cached_tokens:
+            m.num_cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
             parent.kv_transfer_params = out.kv_transfer_params
         ids = list(out.new_token_ids)
@@ -189,15 +193,18 @@ class OutputProcessor:
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             m.num_generation_tokens += len(ids)
-        lp = out.new_logprobs if isinstance(out.new_logprobs, StepLogprobs) else None
+        lp = out.new_logprobs
+        if lp is not None and not isinstance(lp, StepLogprobs):
+            lp = None
         if lp is not None and lp.prompt is not None and parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None] + self._entries(
                 lp.prompt, parent.params.prompt_logprobs or 0, len(lp.prompt))
         stop_str = None
         if child.detok is not None:
             before = len(child.detok.token_ids)
-            stop_token = out.finish_reason == "stop" and out.stop_reason is None or \
-                isinstance(out.stop_reason, int)
+            stop_token = out.finish_reason is not None and (
+                out.finish_reason == "stop" and out.stop_reason is None
+                or isinstance(out.stop_reason, int))
             stop_str = child.detok.update(ids, stop_terminated=bool(ids) and stop_token)
             if stop_str is None and out.finish_reason is not None:
                 stop_str = child.detok.finish()

@@ -153,21 +153,20 @@ class ModelRunner:
                 batch.input_ids = input_ids
             hidden = self.model.forward(batch)
         qsl = batch.query_start_loc_cpu
-        sample = np.array([r.sample for r in reqs], dtype=bool)
-        sample_rows = np.flatnonzero(sample).tolist()
+        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = None
         if sample_rows:
             if hidden.shape[0] == len(sample_rows) == len(reqs) \
                     and np.array_equal(qsl, np.arange(len(reqs) + 1)):
                 sampled = hidden                    # every row is a request's last: no gather
             else:
-                idx = qsl[1:][sample] - 1
+                idx = qsl[1:][np.array(sample_rows, dtype=np.int64)] - 1
                 if self.with_drafts:
                     idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
                 sampled = hidden.index_select(0, to_device(idx, hidden.device))
             logits = self.model.compute_logits(sampled)
         prompt_hidden: dict[int, torch.Tensor] = {}
-        if any(r.prompt_logits for r in reqs):
+        if any([r.prompt_logits for r in reqs]):
             for i, r in enumerate(reqs):
                 if r.prompt_logits:
                     prompt_hidden[i] = hidden[int(qsl[i]):int(qsl[i + 1])]
