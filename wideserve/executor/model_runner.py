@@ -92,20 +92,27 @@ class ModelRunner:
     def build_batch(self, reqs: list[StepRequest]) -> ForwardBatch:
         # Per-request fields gathered by list comprehensions into np.array: several times
         # cheaper per request than np.fromiter over a generator (docs/host_path.md).
-        qlens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+        lens = [len(r.token_ids) for r in reqs]
+        num_tokens = sum(lens)
+        # One token per request (decode): token = request. A zero-token request beside a
+        # two-token one also has as many tokens as requests, hence the min.
+        one_each = num_tokens == len(reqs) > 0 and min(lens) == 1
+        qlens = np.array(lens, dtype=np.int64)
         starts = np.array([r.start for r in reqs], dtype=np.int64)
-        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        input_ids = np.array([t for r in reqs for t in r.token_ids], dtype=np.int64)
+        if one_each:
+            qsl = np.arange(len(reqs) + 1, dtype=np.int64)
+            input_ids = np.array([r.token_ids[0] for r in reqs], dtype=np.int64)
+        else:
+            qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+            np.cumsum(qlens, out=qsl[1:])
+            input_ids = np.array([t for r in reqs for t in r.token_ids], dtype=np.int64)
         seq_lens = starts + qlens
         dev = self.device
         update = self.tables.update
         rows = np.array([update(r.request_id, r.block_ids, r.is_new) for r in reqs],
                         dtype=np.int64)
         rows_t = to_device(rows, dev)
-        one_each = num_tokens == len(reqs) and bool((qlens == 1).all())
-        if one_each:                       # one token per request (decode): token = request
+        if one_each:
             positions, token_rows = starts, rows
         else:
             req_of_token = np.repeat(np.arange(len(reqs)), qlens)
@@ -133,7 +140,10 @@ class ModelRunner:
                            self.tables.device_table(g), req_rows=rows_t, req_rows_cpu=rows)
         if layout.compress_ratio == 1:
             bs = layout.block_size
-            slots = self.tables.host(g)[token_rows, positions // bs] * bs + positions % bs
+            block, offset = np.divmod(positions, bs)
+            slots = self.tables.host(g)[token_rows, block]     # a new array: scaled in place
+            slots *= bs
+            slots += offset
             view.slot_mapping = to_device(slots, self.device)
         return view
 
@@ -156,9 +166,11 @@ class ModelRunner:
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = None
         if sample_rows:
+            # Every row is a request's last (one token each: as many rows as requests, none
+            # with zero tokens): no gather.
             if hidden.shape[0] == len(sample_rows) == len(reqs) \
-                    and np.array_equal(qsl, np.arange(len(reqs) + 1)):
-                sampled = hidden                    # every row is a request's last: no gather
+                    and min([len(r.token_ids) for r in reqs]) == 1:
+                sampled = hidden
             else:
                 idx = qsl[1:][np.array(sample_rows, dtype=np.int64)] - 1
                 if self.with_drafts:
