@@ -180,16 +180,33 @@ class RoutedExperts(nn.Module):
     def _fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The C++ op on logical ids: with one replica per expert it maps them itself (else
         map_to_physical spreads them first); it adds each expert's rows to expert_load."""
-        w1, w2 = self.gate_up_proj, self.down_proj
-        if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
-            self._packs = _FusedPack(w1, w2)
+        w13, w2, inter = self._fused_pack()
         table = self.logical_to_physical
         if table.shape[1] != 1:
             ids = map_to_physical(ids, table, self.replica_count, self.replica_offset)
             table = None
-        return moe_op.fused_experts(x, ids, weights, self._packs.w13, self._packs.w2,
-                                    w2.shape[2], self.swiglu_limit, expert_map=table,
-                                    expert_load=self.expert_load)
+        return moe_op.fused_experts(x, ids, weights, w13, w2, inter, self.swiglu_limit,
+                                    expert_map=table, expert_load=self.expert_load)
+
+    def _fused_pack(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(w13, w2, intermediate width) in the fused op's layout, rebuilt when the weights
+        changed (layers/linear.py's rule)."""
+        w1, w2 = self.gate_up_proj, self.down_proj
+        if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
+            self._packs = _FusedPack(w1, w2)
+        return self._packs.w13, self._packs.w2, w2.shape[2]
+
+    def fused_op_args(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
+        """The fused op's arguments after the rows as `forward` would pass them for an input
+        on `device` in `dtype` (w13, w2, intermediate, swiglu limit, portable, expert map,
+        expert load); None where `forward` would not call the op on logical ids as they are
+        (another implementation, an `ep` dispatcher, replicas). models/lean_decode.py."""
+        if self.ep is not None or self.resolved_impl(device, dtype) != "fused" \
+                or self.logical_to_physical.shape[1] != 1:
+            return None
+        w13, w2, inter = self._fused_pack()
+        return (w13, w2, inter, self.swiglu_limit, False, self.logical_to_physical,
+                self.expert_load)
 
     def _sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [N, d] sorted by expert, counts [L] rows per expert -> [N, d] in xs.dtype."""

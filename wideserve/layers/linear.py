@@ -117,6 +117,17 @@ class WeightPack:
         self._out = w.shape[0]
         self._key = key
 
+    def gemm_pack(self, weights: tuple[torch.Tensor, ...],
+                  biases: tuple[torch.Tensor | None, ...], dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+        """(packed weight, fp32-able bias or None, out features) as `linear` hands them to the
+        C++ micro-kernel for a CPU input of `dtype`, prepared as `linear` prepares them; None
+        where `linear` would not run the kernel (models/lean_decode.py calls it directly)."""
+        self._prepare(weights, biases)
+        if self._kind != "gemm" or self._weight.dtype != dtype:
+            return None
+        return self._weight, self._bias, self._out
+
     def linear(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                biases: tuple[torch.Tensor | None, ...] | None = None,
                widen: bool = False) -> torch.Tensor:

@@ -35,6 +35,7 @@ from wideserve.layers.rotary import (
     norm_rope_qkv_,
     parse_rope_config,
 )
+from wideserve.models import lean_decode
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -266,6 +267,11 @@ class DecoderModel(nn.Module):
 
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    batch: ForwardBatch, plans: PagedAttentionPlans) -> torch.Tensor:
+        # On the CPU the same C++ ops as a flat loop, where every layer would run them
+        # (models/lean_decode.py: bitwise this path's result, without its per-call Python).
+        lean = lean_decode.plan_layers(self, h, batch, plans)
+        if lean is not None:
+            return lean_decode.run_layers(lean, self.norm, h, cos, sin)
         delta = None
         for layer in self.layers:
             h, delta = layer.step(h, delta, cos, sin, batch, plans)

@@ -18,6 +18,7 @@ from torch import nn
 
 from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.linear import WeightPack
+from wideserve.models.lean_decode import LeanMLP, hooked
 from wideserve.models.llama import (
     DecoderForCausalLM,
     DenseMLP,
@@ -101,6 +102,26 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         return self.experts(x, ids, weights)                                       # [T, d]
+
+    def lean_mlp(self, device: torch.device, dtype: torch.dtype) -> LeanMLP | None:
+        """This block's forward as the two C++ ops it runs on the CPU (router, fused
+        experts), with the arguments `forward` would pass for inputs on `device` in `dtype`;
+        None where `forward` would run anything else (models/lean_decode.py)."""
+        gate, experts = self.gate, self.experts
+        if hooked(self, gate, experts) or torch.is_grad_enabled():
+            return None
+        router = gate._pack.gemm_pack((gate.weight,), (None,), dtype)
+        args = experts.fused_op_args(device, dtype)
+        if router is None or args is None:
+            return None
+        packed, _, num_experts = router
+        top_k, renormalize = gate.top_k, gate.renormalize
+        ops = torch.ops.wideserve
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            ids, weights = ops.moe_route(x, packed, num_experts, top_k, renormalize, False)
+            return ops.moe_fused_experts(x, ids, weights, *args)
+        return mlp
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):

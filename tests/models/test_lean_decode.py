@@ -1,0 +1,125 @@
+"""The lean CPU decoder forward (models/lean_decode.py) against the module path it replaces:
+bitwise the same logits and KV cache on random bf16 Qwen3-MoE and Qwen3 configs and
+schedules (prefill, chunked, decode, single-token batches, sliding windows, dense layers,
+biases, tied head), and the module path wherever a condition of the lean one fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_harness import PagedHarness
+from wideserve.layers.linear import cpu_kernel_runs
+from wideserve.models import lean_decode
+from wideserve.models.llama import Qwen3Config, Qwen3ForCausalLM
+from wideserve.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=64, rms_norm_eps=1e-6, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32)
+MODELS = {
+    "moe-mlp-only": (Qwen3MoeForCausalLM, Qwen3MoeConfig,
+                     dict(mlp_only_layers=[1], norm_topk_prob=True, attention_bias=True)),
+    "moe-sparse-step-window": (Qwen3MoeForCausalLM, Qwen3MoeConfig,
+                               dict(decoder_sparse_step=2, tie_word_embeddings=True,
+                                    use_sliding_window=True, sliding_window=6)),
+    "dense-qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=16, num_hidden_layers=2)),
+}
+SCHEDULES = {
+    "decode": [[6] + [1] * 5, [3] + [1] * 5, [9] + [1] * 5],
+    "chunked": [[4, 4, 3, 1], [3, 0, 4, 1]],
+    "single-decode": [[9] + [1] * 4],
+}
+# Whether the lean path can run here at all: it needs the bf16 GEMM micro-kernel.
+LEAN_HERE = cpu_kernel_runs(torch.bfloat16)
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    model_cls, config_cls, overrides = MODELS[name]
+    model = model_cls(config_cls.from_dict({**BASE, **overrides})).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if pname.endswith("norm.weight") else
+                    0.5 * noise if pname.endswith("mlp.gate.weight") else 0.1 * noise)
+    return model.to(torch.bfloat16)
+
+
+@pytest.fixture
+def count_lean(monkeypatch):
+    calls = []
+    inner = lean_decode.run_layers
+
+    def counted(*args):
+        calls.append(1)
+        return inner(*args)
+    monkeypatch.setattr(lean_decode, "run_layers", counted)
+    return calls
+
+
+def run_both(model, schedule, monkeypatch, seed=1, write_start=None):
+    """The schedule through two harnesses, lean on and off; asserts equal logits per step
+    and equal caches at the end."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, BASE["vocab_size"], (sum(c),), generator=g).tolist()
+            for c in schedule]
+    lean_h, module_h = (PagedHarness(model, max_reqs=len(seqs), max_len=40, block_size=4)
+                        for _ in range(2))
+    done = [0] * len(seqs)
+    for step in range(max(len(c) for c in schedule)):
+        slots, new = [], []
+        for r, chunks in enumerate(schedule):
+            n = chunks[step] if step < len(chunks) else 0
+            if n:
+                slots.append(r)
+                new.append(seqs[r][done[r]:done[r] + n])
+                done[r] += n
+        ws = write_start(step, slots) if write_start else None
+        monkeypatch.setattr(lean_decode, "USE_LEAN", True)
+        got = lean_h.step(slots, new, ws)
+        monkeypatch.setattr(lean_decode, "USE_LEAN", False)
+        want = module_h.step(slots, new, ws)
+        assert torch.equal(got, want), f"step {step}: logits differ"
+    for name, cache in lean_h.kv_caches.items():
+        assert torch.equal(cache.view(torch.int16), module_h.kv_caches[name].view(torch.int16)), \
+            f"{name}: caches differ"
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_lean_forward_is_the_module_forward_bitwise(name, schedule, monkeypatch, count_lean):
+    run_both(build(name), SCHEDULES[schedule], monkeypatch)
+    steps = max(len(c) for c in SCHEDULES[schedule])
+    assert len(count_lean) == (steps if LEAN_HERE else 0)
+
+
+def test_a_hook_on_a_bypassed_module_keeps_the_module_path(monkeypatch, count_lean):
+    model = build("moe-mlp-only")
+    seen = []
+    handle = model.model.layers[2].self_attn.register_forward_hook(
+        lambda *_: seen.append(1))
+    try:
+        run_both(model, SCHEDULES["single-decode"], monkeypatch)
+    finally:
+        handle.remove()
+    assert count_lean == [] and len(seen) == 2 * 5      # both harnesses, every step
+
+
+def test_a_partial_kv_write_keeps_the_module_path(monkeypatch, count_lean):
+    # A bounded replay (kv_write_start) writes only the rows past it into full-attention
+    # caches: the torch write, not the op's; the lean path must not take that step.
+    def write_start(step, slots):
+        return [2] * len(slots) if step == 0 else None
+    run_both(build("moe-mlp-only"), [[7, 1, 1]], monkeypatch, write_start=write_start)
+    assert len(count_lean) == (2 if LEAN_HERE else 0)
+
+
+def test_fp32_weights_and_grad_mode_keep_the_module_path(count_lean):
+    harness = PagedHarness(build("moe-mlp-only").float(), max_reqs=1, max_len=8, block_size=4)
+    harness.step([0], [[1, 2, 3]])
+    assert count_lean == []           # fp32 weights are not packed for the micro-kernel
+    model = build("moe-mlp-only")
+    assert torch.is_grad_enabled()
+    h = torch.zeros(3, BASE["hidden_size"], dtype=torch.bfloat16)
+    assert lean_decode.plan_layers(model.model, h, None, None) is None
