@@ -16,10 +16,10 @@ rows are valid, costs what the engine's forward costs.
 """
 from __future__ import annotations
 
-import argparse
-import random
 import resource
 import time
+
+from offline_workload import offline_workload
 
 STEPS = (10, 60, 120)
 REPEATS = 5
@@ -30,21 +30,10 @@ def _minflt() -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    llm, prompts, sp, threads = offline_workload(__doc__)
     import torch
-    torch.set_num_threads(args.threads)
-    from wideserve.entrypoints.llm import LLM
     from wideserve.models import llama
-    from wideserve.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=1024)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(128)]}
-               for _ in range(64)]
-    sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
     inner = llama.DecoderModel.forward
     steps: list[tuple[float, int]] = []          # (thread CPU s, minor faults) per decode
@@ -69,7 +58,7 @@ def main() -> None:
     llm.generate(prompts, sp, use_tqdm=False)
     llama.DecoderModel.forward = inner
     n = len(steps)
-    print(f"threads {args.threads}: {n} decode steps, in-engine forward "
+    print(f"threads {threads}: {n} decode steps, in-engine forward "
           f"{1e3 * sum(s for s, _ in steps) / n:.2f} ms thread CPU, "
           f"{sum(f for _, f in steps) / n:.1f} minor faults per forward")
     model = llm.engine.runner.model.model
