@@ -2,7 +2,9 @@
 # In-engine A/B of two trees on the 11M offline run (BENCHMARKS.md, "Host path per decode
 # step"): offline_worker.py alternating BEFORE and AFTER at 1 and 2 torch threads, one
 # --profile-breakdown run each, then host_phases.py per tree (1 thread). Run through quiet.
-#   BEFORE=<tree> AFTER=<tree> [PY=python] [MODEL=...] benchmarks/host_path_ab.sh OUT
+#   BEFORE=<tree> AFTER=<tree> [PY=python] [MODEL=...] [ROUNDS=2] benchmarks/host_path_ab.sh OUT
+# ROUNDS: before/after pairs per thread count (each run is ~1.5 s of generation: more pairs
+# show the spread).
 set -u
 OUT=$1
 PY=${PY:-python}
@@ -16,7 +18,9 @@ run() {   # name threads [extra args]
 }
 echo "# $(date -u +%FT%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT"
 for th in 1 2; do
-  for name in before after before after; do echo "$name threads=$th $(run $name $th)" >> "$OUT"; done
+  for _ in $(seq "${ROUNDS:-2}"); do
+    for name in before after; do echo "$name threads=$th $(run $name $th)" >> "$OUT"; done
+  done
   for name in before after; do
     echo "$name threads=$th breakdown $(run $name $th --profile-breakdown)" >> "$OUT"
   done
