@@ -89,12 +89,14 @@ class IncrementalDetokenizer:
         if self.finished:
             return None
         last = len(new_token_ids) - 1
+        decode_next, append = self._decode_next, self._append
         for j, token in enumerate(new_token_ids):
-            self.token_ids.append(int(token))
+            token = int(token)
+            self.token_ids.append(token)
             if stop_terminated and j == last and not self._include_stop:
                 break
-            delta = self._decode_next(int(token))
-            if delta and self._append(delta):
+            delta = decode_next(token)
+            if delta and append(delta):
                 return self.stop_reason
         if stop_terminated:
             return self.finish()
@@ -182,6 +184,12 @@ class IncrementalDetokenizer:
 
     def _append(self, delta: str) -> bool:
         """Add text; True if a stop string completed (text already cut, request finished)."""
+        if not self._stop:      # nothing to search or hold back: the text is committed
+            self._len += len(delta)
+            self._parts.append(delta)
+            if self._streaming:
+                self._unsent_parts.append(delta)
+            return False
         old_len = self._len
         self._tail += delta
         self._len += len(delta)
