@@ -13,30 +13,20 @@ step and the whole loop iteration. The wrappers cost ~1 us each, a few per step.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
-import random
 import time
+
+from offline_workload import offline_workload
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    import torch
-    torch.set_num_threads(args.threads)
+    llm, prompts, sp, threads = offline_workload(__doc__)
     from wideserve.core import engine_core, output_processor, scheduler
-    from wideserve.entrypoints.llm import LLM
     from wideserve.executor import model_runner
     from wideserve.models import llama
     from wideserve.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=1024)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(128)]}
-               for _ in range(64)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                  use_tqdm=False)
     cur: dict[str, float] = collections.defaultdict(float)
@@ -75,14 +65,13 @@ def main() -> None:
         steps.append(d)
         return r
     llm.engine.step, llm.processor.process_outputs = step, process
-    sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     for _ in range(2):
         steps.clear()
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t0
     decode = [s for s in steps if s.get("DecoderModel.forward", 1.0) < 0.02]
-    print(f"threads {args.threads}: elapsed {elapsed:.3f} s, {len(steps)} steps, "
+    print(f"threads {threads}: elapsed {elapsed:.3f} s, {len(steps)} steps, "
           f"{len(decode)} decode steps; thread CPU ms per decode step:")
     for key in sorted({k for s in decode for k in s}):
         print(f"  {key:40s} {1e3 * sum(s.get(key, 0.0) for s in decode) / len(decode):7.3f}")

@@ -9,7 +9,7 @@ applies any function to the step's batch (e.g. a main forward followed by an MTP
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,6 +21,23 @@ from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 def default_block_size(specs: dict[str, KVCacheSpec], at_least: int = 16) -> int:
     lcm = math.lcm(*(s.compress_ratio for s in specs.values())) if specs else 1
     return lcm * max(1, math.ceil(at_least / lcm))
+
+
+def schedule_steps(schedule: list[list[int]], seqs: list[list[int]]
+                   ) -> Iterator[tuple[int, list[int], list[list[int]]]]:
+    """(step, slots, new tokens) per step of a chunk schedule: request r feeds its next
+    schedule[r][step] tokens of seqs[r] at that step, or sits the step out when it is 0 or
+    its chunks are used up."""
+    done = [0] * len(seqs)
+    for step in range(max(len(c) for c in schedule)):
+        slots, new = [], []
+        for r, chunks in enumerate(schedule):
+            n = chunks[step] if step < len(chunks) else 0
+            if n:
+                slots.append(r)
+                new.append(seqs[r][done[r]:done[r] + n])
+                done[r] += n
+        yield step, slots, new
 
 
 class PagedHarness:

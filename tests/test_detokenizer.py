@@ -157,13 +157,19 @@ def test_stop_terminated_and_min_tokens(ds):
     assert early.update(ids) is None                   # finished: later tokens are ignored
 
 
-def test_leading_space_uses_prompt_context():
-    # Metaspace decoders drop the first token's leading space; the prompt context keeps it
+def _metaspace_bpe() -> HFTokenizer:
+    """A tiny BPE with Metaspace pre-tokenizer and decoder (drops a first leading space)."""
     corpus = ["the quick brown fox jumps over the lazy dog again and again"] * 10
     tk = HFTokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Metaspace()
     tk.decoder = decoders.Metaspace()
     tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    return tk
+
+
+def test_leading_space_uses_prompt_context():
+    # Metaspace decoders drop the first token's leading space; the prompt context keeps it
+    tk = _metaspace_bpe()
     tok = Tokenizer(tk)
     prompt, out = tok.encode("the quick"), tok.encode("the quick brown fox")[len(tok.encode(
         "the quick")):]
@@ -291,11 +297,7 @@ def test_final_text_equals_incremental(ds, monkeypatch):
 
 
 def test_final_text_equals_incremental_metaspace_and_bundled():
-    corpus = ["the quick brown fox jumps over the lazy dog again and again"] * 10
-    tk = HFTokenizer(models.BPE(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Metaspace()
-    tk.decoder = decoders.Metaspace()
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    tk = _metaspace_bpe()
     bundled = Path(__file__).resolve().parents[1] / "wideserve" / "assets" / "shakespeare-v4-tiny"
     rng = random.Random(2)
     for tok in (Tokenizer(tk), Tokenizer.from_pretrained(bundled)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_harness import PagedHarness
+from paged_harness import PagedHarness, schedule_steps
 from wideserve.layers.linear import cpu_kernel_runs
 from wideserve.models import lean_decode
 from wideserve.models.llama import Qwen3Config, Qwen3ForCausalLM
@@ -66,15 +66,7 @@ def run_both(model, schedule, monkeypatch, seed=1, write_start=None):
             for c in schedule]
     lean_h, module_h = (PagedHarness(model, max_reqs=len(seqs), max_len=40, block_size=4)
                         for _ in range(2))
-    done = [0] * len(seqs)
-    for step in range(max(len(c) for c in schedule)):
-        slots, new = [], []
-        for r, chunks in enumerate(schedule):
-            n = chunks[step] if step < len(chunks) else 0
-            if n:
-                slots.append(r)
-                new.append(seqs[r][done[r]:done[r] + n])
-                done[r] += n
+    for step, slots, new in schedule_steps(schedule, seqs):
         ws = write_start(step, slots) if write_start else None
         monkeypatch.setattr(lean_decode, "USE_LEAN", True)
         got = lean_h.step(slots, new, ws)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_harness import PagedHarness
+from paged_harness import PagedHarness, schedule_steps
 from wideserve.layers.attention.registry import (
     DEFAULT_PAGED_ATTENTION_BACKEND,
     ENV_VAR,
@@ -68,15 +68,7 @@ def test_batched_matches_reference(models, schedule):
     seqs = [torch.randint(0, BASE["vocab_size"], (sum(c),), generator=g).tolist() for c in plan]
     harnesses = [PagedHarness(m, max_reqs=len(seqs), max_len=40, block_size=4)
                  for m in (ref, bat)]
-    done = [0] * len(seqs)
-    for step in range(max(len(c) for c in plan)):
-        slots, new = [], []
-        for r, chunks in enumerate(plan):
-            n = chunks[step] if step < len(chunks) else 0
-            if n:
-                slots.append(r)
-                new.append(seqs[r][done[r]:done[r] + n])
-                done[r] += n
+    for step, slots, new in schedule_steps(plan, seqs):
         want, got = (h.step(slots, new) for h in harnesses)
         assert torch.isfinite(got).all(), f"step {step}: non-finite logits"
         diff = (got - want).abs().max().item()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from paged_harness import PagedHarness
+from paged_harness import PagedHarness, schedule_steps
 from wideserve.layers.experts import RoutedExperts
 from wideserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from wideserve.models.registry import resolve_model_class
@@ -82,15 +82,7 @@ def run_schedule(hf, model, schedule: list[list[int]], seed: int = 1) -> int:
             for c in schedule]
     harness = PagedHarness(model, max_reqs=len(seqs), max_len=32, block_size=4)
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
-    done = [0] * len(seqs)
-    for step in range(max(len(c) for c in schedule)):
-        slots, new = [], []
-        for r, chunks in enumerate(schedule):
-            n = chunks[step] if step < len(chunks) else 0
-            if n:
-                slots.append(r)
-                new.append(seqs[r][done[r]:done[r] + n])
-                done[r] += n
+    for _, slots, new in schedule_steps(schedule, seqs):
         logits = harness.step(slots, new)
         offset = 0
         for r, toks in zip(slots, new):
