@@ -213,12 +213,10 @@ class Scheduler:
         return max(0, min(n, budget, self.max_model_len - num_computed))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        # One pass per step over every running request, so the common case (a decode step:
-        # the tables already have room) is inlined: _num_new_tokens' arithmetic, the KV
-        # manager's allocation-free check, one ScheduledRequest (docs/host_path.md).
+        # One pass per step over every running request; the common case (a decode step:
+        # the tables already have room) takes the KV manager's allocation-free check and
+        # one ScheduledRequest (docs/host_path.md).
         lookahead = self.config.num_lookahead_tokens
-        threshold = self.config.long_prefill_token_threshold
-        max_len = self.max_model_len
         has_room, write_start = self.kv.has_room, self.kv.kv_write_start
         running = RequestStatus.RUNNING
         # A snapshot: preemption removes requests from self.running while we walk it.
@@ -227,12 +225,8 @@ class Scheduler:
                 return
             if request.status is not running:
                 continue    # preempted (or failed) earlier in this pass
-            c = request.num_computed_tokens
-            n = len(request.all_token_ids) + len(request.spec_token_ids) - c
-            if 0 < threshold < n:
-                n = threshold
-            n = min(n, plan.budget, max_len - c)
-            if n <= 0:
+            n = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
+            if n == 0:
                 continue
             if not has_room(request, n, lookahead):
                 n = self._allocate_running(request, n, plan)
@@ -506,8 +500,7 @@ class Scheduler:
         # appended after the first stop condition.
         output, all_ids = request.output_token_ids, request.all_token_ids
         for i, tok in enumerate(new_ids):
-            output.append(tok)      # Request.append_output_token_ids, one token at a time
-            all_ids.append(tok)
+            request.append_output_token_ids([tok])
             if len(output) >= sp.min_tokens:
                 if tok in eos_ids and not sp.ignore_eos:
                     status = RequestStatus.FINISHED_STOPPED
