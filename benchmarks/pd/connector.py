@@ -63,8 +63,8 @@ def producer(args: argparse.Namespace) -> None:
         cmd = json.loads(line)
         if cmd["op"] == "bye":
             break
-        leases.grant(cmd["rid"], 600.0, [cmd["rows"]])
-        print(json.dumps({"ok": True}), flush=True)
+        lease = leases.grant(cmd["rid"], 600.0, [cmd["rows"]], cmd["tokens"])
+        print(json.dumps({"ok": True, "lease": lease}), flush=True)
         deadline = time.monotonic() + 60
         while not leases.take_released() and time.monotonic() < deadline:
             worker.get_finished()
@@ -83,12 +83,14 @@ def _reply(proc: subprocess.Popen) -> dict:
 
 def _load_once(worker, lay: KVLayout, proc, port: int, rid: str, remote_rows: list[int],
                local_rows: list[int], tokens: int) -> float:
-    proc.stdin.write(json.dumps({"op": "grant", "rid": rid, "rows": remote_rows}) + "\n")
+    proc.stdin.write(json.dumps({"op": "grant", "rid": rid, "rows": remote_rows,
+                                 "tokens": tokens + 1}) + "\n")
     proc.stdin.flush()
-    _reply(proc)
+    lease = _reply(proc)["lease"]
     remote = RemoteKV(remote_engine_id="bench-prod", remote_host="127.0.0.1", remote_port=port,
                       remote_request_id=rid, remote_block_ids=[remote_rows],
-                      remote_num_tokens=tokens + 1, remote_layout=lay.fingerprint)
+                      remote_num_tokens=tokens + 1, remote_layout=lay.fingerprint,
+                      remote_lease=lease)
     local, rem = plan_pages(lay.groups, [local_rows], [remote_rows], 0, tokens)
     start = time.perf_counter()
     worker.start_load(LoadSpec(rid, remote, local, rem))

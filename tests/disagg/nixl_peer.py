@@ -69,15 +69,15 @@ def producer(host: str, port_file: str, op: str) -> None:
         for b in range(reg.num_blocks):
             pages[b] = pattern(r, b, reg.page_bytes)
     leases = LeaseTable()
-    for rid, lease_s in LEASES.items():
-        leases.grant(rid, lease_s, REMOTE_ROWS)
+    ids = {rid: leases.grant(rid, lease_s, REMOTE_ROWS, END + 1)
+           for rid, lease_s in LEASES.items()}
     worker = NixlWorker(KVTransferConfig(kv_role="kv_producer", engine_id="prod",
                                          kv_ip=host), lay, leases)
     if op == "faults":
         post = worker.pusher._post
 
         def stalling_post(req, rows, budget_s):
-            if req.request_id == "req1":    # the deadline check has passed: stall here
+            if req.lease.request_id == "req1":    # the deadline check has passed: stall here
                 # Thread-directed: this thread stops at once. (A process-directed SIGSTOP is
                 # taken by the main thread, and the others run on until it is scheduled:
                 # under load long enough to accept and post a push, docs/disaggregation.md.)
@@ -86,7 +86,7 @@ def producer(host: str, port_file: str, op: str) -> None:
         worker.pusher._post = stalling_post
     host, port = worker.advertise()
     with open(port_file + ".tmp", "w") as f:
-        json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
+        json.dump({"host": host, "port": port, "pid": os.getpid(), "leases": ids}, f)
     os.replace(port_file + ".tmp", port_file)
     deadline = time.monotonic() + 60
     released: set[str] = set()
@@ -98,15 +98,21 @@ def producer(host: str, port_file: str, op: str) -> None:
         released.update(leases.take_released())
         time.sleep(0.01)
     print(json.dumps({"released": sorted(released), "pushed": worker.pusher.num_pushed,
+                      **leases.counters(),
                       "refused": worker.server.num_refused,
                       "refused_after_cancel": worker.pusher.num_refused_stopped}), flush=True)
     worker.close()
 
 
-def _load(worker, lay: KVLayout, host: str, port: int, rid: str, local_rows: list[list[int]]):
-    remote = RemoteKV(remote_engine_id="prod", remote_host=host, remote_port=port,
-                      remote_request_id=rid, remote_block_ids=REMOTE_ROWS,
-                      remote_num_tokens=END + 1, remote_layout=lay.fingerprint)
+def _remote(lay: KVLayout, info: dict, rid: str) -> RemoteKV:
+    return RemoteKV(remote_engine_id="prod", remote_host=info["host"], remote_port=info["port"],
+                    remote_request_id=rid, remote_block_ids=REMOTE_ROWS,
+                    remote_num_tokens=END + 1, remote_layout=lay.fingerprint,
+                    remote_lease=info["leases"][rid])
+
+
+def _load(worker, lay: KVLayout, info: dict, rid: str, local_rows: list[list[int]]):
+    remote = _remote(lay, info, rid)
     local, rem = plan_pages(lay.groups, local_rows, REMOTE_ROWS, START, END)
     worker.start_load(LoadSpec(rid, remote, local, rem))
     deadline = time.monotonic() + 30
@@ -165,20 +171,20 @@ def faults(host: str, port_file: str) -> None:
     worker = NixlWorker(KVTransferConfig(kv_role="kv_consumer", engine_id="cons",
                                          kv_load_timeout_s=3, kv_transfer_op="push"),
                         lay, LeaseTable())
-    out = {"req0": bool(_load(worker, lay, host, port, "req0", LOCAL_ROWS)[0].finished_loads)}
-    out["expired"] = _load(worker, lay, host, port, "expired",
+    out = {"req0": bool(_load(worker, lay, info, "req0", LOCAL_ROWS)[0].finished_loads)}
+    out["expired"] = _load(worker, lay, info, "expired",
                            LOCAL_ROWS1)[0].failed_loads.get("expired", "")
     try:
         # req1's push stops the producer between its deadline check and its post.
         start = time.monotonic()
-        result, local, rem, remote = _load(worker, lay, host, port, "req1", LOCAL_ROWS1)
+        result, local, rem, remote = _load(worker, lay, info, "req1", LOCAL_ROWS1)
         out["stalled"] = result.failed_loads.get("req1", "")
         out["stalled_s"] = time.monotonic() - start
         fence = result.quarantined.get("req1", "")
         out["quarantined"] = bool(fence)
         out["untouched_while_stalled"] = _filled(lay, LOCAL_ROWS1, 0)
         # No new load from a producer with an open fence.
-        out["refused_while_fenced"] = _load(worker, lay, host, port, "late",
+        out["refused_while_fenced"] = _load(worker, lay, info, "late",
                                             LOCAL_ROWS)[0].failed_loads.get("late", "")
     finally:
         os.kill(info["pid"], signal.SIGCONT)
@@ -187,20 +193,22 @@ def faults(host: str, port_file: str) -> None:
     out["landed_before_fence"] = _holds(lay, local, rem)
     # Reused by "another request": nothing of the old push may land any more.
     _fill(lay, LOCAL_ROWS1, 0xAB)
-    worker.client.call(host, port, "release", msgspec.msgpack.encode(["req1"]), 10)
+    worker.client.call(host, port, "release",
+                       msgspec.msgpack.encode([_remote(lay, info, "req1").lease_ref()]), 10)
     time.sleep(0.2)
     worker.get_finished()
     out["reused_intact"] = _filled(lay, LOCAL_ROWS1, 0xAB)
     # A push overtaken by its own cancel (the cancel arrives first) is refused on arrival.
     token = new_token()
     worker.client.call(host, port, "cancel", msgspec.msgpack.encode([token]), 10)
-    req = PushRequest("cons", token, "late", pages_to_wire(local), pages_to_wire(rem),
-                      time.time() + 10)
+    req = PushRequest("cons", token, _remote(lay, info, "late").lease_ref(),
+                      pages_to_wire(local), pages_to_wire(rem), time.time() + 10)
     out["overtaken"] = msgspec.msgpack.decode(
         worker.client.call(host, port, "push", msgspec.msgpack.encode(req), 10))
     time.sleep(0.2)
     out["intact_after_overtaken"] = _filled(lay, LOCAL_ROWS1, 0xAB)
-    worker.client.call(host, port, "release", msgspec.msgpack.encode(["late"]), 10)
+    worker.client.call(host, port, "release",
+                       msgspec.msgpack.encode([_remote(lay, info, "late").lease_ref()]), 10)
     print(json.dumps(out), flush=True)
     worker.close()
 
@@ -216,12 +224,24 @@ def _wait_for(port_file: str) -> dict:
 def consumer(host: str, port_file: str, op: str) -> None:
     from wideserve.disagg.nixl_worker import NixlWorker
     lay = layout()
-    port = _wait_for(port_file)["port"]
+    info = _wait_for(port_file)
     worker = NixlWorker(KVTransferConfig(kv_role="kv_consumer", engine_id="cons",
                                          kv_load_timeout_s=20, kv_transfer_op=op), lay,
                         LeaseTable())
-    result, local, rem, _ = _load(worker, lay, host, port, "req0", LOCAL_ROWS)
-    ok = bool(result.finished_loads) and _holds(lay, local, rem)
+    # A forged handle first: req0's lease id with other block ids. The producer refuses it
+    # (counted as a mismatch) and req0's lease stays intact for the real load below.
+    forged = _remote(lay, info, "req0")
+    forged.remote_block_ids = [list(range(20, 28)), REMOTE_ROWS[1]]
+    local, rem = plan_pages(lay.groups, LOCAL_ROWS, forged.remote_block_ids, START, END)
+    worker.start_load(LoadSpec("forged", forged, local, rem))
+    deadline = time.monotonic() + 30
+    refused = worker.get_finished()
+    while not (refused.finished_loads or refused.failed_loads) and time.monotonic() < deadline:
+        time.sleep(0.002)
+        refused = worker.get_finished()
+    result, local, rem, _ = _load(worker, lay, info, "req0", LOCAL_ROWS)
+    ok = bool(result.finished_loads) and _holds(lay, local, rem) \
+        and "forged" in refused.failed_loads and not refused.finished_loads
     if ok:      # and the pages no load planned were left untouched
         for g, loc in zip(lay.groups, local):
             for r in g.regions.tolist():
@@ -230,6 +250,7 @@ def consumer(host: str, port_file: str, op: str) -> None:
                 untouched = np.setdiff1d(np.arange(reg.num_blocks), loc)
                 ok &= not pages[torch.from_numpy(untouched)].any().item()
     print(json.dumps({"ok": ok, "failed": result.failed_loads, "bytes": result.bytes_loaded,
+                      "forged": refused.failed_loads.get("forged", ""),
                       "pages": result.pages_loaded}), flush=True)
     worker.close()
 

@@ -140,11 +140,14 @@ def test_bad_handles_are_rejected_with_clear_errors(model):
         d.add_request(EngineCoreRequest("z", PROMPTS[0], greedy(2, {"do_remote_decode": True})))
     with pytest.raises(ValueError, match="not a consumer"):
         p.add_request(EngineCoreRequest("w", PROMPTS[0], greedy(2, h)))
-    # A handle whose blocks are not all there (tampered ids): the load fails, recompute.
+    # A handle whose block ids were tampered with: refused at admission (its signature no
+    # longer verifies), nothing is loaded; the real handle still works.
     bad = {**h, "remote_block_ids": [row[:1] for row in h["remote_block_ids"]]}
-    outs = decode(d, p, PROMPTS[:1], [bad], MAX_NEW)
+    with pytest.raises(ValueError, match="signature does not verify"):
+        d.add_request(EngineCoreRequest("v", PROMPTS[0], greedy(2, bad)))
+    outs = decode(d, p, PROMPTS[:1], [h], MAX_NEW)
     assert outs["d0"]["finish"] == "length"
-    assert d.kv_connector.scheduler.stats.loads_failed == 1
+    assert d.kv_connector.scheduler.stats.loads_done == 1
     settle(p, d)
 
 

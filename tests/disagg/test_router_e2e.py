@@ -7,75 +7,28 @@ Two prefill instances (the router balances over them), one decode instance, one 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from entrypoints.openai.oai_server_utils import RemoteServer, free_port, server_env, write_tiny_model
+from entrypoints.openai.oai_server_utils import RemoteServer
+from pd_cluster import cluster as pd_cluster
+from pd_cluster import kv_config as _kv
 
-SECRET = "router-e2e-secret-0123456789abcdef"
 PROMPTS = ["To be, or not to be, that is the question: whether 'tis nobler in the mind",
            "The quick brown fox jumps over the lazy dog. " * 4,
            "Hello world, hello server, hello tokens. 0123456789 + - * / = ? ! ; : " * 2]
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 
 
-def _kv(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, **extra})
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
-    saved = dict(os.environ)
-    os.environ.update(WIDESERVE_KV_SECRET=SECRET, UCX_NET_DEVICES="lo", UCX_MODULES="^ib")
-    common = [model, "--load-format", "dummy", "--device", "cpu", "--block-size", "16",
-              "--kv-cache-memory", "8MiB", "--enable-debug-endpoints"]
     specs = {"p1": _kv("kv_producer", kv_lease_s=3), "p2": _kv("kv_producer", kv_lease_s=3),
              "d": _kv("kv_consumer", kv_load_timeout_s=5)}
-    servers: dict[str, RemoteServer] = {}
-    router = None
-    try:
-        with ThreadPoolExecutor(3) as pool:
-            # Each instance in its own process group: a test kills an instance (server and
-            # engine core together) as a machine failure would, not the server alone.
-            futs = {k: pool.submit(RemoteServer, common + ["--kv-transfer-config", v],
-                                   new_session=True) for k, v in specs.items()}
-            for k, f in futs.items():
-                servers[k] = f.result()
-        port = free_port()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "wideserve.entrypoints.cli", "router", "--prefill",
-             servers["p1"].url, servers["p2"].url, "--decode", servers["d"].url,
-             "--port", str(port), "--log-level", "warning"], env=server_env())
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert router.poll() is None and time.monotonic() < deadline, "router did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield {"router": url, **servers}
-    finally:
-        if router is not None:
-            router.terminate()
-            try:
-                router.wait(15)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait()
-        for s in servers.values():
-            s.close()
-        os.environ.clear()
-        os.environ.update(saved)
+    with pd_cluster(tmp_path_factory.mktemp("tiny"), specs, ["p1", "p2"], ["d"]) as c:
+        yield c
 
 
 def _complete(url: str, prompt: str, **kw) -> dict:

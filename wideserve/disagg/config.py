@@ -106,6 +106,10 @@ class KVTransferConfig:
                              f"kv_secret_file or ${SECRET_ENV} (the same on prefill and decode)")
         return data
 
+    def consumer_secret(self) -> bytes | None:
+        """The key an API server checks incoming handles with: a consumer's secret, else None."""
+        return self.secret() if self.is_consumer else None
+
     @classmethod
     def parse(cls, value: str | dict[str, Any] | KVTransferConfig | None
               ) -> KVTransferConfig | None:

@@ -38,7 +38,8 @@ class KVConnector:
         self.leases = LeaseTable()
         self.worker = self._make_worker(hub)
         self.scheduler = ConnectorScheduler(config, self.layout.groups, self.layout.fingerprint,
-                                            self.worker.advertise(), self.leases)
+                                            self.worker.advertise(), self.leases,
+                                            self.worker.secret)
 
     def _make_worker(self, hub: Any) -> KVConnectorWorker:
         if self.config.kv_connector == "LoopbackConnector":

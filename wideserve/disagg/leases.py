@@ -3,6 +3,16 @@
 Shared by the scheduler half (grants leases, frees blocks) and the worker half (answers a
 consumer's release or push request from its side-channel thread), hence the lock.
 
+A lease is bound to what was exported: a random lease id (in the signed handle, params.py)
+and the exact block rows (per KV cache group) and prompt length of the request. A consumer
+names all of it (`LeaseRef`) to release or push; anything that does not match a held lease
+exactly is refused and counted, and the lease is served once: release or claim ends it.
+- `refused_mismatch`: the request is held but the lease id or the block rows differ (a
+  forged or tampered handle: somebody asked for blocks the lease does not own). The lease
+  stays intact for its real holder.
+- `refused_unknown`: no such lease (already served, expired, or never granted). A consumer
+  whose load failed after its confirm also lands here (its early release finds nothing).
+
 Pull: the release answer is what makes a pull trustworthy: the consumer counts a load as
 done only when the producer confirms it still held the blocks when the pull finished, so a
 lease that expired mid-pull (and whose blocks may already hold another request's KV) fails
@@ -15,47 +25,92 @@ returns the request's block rows, against which the producer checks the requeste
 """
 from __future__ import annotations
 
+import hmac
+import os
 import threading
 import time
+from dataclasses import dataclass
+
+import msgspec
+
+
+class LeaseRef(msgspec.Struct, array_like=True):
+    """What a consumer names to release or push a lease: all of it, exactly as exported."""
+
+    request_id: str
+    lease: str                      # the lease id from the signed handle
+    rows: list[list[int]]           # per KV cache group, the exported block table row
+    num_tokens: int                 # prompt positions the producer computed
+
+
+@dataclass(slots=True)
+class _Lease:
+    lease: str
+    rows: list[list[int]]
+    num_tokens: int
+    deadline: float                 # monotonic
+
+
+def new_lease_id() -> str:
+    return os.urandom(16).hex()
 
 
 class LeaseTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._deadline: dict[str, float] = {}      # request id -> monotonic deadline
-        self._rows: dict[str, list[list[int]]] = {}  # request id -> its block rows
+        self._held: dict[str, _Lease] = {}          # request id -> its lease
         self._claimed: set[str] = set()            # being pushed: held until the write stops
         self._released: list[str] = []             # released by a consumer, to free
+        self.refused_mismatch = 0
+        self.refused_unknown = 0
 
-    def grant(self, request_id: str, lease_s: float,
-              rows: list[list[int]] | None = None) -> None:
+    def grant(self, request_id: str, lease_s: float, rows: list[list[int]],
+              num_tokens: int = 0) -> str:
+        """Hold `rows` for a consumer; returns the lease id that names them."""
+        lease = new_lease_id()
         with self._lock:
-            self._deadline[request_id] = time.monotonic() + lease_s
-            self._rows[request_id] = rows or []
+            self._held[request_id] = _Lease(lease, [list(r) for r in rows], num_tokens,
+                                            time.monotonic() + lease_s)
+        return lease
 
-    def release(self, request_id: str) -> bool:
-        """A consumer is done with the request: True if the blocks were held until now."""
+    def _take(self, ref: LeaseRef) -> _Lease | None:
+        """The lease `ref` names exactly, removed from the table (served once); None, counted,
+        for anything else. Call with the lock held."""
+        held = self._held.get(ref.request_id)
+        if held is None:
+            self.refused_unknown += 1
+            return None
+        if not (hmac.compare_digest(held.lease.encode(), ref.lease.encode())
+                and held.rows == ref.rows and held.num_tokens == ref.num_tokens):
+            self.refused_mismatch += 1
+            return None
+        del self._held[ref.request_id]
+        return held
+
+    def release(self, ref: LeaseRef) -> bool:
+        """A consumer is done with the lease: True if its blocks were held until now."""
         with self._lock:
-            deadline = self._deadline.pop(request_id, None)
-            if deadline is None:
+            held = self._take(ref)
+            if held is None:
                 return False
-            self._rows.pop(request_id, None)
-            self._released.append(request_id)
-            return time.monotonic() < deadline
+            self._released.append(ref.request_id)
+            return time.monotonic() < held.deadline
 
-    def claim(self, request_id: str) -> list[list[int]] | None:
-        """A consumer asks for a push: the request's block rows, held until `finish_claim`;
-        None when the lease is gone (expired, released or never granted)."""
+    def claim(self, ref: LeaseRef) -> tuple[list[list[int]] | None, str]:
+        """A consumer asks for a push: (the lease's block rows, ""), held until
+        `finish_claim`; (None, why) when refused (gone, expired, or not this lease)."""
         with self._lock:
-            deadline = self._deadline.pop(request_id, None)
-            rows = self._rows.pop(request_id, None)
-            if deadline is None:
-                return None
-            if time.monotonic() >= deadline:
-                self._released.append(request_id)      # expired: free it now
-                return None
-            self._claimed.add(request_id)
-            return rows or []
+            held = self._take(ref)
+            if held is None:
+                known = ref.request_id in self._held
+                return None, ("the handle does not match the lease (wrong lease id or block "
+                              "ids)" if known else "this instance no longer held the blocks "
+                              "(lease expired or already served)")
+            if time.monotonic() >= held.deadline:
+                self._released.append(ref.request_id)      # expired: free it now
+                return None, "this instance no longer held the blocks (lease expired)"
+            self._claimed.add(ref.request_id)
+            return held.rows, ""
 
     def finish_claim(self, request_id: str) -> None:
         """The push of a claimed request has stopped (done, failed or aborted): free it."""
@@ -72,11 +127,15 @@ class LeaseTable:
     def take_expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [rid for rid, d in self._deadline.items() if d <= now]
+            expired = [rid for rid, held in self._held.items() if held.deadline <= now]
             for rid in expired:
-                del self._deadline[rid]
-                self._rows.pop(rid, None)
+                del self._held[rid]
             return expired
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return {"leases_refused_mismatch": self.refused_mismatch,
+                    "leases_refused_unknown": self.refused_unknown}
 
     @property
     def num_claimed(self) -> int:
@@ -85,4 +144,4 @@ class LeaseTable:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._deadline) + len(self._claimed) + len(self._released)
+            return len(self._held) + len(self._claimed) + len(self._released)

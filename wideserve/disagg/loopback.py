@@ -15,6 +15,7 @@ then, as it does over NIXL with a producer that does not answer (fencing).
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ COPY_CHUNK_PAGES = 1024
 class LoopbackHub:
     def __init__(self) -> None:
         self.workers: dict[str, LoopbackWorker] = {}
+        self.secret = os.urandom(32)        # the "network's" shared KV secret
 
 
 def copy_pages(dst: torch.Tensor, src: torch.Tensor, dst_ids: torch.Tensor,
@@ -56,6 +58,7 @@ class LoopbackWorker(KVConnectorWorker):
                  hub: LoopbackHub) -> None:
         super().__init__(config, layout, leases)
         self.hub = hub
+        self.secret = hub.secret
         hub.workers[config.engine_id] = self
         self.push = config.kv_transfer_op == "push"
         self.jobs: list[_Push] = []                 # producer: pushes to do at the next poll
@@ -93,7 +96,7 @@ class LoopbackWorker(KVConnectorWorker):
             self._ask_push(peer, load)
             return
         nbytes, transfers = self._copy(self, peer, load)
-        if not peer.leases.release(load.remote.remote_request_id):
+        if not peer.leases.release(load.remote.lease_ref()):
             self._load_failed(load.request_id, "the prefill instance no longer held the "
                                                "blocks (lease expired)")
             return
@@ -102,14 +105,13 @@ class LoopbackWorker(KVConnectorWorker):
     def release(self, remote: RemoteKV) -> None:
         peer = self.hub.workers.get(remote.remote_engine_id)
         if peer is not None:
-            peer.leases.release(remote.remote_request_id)
+            peer.leases.release(remote.lease_ref())
 
     # ------------------------------------------------------------------- push
     def _ask_push(self, peer: LoopbackWorker, load: LoadSpec) -> None:
-        rows = peer.leases.claim(load.remote.remote_request_id)
+        rows, why = peer.leases.claim(load.remote.lease_ref())
         if rows is None:
-            self._load_failed(load.request_id, "the prefill instance refused the push: it no "
-                                               "longer held the blocks (lease expired)")
+            self._load_failed(load.request_id, f"the prefill instance refused the push: {why}")
             return
         why = check_source_pages(self.layout.groups, rows, load.remote_pages, load.local_pages)
         if why:

@@ -38,6 +38,13 @@ COUNTERS = {
                                                "(their transfer not known to have stopped)."),
     "quarantines_released": ("quarantines_released", "Quarantined loads whose transfer was "
                                                      "then known to have stopped (freed)."),
+    "handles_refused": ("handles_refused", "kv_transfer_params refused at admission (decode "
+                                           "side): unsigned, forged, or for another prompt."),
+    "leases_refused_mismatch": ("leases_refused_mismatch", "Release or push requests refused "
+                                "(prefill side): the lease id or block ids differ from the "
+                                "held lease's."),
+    "leases_refused_unknown": ("leases_refused_unknown", "Release or push requests naming no "
+                               "held lease (prefill side): already served, expired, unknown."),
 }
 GAUGES = {
     "loading": ("loads_in_flight", "Remote KV loads in flight (decode side)."),

@@ -131,16 +131,15 @@ class PushProducer:
         budget = req.deadline - time.time()
         if budget <= 0:     # the consumer has given up (or will have, before we are done)
             return msgspec.msgpack.encode("the decode instance's deadline had passed")
-        rows = self.leases.claim(req.request_id)
+        rows, why = self.leases.claim(req.lease)
         if rows is None:
-            return msgspec.msgpack.encode("this instance no longer held the blocks "
-                                          "(lease expired)")
+            return msgspec.msgpack.encode(why)
         try:
             why = self._post(req, rows, budget)
         except Exception as e:  # noqa: BLE001 - nixl raises its own error types
             why = f"the write failed to start: {e}"
         if why:
-            self.leases.finish_claim(req.request_id)
+            self.leases.finish_claim(req.lease.request_id)
         return msgspec.msgpack.encode(why)
 
     def _post(self, req: PushRequest, rows: list[list[int]], budget_s: float) -> str:
@@ -208,7 +207,7 @@ class PushProducer:
                         continue
                 del self.writes[token]
                 self.stopped[token] = now
-                self.leases.finish_claim(w.req.request_id)
+                self.leases.finish_claim(w.req.lease.request_id)
                 if why == "ok":
                     self.num_pushed += 1
                     if w.req.per_block:

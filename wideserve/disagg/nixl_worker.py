@@ -34,7 +34,7 @@ import numpy as np
 
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
-from wideserve.disagg.leases import LeaseTable
+from wideserve.disagg.leases import LeaseRef, LeaseTable
 from wideserve.disagg.fence import Fence, FenceTable
 from wideserve.disagg.nixl_push import (UNKNOWN_CONSUMER, CancelReply, PushProducer, try_release,
                                         xfer_states)
@@ -126,7 +126,7 @@ class NixlWorker(KVConnectorWorker):
         super().__init__(config, layout, leases)
         self.mem = memory_type(layout, config.kv_buffer_device)
         api = import_nixl()
-        secret = config.secret()
+        secret = self.secret = config.secret()
         self.mode = str(config.kv_connector_extra_config.get("transfer_mode", "packed"))
         self.push = config.kv_transfer_op == "push"
         # Strict: the producer's side-channel thread posts push WRITEs (nixl_push.py).
@@ -166,8 +166,8 @@ class NixlWorker(KVConnectorWorker):
         return self.server.host, self.server.port
 
     def _serve_release(self, body: bytes) -> bytes:
-        ids = msgspec.msgpack.decode(body, type=list[str])
-        return msgspec.msgpack.encode([self.leases.release(rid) for rid in ids])
+        refs = msgspec.msgpack.decode(body, type=list[LeaseRef])
+        return msgspec.msgpack.encode([self.leases.release(ref) for ref in refs])
 
     # ------------------------------------------------------------------ consumer
     def start_load(self, load: LoadSpec) -> None:
@@ -247,7 +247,7 @@ class NixlWorker(KVConnectorWorker):
         f.num_transfers = 1 if self.mode == "packed" else \
             sum(len(p) * len(g.regions) for g, p in zip(self.layout.groups, load.local_pages))
         left = max(0.0, f.deadline - time.monotonic())
-        req = PushRequest(self.config.engine_id, f.token, r.remote_request_id,
+        req = PushRequest(self.config.engine_id, f.token, r.lease_ref(),
                           pages_to_wire(load.local_pages), pages_to_wire(load.remote_pages),
                           time.time() + left, self.mode == "per_block")
         f.accept = self.pool.submit(self._call, r, "push", msgspec.msgpack.encode(req),
@@ -416,7 +416,7 @@ class NixlWorker(KVConnectorWorker):
 
     def _confirm(self, r: RemoteKV) -> bool:
         body = self.client.call(r.remote_host, r.remote_port, "release",
-                                msgspec.msgpack.encode([r.remote_request_id]),
+                                msgspec.msgpack.encode([r.lease_ref()]),
                                 self.config.kv_load_timeout_s)
         return bool(msgspec.msgpack.decode(body, type=list[bool])[0])
 
@@ -449,7 +449,7 @@ class NixlWorker(KVConnectorWorker):
     def _release_quietly(self, r: RemoteKV) -> None:
         try:
             self.client.call(r.remote_host, r.remote_port, "release",
-                             msgspec.msgpack.encode([r.remote_request_id]), HANDSHAKE_TIMEOUT_S)
+                             msgspec.msgpack.encode([r.lease_ref()]), HANDSHAKE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the lease expiry frees it anyway
             logger.info("release of %s on %s:%s failed: %s", r.remote_request_id,
                         r.remote_host, r.remote_port, e)

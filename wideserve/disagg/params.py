@@ -6,15 +6,28 @@
 - prefill -> router (in the response): a `RemoteKV` handle, which the router passes
   unchanged to the decode instance (`do_remote_prefill: true`).
 
+A handle is signed by the producer (`remote_mac`: HMAC-SHA256 with the shared KV secret over
+every field, the lease id and a digest of the prompt's token ids included): a decode instance
+admits only a handle whose signature verifies and whose prompt digest is its own prompt's, so
+a client can neither forge one nor name blocks the producer did not export for that prompt
+(docs/disaggregation.md, "Threat model").
+
 Glossary: *remote* = the prefill instance; *local* = the decode instance doing the load.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
+
+from wideserve.disagg.leases import LeaseRef
+
+HANDLE_TAG = b"wideserve-kv-handle-v1"     # domain separation from the side channel's MACs
 
 
 class RemoteKV(msgspec.Struct, kw_only=True):
@@ -28,9 +41,16 @@ class RemoteKV(msgspec.Struct, kw_only=True):
     remote_block_ids: list[list[int]]       # per KV cache group: the request's table row
     remote_num_tokens: int                  # positions whose KV the prefill computed
     remote_layout: str                      # KVLayout.fingerprint: both sides must agree
+    remote_lease: str = ""                  # the lease id (leases.py): names the held blocks
+    remote_prompt_digest: str = ""          # prompt_digest of the prompt it was computed for
+    remote_mac: str = ""                    # handle_mac: the producer's signature
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+    def lease_ref(self) -> LeaseRef:
+        return LeaseRef(self.remote_request_id, self.remote_lease, self.remote_block_ids,
+                        self.remote_num_tokens)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> RemoteKV:
@@ -38,6 +58,53 @@ class RemoteKV(msgspec.Struct, kw_only=True):
             return msgspec.convert(params, cls)
         except msgspec.ValidationError as e:
             raise ValueError(f"kv_transfer_params: {e}") from None
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+def handle_mac(secret: bytes, r: RemoteKV) -> str:
+    body = msgspec.msgpack.encode((
+        HANDLE_TAG, r.remote_engine_id, r.remote_host, r.remote_port, r.remote_request_id,
+        r.remote_lease, r.remote_block_ids, r.remote_num_tokens, r.remote_layout,
+        r.remote_prompt_digest))
+    return hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+def sign_handle(secret: bytes, r: RemoteKV) -> RemoteKV:
+    r.remote_mac = handle_mac(secret, r)
+    return r
+
+
+def handle_problem(secret: bytes, r: RemoteKV, token_ids: Sequence[int]) -> str | None:
+    """Why a decode instance must refuse the handle `r` for a prompt of `token_ids` (None:
+    it was minted by a holder of the KV secret for exactly this prompt)."""
+    if not r.remote_mac:
+        return ("kv_transfer_params: the handle is not signed; only a prefill instance with "
+                "this server's KV secret mints handles (clients may not send them)")
+    if not hmac.compare_digest(r.remote_mac.encode(), handle_mac(secret, r).encode()):
+        return ("kv_transfer_params: the handle's signature does not verify (forged or "
+                "altered, or minted with another KV secret)")
+    if not hmac.compare_digest(r.remote_prompt_digest.encode(),
+                               prompt_digest(token_ids).encode()):
+        return "kv_transfer_params: the handle was issued for a different prompt"
+    return None
+
+
+def client_handle_problem(secret: bytes | None, params: dict[str, Any] | None,
+                          token_ids: Sequence[int]) -> str | None:
+    """The API server's check of a request's handle before the request starts (a stream's
+    400 cannot come later): it must verify with the KV secret for this prompt. None when
+    there is no handle, or no secret (not a consumer: the engine then says why)."""
+    if secret is None or not wants_remote_prefill(params):
+        return None
+    assert params is not None
+    try:
+        remote = RemoteKV.from_dict(params)
+    except ValueError as e:
+        return str(e)
+    return handle_problem(secret, remote, token_ids)
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -2,10 +2,11 @@
 
 The protocol (docs/disaggregation.md, "Push"), the same for every transport:
 1. The consumer allocates the request's blocks (as for a pull), then asks the producer to
-   push: a `PushRequest` naming the producer's request (its lease), the consumer's and the
-   producer's pages, a random token and its deadline.
-2. The producer *claims* the lease (leases.py: the blocks stay held, the lease cannot expire
-   under the write), checks the source pages are the request's own, posts the write and
+   push: a `PushRequest` naming the producer's lease (request id, lease id, exact block
+   rows), the consumer's and the producer's pages, a random token and its deadline.
+2. The producer *claims* the lease (leases.py: only an exact match, once; the blocks stay
+   held, the lease cannot expire under the write), checks the source pages are the lease's
+   own, posts the write and
    answers "" (accepted) or why not (nothing was written).
 3. When the write has landed the consumer receives a notification `OK + token`; a write the
    producer stopped (failed, aborted at the deadline) gives `ERR + token + why`. Either way the
@@ -25,6 +26,7 @@ import msgspec
 import numpy as np
 
 from wideserve.disagg.layout import GroupPlan
+from wideserve.disagg.leases import LeaseRef
 
 TOKEN_BYTES = 16
 NOTIFY_OK = b"K"
@@ -34,7 +36,7 @@ NOTIFY_ERR = b"E"
 class PushRequest(msgspec.Struct, array_like=True):
     consumer: str                 # the consumer's agent name (its engine id)
     token: bytes                  # names this load in the notification and in cancel
-    request_id: str               # the producer's request id (its lease)
+    lease: LeaseRef               # the producer's lease, exactly as its handle names it
     local_pages: list[bytes]      # per group, int32 consumer page ids (the destination)
     remote_pages: list[bytes]     # per group, int32 producer page ids (the source)
     # Wall-clock (time.time) deadline: the producer refuses a push it sees later (one that

@@ -110,7 +110,9 @@ class Router:
                 self.metrics.requests.labels(route, "prefill_rejected").inc()
                 return early
         self.metrics.remote_kv.labels("true" if params else "false").inc()
-        decode_body = dict(body, kv_transfer_params=params) if params else body
+        decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if params:
+            decode_body["kv_transfer_params"] = params
         return await self._decode(route, decode_body, headers, arrival)
 
     async def _prefill(self, route: str, body: dict[str, Any], headers: dict[str, str]
@@ -210,6 +212,12 @@ def build_app(config: RouterConfig) -> FastAPI:
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "the body must be a JSON object",
                                            "type": "invalid_request_error", "code": 400}}, 400)
+        if "kv_transfer_params" in body:
+            # Only the router passes KV handles, minted by a prefill instance: a client's could
+            # name another request's KV (docs/disaggregation.md, "Threat model").
+            return JSONResponse({"error": {"message": "kv_transfer_params is set by the router, "
+                                           "not by clients", "type": "invalid_request_error",
+                                           "param": "kv_transfer_params", "code": 400}}, 400)
         auth = request.headers.get("authorization")
         headers = {"authorization": auth} if auth else {}
         return await router.handle(request.url.path, body, headers)

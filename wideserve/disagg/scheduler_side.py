@@ -21,6 +21,7 @@ can never land in blocks another request already uses.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from wideserve.disagg.layout import GroupPlan, plan_pages
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.metrics import LOAD_BUCKETS, observe
 from wideserve.disagg.params import (ConnectorMeta, LoadSpec, RemoteKV, WorkerResult,
+                                     handle_problem, prompt_digest, sign_handle,
                                      wants_remote_decode, wants_remote_prefill)
 from wideserve.request import RequestStatus
 
@@ -55,6 +57,7 @@ class ConnectorStats:
     leases_expired: int = 0
     loads_quarantined: int = 0       # failed loads whose blocks had to wait for a fence
     quarantines_released: int = 0
+    handles_refused: int = 0         # kv_transfer_params refused at admission (unsigned, forged)
     max_loads_started_per_step: int = 0
     # Completed loads' admission-to-arrival time: per-bucket counts (metrics.LOAD_BUCKETS).
     load_seconds_buckets: list[int] = field(
@@ -73,8 +76,9 @@ class _Load:
 
 class ConnectorScheduler:
     def __init__(self, config: KVTransferConfig, groups: list[GroupPlan], fingerprint: str,
-                 advertise: tuple[str, int], leases: LeaseTable) -> None:
+                 advertise: tuple[str, int], leases: LeaseTable, secret: bytes) -> None:
         self.config = config
+        self.secret = secret            # signs this producer's handles, checks consumers' ones
         self.groups = groups
         self.fingerprint = fingerprint
         self.host, self.port = advertise
@@ -93,8 +97,12 @@ class ConnectorScheduler:
         self.kv = kv
 
     # ------------------------------------------------------------------ validation
-    def validate(self, params: dict[str, Any] | None, num_prompt_tokens: int) -> str | None:
-        """Why a request's kv_transfer_params cannot be served here (None: fine)."""
+    def validate(self, params: dict[str, Any] | None,
+                 prompt_token_ids: Sequence[int]) -> str | None:
+        """Why a request's kv_transfer_params cannot be served here (None: fine). A handle is
+        admitted only when the producer's signature over it verifies for this very prompt
+        (params.handle_problem): it names exactly the blocks exported for this prompt."""
+        num_prompt_tokens = len(prompt_token_ids)
         if wants_remote_prefill(params):
             if not self.config.is_consumer:
                 return f"kv_transfer_params.do_remote_prefill: this instance's kv_role is " \
@@ -110,6 +118,10 @@ class ConnectorScheduler:
             if remote.remote_num_tokens != num_prompt_tokens:
                 return f"kv_transfer_params: the prefill computed {remote.remote_num_tokens} " \
                        f"tokens but the prompt has {num_prompt_tokens}"
+            problem = handle_problem(self.secret, remote, prompt_token_ids)
+            if problem is not None:
+                self.stats.handles_refused += 1
+                return problem
         elif wants_remote_decode(params) and not self.config.is_producer:
             return f"kv_transfer_params.do_remote_decode: this instance's kv_role is " \
                    f"{self.config.kv_role!r}, not a producer"
@@ -208,14 +220,16 @@ class ConnectorScheduler:
             # The consumer computes the last prompt token itself: only its window is needed.
             self.kv.trim_to_window(request, request.num_prompt_tokens - 1)
             rows = self.kv.block_ids(rid)
-            self.leases.grant(rid, self.config.kv_lease_s, rows)
+            lease = self.leases.grant(rid, self.config.kv_lease_s, rows,
+                                      request.num_prompt_tokens)
             self.stats.leases_granted += 1
-            return RemoteKV(
+            return sign_handle(self.secret, RemoteKV(
                 remote_engine_id=self.config.engine_id, remote_host=self.host,
                 remote_port=self.port, remote_request_id=rid,
                 remote_block_ids=rows,
                 remote_num_tokens=request.num_prompt_tokens,
-                remote_layout=self.fingerprint).to_dict()
+                remote_layout=self.fingerprint, remote_lease=lease,
+                remote_prompt_digest=prompt_digest(request.prompt_token_ids))).to_dict()
         self.kv.free(request)
         return None
 
@@ -280,5 +294,6 @@ class ConnectorScheduler:
 
     def snapshot(self) -> dict[str, Any]:
         blocks = self.kv.num_quarantined_blocks if self.kv is not None else 0
-        return {**asdict(self.stats), "loading": len(self._loads), "held": len(self._held),
+        return {**asdict(self.stats), **self.leases.counters(),
+                "loading": len(self._loads), "held": len(self._held),
                 "quarantined": len(self._quarantine), "quarantined_blocks": blocks}

@@ -19,6 +19,10 @@ from wideserve.disagg.params import ConnectorMeta, LoadSpec, WorkerResult
 
 
 class KVConnectorWorker(abc.ABC):
+    # The shared KV secret: the side channel's key, and the key the scheduler half signs and
+    # checks handles with (params.handle_mac). Set by each backend.
+    secret: bytes = b""
+
     def __init__(self, config: KVTransferConfig, layout: KVLayout, leases: LeaseTable) -> None:
         self.config = config
         self.layout = layout

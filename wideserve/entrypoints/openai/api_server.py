@@ -383,7 +383,9 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
                              int(info["vocab_size"]), config.scheduler.policy, defaults,
                              metrics, chat_options(args),
-                             max_sequences_per_request=args.max_sequences_per_request)
+                             max_sequences_per_request=args.max_sequences_per_request,
+                             kv_secret=config.kv_transfer.consumer_secret()
+                             if config.kv_transfer else None)
 
         async def on_shutdown() -> None:
             assert ctx.pool is not None

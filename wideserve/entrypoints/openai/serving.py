@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from wideserve.core.engine_client import EngineDeadError
+from wideserve.disagg.params import client_handle_problem
 from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
 from wideserve.entrypoints.openai.input_prep import (PRESCAN_BYTES, Limits, TokenizerPool,
                                                      sequences_overflow, too_long_text)
@@ -171,6 +172,7 @@ class ServingContext:
     chat: ChatOptions = field(default_factory=ChatOptions)
     max_sequences_per_request: int = 256
     pool: TokenizerPool | None = None
+    kv_secret: bytes | None = None      # P/D consumer: checks kv_transfer_params (disagg/)
 
     def __post_init__(self) -> None:
         if self.pool is None:
@@ -262,6 +264,12 @@ class ServingContext:
         except ValueError as e:
             raise ApiError(400, str(e), param=param_of(str(e)) or str(e).split(" ", 1)[0]) \
                 from None
+
+    def check_kv_handle(self, params: SamplingParams, ids: list[int]) -> None:
+        """A KV handle is admitted only as its producer signed it, for this prompt."""
+        why = client_handle_problem(self.kv_secret, params.kv_transfer_params, ids)
+        if why is not None:
+            raise ApiError(400, why, param="kv_transfer_params")
 
     def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias (string token ids) checked against the vocabulary."""

@@ -125,6 +125,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
+    ctx.check_kv_handle(params, ids)
     params.structured_outputs = structured_params(req, setup)
     params.logit_bias = ctx.logit_bias(req.logit_bias)
     parser = _tool_parser(ctx, setup)

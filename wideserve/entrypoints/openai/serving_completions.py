@@ -73,6 +73,7 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
     for text, ids in await _prompts(ctx, req):
         max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
         params = ctx.sampling_params(req, max_tokens, req.logprobs)
+        ctx.check_kv_handle(params, ids)
         params.structured_outputs = constraint
         params.logit_bias = ctx.logit_bias(req.logit_bias)
         if req.echo and req.logprobs is not None:      # echo + logprobs: the prompt's too
