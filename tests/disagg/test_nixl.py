@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from wideserve.disagg.side_channel import (Envelope, SideChannelClient, SideChannelError,
-                                           SideChannelServer)
+from wideserve.disagg.side_channel import (VERSION, Header, SideChannelClient,
+                                           SideChannelError, SideChannelServer)
 
 PEER = str(Path(__file__).with_name("nixl_peer.py"))
 SECRET = "a-test-secret-of-32-bytes-length"
@@ -130,11 +130,12 @@ def test_side_channel_refuses_unauthenticated_peers():
         sock = ctx.socket(zmq.DEALER)
         sock.connect(f"tcp://127.0.0.1:{server.port}")
         from wideserve.disagg.side_channel import _request_mac
-        env = Envelope("metadata", time.time(), b"n" * 16, b"", b"")
-        env.mac = _request_mac(b"s" * 32, env.kind, env.ts, env.nonce, env.body)
+        head = Header(VERSION, "metadata", time.time(), b"n" * 16, b"")
+        head.mac = _request_mac(b"s" * 32, head, b"")
         replies = []
-        for data in (msgspec.msgpack.encode(env), msgspec.msgpack.encode(env), b"\xc1junk"):
-            sock.send(data)
+        for frames in ([msgspec.msgpack.encode(head), b""], [msgspec.msgpack.encode(head), b""],
+                       [b"\xc1junk", b""]):
+            sock.send_multipart(frames)
             assert sock.poll(5000)
             replies.append(msgspec.msgpack.decode(sock.recv()))
         sock.close(linger=0)

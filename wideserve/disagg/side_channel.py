@@ -1,10 +1,18 @@
 """An authenticated request/reply side channel over ZMQ (agent metadata, releases).
 
-Both ends hold a shared secret. A request carries a timestamp, a random nonce and
-HMAC-SHA256(secret, kind | ts | nonce | body); the server refuses a bad MAC, a stale
-timestamp or a replayed nonce, and answers an unauthenticated peer with nothing but
-"unauthenticated". The reply is MAC'd over the request's nonce, so the client knows it came
-from a holder of the secret too. Everything is msgspec msgpack: nothing is ever unpickled.
+Both ends hold a shared secret. A request is two frames: a small header (protocol version,
+kind, timestamp, random nonce, MAC) and the body; the MAC is HMAC-SHA256(secret, version |
+kind | ts | nonce | body). The server answers an unauthenticated peer with nothing but a
+refusal, and the reply is MAC'd over the request's nonce, so the client knows it came from a
+holder of the secret too. Everything is msgspec msgpack: nothing is ever unpickled.
+
+Junk costs the server as little as possible, and only its sender: the checks run cheapest
+first (the sender's rate limit, frame count and header size, version, kind, timestamp,
+replayed nonce: none reads the body), the HMAC over the body last. Each refused request
+spends a token of its source address's bucket (`PeerLimit`); a peer whose bucket is empty has
+its messages dropped unread and unanswered until it refills, so a flood from one address
+never queues more than a burst of MAC checks ahead of other peers' requests. Authentic
+requests spend nothing.
 """
 from __future__ import annotations
 
@@ -15,21 +23,24 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 logger = logging.getLogger(__name__)
 
+VERSION = 1
 MAX_SKEW_S = 60.0
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_HEADER_BYTES = 1024
 
 
-class Envelope(msgspec.Struct, array_like=True):
+class Header(msgspec.Struct, array_like=True):
+    version: int
     kind: str
     ts: float
     nonce: bytes
-    body: bytes
     mac: bytes
 
 
@@ -45,12 +56,49 @@ class SideChannelError(RuntimeError):
     pass
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, b"\x00".join(parts), hashlib.sha256).digest()
+@dataclass(slots=True)
+class PeerLimit:
+    """Per source address: refused requests allowed in a burst, and refilled per second."""
+
+    burst: float = 32.0
+    refill_per_s: float = 8.0
 
 
-def _request_mac(secret: bytes, kind: str, ts: float, nonce: bytes, body: bytes) -> bytes:
-    return _mac(secret, b"req", kind.encode(), repr(ts).encode(), nonce, body)
+class PeerBuckets:
+    """Token buckets by source address, spent by refused requests only."""
+
+    MAX_PEERS = 4096
+
+    def __init__(self, limit: PeerLimit) -> None:
+        self.limit = limit
+        self._buckets: dict[str, tuple[float, float]] = {}     # peer -> (tokens, at)
+
+    def _tokens(self, peer: str, now: float) -> float:
+        tokens, at = self._buckets.get(peer, (self.limit.burst, now))
+        return min(self.limit.burst, tokens + (now - at) * self.limit.refill_per_s)
+
+    def allowed(self, peer: str, now: float) -> bool:
+        return self._tokens(peer, now) >= 1.0
+
+    def spend(self, peer: str, now: float) -> None:
+        if len(self._buckets) >= self.MAX_PEERS:       # forget the peers that are full again
+            self._buckets = {p: (t, a) for p, (t, a) in self._buckets.items()
+                             if t + (now - a) * self.limit.refill_per_s < self.limit.burst}
+        self._buckets[peer] = (self._tokens(peer, now) - 1.0, now)
+
+
+def _mac(secret: bytes, *parts: bytes | memoryview) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for i, part in enumerate(parts):
+        if i:
+            h.update(b"\x00")
+        h.update(part)
+    return h.digest()
+
+
+def _request_mac(secret: bytes, head: Header, body: bytes | memoryview) -> bytes:
+    return _mac(secret, b"req", str(head.version).encode(), head.kind.encode(),
+                repr(head.ts).encode(), head.nonce, body)
 
 
 def _reply_mac(secret: bytes, ok: bool, nonce: bytes, body: bytes, error: str) -> bytes:
@@ -63,10 +111,14 @@ Handler = Callable[[bytes], bytes]
 class SideChannelServer:
     """A ROUTER socket served by one daemon thread; `handlers[kind](body) -> reply body`."""
 
-    def __init__(self, secret: bytes, host: str, port: int, handlers: dict[str, Handler]) -> None:
+    def __init__(self, secret: bytes, host: str, port: int, handlers: dict[str, Handler],
+                 limit: PeerLimit | None = None) -> None:
         self.secret = secret
         self.handlers = handlers
-        self.num_refused = 0
+        self.num_refused = 0            # answered with a refusal
+        self.num_dropped = 0            # dropped unread: their peer's bucket was empty
+        self.num_mac_checked = 0        # requests that got as far as the HMAC
+        self.buckets = PeerBuckets(limit or PeerLimit())
         self._seen: dict[bytes, float] = {}
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -83,40 +135,52 @@ class SideChannelServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Envelope)
+        enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Header)
         while not self._stop.is_set():
             if not self._sock.poll(100):
                 continue
-            frames = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
-            reply = self._answer(dec, frames[-1])
-            self._sock.send_multipart([*frames[:-1], enc.encode(reply)])
+            peer = frames[1].get("Peer-Address") or "?"
+            now = time.monotonic()
+            if not self.buckets.allowed(peer, now):
+                self.num_dropped += 1
+                continue
+            reply = self._answer(dec, [f.buffer for f in frames[1:]])
+            if not reply.mac:               # refused: the sender pays
+                self.buckets.spend(peer, now)
+            self._sock.send_multipart([frames[0], enc.encode(reply)])
 
-    def _answer(self, dec: msgspec.msgpack.Decoder, data: bytes) -> Reply:
+    def _answer(self, dec: msgspec.msgpack.Decoder, parts: list[memoryview]) -> Reply:
+        if len(parts) != 2 or len(parts[0]) > MAX_HEADER_BYTES:
+            return self._refuse(b"", "malformed message")
         try:
-            msg = dec.decode(data)
+            head = dec.decode(parts[0])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return self._refuse(b"", "malformed message")
-        if not self._authentic(msg):
-            return self._refuse(msg.nonce, "unauthenticated")
-        handler = self.handlers.get(msg.kind)
+        if head.version != VERSION:
+            return self._refuse(head.nonce, f"unsupported side-channel version {head.version} "
+                                            f"(this instance speaks {VERSION})")
+        handler = self.handlers.get(head.kind)
         if handler is None:
-            return self._reply(False, msg.nonce, b"", f"unknown request kind {msg.kind!r}")
+            return self._refuse(head.nonce, f"unknown request kind {head.kind[:64]!r}")
+        if not self._authentic(head, parts[1]):
+            return self._refuse(head.nonce, "unauthenticated")
         try:
-            return self._reply(True, msg.nonce, handler(msg.body), "")
+            return self._reply(True, head.nonce, handler(bytes(parts[1])), "")
         except Exception as e:  # noqa: BLE001 - reported to the peer, the server goes on
-            logger.exception("side-channel handler %s failed", msg.kind)
-            return self._reply(False, msg.nonce, b"", f"{type(e).__name__}: {e}")
+            logger.exception("side-channel handler %s failed", head.kind)
+            return self._reply(False, head.nonce, b"", f"{type(e).__name__}: {e}")
 
-    def _authentic(self, msg: Envelope) -> bool:
-        expected = _request_mac(self.secret, msg.kind, msg.ts, msg.nonce, msg.body)
-        if not hmac.compare_digest(expected, msg.mac):
-            return False
+    def _authentic(self, head: Header, body: memoryview) -> bool:
         now = time.time()
-        if abs(now - msg.ts) > MAX_SKEW_S or msg.nonce in self._seen:
+        if abs(now - head.ts) > MAX_SKEW_S or head.nonce in self._seen:
+            return False            # stale or replayed: no MAC spent on it
+        self.num_mac_checked += 1
+        if not hmac.compare_digest(_request_mac(self.secret, head, body), head.mac):
             return False
-        self._seen[msg.nonce] = now
+        self._seen[head.nonce] = now
         if len(self._seen) > 4096:
             self._seen = {n: t for n, t in self._seen.items() if now - t <= 2 * MAX_SKEW_S}
         return True
@@ -147,14 +211,15 @@ class SideChannelClient:
         self._dec = msgspec.msgpack.Decoder(Reply)
 
     def call(self, host: str, port: int, kind: str, body: bytes, timeout_s: float) -> bytes:
-        ts, nonce = time.time(), os.urandom(16)
-        msg = Envelope(kind, ts, nonce, body, _request_mac(self.secret, kind, ts, nonce, body))
+        head = Header(VERSION, kind, time.time(), os.urandom(16), b"")
+        head.mac = _request_mac(self.secret, head, body)
+        nonce = head.nonce
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             sock.connect(f"tcp://{host}:{port}")
-            sock.send(self._enc.encode(msg))
+            sock.send_multipart([self._enc.encode(head), body])
             if not sock.poll(int(timeout_s * 1000)):
                 raise SideChannelError(f"no answer from {host}:{port} in {timeout_s:g}s")
             reply = self._dec.decode(sock.recv())
