@@ -100,6 +100,21 @@ def test_router_greedy_equals_colocated_streaming_and_not(cluster):
         _idle_and_intact(cluster[name])
 
 
+def test_responses_route_prefill_then_decode(cluster):
+    router, d = cluster["router"], cluster["d"]
+    body = {"input": PROMPTS[0], "max_output_tokens": 8, "temperature": 0.0}
+    expected = httpx.post(d.url + "/v1/responses", json=body, timeout=60)
+    assert expected.status_code == 200, expected.text
+    done0 = _stats(d)["kv_transfer"]["loads_done"]
+    got = httpx.post(router + "/v1/responses", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    # Item ids are random; the content is greedy and must agree.
+    assert [o.get("content") for o in got.json()["output"]] == \
+        [o.get("content") for o in expected.json()["output"]]
+    assert _stats(d)["kv_transfer"]["loads_done"] == done0 + 1     # decoded with remote KV
+    assert "kv_transfer_params" not in got.json()
+
+
 def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
     p2, d, router = cluster["p2"], cluster["d"], cluster["router"]
     expected = _complete(d.url, PROMPTS[2])["choices"][0]["text"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from wideserve.entrypoints.engine_args import one_line_error, parse_port
+from wideserve.entrypoints.engine_args import (one_line_error, parse_bytes, parse_port,
+                                               parse_positive_float)
+from wideserve.entrypoints.serve import BODY_READ_TIMEOUT_S, MAX_REQUEST_BYTES
 
 
 def _url(text: str) -> str:
@@ -30,6 +32,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=parse_port, default=8000)
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds an upstream call may take (default 600)")
+    parser.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
+                        help="largest accepted request body (413 beyond; as `serve`)")
+    parser.add_argument("--body-read-timeout", type=parse_positive_float,
+                        default=BODY_READ_TIMEOUT_S,
+                        help="seconds a request may take to send its body (408 after)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error", "critical"))
     return parser
@@ -39,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from wideserve.disagg.router import RouterConfig, build_app
-    app = build_app(RouterConfig(args.prefill, args.decode, args.timeout))
+    app = build_app(RouterConfig(args.prefill, args.decode, args.max_request_bytes,
+                                 args.body_read_timeout, args.timeout))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -15,6 +15,10 @@ from wideserve.entrypoints.engine_args import (add_engine_args, engine_config_fr
                                                one_line_error, parse_bytes, parse_port,
                                                parse_positive_float, parse_positive_int)
 
+# Request body limits, shared with `wideserve router` (the same door for clients).
+MAX_REQUEST_BYTES = 64 * 2**20
+BODY_READ_TIMEOUT_S = 60.0
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -30,14 +34,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="name(s) clients use; the first is reported (default: the model path)")
     g.add_argument("--api-key", default=os.environ.get("WIDESERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $WIDESERVE_API_KEY)")
-    g.add_argument("--max-request-bytes", type=parse_bytes, default=64 * 2**20,
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
                    help="largest accepted request body (413 beyond)")
     g.add_argument("--max-sequences-per-request", type=parse_positive_int, default=256,
                    help="most sequences one request may ask for: prompts x n (400 beyond)")
     g.add_argument("--header-read-timeout", type=parse_positive_float, default=30.0,
                    help="seconds a connection may take to send a request's headers before "
                         "it is closed (half-open and slowloris connections)")
-    g.add_argument("--body-read-timeout", type=parse_positive_float, default=60.0,
+    g.add_argument("--body-read-timeout", type=parse_positive_float,
+                   default=BODY_READ_TIMEOUT_S,
                    help="seconds a request may take to send its body (408 after)")
     g.add_argument("--max-connections", type=parse_positive_int, default=4096,
                    help="open connections (and requests) at most; 503 beyond")

@@ -49,6 +49,8 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     truncation: str | None = None
     previous_response_id: str | None = None
+    # P/D disaggregation (set by `wideserve router`, docs/disaggregation.md), as on chat.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def _rid(prefix: str) -> str:
@@ -121,7 +123,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "stream": req.stream, "user": req.user}
+        "top_p": req.top_p, "stream": req.stream, "user": req.user,
+        "kv_transfer_params": req.kv_transfer_params}
     fmt = (req.text or {}).get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -192,10 +195,13 @@ async def _full(ctx: ServingContext, call: _Call, rid: str) -> dict[str, Any]:
     choice = ChoiceOutput(call)
     choice.text = co.text
     length = co.finish_reason == "length"
-    return _response(ctx, call, rid, call.created, "incomplete" if length else "completed",
+    body = _response(ctx, call, rid, call.created, "incomplete" if length else "completed",
                      _items(choice.message()),
                      _usage(call, len(co.token_ids), final.output.num_cached_tokens),
                      "max_output_tokens" if length else None)
+    if final.output.kv_transfer_params is not None:     # a prefill instance's KV handle
+        body["kv_transfer_params"] = final.output.kv_transfer_params
+    return body
 
 
 class _Events:
