@@ -2,12 +2,15 @@
 
     producer HOST PORT_FILE OP    serve a filled KV layout, hold leases "req0", "expired",
                                   "req1" and "late", exit once req0 (OP faults: all) is
-                                  released (prints a JSON line with the outcome); OP faults:
+                                  released and a second try of it refused (prints a JSON
+                                  line with the outcome); OP faults:
                                   the push of req1 stops this process (SIGSTOP) right
                                   before it posts the write (after its deadline check)
-    consumer HOST PORT_FILE OP    wait for the producer's port, load req0's pages (OP: pull =
-                                  READ them, push = have the producer WRITE them), check
-                                  every byte, print a JSON line
+    consumer HOST PORT_FILE OP    wait for the producer's port, try a forged handle (req0's
+                                  lease, other blocks: refused), load req0's pages (OP: pull
+                                  = READ them, push = have the producer WRITE them), check
+                                  every byte, try req0 again (refused: served once), print a
+                                  JSON line
     consumer HOST PORT_FILE faults   push faults: req0 pushed; "expired" (its lease expired)
                                   refused; req1's push stalls the producer mid-push, times
                                   out and is quarantined; no new load from that producer
@@ -93,7 +96,9 @@ def producer(host: str, port_file: str, op: str) -> None:
     # Until req0 is released (plain runs), or all three (faults; "expired" when the push
     # finds its lease gone).
     wanted = set(LEASES) if op == "faults" else {"req0"}
-    while time.monotonic() < deadline and not wanted <= released:
+    # Plain runs: and until the consumer's second try of req0 has been refused.
+    retried = (lambda: True) if op == "faults" else (lambda: leases.refused_unknown > 0)
+    while time.monotonic() < deadline and not (wanted <= released and retried()):
         worker.get_finished()           # a push's write is watched here
         released.update(leases.take_released())
         time.sleep(0.01)
@@ -242,6 +247,9 @@ def consumer(host: str, port_file: str, op: str) -> None:
     result, local, rem, _ = _load(worker, lay, info, "req0", LOCAL_ROWS)
     ok = bool(result.finished_loads) and _holds(lay, local, rem) \
         and "forged" in refused.failed_loads and not refused.finished_loads
+    # The same (real) handle again: served once only, nothing lands in the new blocks.
+    again = _load(worker, lay, info, "req0", LOCAL_ROWS1)[0]
+    ok &= not again.finished_loads and _filled(lay, LOCAL_ROWS1, 0)
     if ok:      # and the pages no load planned were left untouched
         for g, loc in zip(lay.groups, local):
             for r in g.regions.tolist():
@@ -251,6 +259,7 @@ def consumer(host: str, port_file: str, op: str) -> None:
                 ok &= not pages[torch.from_numpy(untouched)].any().item()
     print(json.dumps({"ok": ok, "failed": result.failed_loads, "bytes": result.bytes_loaded,
                       "forged": refused.failed_loads.get("forged", ""),
+                      "again": again.failed_loads.get("req0", ""),
                       "pages": result.pages_loaded}), flush=True)
     worker.close()
 

@@ -29,10 +29,20 @@ def _ref(table: LeaseTable, rid: str = "a", rows=None, tokens: int = 40) -> Leas
 def test_lease_served_once_for_its_exact_blocks():
     t = LeaseTable()
     ref = _ref(t)
-    assert t.release(ref) is True
+    assert t.open(ref) == ""                            # a pull opens it ...
+    assert "already served" in t.open(ref)              # ... once
+    assert t.claim(ref)[0] is None                      # nor can it be pushed now
+    assert t.release(ref) is True                       # the pull's confirmation
     assert t.take_released() == ["a"]
-    assert t.release(ref) is False                      # once
-    assert t.counters() == {"leases_refused_mismatch": 0, "leases_refused_unknown": 1}
+    assert t.release(ref) is False
+    assert t.counters() == {"leases_refused_mismatch": 0, "leases_refused_unknown": 3}
+
+
+def test_release_without_open_frees_but_confirms_nothing():
+    t = LeaseTable()
+    ref = _ref(t)
+    assert t.release(ref) is False                      # a consumer that gave up
+    assert t.take_released() == ["a"] and len(t) == 0
 
 
 @pytest.mark.parametrize("field,value", [
@@ -47,20 +57,23 @@ def test_wrong_lease_or_blocks_are_refused_counted_and_leave_the_lease_intact(fi
     ref = _ref(t)
     forged = LeaseRef(**{**{f: getattr(ref, f) for f in ref.__struct_fields__}, field: value})
     assert t.release(forged) is False
-    assert t.claim(forged) == (None, "the handle does not match the lease (wrong lease id or "
-                                     "block ids)")
-    assert t.counters()["leases_refused_mismatch"] == 2
+    why = "the handle does not match the lease (wrong lease id or block ids)"
+    assert t.claim(forged) == (None, why) and t.open(forged) == why
+    assert t.counters()["leases_refused_mismatch"] == 3
     assert t.take_released() == []                      # nothing freed for the forger ...
-    assert t.release(ref) is True                       # ... the real holder is served
+    assert t.open(ref) == ""                            # ... the real holder is served
+    assert t.release(forged) is False                   # an opened lease is no easier
+    assert t.release(ref) is True
 
 
 def test_another_requests_lease_id_is_refused():
     t = LeaseTable()
     a, b = _ref(t, "a"), _ref(t, "b", rows=[[9], [10]])
     # B's lease id (and B's blocks) presented for A, and A's blocks under B's name.
-    assert t.release(LeaseRef("a", b.lease, b.rows, b.num_tokens)) is False
-    assert t.release(LeaseRef("b", b.lease, a.rows, a.num_tokens)) is False
+    assert t.open(LeaseRef("a", b.lease, b.rows, b.num_tokens)) != ""
+    assert t.open(LeaseRef("b", b.lease, a.rows, a.num_tokens)) != ""
     assert t.counters()["leases_refused_mismatch"] == 2
+    assert t.open(a) == t.open(b) == ""
     assert t.release(a) and t.release(b)
 
 
@@ -70,11 +83,19 @@ def test_expired_lease_is_not_served():
     time.sleep(0.02)
     assert t.claim(ref) == (None, "this instance no longer held the blocks (lease expired)")
     assert t.take_released() == ["a"]                   # freed at once
+    ref1 = LeaseRef("c", t.grant("c", 0.01, ROWS, 40), ROWS, 40)
+    time.sleep(0.02)
+    assert t.open(ref1) == "this instance no longer held the blocks (lease expired)"
+    assert t.take_released() == ["c"]
+    ref3 = LeaseRef("d", t.grant("d", 0.05, ROWS, 40), ROWS, 40)
+    assert t.open(ref3) == ""
+    time.sleep(0.06)                                    # expired mid-pull
+    assert t.take_expired() == ["d"] and t.release(ref3) is False
     ref2 = LeaseRef("b", t.grant("b", 0.01, ROWS, 40), ROWS, 40)
     time.sleep(0.02)
     assert t.take_expired() == ["b"]
     assert t.release(ref2) is False
-    assert t.counters()["leases_refused_unknown"] == 1
+    assert t.counters()["leases_refused_unknown"] == 2     # both late releases
 
 
 def test_claim_holds_until_the_write_stops_and_only_once():

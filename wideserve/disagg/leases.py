@@ -13,10 +13,13 @@ exactly is refused and counted, and the lease is served once: release or claim e
 - `refused_unknown`: no such lease (already served, expired, or never granted). A consumer
   whose load failed after its confirm also lands here (its early release finds nothing).
 
-Pull: the release answer is what makes a pull trustworthy: the consumer counts a load as
-done only when the producer confirms it still held the blocks when the pull finished, so a
-lease that expired mid-pull (and whose blocks may already hold another request's KV) fails
-the load instead of serving bad KV.
+Pull: before it READs, the consumer *opens* the lease (`open`: exact match, once; a lease
+opened cannot be opened or claimed again), so a second pull of the same handle, from any
+decode instance, is refused before a byte moves. The release answer is what makes a pull
+trustworthy: the consumer counts a load as done only when the producer confirms that the
+lease was opened and still held when the pull finished, so a lease that expired mid-pull
+(and whose blocks may already hold another request's KV) fails the load instead of serving
+bad KV.
 
 Push: a consumer's push request *claims* the lease before anything is written: a claimed
 request never expires (its blocks stay held) until the producer's write has stopped
@@ -60,6 +63,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._held: dict[str, _Lease] = {}          # request id -> its lease
         self._claimed: set[str] = set()            # being pushed: held until the write stops
+        self._opened: dict[str, _Lease] = {}       # being pulled: held until released/expired
         self._released: list[str] = []             # released by a consumer, to free
         self.refused_mismatch = 0
         self.refused_unknown = 0
@@ -80,21 +84,50 @@ class LeaseTable:
         if held is None:
             self.refused_unknown += 1
             return None
-        if not (hmac.compare_digest(held.lease.encode(), ref.lease.encode())
-                and held.rows == ref.rows and held.num_tokens == ref.num_tokens):
-            self.refused_mismatch += 1
+        if not self._matches(held, ref):
             return None
         del self._held[ref.request_id]
         return held
 
-    def release(self, ref: LeaseRef) -> bool:
-        """A consumer is done with the lease: True if its blocks were held until now."""
+    def _matches(self, held: _Lease, ref: LeaseRef) -> bool:
+        if hmac.compare_digest(held.lease.encode(), ref.lease.encode()) \
+                and held.rows == ref.rows and held.num_tokens == ref.num_tokens:
+            return True
+        self.refused_mismatch += 1
+        return False
+
+    def _refusal(self, ref: LeaseRef) -> str:
+        if ref.request_id in self._held:
+            return "the handle does not match the lease (wrong lease id or block ids)"
+        return "this instance no longer held the blocks (lease expired or already served)"
+
+    def open(self, ref: LeaseRef) -> str:
+        """A consumer is about to pull: "" when `ref` names a held lease exactly (from now on
+        it cannot be opened or claimed again; `release` confirms the pull), else why not."""
         with self._lock:
             held = self._take(ref)
             if held is None:
-                return False
-            self._released.append(ref.request_id)
-            return time.monotonic() < held.deadline
+                return self._refusal(ref)
+            if time.monotonic() >= held.deadline:
+                self._released.append(ref.request_id)      # expired: free it now
+                return "this instance no longer held the blocks (lease expired)"
+            self._opened[ref.request_id] = held
+            return ""
+
+    def release(self, ref: LeaseRef) -> bool:
+        """A consumer is done with the lease (pulled, or gave up): its blocks are freed. True
+        only for an opened lease whose blocks were held until now: the pull's confirmation."""
+        with self._lock:
+            opened = self._opened.get(ref.request_id)
+            if opened is not None:
+                if not self._matches(opened, ref):
+                    return False
+                del self._opened[ref.request_id]
+                self._released.append(ref.request_id)
+                return time.monotonic() < opened.deadline
+            if self._take(ref) is not None:         # never opened: given up, not pulled
+                self._released.append(ref.request_id)
+            return False
 
     def claim(self, ref: LeaseRef) -> tuple[list[list[int]] | None, str]:
         """A consumer asks for a push: (the lease's block rows, ""), held until
@@ -102,10 +135,7 @@ class LeaseTable:
         with self._lock:
             held = self._take(ref)
             if held is None:
-                known = ref.request_id in self._held
-                return None, ("the handle does not match the lease (wrong lease id or block "
-                              "ids)" if known else "this instance no longer held the blocks "
-                              "(lease expired or already served)")
+                return None, self._refusal(ref)
             if time.monotonic() >= held.deadline:
                 self._released.append(ref.request_id)      # expired: free it now
                 return None, "this instance no longer held the blocks (lease expired)"
@@ -127,9 +157,12 @@ class LeaseTable:
     def take_expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [rid for rid, held in self._held.items() if held.deadline <= now]
-            for rid in expired:
-                del self._held[rid]
+            expired = []
+            for table in (self._held, self._opened):
+                gone = [rid for rid, held in table.items() if held.deadline <= now]
+                for rid in gone:
+                    del table[rid]
+                expired += gone
             return expired
 
     def counters(self) -> dict[str, int]:
@@ -144,4 +177,5 @@ class LeaseTable:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._held) + len(self._claimed) + len(self._released)
+            return len(self._held) + len(self._opened) + len(self._claimed) + \
+                len(self._released)

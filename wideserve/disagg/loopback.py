@@ -95,6 +95,10 @@ class LoopbackWorker(KVConnectorWorker):
         if self.push:
             self._ask_push(peer, load)
             return
+        why = peer.leases.open(load.remote.lease_ref())
+        if why:
+            self._load_failed(load.request_id, f"the prefill instance refused the pull: {why}")
+            return
         nbytes, transfers = self._copy(self, peer, load)
         if not peer.leases.release(load.remote.lease_ref()):
             self._load_failed(load.request_id, "the prefill instance no longer held the "

@@ -6,7 +6,8 @@ A producer also serves its agent metadata and region table on the authenticated 
 
 Pull (`kv_transfer_op: "pull"`, the default), per peer (once): fetch the metadata over the side channel,
 check the layout fingerprint, `add_remote_agent`, prepare the remote descriptor list. Per
-load: one prepared READ over all the request's page descriptors (NIXL merges adjacent ones;
+load: "open" the lease (the producer checks it names exactly a held lease, once: leases.py),
+one prepared READ over all the request's page descriptors (NIXL merges adjacent ones;
 "packed", the default) or one READ per descriptor ("per_block", for the benchmark), then the
 release/confirm call to the producer.
 
@@ -106,6 +107,7 @@ class _InFlight:
     load: LoadSpec
     deadline: float
     handles: list[Any] = field(default_factory=list)
+    open: Future | None = None      # pull: the producer's answer to "open" (before the READ)
     confirm: Future | None = None
     nbytes: int = 0
     num_transfers: int = 0
@@ -155,6 +157,7 @@ class NixlWorker(KVConnectorWorker):
             if config.is_producer else None
         self.server = SideChannelServer(secret, config.kv_ip, config.kv_port, {
             "metadata": lambda _body: self._info,
+            "open": self._serve_open,
             "release": self._serve_release,
             **self.pusher.handlers(),
         }) if self.pusher is not None else None
@@ -164,6 +167,10 @@ class NixlWorker(KVConnectorWorker):
         if self.server is None:
             return self.config.kv_ip, 0
         return self.server.host, self.server.port
+
+    def _serve_open(self, body: bytes) -> bytes:
+        return msgspec.msgpack.encode(self.leases.open(msgspec.msgpack.decode(body,
+                                                                              type=LeaseRef)))
 
     def _serve_release(self, body: bytes) -> bytes:
         refs = msgspec.msgpack.decode(body, type=list[LeaseRef])
@@ -219,6 +226,35 @@ class NixlWorker(KVConnectorWorker):
         if self.push:
             self._ask_push(f)
             return
+        r = load.remote
+        f.open = self.pool.submit(self._call, r, "open", msgspec.msgpack.encode(r.lease_ref()),
+                                  max(0.0, min(HANDSHAKE_TIMEOUT_S, f.deadline - time.monotonic())))
+        self.inflight[load.request_id] = f
+
+    def _opened(self, f: _InFlight, now: float) -> str | None:
+        """A pull waiting for its lease to open: "" once the READ is posted, None while
+        waiting, else why it failed (nothing was read)."""
+        assert f.open is not None
+        if f.cancelled or now > f.deadline:
+            return "cancelled" if f.cancelled else \
+                f"timed out after {self.config.kv_load_timeout_s:g}s"
+        if not f.open.done():
+            return None
+        try:
+            why = f.open.result()
+        except Exception as e:  # noqa: BLE001 - no answer: nothing was read
+            return f"the prefill instance did not open the lease: {e}"
+        f.open = None
+        if why:
+            return f"the prefill instance refused the pull: {why}"
+        return self._read(f)
+
+    def _read(self, f: _InFlight) -> str:
+        """Post the pull's READ(s): "" when posted, else why not (handles stopped)."""
+        load, peer = f.load, self.peers.get(f.load.remote.remote_engine_id)
+        if peer is None:
+            return "the prefill instance was dropped (a transfer from it failed)"
+        groups = self.layout.groups
         local = descriptor_indices(groups, self.layout.base, load.local_pages)
         remote = descriptor_indices(groups, peer.base, load.remote_pages)
         try:
@@ -235,9 +271,8 @@ class NixlWorker(KVConnectorWorker):
         except Exception as e:  # noqa: BLE001 - nixl raises its own error types
             self._stop(f)
             self._drop_peer(load.remote.remote_engine_id)
-            self._load_failed(load.request_id, f"transfer failed to start: {e}", f.fence)
-            return
-        self.inflight[load.request_id] = f
+            return f"transfer failed to start: {e}"
+        return ""
 
     # ------------------------------------------------------------- consumer, push
     def _ask_push(self, f: _InFlight) -> None:
@@ -390,6 +425,10 @@ class NixlWorker(KVConnectorWorker):
 
     def _state(self, f: _InFlight, now: float) -> str | None:
         """None while in progress, "ok", or why it failed (handles already released)."""
+        if f.open is not None:
+            why = self._opened(f, now)
+            if why != "":           # still opening (None), or failed before any READ
+                return why
         if f.cancelled or now > f.deadline:
             self._stop(f)
             return "cancelled" if f.cancelled else \
