@@ -50,6 +50,7 @@ class StructuredOutputManager:
         self._lltok_lock = threading.Lock()      # compile threads share one tokenizer
         self._pending: dict[str, tuple[Request, cf.Future]] = {}
         self._compiled: OrderedDict[bytes, cf.Future] = OrderedDict()   # digest -> matcher
+        self._cache_lock = threading.Lock()
         self._matchers: dict[str, Any] = {}
         self.failed: dict[str, str] = {}      # id -> why its constraint failed
 
@@ -73,25 +74,32 @@ class StructuredOutputManager:
         import llguidance
         return llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
 
-    def _compile(self, spec: Any) -> cf.Future:
-        """The future of the compiled grammar of `spec`, shared by every request with the
-        same constraint (the cache holds the last GRAMMAR_CACHE_SIZE)."""
-        if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(self.workers,
-                                               thread_name_prefix="wideserve-grammar")
+    def _compiled_grammar(self, spec: Any) -> Any:
+        """The compiled grammar of `spec`, built once for every request with the same
+        constraint (the cache holds the last GRAMMAR_CACHE_SIZE; a thread asking for one
+        another is building waits for it)."""
         key = spec.digest()
-        future = self._compiled.get(key)
-        if future is None:
-            future = self._compiled[key] = self._pool.submit(
-                lambda: self._build(spec.to_grammar()))
-            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
-        return future
+        with self._cache_lock:
+            future = self._compiled.get(key)
+            building = future is None
+            if building:
+                future = self._compiled[key] = cf.Future()
+                while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        if building:
+            try:
+                future.set_result(self._build(spec.to_grammar()))
+            except Exception as e:  # noqa: BLE001 - handed to every request waiting on it
+                future.set_exception(e)
+        return future.result()
 
-    @staticmethod
-    def _matcher_for(request: Request, compiled: Any) -> Any:
+    def _compile(self, request: Request) -> Any:
+        """The request's own matcher (worker thread): a copy of the compiled grammar."""
+        spec = request.sampling_params.structured_outputs
+        assert spec is not None
+        compiled = self._compiled_grammar(spec)
         if compiled.is_error():
             raise ValueError(compiled.get_error())
         matcher = compiled.deep_copy()
@@ -102,10 +110,12 @@ class StructuredOutputManager:
 
     def hold(self, request: Request) -> bool:
         """Take a constrained request (True) until its grammar is ready."""
-        spec = request.sampling_params.structured_outputs
-        if spec is None:
+        if request.sampling_params.structured_outputs is None:
             return False
-        self._pending[request.request_id] = (request, self._compile(spec))
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(self.workers,
+                                               thread_name_prefix="wideserve-grammar")
+        self._pending[request.request_id] = (request, self._pool.submit(self._compile, request))
         return True
 
     def ready(self, wait_s: float = 0.0) -> list[Request]:
@@ -122,7 +132,7 @@ class StructuredOutputManager:
                 continue
             del self._pending[rid]
             try:
-                self._matchers[rid] = self._matcher_for(request, future.result())
+                self._matchers[rid] = future.result()
             except Exception as e:  # noqa: BLE001 - any failure ends only this request
                 logger.error("request %s: grammar failed to compile: %s", rid, e)
                 self.failed[rid] = f"the structured-output grammar failed to compile: {e}"
@@ -148,7 +158,9 @@ class StructuredOutputManager:
     def drop(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._matchers.pop(rid, None)
-            self._pending.pop(rid, None)    # its compilation may serve others: left to run
+            entry = self._pending.pop(rid, None)
+            if entry is not None:
+                entry[1].cancel()
             self.failed.pop(rid, None)
 
     # ------------------------------------------------------------------------ a step
@@ -193,7 +205,7 @@ class StructuredOutputManager:
         request; its rows then allow everything (no row of -inf logits reaches the sampler)
         and the token sampled from them is dropped (take_failures)."""
         if matcher.is_error():
-            why = f"the output constraint failed: {matcher.get_error()[:500]}"
+            why = f"the output constraint failed mid-decode ({_first_line(matcher)})"
         elif not matcher.is_stopped() and not bool(bitmask[first:first + count].any(dim=1).all()):
             why = ("the output constraint cannot be satisfied: no token can continue the "
                    "output from here")
@@ -213,9 +225,15 @@ class StructuredOutputManager:
             if matcher.is_stopped():
                 break
             if not matcher.consume_token(t):
-                self._fail(request_id, f"the output constraint failed: token {t} is not "
-                                       f"allowed ({matcher.get_error()[:500]})")
+                self._fail(request_id, f"the output constraint failed mid-decode: token {t} "
+                                       f"is not allowed ({_first_line(matcher)})")
                 return
+
+
+def _first_line(matcher: Any) -> str:
+    """llguidance's error without the parser state it appends (which quotes the output)."""
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0][:200] if lines else "unknown error"
 
 
 def _row_starts(num: int, drafts: Sequence[Sequence[int]] | None) -> list[int]:
