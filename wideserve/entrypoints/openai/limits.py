@@ -18,11 +18,14 @@ from typing import Any
 
 import msgspec
 
-# Top-level fields holding an output constraint (a schema, regex, grammar or choice list).
-_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar", "text")
-# Objects around a tool's `parameters` schema: [ {function: {parameters: ...}} ].
-_TOOL_WRAPPING_DEPTH = 4
+# Top-level fields holding an output constraint (a schema, regex, grammar or choice list),
+# and the levels of JSON around the schema in each: response_format.json_schema.schema,
+# structured_outputs.json, (Responses) text.format.schema.
+_CONSTRAINT_FIELDS = {"response_format": 2, "structured_outputs": 1, "text": 2,
+                      "guided_json": 0, "guided_regex": 0, "guided_choice": 0,
+                      "guided_grammar": 0}
+# Levels around a tool's `parameters` schema: [ {function: {parameters: ...}} ].
+_TOOL_WRAPPING_DEPTH = 3
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
@@ -30,7 +33,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
     max_tools: int = 512                  # --max-tools
     max_tools_bytes: int = 2 << 20        # --max-tools-bytes: all of `tools`, as JSON
     max_schema_bytes: int = 1 << 20       # --max-schema-bytes: one output constraint
-    max_schema_depth: int = 64            # --max-schema-depth: nesting of a schema
+    max_schema_depth: int = 64            # --max-schema-depth: JSON nesting of a schema
     max_logit_bias: int = 1024            # --max-logit-bias
     max_messages: int = 8192              # --max-messages (also Responses `input` items)
     max_stop: int = 16                    # --max-stop: stop strings
@@ -131,8 +134,7 @@ def _check_constraint(param: str, raw: msgspec.Raw,
                       limits: RequestLimits) -> LimitExceeded | None:
     if len(raw) > limits.max_schema_bytes:
         return _too_big(param, len(raw), limits.max_schema_bytes, "--max-schema-bytes")
-    # response_format / structured_outputs / text wrap the schema in up to three objects.
-    return _check_depth(param, raw, 0 if param.startswith("guided") else 3, limits)
+    return _check_depth(param, raw, _CONSTRAINT_FIELDS[param], limits)
 
 
 def _check_stop(raw: msgspec.Raw, limits: RequestLimits) -> LimitExceeded | None:
