@@ -26,6 +26,7 @@ SCHEMA = {"type": "object", "properties": {
 PROMPTS = ["ROMEO: Tell me of thyself.\nJULIET:", "HAMLET.\n", "To be, or not to be",
            "KING HENRY.\nMy lord,"]
 REGEX = r"(ROMEO|JULIET|NURSE): [A-Z][a-z]{1,8}[.!?]"
+DEAD_END = SO(grammar='start: "ab" C\nC: /x/ & /y/')
 
 
 def _llm(spec: dict | None = None, **kw) -> LLM:
@@ -154,3 +155,80 @@ def test_logit_bias_in_the_batched_sampler():
     assert Sampler()(logits, md).token_ids.tolist() == [7, 2, 4]
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+def _run_to_end(engine) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_a_constraint_that_dead_ends_mid_decode_fails_its_request(llm):
+    """The grammar validates and allows "ab", then nothing (the intersection of /x/ and /y/
+    is empty): the request ends with an error after its valid tokens, never continues
+    unconstrained (as it did: the failed matcher was dropped); its neighbour is untouched."""
+    engine = llm.engine
+    assert DEAD_END.error() == ""
+    dead = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                          structured_outputs=DEAD_END)
+    engine.add_request(_request("dead", llm, PROMPTS[0], dead))
+    engine.add_request(_request("free", llm, PROMPTS[1], SamplingParams(temperature=0.0,
+                                                                        max_tokens=4)))
+    outs = _run_to_end(engine)
+    finals = {o.request_id: o for o in outs if o.finish_reason}
+    assert finals["free"].finish_reason == "length"
+    assert finals["dead"].finish_reason == "error"
+    assert "output constraint failed" in finals["dead"].error and finals["dead"].internal_error
+    assert "Tokens" not in finals["dead"].error        # no parser dump quoting the output
+    text = llm.tokenizer.decode([t for o in outs if o.request_id == "dead"
+                                 for t in o.new_token_ids])
+    assert "ab".startswith(text), text
+
+
+def test_a_refused_token_fails_the_request_instead_of_dropping_the_constraint(llm):
+    manager = llm.engine.structured
+    sp = SamplingParams(structured_outputs=SO(choice=["ROMEO"]))
+    from wideserve.request import Request
+    request = Request("r", [1, 2], sp)
+    assert manager.hold(request)
+    assert manager.ready(5.0) == [request]
+    bad = llm.tokenizer.encode("zzz", False)[0]
+    manager.accept("r", [bad])
+    failures = manager.take_failures()
+    assert "is not allowed" in failures["r"]
+    assert manager.masks([request]) is None        # no matcher left, and nothing pending
+    manager.drop(["r"])
+
+
+def test_compilation_is_concurrent_and_cached_by_digest(llm, monkeypatch):
+    """A grammar that takes long to compile holds no other request (several compile
+    threads); the same constraint is compiled once for every request asking for it."""
+    manager = llm.engine.structured
+    gate = threading.Event()
+    built: list[str] = []
+    build = manager._build
+
+    def gated_build(grammar: str):
+        built.append(grammar)
+        if "SLOW" in grammar:
+            gate.wait(30)
+        return build(grammar)
+
+    monkeypatch.setattr(manager, "_build", gated_build)
+    from wideserve.request import Request
+    slow = Request("slow", [1], SamplingParams(structured_outputs=SO(choice=["SLOW"])))
+    fast = [Request(f"fast{i}", [1], SamplingParams(structured_outputs=SO(choice=["NURSE"])))
+            for i in range(3)]
+    for r in [slow, *fast]:
+        manager.hold(r)
+    ready: list = []
+    for _ in range(100):
+        ready += manager.ready(0.1)
+        if len(ready) == 3:
+            break
+    assert ready == fast                        # while the slow one is still compiling
+    gate.set()
+    assert manager.ready(10.0) == [slow]
+    assert sum("NURSE" in g for g in built) == 1
+    manager.drop(["slow", "fast0", "fast1", "fast2"])

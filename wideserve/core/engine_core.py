@@ -39,7 +39,7 @@ from wideserve.kernels.loader import cpu_ops_available
 from wideserve.executor.sampler import (Sampler, argmax_rows, build_sampling_metadata,
                                         compute_prompt_logprobs, make_generator,
                                         plain_greedy)
-from wideserve.request import Request
+from wideserve.request import Request, RequestStatus
 from wideserve.spec_decode.decoder import SpecDecoder
 from wideserve.structured_outputs.manager import StructuredOutputManager
 from wideserve.spec_decode.metrics import SpecDecodeStats
@@ -334,10 +334,18 @@ class EngineCore:
         """Requests whose grammar compiled join the scheduler; failed ones end in an error."""
         for request in self.structured.ready(0.0 if self.scheduler.has_requests() else 0.01):
             self.scheduler.add_request(request)
-        failed, self.structured.failed = self.structured.failed, []
-        return [EngineCoreOutput(request_id=rid, finish_reason="error",
-                                 error="the structured-output grammar failed to compile")
-                for rid in failed]
+        return [EngineCoreOutput(request_id=rid, finish_reason="error", error=why)
+                for rid, why in self.structured.take_failures().items()]
+
+    def _end_failed_constraints(self, sampled: dict[str, list[int]]) -> dict[str, str]:
+        """Requests whose output constraint failed during this step end with an error; the
+        tokens sampled for them (unconstrained, or refused) are not emitted."""
+        failed = self.structured.take_failures()
+        for rid in failed:
+            sampled.pop(rid, None)
+        if failed:
+            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
+        return failed
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
@@ -378,10 +386,14 @@ class EngineCore:
                 return self._fail_step(sched_out, e) + grammar_errors
             if self.eplb is not None and not self.lockstep:
                 self.eplb.step()        # lock-step ranks step EPLB after the whole step
+        failed = self._end_failed_constraints(sampled)
         try:
             outputs = self.scheduler.update_from_output(sched_out, sampled, logprobs)
         except Exception as e:
             raise self._broken_by("the scheduler's update", e) from e
+        for out in outputs if failed else ():
+            if out.request_id in failed:
+                out.error, out.internal_error = failed[out.request_id], True
         outputs.extend(grammar_errors)
         if self.spec is not None:
             self.spec.commit(sched_out)

@@ -1,5 +1,5 @@
 """Waiting queues for the scheduler: FCFS (arrival order, fair across client requests) and
-PRIORITY ((priority, arrival)).
+PRIORITY ((priority, arrival), fair across client requests within a priority).
 
 Both support what the scheduler needs: peek/pop the head, add a new request at its place,
 put a preempted request back at the front (FCFS) or at its key's place (PRIORITY: a lower
@@ -102,40 +102,69 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    def __init__(self) -> None:
-        # The counter breaks exact (priority, arrival) ties by insertion order so Request
-        # objects are never compared.
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
+    """(priority, turn, arrival): a lower `priority` value runs first; within a priority,
+    the k-th waiting sequence of a client request (`group_id`: the prompts x n of one call)
+    has turn k, so one request's many sequences take turns with every other request's
+    instead of all being admitted first (they share one arrival time). With one sequence
+    per request this is exactly (priority, arrival)."""
 
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time,
+    def __init__(self) -> None:
+        # The counter breaks exact ties by insertion order so Request objects are never
+        # compared.
+        self._heap: list[tuple[int, int, float, int, Request]] = []
+        self._counter = itertools.count()
+        self._turns: dict[str, int] = {}        # group -> turns handed out
+        self._waiting: dict[str, int] = {}      # group -> sequences in the queue
+
+    @staticmethod
+    def _group(request: Request) -> str:
+        return request.group_id if request.group_id is not None else request.request_id
+
+    def _push(self, request: Request, turn: int) -> None:
+        key = self._group(request)
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        heapq.heappush(self._heap, (request.priority, turn, request.arrival_time,
                                     next(self._counter), request))
 
+    def _left(self, request: Request) -> None:
+        key = self._group(request)
+        self._waiting[key] -= 1
+        if not self._waiting[key]:              # forget the group once none of it waits
+            del self._waiting[key]
+            self._turns.pop(key, None)
+
+    def add(self, request: Request) -> None:
+        key = self._group(request)
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        self._push(request, turn)
+
     def prepend(self, request: Request) -> None:
-        # A preempted request keeps its (priority, arrival) key, which puts it ahead of every
-        # later arrival of the same priority.
-        self.add(request)
+        # A preempted request goes first within its priority (turn 0), ties by arrival.
+        self._push(request, 0)
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][4]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        request = heapq.heappop(self._heap)[4]
+        self._left(request)
+        return request
 
     def remove(self, request: Request) -> None:
         # Aborts are rare: an O(n) rebuild keeps the hot path (push/pop) a plain heap.
-        kept = [e for e in self._heap if e[3] is not request]
+        kept = [e for e in self._heap if e[4] is not request]
         if len(kept) == len(self._heap):
             raise ValueError(f"request {request.request_id!r} is not in the waiting queue")
         heapq.heapify(kept)
         self._heap = kept
+        self._left(request)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+        return (e[4] for e in sorted(self._heap, key=lambda e: e[:4]))
 
 
 def make_request_queue(policy: str) -> RequestQueue:

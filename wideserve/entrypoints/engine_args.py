@@ -182,6 +182,36 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         '3000, "num_redundant_experts": 32, "log_balancedness": true}\'')
 
 
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """`wideserve serve`'s per-request limits (docs/server_reliability.md, "Request limits"),
+    the fields of entrypoints/openai/limits.py's RequestLimits (its defaults)."""
+    from wideserve.entrypoints.openai.limits import RequestLimits
+    d = RequestLimits()
+    g = parser.add_argument_group("request limits (400 beyond each, 431 for headers)")
+    for flag, default, what in (
+            ("--max-tools", d.max_tools, "tool definitions in one request"),
+            ("--max-tools-bytes", d.max_tools_bytes, "bytes of JSON of all `tools`"),
+            ("--max-schema-bytes", d.max_schema_bytes, "bytes of JSON of one output "
+             "constraint (schema, regex, grammar, choices)"),
+            ("--max-schema-depth", d.max_schema_depth, "nesting levels of a JSON schema"),
+            ("--max-logit-bias", d.max_logit_bias, "logit_bias entries"),
+            ("--max-messages", d.max_messages, "chat messages (Responses input items)"),
+            ("--max-stop", d.max_stop, "stop strings"),
+            ("--max-stop-chars", d.max_stop_chars, "characters of one stop string"),
+            ("--max-header-bytes", d.max_header_bytes, "bytes of a request's line and "
+             "headers"),
+            ("--request-prep-workers", d.prep_workers, "threads preparing requests off the "
+             "event loop (validation, templates, output constraints)")):
+        g.add_argument(flag, type=parse_positive_int, default=default,
+                       help=f"most {what} (default {default})")
+    g.add_argument("--request-prep-timeout", type=parse_positive_float,
+                   default=d.prep_timeout_s, help="seconds a request's preparation may take "
+                   f"before it is answered 503 (default {d.prep_timeout_s:g})")
+    g.add_argument("--log-request-content", action="store_true",
+                   help="log each request's end user and prompt at debug level (off: ids "
+                        "and sizes only)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     from wideserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
     from wideserve.distributed.args import parallel_config_from_args

@@ -11,8 +11,9 @@ import os
 import sys
 from typing import Any
 
-from wideserve.entrypoints.engine_args import (add_engine_args, engine_config_from_args,
-                                               one_line_error, parse_bytes, parse_port,
+from wideserve.entrypoints.engine_args import (add_engine_args, add_request_limit_args,
+                                               engine_config_from_args, one_line_error,
+                                               parse_bytes, parse_port,
                                                parse_positive_float, parse_positive_int)
 
 # Request body limits, shared with `wideserve router` (the same door for clients).
@@ -58,6 +59,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    choices=("debug", "info", "warning", "error", "critical"))
     add_chat_args(parser)
     add_engine_health_args(parser)
+    add_request_limit_args(parser)
     return parser
 
 

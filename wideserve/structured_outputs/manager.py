@@ -2,19 +2,28 @@
 per constrained request, and the token masks of each step.
 
 Life of a constrained request (see docs/structured_outputs.md):
-  add     -> its grammar is compiled on a worker thread; the request is held here, not in
-             the scheduler, so it waits while every other request keeps running;
+  add     -> its grammar is compiled on a worker thread (several at once: llguidance drops
+             the GIL while it builds one; a grammar compiled before is reused from a cache
+             keyed by its digest); the request is held here, not in the scheduler, so it
+             waits while every other request keeps running;
   ready   -> handed to the scheduler at the start of a step;
   a step  -> `masks` fills one bitmask row per logits row (with speculation, the state after
              each draft prefix: drafts are checked against the grammar, so a draft the
              grammar forbids is rejected like any other and speculation stays lossless);
              the sampler applies the mask to the whole batch at once; `accept` advances
              the matcher by the tokens the step emitted.
+  failure -> a grammar that fails to compile, a matcher in an error state, a mask that allows
+             no token (the constraint cannot be satisfied from here) or an emitted token the
+             grammar refuses ends the request with an error (`take_failures`): it is never
+             left to run unconstrained.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,24 +33,34 @@ from wideserve.request import Request
 from wideserve.structured_outputs.grammar import GrammarMask, bitmask_width
 
 logger = logging.getLogger(__name__)
+# Compiled grammars kept for reuse (each request gets a deep copy of one).
+GRAMMAR_CACHE_SIZE = 128
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_path: str | Path, eos_token_ids: Sequence[int],
-                 vocab_size: int, device: torch.device) -> None:
+                 vocab_size: int, device: torch.device, workers: int | None = None) -> None:
         self.tokenizer_path = tokenizer_path
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.device = device
+        self.workers = workers or min(4, os.cpu_count() or 1)
         self._pool: cf.ThreadPoolExecutor | None = None
         self._lltok: Any = None
+        self._lltok_lock = threading.Lock()      # compile threads share one tokenizer
         self._pending: dict[str, tuple[Request, cf.Future]] = {}
+        self._compiled: OrderedDict[bytes, cf.Future] = OrderedDict()   # digest -> matcher
+        self._cache_lock = threading.Lock()
         self._matchers: dict[str, Any] = {}
-        self.failed: list[str] = []           # ids whose grammar failed to compile
+        self.failed: dict[str, str] = {}      # id -> why its constraint failed
 
     # ------------------------------------------------------------------ compilation
     def _tokenizer(self) -> Any:
         """The llguidance tokenizer, built once (on the worker thread) from ours."""
+        with self._lltok_lock:
+            return self._build_tokenizer()
+
+    def _build_tokenizer(self) -> Any:
         if self._lltok is None:
             import llguidance
 
@@ -51,13 +70,39 @@ class StructuredOutputManager:
                                                  eos_token=self.eos_token_ids or None)
         return self._lltok
 
-    def _compile(self, request: Request) -> Any:
+    def _build(self, grammar: str) -> Any:
         import llguidance
+        return llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+
+    def _compiled_grammar(self, spec: Any) -> Any:
+        """The compiled grammar of `spec`, built once for every request with the same
+        constraint (the cache holds the last GRAMMAR_CACHE_SIZE; a thread asking for one
+        another is building waits for it)."""
+        key = spec.digest()
+        with self._cache_lock:
+            future = self._compiled.get(key)
+            building = future is None
+            if building:
+                future = self._compiled[key] = cf.Future()
+                while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        if building:
+            try:
+                future.set_result(self._build(spec.to_grammar()))
+            except Exception as e:  # noqa: BLE001 - handed to every request waiting on it
+                future.set_exception(e)
+        return future.result()
+
+    def _compile(self, request: Request) -> Any:
+        """The request's own matcher (worker thread): a copy of the compiled grammar."""
         spec = request.sampling_params.structured_outputs
         assert spec is not None
-        matcher = llguidance.LLMatcher(self._tokenizer(), spec.to_grammar(), log_level=0)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
+        compiled = self._compiled_grammar(spec)
+        if compiled.is_error():
+            raise ValueError(compiled.get_error())
+        matcher = compiled.deep_copy()
         # A preempted-and-resumed or replayed request may already have output tokens.
         if request.output_token_ids and not matcher.consume_tokens(list(request.output_token_ids)):
             raise ValueError(matcher.get_error())
@@ -68,7 +113,8 @@ class StructuredOutputManager:
         if request.sampling_params.structured_outputs is None:
             return False
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="wideserve-grammar")
+            self._pool = cf.ThreadPoolExecutor(self.workers,
+                                               thread_name_prefix="wideserve-grammar")
         self._pending[request.request_id] = (request, self._pool.submit(self._compile, request))
         return True
 
@@ -89,10 +135,21 @@ class StructuredOutputManager:
                 self._matchers[rid] = future.result()
             except Exception as e:  # noqa: BLE001 - any failure ends only this request
                 logger.error("request %s: grammar failed to compile: %s", rid, e)
-                self.failed.append(rid)
+                self.failed[rid] = f"the structured-output grammar failed to compile: {e}"
                 continue
             out.append(request)
         return out
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests whose constraint failed (id -> why) since the last call: each must end
+        with an error, and a token sampled for it in this step must not be emitted."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def _fail(self, request_id: str, why: str) -> None:
+        logger.error("request %s: %s", request_id, why)
+        self._matchers.pop(request_id, None)
+        self.failed.setdefault(request_id, why)
 
     @property
     def has_pending(self) -> bool:
@@ -104,6 +161,7 @@ class StructuredOutputManager:
             entry = self._pending.pop(rid, None)
             if entry is not None:
                 entry[1].cancel()
+            self.failed.pop(rid, None)
 
     # ------------------------------------------------------------------------ a step
     def masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None
@@ -135,14 +193,31 @@ class StructuredOutputManager:
                     matcher.consume_token(d[j])
             if valid:
                 matcher.rollback(valid)
+            self._check_rows(requests[i].request_id, matcher, bitmask, g, valid + 1)
             rows.extend(range(starts[i], starts[i] + len(d) + 1))
             g += len(d) + 1
         return GrammarMask(torch.tensor(rows, dtype=torch.int64, device=self.device),
                            bitmask.to(self.device))
 
+    def _check_rows(self, request_id: str, matcher: Any, bitmask: torch.Tensor, first: int,
+                    count: int) -> None:
+        """A matcher in an error state, or a mask that allows no token at all, fails its
+        request; its rows then allow everything (no row of -inf logits reaches the sampler)
+        and the token sampled from them is dropped (take_failures)."""
+        if matcher.is_error():
+            why = f"the output constraint failed mid-decode ({_first_line(matcher)})"
+        elif not matcher.is_stopped() and not bool(bitmask[first:first + count].any(dim=1).all()):
+            why = ("the output constraint cannot be satisfied: no token can continue the "
+                   "output from here")
+        else:
+            return
+        bitmask[first:first + count] = -1
+        self._fail(request_id, why)
+
     def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Advance by the step's tokens. A grammar that has nothing left to match ends with
-        EOS, which a stopped matcher does not consume."""
+        EOS, which a stopped matcher does not consume. A token the grammar refuses fails
+        the request (never left to continue unconstrained)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return
@@ -150,10 +225,15 @@ class StructuredOutputManager:
             if matcher.is_stopped():
                 break
             if not matcher.consume_token(t):
-                logger.warning("request %s: emitted a token the grammar refuses (%s); it is "
-                               "no longer constrained", request_id, matcher.get_error()[:200])
-                del self._matchers[request_id]
+                self._fail(request_id, f"the output constraint failed mid-decode: token {t} "
+                                       f"is not allowed ({_first_line(matcher)})")
                 return
+
+
+def _first_line(matcher: Any) -> str:
+    """llguidance's error without the parser state it appends (which quotes the output)."""
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0][:200] if lines else "unknown error"
 
 
 def _row_starts(num: int, drafts: Sequence[Sequence[int]] | None) -> list[int]:

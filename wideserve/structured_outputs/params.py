@@ -7,7 +7,10 @@ It travels inside SamplingParams to the engine, which compiles it (see manager.p
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -54,6 +57,12 @@ class StructuredOutputsParams:
         from llguidance.gbnf_to_lark import any_to_lark   # GBNF (llama.cpp, xgrammar) or Lark
         return m.grammar_from_lark(any_to_lark(self.grammar))
 
+    def digest(self) -> bytes:
+        """SHA-256 of what the constraint is (kind and text): the key of the caches of
+        validated and compiled grammars."""
+        text = json.dumps([self.kind, self.json, self.regex, self.choice, self.grammar])
+        return hashlib.sha256(text.encode()).digest()
+
     def error(self) -> str:
         """'' when the constraint compiles, else llguidance's message (checked by the server
         before the request reaches the engine, so a bad one is a 400)."""
@@ -65,3 +74,35 @@ class StructuredOutputsParams:
         # a constraint from the request's own text is the client's error, never a 500.
         except Exception as e:   # noqa: BLE001
             return str(e) or type(e).__name__
+
+
+class _ErrorCache:
+    """Validation results by constraint digest, least recently used out: agents resend the
+    same tools and schemas with every turn, and validating a big one costs milliseconds to
+    seconds. Keys are SHA-256 digests (32 bytes), not the constraint texts."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()          # front-end prep threads share it
+
+    def get(self, params: StructuredOutputsParams) -> str:
+        key = params.digest()
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        error = params.error()
+        with self._lock:
+            self._entries[key] = error
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return error
+
+
+_errors = _ErrorCache(512)
+
+
+def cached_error(params: StructuredOutputsParams) -> str:
+    """params.error(), remembered for the 512 constraints seen last."""
+    return _errors.get(params)

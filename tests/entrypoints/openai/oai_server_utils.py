@@ -70,11 +70,11 @@ class RemoteServer:
     """`python -m wideserve.entrypoints.cli serve ...` on a free port, until close()."""
 
     def __init__(self, args: list[str], *, startup_timeout: float = 180.0,
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, log_level: str = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "wideserve.entrypoints.cli", "serve", *args,
-               "--port", str(self.port), "--log-level", "warning"]
+               "--port", str(self.port), "--log-level", log_level]
         # A file, not a pipe: a chatty server must never block on a full pipe buffer.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="wideserve-server-", suffix=".log")
         # new_session: its own process group, so a test can signal the group like Ctrl-C.

@@ -49,6 +49,7 @@ from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engine_unavailable,
                                                   load_generation_defaults, shutting_down)
 from wideserve.entrypoints.openai.serving import read_body as serving_read_body
+from wideserve.entrypoints.openai.limits import request_limits_from_args
 from wideserve.entrypoints.openai.openapi import build_openapi
 from wideserve.entrypoints.openai.transport import protocol_with_header_timeout
 from wideserve.tokenizer import Tokenizer
@@ -197,10 +198,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         if is_chat:
             chat_req = await ctx.parse(TokenizeChatRequest, body)
             ctx.check_model(chat_req.model)
-            prompt = await ctx.render_off_loop(
-                len(chat_req.messages), serving_chat.render_prompt, ctx, chat_req.messages,
+            prompt = await ctx.within_deadline(ctx.off_loop(
+                serving_chat.render_prompt, ctx, chat_req.messages,
                 chat_req.add_generation_prompt, chat_req.continue_final_message, None,
-                chat_req.chat_template_kwargs)
+                chat_req.chat_template_kwargs))
             ids = await ctx.encode(prompt, False, "messages")
         else:
             text_req = await ctx.parse(TokenizeCompletionRequest, body)
@@ -383,13 +384,14 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
                              int(info["vocab_size"]), config.scheduler.policy, defaults,
                              metrics, chat_options(args),
-                             max_sequences_per_request=args.max_sequences_per_request,
+                             request_limits=request_limits_from_args(args),
                              kv_secret=config.kv_transfer.consumer_secret()
                              if config.kv_transfer else None)
 
         async def on_shutdown() -> None:
-            assert ctx.pool is not None
+            assert ctx.pool is not None and ctx.prep is not None
             ctx.pool.close()
+            ctx.prep.close()
             await client.shutdown()
 
         app = build_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
@@ -414,7 +416,8 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         server = _Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=args.log_level == "debug",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
-            http=protocol_with_header_timeout(args.header_read_timeout),
+            http=protocol_with_header_timeout(args.header_read_timeout,
+                                              ctx.request_limits.max_header_bytes),
             limit_concurrency=args.max_connections), app.state.stopping, engine)
         # Data-parallel ranks fail together and are not restarted in place
         # (docs/distributed.md, "Failure"); either way the server exits non-zero.

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from wideserve.entrypoints.openai.limits import RequestLimits, check_request_limits
 from wideserve.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -108,7 +109,7 @@ class TokenizerPool:
         return await self._run(_worker_encode, list(texts), add_special_tokens,
                                self.max_tokens)
 
-    async def prescan(self, body: bytes, limits: Limits) -> tuple[str, str] | None:
+    async def prescan(self, body: bytes, limits: Limits) -> tuple[str, str, str | None] | None:
         """prescan() in the worker: even msgspec takes ~0.5 s over 700k messages."""
         return await self._run(prescan, body, limits)
 
@@ -148,6 +149,7 @@ class Limits(msgspec.Struct, frozen=True):
     max_model_len: int
     chars_bound: int | None          # characters per token at most (None: no bound)
     max_sequences: int               # prompts x n per request
+    request: RequestLimits = msgspec.field(default_factory=RequestLimits)
 
 
 def too_long_text(param: str, chars: int, limits: Limits) -> str | None:
@@ -209,9 +211,17 @@ def num_prompts(prompt: Any) -> int:
     return 1
 
 
-def prescan(body: bytes, limits: Limits) -> tuple[str, str] | None:
-    """For a large body: (code, message) when it is certainly rejected, else None. Malformed
-    JSON is left to pydantic, which reports it in full."""
+def prescan(body: bytes, limits: Limits, full: bool = True
+            ) -> tuple[str, str, str | None] | None:
+    """(code, message, param) when a body is certainly rejected, else None: first the request
+    limits from the raw bytes (limits.py: no per-item objects), then, when `full` (a large
+    body, in the worker), the context bounds over the decoded body. Malformed JSON is left to
+    pydantic, which reports it in full."""
+    exceeded = check_request_limits(body, limits.request)
+    if exceeded is not None:
+        return exceeded.code, exceeded.message, exceeded.param
+    if not full:
+        return None
     # JSON builds no reference cycles, and a collection every 700 of 700k new dicts over a big
     # heap is what made this take seconds: no collector while decoding.
     gc_was_enabled = gc.isenabled()
@@ -228,16 +238,16 @@ def prescan(body: bytes, limits: Limits) -> tuple[str, str] | None:
     if "prompt" in data:
         why = prompt_overflow(data["prompt"], limits)
         if why is not None:
-            return "context_length_exceeded", why
+            return "context_length_exceeded", why, "prompt"
         why = sequences_overflow(num_prompts(data["prompt"]), data.get("n"), limits)
         if why is not None:
-            return "too_many_sequences", why
+            return "too_many_sequences", why, "n"
     if "messages" in data:
         why = messages_overflow(data["messages"], limits)
         if why is not None:
-            return "context_length_exceeded", why
+            return "context_length_exceeded", why, "messages"
     if isinstance(data.get("tokens"), list):
         why = _too_many_ids("tokens", data["tokens"], limits)
         if why is not None:
-            return "context_length_exceeded", why
+            return "context_length_exceeded", why, "tokens"
     return None

@@ -24,7 +24,6 @@ from wideserve.entrypoints.openai.validation import integral, integral_list, int
 
 MAX_N = 128
 MAX_LOGPROBS = 20
-MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 1024
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -75,7 +74,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     seed: Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: str | list[str] | None = None       # how many and how long: limits.py
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

@@ -8,7 +8,9 @@ token ids against the vocabulary, and the prompt plus max_tokens against the con
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,9 @@ from wideserve.core.engine_client import EngineDeadError
 from wideserve.disagg.params import client_handle_problem
 from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
 from wideserve.entrypoints.openai.input_prep import (PRESCAN_BYTES, Limits, TokenizerPool,
-                                                     sequences_overflow, too_long_text)
+                                                     prescan, sequences_overflow,
+                                                     too_long_text)
+from wideserve.entrypoints.openai.limits import RequestLimits
 from wideserve.entrypoints.openai.metrics import ServerMetrics
 from wideserve.entrypoints.openai.validation import (clip, param_of,
                                                      validation_error_to_param_message)
@@ -33,8 +37,10 @@ from wideserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-# Chat requests with more messages than this are templated in a thread, off the event loop.
-_THREAD_TEMPLATE_MESSAGES = 32
+logger = logging.getLogger("wideserve.server")
+# Bodies from this size on have their limits checked in a prep thread (below: inline, a few
+# microseconds); from PRESCAN_BYTES on, in the tokenisation worker process.
+_THREAD_CHECK_BYTES = 16 << 10
 # JSON has no -inf: a token with zero probability is reported with this logprob (as vLLM does).
 _MIN_LOGPROB = -9999.0
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -158,6 +164,45 @@ class ChatOptions:
     reasoning_parser: str | None = None
 
 
+class PrepPool:
+    """Request preparation off the event loop: validating tools and output constraints
+    (llguidance, which drops the GIL while it builds a grammar), chat templates, the limit
+    checks of mid-sized bodies. Bounded: at most `workers` run at once and a slot is freed
+    only when its work has really ended (a thread cannot be stopped), so work that outlived
+    its request's deadline still counts and later requests wait or time out (503) instead of
+    piling up threads."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="wideserve-prep")
+        self._slots: asyncio.Semaphore | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        slots = self._slots
+        await slots.acquire()
+        loop = asyncio.get_running_loop()
+
+        def release(_: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(slots.release)
+            except RuntimeError:           # the loop is closed: nothing waits any more
+                pass
+
+        try:
+            future = self._executor.submit(fn, *args)
+        except BaseException:
+            slots.release()
+            raise
+        future.add_done_callback(release)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass(slots=True)
 class ServingContext:
     """Everything a handler needs; one per server."""
@@ -170,18 +215,52 @@ class ServingContext:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: ServerMetrics | None = None
     chat: ChatOptions = field(default_factory=ChatOptions)
-    max_sequences_per_request: int = 256
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     pool: TokenizerPool | None = None
+    prep: PrepPool | None = None
     kv_secret: bytes | None = None      # P/D consumer: checks kv_transfer_params (disagg/)
 
     def __post_init__(self) -> None:
         if self.pool is None:
             self.pool = TokenizerPool(self.tokenizer, self.max_model_len)
+        if self.prep is None:
+            self.prep = PrepPool(self.request_limits.prep_workers)
 
     @property
     def limits(self) -> Limits:
         assert self.pool is not None
-        return Limits(self.max_model_len, self.pool.chars_bound, self.max_sequences_per_request)
+        return Limits(self.max_model_len, self.pool.chars_bound,
+                      self.request_limits.max_sequences, self.request_limits)
+
+    def log_request(self, request_id: str, num_prompt_tokens: int, user: str | None,
+                    content: Any) -> None:
+        """Ids and sizes only; the end user and the prompt only at debug level, and only
+        with --log-request-content (prompts and user ids are the clients' data)."""
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        logger.debug("request %s: %d prompt tokens, user field %s", request_id,
+                     num_prompt_tokens, f"of {len(user)} characters" if user else "absent")
+        if self.request_limits.log_request_content:
+            logger.debug("request %s content: user=%r prompt=%r", request_id, user, content)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the bounded prep pool (see PrepPool)."""
+        assert self.prep is not None
+        return await self.prep.run(fn, *args)
+
+    async def within_deadline(self, work: Awaitable[T]) -> T:
+        """A request's preparation (checks, template, tokens, constraint) within
+        --request-prep-timeout: past it the request is answered 503, whatever still runs."""
+        timeout = self.request_limits.prep_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await work
+        except TimeoutError:
+            raise ApiError(503, f"The request could not be prepared (checked, templated, "
+                                f"tokenised, its output constraint compiled) within "
+                                f"{timeout:g} s (--request-prep-timeout): the server is busy "
+                                f"or the request too complex", type_="service_unavailable",
+                           code="preparation_timeout") from None
 
     @property
     def model_name(self) -> str:
@@ -207,10 +286,15 @@ class ServingContext:
         """parse_body, after a pre-scan (off the event loop) of a large body: one that cannot
         fit is rejected before pydantic spends seconds building it on the loop."""
         assert self.pool is not None
+        limits = self.limits
         if len(body) >= PRESCAN_BYTES:
-            rejected = await self.pool.prescan(body, self.limits)
-            if rejected is not None:
-                raise ApiError(400, rejected[1], code=rejected[0])
+            rejected = await self.pool.prescan(body, limits)
+        elif len(body) >= _THREAD_CHECK_BYTES:
+            rejected = await self.off_loop(prescan, body, limits, False)
+        else:
+            rejected = prescan(body, limits, False)
+        if rejected is not None:
+            raise ApiError(400, rejected[1], code=rejected[0], param=rejected[2])
         return parse_body(model, body)
 
     def check_sequences(self, num_prompts: int, n: int) -> None:
@@ -277,7 +361,8 @@ class ServingContext:
             return None
         out = {}
         for key, value in bias.items():
-            if not key.isdigit() or int(key) >= self.vocab_size:
+            # ASCII digits only: str.isdigit() is also true for '²', which int() refuses.
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
                 raise ApiError(400, f"logit_bias: {key!r} is not a token id in "
                                     f"[0, {self.vocab_size})", param="logit_bias")
             out[int(key)] = float(value)
@@ -303,15 +388,6 @@ class ServingContext:
                 raise context_error(self.max_model_len, result, None, param)
             out.append(result)
         return out
-
-    async def render_off_loop(self, num_messages: int, render: Callable[..., T],
-                              *args: Any) -> T:
-        """render(*args) (a chat template), in a thread when there are many messages: jinja
-        holds the GIL, but a thread still lets the loop run between its slices."""
-        if num_messages > _THREAD_TEMPLATE_MESSAGES:
-            return await asyncio.to_thread(render, *args)
-        return render(*args)
-
 
 # ----------------------------------------------------------------------------- streams
 

@@ -8,7 +8,6 @@ sends it (benchmark clients time the first token from the first chunk with choic
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -23,15 +22,15 @@ from wideserve.entrypoints.openai.reasoning import TextDiff, ThinkParser
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ChatOptions, ServingContext,
                                                   chat_logprobs, final_item, now_s, respond,
                                                   sse, stream_error_event, usage_dict)
-from wideserve.entrypoints.openai.structured import structured_params
+from wideserve.entrypoints.openai.input_prep import INLINE_CHARS
+from wideserve.entrypoints.openai.structured import has_constraint, structured_params
 from wideserve.entrypoints.openai.tool_parsers import (ToolCallStream, ToolParser,
                                                        calls_to_openai, get_tool_parser)
 from wideserve.entrypoints.openai.tool_parsers.json_formats import (NamedCallParser,
                                                                     RequiredCallsParser)
 from wideserve.entrypoints.openai.tools import ToolSetup, resolve_tools
 from wideserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
+from wideserve.structured_outputs.params import StructuredOutputsParams
 
 # Template variables a request may not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -109,24 +108,42 @@ def _keeps_markers(ctx: ServingContext, parser: Callable[[], ToolParser]) -> boo
     return any(i is not None and i in special for i in ids)
 
 
-async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
-    ctx.check_model(req.model)
-    ctx.check_priority(req.priority)
+def _is_light(req: ChatCompletionRequest) -> bool:
+    """Nothing worth a thread hop: no tools or output constraint to validate, a template over
+    a few short messages (microseconds)."""
+    return (not req.tools and not has_constraint(req) and len(req.messages) <= 32
+            and sum(len(m.text()) for m in req.messages) <= INLINE_CHARS)
+
+
+def _checked_and_rendered(ctx: ServingContext, req: ChatCompletionRequest
+                          ) -> tuple[ToolSetup, StructuredOutputsParams | None, str]:
+    """The tools and the output constraint validated, and the prompt rendered: the work
+    that grows with the request, run off the event loop (ctx.off_loop)."""
     setup = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           ctx.chat.enable_auto_tool_choice and ctx.chat.tool_call_parser is not None)
+    constraint = structured_params(req, setup)
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:        # templates of reasoning models read it
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    prompt = render_prompt(ctx, req.messages, req.add_generation_prompt,
+                           req.continue_final_message, setup.tools, template_kwargs)
+    return setup, constraint, prompt
+
+
+async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
+    ctx.check_model(req.model)
+    ctx.check_priority(req.priority)
     ctx.check_sequences(1, req.n)
-    prompt = await ctx.render_off_loop(len(req.messages), render_prompt, ctx, req.messages,
-                                       req.add_generation_prompt, req.continue_final_message,
-                                       setup.tools, template_kwargs)
+    if _is_light(req):
+        setup, constraint, prompt = _checked_and_rendered(ctx, req)
+    else:
+        setup, constraint, prompt = await ctx.off_loop(_checked_and_rendered, ctx, req)
     ids = await ctx.encode(prompt, False, "messages")
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
     ctx.check_kv_handle(params, ids)
-    params.structured_outputs = structured_params(req, setup)
+    params.structured_outputs = constraint
     params.logit_bias = ctx.logit_bias(req.logit_bias)
     parser = _tool_parser(ctx, setup)
     if parser is not None and _keeps_markers(ctx, parser):
@@ -139,8 +156,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     ctx.check_alive()
     call = _Call(random_id("chatcmpl"), now_s(), req, prompt, ids, params, num_logprobs,
                  echo_prefix, setup, parser, thinks)
-    if req.user:                                # OpenAI's end-user id: for the logs only
-        logger.info("request %s from user %r", call.request_id, req.user)
+    ctx.log_request(call.request_id, len(ids), req.user, prompt)
     return call
 
 
@@ -215,7 +231,7 @@ def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
-    call = await prepare(ctx, req)
+    call = await ctx.within_deadline(prepare(ctx, req))
     return await respond(raw, req.stream, lambda: _stream(ctx, call),
                          lambda: _full(ctx, call))
 

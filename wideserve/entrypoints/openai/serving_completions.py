@@ -5,7 +5,6 @@ choice indices are prompt_index * n + sample_index, as OpenAI numbers them.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -21,10 +20,8 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingCon
                                                   merge_streams, now_s, request_failed_error,
                                                   respond, sse, stream_error_event,
                                                   usage_dict)
-from wideserve.entrypoints.openai.structured import structured_params
+from wideserve.entrypoints.openai.structured import has_constraint, structured_params
 from wideserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -69,7 +66,7 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
     ctx.check_priority(req.priority)
     ctx.check_sequences(num_prompts(req.prompt), req.n)
     prompts = []
-    constraint = structured_params(req)
+    constraint = await ctx.off_loop(structured_params, req) if has_constraint(req) else None
     for text, ids in await _prompts(ctx, req):
         max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
         params = ctx.sampling_params(req, max_tokens, req.logprobs)
@@ -83,8 +80,8 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
         prompts.append(_Prompt(text, ids, params))
     ctx.check_alive()
     call = _Call(random_id("cmpl"), now_s(), req, prompts, req.logprobs)
-    if req.user:                                # OpenAI's end-user id: for the logs only
-        logger.info("request %s from user %r", call.request_id, req.user)
+    ctx.log_request(call.request_id, sum(len(p.token_ids) for p in prompts), req.user,
+                    req.prompt)
     return call
 
 
@@ -97,7 +94,7 @@ def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
-    call = await prepare(ctx, req)
+    call = await ctx.within_deadline(prepare(ctx, req))
     return await respond(raw, req.stream, lambda: _stream(ctx, call),
                          lambda: _full(ctx, call))
 

@@ -28,6 +28,7 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingCon
 from wideserve.entrypoints.openai.serving_chat import ChoiceOutput, _Call, _stream_of, prepare
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponsesRequest(BaseModel):
@@ -57,14 +58,23 @@ def _rid(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any) -> str:
+def _text_of(content: Any, param: str) -> str:
+    """A message's text: a string, or the text of its text parts (each text a string)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict)
-                       and p.get("type") in ("input_text", "output_text", "text"))
-    raise ApiError(400, "input: message content must be a string or a list of text parts",
-                   param="input")
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+                continue
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise ApiError(400, f"{param}.content[{j}].text: must be a string, got "
+                                    f"{type(text).__name__}", param=f"{param}.content")
+            texts.append(text)
+        return "".join(texts)
+    raise ApiError(400, f"{param}.content: message content must be a string or a list of "
+                        "text parts", param=f"{param}.content")
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -76,7 +86,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     for i, item in enumerate(req.input):
         kind = item.get("type", "message")
         if kind == "message":
-            msgs.append({"role": item.get("role", "user"), "content": _text_of(item.get("content"))})
+            msgs.append({"role": item.get("role", "user"),
+                         "content": _text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
             call = {"id": item.get("call_id", ""), "type": "function",
                     "function": {"name": item.get("name", ""),
@@ -183,7 +194,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     chat = to_chat(req)
     if chat.n != 1:
         raise ApiError(400, "n: the Responses API returns one output", param="n")
-    call = await prepare(ctx, chat)
+    call = await ctx.within_deadline(prepare(ctx, chat))
     rid = _rid("resp")
     return await respond(raw, req.stream, lambda: _stream(ctx, call, rid),
                          lambda: _full(ctx, call, rid))

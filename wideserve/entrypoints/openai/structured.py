@@ -14,7 +14,7 @@ from typing import Any
 
 from wideserve.entrypoints.openai.serving import ApiError
 from wideserve.entrypoints.openai.tools import ToolSetup
-from wideserve.structured_outputs.params import StructuredOutputsParams
+from wideserve.structured_outputs.params import StructuredOutputsParams, cached_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,18 @@ def tool_call_schema(setup: ToolSetup) -> dict[str, Any]:
     return schema
 
 
+_CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def has_constraint(req: Any) -> bool:
+    """Whether a request spells an output constraint (then validating it is real work, off
+    the event loop). Tool choices are judged with the tools."""
+    rf = getattr(req, "response_format", None)
+    return any(getattr(req, f) is not None for f in _CONSTRAINT_FIELDS) or \
+        (rf is not None and rf.type != "text")
+
+
 def structured_params(req: Any, tools: ToolSetup | None = None
                       ) -> StructuredOutputsParams | None:
     found: list[tuple[str, StructuredOutputsParams]] = []
@@ -104,7 +116,7 @@ def structured_params(req: Any, tools: ToolSetup | None = None
         raise ApiError(400, f"{found[1][0]}: only one output constraint per request "
                             f"(got {names})", param=found[1][0])
     param, params = found[0]
-    error = params.error()
+    error = cached_error(params)
     if error:
         raise ApiError(400, f"{param}: the {params.kind} constraint is not valid ({error})",
                        param=param)

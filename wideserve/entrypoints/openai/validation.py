@@ -20,7 +20,7 @@ ECHO_CHARS = 64
 _ALLOWED = {
     "prompt": "a string, a list of strings, a list of token ids (integers in "
               "[0, 2147483647]) or a list of non-empty token-id lists",
-    "stop": "a string or a list of at most 16 non-empty strings",
+    "stop": "a string or a list of non-empty strings (at most 16 by default, --max-stop)",
     "content": "a string or a non-empty list of {\"type\": \"text\", \"text\": ...} parts "
                "(only text parts are supported)",
 }
