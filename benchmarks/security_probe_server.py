@@ -185,7 +185,10 @@ def _responses_cap(hc: httpx.Client, url: str, h: dict[str, str]) -> tuple[str, 
     out: dict[str, int] = {}
 
     def ask(path: str, body: dict[str, Any], key: str) -> None:
-        r = hc.post(url + path, headers=h, json=body)
+        try:
+            r = hc.post(url + path, headers=h, json=body)
+        except httpx.HTTPError:
+            return                                      # no answer in time: stays absent
         out[path] = r.json().get("usage", {}).get(key, -1) if r.status_code == 200 \
             else -r.status_code
     threads = [threading.Thread(target=ask, args=a, daemon=True) for a in (
@@ -196,8 +199,10 @@ def _responses_cap(hc: httpx.Client, url: str, h: dict[str, str]) -> tuple[str, 
         t.start()
     for t in threads:
         t.join()
-    got, chat = out.get("/v1/responses", -1), out.get("/v1/chat/completions", -1)
-    return f"responses {got} tokens, chat {chat}", 0 <= got <= chat
+    got, chat = out.get("/v1/responses"), out.get("/v1/chat/completions")
+    shown = ["no answer" if n is None else f"{n} tokens" for n in (got, chat)]
+    return (f"responses {shown[0]}, chat {shown[1]}",
+            got is not None and chat is not None and 0 <= got <= chat)
 
 
 def _logged(hc: httpx.Client, srv: Server) -> tuple[str, bool]:
