@@ -27,7 +27,7 @@ import sys
 
 from security_probe_harness import (
     API_KEY, FULL, MODEL, QUICK, Row, STALL_GOAL_S, Server, Sizes, StreamWatch, TOTALS,
-    kill_all, ours, run_case, wait_gone)
+    free_port, kill_all, ours, run_case, wait_gone)
 from security_probe_pd import PD, dep_stopped_rank, pd_cases, sigkilled_server
 from security_probe_server import server_cases
 
@@ -114,10 +114,14 @@ def _pd_section(sizes: Sizes, started: list[Server]) -> None:
         router = Server("router", ["--prefill", prefill.url, "--decode", decode.url,
                                    "--log-level", "warning"], env)
         started.append(router)
+        router_no_prefill = Server("router", [
+            "--prefill", f"http://127.0.0.1:{free_port()}", "--decode", decode.url,
+            "--log-level", "warning"], env, ready_any_status=True)
+        started.append(router_no_prefill)
     except RuntimeError as e:
         run_case(Row("P/D pair start-up", "starts"), lambda: (str(e)[:200], False), 5)
         return
-    pd_cases(PD(prefill, decode, router, sizes.case_timeout_s), sizes)
+    pd_cases(PD(prefill, decode, router, router_no_prefill, sizes.case_timeout_s), sizes)
 
 
 if __name__ == "__main__":

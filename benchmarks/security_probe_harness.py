@@ -94,8 +94,12 @@ class Server:
     """`wideserve serve ...` (or `router ...`) on a free loopback port, logging to a file."""
 
     def __init__(self, kind: str, args: list[str], env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 300.0, key: str | None = None) -> None:
+                 ready_timeout_s: float = 300.0, key: str | None = None,
+                 ready_any_status: bool = False) -> None:
+        """ready_any_status: up once /health answers at all (a router with no live
+        prefill instance may rightly answer 503)."""
         self.kind, self.args, self.extra_env, self.key = kind, args, env, key
+        self.ready_any_status = ready_any_status
         self.ready_timeout_s = ready_timeout_s
         self.start()
 
@@ -111,7 +115,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited at start-up:\n{self.output()[-3000:]}")
-            if self.healthy(1.0):
+            if self.healthy(1.0, any_status=self.ready_any_status):
                 return
             time.sleep(0.3)
         raise RuntimeError(f"{self.kind} not healthy in {self.ready_timeout_s:.0f} s")
@@ -120,9 +124,10 @@ class Server:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
-    def healthy(self, timeout: float) -> bool:
+    def healthy(self, timeout: float, any_status: bool = False) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=timeout).status_code == 200
+            code = httpx.get(self.url + "/health", timeout=timeout).status_code
+            return any_status or code == 200
         except httpx.HTTPError:
             return False
 

@@ -21,8 +21,13 @@ from security_probe_harness import (
 # ----------------------------------------------------------------- P/D pair and the router
 
 class PD:
-    def __init__(self, prefill: Server, decode: Server, router: Server, timeout: float) -> None:
+    """The pair, its router, and a second router whose only prefill instance is down (its
+    prefill leg fails, so a request goes to decode with the client's own parameters)."""
+
+    def __init__(self, prefill: Server, decode: Server, router: Server,
+                 router_no_prefill: Server, timeout: float) -> None:
         self.prefill, self.decode, self.router = prefill, decode, router
+        self.router_no_prefill = router_no_prefill
         self.hc = hostile_client(timeout)
         self.rng = secrets.SystemRandom()
 
@@ -95,12 +100,13 @@ def pd_cases(pd: PD, sizes: Sizes) -> None:
         ids_a, ids_b = pd.ids(), pd.ids()
         ha, hb = pd.handle(ids_a), pd.handle(ids_b)
         forged = dict(hb, remote_block_ids=ha["remote_block_ids"])
-        r, stolen = pd.steal(rtr.url + "/v1/completions", {
-            "model": MODEL, "prompt": ids_b, "n": 2, "max_tokens": 4,
+        r, stolen = pd.steal(pd.router_no_prefill.url + "/v1/completions", {
+            "model": MODEL, "prompt": ids_b, "max_tokens": 4,
             "kv_transfer_params": forged}, dec.headers)
         return (f"{r.status_code}, {stolen:.0f} bytes of A's KV loaded "
                 f"{message(r)[:50]}", stolen == 0)
-    case("forged KV handle through the router", "client params stripped, 0 bytes",
+    case("forged KV handle through the router (prefill leg down)",
+         "client params stripped, 0 bytes",
          via_router)
 
     nested = ("[" * 200_000 + "]" * 200_000).encode()
