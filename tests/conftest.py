@@ -54,11 +54,12 @@ def _leftovers() -> dict[int, tuple[int, str, bytes, bytes]]:
             if ppid == parent and pid not in ours:
                 ours.add(pid)
                 todo.append(pid)
-    # Not leaks: ourselves, zombies, and multiprocessing's resource tracker of this process
-    # (it lives until we exit).
+    # Not leaks: ourselves, zombies, and helpers of this very process that end with it:
+    # multiprocessing's resource tracker, torch inductor's compile workers (more cores).
     from multiprocessing import resource_tracker
     keep = {me, getattr(resource_tracker._resource_tracker, "_pid", None)}
-    return {pid: table[pid] for pid in ours if pid not in keep and table[pid][1] != "Z"}
+    return {pid: table[pid] for pid in ours if pid not in keep and table[pid][1] != "Z"
+            and b"torch._inductor.compile_worker" not in table[pid][2]}
 
 
 def _describe(pid: int, info: tuple[int, str, bytes, bytes]) -> str:
