@@ -36,7 +36,7 @@ from security_probe_server import server_cases
 
 def report() -> int:
     rows = TOTALS.rows
-    w = [max(len(r.case) for r in rows), max(len(r.expected) for r in rows)]
+    w = [max([len(r.case) for r in rows] + [15]), max([len(r.expected) for r in rows] + [8])]
     print()
     print(f"{'attack or fault':<{w[0]}} | {'expected':<{w[1]}} | result | stream gap | observed")
     print("-" * (w[0] + w[1] + 40))
