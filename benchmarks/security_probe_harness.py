@@ -40,7 +40,7 @@ class Sizes:
 FULL = Sizes(tools=10_000, schema_mb=60, logit_bias=1_000_000, prompts=10_000_000,
              header_mb=32, choices=100_000, router_body_mb=100, case_timeout_s=90.0)
 QUICK = Sizes(tools=10_000, schema_mb=16, logit_bias=200_000, prompts=2_000_000,
-              header_mb=32, choices=20_000, router_body_mb=70, case_timeout_s=45.0)
+              header_mb=32, choices=50_000, router_body_mb=70, case_timeout_s=45.0)
 
 
 @dataclass
