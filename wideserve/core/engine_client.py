@@ -26,12 +26,16 @@ import zmq.asyncio
 from wideserve.config import EngineConfig
 from wideserve.core import engine_ipc as ipc
 from wideserve.core.engine_proc import DEFAULT_ENGINE
+from wideserve.procs import child_env
 
 OutputsHandler = Callable[[list[Any]], None]
 DeadHandler = Callable[[str], None]
 logger = logging.getLogger(__name__)
 WATCH_S = 0.2                               # the watchdog's period
 DRAIN_BATCH = 64                            # engine messages routed per event-loop turn
+# The `serve` defaults of --engine-heartbeat-timeout / --engine-stall-timeout.
+HEARTBEAT_TIMEOUT_S = 10.0
+STALL_TIMEOUT_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -44,8 +48,8 @@ class EngineStartupError(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, engine_path: str = DEFAULT_ENGINE,
-                 heartbeat_s: float = 1.0, stale_after_s: float = 10.0,
-                 stall_timeout_s: float = 30.0, env: dict[str, str] | None = None,
+                 heartbeat_s: float = 1.0, stale_after_s: float = HEARTBEAT_TIMEOUT_S,
+                 stall_timeout_s: float = STALL_TIMEOUT_S, env: dict[str, str] | None = None,
                  addresses: tuple[str, str] | None = None, spawn: bool = True) -> None:
         """`addresses` (input, output) to bind instead of private ipc sockets; with
         spawn=False the engine is started elsewhere (a data-parallel rank on another node,
@@ -131,8 +135,8 @@ class EngineCoreClient:
                "--input-addr", self._in_addr, "--output-addr", self._out_addr,
                "--parent-pid", str(os.getpid()), "--engine", self.engine_path,
                "--heartbeat-s", str(self.heartbeat_s)]
-        env = dict(os.environ if self.env is None else self.env)
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        # child_env: the engine dies with us, even SIGKILLed (wideserve/procs.py).
+        return subprocess.Popen(cmd, env=child_env(self.env), stdin=subprocess.DEVNULL)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the engine to stop, then make sure it did; idempotent."""
@@ -147,6 +151,12 @@ class EngineCoreClient:
                 await asyncio.sleep(0.1)
             except zmq.ZMQError:
                 pass
+        if self.proc is not None and self.proc.poll() is None and \
+                self._silent_for() > self.stale_after_s:
+            # Silent past the heartbeat timeout (hung, SIGSTOPped, or a data-parallel rank
+            # blocked on a hung peer): it will not read a Shutdown; SIGKILL ends even a
+            # stopped process, instead of after the 15 s of asking and SIGTERM below.
+            self._kill()
         if self.proc is not None and self.proc.poll() is None:
             try:
                 await self._in_sock.send(self._encoder.encode(ipc.Shutdown()), zmq.NOBLOCK)

@@ -26,6 +26,7 @@ import zmq
 from wideserve.config import EngineConfig
 from wideserve.core import engine_ipc as ipc
 from wideserve.core.errors import DuplicateRequestError
+from wideserve.procs import die_with_parent
 
 DEFAULT_ENGINE = "wideserve.core.engine_core:EngineCore"
 STATS_INTERVAL_S = 0.05
@@ -250,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", default=DEFAULT_ENGINE)
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        # Before the config or the model: a parent that was SIGKILLed meanwhile or later
+        # leaves no engine behind (the loop's own check_parent needs a running loop).
+        die_with_parent(args.parent_pid)
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
     return run_engine_process(config, args.input_addr, args.output_addr, args.parent_pid,
                               args.engine, args.heartbeat_s)

@@ -10,6 +10,10 @@ A request (all `n` children of it together) goes to the rank the LoadBalancer pi
 follow it there. The ranks fail together: under expert parallelism no rank can step without
 the others, so the first rank to die makes the whole client dead (health fails, every call
 and in-flight request gets EngineDeadError) and the surviving ranks are shut down.
+
+Every rank is watched with the same heartbeat and stall timeouts (the server's
+--engine-heartbeat-timeout / --engine-stall-timeout): a hung or stopped rank makes /health
+fail within the first and the whole group dead within the second (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import dataclasses
 from typing import Any, Callable
 
 from wideserve.config import EngineConfig, ParallelConfig
-from wideserve.core.engine_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from wideserve.core.engine_client import HEARTBEAT_TIMEOUT_S, STALL_TIMEOUT_S, EngineCoreClient, \
+    EngineDeadError, EngineStartupError
 from wideserve.disagg.metrics import sum_counters
 from wideserve.distributed.balancer import LoadBalancer
 
@@ -44,7 +49,8 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 class DPEngineClient:
     def __init__(self, config: EngineConfig, *, heartbeat_s: float = 1.0,
-                 stale_after_s: float = 60.0, env: dict[str, str] | None = None,
+                 stale_after_s: float = HEARTBEAT_TIMEOUT_S,
+                 stall_timeout_s: float = STALL_TIMEOUT_S, env: dict[str, str] | None = None,
                  prefix_affinity: bool = False) -> None:
         p = config.parallel
         p.check()
@@ -56,7 +62,8 @@ class DPEngineClient:
             spawn = rank in local
             client = EngineCoreClient(
                 rank_config(config, rank), engine_path=DP_ENGINE, heartbeat_s=heartbeat_s,
-                stale_after_s=stale_after_s, env=env, spawn=spawn,
+                stale_after_s=stale_after_s, stall_timeout_s=stall_timeout_s, env=env,
+                spawn=spawn,
                 addresses=None if spawn else rank_addresses(p, rank))
             client.on_outputs = self._outputs_handler(rank)
             client.on_dead = self._dead_handler(rank)

@@ -17,6 +17,7 @@ import msgspec
 
 from wideserve.config import EngineConfig
 from wideserve.distributed.dp_client import DP_ENGINE, rank_addresses, rank_config
+from wideserve.procs import child_env
 
 
 def spawn_rank(config: EngineConfig, rank: int, heartbeat_s: float = 1.0
@@ -27,7 +28,7 @@ def spawn_rank(config: EngineConfig, rank: int, heartbeat_s: float = 1.0
            "--input-addr", in_addr, "--output-addr", out_addr,
            "--parent-pid", str(os.getpid()), "--engine", DP_ENGINE,
            "--heartbeat-s", str(heartbeat_s)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL)
 
 
 def run_headless(config: EngineConfig) -> int:

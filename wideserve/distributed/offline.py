@@ -21,6 +21,8 @@ from wideserve.core.sched_output import EngineCoreOutput
 from wideserve.distributed.dp_client import DPEngineClient
 from wideserve.executor.loader import resolve_model_path
 
+OFFLINE_STALL_S = 60.0
+
 
 class SyncDPEngine:
     def __init__(self, config: EngineConfig, step_timeout_s: float | None = None) -> None:
@@ -31,7 +33,10 @@ class SyncDPEngine:
         self._outputs: list[EngineCoreOutput] = []
         self._arrived = asyncio.Event()
         self._unfinished: set[str] = set()
-        self.client = DPEngineClient(config)
+        # No health endpoint to fail here, and a long lock-step step on a big model is not a
+        # hang: declared dead only after OFFLINE_STALL_S of silence.
+        self.client = DPEngineClient(config, stale_after_s=OFFLINE_STALL_S,
+                                     stall_timeout_s=OFFLINE_STALL_S)
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = lambda reason: self._arrived.set()
         try:

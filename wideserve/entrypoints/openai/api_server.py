@@ -345,10 +345,12 @@ def serve_forever(args: Any, config: EngineConfig) -> int:
 
 
 def _engine_client(args: Any, config: EngineConfig) -> EngineCoreClient | DPEngineClient:
+    timeouts = {"stale_after_s": args.engine_heartbeat_timeout,
+                "stall_timeout_s": args.engine_stall_timeout}    # every rank's too
     if config.parallel.enabled:
-        return DPEngineClient(config, prefix_affinity=getattr(args, "dp_prefix_affinity", False))
-    return EngineCoreClient(config, stale_after_s=args.engine_heartbeat_timeout,
-                            stall_timeout_s=args.engine_stall_timeout)
+        return DPEngineClient(config, prefix_affinity=getattr(args, "dp_prefix_affinity", False),
+                              **timeouts)
+    return EngineCoreClient(config, **timeouts)
 
 
 async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:

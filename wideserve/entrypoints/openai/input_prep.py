@@ -20,12 +20,14 @@ import asyncio
 import concurrent.futures
 import gc
 import multiprocessing
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
 from wideserve.entrypoints.openai.limits import RequestLimits, check_request_limits
+from wideserve.procs import die_with_parent, spawned_from_main_thread
 from wideserve.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -68,8 +70,9 @@ def chars_per_token_bound(tokenizer: Tokenizer) -> int | None:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _worker_init(tokenizer: Tokenizer) -> None:
+def _worker_init(tokenizer: Tokenizer, parent_pid: int, pdeathsig: bool) -> None:
     global _worker_tokenizer
+    die_with_parent(parent_pid, pdeathsig=pdeathsig)    # a SIGKILLed server leaves no worker
     _worker_tokenizer = tokenizer
 
 
@@ -122,7 +125,8 @@ class TokenizerPool:
             # spawn: a fork of a process with a running event loop and threads is unsafe.
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self.workers, multiprocessing.get_context("spawn"),
-                initializer=_worker_init, initargs=(self.tokenizer,))
+                initializer=_worker_init,
+                initargs=(self.tokenizer, os.getpid(), spawned_from_main_thread()))
         return self._pool
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
