@@ -7,26 +7,29 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wideserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, \
-    token_pool
 from wideserve.bench.report import command_line, machine_info
+
+if TYPE_CHECKING:
+    from wideserve.bench.datasets import BenchRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
-    g.add_argument("--num-prompts", type=int, default=32)
+    g.add_argument("--dataset", choices=("random", "shared-prefix"), default="random",
+                   help="random token prompts, or prompts sharing prefixes")
+    g.add_argument("--num-prompts", type=int, default=32, help="requests")
     g.add_argument("--input-len", type=int, default=128,
                    help="prompt tokens (shared-prefix: the distinct suffix after the prefix)")
-    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="sample lengths uniformly in [L(1-r), L(1+r)] (random dataset)")
     g.add_argument("--prefix-len", type=int, default=768, help="shared-prefix: prefix tokens")
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
-    g.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction)
-    g.add_argument("--dataset-seed", type=int, default=0)
+    g.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction,
+                   help="generate exactly --output-len tokens (default on)")
+    g.add_argument("--dataset-seed", type=int, default=0, help="seed of the prompts")
     g = p.add_argument_group("run")
     g.add_argument("--backend", choices=("wideserve", "hf", "both"), default="wideserve",
                    help="hf/both also run transformers generate() on the same token ids")
@@ -38,11 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-window-mode", choices=("keep", "replay"), default="keep",
                    help="how a prefix hit restores sliding-window/compressor state")
     g.add_argument("--output-json", default=None, help="write the results here")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _requests(args: argparse.Namespace, vocab_size: int, special: list[int]
               ) -> list[BenchRequest]:
+    # numpy: imported when the benchmark runs, not when `wideserve bench --help` is built
+    from wideserve.bench.datasets import random_requests, shared_prefix_requests, token_pool
     pool = token_pool(vocab_size, special)
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len,
@@ -122,6 +127,7 @@ def _run_loaded(args: argparse.Namespace, config: Any, model_dir: Path, cfg_json
                 dtype: Any, notes: list[str]) -> int:
     from wideserve.bench.throughput import (build_llm, hf_warmup, load_hf_model,
                                             reset_prefix_cache, run_hf, run_wideserve)
+    from wideserve.bench.datasets import token_pool
     want_ws, want_hf = args.backend in ("wideserve", "both"), args.backend in ("hf", "both")
     special = _special_ids(model_dir, config.load.tokenizer)
     requests = _requests(args, int(cfg_json["vocab_size"]), special)

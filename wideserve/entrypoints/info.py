@@ -14,8 +14,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from wideserve.core.kv_cache.spec import SharedKVSpec, split_shared
-
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _LAYER_RE = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.")
@@ -99,6 +97,7 @@ def _block_of(name: str) -> tuple[str, int] | None:
 
 def attention_labels(specs: dict) -> dict[tuple[str, int], str]:
     """(block kind, index) -> "SWA(128)" / "CSA(4)" / "HCA(128)" / "full", from cache specs."""
+    from wideserve.core.kv_cache.spec import SharedKVSpec   # torch: not at --help time
     by_block: dict[tuple[str, int], list] = defaultdict(list)
     reads: dict[tuple[str, int], str] = {}
     for name, spec in specs.items():
@@ -164,6 +163,7 @@ def _schedule_lines(specs: dict, model, config_json: dict) -> list[str]:
 
 
 def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
+    from wideserve.core.kv_cache.spec import split_shared
     per_token: dict[str, float] = defaultdict(float)
     bounded: dict[str, int] = defaultdict(int)
     specs, shared = split_shared(specs)

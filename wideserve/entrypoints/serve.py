@@ -25,9 +25,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=parse_port, default=8000)
+    g.add_argument("--port", type=parse_port, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use; the first is reported (default: the model path)")
+                   help="name(s) clients use; the first is reported (default: the model's "
+                        "directory name, e.g. DeepSeek-V4-Flash)")
     g.add_argument("--api-key", default=os.environ.get("WIDESERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $WIDESERVE_API_KEY)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default=64 * 2**20,
@@ -50,7 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="send prompts sharing a first block to the same data-parallel rank "
                         "when it is not much busier (see BENCHMARKS.md)")
     g.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error", "critical"))
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="log verbosity (debug also logs each HTTP request)")
     add_chat_args(parser)
     add_engine_health_args(parser)
     return parser
