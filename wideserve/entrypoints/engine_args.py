@@ -4,11 +4,8 @@ build."""
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
 _KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
               "fp8_e4m3": "fp8"}
@@ -44,27 +41,20 @@ def parse_port(text: str) -> int:
 def _human_int(text: str) -> int:
     """'4096', '32k', '1M' (vLLM's --max-model-len syntax: k/m are powers of 1000,
     K/M of 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a positive integer like 4096 or 32k, "
-                                         f"got {text!r}")
-    number, unit = int(match.group(1)), match.group(2)
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9,
-             "K": 2**10, "M": 2**20, "G": 2**30}[unit]
-    if number * scale < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return number * scale
+    from wideserve.config import parse_count
+    try:
+        return parse_count(text, "value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
 
 
 def parse_bytes(text: str) -> int:
     """'8589934592', '8GiB', '512MB', '4g' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return value
+    from wideserve.config import parse_size
+    try:
+        return parse_size(text, "value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
 
 
 def _fraction(text: str) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from wideserve.entrypoints.engine_args import (add_engine_args, engine_config_from_args,
@@ -120,8 +121,20 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
                         "deepseek_v31, deepseek_v4, qwen3)")
 
 
+def default_model_name(model: str | None) -> str:
+    """The name clients send when --served-model-name is not given: the model directory's
+    name ("DeepSeek-V4-Flash" for /models/DeepSeek-V4-Flash/), a .gguf file's stem, or the
+    bundled model's name."""
+    if model is None:
+        return "shakespeare-v4-tiny"        # wideserve/assets/shakespeare-v4-tiny
+    path = Path(model.rstrip("/\\") or model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name or str(model)
+
+
 def run(args: argparse.Namespace) -> int:
     from wideserve.entrypoints.openai.api_server import serve_forever
+    if not args.served_model_name:
+        args.served_model_name = [default_model_name(args.model)]
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("wideserve serve: error: --enable-auto-tool-choice requires --tool-call-parser",
               file=sys.stderr)
