@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from wideserve.bench.agentic_cmd import add_generator_arguments
+from wideserve.extras import MATPLOTLIB
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +92,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--request-rate must be > 0"
     if args.dataset == "agentic" and args.request_rate != float("inf"):
         return "--request-rate does not apply to agentic replay (closed loop)"
+    if args.plot_dir and not MATPLOTLIB.installed():
+        return MATPLOTLIB.message("--plot-dir")
     return None
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wideserve.bench.report import command_line, machine_info
+from wideserve.extras import TRANSFORMERS
 
 if TYPE_CHECKING:
     from wideserve.bench.datasets import BenchRequest
@@ -102,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_path(config.load.model)
     cfg_json = read_config(model_dir)
     want_hf = args.backend in ("hf", "both")
-    if want_hf and importlib.util.find_spec("transformers") is None:
-        print("wideserve bench throughput: error: --backend hf/both needs transformers "
-              "(pip install 'wideserve[test]')", file=sys.stderr)
+    if want_hf and not TRANSFORMERS.installed():
+        print(f"wideserve bench throughput: error: "
+              f"{TRANSFORMERS.message(f'--backend {args.backend}')}", file=sys.stderr)
         return 2
     if want_hf and args.hf_batch_size > 1 and not hf_padding_allowed(cfg_json):
         print("wideserve bench throughput: error: --hf-batch-size > 1 pads the batch, which "

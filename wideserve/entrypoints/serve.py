@@ -131,6 +131,14 @@ def default_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name or str(model)
 
 
+def _check_kv_transfer(kv_transfer: Any) -> None:
+    """Before anything starts: P/D over NIXL needs the [pd] extra and the shared secret."""
+    from wideserve.extras import require_kv_connector
+    require_kv_connector(kv_transfer)
+    if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
+        kv_transfer.secret()        # a ValueError naming $WIDESERVE_KV_SECRET when missing
+
+
 def run(args: argparse.Namespace) -> int:
     from wideserve.entrypoints.openai.api_server import serve_forever
     if not args.served_model_name:
@@ -141,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = engine_config_from_args(args)
+        _check_kv_transfer(config.kv_transfer)
     except (ValueError, RuntimeError) as e:
         print(f"wideserve serve: error: {e}", file=sys.stderr)
         return 2
