@@ -36,6 +36,7 @@ def test_single_engine_defaults() -> None:
                                  "from /m/DeepSeek-V4-Flash")
     assert s["parameters"] == "13.76B total, 1.00B active per token\n"
     assert s["parallel"] == "one engine on cpu\n"
+    assert s["context"].startswith("131072 tokens per request at most")
     assert "1,114,112 tokens of context in total, shared by all running requests" in s["KV cache"]
     assert "room for 8 requests at the full 131,072-token context" in s["KV cache"]
     assert "at most 64 run at once" in s["KV cache"] and "prefix caching on" in s["KV cache"]

@@ -5,6 +5,7 @@ which features, and where. One place so that every setting a user asks about aft
     wideserve | model:      DeepSeek-V4-Flash (DeepseekV4ForCausalLM, bfloat16, cuda)
     wideserve | parameters: 13.76B on each rank: its 1/8 of the routed experts + the rest
     wideserve | parallel:   DEP, 8 ranks (this node: ranks 0-7), experts sharded ...
+    wideserve | context:    131072 tokens per request at most (prompt + output, ...)
     wideserve | KV cache:   1,114,112 tokens of context per rank, shared by its running requests
     wideserve |             = 8 requests at the full 131,072-token context; ...
     wideserve | features:   MTP speculation k=3; EPLB every 3000 steps ...; P/D off; ...
@@ -37,6 +38,8 @@ def startup_summary(info: dict[str, Any], config: Any, served_names: list[str],
              f"{_source(config.load.model)}",
              f"parameters: {_params(info, config.parallel)}",
              f"parallel:   {_parallel(config.parallel, config.load.device)}",
+             f"context:    {max_model_len} tokens per request at most (prompt + output, "
+             f"--max-model-len)",
              *_kv(info, config, max_model_len),
              f"features:   {features(config)}"]
     kernel_lines = kernels if kernels is not None else describe_kernels(config.load.device)
