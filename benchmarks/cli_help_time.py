@@ -28,10 +28,13 @@ def main() -> None:
     times: dict[str, list[float]] = {t: [] for t in trees}
     for _ in range(args.repeats):
         for tree in trees:
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+            # cwd = the tree too: `python -m` puts the working directory first on sys.path
+            root = os.path.abspath(tree)
+            env = {**os.environ, "PYTHONPATH": root}
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "wideserve.entrypoints.cli", *args.command,
-                            "--help"], env=env, check=True, stdout=subprocess.DEVNULL)
+                            "--help"], env=env, cwd=root, check=True,
+                           stdout=subprocess.DEVNULL)
             times[tree].append(time.perf_counter() - t0)
     load = os.getloadavg()[0]
     for tree, ts in times.items():
