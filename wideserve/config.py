@@ -1,6 +1,7 @@
 """Engine configuration: what to load, how to cache, how to schedule."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,9 +110,54 @@ class EngineConfig:
     eplb: EplbConfig | None = None                   # None = no expert load balancing
 
 
+# --- sizes with units (shared by LLM(...) keywords and the CLI's flags) ---
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+# LLM(...) keywords that take a size in bytes / a count of tokens, with or without units.
+SIZE_ARGS = ("kv_cache_memory",)
+COUNT_ARGS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs")
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from an int or a string with units: 8589934592, '8GiB', '512MB', '4g' (k/m/g/t
+    are powers of 1000, ki/mi/gi/ti of 1024; case and a trailing b ignored). A bad value is a
+    ValueError naming `name`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", str(value).lower()) \
+            if isinstance(value, (str, float)) and not isinstance(value, bool) else None
+        if match is None:
+            raise ValueError(f"{name}: expected a size like 4GiB, 512MiB or a number of bytes, "
+                             f"got {value!r}")
+        number = int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+    if number < 1:
+        raise ValueError(f"{name}: expected a positive size, got {value!r}")
+    return number
+
+
+def parse_count(value: Any, name: str) -> int:
+    """A positive count from an int or vLLM's --max-model-len syntax: '4096', '32k', '1M'
+    (k/m/g are powers of 1000, K/M/G of 1024). A bad value is a ValueError naming `name`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", value) \
+            if isinstance(value, str) else None
+        if match is None:
+            raise ValueError(f"{name}: expected a positive integer like 4096 or 32k, "
+                             f"got {value!r}")
+        number = int(match.group(1)) * _COUNT_UNITS[match.group(2)]
+    if number < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return number
+
+
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as `LLM(...)` takes them) -> EngineConfig; an unknown name is a
-    TypeError naming it. `speculative_config` takes a dict, a JSON string or a
+    TypeError naming it; sizes take units (`kv_cache_memory="4GiB"`, `max_model_len="32k"`),
+    a bad one is a ValueError naming the argument. `speculative_config` takes a dict, a JSON string or a
     SpeculativeConfig (as vLLM's LLM does); `enable_eplb` with `eplb_config` (dict, JSON or
     EplbConfig) the same way."""
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
@@ -123,6 +169,10 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
         owner = next((p for p in parts.values() if key in p.__dataclass_fields__), None)
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
+        if key in SIZE_ARGS and value is not None:
+            value = parse_size(value, key)
+        elif key in COUNT_ARGS and value is not None:
+            value = parse_count(value, key)
         setattr(owner, key, value)
     parts["parallel"].check()  # type: ignore[attr-defined]
     return EngineConfig(**parts, speculative=speculative,  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ def add_generator_arguments(p: argparse.ArgumentParser, prefix: str = "") -> Non
     g.add_argument(f"--{prefix}scale", type=float, default=1.0,
                    help="multiply every token count (e.g. 0.003 for a 1k-context CPU model)")
     g.add_argument(f"--{prefix}sessions", type=int, default=32, help="sessions (traces)")
-    g.add_argument(f"--{prefix}seed", type=int, default=0)
+    g.add_argument(f"--{prefix}seed", type=int, default=0, help="generator seed")
     g.add_argument(f"--{prefix}context-cap", type=int, default=None,
                    help="compaction threshold in tokens before scaling (default: the preset's)")
     g.add_argument(f"--{prefix}min-osl", type=int, default=1,

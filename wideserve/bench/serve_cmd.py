@@ -15,32 +15,36 @@ from pathlib import Path
 from typing import Any
 
 from wideserve.bench.agentic_cmd import add_generator_arguments
+from wideserve.extras import MATPLOTLIB
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (no /v1)")
     g.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="random/shared-prefix only; agentic always uses chat")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory for building prompts (default: the bundled model's)")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=("random", "shared-prefix", "agentic"), default="random")
-    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--dataset", choices=("random", "shared-prefix", "agentic"), default="random",
+                   help="random token prompts, prompts sharing prefixes, or agentic session replay")
+    g.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency point")
     g.add_argument("--prompts-per-concurrency", type=int, default=None,
                    help="num prompts = this x concurrency (InferenceX uses 10)")
     g.add_argument("--input-len", type=int, default=256,
                    help="prompt tokens (shared-prefix: the suffix after the prefix)")
-    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [L(1-r), L(1+r)]")
-    g.add_argument("--prefix-len", type=int, default=512)
-    g.add_argument("--num-prefixes", type=int, default=4)
-    g.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
+    g.add_argument("--num-prefixes", type=int, default=4,
+                   help="shared-prefix: distinct prefixes")
+    g.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction,
+                   help="generate exactly the output length (default on)")
+    g.add_argument("--seed", type=int, default=0, help="dataset seed")
     g = p.add_argument_group("load")
     g.add_argument("--max-concurrency", type=int, nargs="+", default=[8],
                    help="one point per value (agentic: concurrent session trees)")
@@ -54,23 +58,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-dir", default=None,
                    help="Weka traces to replay (default: generate with the --agentic-* knobs)")
     g.add_argument("--duration", type=float, default=60.0, help="profiling seconds per point")
-    g.add_argument("--warmup-per-lane", type=int, default=10)
-    g.add_argument("--trace-gap-cap", type=float, default=300.0)
-    g.add_argument("--idle-cap", type=float, default=10.0)
+    g.add_argument("--warmup-per-lane", type=int, default=10,
+                   help="warmup requests each lane sends before profiling starts")
+    g.add_argument("--trace-gap-cap", type=float, default=300.0,
+                   help="longest think time replayed between two requests (s)")
+    g.add_argument("--idle-cap", type=float, default=10.0,
+                   help="when nothing is in flight, the next request fires within this (s)")
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply think times (1.0 = as recorded)")
-    g.add_argument("--start-min", type=float, default=0.25)
-    g.add_argument("--start-max", type=float, default=0.75)
-    g.add_argument("--min-output-tokens", type=int, default=1)
-    g.add_argument("--drain-timeout", type=float, default=120.0)
+    g.add_argument("--start-min", type=float, default=0.25,
+                   help="a lane starts its first trace at a uniform fraction in [min, max]")
+    g.add_argument("--start-max", type=float, default=0.75, help="see --start-min")
+    g.add_argument("--min-output-tokens", type=int, default=1,
+                   help="floor on each replayed request's max_tokens")
+    g.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds to wait for in-flight requests after profiling ends")
     add_generator_arguments(p, prefix="agentic-")
     g = p.add_argument_group("output")
-    g.add_argument("--output-json", default=None)
+    g.add_argument("--output-json", default=None, help="write the results here")
     g.add_argument("--plot-dir", default=None, help="write sweep and latency PNGs here")
     g.add_argument("--label", default=None, help="series label in plots")
     g.add_argument("--save-samples", action="store_true",
                    help="include per-request TTFT/TPOT/E2EL and pooled ITL in the JSON")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _validate(args: argparse.Namespace) -> str | None:
@@ -82,6 +92,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--request-rate must be > 0"
     if args.dataset == "agentic" and args.request_rate != float("inf"):
         return "--request-rate does not apply to agentic replay (closed loop)"
+    if args.plot_dir and not MATPLOTLIB.installed():
+        return MATPLOTLIB.message("--plot-dir")
     return None
 
 

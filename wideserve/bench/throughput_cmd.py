@@ -2,31 +2,35 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
-from wideserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, \
-    token_pool
 from wideserve.bench.report import command_line, machine_info
+from wideserve.extras import TRANSFORMERS
+
+if TYPE_CHECKING:
+    from wideserve.bench.datasets import BenchRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
-    g.add_argument("--num-prompts", type=int, default=32)
+    g.add_argument("--dataset", choices=("random", "shared-prefix"), default="random",
+                   help="random token prompts, or prompts sharing prefixes")
+    g.add_argument("--num-prompts", type=int, default=32, help="requests")
     g.add_argument("--input-len", type=int, default=128,
                    help="prompt tokens (shared-prefix: the distinct suffix after the prefix)")
-    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="sample lengths uniformly in [L(1-r), L(1+r)] (random dataset)")
     g.add_argument("--prefix-len", type=int, default=768, help="shared-prefix: prefix tokens")
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
-    g.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction)
-    g.add_argument("--dataset-seed", type=int, default=0)
+    g.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction,
+                   help="generate exactly --output-len tokens (default on)")
+    g.add_argument("--dataset-seed", type=int, default=0, help="seed of the prompts")
     g = p.add_argument_group("run")
     g.add_argument("--backend", choices=("wideserve", "hf", "both"), default="wideserve",
                    help="hf/both also run transformers generate() on the same token ids")
@@ -38,11 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-window-mode", choices=("keep", "replay"), default="keep",
                    help="how a prefix hit restores sliding-window/compressor state")
     g.add_argument("--output-json", default=None, help="write the results here")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _requests(args: argparse.Namespace, vocab_size: int, special: list[int]
               ) -> list[BenchRequest]:
+    # numpy: imported when the benchmark runs, not when `wideserve bench --help` is built
+    from wideserve.bench.datasets import random_requests, shared_prefix_requests, token_pool
     pool = token_pool(vocab_size, special)
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len,
@@ -70,6 +76,8 @@ def _print_summary(results: dict[str, Any]) -> None:
         print(f"wideserve / transformers output tokens/s: "
               f"{results['ratio_output_tokens_per_s']:.2f}x; identical greedy outputs: "
               f"{results['identical_outputs']}/{results['num_requests']}")
+        if results.get("divergence"):
+            print(_divergence_line(results["divergence"], results["dtype"]))
     ws = results["backends"].get("wideserve")
     if ws:
         sb = ws["step_breakdown"]
@@ -97,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_path(config.load.model)
     cfg_json = read_config(model_dir)
     want_hf = args.backend in ("hf", "both")
-    if want_hf and importlib.util.find_spec("transformers") is None:
-        print("wideserve bench throughput: error: --backend hf/both needs transformers "
-              "(pip install 'wideserve[test]')", file=sys.stderr)
+    if want_hf and not TRANSFORMERS.installed():
+        print(f"wideserve bench throughput: error: "
+              f"{TRANSFORMERS.message(f'--backend {args.backend}')}", file=sys.stderr)
         return 2
     if want_hf and args.hf_batch_size > 1 and not hf_padding_allowed(cfg_json):
         print("wideserve bench throughput: error: --hf-batch-size > 1 pads the batch, which "
@@ -122,6 +130,7 @@ def _run_loaded(args: argparse.Namespace, config: Any, model_dir: Path, cfg_json
                 dtype: Any, notes: list[str]) -> int:
     from wideserve.bench.throughput import (build_llm, hf_warmup, load_hf_model,
                                             reset_prefix_cache, run_hf, run_wideserve)
+    from wideserve.bench.datasets import token_pool
     want_ws, want_hf = args.backend in ("wideserve", "both"), args.backend in ("hf", "both")
     special = _special_ids(model_dir, config.load.tokenizer)
     requests = _requests(args, int(cfg_json["vocab_size"]), special)
@@ -145,6 +154,9 @@ def _run_loaded(args: argparse.Namespace, config: Any, model_dir: Path, cfg_json
                                                                    or 0))
             runs["transformers"].append(res)
     results = _results(args, cfg_json, dtype, runs, outputs, notes)
+    if hf is not None and "wideserve" in outputs:
+        results["divergence"] = _divergences(hf, requests, outputs["wideserve"],
+                                             outputs["transformers"], dtype)
     _print_summary(results)
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -180,3 +192,82 @@ def _results(args: argparse.Namespace, cfg_json: dict, dtype: Any, runs: dict[st
     if "wideserve" in outputs:
         out["wideserve_outputs"] = outputs["wideserve"]
     return out
+
+
+# --- where greedy outputs part, and why ---
+# The first differing output token of each request is explained from transformers' own logits
+# (one teacher-forced forward, outside the timed runs) as one of:
+# - "tie order": transformers' DeepSeek-V4 lightning indexer calls Tensor.topk, whose order
+#   among equal scores is unspecified, while wideserve's picks the lowest index
+#   (BENCHMARKS.md); under a stable top-k transformers itself prefers wideserve's token.
+# - "near tie": the two tokens' logits are within NEAR_TIE_ULPS representable steps at the
+#   top logit's magnitude (a bf16 logit of 10 has a step of 0.0625): the implementations'
+#   different rounding (accumulation order, fused ops) decides the argmax.
+# - otherwise a real difference, reported with its margin.
+NEAR_TIE_ULPS = 8
+
+
+@contextlib.contextmanager
+def _stable_topk() -> Iterator[None]:
+    """Tensor.topk with equal scores in lowest-index order (wideserve's indexer order)."""
+    import torch
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):      # noqa: A002 (torch's name)
+        s = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((s.values.narrow(dim, 0, k),
+                                        s.indices.narrow(dim, 0, k)))
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
+
+
+def _divergences(hf: Any, requests: list, ws_outs: list[list[int]], hf_outs: list[list[int]],
+                 dtype: Any) -> list[dict[str, Any]]:
+    """Each request whose outputs differ: the first differing position, both tokens,
+    transformers' logit gap there (its token minus wideserve's) and the cause."""
+    import torch
+    device = next(hf.parameters()).device
+    found = []
+    for i, (req, ws, ref) in enumerate(zip(requests, ws_outs, hf_outs)):
+        pos = next((k for k, (a, b) in enumerate(zip(ws, ref)) if a != b), None)
+        if pos is None:
+            continue
+        ids = torch.tensor([list(req.prompt_token_ids) + ref[:pos]], device=device)
+        with torch.inference_mode():
+            logits = hf(input_ids=ids, use_cache=False).logits[0, -1].float()
+            with _stable_topk():
+                stable = hf(input_ids=ids, use_cache=False).logits[0, -1].float()
+        gap = float(logits[ref[pos]] - logits[ws[pos]])
+        stable_gap = float(stable[ref[pos]] - stable[ws[pos]])
+        step = float(torch.finfo(dtype).eps) * 2.0 ** max(
+            0, int(float(logits.abs().max())).bit_length() - 1)
+        cause = ("tie order" if stable_gap < 0 <= gap
+                 else "near tie" if min(abs(gap), abs(stable_gap)) <= NEAR_TIE_ULPS * step
+                 else "difference")
+        found.append({"request": i, "position": pos, "transformers_token": ref[pos],
+                      "wideserve_token": ws[pos], "logit_gap": gap,
+                      "logit_gap_stable_topk": stable_gap, "cause": cause})
+    return found
+
+
+def _divergence_line(found: list[dict[str, Any]], dtype: str) -> str:
+    by = {c: [d for d in found if d["cause"] == c]
+          for c in ("tie order", "near tie", "difference")}
+    parts = []
+    if by["tie order"]:
+        parts.append(f"{len(by['tie order'])} from transformers' order among tied indexer "
+                     f"scores (with lowest-index ties, as wideserve, it picks wideserve's token)")
+    if by["near tie"]:
+        parts.append(f"{len(by['near tie'])} at a near tie (top-2 logits within "
+                     f"{max(abs(d['logit_gap']) for d in by['near tie']):.3g}: {dtype} "
+                     f"rounding picks the winner)")
+    if by["difference"]:
+        worst = max(by["difference"], key=lambda d: abs(d["logit_gap"]))
+        parts.append(f"{len(by['difference'])} at a clear margin (largest "
+                     f"{abs(worst['logit_gap']):.3g}, request {worst['request']} output token "
+                     f"{worst['position']}): a real difference")
+    return (f"  the {len(found)} that differ part at their first differing token: "
+            + "; ".join(parts) + "; the continuations differ after it")

@@ -60,8 +60,30 @@ class DPStatsCollector(Collector):
                 if key in dp:
                     fam.add_metric([self._model, str(r)], float(dp[key]))
             yield fam
+        yield from _rank_steps(ranks, self._model)
         fam = CounterMetricFamily(PREFIX + "dp_requests_routed",
                                   "Requests the front end sent to the rank.", labels=labels)
         for r, n in enumerate(self._picks()):
             fam.add_metric([self._model, str(r)], float(n))
         yield fam
+
+
+def _rank_steps(ranks: list[dict[str, Any]], model: str) -> Iterator[Any]:
+    """Each rank's own step count and step time per phase: in lock-step the slowest rank
+    sets every rank's pace, and these say which one it is (max over dp_rank of
+    rate(step_phase_seconds) / rate(engine_steps))."""
+    labels = ["model_name", "dp_rank"]
+    steps = CounterMetricFamily(PREFIX + "dp_rank_engine_steps",
+                                "Engine steps the rank ran (its own batch or a dummy one).",
+                                labels=labels)
+    phases = CounterMetricFamily(PREFIX + "dp_rank_step_phase_seconds",
+                                 "The rank's time per step phase (schedule, prepare, forward, "
+                                 "sample, output...).", labels=labels + ["phase"])
+    for r, s in enumerate(ranks):
+        st = s.get("steps") or {}
+        if "steps" in st:
+            steps.add_metric([model, str(r)], float(st["steps"]))
+        for phase, seconds in sorted((st.get("seconds") or {}).items()):
+            phases.add_metric([model, str(r), str(phase)], float(seconds))
+    yield steps
+    yield phases

@@ -4,11 +4,8 @@ build."""
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
 _KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
               "fp8_e4m3": "fp8"}
@@ -44,27 +41,20 @@ def parse_port(text: str) -> int:
 def _human_int(text: str) -> int:
     """'4096', '32k', '1M' (vLLM's --max-model-len syntax: k/m are powers of 1000,
     K/M of 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a positive integer like 4096 or 32k, "
-                                         f"got {text!r}")
-    number, unit = int(match.group(1)), match.group(2)
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9,
-             "K": 2**10, "M": 2**20, "G": 2**30}[unit]
-    if number * scale < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return number * scale
+    from wideserve.config import parse_count
+    try:
+        return parse_count(text, "value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
 
 
 def parse_bytes(text: str) -> int:
     """'8589934592', '8GiB', '512MB', '4g' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return value
+    from wideserve.config import parse_size
+    try:
+        return parse_size(text, "value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
 
 
 def _fraction(text: str) -> float:
@@ -132,29 +122,46 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("model", nargs="?", default=None,
                    help="model directory or .gguf file (default: the bundled tiny model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=_DTYPES)
+    g.add_argument("--dtype", default="auto", choices=_DTYPES,
+                   help="weight and activation dtype (auto: the config's torch_dtype; "
+                        "FP8/FP4 checkpoints are dequantised to it on load)")
     g.add_argument("--load-format", default="auto",
-                   choices=("auto", "safetensors", "gguf", "dummy"))
-    g.add_argument("--seed", type=_seed, default=0)
+                   choices=("auto", "safetensors", "gguf", "dummy"),
+                   help="how to read the weights; dummy: random weights from config.json "
+                        "alone (sizing and benchmarks)")
+    g.add_argument("--seed", type=_seed, default=0,
+                   help="seed for dummy weights and for sampling without a per-request seed")
     g.add_argument("--enforce-eager", default=None, action=argparse.BooleanOptionalAction,
                    help="run the model eagerly; --no-enforce-eager compiles the decoder layers "
                         "(torch.compile; attention stays eager). Default: eager on the CPU "
                         "(compiling takes tens of seconds there), compiled on other devices")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=_human_int, default=None)
-    g.add_argument("--max-num-seqs", type=parse_positive_int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=parse_positive_int, default=2048)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    g.add_argument("--max-model-len", type=_human_int, default=None,
+                   help="longest prompt + output in tokens, e.g. 4096 or 32k (default: the "
+                        "model's limit)")
+    g.add_argument("--max-num-seqs", type=parse_positive_int, default=64,
+                   help="requests running at once (per data-parallel rank)")
+    g.add_argument("--max-num-batched-tokens", type=parse_positive_int, default=2048,
+                   help="tokens per engine step; longer prompts are prefilled in chunks")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="admission order: first come first served, or the request's "
+                        "'priority' field (lower first)")
     g.add_argument("--block-size", type=parse_positive_int, default=None,
                    help="positions per KV block, the prefix cache's granularity (default: "
                         "the model's: 64, or 128 for DeepSeek-V4, whose compression ratios "
                         "4 and 128 it must be a multiple of)")
     g.add_argument("--enable-prefix-caching", default=True,
-                   action=argparse.BooleanOptionalAction)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(_KV_DTYPES))
+                   action=argparse.BooleanOptionalAction,
+                   help="reuse the KV of shared prompt prefixes across requests (default on)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(_KV_DTYPES),
+                   help="KV record format: auto (the model dtype), bf16, or fp8 (DeepSeek "
+                        "FP8 latents + MXFP4 indexer keys; bytes per token: `wideserve info "
+                        "MODEL --kv-cache-dtype fp8`)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 4GiB (default: sized automatically)")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                   help="CUDA only: fraction of free device memory for weights, activations "
+                        "and KV (default 0.9)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto' (the model's generation_config.json), 'vllm' or 'none' "
                         "(ignore it), or a directory holding one")

@@ -27,20 +27,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="prompt text (repeat for several prompts)")
     g.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--logprobs", type=int, default=None)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS may stop it")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the likeliest one's probability")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed for this request's sampling (reproducible outputs)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="return this many top log-probabilities per token")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages repeating prompt and output tokens")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     return p
 
 

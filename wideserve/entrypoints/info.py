@@ -14,7 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from wideserve.core.kv_cache.spec import SharedKVSpec, split_shared
+from wideserve.entrypoints.engine_args import (_fraction, _human_int, parse_bytes,
+                                               parse_positive_int)
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -33,12 +34,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(FP8 latents + MXFP4 indexer keys)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weight dtype (auto = config torch_dtype)")
+    g = p.add_argument_group("--plan: memory per rank for a deployment (an estimate)")
+    g.add_argument("--plan", action="store_true",
+                   help="size a deployment: weights per rank, KV per request, KV capacity "
+                        "left per rank, fewest DEP ranks")
+    g.add_argument("--data-parallel-size", "-dp", type=parse_positive_int, default=1,
+                   help="ranks (GPUs or CPU engine processes) of the deployment")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the routed experts over the ranks (DEP)")
+    g.add_argument("--memory-per-rank", type=parse_bytes, default=None,
+                   help="device memory of one rank, e.g. 141GiB (H200), 80GiB (H100)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                   help="the fraction of it wideserve may use (default 0.9)")
+    g.add_argument("--max-model-len", type=_human_int, default=None,
+                   help="context per request, e.g. 128k (default: the model's limit)")
+    g.add_argument("--max-num-seqs", type=parse_positive_int, default=64,
+                   help="requests running at once per rank (their windows are reserved)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        text = describe_model(args.model, args.kv_cache_dtype, args.dtype)
+        text = describe_model(args.model, args.kv_cache_dtype, args.dtype,
+                              plan=_plan_inputs(args) if args.plan else None)
     except (FileNotFoundError, ValueError) as exc:
         print(f"wideserve info: error: {exc}", file=sys.stderr)
         return 1
@@ -99,6 +117,7 @@ def _block_of(name: str) -> tuple[str, int] | None:
 
 def attention_labels(specs: dict) -> dict[tuple[str, int], str]:
     """(block kind, index) -> "SWA(128)" / "CSA(4)" / "HCA(128)" / "full", from cache specs."""
+    from wideserve.core.kv_cache.spec import SharedKVSpec   # torch: not at --help time
     by_block: dict[tuple[str, int], list] = defaultdict(list)
     reads: dict[tuple[str, int], str] = {}
     for name, spec in specs.items():
@@ -164,6 +183,7 @@ def _schedule_lines(specs: dict, model, config_json: dict) -> list[str]:
 
 
 def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
+    from wideserve.core.kv_cache.spec import split_shared
     per_token: dict[str, float] = defaultdict(float)
     bounded: dict[str, int] = defaultdict(int)
     specs, shared = split_shared(specs)
@@ -189,8 +209,14 @@ def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
     return lines
 
 
+def _plan_inputs(args: argparse.Namespace) -> dict:
+    return {"ranks": args.data_parallel_size, "expert_parallel": args.enable_expert_parallel,
+            "memory_per_rank": args.memory_per_rank, "utilization": args.gpu_memory_utilization,
+            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs}
+
+
 def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
-                   dtype: str = "auto") -> str:
+                   dtype: str = "auto", plan: dict | None = None) -> str:
     import torch
 
     from wideserve.executor.loader import (build_model, read_config, resolve_dtype,
@@ -221,7 +247,25 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
     lines.append("")
     lines += _schedule_lines({**specs, **mtp_specs}, model, config_json)
     lines += [""] + _kv_lines(specs, mtp_specs, kv_cache_dtype)
+    if plan is not None:
+        lines += [""] + _plan(model, specs, config_json, plan, wdtype, kv_cache_dtype)
     return "\n".join(lines)
+
+
+def _plan(model, specs: dict, config_json: dict, plan: dict, wdtype, kv_cache_dtype: str
+          ) -> list[str]:
+    from wideserve.core.kv_cache.spec import split_shared
+    from wideserve.entrypoints.plan import PlanInputs, plan_lines, weight_bytes
+    own, _shared = split_shared(specs)
+    per_token = sum(s.bytes_per_token for s in own.values())
+    bounded = sum(s.bounded_bytes for s in own.values())
+    limit = int(config_json.get("max_position_embeddings") or 0) or None
+    inputs = PlanInputs(**{**plan, "max_model_len": plan["max_model_len"] or limit or 4096})
+    if limit and inputs.max_model_len > limit:
+        raise ValueError(f"--max-model-len {inputs.max_model_len} exceeds the model's limit "
+                         f"of {limit} positions")
+    return plan_lines(weight_bytes(model), per_token, bounded, inputs,
+                      str(wdtype).removeprefix("torch."), kv_cache_dtype)
 
 
 def _quant_note(config_json: dict) -> str:

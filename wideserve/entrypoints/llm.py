@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from wideserve.config import EngineConfig, engine_config_from_kwargs
 from wideserve.core.engine_core import EngineCore
 from wideserve.core.output_processor import OutputProcessor
+from wideserve.extras import require_kv_connector
 from wideserve.outputs import RequestOutput
 from wideserve.sampling_params import SamplingParams
 from wideserve.tokenizer import Tokenizer
@@ -49,6 +50,7 @@ class LLM:
         return llm
 
     def _init(self, config: EngineConfig, skip_tokenizer_init: bool) -> None:
+        require_kv_connector(config.kv_transfer)
         if config.parallel.enabled:
             # N ranks are N engine-core processes (wideserve/distributed/offline.py).
             from wideserve.distributed.offline import SyncDPEngine

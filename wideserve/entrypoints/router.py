@@ -26,10 +26,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Send each request's prompt to a prefill instance and its decode to a "
                     "decode instance, passing the KV handle between them.")
     parser.error = one_line_error.__get__(parser)      # type: ignore[method-assign]
-    parser.add_argument("--prefill", nargs="+", type=_url, required=True, metavar="URL")
-    parser.add_argument("--decode", nargs="+", type=_url, required=True, metavar="URL")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=parse_port, default=8000)
+    parser.add_argument("--prefill", nargs="+", type=_url, required=True, metavar="URL",
+                        help="prefill servers (kv_role kv_producer)")
+    parser.add_argument("--decode", nargs="+", type=_url, required=True, metavar="URL",
+                        help="decode servers (kv_role kv_consumer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=parse_port, default=8000, help="port to listen on")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds an upstream call may take (default 600)")
     parser.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
@@ -38,7 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         default=BODY_READ_TIMEOUT_S,
                         help="seconds a request may take to send its body (408 after)")
     parser.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error", "critical"))
+                        choices=("debug", "info", "warning", "error", "critical"),
+                        help="log verbosity")
     return parser
 
 

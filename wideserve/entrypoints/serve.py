@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from wideserve.entrypoints.engine_args import (add_engine_args, add_request_limit_args,
@@ -30,9 +31,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=parse_port, default=8000)
+    g.add_argument("--port", type=parse_port, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use; the first is reported (default: the model path)")
+                   help="name(s) clients use; the first is reported (default: the model's "
+                        "directory name, e.g. DeepSeek-V4-Flash)")
     g.add_argument("--api-key", default=os.environ.get("WIDESERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $WIDESERVE_API_KEY)")
     g.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
@@ -56,7 +58,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="send prompts sharing a first block to the same data-parallel rank "
                         "when it is not much busier (see BENCHMARKS.md)")
     g.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error", "critical"))
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="log verbosity (debug also logs each HTTP request)")
     add_chat_args(parser)
     add_engine_health_args(parser)
     add_request_limit_args(parser)
@@ -125,14 +128,35 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
                         "deepseek_v31, deepseek_v4, qwen3)")
 
 
+def default_model_name(model: str | None) -> str:
+    """The name clients send when --served-model-name is not given: the model directory's
+    name ("DeepSeek-V4-Flash" for /models/DeepSeek-V4-Flash/), a .gguf file's stem, or the
+    bundled model's name."""
+    if model is None:
+        return "shakespeare-v4-tiny"        # wideserve/assets/shakespeare-v4-tiny
+    path = Path(model.rstrip("/\\") or model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name or str(model)
+
+
+def _check_kv_transfer(kv_transfer: Any) -> None:
+    """Before anything starts: P/D over NIXL needs the [pd] extra and the shared secret."""
+    from wideserve.extras import require_kv_connector
+    require_kv_connector(kv_transfer)
+    if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
+        kv_transfer.secret()        # a ValueError naming $WIDESERVE_KV_SECRET when missing
+
+
 def run(args: argparse.Namespace) -> int:
     from wideserve.entrypoints.openai.api_server import serve_forever
+    if not args.served_model_name:
+        args.served_model_name = [default_model_name(args.model)]
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("wideserve serve: error: --enable-auto-tool-choice requires --tool-call-parser",
               file=sys.stderr)
         return 2
     try:
         config = engine_config_from_args(args)
+        _check_kv_transfer(config.kv_transfer)
     except (ValueError, RuntimeError) as e:
         print(f"wideserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from tqdm.auto import tqdm
 
 from wideserve.config import LoadConfig
 from wideserve.executor.dummy_weights import init_dummy_weights
@@ -198,8 +199,29 @@ def _checked(reader: CheckpointReader, model: nn.Module, yielded: list[str],
         yield name, tensor
 
 
+def _with_progress(tensors: Iterator[tuple[str, torch.Tensor]], model: nn.Module,
+                   show: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A tqdm bar over the bytes of the model's parameters as the checkpoint fills them (a
+    284B-parameter checkpoint takes minutes to read; silence looks like a hang). Tensors the
+    model renames or keeps quantised count their own bytes; the bar ends full on success.
+    Off for ranks other than the first and with TQDM_DISABLE=1."""
+    state = model.state_dict(keep_vars=True)
+    total = sum(t.numel() * t.element_size() for t in
+                {id(t): t for t in state.values() if t.device.type != "meta"}.values())
+    bar = tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True,
+               unit_divisor=1024, disable=not show, dynamic_ncols=True)
+    try:
+        for name, tensor in tensors:
+            target = state.get(name, tensor)
+            bar.update(min(target.numel() * target.element_size(), total - bar.n))
+            yield name, tensor
+        bar.update(total - bar.n)
+    finally:
+        bar.close()
+
+
 def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype: torch.dtype,
-                    tensor_filter: TensorFilter | None = None) -> None:
+                    tensor_filter: TensorFilter | None = None, progress: bool = True) -> None:
     """Stream the checkpoint into `model`. Unknown tensor names are the model's to reject
     (its `load_weights` raises for a name it cannot place); the error then names the file."""
     reader = CheckpointReader(model_dir, config_json, dtype,
@@ -207,7 +229,8 @@ def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype:
     yielded: list[str] = []
     try:
         with torch.no_grad():
-            filled = set(model.load_weights(_checked(reader, model, yielded, tensor_filter)))
+            filled = set(model.load_weights(_with_progress(
+                _checked(reader, model, yielded, tensor_filter), model, progress)))
     except (KeyError, ValueError) as exc:
         if not yielded or str(model_dir) in str(exc):
             raise
@@ -277,7 +300,9 @@ def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None
         if placements:
             from wideserve.distributed.expert_shard import ExpertShardFilter
             shard_filter = ExpertShardFilter(placements)
-        load_checkpoint(model, path, config_json, dtype, shard_filter)
+        # One bar per node is enough: expert-parallel ranks other than 0 load silently.
+        load_checkpoint(model, path, config_json, dtype, shard_filter,
+                        progress=expert_parallel is None or expert_parallel[1] == 0)
     if hasattr(model, "bind_tokenizer"):    # models whose forward reads the vocabulary
         model.bind_tokenizer(path)
     return LoadedModel(model=model, config_json=config_json, path=path, dtype=dtype)

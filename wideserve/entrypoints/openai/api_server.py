@@ -52,6 +52,7 @@ from wideserve.entrypoints.openai.serving import read_body as serving_read_body
 from wideserve.entrypoints.openai.limits import request_limits_from_args
 from wideserve.entrypoints.openai.openapi import build_openapi
 from wideserve.entrypoints.openai.transport import protocol_with_header_timeout
+from wideserve.entrypoints.startup import startup_summary
 from wideserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("wideserve.server")
@@ -274,39 +275,6 @@ def _load_frontend(args: Any, config: EngineConfig) -> tuple[Tokenizer, dict[str
     return tokenizer, defaults
 
 
-def _fmt_count(n: int) -> str:
-    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
-
-
-def _block_note(info: dict[str, Any]) -> str:
-    block = info.get("kv_block_size")
-    return f", {block}-token blocks" if block else ""
-
-
-def _summary(info: dict[str, Any], ctx: ServingContext, url: str, config: EngineConfig) -> str:
-    kv = info.get("kv_capacity_tokens")
-    lines = [
-        f"model:      {ctx.model_name} ({info.get('architecture', '?')}, "
-        f"{info.get('dtype', '?')}, {config.load.device})",
-        f"parameters: {_fmt_count(int(info.get('num_params', 0)))} total, "
-        f"{_fmt_count(int(info.get('num_active_params', 0)))} active per token",
-        f"context:    {ctx.max_model_len} tokens; KV cache "
-        f"{kv if kv is not None else '?'} tokens "
-        f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}"
-        f"{_block_note(info)})",
-        f"serving:    {url}/v1  (health {url}/health, metrics {url}/metrics)",
-    ]
-    p = config.parallel
-    if p.enabled:
-        lines.insert(3, f"parallel:   {p.data_parallel_size} data-parallel ranks"
-                        f"{', experts sharded over them (DEP)' if p.enable_expert_parallel else ''}"
-                        f"; the KV cache above is per rank")
-    return "\n".join("wideserve | " + line for line in lines)
-
-
 class _Server(uvicorn.Server):
     """uvicorn.Server that, when shutdown begins, first sets `stopping` and fails every open
     request: streams end with an error event and [DONE] well inside the grace period, not
@@ -406,7 +374,8 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         gc.collect()
         gc.freeze()
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(_summary(info, ctx, f"http://{host}:{args.port}", config), flush=True)
+        print(startup_summary(info, config, names, ctx.max_model_len,
+                              f"http://{host}:{args.port}"), flush=True)
         if defaults:
             print(f"wideserve | default sampling from generation_config: {defaults}",
                   flush=True)
