@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 
 CASES = {
+    # No hostile request: the token gap the machine's load alone gives (the noise floor).
+    "baseline": ("/v1/completions", lambda: {"prompt": "a", "max_tokens": 1}),
     "50mb": ("/v1/completions", lambda: {"prompt": "word " * 10_500_000, "max_tokens": 1}),
     "10mb": ("/v1/completions", lambda: {"prompt": "word " * 2_100_000, "max_tokens": 1}),
     "chat": ("/v1/chat/completions",
