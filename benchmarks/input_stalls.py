@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 import httpx
 
 CASES = {
+    # No hostile request: the token gap the machine's load alone gives (the noise floor).
+    "baseline": ("/v1/completions", lambda: {"prompt": "a", "max_tokens": 1}),
     "50mb": ("/v1/completions", lambda: {"prompt": "word " * 10_500_000, "max_tokens": 1}),
     "10mb": ("/v1/completions", lambda: {"prompt": "word " * 2_100_000, "max_tokens": 1}),
     "chat": ("/v1/chat/completions",
@@ -106,11 +109,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="10mb,50mb,chat,ids,fanout")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--server-args", default="",
+                    help="more `wideserve serve` flags, e.g. '--kv-cache-memory 256MiB'")
     args = ap.parse_args()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "wideserve.entrypoints.cli", "serve", "--port", str(port),
-           "--device", "cpu", "--log-level", "warning"] + ([args.model] if args.model else [])
+           "--device", "cpu", "--log-level", "warning"] + ([args.model] if args.model else []) \
+        + shlex.split(args.server_args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     try:

@@ -383,6 +383,7 @@ class EngineCore:
             try:
                 sampled, logprobs = self._execute(sched_out)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+                self.structured.take_failures()     # its requests end with the step's error
                 return self._fail_step(sched_out, e) + grammar_errors
             if self.eplb is not None and not self.lockstep:
                 self.eplb.step()        # lock-step ranks step EPLB after the whole step
