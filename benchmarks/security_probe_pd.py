@@ -15,7 +15,7 @@ import httpx
 
 from security_probe_harness import (
     MODEL, Row, Server, Sizes, TOTALS, alive, children, free_port, hostile_client,
-    is_4xx, kill_all, message, metric_sum, run_case, status_case, wait_gone)
+    kill_all, message, metric_sum, run_case, status_case, wait_gone)
 
 
 # ----------------------------------------------------------------- P/D pair and the router
@@ -58,8 +58,9 @@ class PD:
 
 
 def _refused(r: httpx.Response) -> bool:
+    """An error answer of any kind (the bytes obtained are what decides the case)."""
     if r.status_code != 200:
-        return is_4xx(r.status_code)
+        return True
     try:
         return any(c.get("finish_reason") == "error" for c in r.json()["choices"])
     except (ValueError, KeyError, TypeError):
