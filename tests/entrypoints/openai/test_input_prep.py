@@ -134,3 +134,24 @@ def test_prescan(body, verdict):
 def test_prescan_leaves_malformed_json_to_pydantic():
     assert prescan(b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", LIMITS) is None
     assert prescan(b'{"prompt": "x', LIMITS) is None
+
+
+def test_prescan_applies_the_request_limits_first_and_names_the_deeper_reason():
+    from wideserve.entrypoints.openai.limits import RequestLimits
+    limits = Limits(max_model_len=100, chars_bound=10, max_sequences=256,
+                    request=RequestLimits(max_messages=8, max_tools=2))
+    too_many = prescan(json.dumps({"messages": [{"role": "user", "content": "w"}] * 9}).encode(),
+                       limits)
+    assert too_many[0] == "request_limit_exceeded" and "--max-messages" in too_many[1]
+    cannot_fit = prescan(json.dumps({"messages": [{"role": "user", "content": "w"}] * 101})
+                         .encode(), limits)
+    assert cannot_fit[0] == "context_length_exceeded" and cannot_fit[2] == "messages"
+    tools = prescan(json.dumps({"tools": [{}] * 3}).encode(), limits, False)
+    assert tools == ("request_limit_exceeded",
+                     "tools: 3 tools; this server accepts at most 2 (--max-tools)", "tools")
+    # Prompts are counted from their bytes: 10 million token-id lists, or strings with quotes.
+    body = b'{"prompt": [' + b",".join([b"[1]"] * 10_000_000) + b"]}"
+    assert prescan(body, limits, False)[0] == "too_many_sequences"
+    assert prescan(json.dumps({"prompt": ['a "q" b'] * 257}).encode(), limits, False)[0] \
+        == "too_many_sequences"
+    assert prescan(json.dumps({"prompt": ['a "q" b'] * 256}).encode(), limits, False) is None

@@ -186,6 +186,11 @@ def prompt_overflow(prompt: Any, limits: Limits, param: str = "prompt") -> str |
     return _too_many_ids(param, prompt, limits)
 
 
+def _too_many_messages(count: int, limits: Limits) -> str:
+    return (f"messages: {count} messages cannot fit in this model's maximum context length "
+            f"of {limits.max_model_len} tokens")
+
+
 def messages_overflow(messages: Any, limits: Limits) -> str | None:
     """Why a message list cannot fit: more messages than the context has tokens (every chat
     template we know renders at least a role marker per message), or more characters of
@@ -193,8 +198,7 @@ def messages_overflow(messages: Any, limits: Limits) -> str | None:
     if not isinstance(messages, list):
         return None
     if len(messages) > limits.max_model_len:
-        return (f"messages: {len(messages)} messages cannot fit in this model's maximum "
-                f"context length of {limits.max_model_len} tokens")
+        return _too_many_messages(len(messages), limits)
     chars = sum(len(c) for m in messages if isinstance(m, dict)
                 and isinstance(c := m.get("content"), str))
     return too_long_text("messages", chars, limits)
@@ -222,6 +226,9 @@ def prescan(body: bytes, limits: Limits, full: bool = True
     body, in the worker), the context bounds over the decoded body. Malformed JSON is left to
     pydantic, which reports it in full."""
     exceeded = check_request_limits(body, limits.request)
+    if exceeded is not None and exceeded.param == "messages" \
+            and exceeded.count > limits.max_model_len:       # the deeper reason
+        return "context_length_exceeded", _too_many_messages(exceeded.count, limits), "messages"
     if exceeded is not None:
         return exceeded.code, exceeded.message, exceeded.param
     if not full:

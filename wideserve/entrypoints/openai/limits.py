@@ -49,11 +49,12 @@ class LimitExceeded(msgspec.Struct, frozen=True):
     param: str
     message: str
     code: str = "request_limit_exceeded"
+    count: int = 0                  # how many items, for a limit on a count
 
 
 def _too_many(param: str, what: str, got: int, limit: int, flag: str) -> LimitExceeded:
     return LimitExceeded(param, f"{param}: {got} {what}; this server accepts at most "
-                                f"{limit} ({flag})")
+                                f"{limit} ({flag})", count=got)
 
 
 def _too_big(param: str, got: int, limit: int, flag: str) -> LimitExceeded:
