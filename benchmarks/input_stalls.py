@@ -38,6 +38,12 @@ CASES = {
         "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
             "type": "object", "properties": {"a": {"type": "string"}}}}}
             for i in range(10_000)]}),
+    # Within the default limits: validated and templated in the prep threads.
+    "tools500": ("/v1/chat/completions", lambda: {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+            "type": "object", "properties": {f"a{j}": {"type": "string", "enum": ["x", "y"]}
+                                             for j in range(8)}}}} for i in range(500)]}),
     "schema": ("/v1/chat/completions", lambda: {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
