@@ -19,9 +19,10 @@ class FakeTimer:
         self.seconds = seconds
         self.calls: list[tuple] = []
 
-    def __call__(self, family: str, kernel: str, n: int, k: int, rows: int) -> float:
-        self.calls.append((family, kernel, n, k, rows))
-        return self.seconds[kernel][ch.SAMPLE_ROWS.index(rows)]
+    def __call__(self, family: str, kernels: tuple[str, ...], n: int, k: int,
+                 rows: int) -> dict[str, float]:
+        self.calls.extend((family, c, n, k, rows) for c in kernels)
+        return {c: self.seconds[c][ch.SAMPLE_ROWS.index(rows)] for c in kernels}
 
 
 ALL = ("micro", "brgemm", "onednn", "torch")

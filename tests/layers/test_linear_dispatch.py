@@ -62,8 +62,8 @@ class _Timer:
     def __init__(self, seconds):
         self.seconds = seconds
 
-    def __call__(self, family, kernel, n, k, rows):
-        return self.seconds[kernel][ch.SAMPLE_ROWS.index(rows)]
+    def __call__(self, family, kernels, n, k, rows):
+        return {c: self.seconds[c][ch.SAMPLE_ROWS.index(rows)] for c in kernels}
 
 
 def _choice_with(tmp_path, monkeypatch, seconds) -> KernelChoice:

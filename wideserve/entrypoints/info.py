@@ -33,12 +33,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(FP8 latents + MXFP4 indexer keys)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weight dtype (auto = config torch_dtype)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also print the GEMM kernel chosen per family and token bucket on "
+                        "this machine, with the measured times (timed now if not cached)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        text = describe_model(args.model, args.kv_cache_dtype, args.dtype)
+        text = describe_model(args.model, args.kv_cache_dtype, args.dtype,
+                              getattr(args, "kernels", False))
     except (FileNotFoundError, ValueError) as exc:
         print(f"wideserve info: error: {exc}", file=sys.stderr)
         return 1
@@ -190,7 +194,7 @@ def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
 
 
 def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
-                   dtype: str = "auto") -> str:
+                   dtype: str = "auto", kernels: bool = False) -> str:
     import torch
 
     from wideserve.executor.loader import (build_model, read_config, resolve_dtype,
@@ -221,6 +225,9 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
     lines.append("")
     lines += _schedule_lines({**specs, **mtp_specs}, model, config_json)
     lines += [""] + _kv_lines(specs, mtp_specs, kv_cache_dtype)
+    if kernels:          # layers/kernel_table.py: measured on this machine, cached on disk
+        from wideserve.layers.kernel_table import kernel_table_lines
+        lines += [""] + kernel_table_lines(model, wdtype)
     return "\n".join(lines)
 
 
