@@ -58,9 +58,9 @@ def verify(kc: ch.KernelChoice, model: str, repeats: int) -> list[str]:
         plan = kc.plan(family, n, k, torch.bfloat16)
         ncols = min(n, kc.policy.max_cols)
         for i, rows in enumerate(ch.SAMPLE_ROWS):
-            fns = {c: ch.candidate(family, c, ncols, k, rows) for c in cands}
+            fns = {c: ch.candidate(family, c, (ncols, k), rows) for c in cands}
             if family in ("linear", "qkv", "router") and "torch" not in fns:
-                fns["torch"] = ch.candidate("linear", "torch", ncols, k, rows)
+                fns["torch"] = ch.candidate("linear", "torch", (ncols, k), rows)
             t = _median_times(fns, repeats)
             best = min((c for c in cands), key=t.get)
             ratio = t[plan[i]] / t[best]

@@ -19,9 +19,9 @@ class FakeTimer:
         self.seconds = seconds
         self.calls: list[tuple] = []
 
-    def __call__(self, family: str, kernels: tuple[str, ...], n: int, k: int,
+    def __call__(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
                  rows: int) -> dict[str, float]:
-        self.calls.extend((family, c, n, k, rows) for c in kernels)
+        self.calls.extend((family, c, *shape, rows) for c in kernels)
         return {c: self.seconds[c][ch.SAMPLE_ROWS.index(rows)] for c in kernels}
 
 
@@ -190,3 +190,28 @@ def test_describe_lists_every_bucket(tmp_path, runnable_all) -> None:
     kc.plan("linear", 96, 64, torch.bfloat16)
     lines = kc.describe()
     assert "96x64" in lines[1] and "1: micro 1/3" in lines[1] and ">256: onednn" in lines[1]
+
+
+def test_plan_attention_from_timings(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(KernelChoice, "runnable",
+                        lambda self, family, dtype: ch.FAMILY_KERNELS[family])
+    timer = FakeTimer({"own": [1, 2, 8, 30, 200, 800], "sdpa": [3, 3, 5, 10, 50, 150]})
+    kc = _choice(tmp_path, timer)
+    assert kc.plan_attention(16, 4, 64, torch.bfloat16) == ("own",) * 2 + ("sdpa",) * 4
+    assert {c[2:5] for c in timer.calls} == {(16, 4, 64)}
+    assert _choice(tmp_path, FakeTimer({})).plan_attention(16, 4, 64, torch.bfloat16) == \
+        ("own",) * 2 + ("sdpa",) * 4                  # cached
+    forced = _choice(tmp_path / "f", FakeTimer({}), force="micro")
+    assert forced.plan_attention(16, 4, 64, torch.bfloat16) == ("own",) * 6
+
+
+def test_real_candidates_run_on_tiny_shapes() -> None:
+    """Every runnable candidate of every family builds and runs (what the timer calls)."""
+    from wideserve.kernels import loader
+    loader.build()
+    kc = KernelChoice(KernelPolicy(cache_dir=None))
+    for family, shape in (("linear", (40, 32)), ("qkv", (40, 32)), ("router", (8, 32)),
+                          ("experts", (24, 32)), ("attention", (4, 2, 16))):
+        for kernel in kc.runnable(family, torch.bfloat16):
+            for rows in (1, 5):
+                ch.candidate(family, kernel, shape, rows)()

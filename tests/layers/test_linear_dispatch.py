@@ -62,7 +62,7 @@ class _Timer:
     def __init__(self, seconds):
         self.seconds = seconds
 
-    def __call__(self, family, kernels, n, k, rows):
+    def __call__(self, family, kernels, shape, rows):
         return {c: self.seconds[c][ch.SAMPLE_ROWS.index(rows)] for c in kernels}
 
 

@@ -43,14 +43,15 @@ from wideserve.kernels.loader import CSRC, cpu_ops_available
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("linear", "qkv", "router", "experts")
+FAMILIES = ("linear", "qkv", "router", "experts", "attention")
 KERNELS = ("micro", "brgemm", "onednn", "torch")
 FAMILY_KERNELS = {"linear": KERNELS, "qkv": KERNELS, "router": ("micro", "brgemm"),
-                  "experts": ("micro", "brgemm")}
+                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa")}
 # Token-count buckets (inclusive bounds; None: no upper bound) and the row count each is timed at.
 BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 SAMPLE_ROWS = (1, 4, 16, 64, 256, 512)
-LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "plain"}
+LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "plain",
+          "own": "-", "sdpa": "-"}
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
 FORMAT = 1                     # bump when the table's meaning changes
@@ -175,8 +176,9 @@ class Entry:
     forced: bool = False
 
 
-# (family, kernels, n, k, rows) -> seconds per kernel (one bucket's candidates together)
-Timer = Callable[[str, tuple[str, ...], int, int, int], dict[str, float]]
+# (family, kernels, shape, rows) -> seconds per kernel (one bucket's candidates together);
+# shape: (N, K) of a GEMM family, (heads, kv heads, head dim) of "attention"
+Timer = Callable[[str, tuple[str, ...], tuple[int, ...], int], dict[str, float]]
 
 
 class KernelChoice:
@@ -193,6 +195,8 @@ class KernelChoice:
 
     def runnable(self, family: str, dtype: torch.dtype) -> tuple[str, ...]:
         """The candidates of `family` that can run here for `dtype` weights."""
+        if family == "attention":
+            return ("own", "sdpa") if dtype == torch.bfloat16 and cpu_ops_available() else ()
         if dtype != torch.bfloat16:
             return ("torch",) if family in ("linear", "qkv") else ()
         ok = {"micro": gemm.fast_path_compiled(), "brgemm": brgemm_runs(),
@@ -214,30 +218,40 @@ class KernelChoice:
             return (pick,) * len(BUCKETS)
         if len(cands) == 1:
             return cands * len(BUCKETS)
-        entry = self.entry(family, n, k, cands)
+        entry = self.entry(family, (n, k), cands)
         return tuple(entry.kernels)
 
-    def entry(self, family: str, n: int, k: int, cands: tuple[str, ...]) -> Entry:
+    def plan_attention(self, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> tuple[str, ...]:
+        """"own" (the C++ paged attention op) or "sdpa" (torch's fused attention on the
+        step's own k/v) per bucket of query tokens per request, for a fresh prefill."""
+        cands = self.runnable("attention", dtype)
+        if self.policy.force != "auto" or len(cands) < 2:
+            return (cands[0] if cands else "",) * len(BUCKETS)
+        return tuple(self.entry("attention", (heads, kv_heads, head_dim), cands).kernels)
+
+    def entry(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
         threads = torch.get_num_threads()
-        key = f"{family}:{n}x{k}:{'+'.join(cands)}"
+        key = f"{family}:{'x'.join(map(str, shape))}:{'+'.join(cands)}"
         with self._lock:
             table = self._table(threads)
             if key not in table:
                 start = time.perf_counter()
-                table[key] = self._measure(family, n, k, cands)
-                logger.info("kernel choice %s %dx%d (%d threads, timed in %.2f s): %s",
-                            family, n, k, threads, time.perf_counter() - start,
+                table[key] = self._measure(family, shape, cands)
+                logger.info("kernel choice %s %s (%d threads, timed in %.2f s): %s",
+                            family, "x".join(map(str, shape)), threads,
+                            time.perf_counter() - start,
                             ", ".join(f"{bucket_label(i)}: {kern}"
                                       for i, kern in enumerate(table[key].kernels)))
                 self._save(threads)
             return table[key]
 
-    def _measure(self, family: str, n: int, k: int, cands: tuple[str, ...]) -> Entry:
+    def _measure(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
         times: list[dict[str, float | None]] = []
         alive = set(cands)
         prev: dict[str, float | None] = {}
         for i, rows in enumerate(SAMPLE_ROWS):
-            timed_now = self._timer(family, tuple(c for c in cands if c in alive), n, k, rows)
+            timed_now = self._timer(family, tuple(c for c in cands if c in alive), shape, rows)
             row: dict[str, float | None] = {c: timed_now.get(c) for c in cands}
             times.append({c: (None if t is None else t * 1e6) for c, t in row.items()})
             timed = [t for t in row.values() if t is not None]
@@ -254,11 +268,13 @@ class KernelChoice:
 
     # -- timing one candidate
 
-    def _time(self, family: str, kernels: tuple[str, ...], n: int, k: int,
+    def _time(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
               rows: int) -> dict[str, float]:
         """The best of a few calls of each kernel, the kernels called in alternation (a
         burst of load from elsewhere then hits all of them alike)."""
-        fns = {c: candidate(family, c, min(n, self.policy.max_cols), k, rows) for c in kernels}
+        if family != "attention":
+            shape = (min(shape[0], self.policy.max_cols), shape[1])
+        fns = {c: candidate(family, c, shape, rows) for c in kernels}
         for fn in fns.values():
             fn()                               # warm: first-call setup, caches
         best = dict.fromkeys(fns, float("inf"))
@@ -378,10 +394,15 @@ def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:
 
 # --- the callables timed per candidate ---
 
-def candidate(family: str, kernel: str, n: int, k: int, rows: int) -> Callable[[], object]:
+def candidate(family: str, kernel: str, shape: tuple[int, ...],
+              rows: int) -> Callable[[], object]:
     """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
-    fused MLP with d = k, I = n and `rows` routed rows)."""
+    fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
+    of `rows` tokens with (heads, kv heads, head dim) = shape)."""
     g = torch.Generator().manual_seed(rows)
+    if family == "attention":
+        return _attention_candidate(kernel, *shape, rows, g)
+    n, k = shape
     if family == "experts":
         return _experts_candidate(kernel, n, k, rows, g)
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -409,6 +430,28 @@ def _experts_candidate(kernel: str, inter: int, d: int, rows: int,
     big = 1 if kernel == "brgemm" else None
     return lambda: torch.ops.wideserve.moe_fused_experts(x, ids, wts, w13, w2, inter, None,
                                                           False, None, None, big)
+
+
+def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
+                         g: torch.Generator) -> Callable[[], object]:
+    """One request's causal prefill of `rows` tokens: the paged op over a cache holding the
+    step's entries, or SDPA on the step's k/v (the two paths paged_attention_batched takes)."""
+    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
+    kv = torch.randn(rows, 2, kv_heads, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    if kernel == "sdpa":
+        k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
+        return lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v,
+                                                      is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+    block = 64
+    blocks = -(-rows // block)
+    cache = F.pad(kv.reshape(rows, -1), (0, 0, 0, blocks * block - rows)).view(blocks, block, -1)
+    table = torch.arange(blocks, dtype=torch.int64)[None]
+    starts = torch.tensor([0, rows], dtype=torch.int64)
+    lens = torch.tensor([rows], dtype=torch.int64)
+    return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
+                                                        scale, 0, False)
 
 
 def brgemm_min_rows(plan: tuple[str, ...]) -> int | None:

@@ -129,6 +129,9 @@ def _attention_args(attn: Any, batch: ForwardBatch, plans: PagedAttentionPlans,
         return None
     if plans.write(attn.cache_name, attn.window).rows is not None:
         return None          # a bounded replay writes part of the rows: the torch write
+    if plans.sdpa_prefill(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype,
+                          attn.window) is not None:
+        return None          # whole prefills on SDPA (kernel choice): the module path
     return (cache, view.slot_mapping, view.block_table, view.req_rows, batch.query_start_loc,
             batch.seq_lens, attn.scale, 0 if attn.window is None else attn.window, False)
 
