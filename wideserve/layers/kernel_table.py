@@ -16,7 +16,8 @@ _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def model_gemm_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     """(family, N, K) of every distinct packed GEMM `model` runs: fused q/k/v and gate/up
     ("qkv"), routers whose logits go through a WeightPack ("router"), the routed experts
-    (N = intermediate, K = hidden), the other linears and an LM head ("linear")."""
+    (N = intermediate, K = hidden), the other linears and an LM head ("linear"); and the
+    paged GQA attention layers ("attention": N = heads, K = kv heads * 100000 + head dim)."""
     shapes: dict[tuple[str, int, int], None] = {}
     fused: set[int] = set()
     for m in model.modules():
@@ -28,6 +29,9 @@ def model_gemm_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
             if all(isinstance(p, nn.Linear) for p in parts):
                 shapes[("qkv", sum(p.out_features for p in parts), parts[0].in_features)] = None
                 fused.update(id(p) for p in parts)
+        if all(isinstance(getattr(m, a, None), int)
+               for a in ("num_heads", "num_kv_heads", "head_dim")) and hasattr(m, "backend"):
+            shapes[("attention", m.num_heads, m.num_kv_heads * 100000 + m.head_dim)] = None
         weight = getattr(m, "weight", None)
         if isinstance(getattr(m, "_pack", None), WeightPack) and weight is not None:
             shapes[("router", weight.shape[0], weight.shape[1])] = None
@@ -48,8 +52,14 @@ def kernel_table_lines(model: nn.Module, dtype: torch.dtype,
     if dtype != torch.bfloat16:
         return [f"GEMM kernel choice: {str(dtype).removeprefix('torch.')} weights run "
                 "F.linear / the fused ops' portable loops (only bf16 is chosen by measurement)"]
+    wanted = set()
     for family, n, k in model_gemm_shapes(model):
-        choice.plan(family, n, k, dtype)
-    wanted = {f"{n}x{k}" for _, n, k in model_gemm_shapes(model)}
+        if family == "attention":       # (heads, kv heads * 100000 + head dim)
+            kv, hd = divmod(k, 100000)
+            choice.plan_attention(n, kv, hd, dtype)
+            wanted.add(f"{n}x{kv}x{hd}")
+        else:
+            choice.plan(family, n, k, dtype)
+            wanted.add(f"{n}x{k}")
     return [line for line in choice.describe()
             if not line.startswith("  ") or line.split()[1] in wanted]
