@@ -22,7 +22,6 @@ import torch
 
 from wideserve.kernels import choice as ch
 from wideserve.kernels import loader
-from wideserve.kernels import moe as moe_op
 
 # name: (hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab)
 MODELS = {"653m": (1024, 16, 4, 64, 64, 8, 384, 8192),
@@ -138,7 +137,8 @@ def attention(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
     two paths paged_attention_batched takes), and what the choice picks."""
     d, h, kv, hd = MODELS[model][:4]
     plan = kc.plan_attention(h, kv, hd, torch.bfloat16)
-    lines = ["| prefill tokens | C++ op ms | SDPA ms | op / SDPA | chosen |", "|---|---|---|---|---|"]
+    lines = ["| prefill tokens | C++ op ms | SDPA ms | op / SDPA | chosen |",
+             "|---|---|---|---|---|"]
     for rows in (16, 128, 512, 1024, 4096):
         fns = {c: ch.candidate("attention", c, (h, kv, hd), rows) for c in ("own", "sdpa")}
         t = _median_times(fns, max(3, repeats // 3))

@@ -213,8 +213,9 @@ class RoutedExperts(nn.Module):
     def fused_op_args(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
         """The fused op's arguments after the rows as `forward` would pass them for an input
         on `device` in `dtype` (w13, w2, intermediate, swiglu limit, portable, expert map,
-        expert load, brgemm threshold); None where `forward` would not call the op on logical ids as they are
-        (another implementation, an `ep` dispatcher, replicas). models/lean_decode.py."""
+        expert load, brgemm threshold); None where `forward` would not call the op on
+        logical ids as they are (another implementation, an `ep` dispatcher, replicas).
+        models/lean_decode.py."""
         if self.ep is not None or self.resolved_impl(device, dtype) != "fused" \
                 or self.logical_to_physical.shape[1] != 1:
             return None
