@@ -215,3 +215,21 @@ def test_real_candidates_run_on_tiny_shapes() -> None:
         for kernel in kc.runnable(family, torch.bfloat16):
             for rows in (1, 5):
                 ch.candidate(family, kernel, shape, rows)()
+
+
+def test_near_ties_are_timed_again(tmp_path, runnable_all) -> None:
+    """Two candidates within the tolerance are re-timed together, and the better of both
+    timings decides (here the second timing reverses the first)."""
+    class Flip(FakeTimer):
+        def __call__(self, family, kernels, shape, rows):
+            got = super().__call__(family, kernels, shape, rows)
+            if len(kernels) == 2 and rows == 256:           # the re-timing
+                return {"brgemm": 40, "onednn": 20}
+            return got
+    timer = Flip({"micro": [1, 2, 9, 40, 400, 900], "brgemm": [3, 3, 4, 10, 30, 60],
+                  "onednn": [5, 5, 6, 12, 32, 50], "torch": [9, 9, 9, 20, 60, 120]})
+    kc = _choice(tmp_path, timer, share_tolerance=0.1)
+    plan = kc.plan("linear", 96, 64, torch.bfloat16)
+    assert [c for c in timer.calls if c[4] == 256][-2:] == [
+        ("linear", "brgemm", 96, 64, 256), ("linear", "onednn", 96, 64, 256)]
+    assert plan[4] == "onednn" and plan[5] == "onednn"
