@@ -166,3 +166,64 @@ def test_sdpa_and_matmul_paths_each_match_reference(schedule, max_rows, monkeypa
     monkeypatch.setattr(pab, "MATMUL_MAX_ROWS", max_rows)
     run_both(SCHEDULES[schedule], 6, 2, 8, None)
     run_both(SCHEDULES[schedule], 4, 1, 8, 3, cache_dtype=torch.bfloat16)
+
+
+class _PickSdpa:
+    """A kernel choice whose attention plan is SDPA from `start` tokens (fake timings)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def plan_attention(self, heads, kv_heads, head_dim, dtype):
+        from wideserve.kernels.choice import BUCKETS
+        return tuple("sdpa" if lo >= self.start else "own" for lo, _ in BUCKETS)
+
+
+@pytest.mark.parametrize("schedule,equal", [([[11, 1], [7, 2], [3, 1]], False),
+                                            ([[6, 1], [6, 3]], True)])
+def test_fresh_prefills_on_sdpa_match_the_reference(schedule, equal, monkeypatch) -> None:
+    """With the C++ op on (bf16) and the choice picking SDPA, a step of whole prefills runs
+    SDPA on its own k/v (ragged: per request; equal lengths: one call), writes the cache as the
+    op would, and later steps (context in the cache) run the op."""
+    from wideserve.kernels import loader
+    loader.build()
+    monkeypatch.setattr(pab, "USE_CPU_KERNEL", True)
+    monkeypatch.setattr(pab, "default_choice", lambda: _PickSdpa(2))
+    calls = []
+    inner = pab.sdpa_prefill
+    monkeypatch.setattr(pab, "sdpa_prefill", lambda *a: calls.append(a[3]) or inner(*a))
+    heads, kv_heads, hd = 4, 2, 16
+    ref_h = make_harness(kv_heads, hd, None, torch.bfloat16, len(schedule))
+    bat_h = make_harness(kv_heads, hd, None, torch.bfloat16, len(schedule))
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        slots, new = step_tokens(schedule, step)
+        t = sum(len(x) for x in new)
+        q, k, v = (torch.randn(t, h, hd, generator=g).bfloat16()
+                   for h in (heads, kv_heads, kv_heads))
+        want = ref_h.run(slots, new, lambda b: paged_attention(
+            q.float(), k.float(), v.float(), b, NAME, hd ** -0.5, None))
+        got = bat_h.run(slots, new, lambda b: paged_attention_batched(
+            q, k, v, b, NAME, hd ** -0.5, None, PagedAttentionPlans(b)))
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(bat_h.kv_caches[NAME].float(),
+                                   ref_h.kv_caches[NAME].float(), rtol=0, atol=0,
+                                   equal_nan=True)
+    assert calls == [[r[0] for r in schedule]]        # the first step only
+
+
+def test_sdpa_prefill_needs_whole_prefills_and_the_choice(monkeypatch) -> None:
+    monkeypatch.setattr(pab, "default_choice", lambda: _PickSdpa(5))
+    h = make_harness(2, 16, None, torch.bfloat16, 2)
+    seen = []
+
+    def probe(b):
+        p = PagedAttentionPlans(b)
+        seen.append((p.sdpa_prefill(4, 2, 16, torch.bfloat16, None),
+                     p.sdpa_prefill(4, 2, 16, torch.bfloat16, 3)))
+        return torch.zeros(int(b.query_start_loc_cpu[-1]), 4, 16)
+    h.run([0, 1], [[0] * 6, [0] * 5], probe)           # whole prefills, shortest 5: SDPA
+    h.run([0, 1], [[0] * 6, [0]], probe)               # a continued request: the op
+    h2 = make_harness(2, 16, None, torch.bfloat16, 2)
+    h2.run([0, 1], [[0] * 6, [0] * 4], probe)          # shortest 4: below the choice's start
+    assert seen == [([6, 5], None), (None, None), (None, None)]

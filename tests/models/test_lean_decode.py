@@ -8,6 +8,11 @@ import pytest
 import torch
 
 from paged_harness import PagedHarness, schedule_steps
+from wideserve.kernels import choice as kernel_choice
+from wideserve.kernels.choice import BUCKETS, KernelChoice, KernelPolicy
+from wideserve.layers import experts as experts_mod
+from wideserve.layers import linear as linear_mod
+from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.linear import cpu_kernel_runs
 from wideserve.models import lean_decode
 from wideserve.models.llama import Qwen3Config, Qwen3ForCausalLM
@@ -44,6 +49,24 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
             p.copy_(1 + 0.1 * noise if pname.endswith("norm.weight") else
                     0.5 * noise if pname.endswith("mlp.gate.weight") else 0.1 * noise)
     return model.to(torch.bfloat16)
+
+
+class _Attention:
+    """The attention family's plan, fixed (the measured one differs between machines)."""
+
+    def __init__(self, sdpa_from: int | None) -> None:
+        self.sdpa_from = sdpa_from
+
+    def plan_attention(self, heads, kv_heads, head_dim, dtype):
+        return tuple("sdpa" if self.sdpa_from is not None and lo >= self.sdpa_from else "own"
+                     for lo, _ in BUCKETS)
+
+
+@pytest.fixture(autouse=True)
+def _attention_on_the_op(monkeypatch):
+    """Whole prefills on the C++ op here unless a test says otherwise (the lean loop runs
+    the op; a step the choice sends to SDPA takes the module path: tested below)."""
+    monkeypatch.setattr(pab, "default_choice", lambda: _Attention(None))
 
 
 @pytest.fixture
@@ -115,3 +138,30 @@ def test_fp32_weights_and_grad_mode_keep_the_module_path(count_lean):
     assert torch.is_grad_enabled()
     h = torch.zeros(3, BASE["hidden_size"], dtype=torch.bfloat16)
     assert lean_decode.plan_layers(model.model, h, None, None) is None
+
+
+@pytest.mark.parametrize("kernel", kernel_choice.KERNELS)
+def test_lean_forward_bitwise_with_every_gemm_kernel(kernel, monkeypatch, count_lean):
+    """Whichever kernel the table picks (forced here), the lean loop calls the one
+    WeightPack.linear, the router and the fused experts would: bitwise the module path (and
+    where nothing is packed, "torch", the module path runs)."""
+    if kernel not in KernelChoice(KernelPolicy(cache_dir=None)).runnable("linear",
+                                                                         torch.bfloat16):
+        pytest.skip(f"{kernel} does not run on this CPU")
+    forced = KernelChoice(KernelPolicy(force=kernel, cache_dir=None))
+    monkeypatch.setattr(linear_mod, "default_choice", lambda: forced)
+    monkeypatch.setattr(experts_mod, "default_choice", lambda: forced)
+    run_both(build("moe-mlp-only"), SCHEDULES["chunked"], monkeypatch)
+    # plain F.linear everywhere (nothing packed) is the module path's, as for fp32 weights
+    lean = LEAN_HERE and kernel != "torch"
+    assert len(count_lean) == (len(SCHEDULES["chunked"][0]) if lean else 0)
+
+
+def test_sdpa_prefill_steps_take_the_module_path(monkeypatch, count_lean):
+    """A step of whole prefills that the choice sends to SDPA runs the module path (which
+    calls SDPA); the decode steps after it stay lean."""
+    monkeypatch.setattr(pab, "default_choice", lambda: _Attention(2))
+    schedule = SCHEDULES["decode"]
+    run_both(build("moe-mlp-only"), schedule, monkeypatch)
+    steps = max(len(c) for c in schedule)
+    assert len(count_lean) == (steps - 1 if LEAN_HERE else 0)

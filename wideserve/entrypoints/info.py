@@ -50,13 +50,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="context per request, e.g. 128k (default: the model's limit)")
     g.add_argument("--max-num-seqs", type=parse_positive_int, default=64,
                    help="requests running at once per rank (their windows are reserved)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also print the GEMM kernel chosen per family and token bucket on "
+                        "this machine, with the measured times (timed now if not cached)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         text = describe_model(args.model, args.kv_cache_dtype, args.dtype,
-                              plan=_plan_inputs(args) if args.plan else None)
+                              plan=_plan_inputs(args) if args.plan else None,
+                              kernels=args.kernels)
     except (FileNotFoundError, ValueError) as exc:
         print(f"wideserve info: error: {exc}", file=sys.stderr)
         return 1
@@ -216,7 +220,8 @@ def _plan_inputs(args: argparse.Namespace) -> dict:
 
 
 def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
-                   dtype: str = "auto", plan: dict | None = None) -> str:
+                   dtype: str = "auto", plan: dict | None = None,
+                   kernels: bool = False) -> str:
     import torch
 
     from wideserve.executor.loader import (build_model, read_config, resolve_dtype,
@@ -249,6 +254,9 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
     lines += [""] + _kv_lines(specs, mtp_specs, kv_cache_dtype)
     if plan is not None:
         lines += [""] + _plan(model, specs, config_json, plan, wdtype, kv_cache_dtype)
+    if kernels:          # layers/kernel_table.py: measured on this machine, cached on disk
+        from wideserve.layers.kernel_table import kernel_table_lines
+        lines += [""] + kernel_table_lines(model, wdtype)
     return "\n".join(lines)
 
 

@@ -63,7 +63,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 @torch.compiler.disable
 def route(x: torch.Tensor, packed: torch.Tensor, experts: int, top_k: int,
-          renormalize: bool, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE's router in one op: logits (rounded to x.dtype), fp32 softmax, top-k,
-    optional renormalisation -> (ids [T, k] int64, weights [T, k] in x.dtype)."""
-    return torch.ops.wideserve.moe_route(x, packed, experts, top_k, renormalize, portable)
+          renormalize: bool, portable: bool = False,
+          brgemm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router in one op: logits (rounded to x.dtype; through brgemm where
+    `brgemm`, bf16), fp32 softmax, top-k, optional renormalisation -> (ids [T, k] int64,
+    weights [T, k] in x.dtype)."""
+    return torch.ops.wideserve.moe_route(x, packed, experts, top_k, renormalize, portable,
+                                         brgemm)
+
+
+@torch.compiler.disable
+def linear_brgemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
+    """`linear` through torch's brgemm (oneDNN's ukernel: AMX where present) on the same
+    packed weight, bf16 only (csrc/brgemm.cpp)."""
+    return torch.ops.wideserve.gemm_linear_brgemm(x, packed, out_features, bias, widen)

@@ -40,11 +40,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   w13: torch.Tensor, w2: torch.Tensor, intermediate: int,
                   limit: float | None, portable: bool = False,
                   expert_map: torch.Tensor | None = None,
-                  expert_load: torch.Tensor | None = None) -> torch.Tensor:
+                  expert_load: torch.Tensor | None = None,
+                  brgemm_min_rows: int | None = None) -> torch.Tensor:
     """x [T, d]; topk_ids [T, k] physical experts; topk_weights [T, k] -> [T, d] in x.dtype:
     sum_j w[t, j] * swiglu-MLP_{ids[t, j]}(x[t]), accumulated in fp32.
     expert_map [E, 1]: topk_ids are logical, mapped to their one physical slot in the op;
-    expert_load [L] int64: incremented in place by the rows each physical expert received."""
+    expert_load [L] int64: incremented in place by the rows each physical expert received;
+    brgemm_min_rows: experts with at least this many rows run their GEMMs through brgemm
+    (bf16, not portable; None: none do)."""
     return torch.ops.wideserve.moe_fused_experts(x, topk_ids, topk_weights, w13, w2,
                                                  intermediate, limit, portable, expert_map,
-                                                 expert_load)
+                                                 expert_load, brgemm_min_rows)

@@ -22,7 +22,9 @@ per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "R
 - "fused": the C++ CPU op (wideserve/kernels/csrc/moe.cpp): gather, both GEMMs, SwiGLU and the
   weighted sum per token in one call over weights prepacked for it (AVX512-BF16 where the
   build has it); the CPU default in bf16 where that fast path is compiled. No sort, no
-  per-expert Python, no host read.
+  per-expert Python, no host read. Each expert's GEMMs run on the micro-kernel or, from the
+  row count the kernel choice measured brgemm faster at (wideserve/kernels/choice.py,
+  family "experts"), on brgemm (AMX where present) over the same packed weights.
 - "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
   reference the others are tested against.
 With expert parallelism, `ep` (default None) is the dispatcher that moves rows to the ranks
@@ -39,6 +41,7 @@ from torch import nn
 
 from wideserve.distributed.eplb.replicas import count_rows, map_to_physical
 from wideserve.kernels import moe as moe_op
+from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
 
@@ -105,6 +108,7 @@ class RoutedExperts(nn.Module):
         self.ep: Any = None              # expert-parallel dispatcher (wideserve/distributed)
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
         self._packs: _ExpertPacks | _FusedPack | None = None   # derived copies of the weights
+        self.kernel_choice: KernelChoice | None = None           # None: the process's table
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -186,27 +190,38 @@ class RoutedExperts(nn.Module):
             ids = map_to_physical(ids, table, self.replica_count, self.replica_offset)
             table = None
         return moe_op.fused_experts(x, ids, weights, w13, w2, inter, self.swiglu_limit,
-                                    expert_map=table, expert_load=self.expert_load)
+                                    expert_map=table, expert_load=self.expert_load,
+                                    brgemm_min_rows=self._packs.brgemm_min_rows)
 
     def _fused_pack(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(w13, w2, intermediate width) in the fused op's layout, rebuilt when the weights
-        changed (layers/linear.py's rule)."""
+        changed (layers/linear.py's rule); the brgemm threshold follows the thread count."""
         w1, w2 = self.gate_up_proj, self.down_proj
         if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
             self._packs = _FusedPack(w1, w2)
-        return self._packs.w13, self._packs.w2, w2.shape[2]
+        packs = self._packs
+        threads = torch.get_num_threads()
+        if packs.threads != threads:
+            packs.threads = threads
+            packs.brgemm_min_rows = None
+            if w1.dtype == torch.bfloat16:
+                choice = self.kernel_choice or default_choice()
+                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype)
+                packs.brgemm_min_rows = brgemm_min_rows(plan)
+        return packs.w13, packs.w2, w2.shape[2]
 
     def fused_op_args(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
         """The fused op's arguments after the rows as `forward` would pass them for an input
         on `device` in `dtype` (w13, w2, intermediate, swiglu limit, portable, expert map,
-        expert load); None where `forward` would not call the op on logical ids as they are
-        (another implementation, an `ep` dispatcher, replicas). models/lean_decode.py."""
+        expert load, brgemm threshold); None where `forward` would not call the op on
+        logical ids as they are (another implementation, an `ep` dispatcher, replicas).
+        models/lean_decode.py."""
         if self.ep is not None or self.resolved_impl(device, dtype) != "fused" \
                 or self.logical_to_physical.shape[1] != 1:
             return None
         w13, w2, inter = self._fused_pack()
         return (w13, w2, inter, self.swiglu_limit, False, self.logical_to_physical,
-                self.expert_load)
+                self.expert_load, self._packs.brgemm_min_rows)
 
     def _sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [N, d] sorted by expert, counts [L] rows per expert -> [N, d] in xs.dtype."""
@@ -251,6 +266,8 @@ class _FusedPack(_DerivedPack):
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__(w1, w2)
         self.w13, self.w2 = moe_op.pack_experts(w1, w2)
+        self.threads = 0                          # the thread count the threshold is for
+        self.brgemm_min_rows: int | None = None   # experts with this many rows: brgemm
 
 
 def _fused_runs(device: torch.device, dtype: torch.dtype) -> bool:

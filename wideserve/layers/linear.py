@@ -4,63 +4,47 @@ Two preparations, both derived copies of the module's own parameters (which stay
 loaders, the state dict and EPLB see):
 - fusion: several projections of the same input (q/k/v, gate/up) become one GEMM over their
   weights concatenated on the output axis, one call instead of three;
-- packing (CPU, bf16): a plain `F.linear` in bf16 re-lays its weight out on every call; a
-  weight packed once does not. Where the C++ extension's AVX512-BF16 micro-kernel is compiled
-  the weight is packed for it (wideserve/kernels/gemm.py: `gemm_linear`, the same kernel the
-  fused experts run); it matches oneDNN at large batches and wins at decode sizes and narrow
-  outputs (a router's 8 logits: 2.6x), BENCHMARKS.md "Small-M GEMMs". Elsewhere the weight
-  is packed for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`), measured 1.2-1.7x faster
-  than F.linear on this project's shapes (BENCHMARKS.md, "CPU kernels").
+- packing (CPU, bf16): which GEMM kernel runs is chosen per token-count bucket by measurement
+  on this machine (wideserve/kernels/choice.py: the extension's AVX512-BF16 micro-kernel,
+  brgemm on AMX/AVX512 over the same packed copy, oneDNN on its own packed copy, or plain
+  F.linear), and the weight is held in the layouts the chosen kernels read - one, wherever a
+  single layout serves every bucket within 10% of the fastest.
 `WeightPack` rebuilds its copy whenever a source changes storage (`.data = ...`, `.to()`) or is
-written in place through its version counter (`copy_` by a loader). Writes through `.data`
-bypass the version counter: whoever does that calls `invalidate()` (EPLB does).
+written in place through its version counter (`copy_` by a loader), or torch's thread count
+changes (the choice is per thread count). Writes through `.data` bypass the version counter:
+whoever does that calls `invalidate()` (EPLB does).
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from wideserve.kernels import gemm
+from wideserve.kernels.choice import (BUCKETS, KernelChoice, bucket_of, default_choice,
+                                      onednn_runs, packed_linear, prepack)
 
-# Dtypes whose packed kernels were measured faster than F.linear on the CPU (bf16 with
-# avx512_bf16; fp32 GEMMs already run MKL's packed-free path well, see BENCHMARKS.md).
+__all__ = ["WeightPack", "GemmCall", "packed_linear", "prepack", "packing_runs",
+           "cpu_kernel_runs", "weights_fingerprint"]
+
+# Dtypes packed at all on the CPU (bf16: fp32 GEMMs already run MKL's packed-free path well).
 PACKED_DTYPES = (torch.bfloat16,)
-USE_CPU_KERNEL = True      # the C++ micro-kernel where it is compiled (False: oneDNN; A/B runs)
+# A/B switches kept for tests/cuda_paths.py (the policy, KernelPolicy / WIDESERVE_GEMM, is the
+# way to force a kernel): False takes the extension's kernels (micro, brgemm) off the table.
+USE_CPU_KERNEL = True
 
 
 def cpu_kernel_runs(dtype: torch.dtype) -> bool:
-    """Whether `WeightPack` packs `dtype` weights for the C++ GEMM micro-kernel (bf16, where
-    its AVX512-BF16 path is compiled; without it the portable loop is slower than oneDNN)."""
+    """Whether the extension's bf16 GEMM kernels (micro-kernel, brgemm) can run for `dtype`."""
     return USE_CPU_KERNEL and dtype in PACKED_DTYPES and gemm.fast_path_compiled()
 
 
 @functools.cache
 def packing_runs(dtype: torch.dtype) -> bool:
-    """Whether this build packs and runs oneDNN linear weights of `dtype` on the CPU (a tiny
-    probe checked against F.linear)."""
-    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(24, 32, generator=g).to(dtype)
-        x = torch.randn(3, 32, generator=g).to(dtype)
-        got = packed_linear(x, prepack(w))
-        return bool(torch.equal(got, F.linear(x, w)))
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] weight -> oneDNN's packed layout (only where packing_runs(dtype))."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a prepacked weight; x [N, in] contiguous, N >= 1."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """Whether this build packs and runs oneDNN linear weights of `dtype` on the CPU."""
+    return dtype in PACKED_DTYPES and onednn_runs(dtype)
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -76,29 +60,81 @@ def weights_fingerprint(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
                   for t in tensors])
 
 
+# --- the kernels, one signature: (x [M, K] 2-D, weight, bias, out features, widen) -> y ---
+
+def _micro(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int,
+           widen: bool) -> torch.Tensor:
+    return torch.ops.wideserve.gemm_linear(x, w, n, b, widen, False)
+
+
+def _brgemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int,
+            widen: bool) -> torch.Tensor:
+    return torch.ops.wideserve.gemm_linear_brgemm(x, w, n, b, widen)
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int,
+            widen: bool) -> torch.Tensor:
+    y = x.new_empty(0, n) if x.shape[0] == 0 else packed_linear(x.contiguous(), w, b)
+    return y.float() if widen else y
+
+
+def _torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int,
+           widen: bool) -> torch.Tensor:
+    y = F.linear(x, w, b)
+    return y.float() if widen else y
+
+
+KERNEL_FNS: dict[str, Callable[..., torch.Tensor]] = {
+    "micro": _micro, "brgemm": _brgemm, "onednn": _onednn, "torch": _torch}
+
+
+class GemmCall(NamedTuple):
+    """One bucket's GEMM: fn(x, weight, bias, out, widen) -> x @ W^T + bias."""
+
+    kernel: str
+    fn: Callable[..., torch.Tensor]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    out: int
+
+    def __call__(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
+        return self.fn(x, self.weight, self.bias, self.out, widen)
+
+
 class WeightPack:
     """The prepared copy of one or more [out_i, in] weights (and biases), concatenated on
-    the output axis in the order given. Not a module: it holds no parameters of its own."""
+    the output axis in the order given, and the GEMM per token-count bucket. Not a module: it
+    holds no parameters of its own. `choice`: the kernel table (default: the process's)."""
 
-    __slots__ = ("_key", "_weight", "_bias", "_kind", "_out")
+    __slots__ = ("_key", "_calls", "_plain", "_choice", "_out")
 
-    def __init__(self) -> None:
+    def __init__(self, choice: KernelChoice | None = None) -> None:
+        self._choice = choice
         self.invalidate()
 
     def invalidate(self) -> None:
         self._key: tuple | None = None
-        self._weight: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
-        self._kind = "plain"      # "gemm" (C++ micro-kernel), "onednn" (packed) or "plain"
+        self._calls: tuple[GemmCall, ...] = ()
+        self._plain = True
         self._out = 0
 
     @property
     def kind(self) -> str:
-        return self._kind
+        """"gemm" (the extension's packed layout is held), "onednn" (only oneDNN's) or
+        "plain" (the weight as loaded, F.linear)."""
+        kernels = self.kernels
+        if any(k in ("micro", "brgemm") for k in kernels):
+            return "gemm"
+        return "onednn" if "onednn" in kernels else "plain"
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernel per bucket (choice.BUCKETS) of the last preparation."""
+        return tuple(c.kernel for c in self._calls)
 
     def _prepare(self, weights: tuple[torch.Tensor, ...],
-                 biases: tuple[torch.Tensor | None, ...]) -> None:
-        key = weights_fingerprint(weights + biases)
+                 biases: tuple[torch.Tensor | None, ...], family: str) -> None:
+        key = (weights_fingerprint(weights + biases), family, torch.get_num_threads())
         if key == self._key:
             return
         w = weights[0].detach() if len(weights) == 1 else torch.cat([t.detach() for t in weights])
@@ -106,34 +142,64 @@ class WeightPack:
         if any(t is not None for t in biases):
             b = torch.cat([torch.zeros(t.shape[0], dtype=w.dtype, device=w.device)
                            if bi is None else bi.detach() for t, bi in zip(weights, biases)])
-        cpu = w.device.type == "cpu"
-        if cpu and cpu_kernel_runs(w.dtype):
-            self._kind, self._weight = "gemm", gemm.pack_linear(w)
-        elif cpu and packing_runs(w.dtype):
-            self._kind, self._weight = "onednn", prepack(w)
-        else:
-            self._kind, self._weight = "plain", w
-        self._bias = b
+        plan = ("torch",) * len(BUCKETS)
+        allowed: tuple[str, ...] = ()
+        if w.device.type == "cpu" and w.dtype in PACKED_DTYPES:
+            allowed = tuple(k for k, ok in (("micro", cpu_kernel_runs(w.dtype)),
+                                            ("brgemm", cpu_kernel_runs(w.dtype)),
+                                            ("onednn", packing_runs(w.dtype)),
+                                            ("torch", family != "router")) if ok)
+        if set(allowed) - {"torch"}:        # something to choose (no probe otherwise)
+            choice = self._choice or default_choice()
+            plan = tuple(k or "torch" for k in choice.plan(family, w.shape[0], w.shape[1],
+                                                            w.dtype, allowed))
+        layouts: dict[str, torch.Tensor] = {}
+        if "micro" in plan or "brgemm" in plan:
+            layouts["panel"] = gemm.pack_linear(w)
+        if "onednn" in plan:
+            layouts["onednn"] = prepack(w)
+        where = {"micro": "panel", "brgemm": "panel", "onednn": "onednn"}
+        self._calls = tuple(GemmCall(k, KERNEL_FNS[k], layouts[where[k]] if k in where else w,
+                                     b, w.shape[0]) for k in plan)
+        self._plain = plan == ("torch",) * len(BUCKETS)
         self._out = w.shape[0]
         self._key = key
+
+    def gemm_call(self, weights: tuple[torch.Tensor, ...],
+                  biases: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
+                  rows: int) -> GemmCall | None:
+        """The GEMM `linear` runs for a CPU input of `dtype` with `rows` rows, prepared as
+        `linear` prepares it; None where `linear` would not run a packed kernel
+        (models/lean_decode.py calls it directly)."""
+        self._prepare(weights, biases, "qkv" if len(weights) > 1 else "linear")
+        call = self._calls[bucket_of(rows)]
+        if self._plain or call.weight.dtype != dtype:
+            return None
+        return call
 
     def gemm_pack(self, weights: tuple[torch.Tensor, ...],
                   biases: tuple[torch.Tensor | None, ...], dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
-        """(packed weight, fp32-able bias or None, out features) as `linear` hands them to the
-        C++ micro-kernel for a CPU input of `dtype`, prepared as `linear` prepares them; None
-        where `linear` would not run the kernel (models/lean_decode.py calls it directly)."""
-        self._prepare(weights, biases)
-        if self._kind != "gemm" or self._weight.dtype != dtype:
+        """(weight in the extension's packed layout, bias, out features) for a router's
+        `moe_route` (family "router"), prepared as `route` prepares it; None where `route`
+        would not run the op (models/qwen3_moe.py)."""
+        self._prepare(weights, biases, "router")
+        call = next((c for c in self._calls if c.kernel in ("micro", "brgemm")), None)
+        if call is None or call.weight.dtype != dtype:
             return None
-        return self._weight, self._bias, self._out
+        return call.weight, call.bias, call.out
+
+    def route_brgemm(self, rows: int) -> bool:
+        """Whether `moe_route` computes the logits of `rows` rows through brgemm (the router
+        family's choice; after `gemm_pack` or `route` prepared the pack)."""
+        return self._calls[bucket_of(rows)].kernel == "brgemm"
 
     def linear(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                biases: tuple[torch.Tensor | None, ...] | None = None,
                widen: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., sum(out_i)], the same as F.linear over the concatenation;
         `widen`: returned as fp32 (the same values, F.linear(...).float(); one pass on the
-        C++ path)."""
+        C++ paths)."""
         if torch.compiler.is_compiling():
             # Inside a compiled graph the compiler picks the GEMM and fuses the concatenation;
             # the parameters are graph inputs (they may change), never constants.
@@ -141,34 +207,31 @@ class WeightPack:
             ys = [F.linear(x, w, b) for w, b in zip(weights, biases)]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
             return y.float() if widen else y
-        self._prepare(weights, biases or (None,) * len(weights))
-        if self._kind != "plain" and x.dtype == self._weight.dtype and x.device.type == "cpu":
-            lead = x.shape[:-1]
-            x2 = x.reshape(-1, x.shape[-1])
-            if self._kind == "gemm":
-                y = gemm.linear(x2, self._weight, self._out, self._bias, widen)
-            elif x2.shape[0] == 0:
-                y = x.new_empty(0, self._out)
-            else:
-                y = packed_linear(x2.contiguous(), self._weight, self._bias)
-            y = y.view(*lead, y.shape[-1])
-        elif self._kind != "plain":   # an input of another dtype: the plain path on the sources
-            y = F.linear(x, torch.cat(weights) if len(weights) > 1 else weights[0], self._bias)
+        self._prepare(weights, biases or (None,) * len(weights),
+                      "qkv" if len(weights) > 1 else "linear")
+        x2 = x.reshape(-1, x.shape[-1])
+        call = self._calls[bucket_of(x2.shape[0])]
+        if not self._plain and x.dtype == call.weight.dtype and x.device.type == "cpu":
+            y = call.fn(x2, call.weight, call.bias, call.out, widen)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if not self._plain:      # an input of another dtype: the plain path on the sources
+            y = F.linear(x, torch.cat(weights) if len(weights) > 1 else weights[0], call.bias)
         else:
-            y = F.linear(x, self._weight, self._bias)
+            y = F.linear(x, call.weight, call.bias)
         return y.float() if widen and y.dtype != torch.float32 else y
 
     def route(self, x: torch.Tensor, weights: tuple[torch.Tensor], top_k: int,
               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A softmax top-k router over the projection `weights` (one [E, in] weight) in one
-        C++ op, where the micro-kernel path applies: (ids [T, k] int64, weights [T, k] in
-        x.dtype) as the torch router computes them; None where it does not (the caller runs
+        C++ op, where the extension's kernels apply: (ids [T, k] int64, weights [T, k] in
+        x.dtype) as the torch router computes them; None where they do not (the caller runs
         the torch path)."""
         if torch.compiler.is_compiling() or x.device.type != "cpu":
             return None
         if torch.is_grad_enabled() and (x.requires_grad or weights[0].requires_grad):
             return None
-        self._prepare(weights, (None,))
-        if self._kind != "gemm" or x.dtype != self._weight.dtype or x.dim() != 2:
+        packed = self.gemm_pack(weights, (None,), x.dtype)
+        if packed is None or x.dim() != 2:
             return None
-        return gemm.route(x, self._weight, self._out, top_k, renormalize)
+        return gemm.route(x, packed[0], packed[2], top_k, renormalize,
+                          brgemm=self.route_brgemm(x.shape[0]))

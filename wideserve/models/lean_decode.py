@@ -7,7 +7,7 @@ fingerprints, backend lookups, `torch.compiler.disable` wrappers, ~136 `Module._
 and ~17 module calls per forward of the 11M Qwen3-MoE, about a quarter of a decode forward's
 CPU time (BENCHMARKS.md, "Decode forward in the engine"). A second torch thread shares none of
 it. Here those decisions are taken once per forward, for every layer, with the module path's
-own checks (`WeightPack.gemm_pack`, `RoutedExperts.fused_op_args`, the norm, RoPE and
+own checks (`WeightPack.gemm_call`, `RoutedExperts.fused_op_args`, the norm, RoPE and
 attention `cpu_kernel_applies`), and the same ops then run with the same arguments in a flat
 loop, so the outputs and the KV cache are bitwise the module path's (tests/models/
 test_lean_decode.py). Where any decision would not come out as the C++ op (autograd, compile,
@@ -27,6 +27,7 @@ from wideserve.executor.forward_batch import ForwardBatch
 from wideserve.layers import rotary
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.attention.paged_attention_batched import PagedAttentionPlans
+from wideserve.layers.linear import GemmCall
 from wideserve.layers.norm import cpu_kernel_applies as norm_applies
 from wideserve.layers.norm import RMSNorm
 
@@ -44,8 +45,8 @@ class LeanLayer:
     in_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    qkv: tuple[torch.Tensor, torch.Tensor | None, int]      # packed weight, bias, outputs
-    o: tuple[torch.Tensor, torch.Tensor | None, int]
+    qkv: GemmCall                    # the GEMM WeightPack.linear runs for this many rows
+    o: GemmCall
     q_norm: torch.Tensor | None      # per-head norm weights as Attention passes them
     k_norm: torch.Tensor | None
     qk_eps: float
@@ -82,14 +83,14 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
         return None
     out = []
     for layer in model.layers:
-        lean = _plan_layer(layer, h.dtype, batch, plans)
+        lean = _plan_layer(layer, h.dtype, h.shape[0], batch, plans)
         if lean is None:
             return None
         out.append(lean)
     return out
 
 
-def _plan_layer(layer: Any, dtype: torch.dtype, batch: ForwardBatch,
+def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,
                 plans: PagedAttentionPlans) -> LeanLayer | None:
     attn = layer.self_attn
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -101,9 +102,10 @@ def _plan_layer(layer: Any, dtype: torch.dtype, batch: ForwardBatch,
     q_p, k_p, v_p, o_p = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     if any(_hooked(m) for m in (q_p, k_p, v_p, o_p)):
         return None
-    qkv = attn._qkv.gemm_pack((q_p.weight, k_p.weight, v_p.weight),
-                              (q_p.bias, k_p.bias, v_p.bias), dtype)
-    o = attn._o.gemm_pack((o_p.weight,), (o_p.bias,), dtype)
+    # the kernel the table picked for this many rows (WeightPack.linear's own choice)
+    qkv = attn._qkv.gemm_call((q_p.weight, k_p.weight, v_p.weight),
+                              (q_p.bias, k_p.bias, v_p.bias), dtype, rows)
+    o = attn._o.gemm_call((o_p.weight,), (o_p.bias,), dtype, rows)
     attention = _attention_args(attn, batch, plans, dtype)
     mlp = _lean_mlp(layer.mlp, batch.input_ids.device, dtype)
     if qkv is None or o is None or attention is None or mlp is None:
@@ -127,6 +129,9 @@ def _attention_args(attn: Any, batch: ForwardBatch, plans: PagedAttentionPlans,
         return None
     if plans.write(attn.cache_name, attn.window).rows is not None:
         return None          # a bounded replay writes part of the rows: the torch write
+    if plans.sdpa_prefill(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype,
+                          attn.window) is not None:
+        return None          # whole prefills on SDPA (kernel choice): the module path
     return (cache, view.slot_mapping, view.block_table, view.req_rows, batch.query_start_loc,
             batch.seq_lens, attn.scale, 0 if attn.window is None else attn.window, False)
 
@@ -156,14 +161,14 @@ def run_layers(layers: list[LeanLayer], final_norm: RMSNorm, h: torch.Tensor,
         else:
             h, x = ops.add_rms_norm(h, delta, L.in_norm, L.in_eps)
         t = x.shape[0]
-        qkv = ops.gemm_linear(x, L.qkv[0], L.qkv[2], L.qkv[1], False, False)      # [T, N]
+        qkv = L.qkv.fn(x, L.qkv.weight, L.qkv.bias, L.qkv.out, False)            # [T, N]
         ops.qk_norm_rope_(qkv, cos, sin, L.q_norm, L.k_norm, L.heads, L.kv_heads, rot,
                           L.qk_eps, False)
         q, k, v = torch.split(qkv, L.split, dim=-1)
         o = ops.paged_attention_write(q.view(t, L.heads, L.head_dim),
                                       k.view(t, L.kv_heads, L.head_dim),
                                       v.view(t, L.kv_heads, L.head_dim), *L.attention)
-        o = ops.gemm_linear(o.reshape(t, -1), L.o[0], L.o[2], L.o[1], False, False)
+        o = L.o.fn(o.reshape(t, -1), L.o.weight, L.o.bias, L.o.out, False)
         h, x = ops.add_rms_norm(h, o, L.post_norm, L.post_eps)
         delta = L.mlp(x)
     if delta is None:

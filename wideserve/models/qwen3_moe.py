@@ -117,9 +117,11 @@ class SparseMoeBlock(nn.Module):
         packed, _, num_experts = router
         top_k, renormalize = gate.top_k, gate.renormalize
         ops = torch.ops.wideserve
+        brgemm = gate._pack.route_brgemm       # the logits' kernel per row count
 
         def mlp(x: torch.Tensor) -> torch.Tensor:
-            ids, weights = ops.moe_route(x, packed, num_experts, top_k, renormalize, False)
+            ids, weights = ops.moe_route(x, packed, num_experts, top_k, renormalize, False,
+                                         brgemm(x.shape[0]))
             return ops.moe_fused_experts(x, ids, weights, *args)
         return mlp
 

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "brgemm.h"
 #include "gemm.h"
 
 namespace {
@@ -279,7 +280,7 @@ void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::Tensor& w,
                                              int64_t experts, int64_t k, bool renormalize,
-                                             bool portable) {
+                                             bool portable, bool brgemm) {
   TORCH_CHECK(experts > 0 && k >= 1 && k <= experts, "moe_route: need 1 <= k <= experts, got k ",
               k, ", experts ", experts);
   const Problem p = problem(x_in, w, experts, "moe_route");
@@ -288,8 +289,12 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::T
   at::Tensor weights = at::empty({p.m, k}, x_in.options().dtype(at::kFloat));
   if (p.m > 0) {
     // the logits in fp32, rounded to x's dtype as a torch linear would leave them
-    const at::Tensor logits = gemm_linear(x_in, w, experts, std::nullopt,
-                                          dtype == at::kBFloat16, portable);
+    // (through brgemm, csrc/brgemm.h, where the kernel choice picked it for this many rows)
+    const bool widen = dtype == at::kBFloat16;
+    const at::Tensor logits =
+        brgemm && widen && !portable
+            ? wideserve_brgemm::linear(x_in, w, experts, std::nullopt, true)
+            : gemm_linear(x_in, w, experts, std::nullopt, widen, portable);
     const float* lg = logits.data_ptr<float>();
     int64_t* id = ids.data_ptr<int64_t>();
     float* wt = weights.data_ptr<float>();
@@ -310,7 +315,7 @@ TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("gemm_linear(Tensor x, Tensor w, int n, Tensor? bias=None, bool widen=False, "
         "bool portable=False) -> Tensor");
   m.def("moe_route(Tensor x, Tensor w, int experts, int k, bool renormalize, "
-        "bool portable=False) -> (Tensor, Tensor)");
+        "bool portable=False, bool brgemm=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(wideserve, CPU, m) {

@@ -43,6 +43,7 @@
 #include <optional>
 #include <vector>
 
+#include "brgemm.h"
 #include "gemm.h"
 
 namespace {
@@ -203,6 +204,47 @@ void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
 // ---------------------------------------------------------------- AVX512-BF16
 
 #ifdef __AVX512BF16__
+// 16 activations silu(gate) * up (DeepSeek-V4's clamp when `clamp`), rounded to bf16 (RNE).
+inline void swiglu_store(__m512 gate, __m512 up, bool clamp, float limit, at::BFloat16* dst) {
+  if (clamp) {
+    const __m512 lim = _mm512_set1_ps(limit);
+    gate = _mm512_min_ps(gate, lim);
+    up = _mm512_min_ps(_mm512_max_ps(up, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+  }
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+  const __m512 a = _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                 up);
+  const __m256bh packed = _mm512_cvtneps_pbh(a);
+  std::memcpy(dst, &packed, sizeof(packed));
+}
+
+// One row's weighted down-projection sum for 16-column blocks n < NB from fp32 values
+// acc(n): the first row of a token stores, later ones add, the last rounds and writes.
+template <int NB, typename Acc>
+inline void down_store(Acc&& acc, const Rows& rows, int64_t r, const Geometry& g, int64_t b,
+                       Sums<at::BFloat16> sums) {
+  const int64_t row = rows.token[r] * g.d;
+  float* part = sums.partial + row;
+  at::BFloat16* o = sums.out + row;
+  const __m512 wt = _mm512_set1_ps(rows.weight[r]);
+  const uint8_t order = rows.order[r];
+  for (int n = 0; n < NB; ++n) {
+    const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
+    if (cols <= 0) break;
+    const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const __m512 cur = (order & kFirst) ? _mm512_setzero_ps()
+                                        : _mm512_maskz_loadu_ps(mask, part + c0);
+    const __m512 v = _mm512_fmadd_ps(wt, acc(n), cur);
+    if (order & kLast) {   // RNE, as at::Tensor::to(kBFloat16) rounds
+      const __m256i packed = reinterpret_cast<const __m256i&>(
+          static_cast<const __m256bh&>(_mm512_cvtneps_pbh(v)));
+      _mm256_mask_storeu_epi16(o + c0, mask, packed);
+    } else {
+      _mm512_mask_storeu_ps(part + c0, mask, v);
+    }
+  }
+}
+
 template <int M>
 void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at::BFloat16* w,
                   const Geometry& g, int64_t j, bool clamp, float limit, at::BFloat16* act) {
@@ -210,18 +252,8 @@ void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at:
   for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * 2;
   __m512 acc[M][2];
   tile_bf16<M, 2>(xr, g.up_pairs, w, acc);
-  const __m512 lim = _mm512_set1_ps(limit), one = _mm512_set1_ps(1.0f);
-  for (int m = 0; m < M; ++m) {
-    __m512 gate = acc[m][0], up = acc[m][1];
-    if (clamp) {
-      gate = _mm512_min_ps(gate, lim);
-      up = _mm512_min_ps(_mm512_max_ps(up, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-    }
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-    const __m512 a = _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(one, e)), up);
-    const __m256bh packed = _mm512_cvtneps_pbh(a);
-    std::memcpy(act + (r0 + m) * g.ip + j * kLanes, &packed, sizeof(packed));
-  }
+  for (int m = 0; m < M; ++m)
+    swiglu_store(acc[m][0], acc[m][1], clamp, limit, act + (r0 + m) * g.ip + j * kLanes);
 }
 
 template <int M>
@@ -233,26 +265,39 @@ void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   __m512 acc[M][NB];
   tile_bf16<M, NB>(ar, g.down_pairs, w, acc);
-  for (int m = 0; m < M; ++m) {
-    const int64_t row = rows.token[r0 + m] * g.d;
-    float* part = sums.partial + row;
-    at::BFloat16* o = sums.out + row;
-    const __m512 wt = _mm512_set1_ps(rows.weight[r0 + m]);
-    const uint8_t order = rows.order[r0 + m];
-    for (int n = 0; n < NB; ++n) {
-      const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
-      if (cols <= 0) break;
-      const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-      const __m512 cur = (order & kFirst) ? _mm512_setzero_ps()
-                                          : _mm512_maskz_loadu_ps(mask, part + c0);
-      const __m512 v = _mm512_fmadd_ps(wt, acc[m][n], cur);
-      if (order & kLast) {   // RNE, as at::Tensor::to(kBFloat16) rounds
-        const __m256i packed = reinterpret_cast<const __m256i&>(
-            static_cast<const __m256bh&>(_mm512_cvtneps_pbh(v)));
-        _mm256_mask_storeu_epi16(o + c0, mask, packed);
-      } else {
-        _mm512_mask_storeu_ps(part + c0, mask, v);
-      }
+  for (int m = 0; m < M; ++m)
+    down_store<NB>([&](int n) { return acc[m][n]; }, rows, r0 + m, g, b, sums);
+}
+
+// An expert with many rows, through brgemm (csrc/brgemm.h) on the same packed groups: the
+// gate/up group j (gate block, up block: 32 columns) over the expert's gathered rows xs
+// [N, 2 * up_pairs], SwiGLU from the fp32 tile; `c` is kBlockM x 64 floats of scratch.
+void up_expert_brgemm(const at::BFloat16* xs, int64_t r_begin, int64_t r_end,
+                      const at::BFloat16* w, const Geometry& g, int64_t j, bool clamp,
+                      float limit, at::BFloat16* act, float* c) {
+  const int64_t kp = 2 * g.up_pairs;
+  for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM) {
+    const int64_t m = std::min(wideserve_brgemm::kBlockM, r_end - r);
+    wideserve_brgemm::tile(m, 2 * kLanes, kp, kp, xs + r * kp, w, c);
+    for (int64_t i = 0; i < m; ++i)
+      swiglu_store(_mm512_loadu_ps(c + i * 2 * kLanes), _mm512_loadu_ps(c + i * 2 * kLanes + 16),
+                   clamp, limit, act + (r + i) * g.ip + j * kLanes);
+  }
+}
+
+// The down group `grp` (64 columns) of an expert with many rows through brgemm, then the
+// weighted sums as down_tile_bf16 makes them.
+void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
+                        int64_t r_end, const at::BFloat16* w, const Geometry& g, int64_t grp,
+                        Sums<at::BFloat16> sums, float* c) {
+  constexpr int64_t cols = kBlocksDown * kLanes;
+  for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM) {
+    const int64_t m = std::min(wideserve_brgemm::kBlockM, r_end - r);
+    wideserve_brgemm::tile(m, cols, g.ip, g.ip, act + r * g.ip, w, c);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* ci = c + i * cols;
+      down_store<kBlocksDown>([&](int n) { return _mm512_loadu_ps(ci + n * kLanes); }, rows,
+                              r + i, g, grp * kBlocksDown, sums);
     }
   }
 }
@@ -282,41 +327,72 @@ void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w
   down_tile_portable<T, M>(act, rows, r0, w, g, b, sums);
 }
 
+// `xs` (bf16 fast path only, else nullptr): the rows of experts with at least `big` rows,
+// gathered [N, 2 * up_pairs] in sorted order; those experts' GEMMs run through brgemm
+// (csrc/brgemm.h: AMX where present), the others through the micro-kernel tiles. The split
+// of work between threads is the same for both.
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
-                 const Geometry& g, bool clamp, float limit, T* act, Sums<T> sums) {
+                 const Geometry& g, bool clamp, float limit, T* act, Sums<T> sums,
+                 const T* xs, int64_t big) {
   const int64_t e13 = g.up_groups * g.up_group_size();
   const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
+  auto is_big = [&](int64_t e) {
+    return xs != nullptr && rows.offsets[e + 1] - rows.offsets[e] >= big;
+  };
   // Phase 1. Each thread takes a range of blocks j for every expert (experts outside, so its
   // weights stream in order, as they do at one thread), when there are blocks enough for
   // that; else (block j, expert) items, block-major. Either way a thread's rows do not depend
   // on the routing (the header says why).
-  auto up_group = [&](int64_t e, int64_t j) {
+  auto up_group = [&](int64_t e, int64_t j, float* c) {
     const T* w = w13 + e * e13 + j * g.up_group_size();
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (is_big(e))
+        return up_expert_brgemm(xs, rows.offsets[e], rows.offsets[e + 1], w, g, j, clamp,
+                                limit, act, c);
+    }
+#endif
     for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
       with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
         up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
       });
     }
   };
+  const bool any_big = xs != nullptr;
+  const int64_t scratch = any_big ? wideserve_brgemm::kBlockM * kBlocksDown * kLanes : 0;
   if (g.up_groups >= 2 * at::get_num_threads()) {
     at::parallel_for(0, g.up_groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> c(scratch);
       for (const int64_t e : rows.active)
-        for (int64_t j = begin; j < end; ++j) up_group(e, j);
+        for (int64_t j = begin; j < end; ++j) up_group(e, j, c.data());
+      if (any_big) wideserve_brgemm::release();
     });
   } else {
     at::parallel_for(0, g.up_groups * active, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> c(scratch);
       for (int64_t item = begin; item < end; ++item)
-        up_group(rows.active[item % active], item / active);
+        up_group(rows.active[item % active], item / active, c.data());
+      if (any_big) wideserve_brgemm::release();
     });
   }
   // Phase 2: down groups; each thread owns its columns of `out` for all rows. Within a
   // thread's range the expert loop is outside, so its weights stream in order.
   at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(scratch);
     for (const int64_t e : rows.active) {
       for (int64_t grp = begin; grp < end; ++grp) {
         const T* w = w2 + e * e2 + grp * g.down_group_size();
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (is_big(e)) {
+            down_expert_brgemm(act, rows, rows.offsets[e], rows.offsets[e + 1], w, g, grp,
+                               sums, c.data());
+            continue;
+          }
+        }
+#endif
         for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsDown) {
           with_rows<kRowsDown>(rows.offsets[e + 1] - r, [&](auto m) {
             down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown,
@@ -325,7 +401,25 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
         }
       }
     }
+    if (any_big) wideserve_brgemm::release();
   });
+}
+
+// The rows of experts with at least `big` rows gathered in sorted order ([N, kp], other rows
+// left unset), or an undefined tensor when no expert has that many.
+at::Tensor gather_big(const at::Tensor& x, const Rows& rows, int64_t big) {
+  bool any = false;
+  for (const int64_t e : rows.active) any |= rows.offsets[e + 1] - rows.offsets[e] >= big;
+  if (!any) return at::Tensor();
+  const int64_t kp = x.size(1), n = static_cast<int64_t>(rows.token.size());
+  at::Tensor xs = at::empty({n, kp}, x.options());
+  const auto* src = x.data_ptr<at::BFloat16>();
+  auto* dst = xs.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      std::memcpy(dst + r * kp, src + rows.token[r] * kp, kp * sizeof(at::BFloat16));
+  });
+  return xs;
 }
 
 at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
@@ -333,7 +427,8 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
                              const at::Tensor& w2, int64_t intermediate,
                              std::optional<double> limit, bool portable,
                              const std::optional<at::Tensor>& expert_map,
-                             const std::optional<at::Tensor>& expert_load) {
+                             const std::optional<at::Tensor>& expert_load,
+                             std::optional<int64_t> brgemm_min_rows) {
   TORCH_CHECK(x_in.dim() == 2, "moe_fused_experts: x must be [T, d]");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x_in.size(0) &&
                   topk_weights.sizes() == topk_ids.sizes(),
@@ -381,14 +476,20 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
     at::Tensor partial = at::empty(ids.size(1) > 1 ? at::IntArrayRef({x_in.size(0), d})
                                                    : at::IntArrayRef({0}),
                                    x_in.options().dtype(at::kFloat));
+    // experts with at least brgemm_min_rows rows run on brgemm (the kernel choice's
+    // threshold, layers/experts.py); None: none do
+    const int64_t big = brgemm_min_rows.has_value() ? std::max<int64_t>(*brgemm_min_rows, 1)
+                                                    : 0;
+    const at::Tensor xs = fast && big > 0 ? gather_big(x, rows, big) : at::Tensor();
     run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
                               w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
                               act.data_ptr<at::BFloat16>(),
-                              {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()});
+                              {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()},
+                              xs.defined() ? xs.data_ptr<at::BFloat16>() : nullptr, big);
   } else {
     run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
                        rows, g, clamp, lim, act.data_ptr<float>(),
-                       {out.data_ptr<float>(), out.data_ptr<float>()});
+                       {out.data_ptr<float>(), out.data_ptr<float>()}, nullptr, 0);
   }
   return out;
 }
@@ -398,7 +499,8 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("moe_fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
         "Tensor w2, int intermediate, float? limit=None, bool portable=False, "
-        "Tensor? expert_map=None, Tensor(a!)? expert_load=None) -> Tensor");
+        "Tensor? expert_map=None, Tensor(a!)? expert_load=None, int? brgemm_min_rows=None) "
+        "-> Tensor");
   m.def("moe_fast_path_compiled() -> bool", &bf16_fast_path_compiled);
 }
 

@@ -56,12 +56,15 @@ import torch.nn.functional as F
 
 from wideserve.device import to_device
 from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.kernels.choice import bucket_of, default_choice
 from wideserve.kernels.loader import cpu_ops_available
 
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
 MATMUL_MAX_ROWS = 16              # folded query rows (Q*G) up to which a bucket uses two GEMMs
 USE_CPU_KERNEL = True             # the C++ op on the CPU (False: the buckets; for A/B runs)
+# fresh prefills through SDPA where the kernel choice measured it faster (False: never; A/B)
+USE_SDPA_PREFILL = True
 FUSED_KV_WRITE = True             # the op writes the step's K/V itself (False: torch write; A/B)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # q and cache dtypes the C++ op takes
 
@@ -123,6 +126,25 @@ class PagedAttentionPlans:
                                    else max_score_elements)
         self._plans: dict[tuple[int, int | None, int], _Plan] = {}
         self._writes: dict[tuple[int, bool], _WritePlan] = {}
+        self._sdpa: dict[tuple, list[int] | None] = {}
+
+    def sdpa_prefill(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     window: int | None) -> list[int] | None:
+        """Each request's query length where this step attends through SDPA on its own k/v
+        instead of the C++ op: every request a prefill from position 0 (its context is only
+        this step's tokens), no window, and the kernel choice (wideserve/kernels/choice.py,
+        family "attention") measured SDPA faster at the shortest request's length; else None."""
+        key = (heads, kv_heads, head_dim, dtype, window)
+        if key not in self._sdpa:
+            self._sdpa[key] = None
+            b = self.batch
+            if USE_SDPA_PREFILL and window is None and len(b.seq_lens_cpu):
+                q = b.query_lens_cpu()
+                if np.array_equal(q, b.seq_lens_cpu) and q.min() > 1:
+                    plan = default_choice().plan_attention(heads, kv_heads, head_dim, dtype)
+                    if plan[bucket_of(int(q.min()))] == "sdpa":
+                        self._sdpa[key] = q.tolist()
+        return self._sdpa[key]
 
     def attention(self, cache_name: str, window: int | None, num_heads: int) -> _Plan:
         key = (self.batch.cache_group[cache_name], window, num_heads)
@@ -300,6 +322,34 @@ def paged_attention_kernel(q: torch.Tensor, cache: torch.Tensor, view: KVGroupVi
         batch.query_start_loc, batch.seq_lens, scale, w, portable)
 
 
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                 scale: float) -> torch.Tensor:
+    """Causal attention of requests that are whole prefills, on the step's own q/k/v (the
+    cache holds nothing else of them): torch's fused SDPA per request (one call for equal
+    lengths), whose CPU kernel runs its GEMMs on brgemm (AMX where present). [T, H, D]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+
+    def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        # [R, L, H, D] -> [R, H, L, D] views; the output back to [R, L, H, D]
+        o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2),
+                                           vs.transpose(1, 2), is_causal=True, scale=scale,
+                                           enable_gqa=heads != kv_heads)
+        return o.transpose(1, 2)
+
+    if min(lens) == max(lens):
+        n, L = len(lens), lens[0]
+        o = attend(q.view(n, L, heads, -1), k.view(n, L, kv_heads, -1),
+                   v.view(n, L, kv_heads, -1))
+        return o.reshape(q.shape)
+    out = q.new_empty(q.shape)
+    start = 0
+    for L in lens:
+        rows = slice(start, start + L)
+        out[rows] = attend(q[rows][None], k[rows][None], v[rows][None])[0]
+        start += L
+    return out
+
+
 def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             batch: ForwardBatch, cache_name: str, scale: float,
                             window: int | None = None,
@@ -322,7 +372,9 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plans = PagedAttentionPlans(batch) if plans is None else plans
     wp = plans.write(cache_name, window)
     kernel = cpu_kernel_applies(q, cache) and k.dtype in KERNEL_DTYPES
-    if kernel and wp.rows is None and FUSED_KV_WRITE:
+    lens = plans.sdpa_prefill(num_heads, num_kv_heads, head_dim, q.dtype, window) \
+        if kernel and wp.rows is None else None
+    if kernel and wp.rows is None and FUSED_KV_WRITE and lens is None:
         # The op writes every token's entry and attends, in one call.
         return paged_attention_kernel(q, cache, view, batch, scale, window, k=k, v=v)
     flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
@@ -331,6 +383,8 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Prefix replay: a FULL cache already holds the entries below kv_write_start.
         entries = entries.index_select(0, wp.rows)
     flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
+    if lens is not None:
+        return sdpa_prefill(q, k, v, lens, scale)
     if kernel:
         return paged_attention_kernel(q, cache, view, batch, scale, window)
 

@@ -1,0 +1,180 @@
+"""Kernel-choice benchmark (docs/cpu_kernels.md, "Kernel choice"): for each GEMM family and
+token bucket on a model's shapes, the chosen kernel's time against the best candidate's and
+against F.linear (goal: within 10% of the best everywhere), the calibration's own cost, and the
+GFLOP/s a 653M-sized prefill layer's GEMMs reach against the machine's measured bf16 matmul
+peak (the chosen kernels vs the micro-kernel alone), and a whole prefill's attention on the
+C++ paged op vs SDPA.
+
+  PYTHONPATH=. python benchmarks/kernel_choice.py [--model 653m|11m] [--threads 1]
+      [--repeats 7] [--tokens 2048] [--stat median|min]
+
+Timings on a shared machine are noisy: every candidate of a bucket is timed in alternation,
+`--repeats` rounds, and the medians (or, on a heavily loaded machine, the minima) compared.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from wideserve.kernels import choice as ch
+from wideserve.kernels import loader
+
+# name: (hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab)
+MODELS = {"653m": (1024, 16, 4, 64, 64, 8, 384, 8192),
+          "11m": (256, 4, 2, 64, 8, 2, 256, 8192)}
+
+
+def shapes(model: str) -> list[tuple[str, str, int, int]]:
+    """(label, family, N, K) of the model's GEMMs (experts: N = I, K = d)."""
+    d, h, kv, hd, _, _, inter, vocab = MODELS[model]
+    return [("qkv", "qkv", (h + 2 * kv) * hd, d), ("o_proj", "linear", d, h * hd),
+            ("router", "router", MODELS[model][4], d), ("lm_head", "linear", vocab, d),
+            ("experts", "experts", inter, d)]
+
+
+STAT = statistics.median     # --stat min: the best of the rounds (a heavily shared machine,
+                             # where a ms-long call is often preempted: the minimum is the
+                             # kernel's own time)
+
+
+def _median_times(fns: dict[str, object], repeats: int) -> dict[str, float]:
+    for fn in fns.values():
+        fn()                                          # warm
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():                     # alternating: load hits all alike
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: STAT(v) * 1e6 for k, v in samples.items()}
+
+
+def verify(kc: ch.KernelChoice, model: str, repeats: int) -> list[str]:
+    lines = ["| GEMM (N x K) | rows | chosen | chosen us | best candidate (us) | "
+             "chosen / best | F.linear us | F.linear / chosen |",
+             "|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for label, family, n, k in shapes(model):
+        cands = kc.runnable(family, torch.bfloat16)
+        plan = kc.plan(family, n, k, torch.bfloat16)
+        ncols = min(n, kc.policy.max_cols)
+        for i, rows in enumerate(ch.SAMPLE_ROWS):
+            fns = {c: ch.candidate(family, c, (ncols, k), rows) for c in cands}
+            if family in ("linear", "qkv", "router") and "torch" not in fns:
+                fns["torch"] = ch.candidate("linear", "torch", (ncols, k), rows)
+            t = _median_times(fns, repeats)
+            best = min((c for c in cands), key=t.get)
+            ratio = t[plan[i]] / t[best]
+            worst = max(worst, ratio)
+            tl = f"{t['torch']:.0f} | {t['torch'] / t[plan[i]]:.2f}x" if "torch" in t \
+                else "- | -"
+            lines.append(f"| {label} {n}x{k} | {ch.bucket_label(i)} ({rows}) | {plan[i]} | "
+                         f"{t[plan[i]]:.0f} | {best} {t[best]:.0f} | {ratio:.2f} | {tl} |")
+    lines.append(f"\nworst chosen / best: {worst:.2f}")
+    return lines
+
+
+def matmul_peak() -> float:
+    """bf16 GFLOP/s of torch.mm at 2048^3 (oneDNN; AMX where present), best of 5."""
+    a, b = torch.randn(2048, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+    torch.mm(a, b)
+    best = min(_once(lambda: torch.mm(a, b)) for _ in range(5))
+    return 2 * 2048 ** 3 / best / 1e9
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def prefill_layer(model: str, tokens: int, kc: ch.KernelChoice, repeats: int) -> str:
+    """One decoder layer's GEMMs for a `tokens`-row prefill (qkv, o, router, routed experts
+    with random top-k routing) through the chosen kernels and through the micro-kernel."""
+    from wideserve.layers.experts import RoutedExperts
+    from wideserve.layers.linear import WeightPack
+    d, h, kv, hd, experts, top_k, inter, _ = MODELS[model]
+    g = torch.Generator().manual_seed(0)
+    wq = (torch.randn((h + 2 * kv) * hd, d, generator=g) * 0.02).bfloat16()
+    wo = (torch.randn(d, h * hd, generator=g) * 0.02).bfloat16()
+    wr = (torch.randn(experts, d, generator=g) * 0.02).bfloat16()
+    x = torch.randn(tokens, d, generator=g).bfloat16()
+    flops = 2 * tokens * d * ((h + 2 * kv) * hd + h * hd + experts + top_k * 3 * inter)
+
+    def layer_fn(choice: ch.KernelChoice):
+        qkv, o, router = WeightPack(choice), WeightPack(choice), WeightPack(choice)
+        ex = RoutedExperts(experts, d, inter).bfloat16()
+        with torch.no_grad():
+            ex.gate_up_proj.normal_(0, 0.02)
+            ex.down_proj.normal_(0, 0.02)
+        ex.kernel_choice = choice
+
+        def run():
+            with torch.inference_mode():
+                qkv.linear(x, (wq,))
+                o.linear(x, (wo,))
+                ids, wts = router.route(x, (wr,), top_k, True)
+                ex(x, ids, wts)
+        return run
+
+    micro = ch.KernelChoice(ch.KernelPolicy(force="micro", cache_dir=None))
+    t = _median_times({"chosen": layer_fn(kc), "micro": layer_fn(micro)}, repeats)
+    peak = matmul_peak()
+    gf = {k: flops / (v * 1e-6) / 1e9 for k, v in t.items()}
+    return (f"{model} prefill layer GEMMs, {tokens} tokens ({flops / 1e9:.1f} GFLOP): chosen "
+            f"{t['chosen'] / 1e3:.1f} ms = {gf['chosen']:.0f} GFLOP/s "
+            f"({gf['chosen'] / peak:.0%} of the bf16 matmul peak {peak:.0f} GFLOP/s); "
+            f"micro-kernel only {t['micro'] / 1e3:.1f} ms = {gf['micro']:.0f} GFLOP/s "
+            f"({t['micro'] / t['chosen']:.1f}x slower)")
+
+
+def attention(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
+    """A whole causal prefill of one request: the C++ paged op vs SDPA on its own k/v (the
+    two paths paged_attention_batched takes), and what the choice picks."""
+    d, h, kv, hd = MODELS[model][:4]
+    plan = kc.plan_attention(h, kv, hd, torch.bfloat16)
+    lines = ["| prefill tokens | C++ op ms | SDPA ms | op / SDPA | chosen |",
+             "|---|---|---|---|---|"]
+    for rows in (16, 128, 512, 1024, 4096):
+        fns = {c: ch.candidate("attention", c, (h, kv, hd), rows) for c in ("own", "sdpa")}
+        t = _median_times(fns, max(3, repeats // 3))
+        lines.append(f"| {rows} | {t['own'] / 1e3:.2f} | {t['sdpa'] / 1e3:.2f} | "
+                     f"{t['own'] / t['sdpa']:.2f} | {plan[ch.bucket_of(rows)]} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=list(MODELS), default="653m")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="per candidate over the alternating rounds (min on a loaded machine)")
+    args = ap.parse_args()
+    global STAT
+    STAT = statistics.median if args.stat == "median" else min
+    torch.set_num_threads(args.threads)
+    loader.build()
+    kc = ch.KernelChoice(ch.KernelPolicy(cache_dir=None))       # time everything afresh
+    t0 = time.perf_counter()
+    for _, family, n, k in shapes(args.model):
+        kc.plan(family, n, k, torch.bfloat16)
+    print(f"calibration of {len(shapes(args.model))} shapes: {time.perf_counter() - t0:.2f} s "
+          f"({args.threads} threads, load {os.getloadavg()[0]:.1f}); stat {args.stat} of "
+          f"{args.repeats} alternating rounds")
+    print("\n".join(kc.describe()))
+    print()
+    print("\n".join(verify(kc, args.model, args.repeats)))
+    print()
+    print(prefill_layer(args.model, args.tokens, kc, max(3, args.repeats // 2)))
+    print()
+    print("\n".join(attention(args.model, kc, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()

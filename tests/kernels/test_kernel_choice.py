@@ -1,0 +1,235 @@
+"""The kernel choice (wideserve/kernels/choice.py): the measured-fastest candidate per bucket
+(fake timings injected, nothing timed for real), the one-layout preference, pruning, the disk
+cache and its key, the WIDESERVE_GEMM override, and the experts threshold."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from wideserve.kernels import choice as ch
+from wideserve.kernels.choice import BUCKETS, KernelChoice, KernelPolicy
+
+
+class FakeTimer:
+    """Seconds per (kernel, rows) from a table; records every call."""
+
+    def __init__(self, seconds: dict[str, list[float]]) -> None:
+        self.seconds = seconds
+        self.calls: list[tuple] = []
+
+    def __call__(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
+                 rows: int) -> dict[str, float]:
+        self.calls.extend((family, c, *shape, rows) for c in kernels)
+        return {c: self.seconds[c][ch.SAMPLE_ROWS.index(rows)] for c in kernels}
+
+
+ALL = ("micro", "brgemm", "onednn", "torch")
+
+
+@pytest.fixture
+def runnable_all(monkeypatch):
+    """Every candidate runnable, whatever this CPU has (the choice logic is under test)."""
+    monkeypatch.setattr(KernelChoice, "runnable",
+                        lambda self, family, dtype: ch.FAMILY_KERNELS[family])
+
+
+def _choice(tmp_path, timer, **policy) -> KernelChoice:
+    return KernelChoice(KernelPolicy(cache_dir=tmp_path, **policy), timer=timer)
+
+
+def test_bucket_of_matches_the_bucket_bounds() -> None:
+    for i, (lo, hi) in enumerate(BUCKETS):
+        assert ch.bucket_of(lo) == i
+        if hi is not None:
+            assert ch.bucket_of(hi) == i and ch.bucket_of(hi + 1) == i + 1
+    assert ch.bucket_of(0) == 0 and ch.bucket_of(10 ** 6) == len(BUCKETS) - 1
+    assert [ch.bucket_label(i) for i in range(len(BUCKETS))] == \
+        ["1", "2-4", "5-16", "17-64", "65-256", ">256"]
+
+
+def test_plan_picks_the_measured_fastest_per_bucket(tmp_path, runnable_all) -> None:
+    # micro wins small M, brgemm the middle, onednn the top bucket by more than 10%
+    timer = FakeTimer({"micro": [1, 2, 9, 40, 400, 900],
+                       "brgemm": [3, 3, 4, 10, 30, 100],
+                       "onednn": [5, 5, 6, 12, 33, 50],
+                       "torch": [9, 9, 9, 20, 60, 120]})
+    plan = _choice(tmp_path, timer).plan("linear", 96, 64, torch.bfloat16)
+    assert plan == ("micro", "micro", "brgemm", "brgemm", "brgemm", "onednn")
+
+
+def test_one_layout_is_kept_where_it_is_within_tolerance(tmp_path, runnable_all) -> None:
+    # onednn is fastest at the top bucket, but brgemm (the micro-kernel's layout) is within
+    # 10% there: one packed copy serves every bucket
+    timer = FakeTimer({"micro": [1, 2, 9, 40, 400, 900],
+                       "brgemm": [3, 3, 4, 10, 30, 53],
+                       "onednn": [5, 5, 6, 12, 33, 50],
+                       "torch": [9, 9, 9, 20, 60, 120]})
+    plan = _choice(tmp_path, timer).plan("linear", 96, 64, torch.bfloat16)
+    assert plan == ("micro", "micro", "brgemm", "brgemm", "brgemm", "brgemm")
+    tight = _choice(tmp_path / "t", timer, share_tolerance=0.01).plan(
+        "linear", 96, 64, torch.bfloat16)
+    assert tight[-1] == "onednn"
+
+
+def test_choose_directly() -> None:
+    times = [{"micro": 1.0, "onednn": 2.0}, {"micro": 5.0, "onednn": 1.0}]
+    assert ch.choose(times, 0.1) == ["micro", "onednn"]
+    # within 100%: oneDNN's layout serves both (2x at the first), micro's does not (5x)
+    assert ch.choose(times, 1.0) == ["onednn", "onednn"]
+    assert ch.choose([{"micro": None, "torch": 3.0}], 0.1) == ["torch"]
+
+
+def test_slow_candidates_are_pruned_from_larger_buckets(tmp_path, runnable_all) -> None:
+    timer = FakeTimer({"micro": [1, 2, 50, 400, 4000, 9000],
+                       "brgemm": [2, 3, 4, 10, 30, 50],
+                       "onednn": [5, 5, 6, 12, 33, 50], "torch": [9, 9, 9, 20, 60, 120]})
+    kc = _choice(tmp_path, timer)
+    kc.plan("linear", 96, 64, torch.bfloat16)
+    micro_rows = [c[4] for c in timer.calls if c[1] == "micro"]
+    assert micro_rows == [1, 4, 16]       # 12.5x brgemm at 16 rows: never timed above
+    row = kc.table()[0]
+    assert row["buckets"][3]["times_us"]["micro"] is None
+    assert row["buckets"][3]["times_us"]["brgemm"] == pytest.approx(10e6)
+
+
+def test_cache_second_start_times_nothing(tmp_path, runnable_all) -> None:
+    seconds = {k: [1.0 + i] * 6 for i, k in enumerate(ALL)}
+    first = FakeTimer(seconds)
+    plan = _choice(tmp_path, first).plan("qkv", 96, 64, torch.bfloat16)
+    assert first.calls and plan == ("micro",) * 6
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    body = json.loads(files[0].read_text())
+    assert body["key"]["threads"] == torch.get_num_threads()
+    assert body["key"]["torch"] == torch.__version__ and "cpu" in body["key"]
+    second = FakeTimer(seconds)
+    assert _choice(tmp_path, second).plan("qkv", 96, 64, torch.bfloat16) == plan
+    assert second.calls == []
+    # another shape or family is timed once, then cached as well
+    _choice(tmp_path, second).plan("linear", 96, 64, torch.bfloat16)
+    assert {c[0] for c in second.calls} == {"linear"}
+
+
+def test_cache_is_keyed_by_thread_count(tmp_path, runnable_all) -> None:
+    seconds = {k: [1.0 + i] * 6 for i, k in enumerate(ALL)}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _choice(tmp_path, FakeTimer(seconds)).plan("linear", 32, 32, torch.bfloat16)
+        torch.set_num_threads(2)
+        timer = FakeTimer(seconds)
+        _choice(tmp_path, timer).plan("linear", 32, 32, torch.bfloat16)
+        assert timer.calls                   # a table per thread count
+        assert len(list(tmp_path.glob("*.json"))) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_machine_key_changes_the_file(tmp_path, runnable_all, monkeypatch) -> None:
+    seconds = {k: [1.0 + i] * 6 for i, k in enumerate(ALL)}
+    _choice(tmp_path, FakeTimer(seconds)).plan("linear", 32, 32, torch.bfloat16)
+    real = ch.machine_key
+    monkeypatch.setattr(ch, "machine_key", lambda: {**real(), "cpu": "another CPU"})
+    timer = FakeTimer(seconds)
+    _choice(tmp_path, timer).plan("linear", 32, 32, torch.bfloat16)
+    assert timer.calls and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_unreadable_cache_is_re_timed(tmp_path, runnable_all) -> None:
+    seconds = {k: [1.0 + i] * 6 for i, k in enumerate(ALL)}
+    _choice(tmp_path, FakeTimer(seconds)).plan("linear", 32, 32, torch.bfloat16)
+    next(tmp_path.glob("*.json")).write_text("{not json")
+    timer = FakeTimer(seconds)
+    assert _choice(tmp_path, timer).plan("linear", 32, 32, torch.bfloat16) == ("micro",) * 6
+    assert timer.calls
+
+
+def test_force_overrides_and_env(tmp_path, runnable_all, monkeypatch) -> None:
+    timer = FakeTimer({k: [1.0] * 6 for k in ALL})
+    kc = _choice(tmp_path, timer, force="onednn")
+    assert kc.plan("linear", 32, 32, torch.bfloat16) == ("onednn",) * 6
+    assert kc.plan("experts", 32, 32, torch.bfloat16) == ("micro",) * 6   # not a candidate
+    assert timer.calls == []
+    monkeypatch.setenv(ch.ENV_FORCE, "brgemm")
+    assert KernelPolicy.from_env().force == "brgemm"
+    monkeypatch.setenv(ch.ENV_FORCE, "fastest")
+    with pytest.raises(ValueError, match="WIDESERVE_GEMM"):
+        KernelPolicy.from_env()
+
+
+def test_allowed_limits_the_candidates(tmp_path, runnable_all) -> None:
+    timer = FakeTimer({"micro": [1.0] * 6, "brgemm": [0.5] * 6, "onednn": [2.0] * 6,
+                       "torch": [3.0] * 6})
+    plan = _choice(tmp_path, timer).plan("linear", 32, 32, torch.bfloat16,
+                                         allowed=("onednn", "torch"))
+    assert plan == ("onednn",) * 6
+    assert {c[1] for c in timer.calls} == {"onednn", "torch"}
+
+
+def test_fp32_is_plain_torch(tmp_path) -> None:
+    kc = _choice(tmp_path, FakeTimer({}))
+    assert kc.plan("linear", 32, 32, torch.float32) == ("torch",) * 6
+    assert kc.plan("experts", 32, 32, torch.float32) == ("",) * 6
+
+
+def test_brgemm_min_rows() -> None:
+    assert ch.brgemm_min_rows(("micro",) * 6) is None
+    assert ch.brgemm_min_rows(("brgemm",) * 6) == 1
+    assert ch.brgemm_min_rows(("micro", "micro", "brgemm", "brgemm", "brgemm", "brgemm")) == 5
+    # a non-monotonic plan: brgemm from the last bucket where it holds to the top
+    assert ch.brgemm_min_rows(("micro", "brgemm", "micro", "brgemm", "brgemm", "brgemm")) == 17
+
+
+def test_describe_lists_every_bucket(tmp_path, runnable_all) -> None:
+    timer = FakeTimer({"micro": [1e-6, 2e-6, 9e-6, 4e-5, 4e-4, 9e-4],
+                       "brgemm": [3e-6, 3e-6, 4e-6, 1e-5, 3e-5, 5e-5],
+                       "onednn": [5e-6] * 6, "torch": [9e-6] * 6})
+    kc = _choice(tmp_path, timer)
+    kc.plan("linear", 96, 64, torch.bfloat16)
+    lines = kc.describe()
+    assert "96x64" in lines[1] and "1: micro 1/3" in lines[1] and ">256: onednn" in lines[1]
+
+
+def test_plan_attention_from_timings(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(KernelChoice, "runnable",
+                        lambda self, family, dtype: ch.FAMILY_KERNELS[family])
+    timer = FakeTimer({"own": [1, 2, 8, 30, 200, 800], "sdpa": [3, 3, 5, 10, 50, 150]})
+    kc = _choice(tmp_path, timer)
+    assert kc.plan_attention(16, 4, 64, torch.bfloat16) == ("own",) * 2 + ("sdpa",) * 4
+    assert {c[2:5] for c in timer.calls} == {(16, 4, 64)}
+    assert _choice(tmp_path, FakeTimer({})).plan_attention(16, 4, 64, torch.bfloat16) == \
+        ("own",) * 2 + ("sdpa",) * 4                  # cached
+    forced = _choice(tmp_path / "f", FakeTimer({}), force="micro")
+    assert forced.plan_attention(16, 4, 64, torch.bfloat16) == ("own",) * 6
+
+
+def test_real_candidates_run_on_tiny_shapes() -> None:
+    """Every runnable candidate of every family builds and runs (what the timer calls)."""
+    from wideserve.kernels import loader
+    loader.build()
+    kc = KernelChoice(KernelPolicy(cache_dir=None))
+    for family, shape in (("linear", (40, 32)), ("qkv", (40, 32)), ("router", (8, 32)),
+                          ("experts", (24, 32)), ("attention", (4, 2, 16))):
+        for kernel in kc.runnable(family, torch.bfloat16):
+            for rows in (1, 5):
+                ch.candidate(family, kernel, shape, rows)()
+
+
+def test_near_ties_are_timed_again(tmp_path, runnable_all) -> None:
+    """Two candidates within the tolerance are re-timed together, and the better of both
+    timings decides (here the second timing reverses the first)."""
+    class Flip(FakeTimer):
+        def __call__(self, family, kernels, shape, rows):
+            got = super().__call__(family, kernels, shape, rows)
+            if len(kernels) == 2 and rows == 256:           # the re-timing
+                return {"brgemm": 40, "onednn": 20}
+            return got
+    timer = Flip({"micro": [1, 2, 9, 40, 400, 900], "brgemm": [3, 3, 4, 10, 30, 60],
+                  "onednn": [5, 5, 6, 12, 32, 50], "torch": [9, 9, 9, 20, 60, 120]})
+    kc = _choice(tmp_path, timer, share_tolerance=0.1)
+    plan = kc.plan("linear", 96, 64, torch.bfloat16)
+    assert [c for c in timer.calls if c[4] == 256][-2:] == [
+        ("linear", "brgemm", 96, 64, 256), ("linear", "onednn", 96, 64, 256)]
+    assert plan[4] == "onednn" and plan[5] == "onednn"

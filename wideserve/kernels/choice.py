@@ -1,0 +1,477 @@
+"""Which GEMM kernel runs, per machine, GEMM family and token-count bucket: chosen by timing
+the candidates once on the machine in use (docs/cpu_kernels.md, "Kernel choice").
+
+Candidates for a bf16 weight [N, K] on the CPU:
+- "micro":  the extension's AVX512-BF16 micro-kernel (`gemm_linear`, csrc/gemm.h);
+- "brgemm": torch's `at::native::cpublas::brgemm` (oneDNN's ukernel, AMX where present) over
+            the same packed copy (csrc/brgemm.cpp), so micro and brgemm share one layout;
+- "onednn": `torch.ops.mkldnn._linear_pointwise` on a weight packed once for oneDNN;
+- "torch":  plain `F.linear` on the weight as loaded.
+Families: "linear" (dense projections, the LM head), "qkv" (fused q/k/v and gate/up: the same
+kernels, timed on their own shapes), "router" (the routing logits inside `moe_route`: micro or
+brgemm) and "experts" (the grouped expert GEMMs inside `moe_fused_experts`, timed on one
+expert's shapes: micro or brgemm, the bucket being that expert's row count).
+
+Each (family, N, K) shape is timed the first time a layer of that shape is prepared, at one row
+count per bucket, and the fastest candidate per bucket is kept; a kernel on a layout the pack
+already holds is preferred where it is within `share_tolerance` of the fastest, so a weight is
+held in one packed layout wherever that costs at most that much. Results are cached on disk
+per machine (CPU model, ISA flags, torch version, thread count, kernel sources), so a second
+start times nothing. `KernelPolicy.force` (env WIDESERVE_GEMM=micro|brgemm|onednn|torch|auto)
+forces one kernel for A/B runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from wideserve.kernels import gemm
+from wideserve.kernels import moe as moe_op
+from wideserve.kernels.loader import CSRC, cpu_ops_available
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("linear", "qkv", "router", "experts", "attention")
+KERNELS = ("micro", "brgemm", "onednn", "torch")
+FAMILY_KERNELS = {"linear": KERNELS, "qkv": KERNELS, "router": ("micro", "brgemm"),
+                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa")}
+# Token-count buckets (inclusive bounds; None: no upper bound) and the row count each is timed at.
+BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
+SAMPLE_ROWS = (1, 4, 16, 64, 256, 512)
+LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "plain",
+          "own": "-", "sdpa": "-"}
+ENV_FORCE = "WIDESERVE_GEMM"
+ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
+FORMAT = 1                     # bump when the table's meaning changes
+
+
+def bucket_of(rows: int) -> int:
+    """Index into BUCKETS of a GEMM with `rows` rows (0 rows: the first)."""
+    return 0 if rows <= 1 else 1 if rows <= 4 else 2 if rows <= 16 else \
+        3 if rows <= 64 else 4 if rows <= 256 else 5
+
+
+def bucket_label(i: int) -> str:
+    lo, hi = BUCKETS[i]
+    return f">{lo - 1}" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+# --- oneDNN's packed linear (torch's mkldnn ops) ---
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] weight -> oneDNN's packed layout (only where onednn_runs(dtype))."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over a prepacked weight; x [N, in] contiguous, N >= 1."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether this build packs and runs oneDNN linear weights of `dtype` (bf16 only: fp32
+    runs MKL's GEMM, which needs no re-layout) - a tiny probe checked against F.linear."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 32, generator=g).to(dtype)
+        x = torch.randn(3, 32, generator=g).to(dtype)
+        return bool(torch.equal(packed_linear(x, prepack(w)), F.linear(x, w)))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+@functools.cache
+def brgemm_runs() -> bool:
+    """Whether torch's bf16 brgemm runs on this CPU (and matches the micro-kernel's result to
+    a rounding on a probe)."""
+    if not cpu_ops_available() or not torch.ops.wideserve.brgemm_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 64, generator=g).bfloat16()
+        x = torch.randn(5, 64, generator=g).bfloat16()
+        got = torch.ops.wideserve.gemm_linear_brgemm(x, gemm.pack_linear(w), 40, None, False)
+        return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
+    except RuntimeError:
+        return False
+
+
+# --- the policy (a config object) and the machine key ---
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "wideserve" /
+                "kernel_choice")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """How kernels are chosen. `force`: one of KERNELS (where it can run) or "auto"
+    (measured); `cache_dir` None: no disk cache."""
+
+    force: str = "auto"
+    cache_dir: Path | None = field(default_factory=_default_cache_dir)
+    share_tolerance: float = 0.10   # a kernel on an already-held layout within this of best
+    prune_ratio: float = 4.0        # this much slower, and growing with the rows: not timed
+                                    # at larger buckets
+    min_time_s: float = 3e-3        # per bucket: repeat all candidates up to this long ...
+    max_reps: int = 5               # ... or this many rounds (each one's minimum is kept)
+    max_cols: int = 2048            # wider outputs (an LM head) are timed on a slice
+
+    def __post_init__(self) -> None:
+        if self.force not in KERNELS + ("auto",):
+            raise ValueError(f"{ENV_FORCE}={self.force!r}: choose one of auto, "
+                             f"{', '.join(KERNELS)}")
+
+    @classmethod
+    def from_env(cls) -> KernelPolicy:
+        return cls(force=os.environ.get(ENV_FORCE, "auto").strip().lower() or "auto")
+
+
+def machine_key() -> dict:
+    """What a measured table depends on besides the shapes."""
+    flags: list[str] = []
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = sorted(f for f in line.split(":", 1)[1].split()
+                               if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    sources = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            sources.update(path.name.encode() + path.read_bytes())
+    return {"format": FORMAT, "cpu": model, "isa": flags, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "sources": sources.hexdigest()[:16]}
+
+
+# --- the table ---
+
+@dataclass
+class Entry:
+    """One (family, shape): the kernel per bucket and the measured microseconds per candidate
+    (None: not timed - pruned - or not runnable)."""
+
+    kernels: list[str]
+    times_us: list[dict[str, float | None]]
+    forced: bool = False
+
+
+# (family, kernels, shape, rows) -> seconds per kernel (one bucket's candidates together);
+# shape: (N, K) of a GEMM family, (heads, kv heads, head dim) of "attention"
+Timer = Callable[[str, tuple[str, ...], tuple[int, ...], int], dict[str, float]]
+
+
+class KernelChoice:
+    """The measured kernel table of this process and the policy that fills it."""
+
+    def __init__(self, policy: KernelPolicy | None = None, timer: Timer | None = None) -> None:
+        self.policy = policy or KernelPolicy.from_env()
+        self._timer = timer or self._time
+        self._lock = threading.Lock()
+        self._tables: dict[int, dict[str, Entry]] = {}     # threads -> key -> entry
+        self._loaded: set[int] = set()
+
+    # -- what can run
+
+    def runnable(self, family: str, dtype: torch.dtype) -> tuple[str, ...]:
+        """The candidates of `family` that can run here for `dtype` weights."""
+        if family == "attention":
+            return ("own", "sdpa") if dtype == torch.bfloat16 and cpu_ops_available() else ()
+        if dtype != torch.bfloat16:
+            return ("torch",) if family in ("linear", "qkv") else ()
+        ok = {"micro": gemm.fast_path_compiled(), "brgemm": brgemm_runs(),
+              "onednn": onednn_runs(dtype), "torch": True}
+        return tuple(k for k in FAMILY_KERNELS[family] if ok[k])
+
+    # -- the plan of one shape
+
+    def plan(self, family: str, n: int, k: int, dtype: torch.dtype,
+             allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+        """The kernel per bucket for a [n, k] weight of `family` ('' where none can run)."""
+        cands = tuple(c for c in self.runnable(family, dtype)
+                      if allowed is None or c in allowed)
+        if not cands:
+            return ("",) * len(BUCKETS)
+        force = self.policy.force
+        if force != "auto":
+            pick = force if force in cands else cands[-1] if "torch" in cands else cands[0]
+            return (pick,) * len(BUCKETS)
+        if len(cands) == 1:
+            return cands * len(BUCKETS)
+        entry = self.entry(family, (n, k), cands)
+        return tuple(entry.kernels)
+
+    def plan_attention(self, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> tuple[str, ...]:
+        """"own" (the C++ paged attention op) or "sdpa" (torch's fused attention on the
+        step's own k/v) per bucket of query tokens per request, for a fresh prefill."""
+        cands = self.runnable("attention", dtype)
+        if self.policy.force != "auto" or len(cands) < 2:
+            return (cands[0] if cands else "",) * len(BUCKETS)
+        return tuple(self.entry("attention", (heads, kv_heads, head_dim), cands).kernels)
+
+    def entry(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
+        threads = torch.get_num_threads()
+        key = f"{family}:{'x'.join(map(str, shape))}:{'+'.join(cands)}"
+        with self._lock:
+            table = self._table(threads)
+            if key not in table:
+                start = time.perf_counter()
+                table[key] = self._measure(family, shape, cands)
+                logger.info("kernel choice %s %s (%d threads, timed in %.2f s): %s",
+                            family, "x".join(map(str, shape)), threads,
+                            time.perf_counter() - start,
+                            ", ".join(f"{bucket_label(i)}: {kern}"
+                                      for i, kern in enumerate(table[key].kernels)))
+                self._save(threads)
+            return table[key]
+
+    def _measure(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
+        times: list[dict[str, float | None]] = []
+        alive = set(cands)
+        prev: dict[str, float | None] = {}
+        for i, rows in enumerate(SAMPLE_ROWS):
+            timed_now = self._timer(family, tuple(c for c in cands if c in alive), shape, rows)
+            close = sorted((t, c) for c, t in timed_now.items())[:2]
+            if len(close) == 2 and close[1][0] <= (1 + self.policy.share_tolerance) * close[0][0]:
+                # a near-tie decides the bucket: the two timed again, the better of both kept
+                again = self._timer(family, (close[0][1], close[1][1]), shape, rows)
+                timed_now.update({c: min(t, timed_now[c]) for c, t in again.items()})
+            row: dict[str, float | None] = {c: timed_now.get(c) for c in cands}
+            times.append({c: (None if t is None else t * 1e6) for c, t in row.items()})
+            timed = [t for t in row.values() if t is not None]
+            if timed and i:
+                # A candidate far behind whose time already grows with the rows (compute-
+                # bound, not a fixed cost that larger calls amortise) cannot catch up.
+                grow = 0.5 * rows / SAMPLE_ROWS[i - 1]
+                best = min(timed)
+                alive -= {c for c, t in row.items()
+                          if t is not None and t > self.policy.prune_ratio * best
+                          and prev.get(c) and t >= grow * prev[c]}
+            prev = row
+        return Entry(choose(times, self.policy.share_tolerance), times)
+
+    # -- timing one candidate
+
+    def _time(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
+              rows: int) -> dict[str, float]:
+        """The best of a few calls of each kernel, the kernels called in alternation (a
+        burst of load from elsewhere then hits all of them alike)."""
+        if family != "attention":
+            shape = (min(shape[0], self.policy.max_cols), shape[1])
+        fns = {c: candidate(family, c, shape, rows) for c in kernels}
+        for fn in fns.values():
+            fn()                               # warm: first-call setup, caches
+        best = dict.fromkeys(fns, float("inf"))
+        spent, reps = 0.0, 0
+        while reps < self.policy.max_reps and (reps < 2 or spent < self.policy.min_time_s):
+            for c, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                best[c] = min(best[c], dt)
+                spent += dt
+            reps += 1
+        return best
+
+    # -- disk cache
+
+    def _path(self, threads: int) -> Path | None:
+        if self.policy.cache_dir is None:
+            return None
+        key = machine_key()
+        key["threads"] = threads
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        return self.policy.cache_dir / f"{digest}.json"
+
+    def _table(self, threads: int) -> dict[str, Entry]:
+        table = self._tables.setdefault(threads, {})
+        if threads not in self._loaded:
+            self._loaded.add(threads)
+            path = self._path(threads)
+            if path is not None and path.is_file():
+                try:
+                    data = json.loads(path.read_text())
+                    for key, e in data.get("entries", {}).items():
+                        table.setdefault(key, Entry(list(e["kernels"]), list(e["times_us"])))
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    logger.warning("kernel choice cache %s unreadable (%s): re-timing", path,
+                                   exc)
+        return table
+
+    def _save(self, threads: int) -> None:
+        path = self._path(threads)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            body = {"key": {**machine_key(), "threads": threads},
+                    "entries": {key: dataclasses.asdict(e)
+                                for key, e in self._tables[threads].items()}}
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(body, indent=1))
+            tmp.replace(path)                  # atomic: a reader never sees half a file
+        except OSError as exc:
+            logger.warning("kernel choice cache %s not written: %s", path, exc)
+
+    # -- reporting
+
+    def table(self, threads: int | None = None) -> list[dict]:
+        """The measured table for `threads` (default: torch's count now): one row per
+        (family, shape) with the kernel and the times (us) of every candidate per bucket."""
+        threads = torch.get_num_threads() if threads is None else threads
+        with self._lock:
+            entries = dict(self._table(threads))
+        rows = []
+        for key, e in sorted(entries.items()):
+            family, shape, _ = key.split(":")
+            rows.append({"family": family, "shape": shape, "threads": threads,
+                         "buckets": [{"rows": bucket_label(i), "kernel": e.kernels[i],
+                                      "times_us": e.times_us[i]}
+                                     for i in range(len(BUCKETS))]})
+        return rows
+
+    def describe(self, threads: int | None = None) -> list[str]:
+        """The table as text lines (`wideserve info`, the startup log)."""
+        lines = [f"GEMM kernel choice (policy {self.policy.force}, "
+                 f"{torch.get_num_threads() if threads is None else threads} threads; "
+                 f"rows per call: kernel, its us / the best other candidate's us)"]
+        for row in self.table(threads):
+            cells = []
+            for b in row["buckets"]:
+                times = {k: v for k, v in b["times_us"].items() if v is not None}
+                mine = times.get(b["kernel"])
+                others = [v for k, v in times.items() if k != b["kernel"]]
+                cells.append(f"{b['rows']}: {b['kernel']}" + (
+                    "" if mine is None else f" {mine:.0f}" if not others else
+                    f" {mine:.0f}/{min(others):.0f}"))
+            lines.append(f"  {row['family']:8s} {row['shape']:>11s}  " + "; ".join(cells))
+        return lines
+
+
+def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:
+    """The kernel per bucket from measured times: the fastest, except that where one packed
+    layout can serve every bucket within `tolerance` of the fastest, that layout's kernels
+    run (one copy of the weight instead of two)."""
+    fastest = []
+    for row in times:
+        timed = {k: t for k, t in row.items() if t is not None}
+        fastest.append(min(timed, key=timed.get) if timed else next(iter(row)))
+    if len({LAYOUT[k] for k in fastest}) == 1:
+        return fastest
+    best_single: tuple[float, list[str]] | None = None
+    for layout in dict.fromkeys(LAYOUT[k] for k in fastest):
+        picks, total = [], 0.0
+        for row, win in zip(times, fastest):
+            same = {k: t for k, t in row.items() if t is not None and LAYOUT[k] == layout}
+            if not same or row[win] is None:
+                break
+            k = min(same, key=same.get)
+            if same[k] > (1 + tolerance) * row[win]:
+                break
+            picks.append(k)
+            total += same[k] / row[win]
+        else:
+            if best_single is None or total < best_single[0]:
+                best_single = (total, picks)
+    return fastest if best_single is None else best_single[1]
+
+
+# --- the callables timed per candidate ---
+
+def candidate(family: str, kernel: str, shape: tuple[int, ...],
+              rows: int) -> Callable[[], object]:
+    """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
+    fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
+    of `rows` tokens with (heads, kv heads, head dim) = shape)."""
+    g = torch.Generator().manual_seed(rows)
+    if family == "attention":
+        return _attention_candidate(kernel, *shape, rows, g)
+    n, k = shape
+    if family == "experts":
+        return _experts_candidate(kernel, n, k, rows, g)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    widen = family == "router"
+    if kernel == "micro":
+        p = gemm.pack_linear(w)
+        return lambda: torch.ops.wideserve.gemm_linear(x, p, n, None, widen, False)
+    if kernel == "brgemm":
+        p = gemm.pack_linear(w)
+        return lambda: torch.ops.wideserve.gemm_linear_brgemm(x, p, n, None, widen)
+    if kernel == "onednn":
+        p = prepack(w)
+        return lambda: packed_linear(x, p)
+    return lambda: F.linear(x, w)
+
+
+def _experts_candidate(kernel: str, inter: int, d: int, rows: int,
+                       g: torch.Generator) -> Callable[[], object]:
+    x = torch.randn(rows, d, generator=g).bfloat16()
+    w13, w2 = moe_op.pack_experts((torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16(),
+                                  (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16())
+    ids = torch.zeros(rows, 1, dtype=torch.int64)
+    wts = torch.ones(rows, 1, dtype=torch.bfloat16)
+    big = 1 if kernel == "brgemm" else None
+    return lambda: torch.ops.wideserve.moe_fused_experts(x, ids, wts, w13, w2, inter, None,
+                                                          False, None, None, big)
+
+
+def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
+                         g: torch.Generator) -> Callable[[], object]:
+    """One request's causal prefill of `rows` tokens: the paged op over a cache holding the
+    step's entries, or SDPA on the step's k/v (the two paths paged_attention_batched takes)."""
+    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
+    kv = torch.randn(rows, 2, kv_heads, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    if kernel == "sdpa":
+        k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
+        return lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v,
+                                                      is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+    block = 64
+    blocks = -(-rows // block)
+    cache = F.pad(kv.reshape(rows, -1), (0, 0, 0, blocks * block - rows)).view(blocks, block, -1)
+    table = torch.arange(blocks, dtype=torch.int64)[None]
+    starts = torch.tensor([0, rows], dtype=torch.int64)
+    lens = torch.tensor([rows], dtype=torch.int64)
+    return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
+                                                        scale, 0, False)
+
+
+def brgemm_min_rows(plan: tuple[str, ...]) -> int | None:
+    """The experts family's plan as the fused op's threshold: the lower bound of the first
+    bucket from which every larger bucket picks brgemm (None: none)."""
+    start = None
+    for i in range(len(plan) - 1, -1, -1):
+        if plan[i] != "brgemm":
+            break
+        start = i
+    return None if start is None else BUCKETS[start][0]
+
+
+@functools.cache
+def default_choice() -> KernelChoice:
+    """The process's table, under the policy from the environment (layers/linear.py and
+    layers/experts.py use it unless handed another)."""
+    return KernelChoice(KernelPolicy.from_env())

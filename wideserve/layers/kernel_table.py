@@ -1,0 +1,65 @@
+"""The GEMM kernel table for a model's shapes (wideserve/kernels/choice.py): which kernel each
+of its GEMM families runs per token bucket on this machine, with the measured times, for
+`wideserve info --kernels` and the server's startup log."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wideserve.kernels.choice import KernelChoice, default_choice
+from wideserve.layers.experts import RoutedExperts
+from wideserve.layers.linear import WeightPack
+
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def model_gemm_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
+    """(family, N, K) of every distinct packed GEMM `model` runs: fused q/k/v and gate/up
+    ("qkv"), routers whose logits go through a WeightPack ("router"), the routed experts
+    (N = intermediate, K = hidden), the other linears and an LM head ("linear"); and the
+    paged GQA attention layers ("attention": N = heads, K = kv heads * 100000 + head dim)."""
+    shapes: dict[tuple[str, int, int], None] = {}
+    fused: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            shapes[("experts", m.down_proj.shape[2], m.down_proj.shape[1])] = None
+            continue
+        for names in _FUSED:
+            parts = [getattr(m, n, None) for n in names]
+            if all(isinstance(p, nn.Linear) for p in parts):
+                shapes[("qkv", sum(p.out_features for p in parts), parts[0].in_features)] = None
+                fused.update(id(p) for p in parts)
+        if all(isinstance(getattr(m, a, None), int)
+               for a in ("num_heads", "num_kv_heads", "head_dim")) and hasattr(m, "backend"):
+            shapes[("attention", m.num_heads, m.num_kv_heads * 100000 + m.head_dim)] = None
+        weight = getattr(m, "weight", None)
+        if isinstance(getattr(m, "_pack", None), WeightPack) and weight is not None:
+            shapes[("router", weight.shape[0], weight.shape[1])] = None
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m) not in fused:
+            shapes[("linear", m.out_features, m.in_features)] = None
+    if getattr(model, "lm_head", 0) is None and hasattr(model, "get_input_embeddings"):
+        emb = model.get_input_embeddings().weight          # a tied head
+        shapes[("linear", emb.shape[0], emb.shape[1])] = None
+    return list(shapes)
+
+
+def kernel_table_lines(model: nn.Module, dtype: torch.dtype,
+                       choice: KernelChoice | None = None) -> list[str]:
+    """The kernel per family and bucket for `model`'s shapes in `dtype` (timed now where the
+    on-disk table of this machine does not have them yet), as text lines."""
+    choice = choice or default_choice()
+    if dtype != torch.bfloat16:
+        return [f"GEMM kernel choice: {str(dtype).removeprefix('torch.')} weights run "
+                "F.linear / the fused ops' portable loops (only bf16 is chosen by measurement)"]
+    wanted = set()
+    for family, n, k in model_gemm_shapes(model):
+        if family == "attention":       # (heads, kv heads * 100000 + head dim)
+            kv, hd = divmod(k, 100000)
+            choice.plan_attention(n, kv, hd, dtype)
+            wanted.add(f"{n}x{kv}x{hd}")
+        else:
+            choice.plan(family, n, k, dtype)
+            wanted.add(f"{n}x{k}")
+    return [line for line in choice.describe()
+            if not line.startswith("  ") or line.split()[1] in wanted]
