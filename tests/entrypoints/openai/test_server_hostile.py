@@ -228,7 +228,7 @@ def test_one_requests_many_sequences_do_not_hold_a_later_request(server):
     started = threading.Event()
 
     def run_a() -> None:
-        body = {"prompt": "To be", "n": 8, "max_tokens": 24, "ignore_eos": True,
+        body = {"prompt": "To be", "n": 8, "max_tokens": 200, "ignore_eos": True,
                 "stream": True, "temperature": 0}
         with httpx.stream("POST", server.url + "/v1/completions", json=body,
                           timeout=300) as r:
