@@ -13,11 +13,12 @@
 # both. Environment knobs (defaults sized for ~20 minutes on a 2-vCPU machine):
 #   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
 #   BIG_PROMPTS=16    prompts for the 653M offline run (64 for the 11M one)
+#   PREFILL_THREADS="1 2"   thread counts of the prefill row (best vs best)
 #   SERVE_ARGS="--prompts-per-concurrency 2 --min-prompts 4 --clients aiohttp"
 #                     extra serve_compare.py flags (concurrency 1 / 4 / 16, both models)
 #   PARTS="offline prefill serve roofline"   which parts to run
 set -euo pipefail
-[[ $# == 3 ]] || { sed -n 2,19p "$0"; exit 2; }
+[[ $# == 3 ]] || { sed -n 2,20p "$0"; exit 2; }
 VLLM_PY=$(command -v "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
 WS_PY=$(command -v "${WS_PY:-python3}")
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -55,7 +56,7 @@ if part offline; then
 fi
 if part prefill; then
   echo "== offline prefill (load $(load))" >&2
-  MODEL_NAMES=qwen3moe-653m BIG_PROMPTS=16 THREADS="1 2" FP32=0 \
+  MODEL_NAMES=qwen3moe-653m BIG_PROMPTS=16 THREADS="${PREFILL_THREADS:-1 2}" FP32=0 \
     WORKER_ARGS="--input-len 1024 --output-len 1 --max-model-len 2048" \
     "$HERE/run_offline.sh" "$MODELS" "$OUT/prefill.jsonl" 1
 fi
