@@ -16,9 +16,13 @@
 #   PREFILL_THREADS="1 2"   thread counts of the prefill row (best vs best)
 #   SERVE_ARGS="--prompts-per-concurrency 2 --min-prompts 4 --clients aiohttp"
 #                     extra serve_compare.py flags (concurrency 1 / 4 / 16, both models)
+#   OFFLINE_THREADS="1 2"   thread counts of the offline rows (best vs best)
+#   ROOFLINE_THREADS=$(nproc)   threads for the bandwidth and the batch-64 decode
 #   PARTS="offline prefill serve roofline"   which parts to run
+# On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
+# (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail
-[[ $# == 3 ]] || { sed -n 2,20p "$0"; exit 2; }
+[[ $# == 3 ]] || { sed -n 2,25p "$0"; exit 2; }
 VLLM_PY=$(command -v "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
 WS_PY=$(command -v "${WS_PY:-python3}")
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -52,7 +56,7 @@ PY
 
 if part offline; then
   echo "== offline (load $(load))" >&2
-  THREADS="1 2" FP32=0 "$HERE/run_offline.sh" "$MODELS" "$OUT/offline.jsonl" "${ROUNDS:-1}"
+  THREADS="${OFFLINE_THREADS:-1 2}" FP32=0 "$HERE/run_offline.sh" "$MODELS" "$OUT/offline.jsonl" "${ROUNDS:-1}"
 fi
 if part prefill; then
   echo "== offline prefill (load $(load))" >&2
@@ -69,8 +73,9 @@ if part serve; then
 fi
 if part roofline; then
   echo "== decode roofline (load $(load))" >&2
-  OMP_NUM_THREADS=$(nproc) PYTHONPATH="$REPO" "$WS_PY" "$HERE/decode_roofline.py" \
-    "$MODELS/qwen3moe-653m" --batch 64 --threads "$(nproc)" --out "$OUT/roofline.jsonl" \
+  rt=${ROOFLINE_THREADS:-$(nproc)}
+  OMP_NUM_THREADS=$rt PYTHONPATH="$REPO" "$WS_PY" "$HERE/decode_roofline.py" \
+    "$MODELS/qwen3moe-653m" --batch 64 --threads "$rt" --out "$OUT/roofline.jsonl" \
     2>/dev/null >/dev/null
 fi
 
