@@ -58,8 +58,9 @@ class SchedulerConfig:
     max_new_requests_per_step: int = 0       # 0 = no cap
     num_lookahead_tokens: int = 0            # speculative draft slots reserved per request
     # New prompt tokens admitted per step while running requests share it (0 = the budget);
-    # why: core/scheduler.py, "Prefill while decoding".
-    max_prefill_tokens_while_decoding: int = 0
+    # why: core/scheduler.py, "Prefill while decoding"; 512 measured in BENCHMARKS.md, "TTFT
+    # under load".
+    max_prefill_tokens_while_decoding: int = 512
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ def test_burst_is_admitted_a_slice_per_step_while_others_decode(make):
 
 
 def test_without_the_setting_the_burst_takes_the_whole_budget(make):
-    sched, _ = make(max_num_batched_tokens=1024)
+    sched, _ = make(max_num_batched_tokens=1024, max_prefill_tokens_while_decoding=0)
     _decoding(sched)
     for i in range(5):
         sched.add_request(make_request(f"r{i}", 8, seed=i, max_tokens=3))
