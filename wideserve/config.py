@@ -58,6 +58,10 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_new_requests_per_step: int = 0       # 0 = no cap
     num_lookahead_tokens: int = 0            # speculative draft slots reserved per request
+    # New prompt tokens admitted per step while running requests share it (0 = the budget);
+    # why: core/scheduler.py, "Prefill while decoding". Off by default: 512 halves TTFT p50
+    # at concurrency 16 but costs P90 tok/s per user (BENCHMARKS.md, "TTFT under load").
+    max_prefill_tokens_while_decoding: int = 0
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The fused routed-experts op against the previous CPU expert paths (BENCHMARKS.md, "Fused
 # routed experts"): the expert microbenchmark, then the in-process A/B on both Qwen3-MoE models.
-#   WS_PY=.venv/bin/python /work/notes/quiet benchmarks/vs_vllm/fused_experts_ab.sh MODELS_DIR
+#   WS_PY=.venv/bin/python benchmarks/vs_vllm/fused_experts_ab.sh MODELS_DIR
 set -u
 MODELS=$(realpath "$1")
 cd "$(dirname "$0")/../.."

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Follow-up A/B (BENCHMARKS.md, "Small-M GEMMs"): two trees alternated, 2 rounds each: the LM
 # head and router rows of benchmarks/gemm_linear.py, then the 11M offline step split.
-#   WS_PY=.venv/bin/python /work/notes/quiet benchmarks/vs_vllm/gemm_followup_ab.sh BASE_TREE NEW_TREE MODELS_DIR
+#   WS_PY=.venv/bin/python benchmarks/vs_vllm/gemm_followup_ab.sh BASE_TREE NEW_TREE MODELS_DIR
 set -u
 BASE=$(realpath "$1"); NEW=$(realpath "$2"); MODELS=$(realpath "$3")
 PY=${WS_PY:-python}

@@ -3,7 +3,7 @@
 # map/load counting against the tree before them (BENCHMARKS.md, "Small-M GEMMs"):
 # microbenchmarks, the in-process A/B of the GEMM kernel on/off, and the in-engine step split
 # (offline_worker --profile-breakdown) of a BASE tree and this one, alternated.
-#   WS_PY=.venv/bin/python /work/notes/quiet benchmarks/vs_vllm/gemm_kernels_ab.sh BASE_TREE MODELS_DIR
+#   WS_PY=.venv/bin/python benchmarks/vs_vllm/gemm_kernels_ab.sh BASE_TREE MODELS_DIR
 set -u
 BASE=$(realpath "$1")
 MODELS=$(realpath "$2")

@@ -1,7 +1,7 @@
 """Where the per-token time of a streamed decode goes outside the forward (BENCHMARKS.md,
 "The serving host path per token").
 
-Starts `wideserve serve` (WS_PY, default /work/main/.venv/bin/python; PYTHONPATH = WS_REPO,
+Starts `wideserve serve` (WS_PY, default python3 on PATH; PYTHONPATH = WS_REPO,
 default this repository, so a before/after pair serves two checkouts; one torch thread), warms it up, then for each concurrency and client runs a
 closed loop of streaming requests (token-id prompts, greedy, EOS ignored: the workload of
 serve_compare.py) and reports, per point:
@@ -16,8 +16,8 @@ serve_compare.py) and reports, per point:
                     threads) and the client (this process), from /proc and getrusage
   ctx switches      the engine process's involuntary context switches per token (preemption)
 
-  PYTHONPATH=. /work/venvs/vllm-cpu/bin/python benchmarks/vs_vllm/host_path.py \
-      /work/venvs/hostpath-models/qwen3moe-11m OUT.jsonl [--concurrency 1 16] [--instant-forward]
+  PYTHONPATH=. VLLM_VENV/bin/python benchmarks/vs_vllm/host_path.py \
+      MODELS_DIR/qwen3moe-11m OUT.jsonl [--concurrency 1 16] [--instant-forward]
 
 --instant-forward serves `InstantForwardEngineCore` (instant_engine.py): the real engine (scheduler, KV
 cache manager, step timer, engine loop, IPC) with the model's forward and the sampler
@@ -70,7 +70,7 @@ def start(model: Path, port: int, log: Path, extra: list[str],
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]),
                WS_BENCH_FORWARD_MS=str(forward_ms))
-    py = os.environ.get("WS_PY", "/work/main/.venv/bin/python")
+    py = os.environ.get("WS_PY", "python3")
     entry = ["-c", _SHIM] if instant else ["-m", "wideserve.entrypoints.cli"]
     cmd = [py, *entry, "serve", str(model), "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level", "warning", *extra]

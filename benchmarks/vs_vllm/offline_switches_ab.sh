@@ -2,12 +2,12 @@
 # A/B of offline_switches.py configurations of one tree, alternating, breakdown runs, 11M model
 # (BENCHMARKS.md, "KV write in the op, lazy KV pool"); one summary line per run.
 #   offline_switches_ab.sh THREADS ROUNDS "FUSED HUGE EAGER" ...
-# e.g. offline_switches_ab.sh 1 2 "0 0 1" "1 0 0" "1 1 0"; WS_PY: the interpreter (default the
-# shared venv), MODEL: the model directory.
+# e.g. MODEL=MODELS_DIR/qwen3moe-11m offline_switches_ab.sh 1 2 "0 0 1" "1 0 0" "1 1 0";
+# WS_PY: the interpreter (default python3 on PATH), MODEL: the model directory (required).
 set -e
 tree=$(cd "$(dirname "$0")/../.." && pwd)
-py=${WS_PY:-/work/main/.venv/bin/python}
-model=${MODEL:-/work/venvs/hostpath-models/qwen3moe-11m}
+py=${WS_PY:-python3}
+model=${MODEL:?set MODEL to the 11M model directory (make_models.py)}
 t=$1; n=$2; shift 2
 cfgs=("$@")
 cd "$tree/benchmarks/vs_vllm"

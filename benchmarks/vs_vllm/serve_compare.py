@@ -8,12 +8,13 @@ httpx) send `--prompts-per-concurrency x c` (at least `--min-prompts`) streaming
 wideserve.bench.metrics (the definitions of docs/benchmarking.md, the same for both
 engines). One JSON line per (engine, model, concurrency, client).
 
-  PYTHONPATH=. /work/venvs/vllm-cpu/bin/python benchmarks/vs_vllm/serve_compare.py \
+  PYTHONPATH=. WS_PY=.venv/bin/python VLLM_PY/bin/python benchmarks/vs_vllm/serve_compare.py \
       MODELS_DIR OUT.jsonl --models qwen3moe-11m [--rounds 1]
 
-Run it with the vllm-cpu venv's interpreter (it has aiohttp and httpx); wideserve is started
-with WS_PY (default /work/main/.venv/bin/python) and one torch thread; vLLM as in
-run_offline.sh (its own thread binding, tcmalloc + its libiomp5 preloaded).
+Run it with the vllm-cpu venv's interpreter (it has aiohttp and httpx; PYTHONPATH=. for
+wideserve.bench); wideserve is started with WS_PY (default: python3 on PATH) and one torch
+thread, plus --ws-args; vLLM as in run_offline.sh (its own thread binding, tcmalloc + its
+libiomp5 preloaded, vllm_preload.sh), plus --vllm-args.
 """
 from __future__ import annotations
 
@@ -118,22 +119,24 @@ def summarise(m: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ servers
 
-def start_server(engine: str, model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_server(engine: str, model: Path, port: int, log: Path,
+                 extra: list[str]) -> subprocess.Popen[bytes]:
     if engine == "wideserve":
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        cmd = [os.environ.get("WS_PY", "/work/main/.venv/bin/python"), "-m",
+        cmd = [os.environ.get("WS_PY", "python3"), "-m",
                "wideserve.entrypoints.cli", "serve", str(model), "--port", str(port),
-               "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level", "warning"]
+               "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level", "warning",
+               *extra]
     else:
-        vpy = Path(os.environ.get("VLLM_PY", "/work/venvs/vllm-cpu/bin/python"))
+        vpy = os.environ.get("VLLM_PY", sys.executable)
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
                                                                 "PYTHONPATH")}
-        env["LD_PRELOAD"] = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
-                             f"{vpy.parent.parent}/lib/libiomp5.so")
-        cmd = [str(vpy), str(HERE / "vllm_shim.py"), "serve", str(model), "--port", str(port),
+        env["LD_PRELOAD"] = subprocess.run([str(HERE / "vllm_preload.sh"), vpy], check=True,
+                                           capture_output=True, text=True).stdout.strip()
+        cmd = [vpy, str(HERE / "vllm_shim.py"), "serve", str(model), "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0",
                "--gpu-memory-utilization", "0.15", "--max-num-seqs", "64",
-               "--uvicorn-log-level", "warning"]
+               "--uvicorn-log-level", "warning", *extra]
     with open(log, "ab") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -166,7 +169,8 @@ def bench_engine(a: argparse.Namespace, engine: str, model: Path, rnd: int,
                  out: Any) -> None:
     port = a.port + (0 if engine == "wideserve" else 1)
     log = Path(tempfile.gettempdir()) / f"serve_compare.{engine}.log"      # server output
-    proc = start_server(engine, model, port, log)
+    extra = (a.ws_args if engine == "wideserve" else a.vllm_args).split()
+    proc = start_server(engine, model, port, log, extra)
     try:
         ready_s = wait_ready(proc, port, a.start_timeout)
         target = ServeTarget(f"http://127.0.0.1:{port}", str(model),
@@ -181,9 +185,9 @@ def bench_engine(a: argparse.Namespace, engine: str, model: Path, rnd: int,
                                seed=1000 * c + 100 * a.clients.index(client))
                 t = time.perf_counter()
                 recs = asyncio.run(run_point(client, target, reqs, c))
-                row = {"engine": engine, "model": model.name, "round": rnd,
+                row = {"engine": engine, "model": model.name, "round": rnd, "tag": a.tag,
                        "concurrency": c, "client": client, "num_prompts": n,
-                       "ready_s": round(ready_s, 1),
+                       "ready_s": round(ready_s, 1), "extra_args": " ".join(extra),
                        "load": os.getloadavg()[0],
                        **summarise(compute_metrics(recs, wall_s=time.perf_counter() - t))}
                 print(json.dumps(row), flush=True)
@@ -208,6 +212,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=8631)
     ap.add_argument("--start-timeout", type=float, default=400.0)
+    ap.add_argument("--ws-args", default="", help="extra `wideserve serve` flags (one string)")
+    ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags (one string)")
+    ap.add_argument("--tag", default="", help="recorded in every row (e.g. an A/B label)")
     a = ap.parse_args()
     # A timeout's SIGTERM unwinds through bench_engine's finally: no server is left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

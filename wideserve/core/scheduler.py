@@ -31,9 +31,9 @@ Order of a step
         chunks (sliding-window pages are needed for a whole chunk at once); if not even one
         token fits it finishes with "error" instead of looping forever.
      b. `_schedule_waiting`, only if nothing was preempted this step: admit from the head of
-        the waiting queue (FCFS or PRIORITY) while the budget, `max_num_seqs` and
-        `max_new_requests_per_step` allow and the KV manager has room, starting each request
-        at its prefix-cache hit.
+        the waiting queue (FCFS or PRIORITY) while the budget, `max_num_seqs`,
+        `max_new_requests_per_step` and `max_prefill_tokens_while_decoding` allow and the KV
+        manager has room, starting each request at its prefix-cache hit.
      c. `_update_after_schedule`: advance num_computed_tokens optimistically by each
         request's share and move the scheduled drafts into the output.
   2. The runner computes the scheduled tokens and samples for every request whose step
@@ -45,6 +45,11 @@ Order of a step
 One step is in flight at a time: every `schedule()` is followed by `update_from_output` with
 its output (also when it is empty) before the next `schedule()`. Requests may be aborted or
 finished between the two; their blocks are freed at once and their tokens are not appended.
+
+Prefill while decoding: prompts admitted into a step with running requests get at most
+`max_prefill_tokens_while_decoding` of it (0: all the budget left). A CPU step's time grows
+with its tokens, so a burst admitted at once is one long step everybody waits out, and it then
+finishes (and returns) in lock step; a slice per step answers sooner and de-synchronises it.
 
 Glossary: *computed* tokens have KV in the cache (for this request); *cached* tokens
 (`num_cached_tokens`) are the part of the first admission that came from the prefix cache.
@@ -120,10 +125,11 @@ class Scheduler:
             raise ValueError("SchedulerConfig.max_num_seqs must be >= 1")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        if config.long_prefill_token_threshold < 0 or config.max_new_requests_per_step < 0 \
-                or config.num_lookahead_tokens < 0:
+        if min(config.long_prefill_token_threshold, config.max_new_requests_per_step,
+               config.num_lookahead_tokens, config.max_prefill_tokens_while_decoding) < 0:
             raise ValueError("SchedulerConfig: long_prefill_token_threshold, "
-                             "max_new_requests_per_step and num_lookahead_tokens must be >= 0")
+                             "max_new_requests_per_step, num_lookahead_tokens and "
+                             "max_prefill_tokens_while_decoding must be >= 0")
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -291,7 +297,10 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         cfg = self.config
         cap = cfg.max_new_requests_per_step
-        while self.waiting and plan.budget > 0 \
+        prefill_left = plan.budget      # "Prefill while decoding" (module docstring)
+        if cfg.max_prefill_tokens_while_decoding and plan.running:
+            prefill_left = min(prefill_left, cfg.max_prefill_tokens_while_decoding)
+        while self.waiting and prefill_left > 0 \
                 and len(self.running) + self._num_held_by_connector() < cfg.max_num_seqs:
             if cap and len(plan.admitted) >= cap:
                 return
@@ -304,7 +313,7 @@ class Scheduler:
                 if started:
                     continue
                 # Nothing to load (a full local hit): an ordinary admission.
-            n = self._num_new_tokens(request, num_hit, plan.budget)
+            n = self._num_new_tokens(request, num_hit, prefill_left)
             if n == 0:
                 return
             if self.kv.allocate_slots(request, n, hit_blocks, num_hit,
@@ -323,6 +332,7 @@ class Scheduler:
             self.running.append(request)
             plan.admitted.append(self._scheduled(request, n, is_new_or_resumed=True))
             plan.budget -= n
+            prefill_left -= n
             self._record(request, RequestEventType.SCHEDULED)
 
     # ------------------------------------------------------------------ P/D remote KV

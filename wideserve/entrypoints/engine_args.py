@@ -21,6 +21,10 @@ def parse_positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_positive_int(text)
+
+
 def parse_positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -118,6 +122,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    from wideserve.config import SchedulerConfig
     g = parser.add_argument_group("model and engine")
     g.add_argument("model", nargs="?", default=None,
                    help="model directory or .gguf file (default: the bundled tiny model)")
@@ -143,6 +148,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="requests running at once (per data-parallel rank)")
     g.add_argument("--max-num-batched-tokens", type=parse_positive_int, default=2048,
                    help="tokens per engine step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=_non_negative_int,
+                   default=SchedulerConfig().max_prefill_tokens_while_decoding,
+                   help="new prompt tokens admitted per step while running requests share "
+                        "it (0: the whole budget left); see core/scheduler.py")
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                    help="admission order: first come first served, or the request's "
                         "'priority' field (lower first)")
@@ -234,6 +243,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                           gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_prefill_tokens_while_decoding=getattr(
+                                      args, "max_prefill_tokens_while_decoding", 0),
                                   max_model_len=args.max_model_len,
                                   policy=args.scheduling_policy),
         speculative=getattr(args, "speculative_config", None),

