@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from wideserve.kernels.build import (CSRC, LIBRARY, MANIFEST, PREBUILT, Variant, all_variants,
-                                     compile_variants, source_key)
+                                     compile_variants, compiler, source_key)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,9 @@ def _cache_directory(variant: Variant) -> Path:
 
 
 def _compile_into_cache(variant: Variant) -> Path:
+    if compiler() is None:
+        raise RuntimeError("not installed prebuilt for this CPU/torch and no C++ compiler "
+                           "to build them (c++, g++ or clang++; or set $CXX)")
     directory = _cache_directory(variant)
     directory.mkdir(parents=True, exist_ok=True)
     done = directory / f"{variant.filename}.ok"
@@ -127,12 +130,12 @@ def _compile_into_cache(variant: Variant) -> Path:
 
 
 @functools.cache
-def load(prebuilt_dir: Path = PREBUILT) -> LoadedKernels:
+def load() -> LoadedKernels:
     """Load the best variant for this CPU into the process (once); raises on a compiler
     error or when the library does not load."""
     variants = _forced(supported_variants(cpu_flags()))
     for variant in variants:
-        path = _prebuilt(variant, prebuilt_dir)
+        path = _prebuilt(variant, PREBUILT)
         if path is not None:
             torch.ops.load_library(str(path))
             return LoadedKernels(variant.name, path, prebuilt=True)
