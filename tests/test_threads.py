@@ -47,11 +47,18 @@ def test_flag_then_env_override_the_count() -> None:
     assert plan_engine(cpus=range(4), env=env).threads == 2
     assert plan_engine(cpus=range(4), env=env).source == "OMP_NUM_THREADS"
     plan = plan_engine(3, cpus=range(4), env=env)
-    assert (plan.threads, plan.cpus, plan.source) == (3, (1, 2, 3), "--threads")
-    # 2 threads on 2 cores: no core left to reserve, both used.
-    assert plan_engine(2, cpus=[0, 1], env=NO_ENV).cpus == (0, 1)
+    # A set count leaves a single engine unbound: two servers on one machine, each with
+    # --threads 1, must not both be bound to the one core the plan would leave them.
+    assert (plan.threads, plan.cpus, plan.source) == (3, (), "--threads")
+    assert plan_engine(1, cpus=[0, 1], env=NO_ENV).cpus == ()
+    # Data-parallel ranks with a set count: disjoint slices after the front end's core.
+    ranks = [plan_engine(2, rank=r, ranks=2, cpus=range(6), env=NO_ENV) for r in range(2)]
+    assert [p.cpus for p in ranks] == [(1, 2), (3, 4)]
+    # 2 ranks x 2 threads on 4 cores: no core left to reserve, all used.
+    ranks = [plan_engine(2, rank=r, ranks=2, cpus=range(4), env=NO_ENV) for r in range(2)]
+    assert [p.cpus for p in ranks] == [(0, 1), (2, 3)]
     # More threads than cores: as asked, left unbound (and the log says so).
-    over = plan_engine(4, cpus=[0, 1], env=NO_ENV)
+    over = plan_engine(4, rank=1, ranks=2, cpus=[0, 1], env=NO_ENV)
     assert (over.threads, over.cpus) == (4, ())
     assert "oversubscribed" in over.describe()
     with pytest.raises(ValueError, match="threads must be >= 1"):
@@ -103,7 +110,7 @@ def test_engine_process_applies_and_logs_its_plan() -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == \
         {"threads": 1, "affinity": [cpus[1]]}
     assert "[engine] rank 1: 1 torch thread" in out.stderr
-    # OMP_NUM_THREADS fixes the count: 2 threads on 2 CPUs use both.
+    # OMP_NUM_THREADS fixes the count, unbound: 2 threads on the 2 CPUs the probe has.
     out = subprocess.run(cmd[:-1] + [_ENGINE_PROBE.format(cpus=cpus, parallel="")],
                          capture_output=True,
                          text=True, env=dict(env, OMP_NUM_THREADS="2"), timeout=120,

@@ -73,7 +73,7 @@ class ParallelConfig:
     dp_sync_timeout_s: float = 120.0         # a rank silent this long fails the group
     dp_sync_method: Literal["auto", "gloo", "rd"] = "auto"   # auto = the faster, measured
     dp_idle_poll_ms: int = 20                # idle ranks meet this often to agree on a step
-    threads: int | None = None               # torch threads per engine; None = chosen (threads.py)
+    threads: int | None = None               # torch threads per engine; None = threads.py
 
     @property
     def enabled(self) -> bool:

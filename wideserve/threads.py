@@ -13,8 +13,10 @@ takes 10-40x longer than with one thread (measured on 2 cores, BENCHMARKS.md). T
   to it when there are more cores than ranks;
 - the rest is split into contiguous, disjoint slices, one per local data-parallel rank; each
   rank runs one torch thread per core of its slice and is bound to it;
-- `--threads N` / `LLM(threads=N)`, else `OMP_NUM_THREADS`, fixes the count (the slices are
-  then N cores each where there are enough, unbound where not).
+- `--threads N` / `LLM(threads=N)`, else `OMP_NUM_THREADS`, fixes the count; a single
+  engine is then left unbound (several servers on one machine, each with its count, share the
+  cores as the OS schedules them; `taskset` gives each its own CPUs, which the plan honours),
+  data-parallel ranks get N-core slices where there are enough cores, unbound where not.
 
 The in-process engine of `LLM()` is the caller's own process: it is never bound, and the
 automatic count only lowers torch's thread count (to the cores it may use), never raises one
@@ -103,6 +105,10 @@ def plan_engine(threads: int | None = None, *, rank: int = 0, ranks: int = 1,
     cores = physical_cores(cpus if cpus is not None else sorted(os.sched_getaffinity(0)),
                            core_id)
     count, source = requested_threads(threads, os.environ if env is None else env)
+    if count is not None and ranks == 1:
+        # Several servers on one machine (a P/D pair, tests) each fix their count: bound to
+        # the same cores they would queue on one; the OS spreads them.
+        return ThreadPlan(count, (), source, "a set count is not bound")
     spare = 1 if front_end and len(cores) > ranks else 0
     per_rank = count or max(1, (len(cores) - spare) // ranks)
     reserve = 1 if front_end and len(cores) >= per_rank * ranks + 1 else 0
