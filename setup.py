@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 from setuptools import setup
@@ -61,6 +62,9 @@ class BuildKernels(build_ext):
             self._written = []
             return
         try:
+            with warnings.catch_warnings():    # numpy is installed after the build: torch
+                warnings.simplefilter("ignore")  # warns that it is missing, harmlessly
+                import torch  # noqa: F401
             kernels = _kernel_build_module()
         except Exception as exc:  # noqa: BLE001 - a broken build script must not fail install
             print(f"wideserve: warning: C++ CPU kernels not built at install ({exc}); they "
