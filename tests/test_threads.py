@@ -67,8 +67,10 @@ def test_flag_then_env_override_the_count() -> None:
 
 def test_in_process_engine_is_never_bound_and_never_raised() -> None:
     assert plan_in_process(current=8, cpus=[0, 1], env=NO_ENV) == \
-        ThreadPlan(2, (), "auto", "2 cores")
-    assert plan_in_process(current=1, cpus=[0, 1], env=NO_ENV).threads == 1
+        ThreadPlan(1, (), "auto", "2 cores, 1 left to other work")
+    assert plan_in_process(current=8, cpus=range(8), env=NO_ENV).threads == 7
+    assert plan_in_process(current=2, cpus=range(8), env=NO_ENV).threads == 2
+    assert plan_in_process(current=4, cpus=[5], env=NO_ENV).threads == 1
     assert plan_in_process(4, current=1, cpus=[0, 1], env=NO_ENV).threads == 4
     assert plan_in_process(current=1, cpus=[0, 1], env={"OMP_NUM_THREADS": "2"}).threads == 2
 

@@ -19,8 +19,11 @@ takes 10-40x longer than with one thread (measured on 2 cores, BENCHMARKS.md). T
   data-parallel ranks get N-core slices where there are enough cores, unbound where not.
 
 The in-process engine of `LLM()` is the caller's own process: it is never bound, and the
-automatic count only lowers torch's thread count (to the cores it may use), never raises one
-the caller set.
+automatic count (one core fewer than the process may use, as for a served engine) only lowers
+torch's thread count, never raises one the caller set. An OpenMP team as wide as the machine
+collapses as soon as anything else runs on it (offline on 2 cores beside other work: 2 threads
+7-16 tok/s against 420-800 for 1 thread, benchmarks/threads_default.py), while one thread
+fewer costs at most 1/N on an idle machine (2 idle cores: 2 threads ~1.27x of 1).
 """
 from __future__ import annotations
 
@@ -135,7 +138,9 @@ def plan_in_process(threads: int | None = None, *, current: int,
         return ThreadPlan(count, (), source)
     cores = physical_cores(cpus if cpus is not None else sorted(os.sched_getaffinity(0)),
                            core_id)
-    return ThreadPlan(min(current, len(cores)), (), source, f"{len(cores)} cores")
+    auto = max(1, len(cores) - 1)
+    return ThreadPlan(min(current, auto), (), source,
+                      f"{len(cores)} cores, {len(cores) - auto} left to other work")
 
 
 def apply_engine_plan(threads: int | None, rank: int, ranks: int) -> ThreadPlan:
