@@ -109,8 +109,8 @@ def plan_engine(threads: int | None = None, *, rank: int = 0, ranks: int = 1,
                            core_id)
     count, source = requested_threads(threads, os.environ if env is None else env)
     if count is not None and ranks == 1:
-        # Several servers on one machine (a P/D pair, tests) each fix their count: bound to
-        # the same cores they would queue on one; the OS spreads them.
+        # A set count, one engine: unbound. Several servers on one machine (a P/D pair,
+        # tests) would all be bound to the same cores and queue there; the OS spreads them.
         return ThreadPlan(count, (), source, "a set count is not bound")
     spare = 1 if front_end and len(cores) > ranks else 0
     per_rank = count or max(1, (len(cores) - spare) // ranks)
