@@ -78,6 +78,7 @@ class ParallelConfig:
     dp_sync_timeout_s: float = 120.0         # a rank silent this long fails the group
     dp_sync_method: Literal["auto", "gloo", "rd"] = "auto"   # auto = the faster, measured
     dp_idle_poll_ms: int = 20                # idle ranks meet this often to agree on a step
+    threads: int | None = None               # torch threads per engine; None = threads.py
 
     @property
     def enabled(self) -> bool:
@@ -99,6 +100,8 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_start_rank {self.data_parallel_start_rank} + "
                              f"data_parallel_size_local {self.local_size} exceeds "
                              f"data_parallel_size {n}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.dp_sync_timeout_s <= 0:
             raise ValueError("dp_sync_timeout_s must be positive")
 

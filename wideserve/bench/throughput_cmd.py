@@ -38,7 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transformers batch (left padding; refused for DeepSeek-V4)")
     g.add_argument("--repeats", type=int, default=1,
                    help="timed repeats (backends alternate); the median run is reported")
-    g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     g.add_argument("--prefix-window-mode", choices=("keep", "replay"), default="keep",
                    help="how a prefix hit restores sliding-window/compressor state")
     g.add_argument("--output-json", default=None, help="write the results here")

@@ -27,6 +27,7 @@ from wideserve.config import EngineConfig
 from wideserve.core import engine_ipc as ipc
 from wideserve.core.errors import DuplicateRequestError
 from wideserve.procs import die_with_parent
+from wideserve.threads import apply_engine_plan
 
 DEFAULT_ENGINE = "wideserve.core.engine_core:EngineCore"
 STATS_INTERVAL_S = 0.05
@@ -195,7 +196,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     loop: EngineLoop | None = None
     try:
-        _set_torch_threads()
+        _set_torch_threads(config)
         engine = _load_engine(config, engine_path)
         # A data-parallel lock-step rank brings its own loop (wideserve/distributed).
         loop_cls = getattr(engine, "loop_class", EngineLoop)
@@ -233,13 +234,9 @@ def _report_death(loop: EngineLoop | None, output_addr: str, reason: str) -> Non
         pass
 
 
-def _set_torch_threads() -> None:
-    # Honour OMP_NUM_THREADS explicitly: torch reads it at import, but set_num_threads makes
-    # the intent visible and also covers an engine built after torch was imported elsewhere.
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
-        import torch
-        torch.set_num_threads(int(threads))
+def _set_torch_threads(config: EngineConfig) -> None:
+    apply_engine_plan(config.parallel.threads, config.parallel.data_parallel_rank
+                      - config.parallel.data_parallel_start_rank, config.parallel.local_size)
 
 
 def main(argv: list[str] | None = None) -> int:

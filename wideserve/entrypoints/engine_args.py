@@ -141,6 +141,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "(torch.compile; attention stays eager). Default: eager on the CPU "
                         "(compiling takes tens of seconds there), compiled on other devices")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    g.add_argument("--threads", type=parse_positive_int, default=None,
+                   help="torch threads per engine process (default: one per core this "
+                        "process may use, less one for the server's front end, split over "
+                        "data-parallel ranks, each rank bound to its cores; "
+                        "$OMP_NUM_THREADS also sets it)")
     g.add_argument("--max-model-len", type=_human_int, default=None,
                    help="longest prompt + output in tokens, e.g. 4096 or 32k (default: the "
                         "model's limit)")
@@ -231,6 +236,8 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     from wideserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
     from wideserve.distributed.args import parallel_config_from_args
+    parallel = parallel_config_from_args(args)
+    parallel.threads = getattr(args, "threads", None)
     return EngineConfig(
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
@@ -250,7 +257,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         speculative=getattr(args, "speculative_config", None),
         kv_transfer=getattr(args, "kv_transfer_config", None),
         eplb=_eplb_from_args(args),
-        parallel=parallel_config_from_args(args),
+        parallel=parallel,
     )
 
 

@@ -6,6 +6,7 @@ done, and returns RequestOutputs in the order of the prompts.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
@@ -18,10 +19,12 @@ from wideserve.core.output_processor import OutputProcessor
 from wideserve.extras import require_kv_connector
 from wideserve.outputs import RequestOutput
 from wideserve.sampling_params import SamplingParams
+from wideserve.threads import plan_in_process
 from wideserve.tokenizer import Tokenizer
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 Message = Mapping[str, Any]
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_path, tokenizer: str | None) -> Tokenizer:
@@ -32,11 +35,19 @@ def load_tokenizer(model_path, tokenizer: str | None) -> Tokenizer:
     return Tokenizer.from_pretrained(model_path)
 
 
+def _set_threads(threads: int | None) -> None:
+    import torch
+    plan = plan_in_process(threads, current=torch.get_num_threads())
+    plan.apply()
+    logger.info("LLM engine: %s", plan.describe())
+
+
 class LLM:
     """Engine arguments are the fields of LoadConfig, CacheConfig and SchedulerConfig
     (e.g. dtype, seed, load_format, max_model_len, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, block_size, kv_cache_memory, policy) and ParallelConfig
-    (data_parallel_size, enable_expert_parallel: N engine-core processes, docs/distributed.md)."""
+    (data_parallel_size, enable_expert_parallel: N engine-core processes, docs/distributed.md;
+    threads: torch threads per engine, default chosen for the machine, wideserve/threads.py)."""
 
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
                  **engine_args: Any) -> None:
@@ -58,6 +69,7 @@ class LLM:
             self._finalizer = weakref.finalize(self, self.engine.close)
             model_path = self.engine.model_path
         else:
+            _set_threads(config.parallel.threads)
             self.engine = EngineCore(config)
             model_path = self.engine.loaded.path
         # Without a tokenizer prompts must be token ids and outputs carry no text.
