@@ -9,12 +9,13 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-# --- Parallel runs (pytest-xdist; pyproject.toml's addopts: `-n auto --dist loadgroup`) -------
+# --- Parallel runs (pytest-xdist; pyproject.toml's addopts: `-n auto --dist loadfile`) --------
 # Most of the suite's wall time is spent waiting on spawned servers, engine cores and DP ranks,
-# so a 2-core machine runs more workers than cores. Each test module is one unit of work
-# (xdist_group = its path), so a module-scoped fixture (a server, a loaded model) is built once;
-# MODULE_GROUPS puts modules that share a machine-wide resource on one worker; the units start
-# longest first, so a long module never starts last and holds the run up alone.
+# so a 2-core machine runs more workers than cores. `--dist loadfile` makes each test module
+# one unit of work, so a module-scoped fixture (a server, a loaded model) is built once. The
+# units start longest first, so a long module never starts last and holds the run up alone.
+# (Not `--dist loadgroup`: with pytest 9 xdist 3.8 no longer tags the node ids with the
+# group, and every test would become its own unit.)
 import pytest  # noqa: E402
 
 # Seconds per module, measured serially with `--durations` on the 2-core CI machine (rounded;
@@ -53,13 +54,6 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/entrypoints/openai/test_engine_client_faults.py": 12,
 }
 
-# Modules that must not run at the same time as each other: they share one resource of the
-# machine (named network namespaces and veth devices, created and deleted by name).
-MODULE_GROUPS: dict[str, str] = {
-    "tests/disagg/test_nixl.py": "netns",
-    "tests/distributed/test_dep_multinode.py": "netns",
-}
-
 MAX_AUTO_WORKERS = 4
 
 
@@ -73,29 +67,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(MAX_AUTO_WORKERS, 2 * (cores or 1)))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # xdist registers it too; here for runs without xdist (`-p no:xdist`).
-    config.addinivalue_line("markers", "xdist_group(name): run on one xdist worker with its group")
-
-
-def _module_path(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-def _group(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            path = _module_path(item)
-            item.add_marker(pytest.mark.xdist_group(MODULE_GROUPS.get(path, path)))
-    if not getattr(config.option, "loadgroup", False):   # only an xdist worker under loadgroup
+    if not hasattr(config, "workerinput"):            # only on xdist workers
         return
-    modules: dict[str, set[str]] = {}
-    for item in items:
-        modules.setdefault(_group(item), set()).add(_module_path(item))
-    cost = {g: sum(MODULE_SECONDS.get(m, 0.0) for m in ms) for g, ms in modules.items()}
-    items.sort(key=lambda item: -cost[_group(item)])     # stable: a group stays in its order
+    # xdist hands out modules in this order (`--no-loadscope-reorder`); every worker sorts
+    # the same way, as xdist requires. Stable: a module's own order is kept.
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.nodeid.split("::", 1)[0], 0.0))
