@@ -98,3 +98,112 @@ def pytest_sessionfinish(session: _pytest.Session, exitstatus: int) -> None:
     else:
         print(header, *lines, sep="\n")
     session.exitstatus = _pytest.ExitCode.TESTS_FAILED
+
+
+# --- Parallel runs (pytest-xdist; pyproject.toml's addopts: `-n auto --dist loadfile`) --------
+# Most of the suite's wall time is spent waiting on spawned servers, engine cores and DP ranks,
+# so a 2-core machine runs more workers than cores. `--dist loadfile` makes each test module
+# one unit of work, so a module-scoped fixture (a server, a loaded model) is built once (a
+# module of SPLIT_MODULES: each test is a unit). The units start longest first, so a long
+# module never starts last and holds the run up alone.
+# (Not `--dist loadgroup`: with pytest 9 xdist 3.8 no longer tags the node ids with the
+# group, and every test would become its own unit.)
+import pytest  # noqa: E402
+
+# Seconds per module from `--durations` on the shared 2-core machine (serially per directory;
+# tests/{assets,bench,core,engine,executor,kernels,layers,structured_outputs,tools} and the
+# top-level modules from a 4-worker run). Only the order matters; a module not listed here
+# (under 10 s) is treated as short.
+MODULE_SECONDS: dict[str, float] = {
+    "tests/entrypoints/openai/test_server_fuzz_soak.py": 511,
+    "tests/spec_decode/test_spec_greedy.py": 470,
+    "tests/entrypoints/openai/test_server_smollm2.py": 227,
+    "tests/entrypoints/openai/test_server_agentic.py": 187,
+    "tests/spec_decode/test_spec_bundled.py": 177,
+    "tests/entrypoints/openai/test_server_lifecycle.py": 175,
+    "tests/models/test_deepseek_v41.py": 164,
+    "tests/distributed/test_dep_engine.py": 136,
+    "tests/assets/test_bundled_model.py": 132,
+    "tests/entrypoints/test_generate_cli.py": 125,
+    "tests/entrypoints/openai/test_server_engine_faults.py": 114,
+    "tests/bench/test_serve_e2e.py": 110,
+    "tests/entrypoints/test_info.py": 110,
+    "tests/disagg/test_pd_dep.py": 110,
+    "tests/assets/test_bundled_v41.py": 107,
+    "tests/distributed/eplb/test_eplb_dep.py": 103,
+    "tests/entrypoints/test_info_v41.py": 103,
+    "tests/spec_decode/test_spec_sampled.py": 103,
+    "tests/models/test_deepseek_v4_backends.py": 101,
+    "tests/disagg/test_nixl.py": 101,
+    "tests/entrypoints/openai/test_server_bundled.py": 84,
+    "tests/engine/test_decode_capture.py": 75,
+    "tests/disagg/test_router_e2e.py": 73,
+    "tests/models/test_gguf.py": 70,
+    "tests/distributed/test_dep_multinode.py": 67,
+    "tests/entrypoints/openai/test_server_api.py": 67,
+    "tests/distributed/test_ep_dispatch.py": 58,
+    "tests/spec_decode/test_dspark.py": 56,
+    "tests/entrypoints/openai/test_server_reliability.py": 55,
+    "tests/distributed/eplb/test_eplb_weight_moves.py": 55,
+    "tests/engine/test_engine_greedy.py": 52,
+    "tests/distributed/test_dep_server.py": 49,
+    "tests/spec_decode/test_draft_depth.py": 39,
+    "tests/entrypoints/openai/test_server_bad_inputs.py": 37,
+    "tests/spec_decode/test_dspark_sampled.py": 33,
+    "tests/models/test_deepseek_v4.py": 25,
+    "tests/engine/test_deepseek_v41_engine.py": 25,
+    "tests/distributed/eplb/test_eplb_engine.py": 21,
+    "tests/distributed/test_dp_sync.py": 21,
+    "tests/engine/test_engine_behaviour.py": 20,
+    "tests/models/test_deepseek_v4_fp8.py": 16,
+    "tests/core/kv_cache/test_kv_simulation.py": 15,
+    "tests/core/kv_cache/test_kv_hashing.py": 15,
+    "tests/disagg/test_pd_loopback.py": 14,
+    "tests/entrypoints/openai/test_engine_proc_plumbing.py": 13,
+    "tests/entrypoints/openai/test_engine_client_faults.py": 12,
+    "tests/bench/test_throughput.py": 11,
+}
+
+# Modules whose tests are units of their own: their tests are long and their module fixture is
+# short (a small checkpoint), so spreading them over the workers shortens the run more than
+# the fixture built once per worker costs.
+SPLIT_MODULES = {"tests/spec_decode/test_spec_greedy.py"}
+
+MAX_AUTO_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)         # pytest -p no:xdist has no such hook
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: two workers per core (they mostly wait on subprocesses), at most
+    MAX_AUTO_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in plain xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_AUTO_WORKERS, 2 * (cores or 1)))
+
+
+def _unit_of_work(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path in SPLIT_MODULES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile`, except that each test of SPLIT_MODULES is a unit of its own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of_work(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):            # only on xdist workers
+        return
+    # xdist hands out modules in this order (`--no-loadscope-reorder`); every worker sorts
+    # the same way, as xdist requires. Stable: a module's own order is kept.
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.nodeid.split("::", 1)[0], 0.0))
