@@ -86,10 +86,12 @@ import json, os, threading
 os.sched_setaffinity(0, {cpus})                    # the CPUs the probe may use
 import torch
 from wideserve.config import EngineConfig, ParallelConfig
-from wideserve.core.engine_proc import _set_torch_threads
+from wideserve.core.engine_proc import _local_rank, _set_torch_threads
+from wideserve.threads import announce_engine_plan
 stop = threading.Event()
 t = threading.Thread(target=stop.wait, daemon=True); t.start()   # a thread started before
-_set_torch_threads(EngineConfig(parallel=ParallelConfig({parallel})))
+config = EngineConfig(parallel=ParallelConfig({parallel}))
+announce_engine_plan(_set_torch_threads(config), *_local_rank(config))
 tasks = os.listdir("/proc/self/task")
 print(json.dumps({{"threads": torch.get_num_threads(),
                    "affinity": sorted({{c for tid in tasks for c in os.sched_getaffinity(int(tid))}})}}))

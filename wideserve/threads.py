@@ -144,12 +144,18 @@ def plan_in_process(threads: int | None = None, *, current: int,
 
 
 def apply_engine_plan(threads: int | None, rank: int, ranks: int) -> ThreadPlan:
-    """Plan, apply and log (stderr, one line) for an engine process spawned by a front end."""
+    """Plan and apply the threads of an engine process spawned by a front end (before the
+    model loads: loading runs on them); `announce_engine_plan` logs it once the engine is up."""
     plan = plan_engine(threads, rank=rank, ranks=ranks)
     plan.apply()
+    return plan
+
+
+def announce_engine_plan(plan: ThreadPlan, rank: int, ranks: int) -> None:
+    """One stderr line. Printed after the model loaded, so that an engine that fails to start
+    leaves only its error (the front end's one-line error for a bad model path)."""
     print(f"[engine] rank {rank}: {plan.describe()}" if ranks > 1 else
           f"[engine] {plan.describe()}", file=sys.stderr, flush=True)
-    return plan
 
 
 def _ranges(cpus: Sequence[int]) -> str:

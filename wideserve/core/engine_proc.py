@@ -27,7 +27,7 @@ from wideserve.config import EngineConfig
 from wideserve.core import engine_ipc as ipc
 from wideserve.core.errors import DuplicateRequestError
 from wideserve.procs import die_with_parent
-from wideserve.threads import apply_engine_plan
+from wideserve.threads import ThreadPlan, announce_engine_plan, apply_engine_plan
 
 DEFAULT_ENGINE = "wideserve.core.engine_core:EngineCore"
 STATS_INTERVAL_S = 0.05
@@ -196,8 +196,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     loop: EngineLoop | None = None
     try:
-        _set_torch_threads(config)
+        plan = _set_torch_threads(config)
         engine = _load_engine(config, engine_path)
+        announce_engine_plan(plan, *_local_rank(config))
         # A data-parallel lock-step rank brings its own loop (wideserve/distributed).
         loop_cls = getattr(engine, "loop_class", EngineLoop)
         loop = loop_cls(engine, input_addr, output_addr, parent_pid, heartbeat_s)
@@ -234,9 +235,14 @@ def _report_death(loop: EngineLoop | None, output_addr: str, reason: str) -> Non
         pass
 
 
-def _set_torch_threads(config: EngineConfig) -> None:
-    apply_engine_plan(config.parallel.threads, config.parallel.data_parallel_rank
-                      - config.parallel.data_parallel_start_rank, config.parallel.local_size)
+def _local_rank(config: EngineConfig) -> tuple[int, int]:
+    """(this rank's index among the node's ranks, the node's ranks)."""
+    parallel = config.parallel
+    return parallel.data_parallel_rank - parallel.data_parallel_start_rank, parallel.local_size
+
+
+def _set_torch_threads(config: EngineConfig) -> ThreadPlan:
+    return apply_engine_plan(config.parallel.threads, *_local_rank(config))
 
 
 def main(argv: list[str] | None = None) -> int:
