@@ -189,7 +189,7 @@ def _junk_flood(pd: PD) -> tuple[str, bool]:
         sock.connect(f"tcp://{handle['remote_host']}:{handle['remote_port']}")
         while not stop.is_set():
             try:
-                sock.send(junk, zmq.NOBLOCK)
+                sock.send_multipart(junk, zmq.NOBLOCK)
                 sent[0] += 1
             except zmq.Again:
                 time.sleep(0.001)
@@ -208,26 +208,16 @@ def _junk_flood(pd: PD) -> tuple[str, bool]:
             during < base + 1.0)
 
 
-def _junk_envelope(size: int) -> bytes:
-    """A well-formed side-channel request with a wrong MAC around `size` random bytes: all
-    an attacker without the secret can send (the costliest junk when the MAC is checked
-    first). Built from the Envelope the producer decodes, whatever its fields are."""
+def _junk_envelope(size: int) -> list[bytes]:
+    """A well-formed side-channel request (header frame + body frame, as SideChannelClient
+    sends it) with a wrong MAC around `size` random bytes: all an attacker without the secret
+    can send (the costliest junk when the MAC is checked first)."""
     import msgspec
 
     from wideserve.disagg import side_channel
-    env_type = side_channel.Envelope
-    known: dict[str, Any] = {"kind": "release", "ts": time.time(), "nonce": os.urandom(16),
-                             "body": os.urandom(size), "mac": b"\0" * 32}
-    zero = {"str": "", "int": 0, "float": 0.0, "bytes": b"", "bool": False}
-    values = {}
-    for f in msgspec.structs.fields(env_type):
-        if f.name in known:
-            values[f.name] = known[f.name]
-        elif f.default is not msgspec.NODEFAULT:
-            values[f.name] = f.default
-        else:
-            values[f.name] = zero.get(getattr(f.type, "__name__", str(f.type)), 0)
-    return msgspec.msgpack.encode(env_type(**values))
+    head = side_channel.Header(side_channel.VERSION, "release", time.time(), os.urandom(16),
+                               b"\0" * 32)
+    return [msgspec.msgpack.encode(head), os.urandom(size)]
 
 
 def _decode_death(pd: PD) -> tuple[str, bool]:
