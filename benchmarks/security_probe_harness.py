@@ -158,23 +158,6 @@ class Server:
         return f"; {self.kind} restarted (unresponsive after the case)"
 
 
-def children(pid: int) -> list[int]:
-    table: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            table.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in table.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def ours() -> list[int]:
     """Live processes carrying our marker (started by this probe, orphans included)."""
     marker = f"{MARKER}={os.getpid()}".encode()

@@ -14,8 +14,9 @@ from typing import Any, Callable
 import httpx
 
 from security_probe_harness import (
-    MODEL, Row, Server, Sizes, TOTALS, alive, children, free_port, hostile_client,
+    MODEL, Row, Server, Sizes, TOTALS, alive, free_port, hostile_client,
     kill_all, message, metric_sum, run_case, status_case, wait_gone)
+from wideserve.procs import descendants
 
 
 # ----------------------------------------------------------------- P/D pair and the router
@@ -266,7 +267,7 @@ def free_port_block(n: int) -> int:
 
 
 def _rank_pids(server_pid: int) -> list[int]:
-    return [p for p in children(server_pid)
+    return [p for p in descendants(server_pid)
             if b"engine_proc" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
@@ -324,7 +325,7 @@ def dep_stopped_rank(timeout_s: float) -> tuple[str, bool]:
 
 
 def sigkilled_server(srv: Server) -> tuple[str, bool]:
-    tree = children(srv.proc.pid)
+    tree = descendants(srv.proc.pid)
     srv.proc.kill()
     srv.proc.wait()
     left = wait_gone(tree, 5.0)

@@ -17,6 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "entrypoints" / "openai"))
 from oai_server_utils import RemoteServer, pid_alive, write_tiny_model  # noqa: E402
 
+from wideserve.procs import descendants  # noqa: E402
+
 # The middle process: starts a child that arms die_with_parent, prints the child's pid, and
 # waits to be killed. `mode` picks how the child is started.
 _PARENT = r"""
@@ -40,23 +42,6 @@ else:
 print(child.pid, flush=True)
 time.sleep(120)
 """
-
-
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            out.append(pid)
-            todo.append(pid)
-    return out
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
@@ -103,7 +88,7 @@ def test_sigkilled_server_leaves_no_process_behind(tmp_path):
     model = write_tiny_model(tmp_path / "tiny")
     srv = RemoteServer([str(model), "--load-format", "dummy", "--device", "cpu",
                         "--block-size", "16", "--kv-cache-memory", "4MiB"])
-    tree = _process_tree(srv.proc.pid)
+    tree = descendants(srv.proc.pid)
     try:
         cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in tree]
         assert any(b"wideserve.core.engine_proc" in c for c in cmdlines)

@@ -87,3 +87,24 @@ def _end_self() -> None:
     # SIGKILL, not sys.exit: nothing of ours is worth flushing once nobody reads our output,
     # and an exit from a non-main thread would only end that thread.
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live descendant of `root` (children first), read from /proc (Linux): what a
+    check that nothing outlived its parent walks."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            out.append(pid)
+            todo.append(pid)
+    return out
