@@ -38,6 +38,8 @@ from wideserve.config import EngineConfig
 from wideserve.core.engine_client import EngineCoreClient, EngineStartupError
 from wideserve.distributed.dp_client import DPEngineClient
 from wideserve.distributed.dp_metrics import DPStatsCollector
+from wideserve.entrypoints.anthropic import serving as anthropic_serving
+from wideserve.entrypoints.anthropic.convert import error_body as anthropic_error_body
 from wideserve.entrypoints.openai import serving_chat, serving_completions, serving_responses
 from wideserve.entrypoints.openai.serving_chat import chat_options
 from wideserve.entrypoints.openai.async_engine import AsyncEngine
@@ -68,19 +70,23 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()          # x-api-key, as Anthropic clients send it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS \
                 or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(auth, self.expected):
+        headers = dict(scope["headers"])
+        if secrets.compare_digest(headers.get(b"authorization", b""), self.expected) \
+                or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key):
             await self.app(scope, receive, send)
             return
-        error = ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                         code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+        error = ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
+                              "or 'x-api-key: <key>'", code="invalid_api_key")
+        body = anthropic_error_body(401, error.message) \
+            if scope["path"].startswith("/v1/messages") else error.body()
+        await JSONResponse(body, status_code=401)(scope, receive, send)
 
 
 def build_app(ctx: ServingContext, *, api_key: str | None = None,
@@ -153,6 +159,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         raise ApiError(404, f"/v1/embeddings: {ctx.model_name!r} is a generative model; this "
                             "server does not compute embeddings", type_="not_found_error",
                        code="embeddings_not_supported")
+
+    anthropic_serving.add_routes(app, ctx, read_body)     # /v1/messages
 
     schema = build_openapi({"/v1/responses": serving_responses.ResponsesRequest})
 
