@@ -19,9 +19,13 @@ from wideserve.distributed.dp_engine import DPStepStats
 from wideserve.distributed.dp_metrics import DPStatsCollector
 from wideserve.distributed.eplb.balancer import BalancerStats
 from wideserve.entrypoints.openai.metrics import ServerMetrics
+from wideserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from wideserve.sampling_params import SamplingParams
 from wideserve.spec_decode.metrics import SpecDecodeStats
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# vLLM's own dashboard (its panels and queries; the file names its source and licence).
+VLLM_DASHBOARD = Path(__file__).resolve().parents[1] / "data" / "grafana" / "vllm_dashboard.json"
 SERIES = re.compile(r"\b(?:vllm|wideserve):[A-Za-z0-9_:]+")
 
 
@@ -43,13 +47,21 @@ def exported_series() -> set[str]:
     ranks = [_rank_stats(0), _rank_stats(1)]
     metrics = ServerMetrics("m", lambda: ranks[0])
     metrics.registry.register(DPStatsCollector(lambda: ranks, "m", lambda: [1, 1]))
-    metrics.observe_request_start(4)
+    metrics.observe_request_start(4, SamplingParams(max_tokens=8))
     metrics.observe_tokens(1, None, 0.1)
     metrics.observe_tokens(1, 0.01, None)
     metrics.observe_finish("stop", 0.2)
+    metrics.observe_request_done(RequestOutput(
+        "r", None, [1, 2, 3, 4], None, [CompletionOutput(0, "", [5, 6])], True,
+        RequestMetrics(arrival_time=0.0, first_scheduled_time=0.01, first_token_time=0.1,
+                       last_token_time=0.11)))
     metrics.observe_step_times([0.01])
+    return {s.name for s in exported_samples(metrics)}
+
+
+def exported_samples(metrics: ServerMetrics) -> list:
     text = metrics.render().decode()
-    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 def _queries(dashboard: dict) -> list[tuple[str, str]]:
@@ -69,6 +81,25 @@ def test_every_panel_query_names_an_exported_series() -> None:
                if name not in exported]
     assert not missing, missing
     assert all(SERIES.search(expr) for _, expr in queries)
+
+
+def test_every_vllm_dashboard_query_names_an_exported_series() -> None:
+    """vLLM's own Grafana dashboard works unchanged: each series a panel reads is exported,
+    with the model_name label its queries select on (and vLLM's engine label)."""
+    dashboard = json.loads(VLLM_DASHBOARD.read_text())
+    queries = _queries(dashboard)
+    assert len(queries) == 28 and all(SERIES.search(expr) for _, expr in queries[:-1])
+    exported = exported_series()
+    missing = [(title, name) for title, expr in queries for name in SERIES.findall(expr)
+               if name not in exported]
+    assert not missing, missing
+    assert queries[-1] == ("variable model_name", "label_values(model_name)")
+    ranks = [_rank_stats(0)]
+    metrics = ServerMetrics("m", lambda: ranks[0])
+    metrics.observe_request_start(4)
+    vllm = [s for s in exported_samples(metrics) if s.name.startswith("vllm:")]
+    assert vllm and all(s.labels.get("model_name") == "m" and s.labels.get("engine") == "0"
+                        for s in vllm)
 
 
 def test_dashboard_covers_what_the_issue_asks_for() -> None:

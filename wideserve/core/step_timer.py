@@ -5,11 +5,14 @@ phase is billed for the device work it launched (the forward is not billed to sa
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
+# Upper bounds of the tokens-per-step histogram: vLLM's vllm:iteration_tokens_total buckets.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -22,6 +25,9 @@ class StepStats:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     last_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     last_tokens: int = 0
+    # Steps per ITERATION_TOKEN_BUCKETS bucket (not cumulative; the last one is +Inf).
+    token_histogram: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
 
 
 class StepTimer:
@@ -51,6 +57,7 @@ class StepTimer:
         s.tokens += num_tokens
         s.requests += num_requests
         s.last_tokens = num_tokens
+        s.token_histogram[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
         s.last_seconds = self._current
         for k, v in self._current.items():
             s.seconds[k] += v

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -250,11 +252,36 @@ def test_metrics_under_vllm_names_too(server, client):
                        ("vllm:generation_tokens_total", "wideserve:generation_tokens_total"),
                        ("vllm:time_to_first_token_seconds_count",
                         "wideserve:time_to_first_token_seconds_count")):
-        key = f'{vllm}{{model_name="{BUNDLED}"}}'
-        assert values[key] == values[key.replace(vllm, ours)]
-    assert values[f'vllm:request_success_total{{finished_reason="length",model_name="{BUNDLED}"}}'] \
+        assert values[f'{vllm}{{engine="0",model_name="{BUNDLED}"}}'] \
+            == values[f'{ours}{{model_name="{BUNDLED}"}}']
+    assert values['vllm:request_success_total{engine="0",finished_reason="length",'
+                  f'model_name="{BUNDLED}"}}'] \
         == values[f'wideserve:requests_total{{model_name="{BUNDLED}",outcome="length"}}'] >= 1
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
+def test_vllm_dashboard_series_live(server, client):
+    """Every series vLLM's Grafana dashboard reads is in a live scrape, with this model's
+    name, after one request; the per-request and per-step histograms have observations."""
+    client.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=4)
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "data" / "grafana"
+                            / "vllm_dashboard.json").read_text())
+    wanted = {m for p in dashboard["panels"] for t in p["targets"]
+              for m in re.findall(r"vllm:[A-Za-z0-9_:]+", t["expr"])}
+    deadline = time.monotonic() + 10      # engine stats reach the front end within a beat
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        live = {line.split("{")[0]: line for line in text.splitlines()
+                if line.startswith("vllm:") and f'model_name="{BUNDLED}"' in line}
+        if "vllm:iteration_tokens_total_count" in live or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert wanted - set(live) == set()
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "iteration_tokens_total"):
+        assert float(live[f"vllm:{name}_count"].rsplit(" ", 1)[1]) >= 1, name
+    assert "vllm:cache_config_info" in live and 'enable_prefix_caching="True"' in text
 
 
 # ---- /v1/responses --------------------------------------------------------------------------

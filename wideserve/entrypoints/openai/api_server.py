@@ -43,7 +43,7 @@ from wideserve.entrypoints.anthropic.convert import error_body as anthropic_erro
 from wideserve.entrypoints.openai import serving_chat, serving_completions, serving_responses
 from wideserve.entrypoints.openai.serving_chat import chat_options
 from wideserve.entrypoints.openai.async_engine import AsyncEngine
-from wideserve.entrypoints.openai.metrics import ServerMetrics
+from wideserve.entrypoints.openai.metrics import ServerMetrics, cache_config_info
 from wideserve.entrypoints.openai.supervision import ExitOnEngineDeath
 from wideserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, TokenizeChatRequest,
@@ -353,7 +353,8 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
             print(f"wideserve serve: error: {e}", file=sys.stderr)
             return 1
         names = list(args.served_model_name or [str(info.get("name", "model"))])
-        metrics = ServerMetrics(names[0], lambda: client.stats)
+        metrics = ServerMetrics(names[0], lambda: client.stats, int(info["max_model_len"]),
+                                cache_config_info(info, config))
         if isinstance(client, DPEngineClient):
             metrics.registry.register(DPStatsCollector(
                 lambda: client.rank_stats, names[0], lambda: client.balancer.picks))

@@ -130,7 +130,7 @@ class AsyncEngine:
         try:
             await self.client.add_requests(core_requests)
             if self.metrics is not None:
-                self.metrics.observe_request_start(len(prompt_token_ids))
+                self.metrics.observe_request_start(len(prompt_token_ids), params)
             while not finished:
                 await stream.wait()
                 if stream.pending:
@@ -230,6 +230,7 @@ class AsyncEngine:
                            "stop")
             m.observe_cached(ro.num_cached_tokens)
             m.observe_finish(outcome, now - stream.arrival)
+            m.observe_request_done(ro)
 
     def fail_all(self, error: BaseException) -> None:
         """End every open stream with `error` (the engine died; the server is stopping)."""

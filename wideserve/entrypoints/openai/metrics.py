@@ -5,18 +5,29 @@ Two sources:
   latency) as it happens;
 - the engine's stats snapshot (it rides on every Outputs message and heartbeat) is read at
   scrape time by a custom collector: running/waiting, KV usage, prefix-cache queries and hits,
-  preemptions and the per-phase step-time totals. Engine counters are cumulative in the
-  engine, so they are exported as-is rather than re-incremented here.
+  preemptions, the per-phase step-time totals and the tokens-per-step histogram. Engine
+  counters are cumulative in the engine, so they are exported as-is rather than
+  re-incremented here.
+
+Per finished request (request_metrics.py): queue, prefill, decode and inference time, time per
+output token, prompt and generation lengths, and the n / max_tokens parameters, as vLLM
+reports them. Inter-token latency is kept two ways: per token (a step's gap spread over the
+tokens it produced, which differ from steps under speculative decoding) and per step (one
+gap per output step of a request, which is what vLLM's vllm:inter_token_latency_seconds is).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 from prometheus_client.registry import Collector
 
+from wideserve.core.step_timer import ITERATION_TOKEN_BUCKETS
 from wideserve.disagg import metrics as kv_transfer_metrics
+from wideserve.entrypoints.openai.request_metrics import RequestMetricsObserver
 from wideserve.entrypoints.openai.vllm_metrics import vllm_registry
 
 PREFIX = "wideserve:"
@@ -104,6 +115,7 @@ class EngineStatsCollector(Collector):
                 fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
                 fam.add_metric([self._model], float(steps[key]))
                 yield fam
+        yield from self._iteration_tokens(steps)
         phases = steps.get("seconds")
         if isinstance(phases, dict) and phases:
             fam = CounterMetricFamily(
@@ -114,6 +126,18 @@ class EngineStatsCollector(Collector):
                 fam.add_metric([self._model, str(phase)], float(seconds))
             yield fam
 
+    def _iteration_tokens(self, steps: dict[str, Any]) -> Iterator[Any]:
+        counts = steps.get("token_histogram")
+        if not isinstance(counts, list) or len(counts) != len(ITERATION_TOKEN_BUCKETS) + 1:
+            return
+        fam = HistogramMetricFamily(PREFIX + "engine_iteration_tokens",
+                                    "Tokens computed per engine step.", labels=["model_name"])
+        cumulative, buckets = 0, []
+        for edge, count in zip([*map(float, ITERATION_TOKEN_BUCKETS), float("inf")], counts):
+            cumulative += int(count)
+            buckets.append(("+Inf" if edge == float("inf") else str(edge), cumulative))
+        fam.add_metric([self._model], buckets, float(steps.get("tokens", 0)))
+        yield fam
 
     def _eplb(self, eplb: Any) -> Iterator[Any]:
         if not isinstance(eplb, dict) or not eplb:
@@ -153,8 +177,20 @@ class EngineStatsCollector(Collector):
             yield fam
 
 
+def cache_config_info(model_info: dict[str, Any], config: Any) -> dict[str, str]:
+    """The KV cache's settings as info labels (vLLM's vllm:cache_config_info)."""
+    block = model_info.get("kv_block_size")
+    capacity = model_info.get("kv_capacity_tokens")
+    blocks = int(capacity) // int(block) if block and capacity is not None else None
+    return {"block_size": str(block), "num_gpu_blocks": str(blocks),
+            "kv_capacity_tokens": str(capacity), "cache_dtype": str(config.cache.kv_cache_dtype),
+            "enable_prefix_caching": str(bool(config.cache.enable_prefix_caching))}
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, Any]],
+                 max_model_len: int = 1 << 20,
+                 cache_info: dict[str, str] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         reg, labels = self.registry, ["model_name"]
@@ -178,6 +214,15 @@ class ServerMetrics:
                              registry=reg)
         self.step_time = Histogram(PREFIX + "engine_step_seconds", "Wall time of one engine step.",
                                    labels, buckets=_STEP_BUCKETS, registry=reg)
+        self.step_gap = Histogram(PREFIX + "inter_step_latency_seconds",
+                                  "Gap between consecutive output steps of a request (one "
+                                  "per step, however many tokens it produced).", labels,
+                                  buckets=_ITL_BUCKETS, registry=reg)
+        self.requests_done = RequestMetricsObserver(PREFIX, model_name, max_model_len, reg)
+        if cache_info is not None:
+            info = Gauge(PREFIX + "cache_config_info", "The KV cache's settings (value 1).",
+                         ["model_name", *cache_info], registry=reg)
+            info.labels(model_name, *cache_info.values()).set(1)
         reg.register(EngineStatsCollector(engine_stats, model_name))
         self.vllm_aliases = vllm_registry(reg, PREFIX)
         # One label set (this model) per family: bound once here, not looked up (under the
@@ -190,9 +235,12 @@ class ServerMetrics:
         self._itl = self.itl.labels(model_name)
         self._e2e = self.e2e.labels(model_name)
         self._step = self.step_time.labels(model_name)
+        self._step_gap = self.step_gap.labels(model_name)
 
-    def observe_request_start(self, num_prompt_tokens: int) -> None:
+    def observe_request_start(self, num_prompt_tokens: int, params: Any = None) -> None:
         self._prompt.inc(num_prompt_tokens)
+        if params is not None:
+            self.requests_done.observe_params(params.n, params.max_tokens)
 
     def observe_tokens(self, num_new: int, since_last_s: float | None,
                        ttft_s: float | None) -> None:
@@ -201,6 +249,7 @@ class ServerMetrics:
         if ttft_s is not None:
             self._ttft.observe(ttft_s)
         elif since_last_s is not None and num_new > 0:
+            self._step_gap.observe(since_last_s)
             # Several tokens in one chunk (a speculative step): spread the gap evenly.
             per_token = since_last_s / num_new
             for _ in range(num_new):
@@ -214,6 +263,10 @@ class ServerMetrics:
         child.inc()
         if e2e_s is not None:
             self._e2e.observe(e2e_s)
+
+    def observe_request_done(self, output: Any) -> None:
+        """A finished request's timings and lengths (a wideserve.outputs.RequestOutput)."""
+        self.requests_done.observe(output)
 
     def observe_rejected(self) -> None:
         self._outcomes["rejected"].inc()

@@ -3,7 +3,14 @@ benchmark clients that scrape vLLM (Grafana boards, aiperf, `vllm bench serve`, 
 only `vllm:spec_decode*`). The mapping is documented in docs/vllm_compat.md.
 
 The aliases are computed at scrape time from the same registry, so the two names can never
-disagree; a metric with no vLLM counterpart is exported under its wideserve name only.
+disagree; a metric with no vLLM counterpart is exported under its wideserve name only. Every
+alias carries vLLM's `engine` label besides `model_name`: one engine per server ("0"; with
+data parallelism the values are the ranks' aggregate, per rank under wideserve:dp_rank_*).
+
+Inter-token latency: vLLM observes one gap per output step of a request (its
+update_from_output, whatever number of tokens a speculative step accepted), so its
+vllm:inter_token_latency_seconds is our per-step series; wideserve:inter_token_latency_seconds
+stays per token, and vllm:request_time_per_output_token_seconds is the per-request mean.
 """
 from __future__ import annotations
 
@@ -24,9 +31,22 @@ VLLM_NAMES = {
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
     "requests": "request_success",
+    "cached_prompt_tokens": "prompt_tokens_cached",
     "time_to_first_token_seconds": "time_to_first_token_seconds",
-    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "inter_step_latency_seconds": "inter_token_latency_seconds",
     "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "request_queue_time_seconds": "request_queue_time_seconds",
+    "request_prefill_time_seconds": "request_prefill_time_seconds",
+    "request_decode_time_seconds": "request_decode_time_seconds",
+    "request_inference_time_seconds": "request_inference_time_seconds",
+    "request_time_per_output_token_seconds": "request_time_per_output_token_seconds",
+    "request_prompt_tokens": "request_prompt_tokens",
+    "request_generation_tokens": "request_generation_tokens",
+    "request_max_num_generation_tokens": "request_max_num_generation_tokens",
+    "request_params_n": "request_params_n",
+    "request_params_max_tokens": "request_params_max_tokens",
+    "engine_iteration_tokens": "iteration_tokens_total",
+    "cache_config_info": "cache_config_info",
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
@@ -34,6 +54,7 @@ VLLM_NAMES = {
 }
 # vLLM counts only finished requests in request_success, labelled finished_reason.
 _SUCCESS_OUTCOMES = frozenset({"stop", "length", "abort"})
+ENGINE = "0"
 
 
 class VllmAliasCollector(Collector):
@@ -58,6 +79,7 @@ class VllmAliasCollector(Collector):
                 if outcome not in _SUCCESS_OUTCOMES:
                     continue
                 labels["finished_reason"] = outcome
+            labels["engine"] = ENGINE
             out.add_sample(new + s.name[len(old):], labels, s.value, s.timestamp, s.exemplar)
         return out
 
