@@ -336,3 +336,19 @@ def test_block_writer_opens_and_closes_blocks():
         ("content_block_delta", 2, "input_json_delta"), ("content_block_stop", 2, None),
         ("content_block_start", 3, "tool_use"), ("content_block_stop", 3, None)]
     assert events[7]["content_block"]["name"] == "f" and events[7]["content_block"]["input"] == {}
+
+
+def test_stream_errors_are_anthropic_error_events():
+    from wideserve.core.engine_client import EngineDeadError
+    from wideserve.entrypoints.anthropic.serving import _error_event
+    from wideserve.entrypoints.openai.async_engine import RequestFailed
+
+    def parsed(error: BaseException) -> dict:
+        name, data = _error_event(error).strip().split("\n")
+        assert name == "event: error"
+        return json.loads(data.removeprefix("data: "))
+
+    assert parsed(EngineDeadError("gone")) == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "The engine is not available: gone"}}
+    assert parsed(RequestFailed("too long"))["error"]["type"] == "invalid_request_error"
+    assert parsed(RequestFailed("step failed", internal=True))["error"]["type"] == "api_error"
