@@ -42,7 +42,8 @@ def test_spec_decode_and_request_success_under_vllm_names():
 
 
 def test_every_vllm_series_has_engine_and_model_name():
-    m = ServerMetrics("m", lambda: {"num_running": 1, "prefix_queries": 4, "prefix_hits": 2},
+    m = ServerMetrics("m", lambda: {"num_running": 1, "kv_usage": 0.5, "prefix_queries": 4,
+                                    "prefix_hits": 2},
                       cache_info={"block_size": "64"})
     m.observe_request_start(4, SamplingParams(max_tokens=8))
     names = [(name, dict(labels)) for name, labels in _samples(m) if name.startswith("vllm:")]
@@ -50,7 +51,9 @@ def test_every_vllm_series_has_engine_and_model_name():
     assert all(labels.get("engine") == "0" and labels.get("model_name") == "m"
                for _, labels in names)
     assert {"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-            "vllm:cache_config_info", "vllm:prompt_tokens_cached_total"} <= {n for n, _ in names}
+            "vllm:cache_config_info", "vllm:prompt_tokens_cached_total",
+            "vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_hits_total"} \
+        <= {n for n, _ in names}
 
 
 def test_request_timings_and_sizes_under_vllm_names():
@@ -91,6 +94,8 @@ def test_inter_token_latency_per_token_and_per_step():
     assert _value(s, "vllm:inter_token_latency_seconds_count", engine="0") == 1
     assert _value(s, "vllm:inter_token_latency_seconds_sum", engine="0") == 0.3
     assert _value(s, "vllm:time_to_first_token_seconds_count", engine="0") == 1
+    # vLLM's name for the same before 0.11, which older dashboards still read.
+    assert _value(s, "vllm:time_per_output_token_seconds_count", engine="0") == 1
 
 
 def test_iteration_tokens_histogram_from_the_engine_steps():

@@ -52,6 +52,14 @@ VLLM_NAMES = {
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos": "spec_decode_num_accepted_tokens_per_pos",
 }
+# vLLM's older names of the same series, still read by dashboards written for vLLM < 0.11
+# (it renamed them and kept the old ones behind --show-hidden-metrics-for-version).
+DEPRECATED_NAMES = {
+    "kv_cache_usage_perc": ("gpu_cache_usage_perc",),
+    "prefix_cache_queries": ("gpu_prefix_cache_queries",),
+    "prefix_cache_hits": ("gpu_prefix_cache_hits",),
+    "inter_step_latency_seconds": ("time_per_output_token_seconds",),
+}
 # vLLM counts only finished requests in request_success, labelled finished_reason.
 _SUCCESS_OUTCOMES = frozenset({"stop", "length", "abort"})
 ENGINE = "0"
@@ -68,6 +76,8 @@ class VllmAliasCollector(Collector):
             target = VLLM_NAMES.get(short) if short else None
             if target is not None:
                 yield self._renamed(family, short, target)
+                for old_name in DEPRECATED_NAMES.get(short, ()):
+                    yield self._renamed(family, short, old_name)
 
     def _renamed(self, family: Metric, short: str, target: str) -> Metric:
         out = Metric("vllm:" + target, family.documentation, family.type)
