@@ -128,6 +128,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/spec_decode/test_spec_greedy.py": 470,
     "tests/entrypoints/openai/test_server_smollm2.py": 227,
     "tests/entrypoints/openai/test_server_agentic.py": 187,
+    "tests/entrypoints/openai/test_anthropic_messages.py": 70,
     "tests/spec_decode/test_spec_bundled.py": 177,
     "tests/entrypoints/openai/test_server_lifecycle.py": 175,
     "tests/models/test_deepseek_v41.py": 164,
