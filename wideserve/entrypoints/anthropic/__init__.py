@@ -1,1 +1,2 @@
-"""Anthropic's Messages API (`/v1/messages`) served over the OpenAI chat path; see docs/anthropic.md."""
+"""Anthropic's Messages API (`/v1/messages`) served over the OpenAI chat path; see
+docs/anthropic.md."""
