@@ -226,17 +226,17 @@ def wait_healthy(prefix: list[str], ports: list[int], proc: subprocess.Popen, lo
             time.sleep(0.5)
 
 
-def stop(proc: subprocess.Popen, name: str) -> list[str]:
+def stop(proc: subprocess.Popen, name: str, grace_s: float = STOP_S) -> list[str]:
     """As the README says: SIGTERM to each server (the shell's children); then every process of
     the namespace must be gone. Returns what was left (then killed), for the assertion."""
     for pid in children(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=STOP_S)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + grace_s / 4
     while pids_in(name) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = []

@@ -5,10 +5,15 @@ output compared, then stopped with SIGTERM with no process left (tests/readme_do
 session is a unit of its own for xdist (tests/conftest.py, SPLIT_MODULES)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 
-from readme_doc import Block, Session, background_script, commands, run_session, \
-    server_ports, sessions
+from readme_doc import Block, Session, background_script, children, commands, namespace, \
+    run_session, server_ports, sessions, stop
 
 SERVERS = [s for s in sessions() if s.server is not None]
 
@@ -36,3 +41,26 @@ def test_server_blocks_run_each_command_in_the_background() -> None:
         "wideserve router --port 8000 &", "wait"]
     assert server_ports(block) == [8100, 8000]
     assert server_ports(Block("bash server", "wideserve serve\n", 1)) == [8000]
+
+
+def test_a_process_that_outlives_sigterm_is_reported_and_killed() -> None:
+    name = f"wsreadmetest{os.getpid()}"
+    with namespace(name) as prefix:
+        script = "(trap '' TERM; exec sleep 300) &\nwait\n"          # a server ignoring TERM
+        proc = subprocess.Popen([*prefix, "bash", "-c", script], start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not _sleeping(proc.pid) and time.monotonic() < deadline:    # TERM ignored by now
+            time.sleep(0.05)
+        left = stop(proc, name, grace_s=1.0)
+        assert any("sleep 300" in line for line in left), left
+        assert proc.returncode is not None          # the shell too: killed, reaped
+
+
+def _sleeping(pid: int) -> bool:
+    for child in children(pid):
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"):
+                return True
+        except OSError:
+            pass
+    return False
