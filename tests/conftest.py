@@ -125,6 +125,8 @@ import pytest  # noqa: E402
 # (under 10 s) is treated as short.
 MODULE_SECONDS: dict[str, float] = {
     "tests/entrypoints/openai/test_server_fuzz_soak.py": 511,
+    "tests/test_readme_servers.py": 250,
+    "tests/test_readme.py": 100,
     "tests/spec_decode/test_spec_greedy.py": 470,
     "tests/entrypoints/openai/test_server_smollm2.py": 227,
     "tests/entrypoints/openai/test_server_agentic.py": 187,
@@ -177,7 +179,7 @@ MODULE_SECONDS: dict[str, float] = {
 # Modules whose tests are units of their own: their tests are long and their module fixture is
 # short (a small checkpoint), so spreading them over the workers shortens the run more than
 # the fixture built once per worker costs.
-SPLIT_MODULES = {"tests/spec_decode/test_spec_greedy.py"}
+SPLIT_MODULES = {"tests/spec_decode/test_spec_greedy.py", "tests/test_readme_servers.py"}
 
 MAX_AUTO_WORKERS = 8          # each worker may hold a server or DP ranks: bounded memory
 

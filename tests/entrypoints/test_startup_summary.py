@@ -7,6 +7,7 @@ import torch
 
 from wideserve.config import engine_config_from_kwargs
 from wideserve.entrypoints.startup import PREFIX, features, startup_summary
+from wideserve.kernels import describe
 from wideserve.executor.loader import _with_progress
 
 INFO = {"architecture": "DeepseekV4ForCausalLM", "dtype": "bfloat16", "num_params": 13_760_000_000,
@@ -74,11 +75,47 @@ def test_speculation_methods() -> None:
         assert features(engine_config_from_kwargs(speculative_config=spec)).startswith(text)
 
 
-def test_kernels_line_reports_the_loader_on_cpu() -> None:
+def test_kernels_lines_are_the_engines_report() -> None:
+    engine = ["C++ CPU kernels, avx2 build (installed); CPU features: avx2",
+              "GEMM kernel per token bucket (1 thread; ...)",
+              "  linear      64x32  micro 1-16, brgemm 17+  (1 4 16 16 16 16 us)"]
+    text = startup_summary({**INFO, "kernels": engine}, engine_config_from_kwargs(), ["m"],
+                           1024, URL)
+    lines = [line.removeprefix(PREFIX) for line in text.splitlines()]
+    at = lines.index("kernels:    " + engine[0])
+    assert lines[at + 1:at + 3] == [" " * 12 + line for line in engine[1:]]
+    assert lines[at + 3].startswith("serving:")
+
+
+def test_kernels_line_without_an_engine_report_names_the_build() -> None:
     s = _summary(engine_config_from_kwargs(), kernels=None)
+    assert s["kernels"] == describe("cpu") + "\n"
     assert "C++ CPU kernels" in s["kernels"] and "CPU features:" in s["kernels"]
     cuda = startup_summary(INFO, engine_config_from_kwargs(device="cuda"), ["m"], 1024, URL)
     assert "cuda: torch's kernels" in cuda
+
+
+def test_the_engine_reports_its_kernels(monkeypatch, tmp_path) -> None:
+    """The engine's ModelInfo carries the lines the server prints: the build and the GEMM
+    choice of the loaded model (measured here, in a cache of the test's own)."""
+    from wideserve.core.engine_core import EngineCore
+    from wideserve.kernels import choice
+
+    monkeypatch.setenv(choice.ENV_FORCE, "auto")
+    monkeypatch.setenv(choice.ENV_CACHE, str(tmp_path))
+    choice.default_choice.cache_clear()
+    try:
+        core = EngineCore(engine_config_from_kwargs(kv_cache_memory="64MiB", max_num_seqs=4))
+        kernels = core.model_info.kernels
+    finally:
+        choice.default_choice.cache_clear()
+    assert kernels[0] == describe("cpu")
+    if choice.KernelChoice().runnable("linear", torch.bfloat16)[1:]:   # more than one to time
+        assert kernels[1].startswith("GEMM kernel per token bucket")
+        assert {line.split()[0] for line in kernels[2:]} >= {"linear", "qkv"}
+    text = startup_summary({**INFO, "kernels": kernels}, engine_config_from_kwargs(), ["m"],
+                           1024, URL)
+    assert all(line in text for line in kernels)
 
 
 def test_weight_loading_progress_reaches_the_total(capsys) -> None:

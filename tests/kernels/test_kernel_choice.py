@@ -233,3 +233,24 @@ def test_near_ties_are_timed_again(tmp_path, runnable_all) -> None:
     assert [c for c in timer.calls if c[4] == 256][-2:] == [
         ("linear", "brgemm", 96, 64, 256), ("linear", "onednn", 96, 64, 256)]
     assert plan[4] == "onednn" and plan[5] == "onednn"
+
+
+def test_summary_merges_buckets_and_shows_the_chosen_times(tmp_path, runnable_all) -> None:
+    timer = FakeTimer({"micro": [1e-6, 2e-6, 9e-6, 40e-6, 400e-6, 900e-6],
+                       "brgemm": [3e-6, 3e-6, 4e-6, 10e-6, 30e-6, 100e-6],
+                       "onednn": [5e-6, 5e-6, 6e-6, 12e-6, 33e-6, 50e-6],
+                       "torch": [9e-6, 9e-6, 9e-6, 20e-6, 60e-6, 120e-6]})
+    kc = _choice(tmp_path, timer)
+    kc.plan("linear", 96, 64, torch.bfloat16)
+    kc.plan("qkv", 32, 64, torch.bfloat16)
+    lines = kc.summary({("linear", "96x64")}, threads=torch.get_num_threads())
+    assert lines[0].startswith("GEMM kernel per token bucket (")
+    assert len(lines) == 2 and lines[1].split() == [
+        "linear", "96x64", "micro", "1-4,", "brgemm", "5-256,", "onednn", "257+",
+        "(1", "2", "4", "10", "30", "50", "us)"]
+    assert len(kc.summary(threads=torch.get_num_threads())) == 3      # every shape measured
+    assert kc.summary({("router", "8x64")}, threads=torch.get_num_threads()) == [
+        f"GEMM kernel choice: no shape measured at {torch.get_num_threads()} threads"]
+    forced = KernelChoice(KernelPolicy(force="micro", cache_dir=None))
+    assert forced.summary() == ["GEMM kernel micro for every family and token count "
+                                "(WIDESERVE_GEMM=micro; nothing measured)"]

@@ -1,11 +1,13 @@
-"""layers/kernel_table.py: the GEMM shapes of a model and the table lines for them (forced
-policy: nothing timed)."""
+"""layers/kernel_table.py: the GEMM shapes of a model, the table lines for them (forced
+policy: nothing timed) and the startup block's summary (fake timings)."""
 from __future__ import annotations
 
 import torch
 
+from wideserve.kernels import choice as ch
+from wideserve.kernels import describe
 from wideserve.kernels.choice import KernelChoice, KernelPolicy
-from wideserve.layers.kernel_table import kernel_table_lines, model_gemm_shapes
+from wideserve.layers.kernel_table import kernel_summary, kernel_table_lines, model_gemm_shapes
 from wideserve.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -28,3 +30,29 @@ def test_shapes_and_lines_of_a_qwen3_moe(tmp_path) -> None:
                                KernelChoice(KernelPolicy(force="micro", cache_dir=tmp_path)))
     assert lines[0].startswith("GEMM kernel choice (policy micro")
     assert kernel_table_lines(model, torch.float32)[0].startswith("GEMM kernel choice: float32")
+
+
+def test_summary_names_the_build_and_only_the_models_shapes(tmp_path, monkeypatch) -> None:
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(CFG))
+    monkeypatch.setattr(KernelChoice, "runnable",
+                        lambda self, family, dtype: ch.FAMILY_KERNELS[family])
+
+    def timer(family, kernels, shape, rows):       # micro fastest up to 16 rows, then brgemm
+        return {c: {"micro": rows, "brgemm": 16.5, "own": 1, "sdpa": 2}.get(c, 99) * 1e-6
+                for c in kernels}
+
+    kc = KernelChoice(KernelPolicy(cache_dir=tmp_path), timer=timer)
+    kc.plan("linear", 4096, 4096, torch.bfloat16)                  # not this model's
+    lines = kernel_summary(model, torch.bfloat16, "cpu", kc)
+    assert lines[0] == describe("cpu") and "CPU features:" in lines[0]
+    rows = {tuple(line.split()[:2]) for line in lines[2:]}
+    assert rows == {(f, s) for f, s in
+                    {("qkv", "64x32"), ("linear", "32x32"), ("router", "4x32"),
+                     ("experts", "24x32"), ("linear", "64x32"), ("attention", "4x2x8")}}
+    assert all("micro 1-16, brgemm 17+  (1 4 16 16 16 16 us)" in line
+               for line in lines[2:] if line.split()[0] != "attention")
+    assert kernel_summary(model, torch.bfloat16, "cuda", kc) == [
+        "cuda: torch's kernels (the C++ CPU kernels serve the CPU only)"]
+    assert kernel_summary(model, torch.float32, "cpu", kc)[1].startswith(
+        "GEMM kernel choice: float32")

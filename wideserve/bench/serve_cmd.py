@@ -107,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     try:
         asyncio.run(_main(args, results))
+    except httpx.TransportError as exc:       # nothing listening, a timeout, a reset
+        print(f"wideserve bench serve: error: cannot reach --base-url {args.base_url} ({exc}):"
+              f" start the server first (`wideserve serve`) or fix the URL", file=sys.stderr)
+        if not results.get("points"):
+            return 1
     except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"wideserve bench serve: error: {exc}", file=sys.stderr)
         if not results.get("points"):

@@ -36,6 +36,7 @@ from wideserve.executor.loader import LoadedModel, load_model
 from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
 from wideserve.executor.penalties import PenaltyTracker
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.kernel_table import kernel_summary
 from wideserve.executor.sampler import (Sampler, argmax_rows, build_sampling_metadata,
                                         compute_prompt_logprobs, make_generator,
                                         plain_greedy)
@@ -61,6 +62,7 @@ class ModelInfo:
     eos_token_ids: list[int]
     dtype: str
     kv_block_size: int | None = None         # positions per logical (prefix-hash) block
+    kernels: list[str] = field(default_factory=list)   # the startup block's kernel lines
 
 
 @dataclass(slots=True)
@@ -275,7 +277,8 @@ class EngineCore:
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, num_params=total,
             num_active_params=active, kv_capacity_tokens=self.kv_config.capacity_tokens,
             eos_token_ids=list(self.eos_token_ids), dtype=str(self.loaded.dtype).split(".")[-1],
-            kv_block_size=self.kv_config.block_size)
+            kv_block_size=self.kv_config.block_size,
+            kernels=kernel_summary(self.model, self.loaded.dtype, self.device.type))
 
     # ---------------------------------------------------------------------- requests
     def add_request(self, req: EngineCoreRequest) -> None:

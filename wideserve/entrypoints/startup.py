@@ -2,25 +2,26 @@
 which features, and where. One place so that every setting a user asks about after the fact
 ("is MTP on? how many requests fit?") is in the log of the run.
 
-    wideserve | model:      DeepSeek-V4-Flash (DeepseekV4ForCausalLM, bfloat16, cuda)
+    wideserve | model:      DeepSeek-V4-Flash (DeepseekV4ForCausalLM, bfloat16, cpu)
     wideserve | parameters: 13.76B on each rank: its 1/8 of the routed experts + the rest
     wideserve | parallel:   DEP, 8 ranks (this node: ranks 0-7), experts sharded ...
     wideserve | context:    131072 tokens per request at most (prompt + output, ...)
     wideserve | KV cache:   1,114,112 tokens of context per rank, shared by its running requests
     wideserve |             = 8 requests at the full 131,072-token context; ...
     wideserve | features:   MTP speculation k=3; EPLB every 3000 steps ...; P/D off; ...
-    wideserve | kernels:    ...
+    wideserve | kernels:    C++ CPU kernels, avx512bf16 build (installed); CPU features: ...
+    wideserve |             GEMM kernel per token bucket (1 thread; the kernel's us at ...)
+    wideserve |               linear      4096x128  micro 1, brgemm 2-16, onednn 17+  (13 ...)
     wideserve | serving:    http://127.0.0.1:8000/v1 as "DeepSeek-V4-Flash" ...
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
+from wideserve.kernels import describe
+
 PREFIX = "wideserve | "
-# The CPU features the C++ kernels and oneDNN choose their paths by (docs/cpu_kernels.md).
-ISA_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 
 def fmt_count(n: int) -> str:
@@ -42,7 +43,11 @@ def startup_summary(info: dict[str, Any], config: Any, served_names: list[str],
              f"--max-model-len)",
              *_kv(info, config, max_model_len),
              f"features:   {features(config)}"]
-    kernel_lines = kernels if kernels is not None else describe_kernels(config.load.device)
+    # The engine's own report (its build, and the GEMM kernel it measured fastest per family,
+    # shape and token bucket: core/engine_core.py ModelInfo.kernels); this process's view of
+    # the build where an engine sent none.
+    kernel_lines = kernels if kernels is not None else \
+        list(info.get("kernels") or [describe(config.load.device)])
     for i, line in enumerate(kernel_lines):
         lines.append(f"{'kernels:' if i == 0 else '':12s}{line}")
     also = f" (also {', '.join(served_names[1:])})" if len(served_names) > 1 else ""
@@ -123,32 +128,3 @@ def features(config: Any) -> str:
     compiled = "eager" if eager or (eager is None and config.load.device == "cpu") \
         else "torch.compile"
     return "; ".join((spec_text, eplb_text, pd_text, caching, compiled))
-
-
-def describe_kernels(device: str) -> list[str]:
-    """What the kernels report: the GEMM choice table where wideserve.kernels provides one
-    (`describe()` -> lines), else the C++ extension's state and the CPU's features."""
-    if not device.startswith("cpu"):
-        return [f"{device}: torch's kernels (the C++ CPU kernels serve the CPU only)"]
-    kernels = importlib.import_module("wideserve.kernels")
-    describe = getattr(kernels, "describe", None)
-    if callable(describe):
-        return list(describe())
-    from wideserve.kernels.loader import cpu_ops_available
-    if cpu_ops_available():
-        from wideserve.kernels.gemm import fast_path_compiled
-        ext = ("C++ CPU kernels loaded, AVX512-BF16 micro-kernel" if fast_path_compiled()
-               else "C++ CPU kernels loaded, portable paths (no AVX512-BF16 on this CPU)")
-    else:
-        ext = "C++ CPU kernels unavailable (see the warning above): torch paths"
-    return [f"{ext}; CPU features: {' '.join(cpu_flags()) or 'none of ' + '/'.join(ISA_FLAGS)}"]
-
-
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    present = set(line.split(":", 1)[-1].split())
-    return [f for f in ISA_FLAGS if f in present]

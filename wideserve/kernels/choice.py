@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -367,6 +367,42 @@ class KernelChoice:
                     f" {mine:.0f}/{min(others):.0f}"))
             lines.append(f"  {row['family']:8s} {row['shape']:>11s}  " + "; ".join(cells))
         return lines
+
+
+    def summary(self, shapes: Collection[tuple[str, str]] | None = None,
+                threads: int | None = None) -> list[str]:
+        """The table in a few lines (the startup block): per (family, shape) the kernel of
+        each run of token buckets and the chosen kernel's measured us per bucket. `shapes`:
+        only these (family, "NxK") - one model's; `threads` default: torch's count now."""
+        threads = torch.get_num_threads() if threads is None else threads
+        if self.policy.force != "auto":
+            return [f"GEMM kernel {self.policy.force} for every family and token count "
+                    f"({ENV_FORCE}={self.policy.force}; nothing measured)"]
+        rows = [r for r in self.table(threads)
+                if shapes is None or (r["family"], r["shape"]) in shapes]
+        if not rows:
+            return [f"GEMM kernel choice: no shape measured at {threads} threads"]
+        lines = [f"GEMM kernel per token bucket ({threads} thread{'s' * (threads != 1)}; the "
+                 f"kernel's us at {'/'.join(map(str, SAMPLE_ROWS))} rows; every candidate's: "
+                 f"wideserve info --kernels)"]
+        for row in rows:
+            runs: list[list] = []                  # [kernel, first bucket, last bucket]
+            for i, b in enumerate(row["buckets"]):
+                if runs and runs[-1][0] == b["kernel"]:
+                    runs[-1][2] = i
+                else:
+                    runs.append([b["kernel"], i, i])
+            kernels = ", ".join(f"{k} {_span(first, last)}" for k, first, last in runs)
+            us = " ".join("-" if b["times_us"].get(b["kernel"]) is None
+                          else f"{b['times_us'][b['kernel']]:.0f}" for b in row["buckets"])
+            lines.append(f"  {row['family']:9s}{row['shape']:>11s}  {kernels}  ({us} us)")
+        return lines
+
+
+def _span(first: int, last: int) -> str:
+    """Token buckets first..last as one range: "1", "2-16", "17+"."""
+    lo, hi = BUCKETS[first][0], BUCKETS[last][1]
+    return f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wideserve.kernels import describe
 from wideserve.kernels.choice import KernelChoice, default_choice
 from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.linear import WeightPack
@@ -44,22 +45,47 @@ def model_gemm_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     return list(shapes)
 
 
-def kernel_table_lines(model: nn.Module, dtype: torch.dtype,
-                       choice: KernelChoice | None = None) -> list[str]:
-    """The kernel per family and bucket for `model`'s shapes in `dtype` (timed now where the
-    on-disk table of this machine does not have them yet), as text lines."""
-    choice = choice or default_choice()
-    if dtype != torch.bfloat16:
-        return [f"GEMM kernel choice: {str(dtype).removeprefix('torch.')} weights run "
-                "F.linear / the fused ops' portable loops (only bf16 is chosen by measurement)"]
+def _not_chosen(dtype: torch.dtype) -> str:
+    return (f"GEMM kernel choice: {str(dtype).removeprefix('torch.')} weights run F.linear / "
+            "the fused ops' portable loops (only bf16 is chosen by measurement)")
+
+
+def plan_model(model: nn.Module, dtype: torch.dtype, choice: KernelChoice) -> set[tuple[str, str]]:
+    """Plan every GEMM shape of `model` (timing, once per machine, what the disk table lacks:
+    what the first forward would otherwise time); returns them as (family, "NxK")."""
     wanted = set()
     for family, n, k in model_gemm_shapes(model):
         if family == "attention":       # (heads, kv heads * 100000 + head dim)
             kv, hd = divmod(k, 100000)
             choice.plan_attention(n, kv, hd, dtype)
-            wanted.add(f"{n}x{kv}x{hd}")
+            wanted.add((family, f"{n}x{kv}x{hd}"))
         else:
             choice.plan(family, n, k, dtype)
-            wanted.add(f"{n}x{k}")
+            wanted.add((family, f"{n}x{k}"))
+    return wanted
+
+
+def kernel_table_lines(model: nn.Module, dtype: torch.dtype,
+                       choice: KernelChoice | None = None) -> list[str]:
+    """The kernel per family and bucket for `model`'s shapes in `dtype`, every candidate's
+    time (`wideserve info --kernels`), as text lines."""
+    choice = choice or default_choice()
+    if dtype != torch.bfloat16:
+        return [_not_chosen(dtype)]
+    wanted = {shape for _, shape in plan_model(model, dtype, choice)}
     return [line for line in choice.describe()
             if not line.startswith("  ") or line.split()[1] in wanted]
+
+
+def kernel_summary(model: nn.Module, dtype: torch.dtype, device: str,
+                   choice: KernelChoice | None = None) -> list[str]:
+    """The kernels of a loaded model in a few lines (the server's startup block): the build
+    serving `device`, then the kernel per token bucket for each of the model's shapes and its
+    measured time."""
+    lines = [describe(device)]
+    if not device.startswith("cpu"):
+        return lines
+    if dtype != torch.bfloat16:
+        return lines + [_not_chosen(dtype)]
+    choice = choice or default_choice()
+    return lines + choice.summary(plan_model(model, dtype, choice))
