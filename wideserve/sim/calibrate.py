@@ -27,15 +27,30 @@ import numpy as np
 
 from wideserve.sim.hardware import Profile
 
+# The default calibration model: benchmarks/dep_scaling.py's many-expert Qwen3-MoE (dummy
+# weights), small enough for a 2-core machine, with enough experts for EP to matter.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 2048,
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "tie_word_embeddings": False, "torch_dtype": "float32", "hidden_act": "silu",
+}
 
-def _median_time(fn, reps: int) -> float:
+
+def _times(fn, reps: int) -> list[float]:
     fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return ts
+
+
+def _median_time(fn, reps: int) -> float:
+    return statistics.median(_times(fn, reps))
 
 
 def measure_experts(hidden: int, inter: int, rows: list[int], reps: int = 20) -> dict[str, Any]:
@@ -65,6 +80,7 @@ def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_l
               max_num_seqs=max(batches), max_num_batched_tokens=4096,
               kv_cache_memory=256 << 20, enable_prefix_caching=False, **(extra or {}))
     llm = LLM(model_dir, **kw)
+    clock = _time_experts(llm.engine.model)
     rows = []
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -72,17 +88,35 @@ def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_l
         llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}], sp,
                      use_tqdm=False)
         for b in batches:
-            before = _step_totals(llm)
+            before = _step_totals(llm) | {"experts": clock[0]}
             prompts = [{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
                        for _ in range(b)]
             llm.generate(prompts, sp, use_tqdm=False)
-            after = _step_totals(llm)
+            after = _step_totals(llm) | {"experts": clock[0]}
             steps = after["steps"] - before["steps"]
             d = {k: (after[k] - before[k]) / steps for k in after if k != "steps"}
             rows.append({"batch": b, "steps": steps, **d})
     finally:
         llm.shutdown()
     return rows
+
+
+def _time_experts(model: Any) -> list[float]:
+    """Seconds spent inside the routed experts (forward hooks on every RoutedExperts):
+    the engine's own op, timed where it runs, so the rest of the forward is known."""
+    from wideserve.layers.experts import RoutedExperts
+    clock, start = [0.0], [0.0]
+
+    def pre(*_: Any) -> None:
+        start[0] = time.perf_counter()
+
+    def post(*_: Any) -> None:
+        clock[0] += time.perf_counter() - start[0]
+    for mod in model.modules():
+        if isinstance(mod, RoutedExperts):
+            mod.register_forward_pre_hook(pre)
+            mod.register_forward_hook(post)
+    return clock
 
 
 def _step_totals(llm: Any) -> dict[str, float]:
@@ -121,7 +155,10 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], q: An
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     small = torch.zeros(4, dtype=torch.int32)
-    ar = _median_time(lambda: dist.all_reduce(small), 200)
+    ar = _times(lambda: dist.all_reduce(small), 200)
+    tiny = torch.zeros(2 * world, dtype=torch.int32)
+    tiny_out = torch.empty_like(tiny)
+    a2a_small = _times(lambda: dist.all_to_all_single(tiny_out, tiny), 200)
     a2a = []
     for n in sizes:
         x = torch.zeros(n // 4 * world, dtype=torch.float32)
@@ -129,7 +166,9 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], q: An
         a2a.append(_median_time(lambda: dist.all_to_all_single(y, x), 20))
     dist.destroy_process_group()
     if rank == 0:
-        q.put({"allreduce_s": ar, "alltoall_s": a2a})
+        q.put({"allreduce_s": statistics.median(ar), "allreduce_mean_s": statistics.mean(ar),
+               "alltoall_s": a2a, "alltoall_small_mean_s": statistics.mean(a2a_small),
+               "alltoall_small_median_s": statistics.median(a2a_small)})
 
 
 def measure_collectives(world: int, sizes: list[int]) -> dict[str, Any]:
@@ -145,7 +184,7 @@ def measure_collectives(world: int, sizes: list[int]) -> dict[str, Any]:
              for r in range(world)]
     for p in procs:
         p.start()
-    out = q.get(timeout=300)
+    out = q.get(timeout=120)
     for p in procs:
         p.join(timeout=60)
     return out
@@ -179,7 +218,7 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     experts = measure_experts(hidden, inter, [1, 2, 4, 8, 16, 32, 64])
     engine = measure_engine(model_dir, batches, prompt_len, output_len)
     base, per_req = host_fit(engine)
-    dense = _dense_rows(engine, cfg, experts)
+    dense = _dense_rows(engine)
     sizes = [4096, 65536, 1 << 20]
     coll = {str(w): measure_collectives(w, sizes) for w in ranks}
     fit = alltoall_fit(sizes, coll["2"]["alltoall_s"], 2)
@@ -191,27 +230,20 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
         host={"base_s": base, "per_request_s": per_req, "per_token_s": 0.0, "jitter_s": jit},
         collectives={"allreduce_s": {w: c["allreduce_s"] for w, c in coll.items()},
                      "allreduce_alpha_s": coll["2"]["allreduce_s"] / 2,
-                     "alltoall": {**fit, "sizes": sizes, "s": coll["2"]["alltoall_s"]}},
+                     "allreduce_mean_s": {w: c["allreduce_mean_s"] for w, c in coll.items()},
+                     "alltoall": {**fit, "sizes": sizes, "s": coll["2"]["alltoall_s"],
+                                  "alpha_mean_s": coll["2"]["alltoall_small_mean_s"],
+                                  "alpha_median_s": coll["2"]["alltoall_small_median_s"]}},
         ops={"expert": experts, "dense_forward": dense, "engine_rows": engine},
         mem_bytes_per_s=mem, flops_fp32=flops,
         sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "model": str(model_dir)})
 
 
-def _dense_rows(engine: list[dict[str, float]], cfg: dict[str, Any],
-                experts: dict[str, Any]) -> dict[str, list[float]]:
-    """forward(B) minus the experts (all E local, B*k rows spread over them)."""
-    from wideserve.sim.costs import interp
-    e, k = int(cfg.get("num_experts") or cfg.get("n_routed_experts")), int(cfg["num_experts_per_tok"])
-    layers = int(cfg["num_hidden_layers"])
-    toks, secs = [], []
-    for r in engine:
-        rows = r["batch"] * k
-        active = e * (1 - (1 - 1 / e) ** rows)
-        moe = layers * active * interp(experts["rows"], experts["s"], rows / active)
-        toks.append(float(r["batch"]))
-        secs.append(max(r["forward"] - moe, 1e-6))
-    return {"tokens": toks, "s": secs}
+def _dense_rows(engine: list[dict[str, float]]) -> dict[str, list[float]]:
+    """forward(B) minus the time measured inside the routed experts."""
+    return {"tokens": [float(r["batch"]) for r in engine],
+            "s": [max(r["forward"] - r["experts"], 1e-6) for r in engine]}
 
 
 def write_profile(profile: Profile, path: str | Path) -> None:

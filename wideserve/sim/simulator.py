@@ -87,7 +87,7 @@ class Simulation:
         self.sm = StepModel(model, hw, profile)
         self.rng = np.random.default_rng(seed)
         self.jitter = np.asarray(profile.host.get("jitter_s") or [0.0])
-        self.jitter = self.jitter - np.median(self.jitter)
+        self.jitter = self.jitter - self.jitter.mean()     # zero-mean: a lone rank's noise is in its measured costs
         self.target = self._eplb(model.moe_layers, model.experts, layout.skew, seed)
         self.draft = (self._eplb(max(1, model.draft_layers), model.draft_experts,
                                  layout.draft_skew, seed + 1)

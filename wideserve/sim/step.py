@@ -117,8 +117,10 @@ class StepModel:
         if ranks <= 1 or layers == 0:
             return 0.0
         if self.measured:
+            # The mean measured latency of a small exchange, tail included: on a shared
+            # host a rendezvous waits for the peer to be scheduled, and that is part of it.
             c = self.p.collectives["alltoall"]
-            beta, alpha = c["bytes_per_s"], c["alpha_s"]
+            beta, alpha = c["bytes_per_s"], c.get("alpha_mean_s", c["alpha_s"])
         else:
             beta, alpha = self.hw.link(ranks)
         d = self.m.hidden
@@ -126,6 +128,16 @@ class StepModel:
                + alltoall_s(ranks, rows_sent * d * DISPATCH_BYTES, alpha, beta)
                + alltoall_s(ranks, rows_sent * d * COMBINE_BYTES, alpha, beta))
         return layers * one
+
+    def weight_bytes_per_rank(self, ranks: int, total_rows: float) -> float:
+        """Weight bytes one rank reads per step: its dense copy plus the experts that receive
+        a row, with `total_rows` routed rows spread evenly over all experts."""
+        m = self.m
+        e_r = max(m.experts / ranks, 1.0)
+        rows = total_rows / ranks
+        active = e_r * (1 - (1 - 1 / e_r) ** rows)
+        return m.dense_bytes + m.moe_layers * active * m.expert_params_each() \
+            * FORMAT_BYTES[m.expert_format]
 
     # ------------------------------------------------------------------ one step
     def step(self, s: StepInputs) -> StepTime:
@@ -143,7 +155,8 @@ class StepModel:
                 "host": self.host_s(s.requests[r], tokens[r]) + (s.jitter[r] if s.jitter else 0),
                 "dense": self.dense_s(tokens[r]),
                 "attention": self.attention_s(s.requests[r], s.context[r], q),
-                "moe": float(expert[r]), "all_to_all": a2a, "draft": float(draft[r])})
+                "moe": float(expert[r]), "all_to_all": a2a,
+                "draft": float(draft[r])})
         return self._barrier(parts_r, self.sync_s(n, s.sync_algo), s.overlap_host)
 
     def _drafts_s(self, s: StepInputs, n: int) -> np.ndarray:
@@ -188,3 +201,4 @@ class StepModel:
 def uniform_rows(layers: int, ranks: int, total_rows: float) -> np.ndarray:
     """Routed rows per rank when every expert is equally likely: [L, R]."""
     return np.full((max(layers, 0), ranks), total_rows / ranks)
+
