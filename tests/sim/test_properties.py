@@ -110,3 +110,16 @@ def test_bad_inputs_are_clear_errors():
     lay = Layout(dep=1, batch=1)
     with pytest.raises(ValueError, match="steps"):
         Simulation(tiny_model(), gpu(), profile(), lay, fixed(8, 4)).run(0)
+
+
+def test_host_noise_from_samples():
+    from wideserve.sim.noise import HostNoise
+    samples = [1e-3] * 98 + [5e-3, 9e-3]           # two interrupted runs of a 1 ms task
+    n = HostNoise(samples)
+    assert n.rate == pytest.approx(2 / sum(samples))
+    assert sorted(n.delays.tolist()) == pytest.approx([4e-3, 8e-3])
+    rng = np.random.default_rng(0)
+    assert n.lockstep_wait(12, 1e-3, 1, rng) == 0.0          # a lone rank waits for no one
+    waits = [n.lockstep_wait(12, 1e-3, r, rng) for r in (2, 8)]
+    assert 0 < waits[0] < waits[1]                           # more ranks, longer waits
+    assert HostNoise([1e-3] * 10).lockstep_wait(12, 1.0, 4, rng) == 0.0   # no interruptions

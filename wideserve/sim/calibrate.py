@@ -74,31 +74,41 @@ def measure_experts(hidden: int, inter: int, rows: list[int], reps: int = 20) ->
 
 def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_len: int,
                    extra: dict[str, Any] | None = None) -> list[dict[str, float]]:
-    """Per batch size: mean host and forward seconds per step of the real engine."""
-    from wideserve import LLM, SamplingParams
+    """Per batch size B: host, forward and expert seconds per *decode* step of the real
+    engine: two runs of B requests that differ only in output length; the difference of the
+    step timer's totals over the difference in steps leaves the prefill out."""
+    from wideserve import LLM
     kw = dict(load_format="dummy", dtype="float32", skip_tokenizer_init=True, block_size=32,
               max_num_seqs=max(batches), max_num_batched_tokens=4096,
-              kv_cache_memory=256 << 20, enable_prefix_caching=False, **(extra or {}))
+              kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    kw.update(extra or {})
     llm = LLM(model_dir, **kw)
     clock = _time_experts(llm.engine.model)
     rows = []
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         rng = np.random.default_rng(7)
-        llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}], sp,
-                     use_tqdm=False)
+        _generate(llm, rng, 1, prompt_len, 4)                     # warm-up
         for b in batches:
-            before = _step_totals(llm) | {"experts": clock[0]}
-            prompts = [{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
-                       for _ in range(b)]
-            llm.generate(prompts, sp, use_tqdm=False)
-            after = _step_totals(llm) | {"experts": clock[0]}
-            steps = after["steps"] - before["steps"]
-            d = {k: (after[k] - before[k]) / steps for k in after if k != "steps"}
-            rows.append({"batch": b, "steps": steps, **d})
+            short = _generate(llm, rng, b, prompt_len, 4, clock)
+            long = _generate(llm, rng, b, prompt_len, 4 + output_len, clock)
+            steps = long["steps"] - short["steps"]
+            rows.append({"batch": b, "steps": steps,
+                         **{k: (long[k] - short[k]) / steps for k in long if k != "steps"}})
     finally:
         llm.shutdown()
     return rows
+
+
+def _generate(llm: Any, rng: np.random.Generator, batch: int, prompt_len: int,
+              max_tokens: int, clock: list[float] | None = None) -> dict[str, float]:
+    """Step-timer totals (and expert seconds) of one generate call."""
+    from wideserve import SamplingParams
+    before = _step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
+                  for _ in range(batch)], sp, use_tqdm=False)
+    after = _step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    return {k: after[k] - before[k] for k in after}
 
 
 def _time_experts(model: Any) -> list[float]:
@@ -137,8 +147,8 @@ def host_fit(rows: list[dict[str, float]]) -> tuple[float, float]:
     return float(max(icpt, 0.0)), float(max(slope, 0.0))
 
 
-def measure_jitter(samples: int = 300) -> list[float]:
-    a = np.random.default_rng(0).random(20_000)
+def measure_jitter(samples: int = 3000) -> list[float]:
+    a = np.random.default_rng(0).random(40_000)
     ts = []
     for _ in range(samples):
         t = time.perf_counter()

@@ -84,10 +84,8 @@ class Simulation:
     def __init__(self, model: ModelShape, hw: Hardware, profile: Profile, layout: Layout,
                  workload: Iterator[SimRequest], seed: int = 0) -> None:
         self.m, self.hw, self.lay, self.work = model, hw, layout, workload
-        self.sm = StepModel(model, hw, profile)
+        self.sm = StepModel(model, hw, profile, seed)
         self.rng = np.random.default_rng(seed)
-        self.jitter = np.asarray(profile.host.get("jitter_s") or [0.0])
-        self.jitter = self.jitter - self.jitter.mean()     # zero-mean: a lone rank's noise is in its measured costs
         self.target = self._eplb(model.moe_layers, model.experts, layout.skew, seed)
         self.draft = (self._eplb(max(1, model.draft_layers), model.draft_experts,
                                  layout.draft_skew, seed + 1)
@@ -152,13 +150,15 @@ class Simulation:
         ctx = [float(np.mean([x.context for x in rs])) if rs else 0.0 for rs in self.running]
         q = 1 + lay.mtp_k
         total_rows = (sum(reqs) * q + sum(prefill)) * m.top_k
-        jit = (list(self.rng.choice(self.jitter, lay.dep)) if lay.jitter else [0.0] * lay.dep)
+        host_len = self.sm.host_s(max(reqs), max(reqs) * q)
+        jit = (list(self.sm.noise.draw(host_len, (lay.dep,), self.rng)) if lay.jitter
+               else [0.0] * lay.dep)
         admit = self.sm.p.host
         jit = [j + loads[r] * admit.get("per_kv_load_s", 0.0) for r, j in enumerate(jit)]
         inputs = StepInputs(
             lay.dep, [r + (p // q if p else 0) for r, p in zip(reqs, prefill)], ctx, lay.mtp_k,
             self.target.rank_rows(total_rows) if self.target else None,
-            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit)
+            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter)
         st = self.sm.step(inputs)
         self.now += st.step_s
         self._advance(lay.tokens_per_step())

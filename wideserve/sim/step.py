@@ -19,6 +19,7 @@ import numpy as np
 from wideserve.sim.costs import allreduce_s, alltoall_s, interp, roofline_s
 from wideserve.sim.hardware import Hardware, Profile
 from wideserve.sim.model import FORMAT_BYTES, ModelShape
+from wideserve.sim.noise import HostNoise
 
 DISPATCH_BYTES = 1 + 1 / 32     # FP8 activations with a UE8M0 scale per 32 (DeepEP-style)
 COMBINE_BYTES = 2               # bf16 expert outputs back
@@ -36,6 +37,7 @@ class StepInputs:
     sync_algo: str = "ring"
     overlap_host: bool = True
     jitter: list[float] = field(default_factory=list)   # per-rank host jitter (s)
+    noise: bool = False                 # draw lock-step waits from the measured host noise
 
 
 @dataclass(slots=True)
@@ -48,9 +50,12 @@ class StepTime:
 class StepModel:
     """Step times of one model on one hardware with one calibration profile."""
 
-    def __init__(self, model: ModelShape, hw: Hardware, profile: Profile) -> None:
+    def __init__(self, model: ModelShape, hw: Hardware, profile: Profile,
+                 seed: int = 0) -> None:
         self.m, self.hw, self.p = model, hw, profile
         self.measured = hw.kind == "measured"
+        self.noise = HostNoise(profile.host.get("jitter_s") or [])
+        self.rng = np.random.default_rng(seed)
 
     # ------------------------------------------------------------------ host side
     def host_s(self, requests: int, tokens: int) -> float:
@@ -117,10 +122,8 @@ class StepModel:
         if ranks <= 1 or layers == 0:
             return 0.0
         if self.measured:
-            # The mean measured latency of a small exchange, tail included: on a shared
-            # host a rendezvous waits for the peer to be scheduled, and that is part of it.
             c = self.p.collectives["alltoall"]
-            beta, alpha = c["bytes_per_s"], c.get("alpha_mean_s", c["alpha_s"])
+            beta, alpha = c["bytes_per_s"], c["alpha_s"]
         else:
             beta, alpha = self.hw.link(ranks)
         d = self.m.hidden
@@ -150,14 +153,26 @@ class StepModel:
         draft = self._drafts_s(s, n)
         a2a = self.a2a_s(n, max(tokens) * m.top_k, m.moe_layers)
         parts_r = []
+        wait = self._lockstep_wait(n, tokens, expert, s)
         for r in range(n):
             parts_r.append({
                 "host": self.host_s(s.requests[r], tokens[r]) + (s.jitter[r] if s.jitter else 0),
                 "dense": self.dense_s(tokens[r]),
                 "attention": self.attention_s(s.requests[r], s.context[r], q),
-                "moe": float(expert[r]), "all_to_all": a2a,
+                "moe": float(expert[r]), "all_to_all": a2a, "lockstep_wait": wait,
                 "draft": float(draft[r])})
         return self._barrier(parts_r, self.sync_s(n, s.sync_algo), s.overlap_host)
+
+    def _lockstep_wait(self, n: int, tokens: list[int], expert: np.ndarray,
+                       s: StepInputs) -> float:
+        """On a measured machine the forward runs on the host: host noise hits every segment
+        between two all-to-alls and the ranks wait for the slowest at each (noise.py). On a
+        GPU the forward is device work (a captured graph): no host noise inside it."""
+        if not self.measured or n <= 1 or not s.noise:
+            return 0.0
+        points = 3 * (self.m.moe_layers + (self.m.draft_layers if s.drafts else 0))
+        seg = (self.dense_s(max(tokens)) + float(expert.max())) / max(points, 1)
+        return self.noise.lockstep_wait(points, seg, n, self.rng)
 
     def _drafts_s(self, s: StepInputs, n: int) -> np.ndarray:
         m, k = self.m, s.drafts
