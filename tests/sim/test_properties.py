@@ -120,6 +120,6 @@ def test_host_noise_from_samples():
     assert sorted(n.delays.tolist()) == pytest.approx([4e-3, 8e-3])
     rng = np.random.default_rng(0)
     assert n.lockstep_wait(12, 1e-3, 1, rng) == 0.0          # a lone rank waits for no one
-    waits = [n.lockstep_wait(12, 1e-3, r, rng) for r in (2, 8)]
+    waits = [n.lockstep_wait(200, 10e-3, r, rng) for r in (2, 8)]
     assert 0 < waits[0] < waits[1]                           # more ranks, longer waits
     assert HostNoise([1e-3] * 10).lockstep_wait(12, 1.0, 4, rng) == 0.0   # no interruptions
