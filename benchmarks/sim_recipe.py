@@ -75,7 +75,7 @@ def main() -> None:
     m = load_model(ROOT / "tests/data/deepseek-v41-flash")
     m.weight_format, m.expert_format = "fp8", "fp4"
     hw, prof = load_hardware("gb300"), load_profile(args.profile)
-    pd = PDSettings(prefill_instances=0)
+    pd = PDSettings(prefill_instances=1)     # decode steps only: prompts prefill elsewhere
     rows = []
     d16 = run(m, hw, prof, dep=16, sync_algo="ring", pd=pd)
     d32 = run(m, hw, prof, dep=32, sync_algo="ring", pd=pd)
