@@ -6,6 +6,7 @@ m bytes per rank (standard alpha-beta model, Thakur et al. 2005):
 - ring all-reduce:               2(n-1) * alpha + 2 (n-1)/n * m / beta
 - recursive-doubling all-reduce: ceil(log2 n) * (alpha + m / beta)
 - all-to-all (pairwise):         (n-1) * alpha + (n-1)/n * m / beta
+- all-to-all (concurrent, GPU):   alpha + (n-1)/n * m / beta
 The per-step DP "shape" sync is a tiny all-reduce, so its latency term is all that matters:
 2(n-1) messages for a ring against log2 n for recursive doubling.
 """
@@ -28,11 +29,14 @@ def allreduce_s(ranks: int, nbytes: float, alpha: float, beta: float, algo: str)
     raise ValueError(f"all-reduce algorithm must be ring or rd, got {algo!r}")
 
 
-def alltoall_s(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
-    """nbytes: what one rank sends in total (its share to itself stays local)."""
+def alltoall_s(ranks: int, nbytes: float, alpha: float, beta: float,
+               concurrent: bool = False) -> float:
+    """nbytes: what one rank sends in total (its share to itself stays local). Pairwise
+    exchange pays the latency once per peer; a switched GPU fabric written by one kernel to
+    every peer at once (NVSwitch, DeepEP-style) pays it once."""
     if ranks <= 1:
         return 0.0
-    return (ranks - 1) * alpha + (ranks - 1) / ranks * nbytes / beta
+    return (1 if concurrent else ranks - 1) * alpha + (ranks - 1) / ranks * nbytes / beta
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

@@ -126,10 +126,10 @@ class StepModel:
             beta, alpha = c["bytes_per_s"], c["alpha_s"]
         else:
             beta, alpha = self.hw.link(ranks)
-        d = self.m.hidden
-        one = (alltoall_s(ranks, 8 * ranks, alpha, beta)
-               + alltoall_s(ranks, rows_sent * d * DISPATCH_BYTES, alpha, beta)
-               + alltoall_s(ranks, rows_sent * d * COMBINE_BYTES, alpha, beta))
+        d, conc = self.m.hidden, not self.measured
+        one = (alltoall_s(ranks, 8 * ranks, alpha, beta, conc)
+               + alltoall_s(ranks, rows_sent * d * DISPATCH_BYTES, alpha, beta, conc)
+               + alltoall_s(ranks, rows_sent * d * COMBINE_BYTES, alpha, beta, conc))
         return layers * one
 
     def weight_bytes_per_rank(self, ranks: int, total_rows: float) -> float:
