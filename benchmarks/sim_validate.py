@@ -46,7 +46,7 @@ def predict_dep(profile, model_dir: str, ranks: int, per_rank: int, ctx: float,
             "parts_ms": {k: 1e3 * v for k, v in parts.items()}}
 
 
-def _bundled_run(prompts: list, k: int, max_tokens: int, reps: int = 1) -> dict:
+def _bundled_run(prompts: list, k: int, max_tokens: int, reps: int = 3) -> dict:
     """The bundled tiny V4 (real weights, one MTP block), greedy, one rank: per decode step
     host and forward seconds (output-length difference), wall time, acceptance per position."""
     from wideserve import LLM, SamplingParams
@@ -62,16 +62,22 @@ def _bundled_run(prompts: list, k: int, max_tokens: int, reps: int = 1) -> dict:
                 "tokens": st["generation_tokens"], "spec": st.get("spec_decode")}
     try:
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        out = {}
-        for n in (4, max_tokens):
-            a = totals()
-            t = time.perf_counter()
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                         use_tqdm=False)
-            wall = time.perf_counter() - t
-            b = totals()
-            out[n] = {"wall": wall, **{x: b[x] - a[x] for x in ("steps", "forward", "host",
-                                                                 "tokens")}, "spec": b["spec"]}
+        best = None
+        for _ in range(reps):       # the least-disturbed repetition: noise only adds time
+            out = {}
+            for n in (4, max_tokens):
+                a = totals()
+                t = time.perf_counter()
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
+                                                     ignore_eos=True), use_tqdm=False)
+                wall = time.perf_counter() - t
+                b = totals()
+                out[n] = {"wall": wall, **{x: b[x] - a[x] for x in ("steps", "forward", "host",
+                                                                     "tokens")}, "spec": b["spec"]}
+            span = out[max_tokens]["wall"] - out[4]["wall"]
+            if best is None or span < best[0]:
+                best = (span, out)
+        out = best[1]
     finally:
         llm.shutdown()
     short, long = out[4], out[max_tokens]

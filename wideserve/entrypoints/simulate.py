@@ -21,29 +21,45 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="h100, h200, b200, gb200, gb300, or a JSON file (a calibration "
                         "profile = this machine)")
     p.add_argument("--profile", required=True, help="calibration profile JSON (host costs)")
-    p.add_argument("--weight-format", default=None, choices=("fp32", "bf16", "fp8", "fp4"))
-    p.add_argument("--expert-format", default=None, choices=("fp32", "bf16", "fp8", "fp4"))
+    p.add_argument("--weight-format", default=None, choices=("fp32", "bf16", "fp8", "fp4"),
+                   help="dense weight format in device memory (default: the checkpoint's)")
+    p.add_argument("--expert-format", default=None, choices=("fp32", "bf16", "fp8", "fp4"),
+                   help="routed-expert weight format (default: the checkpoint's)")
     p.add_argument("--batch", type=int, nargs="+", default=[64], help="requests per rank")
     p.add_argument("--mtp", type=int, nargs="+", default=[0], help="draft tokens k")
     p.add_argument("--acceptance", type=float, nargs="*", default=[0.8, 0.7, 0.6],
                    help="conditional acceptance per draft position")
-    p.add_argument("--sync", choices=("ring", "rd"), default="rd")
+    p.add_argument("--sync", choices=("ring", "rd"), default="rd",
+                   help="DP step-sync all-reduce: ring or recursive doubling")
     p.add_argument("--no-overlap", action="store_true", help="host and device in series")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf skew of target routing")
-    p.add_argument("--draft-skew", type=float, default=0.0)
-    p.add_argument("--eplb-interval", type=int, default=3000)
-    p.add_argument("--eplb-window", type=int, default=1000)
-    p.add_argument("--redundant", type=int, default=0)
-    p.add_argument("--prefill-ranks", type=int, default=4)
-    p.add_argument("--transfer", choices=("pull", "push"), default="push")
-    p.add_argument("--max-kv-loads", type=int, default=None)
-    p.add_argument("--workload", choices=("fixed", "agentic"), default="fixed")
-    p.add_argument("--input-len", type=int, default=8192)
-    p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument("--agentic-scale", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--draft-skew", type=float, default=0.0,
+                   help="Zipf skew of draft-model routing")
+    p.add_argument("--eplb-interval", type=int, default=3000,
+                   help="steps between EPLB rebalances")
+    p.add_argument("--eplb-window", type=int, default=1000,
+                   help="steps of load recorded after each rebalance")
+    p.add_argument("--redundant", type=int, default=0,
+                   help="redundant expert slots per layer (EPLB)")
+    p.add_argument("--prefill-ranks", type=int, default=4,
+                   help="GPUs per prefill instance")
+    p.add_argument("--transfer", choices=("pull", "push"), default="push",
+                   help="KV transfer: per-block pull or packed push")
+    p.add_argument("--max-kv-loads", type=int, default=None,
+                   help="new KV loads admitted per decode step and rank")
+    p.add_argument("--workload", choices=("fixed", "agentic"), default="fixed",
+                   help="fixed lengths or AgentX-style sessions")
+    p.add_argument("--input-len", type=int, default=8192,
+                   help="prompt tokens (fixed workload)")
+    p.add_argument("--output-len", type=int, default=1024,
+                   help="output tokens (fixed workload)")
+    p.add_argument("--agentic-scale", type=float, default=1.0,
+                   help="token-count scale of the agentic generator")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="decode steps to simulate")
     p.add_argument("--price", type=float, default=0.0, help="$ per GPU-hour")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed (routing draws, noise, workload)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -51,21 +67,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sub = p.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
     r = sub.add_parser("run", help="simulate one layout")
     _common(r)
-    r.add_argument("--dep", type=int, default=16)
-    r.add_argument("--eplb", action="store_true")
-    r.add_argument("--prefill-instances", type=int, default=0)
+    r.add_argument("--dep", type=int, default=16,
+                   help="DEP size (decode ranks)")
+    r.add_argument("--eplb", action="store_true",
+                   help="enable EPLB")
+    r.add_argument("--prefill-instances", type=int, default=0,
+                   help="prefill instances (0: colocated)")
     s = sub.add_parser("sweep", help="sweep layouts, print and plot the Pareto frontier")
     _common(s)
-    s.add_argument("--dep", type=int, nargs="+", default=[8, 16, 32])
-    s.add_argument("--eplb", choices=("on", "off", "both"), default="both")
-    s.add_argument("--prefill-instances", type=int, nargs="+", default=[0])
+    s.add_argument("--dep", type=int, nargs="+", default=[8, 16, 32],
+                   help="DEP sizes to sweep")
+    s.add_argument("--eplb", choices=("on", "off", "both"), default="both",
+                   help="EPLB settings to sweep")
+    s.add_argument("--prefill-instances", type=int, nargs="+", default=[0],
+                   help="prefill instance counts to sweep")
     s.add_argument("--plot", default=None, help="PNG path for the frontier plot")
     c = sub.add_parser("calibrate", help="measure this machine with the engine, write a profile")
     c.add_argument("--model", default=None,
                    help="model directory (default: the DEP benchmark's many-expert config)")
-    c.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    c.add_argument("--threads", type=int, default=1)
-    c.add_argument("--out", required=True)
+    c.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8],
+                   help="batch sizes the engine is measured at")
+    c.add_argument("--threads", type=int, default=1,
+                   help="torch threads while measuring")
+    c.add_argument("--out", required=True,
+                   help="where to write the profile JSON")
     return p
 
 
