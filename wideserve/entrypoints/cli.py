@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("wideserve.entrypoints.bench", "benchmarks (throughput, serve, gen-agentic)"),
     "router": ("wideserve.entrypoints.router",
                "proxy requests over prefill and decode instances (P/D)"),
+    "simulate": ("wideserve.entrypoints.simulate",
+                 "rack simulator: predict a DEP/EPLB/P/D/MTP deployment; sweep; calibrate"),
 }
 
 

@@ -1,0 +1,125 @@
+"""Conservation and monotonicity of the simulator's model (docs/simulator.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wideserve.sim.costs import allreduce_s, alltoall_s, interp
+from wideserve.sim.pd import PDSettings, kv_bytes, transfer_s
+from wideserve.sim.simulator import Layout, Simulation
+from wideserve.sim.step import StepInputs, StepModel
+from wideserve.sim.workload import fixed
+
+from sim_helpers import gpu, profile, tiny_model
+
+
+def _step(hw, ranks=4, reqs=16, ctx=4096.0, k=0, rows=None, overlap=True):
+    sm = StepModel(tiny_model(), hw, profile())
+    return sm.step(StepInputs(ranks, [reqs] * ranks, [ctx] * ranks, k, rank_rows=rows,
+                              overlap_host=overlap))
+
+
+@pytest.mark.parametrize("field", ["mem_bytes_per_s", "scaleup_bytes_per_s", "nic_bytes_per_s"])
+def test_more_bandwidth_never_slower(field):
+    for ranks in (1, 2, 8, 128):
+        for overlap in (True, False):
+            slow = _step(gpu(), ranks, overlap=overlap).step_s
+            fast = _step(gpu(**{field: 2.0}), ranks, overlap=overlap).step_s
+            assert fast <= slow + 1e-15
+    m = tiny_model()
+    for ctx in (1, 1000, 100_000):
+        for mode in ("pull", "push"):
+            pd = PDSettings(transfer=mode)
+            assert transfer_s(m, gpu(nic_bytes_per_s=2.0), pd, ctx) <= transfer_s(m, gpu(), pd, ctx)
+
+
+def test_more_ranks_never_more_weight_bytes_per_rank():
+    m = tiny_model()
+    sm = StepModel(m, gpu(), profile())
+    prev = np.inf
+    for ranks in (1, 2, 4, 8, 16, 32):
+        b = sm.weight_bytes_per_rank(ranks, total_rows=64 * 8 * m.top_k)
+        assert b <= prev
+        prev = b
+
+
+def test_lockstep_step_at_least_every_rank_own_time():
+    rng = np.random.default_rng(1)
+    sm = StepModel(tiny_model(), gpu(), profile())
+    for overlap in (True, False):
+        for _ in range(20):
+            ranks = int(rng.integers(2, 9))
+            reqs = rng.integers(0, 64, ranks).tolist()
+            rows = rng.random((8, ranks)) * 500
+            st = sm.step(StepInputs(ranks, reqs, (rng.random(ranks) * 1e5).tolist(), 0,
+                                    rank_rows=rows, overlap_host=overlap,
+                                    jitter=(rng.random(ranks) * 1e-3).tolist()))
+            assert st.step_s >= max(st.per_rank_s) - 1e-15
+
+
+def test_skewed_rank_sets_the_step():
+    even = np.full((8, 4), 1e5)          # compute-bound expert GEMMs: rows matter
+    skew = even.copy()
+    skew[:, 0] *= 3
+    # in series (the host does not hide the device): the overloaded rank sets the step
+    assert _step(gpu(), rows=skew, overlap=False).step_s > \
+        _step(gpu(), rows=even, overlap=False).step_s
+
+
+def test_collectives():
+    assert allreduce_s(1, 16, 1e-5, 1e9, "ring") == 0.0 == alltoall_s(1, 1e6, 1e-5, 1e9)
+    for n in (4, 8, 32):     # a tiny message: latency-bound, recursive doubling wins
+        assert allreduce_s(n, 16, 1e-5, 1e9, "rd") < allreduce_s(n, 16, 1e-5, 1e9, "ring")
+    assert allreduce_s(32, 16, 1e-5, 1e9, "ring") > allreduce_s(16, 16, 1e-5, 1e9, "ring")
+    with pytest.raises(ValueError, match="ring or rd"):
+        allreduce_s(4, 16, 1e-5, 1e9, "tree")
+
+
+def test_interp_through_points():
+    assert interp([1, 4, 8], [1.0, 2.0, 4.0], 4) == 2.0
+    assert interp([1, 4, 8], [1.0, 2.0, 4.0], 6) == 3.0
+    assert interp([1, 4, 8], [1.0, 2.0, 4.0], 16) == 8.0
+
+
+def test_kv_bytes_and_packed_push():
+    m = tiny_model()
+    assert kv_bytes(m, 1000) == 1000 * 300 + 100_000
+    pull = transfer_s(m, gpu(), PDSettings(transfer="pull"), 100_000)
+    push = transfer_s(m, gpu(), PDSettings(transfer="push"), 100_000)
+    assert push < pull
+
+
+def test_simulation_conserves_users_and_tokens():
+    lay = Layout(dep=2, batch=4, mtp_k=1, acceptance=(0.5,),
+                 pd=PDSettings(prefill_instances=1, prefill_ranks=2))
+    sim = Simulation(tiny_model(), gpu(), profile([0.0, 1e-4]), lay, fixed(512, 16))
+    for i in range(60):
+        sim.step(i)
+        users = sum(len(r) for r in sim.running) + len(sim.pending)
+        assert users == lay.dep * lay.batch          # closed loop: one request per user
+    res = sim._result(60, {"step": sim.now})
+    assert res.tok_s_per_gpu > 0 and res.ttft_p50_s is not None
+    assert lay.tokens_per_step() == 1.5
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="input-len"):
+        next(fixed(0, 4))
+    with pytest.raises(ValueError, match="pull or push"):
+        transfer_s(tiny_model(), gpu(), PDSettings(transfer="carrier pigeon"), 10)
+    lay = Layout(dep=1, batch=1)
+    with pytest.raises(ValueError, match="steps"):
+        Simulation(tiny_model(), gpu(), profile(), lay, fixed(8, 4)).run(0)
+
+
+def test_host_noise_from_samples():
+    from wideserve.sim.noise import HostNoise
+    samples = [1e-3] * 98 + [5e-3, 9e-3]           # two interrupted runs of a 1 ms task
+    n = HostNoise(samples)
+    assert n.rate == pytest.approx(2 / sum(samples))
+    assert sorted(n.delays.tolist()) == pytest.approx([4e-3, 8e-3])
+    rng = np.random.default_rng(0)
+    assert n.lockstep_wait(12, 1e-3, 1, rng) == 0.0          # a lone rank waits for no one
+    waits = [n.lockstep_wait(200, 10e-3, r, rng) for r in (2, 8)]
+    assert 0 < waits[0] < waits[1]                           # more ranks, longer waits
+    assert HostNoise([1e-3] * 10).lockstep_wait(12, 1.0, 4, rng) == 0.0   # no interruptions

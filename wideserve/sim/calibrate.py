@@ -1,0 +1,269 @@
+"""`wideserve simulate calibrate`: measure this machine with the engine's own code, write a profile.
+
+What is measured (all with the thread count given, one rank):
+- engine steps: the real engine (`LLM`, in-process, one rank) decodes batches of B requests;
+  from its step timer, per step: host = schedule + prepare + sample + output, and forward.
+  Host cost = base + per_request * B (least squares over the batches, our own measurements).
+- experts: `RoutedExperts.grouped_mlp` (the op the expert-parallel path runs) with A active
+  experts of r rows each; per active expert = (t(A=8) - t(A=1)) / 7 at each r.
+  dense_forward(B) = forward(B) - the experts' share predicted from that table (all local).
+- host jitter: durations of a fixed small host task, minus their median (scheduling noise).
+- collectives: torch.distributed gloo all_reduce (16 bytes) at 2 and 4 ranks, and
+  all_to_all_single at several sizes at 2 ranks -> alpha (latency) and bytes/s (fit).
+- memory bandwidth (a large copy) and fp32 matmul FLOP/s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wideserve.sim.hardware import Profile
+
+# The default calibration model: benchmarks/dep_scaling.py's many-expert Qwen3-MoE (dummy
+# weights), small enough for a 2-core machine, with enough experts for EP to matter.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 2048,
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "tie_word_embeddings": False, "torch_dtype": "float32", "hidden_act": "silu",
+}
+
+
+def _times(fn, reps: int) -> list[float]:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def _median_time(fn, reps: int) -> float:
+    return statistics.median(_times(fn, reps))
+
+
+def measure_experts(hidden: int, inter: int, rows: list[int], reps: int = 20) -> dict[str, Any]:
+    import torch
+
+    from wideserve.layers.experts import RoutedExperts
+    ex = RoutedExperts(8, hidden, inter)
+    torch.nn.init.normal_(ex.gate_up_proj, std=0.02)
+    torch.nn.init.normal_(ex.down_proj, std=0.02)
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            t = {}
+            for a in (1, 8):
+                x = torch.randn(a * r, hidden)
+                ids = torch.arange(a).repeat_interleave(r)
+                t[a] = _median_time(lambda: ex.grouped_mlp(x, ids), reps)
+            out.append(max((t[8] - t[1]) / 7, 1e-7))
+    return {"rows": rows, "s": out, "hidden": hidden, "intermediate": inter}
+
+
+def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_len: int,
+                   extra: dict[str, Any] | None = None) -> list[dict[str, float]]:
+    """Per batch size B: host, forward and expert seconds per *decode* step of the real
+    engine: two runs of B requests that differ only in output length; the difference of the
+    step timer's totals over the difference in steps leaves the prefill out."""
+    from wideserve import LLM
+    kw = dict(load_format="dummy", dtype="float32", skip_tokenizer_init=True, block_size=32,
+              max_num_seqs=max(batches), max_num_batched_tokens=4096,
+              kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    kw.update(extra or {})
+    llm = LLM(model_dir, **kw)
+    clock = _time_experts(llm.engine.model)
+    rows = []
+    try:
+        rng = np.random.default_rng(7)
+        _generate(llm, rng, 1, prompt_len, 4)                     # warm-up
+        for b in batches:
+            short = _generate(llm, rng, b, prompt_len, 4, clock)
+            long = _generate(llm, rng, b, prompt_len, 4 + output_len, clock)
+            steps = long["steps"] - short["steps"]
+            rows.append({"batch": b, "steps": steps,
+                         **{k: (long[k] - short[k]) / steps for k in long if k != "steps"}})
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def _generate(llm: Any, rng: np.random.Generator, batch: int, prompt_len: int,
+              max_tokens: int, clock: list[float] | None = None) -> dict[str, float]:
+    """Step-timer totals (and expert seconds) of one generate call."""
+    from wideserve import SamplingParams
+    before = _step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
+                  for _ in range(batch)], sp, use_tqdm=False)
+    after = _step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    return {k: after[k] - before[k] for k in after}
+
+
+def _time_experts(model: Any) -> list[float]:
+    """Seconds spent inside the routed experts (forward hooks on every RoutedExperts):
+    the engine's own op, timed where it runs, so the rest of the forward is known."""
+    from wideserve.layers.experts import RoutedExperts
+    clock, start = [0.0], [0.0]
+
+    def pre(*_: Any) -> None:
+        start[0] = time.perf_counter()
+
+    def post(*_: Any) -> None:
+        clock[0] += time.perf_counter() - start[0]
+    for mod in model.modules():
+        if isinstance(mod, RoutedExperts):
+            mod.register_forward_pre_hook(pre)
+            mod.register_forward_hook(post)
+    return clock
+
+
+def _step_totals(llm: Any) -> dict[str, float]:
+    from wideserve.core import engine_ipc as ipc
+    s = ipc.to_builtins(llm.engine.get_stats())["steps"]
+    sec = s["seconds"]
+    return {"steps": s["steps"], "forward": sec["forward"],
+            "host": sum(sec[k] for k in ("schedule", "prepare", "sample", "output"))}
+
+
+def host_fit(rows: list[dict[str, float]]) -> tuple[float, float]:
+    """(base, per_request) by least squares over the measured batches."""
+    b = np.array([r["batch"] for r in rows], dtype=float)
+    h = np.array([r["host"] for r in rows])
+    if len(b) < 2:
+        return float(h[0]), 0.0
+    slope, icpt = np.polyfit(b, h, 1)
+    return float(max(icpt, 0.0)), float(max(slope, 0.0))
+
+
+def measure_jitter(samples: int = 3000) -> list[float]:
+    a = np.random.default_rng(0).random(40_000)
+    ts = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        np.sort(a)
+        ts.append(time.perf_counter() - t)
+    return [float(x) for x in ts]
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    small = torch.zeros(4, dtype=torch.int32)
+    ar = _times(lambda: dist.all_reduce(small), 200)
+    tiny = torch.zeros(2 * world, dtype=torch.int32)
+    tiny_out = torch.empty_like(tiny)
+    a2a_small = _times(lambda: dist.all_to_all_single(tiny_out, tiny), 200)
+    a2a = []
+    for n in sizes:
+        x = torch.zeros(n // 4 * world, dtype=torch.float32)
+        y = torch.empty_like(x)
+        a2a.append(_median_time(lambda: dist.all_to_all_single(y, x), 20))
+    dist.destroy_process_group()
+    if rank == 0:
+        q.put({"allreduce_s": statistics.median(ar), "allreduce_mean_s": statistics.mean(ar),
+               "alltoall_s": a2a, "alltoall_small_mean_s": statistics.mean(a2a_small),
+               "alltoall_small_median_s": statistics.median(a2a_small)})
+
+
+def measure_collectives(world: int, sizes: list[int]) -> dict[str, Any]:
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    return out
+
+
+def alltoall_fit(sizes: list[int], times: list[float], world: int) -> dict[str, float]:
+    """t = (n-1) alpha + (n-1)/n * bytes_sent / beta; bytes_sent = size * world."""
+    x = np.array([s * world * (world - 1) / world for s in sizes], dtype=float)
+    slope, icpt = np.polyfit(x, np.array(times), 1)
+    return {"alpha_s": float(max(icpt, 1e-7)) / (world - 1),
+            "bytes_per_s": float(1 / max(slope, 1e-15))}
+
+
+def measure_machine() -> tuple[float, float]:
+    import torch
+    big = torch.empty(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(big)
+    copy = _median_time(lambda: dst.copy_(big), 5)
+    a = torch.randn(512, 512)
+    mm = _median_time(lambda: a @ a, 10)
+    return 2 * big.numel() / copy, 2 * 512 ** 3 / mm
+
+
+def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_len: int = 24,
+              threads: int = 1, ranks: tuple[int, ...] = (2, 4)) -> Profile:
+    import torch
+    torch.set_num_threads(threads)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+    experts = measure_experts(hidden, inter, [1, 2, 4, 8, 16, 32, 64])
+    engine = measure_engine(model_dir, batches, prompt_len, output_len)
+    base, per_req = host_fit(engine)
+    dense = _dense_rows(engine)
+    sizes = [4096, 65536, 1 << 20]
+    coll = {str(w): measure_collectives(w, sizes) for w in ranks}
+    fit = alltoall_fit(sizes, coll["2"]["alltoall_s"], 2)
+    mem, flops = measure_machine()
+    jit = measure_jitter()
+    return Profile(
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                f"{threads} thread(s), load {os.getloadavg()[0]:.2f}",
+        host={"base_s": base, "per_request_s": per_req, "per_token_s": 0.0, "jitter_s": jit},
+        collectives={"allreduce_s": {w: c["allreduce_s"] for w, c in coll.items()},
+                     "allreduce_alpha_s": coll["2"]["allreduce_s"] / 2,
+                     "allreduce_mean_s": {w: c["allreduce_mean_s"] for w, c in coll.items()},
+                     # alpha: the median of a tiny exchange, measured directly (the
+                     # intercept of the size fit is noise-dominated on a loaded machine)
+                     "alltoall": {**fit, "alpha_s": coll["2"]["alltoall_small_median_s"],
+                                  "sizes": sizes, "s": coll["2"]["alltoall_s"],
+                                  "alpha_mean_s": coll["2"]["alltoall_small_mean_s"],
+                                  "alpha_median_s": coll["2"]["alltoall_small_median_s"]}},
+        ops={"expert": experts, "dense_forward": dense, "engine_rows": engine},
+        mem_bytes_per_s=mem, flops_fp32=flops,
+        sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "model": str(model_dir)})
+
+
+def _dense_rows(engine: list[dict[str, float]]) -> dict[str, list[float]]:
+    """forward(B) minus the time measured inside the routed experts."""
+    return {"tokens": [float(r["batch"]) for r in engine],
+            "s": [max(r["forward"] - r["experts"], 1e-6) for r in engine]}
+
+
+def write_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=1))
+
+
+def temp_model_dir(config: dict[str, Any]) -> str:
+    d = tempfile.mkdtemp(prefix="wideserve-sim-")
+    (Path(d) / "config.json").write_text(json.dumps(config))
+    return d

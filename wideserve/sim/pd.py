@@ -1,0 +1,61 @@
+"""Prefill instances and the KV transfer to decode (P/D disaggregation).
+
+Prefill: an instance of `ranks` GPUs runs prompts one after another (FIFO); a prompt of n
+new tokens costs a forward over n tokens: 2 * active parameters * n FLOPs at peak, or the
+weights' read time if larger (roofline; prompts are compute-bound), plus attention over the
+cached prefix. KV of a request: context * KV bytes/token + the bounded windows (the model's
+own KV spec). Transfer over the NIC (or NVLink inside a domain):
+  pull:        one read per block per cache: ceil(ctx / block) * caches transfers
+  packed push: the prefill packs the blocks of each cache into one write: `caches` transfers
+  time = transfers * per-transfer overhead + bytes / bandwidth
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from wideserve.sim.hardware import Hardware
+from wideserve.sim.model import FORMAT_BYTES, ModelShape
+
+
+@dataclass(slots=True)
+class PDSettings:
+    prefill_instances: int = 0      # 0: colocated (prefill inside the decode steps)
+    prefill_ranks: int = 4          # GPUs per prefill instance
+    transfer: str = "push"          # "pull" (per block) or "push" (packed)
+    transfer_overhead_s: float = 20e-6
+    block_size: int = 256
+    caches: int = 4                 # KV caches moved per request (owned specs)
+    max_kv_loads_per_step: int | None = None
+
+
+def kv_bytes(m: ModelShape, context: int) -> float:
+    return context * m.kv_bytes_per_token + m.kv_bounded_bytes
+
+
+def transfer_s(m: ModelShape, hw: Hardware, pd: PDSettings, context: int) -> float:
+    if pd.transfer not in ("pull", "push"):
+        raise ValueError(f"KV transfer must be pull or push, got {pd.transfer!r}")
+    blocks = math.ceil(context / pd.block_size)
+    transfers = blocks * pd.caches if pd.transfer == "pull" else pd.caches
+    return transfers * (pd.transfer_overhead_s + hw.nic_latency_s) \
+        + kv_bytes(m, context) / hw.nic_bytes_per_s
+
+
+def prefill_s(m: ModelShape, hw: Hardware, new_tokens: int, cached: int, ranks: int) -> float:
+    """One prompt on one prefill instance of `ranks` GPUs (tensor/expert parallel, ideal split)."""
+    active = m.dense_params + m.expert_params * m.top_k / max(1, m.experts)
+    flops = 2 * active * new_tokens
+    attn = 4 * m.heads * m.head_dim * new_tokens * (cached + new_tokens / 2) * m.layers \
+        * _attended_fraction(m, cached + new_tokens)
+    weights = m.dense_bytes + m.expert_params * FORMAT_BYTES[m.expert_format]
+    return max((flops + attn) / (hw.peak(m.expert_format) * ranks),
+               weights / (hw.mem_bytes_per_s * ranks))
+
+
+def _attended_fraction(m: ModelShape, ctx: int) -> float:
+    """Share of the context a query attends (compressed sparse attention reads far less)."""
+    if ctx <= 0:
+        return 0.0
+    read = sum((a.window + a.entries(ctx)) if a.window or a.topk else ctx for a in m.attn)
+    return min(1.0, read / (len(m.attn) * ctx))

@@ -1,0 +1,225 @@
+"""The discrete-event loop: a DEP decode deployment (plus prefill instances under P/D) fed by a
+closed-loop workload, advanced one lock-step decode step at a time.
+
+Users: `batch` per decode rank, each sending its next request when the last one finished
+(a closed loop at fixed concurrency, the way the recipe measures "N requests per GPU"). The
+run starts in steady state: every slot holds a request part-way through its output. Under
+P/D a new request is prefilled on the prefill instance that frees first, its KV crosses the
+fabric (pd.py), and the decode rank admits at most `max_kv_loads_per_step` arrived requests
+per step, each costing host time (the admission copy). Colocated, a new prompt is prefilled
+inside the next decode step of its rank. Speculation: with k drafts and conditional
+per-position acceptance a_1..a_k, a step emits 1 + sum_i prod_{j<=i} a_j tokens per request
+in expectation.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from wideserve.sim.eplb import EplbSettings, EplbState, zipf_shares
+from wideserve.sim.hardware import Hardware, Profile
+from wideserve.sim.model import ModelShape
+from wideserve.sim.pd import PDSettings, prefill_s, transfer_s
+from wideserve.sim.step import StepInputs, StepModel
+from wideserve.sim.workload import SimRequest
+
+
+@dataclass(slots=True)
+class Layout:
+    dep: int = 1
+    batch: int = 8                          # requests per decode rank
+    mtp_k: int = 0
+    acceptance: tuple[float, ...] = ()      # conditional acceptance per draft position
+    sync_algo: str = "ring"
+    overlap_host: bool = True
+    skew: float = 0.0                       # Zipf skew of expert routing (0: uniform)
+    draft_skew: float = 0.0
+    eplb: EplbSettings = field(default_factory=EplbSettings)
+    pd: PDSettings = field(default_factory=PDSettings)
+    jitter: bool = True
+    price_per_gpu_hour: float = 0.0
+
+    def gpus(self) -> int:
+        return self.dep + self.pd.prefill_instances * self.pd.prefill_ranks
+
+    def tokens_per_step(self) -> float:
+        acc, run = 1.0, 1.0
+        for a in self.acceptance[:self.mtp_k]:
+            run *= a
+            acc += run
+        return acc
+
+
+@dataclass(slots=True)
+class _Req:
+    rank: int
+    remaining: float
+    context: float
+    arrival: float
+    ready: float = 0.0          # KV arrived at the decode rank (P/D)
+    first: float | None = None
+    done_tokens: float = 0.0
+    new_tokens: int = 0         # prompt tokens still to prefill (colocated)
+
+
+@dataclass(slots=True)
+class SimResult:
+    layout: Layout
+    seconds: float
+    steps: int
+    step_ms: float
+    breakdown_ms: dict[str, float]
+    tok_s_per_gpu: float
+    p50_user_tok_s: float
+    p90_user_tok_s: float
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    usd_per_mtok: float | None
+    balancedness: dict[str, list[tuple[int, float]]]
+
+
+class Simulation:
+    def __init__(self, model: ModelShape, hw: Hardware, profile: Profile, layout: Layout,
+                 workload: Iterator[SimRequest], seed: int = 0) -> None:
+        self.m, self.hw, self.lay, self.work = model, hw, layout, workload
+        self.sm = StepModel(model, hw, profile, seed)
+        self.rng = np.random.default_rng(seed)
+        self.target = self._eplb(model.moe_layers, model.experts, layout.skew, seed)
+        self.draft = (self._eplb(max(1, model.draft_layers), model.draft_experts,
+                                 layout.draft_skew, seed + 1)
+                      if layout.mtp_k and model.draft_layers else None)
+        self.now, self.pending, self.finished = 0.0, [], []
+        self.prefill_free = [0.0] * layout.pd.prefill_instances
+        self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
+        self._fill_steady()
+
+    def _eplb(self, layers: int, experts: int, skew: float, seed: int) -> EplbState | None:
+        if not experts:
+            return None
+        shares = (zipf_shares(layers, experts, skew, seed) if skew > 0
+                  else np.full((layers, experts), 1.0 / experts))
+        return EplbState(shares, self.lay.dep, self.lay.eplb, seed)
+
+    def _fill_steady(self) -> None:
+        for r in range(self.lay.dep):
+            for _ in range(self.lay.batch):
+                q = next(self.work)
+                done = float(self.rng.integers(0, q.output_len))
+                self.running[r].append(_Req(r, q.output_len - done, q.input_len + done,
+                                            arrival=-1.0, first=-1.0))
+
+    def _new_request(self, rank: int) -> None:
+        q = next(self.work)
+        req = _Req(rank, float(q.output_len), float(q.input_len), arrival=self.now)
+        pd = self.lay.pd
+        if pd.prefill_instances:
+            i = int(np.argmin(self.prefill_free))
+            start = max(self.now, self.prefill_free[i])
+            end = start + prefill_s(self.m, self.hw, q.input_len - q.cached, q.cached,
+                                    pd.prefill_ranks)
+            self.prefill_free[i] = end
+            req.first = end
+            req.ready = end + transfer_s(self.m, self.hw, pd, q.input_len)
+            self.pending.append(req)
+        else:
+            req.new_tokens = q.input_len - q.cached
+            self.running[rank].append(req)
+
+    def _admit(self) -> list[int]:
+        """Move arrived KV into the decode ranks; returns admitted loads per rank."""
+        cap = self.lay.pd.max_kv_loads_per_step
+        loads = [0] * self.lay.dep
+        keep = []
+        for req in sorted(self.pending, key=lambda x: x.ready):
+            r = req.rank
+            if req.ready <= self.now and (cap is None or loads[r] < cap):
+                loads[r] += 1
+                self.running[r].append(req)
+            else:
+                keep.append(req)
+        self.pending = keep
+        return loads
+
+    def step(self, index: int) -> dict[str, float]:
+        lay, m = self.lay, self.m
+        loads = self._admit()
+        reqs = [len(rs) for rs in self.running]
+        prefill = [sum(x.new_tokens for x in rs) for rs in self.running]
+        ctx = [float(np.mean([x.context for x in rs])) if rs else 0.0 for rs in self.running]
+        q = 1 + lay.mtp_k
+        total_rows = (sum(reqs) * q + sum(prefill)) * m.top_k
+        host_len = self.sm.host_s(max(reqs), max(reqs) * q)
+        jit = (list(self.sm.noise.draw(host_len, (lay.dep,), self.rng)) if lay.jitter
+               else [0.0] * lay.dep)
+        admit = self.sm.p.host
+        jit = [j + loads[r] * admit.get("per_kv_load_s", 0.0) for r, j in enumerate(jit)]
+        inputs = StepInputs(
+            lay.dep, [r + (p // q if p else 0) for r, p in zip(reqs, prefill)], ctx, lay.mtp_k,
+            self.target.rank_rows(total_rows) if self.target else None,
+            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter)
+        st = self.sm.step(inputs)
+        self.now += st.step_s
+        self._advance(lay.tokens_per_step())
+        if self.target:
+            self.target.after_step(index, total_rows)
+        if self.draft:
+            self.draft.after_step(index, sum(reqs) * q * m.draft_top_k)
+        return st.parts | {"step": st.step_s}
+
+    def _draft_rows(self, reqs: int) -> np.ndarray | None:
+        if not self.draft:
+            return None
+        per_pass = reqs * ((self.lay.mtp_k + 1) if self.m.draft_parallel else 1)
+        return self.draft.rank_rows(per_pass * self.m.draft_top_k)
+
+    def _advance(self, tokens: float) -> None:
+        for r in range(len(self.running)):
+            rs = list(self.running[r])
+            keep = []
+            for x in rs:
+                if x.new_tokens:                       # colocated prefill ran this step
+                    x.new_tokens = 0
+                    x.first = self.now
+                    emitted = 1.0
+                else:
+                    emitted = min(tokens, x.remaining)
+                x.remaining -= emitted
+                x.done_tokens += emitted
+                x.context += emitted
+                if x.remaining <= 1e-9:
+                    self.finished.append(x)
+                    self._new_request(r)
+                else:
+                    keep.append(x)
+            self.running[r] = keep + [y for y in self.running[r][len(rs):]]
+
+    def run(self, steps: int) -> SimResult:
+        if steps < 1:
+            raise ValueError("--steps must be >= 1")
+        parts: dict[str, float] = {}
+        for i in range(steps):
+            for k, v in self.step(i).items():
+                parts[k] = parts.get(k, 0.0) + v
+        return self._result(steps, parts)
+
+    def _result(self, steps: int, parts: dict[str, float]) -> SimResult:
+        lay = self.lay
+        live = [x for rs in self.running for x in rs]
+        tokens = sum(x.done_tokens for x in self.finished + live)
+        rates = [x.done_tokens / (self.now - max(x.first, 0.0)) for x in self.finished + live
+                 if x.first is not None and self.now > max(x.first, 0.0) and x.done_tokens > 1]
+        ttft = [x.first - x.arrival for x in self.finished + live
+                if x.arrival >= 0 and x.first is not None]
+        tps_gpu = tokens / self.now / lay.gpus()
+        usd = (lay.price_per_gpu_hour / 3600 / tps_gpu * 1e6) if lay.price_per_gpu_hour else None
+        bal = {"target": self.target.history if self.target else [],
+               "draft": self.draft.history if self.draft else []}
+        return SimResult(
+            lay, self.now, steps, 1e3 * parts["step"] / steps,
+            {k: 1e3 * v / steps for k, v in parts.items() if k != "step"}, tps_gpu,
+            float(np.percentile(rates, 50)) if rates else 0.0,
+            float(np.percentile(rates, 10)) if rates else 0.0,
+            float(np.percentile(ttft, 50)) if ttft else None,
+            float(np.percentile(ttft, 90)) if ttft else None, usd, bal)

@@ -1,0 +1,219 @@
+"""One lock-step decode step of a DEP deployment: each rank's own time, then the barrier.
+
+Per rank r with R_r running requests, q = 1 + k query tokens each (k drafts verified), T_r = q R_r:
+  host_r  = (base + per_request R_r + per_token T_r) / host_speed + jitter_r
+  gpu_r   = dense + attention + sum over MoE layers (experts_r + all-to-all) + drafts
+  step    = max(max_r gpu_r, max_r host_r + sync)       host overlapped with the device
+  step    = max_r host_r + sync + max_r gpu_r            host and device in series
+The DP sync is a collective, so every rank leaves it when the slowest host arrives; the
+all-to-all inside each MoE layer makes the forward lock-step too, so the slowest rank's
+device time sets the step. Device times are rooflines on a described GPU or measured tables
+on a calibrated machine (costs.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from wideserve.sim.costs import allreduce_s, alltoall_s, interp, roofline_s
+from wideserve.sim.hardware import Hardware, Profile
+from wideserve.sim.model import FORMAT_BYTES, ModelShape
+from wideserve.sim.noise import HostNoise
+
+DISPATCH_BYTES = 1 + 1 / 32     # FP8 activations with a UE8M0 scale per 32 (DeepEP-style)
+COMBINE_BYTES = 2               # bf16 expert outputs back
+SYNC_BYTES = 16                 # the step's shape row: a few int32s
+
+
+@dataclass(slots=True)
+class StepInputs:
+    ranks: int
+    requests: list[int]                 # running requests per rank
+    context: list[float]                # mean context length per rank
+    drafts: int = 0                     # k
+    rank_rows: np.ndarray | None = None          # [L, R] routed rows per rank (target)
+    draft_rank_rows: np.ndarray | None = None    # [Ld, R] (draft)
+    sync_algo: str = "ring"
+    overlap_host: bool = True
+    jitter: list[float] = field(default_factory=list)   # per-rank host jitter (s)
+    noise: bool = False                 # draw lock-step waits from the measured host noise
+
+
+@dataclass(slots=True)
+class StepTime:
+    step_s: float
+    parts: dict[str, float]             # the slowest rank's breakdown (s)
+    per_rank_s: list[float]             # each rank's own time (host + device, no barrier)
+
+
+class StepModel:
+    """Step times of one model on one hardware with one calibration profile."""
+
+    def __init__(self, model: ModelShape, hw: Hardware, profile: Profile,
+                 seed: int = 0) -> None:
+        self.m, self.hw, self.p = model, hw, profile
+        self.measured = hw.kind == "measured"
+        self.noise = HostNoise(profile.host.get("jitter_s") or [])
+        self.rng = np.random.default_rng(seed)
+
+    # ------------------------------------------------------------------ host side
+    def host_s(self, requests: int, tokens: int) -> float:
+        h = self.p.host
+        return (h["base_s"] + h["per_request_s"] * requests + h["per_token_s"] * tokens) \
+            / self.hw.host_speed
+
+    def sync_s(self, ranks: int, algo: str) -> float:
+        c = self.p.collectives
+        alpha = c.get("host_alpha_s", c["allreduce_alpha_s"])
+        return allreduce_s(ranks, SYNC_BYTES, alpha, c.get("host_bytes_per_s", 1e9), algo)
+
+    # ------------------------------------------------------------------ device side
+    def dense_s(self, tokens: int) -> float:
+        if self.measured:
+            f = self.p.ops["dense_forward"]
+            return interp(f["tokens"], f["s"], tokens)
+        m = self.m
+        return roofline_s(self.hw, 2 * m.dense_params * tokens, m.dense_bytes, m.weight_format,
+                          kernels=8 * m.layers)
+
+    def attention_s(self, requests: int, ctx: float, q: int) -> float:
+        """Attention + indexer of all layers: records read once per request, FLOPs per query."""
+        if self.measured or requests == 0:
+            return 0.0          # measured: inside dense_forward (short contexts only)
+        m, rec = self.m, self.m.record_bytes
+        per_layer_kv = m.kv_bytes_per_token / max(1, m.layers)
+        nbytes = flops = 0.0
+        for a in m.attn:
+            entries, scanned = a.entries(int(ctx)), a.scanned(int(ctx))
+            if a.ratio == 1 and a.topk is None and not a.window:      # plain full attention
+                nbytes += ctx * per_layer_kv
+                flops += 4 * m.heads * m.head_dim * ctx * q
+                continue
+            nbytes += (a.window * rec.get("window", 0) + q * entries * rec.get("compressed", 0)
+                       + scanned * rec.get("indexer", 0))
+            flops += 4 * m.heads * m.head_dim * (a.window + entries) * q \
+                + 2 * m.index_heads * m.index_dim * scanned * q
+        return roofline_s(self.hw, flops * requests, nbytes * requests, "bf16",
+                          kernels=3 * m.layers)
+
+    def experts_s(self, rows: np.ndarray, experts_per_rank: float, params_each: float,
+                  fmt: str) -> np.ndarray:
+        """[L, R] rows per rank -> [R] seconds in the experts over all layers. Experts that
+        receive a row: E_r (1 - (1 - 1/E_r)^rows) in expectation (rows spread evenly)."""
+        if rows.size == 0:
+            return np.zeros(rows.shape[1] if rows.ndim == 2 else 0)
+        e_r = max(experts_per_rank, 1.0)
+        active = e_r * (1 - (1 - 1 / e_r) ** np.maximum(rows, 0))
+        per = np.where(active > 0, rows / np.maximum(active, 1e-12), 0.0)
+        if self.measured:
+            e = self.p.ops["expert"]
+            t = active * np.vectorize(lambda x: interp(e["rows"], e["s"], x) if x > 0 else 0.0,
+                                      otypes=[float])(per)
+            return t.sum(axis=0)
+        nbytes = active * params_each * FORMAT_BYTES[fmt]
+        flops = 2 * params_each * rows
+        t = np.maximum(flops / self.hw.peak(fmt), nbytes / self.hw.mem_bytes_per_s) \
+            + 2 * self.hw.kernel_gap_s
+        return t.sum(axis=0)
+
+    def a2a_s(self, ranks: int, rows_sent: float, layers: int) -> float:
+        """Counts, dispatch and combine per MoE layer."""
+        if ranks <= 1 or layers == 0:
+            return 0.0
+        if self.measured:
+            c = self.p.collectives["alltoall"]
+            beta, alpha = c["bytes_per_s"], c["alpha_s"]
+        else:
+            beta, alpha = self.hw.link(ranks)
+        d, conc = self.m.hidden, not self.measured
+        one = (alltoall_s(ranks, 8 * ranks, alpha, beta, conc)
+               + alltoall_s(ranks, rows_sent * d * DISPATCH_BYTES, alpha, beta, conc)
+               + alltoall_s(ranks, rows_sent * d * COMBINE_BYTES, alpha, beta, conc))
+        return layers * one
+
+    def weight_bytes_per_rank(self, ranks: int, total_rows: float) -> float:
+        """Weight bytes one rank reads per step: its dense copy plus the experts that receive
+        a row, with `total_rows` routed rows spread evenly over all experts."""
+        m = self.m
+        e_r = max(m.experts / ranks, 1.0)
+        rows = total_rows / ranks
+        active = e_r * (1 - (1 - 1 / e_r) ** rows)
+        return m.dense_bytes + m.moe_layers * active * m.expert_params_each() \
+            * FORMAT_BYTES[m.expert_format]
+
+    # ------------------------------------------------------------------ one step
+    def step(self, s: StepInputs) -> StepTime:
+        m, q = self.m, 1 + s.drafts
+        n = s.ranks
+        tokens = [r * q for r in s.requests]
+        rows = s.rank_rows if s.rank_rows is not None else uniform_rows(
+            m.moe_layers, n, sum(tokens) * m.top_k)
+        expert = self.experts_s(rows, m.experts / n, m.expert_params_each(), m.expert_format)
+        draft = self._drafts_s(s, n)
+        a2a = self.a2a_s(n, max(tokens) * m.top_k, m.moe_layers)
+        parts_r = []
+        wait = self._lockstep_wait(n, tokens, expert, s)
+        for r in range(n):
+            parts_r.append({
+                "host": self.host_s(s.requests[r], tokens[r]) + (s.jitter[r] if s.jitter else 0),
+                "dense": self.dense_s(tokens[r]),
+                "attention": self.attention_s(s.requests[r], s.context[r], q),
+                "moe": float(expert[r]), "all_to_all": a2a, "lockstep_wait": wait,
+                "draft": float(draft[r])})
+        return self._barrier(parts_r, self.sync_s(n, s.sync_algo), s.overlap_host)
+
+    def _lockstep_wait(self, n: int, tokens: list[int], expert: np.ndarray,
+                       s: StepInputs) -> float:
+        """On a measured machine the forward runs on the host: host noise hits every segment
+        between two all-to-alls and the ranks wait for the slowest at each (noise.py). On a
+        GPU the forward is device work (a captured graph): no host noise inside it."""
+        if not self.measured or n <= 1 or not s.noise:
+            return 0.0
+        points = 3 * (self.m.moe_layers + (self.m.draft_layers if s.drafts else 0))
+        seg = (self.dense_s(max(tokens)) + float(expert.max())) / max(points, 1)
+        return self.noise.lockstep_wait(points, seg, n, self.rng)
+
+    def _drafts_s(self, s: StepInputs, n: int) -> np.ndarray:
+        m, k = self.m, s.drafts
+        if k == 0 or m.draft_layers == 0:
+            return np.zeros(n)
+        passes = 1 if m.draft_parallel else k          # DSpark: one pass of k+1 tokens
+        per_pass = [r * ((k + 1) if m.draft_parallel else 1) for r in s.requests]
+        rows = s.draft_rank_rows if s.draft_rank_rows is not None else uniform_rows(
+            max(1, m.draft_layers), n, sum(per_pass) * m.draft_top_k)
+        each = m.draft_expert_params / max(1, m.draft_layers * m.draft_experts)
+        ex = self.experts_s(rows, m.draft_experts / n, each, m.expert_format)
+        dense = np.array([self._draft_dense_s(t) for t in per_pass])
+        a2a = self.a2a_s(n, max(per_pass) * m.draft_top_k, m.draft_layers)
+        return passes * (dense + ex + a2a)
+
+    def _draft_dense_s(self, tokens: int) -> float:
+        if self.measured:
+            f = self.p.ops.get("draft_forward") or self.p.ops["dense_forward"]
+            return interp(f["tokens"], f["s"], tokens)
+        m = self.m
+        return roofline_s(self.hw, 2 * m.draft_dense_params * tokens,
+                          m.draft_dense_params * FORMAT_BYTES[m.weight_format],
+                          m.weight_format, kernels=8 * m.draft_layers)
+
+    @staticmethod
+    def _barrier(parts_r: list[dict[str, float]], sync: float, overlap: bool) -> StepTime:
+        gpu = [sum(v for k, v in p.items() if k != "host") for p in parts_r]
+        host = [p["host"] for p in parts_r]
+        if overlap:
+            own = [max(g, h + sync) for g, h in zip(gpu, host)]
+            step = max(max(gpu), max(host) + sync)
+        else:
+            own = [h + sync + g for g, h in zip(gpu, host)]
+            step = max(host) + sync + max(gpu)
+        slow = parts_r[int(np.argmax(gpu))]
+        parts = {**slow, "host": max(host), "dp_sync": sync,
+                 "barrier_wait_mean": step - float(np.mean(own))}
+        return StepTime(step, parts, own)
+
+
+def uniform_rows(layers: int, ranks: int, total_rows: float) -> np.ndarray:
+    """Routed rows per rank when every expert is equally likely: [L, R]."""
+    return np.full((max(layers, 0), ranks), total_rows / ranks)
+
