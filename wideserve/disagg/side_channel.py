@@ -160,18 +160,17 @@ class SideChannelServer:
                 continue
             parts = [f.buffer for f in frames[1:]]
             head, why = self._check_header(dec, parts)
+            proven = head if why is None else None
             # Charged to the peer its MAC proves, else to its address: junk never empties a
             # legitimate peer's bucket, wherever it comes from.
-            buckets, key = ((self.peers, head.peer) if why is None and head is not None
+            buckets, key = ((self.peers, proven.peer) if proven is not None
                             else (self.junk, frames[1].get("Peer-Address") or "?"))
             now = time.monotonic()
             if not buckets.allowed(key, now):
                 self.num_dropped += 1
                 continue
-            if why is None and head is not None:
-                reply = self._answer(head, parts[1])
-            else:
-                reply = self._refuse(head.nonce if head is not None else b"", why or "")
+            reply = (self._answer(proven, parts[1]) if proven is not None
+                     else self._refuse(head.nonce if head is not None else b"", why or ""))
             if not reply.mac:               # refused: the sender pays
                 buckets.spend(key, now)
             self._sock.send_multipart([frames[0], enc.encode(reply)])
