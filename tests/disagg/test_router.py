@@ -228,3 +228,19 @@ def test_clients_cannot_send_kv_handles(body):
     r, _ = _run(up, calls)
     assert r.status_code == 400 and "set by the router, not by clients" in r.text
     assert up.seen == []
+
+
+def test_the_router_does_not_start_without_the_kv_secret(monkeypatch, capsys, tmp_path):
+    """It could not sign a prefill leg (each would get a 403): a one-line error naming the
+    environment variable and the flag, before anything listens."""
+    from wideserve.entrypoints import cli
+    from wideserve.entrypoints import router as router_cli
+    monkeypatch.delenv("WIDESERVE_KV_SECRET", raising=False)
+    argv = ["router", "--prefill", "http://a", "--decode", "http://b"]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert router_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert "$WIDESERVE_KV_SECRET" in err and "--kv-secret-file" in err
+    args.kv_secret_file = str(tmp_path / "missing")
+    assert router_cli.run(args) == 2
+    assert "--kv-secret-file" in capsys.readouterr().err
