@@ -2,9 +2,12 @@
 
 Replays every item of issue 25 on loopback against real processes (the bundled model, CPU)
 and prints one row per case: the attack or fault, what is expected, what was observed, PASS
-or FAIL; then the totals the issue asks for: hostile cases tried, 5xx answers to them, the
-longest stall (gap between two tokens) of an unrelated stream that runs on the attacked server
-throughout, processes left behind, and bytes of another request's KV obtained.
+or FAIL; then a summary table of the totals the issue asks for, each against its goal: cases
+passed (hostile ones among them), processes left behind, the longest stall (gap between two
+tokens) of an unrelated stream that runs on the attacked server throughout, unexpected 5xx
+answers (to hostile requests; a 5xx a case expects, such as the router's /health 503 with no
+decode server, is its case's result, not counted), and bytes of another request's KV
+obtained. Exit status 0 only if every line passes.
 
 Every case has its own timeout; a case that times out or raises is a FAIL with the reason,
 and the next one runs (a server left unresponsive is restarted first). Everything started
@@ -46,16 +49,26 @@ def report() -> int:
               f"| {gap} | {r.observed}")
     gaps = [r.gap_s for r in rows if r.gap_s is not None]
     hostile = [r for r in rows if r.hostile]
-    longest = max(gaps) if gaps else float("nan")
+    passed = sum(r.passed for r in rows)
+    longest = max(gaps) if gaps else 0.0
+    summary = [
+        ("cases passed", f"{passed} of {len(rows)} ({len(hostile)} hostile)", "all",
+         passed == len(rows)),
+        ("processes left behind", f"{TOTALS.procs_left}", "0", TOTALS.procs_left == 0),
+        ("longest stall of an unrelated running stream",
+         f"{longest * 1000:.0f} ms" if gaps else "(no stream watched)",
+         f"< {STALL_GOAL_S * 1000:.0f} ms", longest < STALL_GOAL_S),
+        ("unexpected 5xx answers", f"{TOTALS.five_xx}", "0", TOTALS.five_xx == 0),
+        ("bytes of another request's KV obtained", f"{TOTALS.kv_bytes_stolen:.0f}", "0",
+         TOTALS.kv_bytes_stolen == 0),
+    ]
     print()
-    print(f"cases: {len(rows)} ({len(hostile)} hostile), passed {sum(r.passed for r in rows)}, "
-          f"failed {sum(not r.passed for r in rows)}")
-    print(f"5xx answers to hostile requests: {TOTALS.five_xx}")
-    print(f"longest stall of an unrelated running stream: {longest * 1000:.0f} ms "
-          f"(goal < {STALL_GOAL_S * 1000:.0f} ms)")
-    print(f"processes left behind: {TOTALS.procs_left} (goal 0)")
-    print(f"bytes of another request's KV obtained: {TOTALS.kv_bytes_stolen:.0f} (goal 0)")
-    return 0 if all(r.passed for r in rows) and TOTALS.procs_left == 0 else 1
+    w = max(len(s[0]) for s in summary)
+    print(f"{'summary':<{w}} | {'observed':<22} | {'goal':<8} | result")
+    print("-" * (w + 45))
+    for what, observed, goal, ok in summary:
+        print(f"{what:<{w}} | {observed:<22} | {goal:<8} | {'PASS' if ok else 'FAIL'}")
+    return 0 if all(ok for *_, ok in summary) else 1
 
 
 def main() -> int:
@@ -121,7 +134,8 @@ def _pd_section(sizes: Sizes, started: list[Server]) -> None:
     except RuntimeError as e:
         run_case(Row("P/D pair start-up", "starts"), lambda: (str(e)[:200], False), 5)
         return
-    pd_cases(PD(prefill, decode, router, router_no_prefill, sizes.case_timeout_s), sizes)
+    pd_cases(PD(prefill, decode, router, router_no_prefill, sizes.case_timeout_s,
+                env["WIDESERVE_KV_SECRET"].encode()), sizes)
 
 
 if __name__ == "__main__":

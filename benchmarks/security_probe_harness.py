@@ -70,7 +70,8 @@ def _count_5xx(response: httpx.Response) -> None:
 
 
 def hostile_client(timeout: float) -> httpx.Client:
-    """Requests of hostile cases: their 5xx answers are counted."""
+    """Requests of hostile cases: their 5xx answers are counted as unexpected (a case that
+    expects a 5xx, such as a health check with an instance down, uses a plain client)."""
     return httpx.Client(timeout=timeout, event_hooks={"response": [_count_5xx]})
 
 

@@ -16,6 +16,7 @@ import httpx
 from security_probe_harness import (
     MODEL, Row, Server, Sizes, TOTALS, alive, free_port, hostile_client,
     kill_all, message, metric_sum, run_case, status_case, wait_gone)
+from wideserve.disagg.peer_auth import HEADER, sign_request
 from wideserve.procs import descendants
 
 
@@ -26,8 +27,9 @@ class PD:
     prefill leg fails, so a request goes to decode with the client's own parameters)."""
 
     def __init__(self, prefill: Server, decode: Server, router: Server,
-                 router_no_prefill: Server, timeout: float) -> None:
+                 router_no_prefill: Server, timeout: float, secret: bytes) -> None:
         self.prefill, self.decode, self.router = prefill, decode, router
+        self.secret = secret
         self.router_no_prefill = router_no_prefill
         self.hc = hostile_client(timeout)
         self.rng = secrets.SystemRandom()
@@ -36,9 +38,14 @@ class PD:
         return [self.rng.randrange(10, 300) for _ in range(n)]
 
     def handle(self, ids: list[int]) -> dict[str, Any]:
-        r = httpx.post(self.prefill.url + "/v1/completions", headers=self.prefill.headers,
-                       timeout=60, json={"model": MODEL, "prompt": ids, "max_tokens": 1,
-                                         "kv_transfer_params": {"do_remote_decode": True}})
+        """A handle as the router obtains it (signed with the KV secret): a leaked handle is
+        where the forgery cases start."""
+        content = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1,
+                              "kv_transfer_params": {"do_remote_decode": True}}).encode()
+        r = httpx.post(self.prefill.url + "/v1/completions", content=content, timeout=60,
+                       headers={**self.prefill.headers, "Content-Type": "application/json",
+                                HEADER: sign_request(self.secret, "POST", "/v1/completions",
+                                                     content)})
         params = r.json().get("kv_transfer_params") if r.status_code == 200 else None
         if not isinstance(params, dict) or "remote_block_ids" not in params:
             raise RuntimeError(f"the prefill instance gave no handle ({r.status_code})")
@@ -87,16 +94,26 @@ def pd_cases(pd: PD, sizes: Sizes) -> None:
     case("forged KV handle (B's lease, A's blocks) to decode", "error, 0 bytes",
          forged_direct)
 
-    def replayed() -> tuple[str, bool]:
-        ids_a = pd.ids()
-        ha = pd.handle(ids_a)
-        r, stolen = pd.steal(dec.url + "/v1/completions", {
-            "model": MODEL, "prompt": ids_a, "max_tokens": 4, "kv_transfer_params": ha},
-            dec.headers)
-        return (f"{r.status_code}, {stolen:.0f} bytes of A's KV loaded",
-                stolen == 0 and _refused(r))
-    case("A's handle sent to decode by a client (not the router)", "error, 0 bytes",
-         replayed)
+    def own_handle() -> tuple[str, bool]:
+        """A client that reaches the prefill server asks it for a handle itself: unsigned,
+        with a forged header, and with the router's real header captured on another body."""
+        granted = "wideserve:kv_transfer_leases_granted_total"
+        before = metric_sum(httpx.get(pd.prefill.url + "/metrics", timeout=10).text, granted)
+        leg = {"model": MODEL, "prompt": pd.ids(), "max_tokens": 1,
+               "kv_transfer_params": {"do_remote_decode": True}}
+        content = json.dumps(leg).encode()
+        router_header = sign_request(pd.secret, "POST", "/v1/completions",
+                                     json.dumps({**leg, "prompt": pd.ids()}).encode())
+        codes = []
+        for extra in ({}, {HEADER: "v1:0:00:00"}, {HEADER: router_header}):
+            r = pd.hc.post(pd.prefill.url + "/v1/completions", content=content, headers={
+                **pd.prefill.headers, "Content-Type": "application/json", **extra})
+            codes.append(r.status_code if "kv_transfer_params" not in r.json() else 200)
+        after = metric_sum(httpx.get(pd.prefill.url + "/metrics", timeout=10).text, granted)
+        return (f"{codes}, leases granted {after - before:.0f}; {message(r)[:60]}",
+                codes == [403] * 3 and after == before)
+    case("client asks the prefill server for a KV handle (no router)",
+         "403, no handle, no lease", own_handle)
 
     def via_router() -> tuple[str, bool]:
         ids_a, ids_b = pd.ids(), pd.ids()
@@ -152,9 +169,10 @@ def pd_cases(pd: PD, sizes: Sizes) -> None:
 
     run_case(Row("decode server SIGKILLed mid-stream (router)", "error event, then [DONE]",
                  hostile=False), lambda: _decode_death(pd), limit + 5)
-    run_case(Row("router /health with no decode server", "non-200", hostile=False),
-             lambda: status_case(pd.hc, "GET", rtr.url + "/health",
-                                  ok=lambda c: c != 200, limit_s=5), 20)
+    # 503 is the answer expected here: not a hostile request's 5xx (not counted).
+    run_case(Row("router /health with no decode server", "503", hostile=False),
+             lambda: status_case(httpx.Client(timeout=10), "GET", rtr.url + "/health",
+                                  ok=lambda c: c == 503, limit_s=5), 20)
 
     def gauge() -> tuple[str, bool]:
         text = httpx.get(rtr.url + "/metrics", timeout=10).text
@@ -211,13 +229,13 @@ def _junk_flood(pd: PD) -> tuple[str, bool]:
 
 def _junk_envelope(size: int) -> list[bytes]:
     """A well-formed side-channel request (header frame + body frame, as SideChannelClient
-    sends it) with a wrong MAC around `size` random bytes: all an attacker without the secret
-    can send (the costliest junk when the MAC is checked first)."""
+    sends it) with a wrong MAC around `size` random bytes, claiming the decode instance's
+    peer id, from its address (loopback): all an attacker without the secret can send."""
     import msgspec
 
     from wideserve.disagg import side_channel
     head = side_channel.Header(side_channel.VERSION, "release", time.time(), os.urandom(16),
-                               b"\0" * 32)
+                               "decode", os.urandom(32), b"\0" * 32)
     return [msgspec.msgpack.encode(head), os.urandom(size)]
 
 

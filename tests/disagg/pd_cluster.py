@@ -16,8 +16,19 @@ from pathlib import Path
 import httpx
 
 from entrypoints.openai.oai_server_utils import RemoteServer, free_port, server_env, write_tiny_model
+from wideserve.disagg.peer_auth import HEADER, sign_request
 
 SECRET = "router-e2e-secret-0123456789abcdef"
+
+
+def router_post(url: str, body: dict, path: str = "/v1/completions", secret: str = SECRET,
+                timeout: float = 60) -> httpx.Response:
+    """POST `body` as the router sends a prefill leg: signed with the KV secret (only such a
+    request may ask a prefill instance for a KV handle: wideserve/disagg/peer_auth.py)."""
+    content = json.dumps(body).encode()
+    auth = sign_request(secret.encode(), "POST", path, content)
+    return httpx.post(url + path, content=content, timeout=timeout,
+                      headers={"content-type": "application/json", HEADER: auth})
 
 
 def kv_config(role: str, **extra) -> str:

@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from wideserve.disagg.side_channel import (VERSION, Header, SideChannelClient,
-                                           SideChannelError, SideChannelServer)
+from wideserve.disagg.side_channel import (SideChannelClient, SideChannelError,
+                                           SideChannelServer)
 
 PEER = str(Path(__file__).with_name("nixl_peer.py"))
 SECRET = "a-test-secret-of-32-bytes-length"
@@ -130,9 +130,8 @@ def test_side_channel_refuses_unauthenticated_peers():
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(f"tcp://127.0.0.1:{server.port}")
-        from wideserve.disagg.side_channel import _request_mac
-        head = Header(VERSION, "metadata", time.time(), b"n" * 16, b"")
-        head.mac = _request_mac(b"s" * 32, head, b"")
+        from wideserve.disagg.side_channel import make_header
+        head = make_header(b"s" * 32, "metadata", "peer", b"")
         replies = []
         for frames in ([msgspec.msgpack.encode(head), b""], [msgspec.msgpack.encode(head), b""],
                        [b"\xc1junk", b""]):
@@ -142,7 +141,7 @@ def test_side_channel_refuses_unauthenticated_peers():
         sock.close(linger=0)
         ctx.term()
         assert replies[0][0] is True and replies[0][2] == b"secret-meta"
-        assert replies[1][:4] == [False, b"n" * 16, b"", "unauthenticated"]
+        assert replies[1][:4] == [False, head.nonce, b"", "unauthenticated"]
         assert replies[2][3] == "malformed message"
         assert server.num_refused == 3
         good.close()

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_utils import free_port_block  # noqa: E402
 
 from entrypoints.openai.oai_server_utils import RemoteServer  # noqa: E402
+from pd_cluster import router_post  # noqa: E402
 
 SECRET = "pd-dep-test-secret-0123456789abcd"
 PROMPTS = ["To be, or not to be, that is the question: whether 'tis nobler in the mind",
@@ -36,8 +37,11 @@ def _complete(url: str, prompt: str, **kw) -> dict:
 
 
 def _handoff(prefill: str, decode: str, prompt: str) -> str:
-    handle = _complete(prefill, prompt, max_tokens=1,
-                       kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    r = router_post(prefill, {"prompt": prompt, **GREEDY, "max_tokens": 1,
+                              "kv_transfer_params": {"do_remote_decode": True}}, secret=SECRET,
+                    timeout=90)
+    assert r.status_code == 200, r.text
+    handle = r.json()["kv_transfer_params"]
     assert handle["do_remote_prefill"] is True
     return _complete(decode, prompt, kv_transfer_params=handle)["choices"][0]["text"]
 

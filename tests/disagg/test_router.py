@@ -6,15 +6,19 @@ Authorization; /v1/responses goes prefill then decode; clients cannot send KV ha
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
 
+from wideserve.disagg.peer_auth import HEADER, PeerAuth, sign_request
 from wideserve.disagg.router import RouterConfig, build_app
 
 P, D = "http://prefill.test", "http://decode.test"
+SECRET = b"router-unit-test-secret-0123456789"
 HANDLE = {"do_remote_prefill": True, "remote_request_id": "x", "remote_mac": "m"}
 EVENT = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
 
@@ -42,6 +46,7 @@ class Upstreams:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict, httpx.Headers]] = []
+        self.raw: list[bytes] = []
         self.decode: Callable[[dict], httpx.Response] = self.sse
         self.health = {P: 200, D: 200}
 
@@ -62,6 +67,7 @@ class Upstreams:
             return httpx.Response(code)
         body = json.loads(request.content) if request.content else {}
         self.seen.append((base + path, body, request.headers))
+        self.raw.append(request.content)
         if path == "/v1/models":
             return httpx.Response(200, json={"auth": request.headers.get("authorization")})
         if base == P:
@@ -71,7 +77,7 @@ class Upstreams:
 
 def _run(up: Upstreams, calls: Callable, **cfg) -> tuple[object, object]:
     config = RouterConfig([P], [D], **{"max_request_bytes": 1 << 20,
-                                       "body_read_timeout_s": 5.0, **cfg})
+                                       "body_read_timeout_s": 5.0, "kv_secret": SECRET, **cfg})
     app = build_app(config, httpx.MockTransport(up))
 
     async def go():
@@ -189,6 +195,29 @@ def test_responses_go_prefill_then_decode_with_the_handle():
     assert d_body == {"input": "hi", "max_output_tokens": 9, "kv_transfer_params": HANDLE}
 
 
+def test_the_prefill_leg_is_signed_with_the_kv_secret():
+    """Only the router may ask a prefill instance for a KV handle: its leg carries a header
+    that verifies, once, with the secret over exactly the body sent (the decode leg, which
+    asks for none, carries none)."""
+    up = Upstreams()
+
+    async def calls(c):
+        return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 9})
+    r, _ = _run(up, calls)
+    assert r.status_code == 200
+    (p_url, p_body, p_headers), (_, _, d_headers) = up.seen
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+    digest = hashlib.sha256(up.raw[0]).digest()
+    auth = PeerAuth(SECRET)
+    assert auth.problem(p_headers[HEADER], "POST", "/v1/completions", digest) is None
+    assert "already used" in auth.problem(p_headers[HEADER], "POST", "/v1/completions", digest)
+    assert "does not verify" in PeerAuth(b"x" * 32).problem(p_headers[HEADER], "POST",
+                                                            "/v1/completions", digest)
+    assert HEADER not in d_headers
+    old = sign_request(SECRET, "POST", "/v1/completions", up.raw[0], now=time.time() - 3600)
+    assert "stale" in auth.problem(old, "POST", "/v1/completions", digest)
+
+
 @pytest.mark.parametrize("body", [{"prompt": "hi"}, {"prompt": ["a", "b"]}, {"prompt": "hi",
                                                                               "n": 2}])
 def test_clients_cannot_send_kv_handles(body):
@@ -199,3 +228,19 @@ def test_clients_cannot_send_kv_handles(body):
     r, _ = _run(up, calls)
     assert r.status_code == 400 and "set by the router, not by clients" in r.text
     assert up.seen == []
+
+
+def test_the_router_does_not_start_without_the_kv_secret(monkeypatch, capsys, tmp_path):
+    """It could not sign a prefill leg (each would get a 403): a one-line error naming the
+    environment variable and the flag, before anything listens."""
+    from wideserve.entrypoints import cli
+    from wideserve.entrypoints import router as router_cli
+    monkeypatch.delenv("WIDESERVE_KV_SECRET", raising=False)
+    argv = ["router", "--prefill", "http://a", "--decode", "http://b"]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert router_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert "$WIDESERVE_KV_SECRET" in err and "--kv-secret-file" in err
+    args.kv_secret_file = str(tmp_path / "missing")
+    assert router_cli.run(args) == 2
+    assert "--kv-secret-file" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import pytest
 from entrypoints.openai.oai_server_utils import RemoteServer
 from pd_cluster import cluster as pd_cluster
 from pd_cluster import kv_config as _kv
+from pd_cluster import router_post
 
 PROMPTS = ["To be, or not to be, that is the question: whether 'tis nobler in the mind",
            "The quick brown fox jumps over the lazy dog. " * 4,
@@ -33,6 +34,14 @@ def cluster(tmp_path_factory):
 
 def _complete(url: str, prompt: str, **kw) -> dict:
     r = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _handle(url: str, prompt: str) -> dict:
+    """A prefill instance's answer to a prefill leg, asked as the router asks it."""
+    r = router_post(url, {"prompt": prompt, **GREEDY, "max_tokens": 1,
+                          "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -118,8 +127,7 @@ def test_responses_route_prefill_then_decode(cluster):
 def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
     p2, d, router = cluster["p2"], cluster["d"], cluster["router"]
     expected = _complete(d.url, PROMPTS[2])["choices"][0]["text"]
-    handle = _complete(p2.url, PROMPTS[2], max_tokens=1,
-                       kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    handle = _handle(p2.url, PROMPTS[2])["kv_transfer_params"]
     p2.close(signal.SIGKILL, group=True)
     failed0 = _stats(d)["kv_transfer"]["loads_failed"]
     got = _complete(d.url, PROMPTS[2], kv_transfer_params=handle)
@@ -138,7 +146,7 @@ def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
 def test_decode_killed_holding_a_handle_frees_prefill_blocks_on_lease_expiry(cluster):
     p1, d, router = cluster["p1"], cluster["d"], cluster["router"]
     expired0 = _stats(p1)["kv_transfer"]["leases_expired"]
-    r = _complete(p1.url, PROMPTS[0], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    r = _handle(p1.url, PROMPTS[0])
     assert r["kv_transfer_params"]["do_remote_prefill"] is True
     assert _stats(p1)["kv_usage"] > 0                      # held under the 3 s lease
     d.close(signal.SIGKILL, group=True)

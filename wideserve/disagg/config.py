@@ -18,7 +18,10 @@ import os
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wideserve.disagg.peer_auth import PeerAuth
 
 FLAG = "--kv-transfer-config"
 SECRET_ENV = "WIDESERVE_KV_SECRET"
@@ -26,6 +29,13 @@ CONNECTORS = ("NixlConnector", "LoopbackConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("recompute", "fail")
 TRANSFER_OPS = ("push", "pull")
+
+
+def load_secret(path: str | None) -> bytes | None:
+    """The shared KV secret from `path`, else $WIDESERVE_KV_SECRET; None if shorter than 16
+    bytes (or absent)."""
+    data = Path(path).read_bytes().strip() if path else os.environ.get(SECRET_ENV, "").encode()
+    return data if len(data) >= 16 else None
 
 
 @dataclass(slots=True)
@@ -97,11 +107,8 @@ class KVTransferConfig:
 
     def secret(self) -> bytes:
         """The side-channel secret; a clear error naming the flag when there is none."""
-        if self.kv_secret_file:
-            data = Path(self.kv_secret_file).read_bytes().strip()
-        else:
-            data = os.environ.get(SECRET_ENV, "").encode()
-        if len(data) < 16:
+        data = load_secret(self.kv_secret_file)
+        if data is None:
             raise ValueError(f"{FLAG}: the side channel needs a shared secret of >= 16 bytes in "
                              f"kv_secret_file or ${SECRET_ENV} (the same on prefill and decode)")
         return data
@@ -109,6 +116,12 @@ class KVTransferConfig:
     def consumer_secret(self) -> bytes | None:
         """The key an API server checks incoming handles with: a consumer's secret, else None."""
         return self.secret() if self.is_consumer else None
+
+    def peer_auth(self) -> PeerAuth | None:
+        """A producer's check of who may ask it for KV handles (the router, holding the
+        secret: disagg/peer_auth.py), else None."""
+        from wideserve.disagg.peer_auth import PeerAuth
+        return PeerAuth(self.secret()) if self.is_producer else None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | KVTransferConfig | None

@@ -137,7 +137,7 @@ class NixlWorker(KVConnectorWorker):
         self._reg = self.agent.register_memory([r.tensor for r in layout.regions])
         self.local_dlist = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descriptor_table(layout.region_info()), self.mem)
-        self.client = SideChannelClient(secret)
+        self.client = SideChannelClient(secret, peer=config.engine_id)
         # Blocking side-channel calls: a silent producer holds a thread per call for up to
         # its timeout, so there are a few (handshakes, push, cancel and fence calls).
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="kv-side-client")

@@ -8,6 +8,8 @@ Per request (/v1/completions, /v1/chat/completions, /v1/responses):
      response (SSE passed through as it arrives, or JSON) goes to the client. A stream the
      decode instance cuts (it died) ends with an SSE error event and `data: [DONE]`.
 Clients never send `kv_transfer_params` (400): a handle only ever comes from a prefill leg.
+The router signs each prefill leg with the shared KV secret (disagg/peer_auth.py): a prefill
+instance mints handles for nobody else.
 The body limit, its read timeout and the Content-Type check are the API server's own
 (entrypoints/openai/serving.py).
 A prefill leg that fails with a 4xx is the client's error and is returned as is. One that
@@ -33,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.background import BackgroundTask
 
+from wideserve.disagg import peer_auth
 from wideserve.entrypoints.openai.serving import ApiError, read_body
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class RouterConfig:
     decode: list[str]
     max_request_bytes: int                  # the API server's limits (entrypoints/serve.py)
     body_read_timeout_s: float | None
+    kv_secret: bytes                        # signs the prefill legs (disagg/peer_auth.py)
     timeout_s: float = 600.0
 
 
@@ -145,10 +149,15 @@ class Router:
             if "max_completion_tokens" in leg:
                 leg["max_completion_tokens"] = 1
         inst = self.prefill.pick()
+        url = inst.url + route
+        content = json.dumps(leg).encode()
+        signed = {**headers, "content-type": "application/json", peer_auth.HEADER:
+                  peer_auth.sign_request(self.config.kv_secret, "POST", httpx.URL(url).path,
+                                         content)}
         leave = self._enter(inst)
         start = time.monotonic()
         try:
-            r = await self.client.post(inst.url + route, json=leg, headers=headers)
+            r = await self.client.post(url, content=content, headers=signed)
         except httpx.HTTPError as e:
             logger.warning("prefill leg on %s failed: %s", inst.url, e)
             self.metrics.upstream_errors.labels("prefill", inst.url).inc()

@@ -1,18 +1,21 @@
 """An authenticated request/reply side channel over ZMQ (agent metadata, releases).
 
 Both ends hold a shared secret. A request is two frames: a small header (protocol version,
-kind, timestamp, random nonce, MAC) and the body; the MAC is HMAC-SHA256(secret, version |
-kind | ts | nonce | body). The server answers an unauthenticated peer with nothing but a
-refusal, and the reply is MAC'd over the request's nonce, so the client knows it came from a
-holder of the secret too. Everything is msgspec msgpack: nothing is ever unpickled.
+kind, timestamp, random nonce, the sender's peer id, the SHA-256 of the body, MAC) and the
+body; the MAC is HMAC-SHA256(secret, version | kind | ts | nonce | peer | body digest), so it
+is checked over the header alone, and the body is then checked against its digest. The server
+answers an unauthenticated peer with nothing but a refusal, and the reply is MAC'd over the
+request's nonce, so the client knows it came from a holder of the secret too. Everything is
+msgspec msgpack: nothing is ever unpickled.
 
-Junk costs the server as little as possible, and only its sender: the checks run cheapest
-first (the sender's rate limit, frame count and header size, version, kind, timestamp,
-replayed nonce: none reads the body), the HMAC over the body last. Each refused request
-spends a token of its source address's bucket (`PeerLimit`); a peer whose bucket is empty has
-its messages dropped unread and unanswered until it refills, so a flood from one address
-never queues more than a burst of MAC checks ahead of other peers' requests. Authentic
-requests spend nothing.
+Junk costs the server as little as possible, and never a legitimate peer's service: every
+check before the body's digest reads only the header (at most 1 KiB: size, version, kind,
+timestamp, replayed nonce, then the header's MAC), so a request without the secret costs O(1)
+whatever its body. A request is charged to the peer id its MAC proves, else to its source
+address (`PeerLimit` buckets, spent by refused requests only): a key whose bucket is empty
+has its messages dropped unanswered until it refills. Junk from an address therefore gets at
+most a burst of refusals, and cannot make a legitimate peer's requests from the same address
+(a shared host, NAT, loopback) be dropped. Authentic requests spend nothing.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import zmq
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2            # 2: the MAC covers the header, which carries the peer id and body digest
 MAX_SKEW_S = 60.0
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_HEADER_BYTES = 1024
@@ -41,6 +44,8 @@ class Header(msgspec.Struct, array_like=True):
     kind: str
     ts: float
     nonce: bytes
+    peer: str               # the sender's id (its engine id): its rate-limit key once proven
+    digest: bytes           # SHA-256 of the body
     mac: bytes
 
 
@@ -58,14 +63,15 @@ class SideChannelError(RuntimeError):
 
 @dataclass(slots=True)
 class PeerLimit:
-    """Per source address: refused requests allowed in a burst, and refilled per second."""
+    """Per key (a proven peer id, else a source address): refused requests allowed in a
+    burst, and refilled per second."""
 
     burst: float = 32.0
     refill_per_s: float = 8.0
 
 
 class PeerBuckets:
-    """Token buckets by source address, spent by refused requests only."""
+    """Token buckets by key, spent by refused requests only."""
 
     MAX_PEERS = 4096
 
@@ -96,9 +102,17 @@ def _mac(secret: bytes, *parts: bytes | memoryview) -> bytes:
     return h.digest()
 
 
-def _request_mac(secret: bytes, head: Header, body: bytes | memoryview) -> bytes:
+def _request_mac(secret: bytes, head: Header) -> bytes:
     return _mac(secret, b"req", str(head.version).encode(), head.kind.encode(),
-                repr(head.ts).encode(), head.nonce, body)
+                repr(head.ts).encode(), head.nonce, head.peer.encode(), head.digest)
+
+
+def make_header(secret: bytes, kind: str, peer: str, body: bytes | memoryview) -> Header:
+    """A fresh, signed header for `body`."""
+    head = Header(VERSION, kind, time.time(), os.urandom(16), peer,
+                  hashlib.sha256(body).digest(), b"")
+    head.mac = _request_mac(secret, head)
+    return head
 
 
 def _reply_mac(secret: bytes, ok: bool, nonce: bytes, body: bytes, error: str) -> bytes:
@@ -116,9 +130,11 @@ class SideChannelServer:
         self.secret = secret
         self.handlers = handlers
         self.num_refused = 0            # answered with a refusal
-        self.num_dropped = 0            # dropped unread: their peer's bucket was empty
-        self.num_mac_checked = 0        # requests that got as far as the HMAC
-        self.buckets = PeerBuckets(limit or PeerLimit())
+        self.num_dropped = 0            # dropped unanswered: their key's bucket was empty
+        self.num_header_checked = 0     # requests whose header MAC was computed (O(1) each)
+        self.num_mac_checked = 0        # requests whose body was hashed (authentic headers)
+        self.junk = PeerBuckets(limit or PeerLimit())       # by source address
+        self.peers = PeerBuckets(limit or PeerLimit())      # by proven peer id
         self._seen: dict[bytes, float] = {}
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -142,48 +158,60 @@ class SideChannelServer:
             frames = self._sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
-            peer = frames[1].get("Peer-Address") or "?"
+            parts = [f.buffer for f in frames[1:]]
+            head, why = self._check_header(dec, parts)
+            proven = head if why is None else None
+            # Charged to the peer its MAC proves, else to its address: junk never empties a
+            # legitimate peer's bucket, wherever it comes from.
+            buckets, key = ((self.peers, proven.peer) if proven is not None
+                            else (self.junk, frames[1].get("Peer-Address") or "?"))
             now = time.monotonic()
-            if not self.buckets.allowed(peer, now):
+            if not buckets.allowed(key, now):
                 self.num_dropped += 1
                 continue
-            reply = self._answer(dec, [f.buffer for f in frames[1:]])
+            reply = (self._answer(proven, parts[1]) if proven is not None
+                     else self._refuse(head.nonce if head is not None else b"", why or ""))
             if not reply.mac:               # refused: the sender pays
-                self.buckets.spend(peer, now)
+                buckets.spend(key, now)
             self._sock.send_multipart([frames[0], enc.encode(reply)])
 
-    def _answer(self, dec: msgspec.msgpack.Decoder, parts: list[memoryview]) -> Reply:
+    def _check_header(self, dec: msgspec.msgpack.Decoder, parts: list[memoryview]
+                      ) -> tuple[Header | None, str | None]:
+        """The header, and why it is refused (None: its MAC proves the secret). Reads only
+        the header frame (at most MAX_HEADER_BYTES), cheapest checks first."""
         if len(parts) != 2 or len(parts[0]) > MAX_HEADER_BYTES:
-            return self._refuse(b"", "malformed message")
+            return None, "malformed message"
         try:
             head = dec.decode(parts[0])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return self._refuse(b"", "malformed message")
+            return None, "malformed message"
         if head.version != VERSION:
-            return self._refuse(head.nonce, f"unsupported side-channel version {head.version} "
-                                            f"(this instance speaks {VERSION})")
-        handler = self.handlers.get(head.kind)
-        if handler is None:
-            return self._refuse(head.nonce, f"unknown request kind {head.kind[:64]!r}")
-        if not self._authentic(head, parts[1]):
-            return self._refuse(head.nonce, "unauthenticated")
-        try:
-            return self._reply(True, head.nonce, handler(bytes(parts[1])), "")
-        except Exception as e:  # noqa: BLE001 - reported to the peer, the server goes on
-            logger.exception("side-channel handler %s failed", head.kind)
-            return self._reply(False, head.nonce, b"", f"{type(e).__name__}: {e}")
+            return head, (f"unsupported side-channel version {head.version} "
+                          f"(this instance speaks {VERSION})")
+        if head.kind not in self.handlers:
+            return head, f"unknown request kind {head.kind[:64]!r}"
+        if abs(time.time() - head.ts) > MAX_SKEW_S or head.nonce in self._seen:
+            return head, "unauthenticated"      # stale or replayed: no MAC spent on it
+        self.num_header_checked += 1
+        if not hmac.compare_digest(_request_mac(self.secret, head), head.mac):
+            return head, "unauthenticated"
+        return head, None
 
-    def _authentic(self, head: Header, body: memoryview) -> bool:
-        now = time.time()
-        if abs(now - head.ts) > MAX_SKEW_S or head.nonce in self._seen:
-            return False            # stale or replayed: no MAC spent on it
+    def _answer(self, head: Header, body: memoryview) -> Reply:
+        """An authentic header's request: its body must match the digest it signed."""
         self.num_mac_checked += 1
-        if not hmac.compare_digest(_request_mac(self.secret, head, body), head.mac):
-            return False
+        if not hmac.compare_digest(hashlib.sha256(body).digest(), head.digest):
+            return self._refuse(head.nonce, "unauthenticated (the body does not match its "
+                                            "signed digest)")
+        now = time.time()
         self._seen[head.nonce] = now
         if len(self._seen) > 4096:
             self._seen = {n: t for n, t in self._seen.items() if now - t <= 2 * MAX_SKEW_S}
-        return True
+        try:
+            return self._reply(True, head.nonce, self.handlers[head.kind](bytes(body)), "")
+        except Exception as e:  # noqa: BLE001 - reported to the peer, the server goes on
+            logger.exception("side-channel handler %s failed", head.kind)
+            return self._reply(False, head.nonce, b"", f"{type(e).__name__}: {e}")
 
     def _refuse(self, nonce: bytes, why: str) -> Reply:
         self.num_refused += 1
@@ -204,15 +232,16 @@ class SideChannelClient:
     """Blocking calls (run them off the engine's thread); one socket per call, so a peer
     that never answers costs a timeout and nothing else."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, peer: str = "") -> None:
+        """peer: this end's id (its engine id), the key the server limits it by."""
         self.secret = secret
+        self.peer = peer
         self._ctx = zmq.Context(io_threads=1)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
 
     def call(self, host: str, port: int, kind: str, body: bytes, timeout_s: float) -> bytes:
-        head = Header(VERSION, kind, time.time(), os.urandom(16), b"")
-        head.mac = _request_mac(self.secret, head, body)
+        head = make_header(self.secret, kind, self.peer, body)
         nonce = head.nonce
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

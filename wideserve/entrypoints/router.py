@@ -7,6 +7,7 @@ KV handle to a decode instance, whose answer (streamed or not) goes back to the 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from wideserve.entrypoints.engine_args import (one_line_error, parse_bytes, parse_port,
@@ -39,6 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--body-read-timeout", type=parse_positive_float,
                         default=BODY_READ_TIMEOUT_S,
                         help="seconds a request may take to send its body (408 after)")
+    parser.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                        help="file holding the shared KV secret the router signs its prefill "
+                             "requests with (default: $WIDESERVE_KV_SECRET; the instances' own)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="log verbosity")
@@ -48,8 +52,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from wideserve.disagg.config import SECRET_ENV, load_secret
     from wideserve.disagg.router import RouterConfig, build_app
+    try:
+        secret = load_secret(args.kv_secret_file)
+    except OSError as e:
+        print(f"wideserve router: error: --kv-secret-file: {e}", file=sys.stderr)
+        return 2
+    if secret is None:
+        print(f"wideserve router: error: the router signs its prefill requests with the shared "
+              f"KV secret: set ${SECRET_ENV} (the same as on the instances, >= 16 bytes) or "
+              f"--kv-secret-file", file=sys.stderr)
+        return 2
     app = build_app(RouterConfig(args.prefill, args.decode, args.max_request_bytes,
-                                 args.body_read_timeout, args.timeout))
+                                 args.body_read_timeout, kv_secret=secret,
+                                 timeout_s=args.timeout))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -31,6 +31,17 @@ def schema_error(schema: dict[str, Any]) -> str:
         return str(e)
 
 
+def fill_bitmask_row(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+    """The matcher's next-token mask into row `row` of a host int32 bitmask, in place.
+    What `llguidance.torch.fill_next_token_bitmask` does, without importing that module: it
+    decorates a function with torch.compile at import, which loads torch's compiler stack
+    (0.9-1.6 s on the engine thread at the first constrained step, stalling every stream)."""
+    assert bitmask.dtype == torch.int32 and not bitmask.is_cuda and bitmask.dim() == 2
+    v = bitmask[row]
+    assert v.is_contiguous()
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

@@ -30,7 +30,8 @@ from typing import Any, Sequence
 import torch
 
 from wideserve.request import Request
-from wideserve.structured_outputs.grammar import GrammarMask, bitmask_width
+from wideserve.structured_outputs.grammar import (
+    GrammarMask, bitmask_width, fill_bitmask_row)
 
 logger = logging.getLogger(__name__)
 # Compiled grammars kept for reuse (each request gets a deep copy of one).
@@ -45,9 +46,13 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.device = device
         self.workers = workers or min(4, os.cpu_count() or 1)
-        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="wideserve-grammar")
         self._lltok: Any = None
         self._lltok_lock = threading.Lock()      # compile threads share one tokenizer
+        # The first constrained request used to pay for llguidance's set-up (its imports and
+        # the tokenizer's vocabulary) while other streams ran: done now, at start-up, on a
+        # compile thread (a failure here is only logged; the first compile retries it).
+        self.warm_up: cf.Future = self._pool.submit(self._warm_up)
         self._pending: dict[str, tuple[Request, cf.Future]] = {}
         self._compiled: OrderedDict[bytes, cf.Future] = OrderedDict()   # digest -> matcher
         self._cache_lock = threading.Lock()
@@ -55,6 +60,12 @@ class StructuredOutputManager:
         self.failed: dict[str, str] = {}      # id -> why its constraint failed
 
     # ------------------------------------------------------------------ compilation
+    def _warm_up(self) -> None:
+        try:
+            self._tokenizer()
+        except Exception as e:  # noqa: BLE001 - an engine that never constrains still runs
+            logger.debug("structured outputs not set up at start-up: %s", e)
+
     def _tokenizer(self) -> Any:
         """The llguidance tokenizer, built once (on the worker thread) from ours."""
         with self._lltok_lock:
@@ -112,9 +123,6 @@ class StructuredOutputManager:
         """Take a constrained request (True) until its grammar is ready."""
         if request.sampling_params.structured_outputs is None:
             return False
-        if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(self.workers,
-                                               thread_name_prefix="wideserve-grammar")
         self._pending[request.request_id] = (request, self._pool.submit(self._compile, request))
         return True
 
@@ -171,7 +179,6 @@ class StructuredOutputManager:
         everything (the verifier rejects that draft, so they are never used)."""
         if not self._matchers:
             return None
-        import llguidance.torch as lt
         rows: list[int] = []
         width = bitmask_width(self.vocab_size)
         constrained = [(i, self._matchers.get(r.request_id)) for i, r in enumerate(requests)]
@@ -188,7 +195,7 @@ class StructuredOutputManager:
             d = list(drafts[i]) if drafts else []
             valid = matcher.validate_tokens(d) if d else 0
             for j in range(valid + 1):
-                lt.fill_next_token_bitmask(matcher, bitmask, g + j)
+                fill_bitmask_row(matcher, bitmask, g + j)
                 if j < valid:
                     matcher.consume_token(d[j])
             if valid:

@@ -139,19 +139,25 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
     async def read_body(request: Request) -> bytes:
         return await serving_read_body(request, limit, body_timeout)
 
+    async def parse(model: Any, request: Request) -> Any:
+        body = await read_body(request)
+        req = await ctx.parse(model, body)
+        await ctx.check_kv_peer(req, request, body)        # a KV handle: the router's only
+        return req
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await ctx.parse(CompletionRequest, await read_body(request))
+        req = await parse(CompletionRequest, request)
         return await serving_completions.create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = await ctx.parse(ChatCompletionRequest, await read_body(request))
+        req = await parse(ChatCompletionRequest, request)
         return await serving_chat.create_chat_completion(ctx, req, request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = await ctx.parse(serving_responses.ResponsesRequest, await read_body(request))
+        req = await parse(serving_responses.ResponsesRequest, request)
         return await serving_responses.create_response(ctx, req, request)
 
     @app.post("/v1/embeddings")
@@ -365,6 +371,8 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
                              metrics, chat_options(args),
                              request_limits=request_limits_from_args(args),
                              kv_secret=config.kv_transfer.consumer_secret()
+                             if config.kv_transfer else None,
+                             kv_peer_auth=config.kv_transfer.peer_auth()
                              if config.kv_transfer else None)
 
         async def on_shutdown() -> None:

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.disagg.params import client_handle_problem
+from wideserve.disagg.peer_auth import HEADER as KV_PEER_HEADER, PeerAuth
 from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed, StreamItem
 from wideserve.entrypoints.openai.input_prep import (PRESCAN_BYTES, Limits, TokenizerPool,
                                                      prescan, sequences_overflow,
@@ -219,6 +220,7 @@ class ServingContext:
     pool: TokenizerPool | None = None
     prep: PrepPool | None = None
     kv_secret: bytes | None = None      # P/D consumer: checks kv_transfer_params (disagg/)
+    kv_peer_auth: PeerAuth | None = None    # P/D producer: who may ask for a KV handle
 
     def __post_init__(self) -> None:
         if self.pool is None:
@@ -348,6 +350,14 @@ class ServingContext:
         except ValueError as e:
             raise ApiError(400, str(e), param=param_of(str(e)) or str(e).split(" ", 1)[0]) \
                 from None
+
+    async def check_kv_peer(self, req: Any, request: Request, body: bytes) -> None:
+        """do_remote_decode (a KV handle) only for the router (disagg/peer_auth.py)."""
+        why = self.kv_peer_auth and await self.kv_peer_auth.refusal(
+            getattr(req, "kv_transfer_params", None), request.headers.get(KV_PEER_HEADER),
+            request.method, request.url.path, body)
+        if why:
+            raise ApiError(403, why, param="kv_transfer_params", code="kv_peer_unauthenticated")
 
     def check_kv_handle(self, params: SamplingParams, ids: list[int]) -> None:
         """A KV handle is admitted only as its producer signed it, for this prompt."""
