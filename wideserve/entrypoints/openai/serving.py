@@ -267,7 +267,7 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
-            raise ApiError(400, f"The model {clip(name)} does not exist; this server serves "
+            raise ApiError(404, f"The model {clip(name)} does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.served_names)}",
                            param="model", code="model_not_found")
 
