@@ -258,3 +258,17 @@ def test_still_serving_after_the_bad_inputs(server, http):
     rejected = [line for line in metrics.splitlines()
                 if line.startswith("wideserve:requests_total") and 'outcome="rejected"' in line]
     assert rejected and float(rejected[0].rsplit(" ", 1)[1]) >= len(CASES) - 3
+
+
+def test_add_special_tokens(http):
+    """vLLM's add_special_tokens: this tokenizer prepends BOS unless told not to (completions
+    default true; chat default false, the template writing its own)."""
+    def prompt_tokens(path: str, **kw) -> int:
+        r = http.post(path, json={**(_c() if "chat" not in path else _chat()), **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens("/v1/completions", add_special_tokens=False) == \
+        prompt_tokens("/v1/completions") - 1
+    assert prompt_tokens("/v1/chat/completions", add_special_tokens=True) == \
+        prompt_tokens("/v1/chat/completions") + 1
