@@ -110,13 +110,14 @@ def test_stream_has_event_lines_and_is_stored(server, client):
     events = [(a[len("event: "):], json.loads(b[len("data: "):]))
               for a, b in zip(lines[::2], lines[1::2])]
     assert all(name == data["type"] for name, data in events) and events
-    assert events[0][0] == "response.created" and events[-1][0] == "response.completed"
+    assert events[0][0] == "response.created" and events[-1][0] == "response.incomplete"
     rid = events[-1][1]["response"]["id"]
     assert client.responses.retrieve(rid).output_text == "".join(
         d["delta"] for n, d in events if n == "response.output_text.delta")
     streamed = list(client.responses.create(model=BUNDLED, input="Hi", stream=True,
                                             max_output_tokens=3, previous_response_id=rid))
-    assert streamed[-1].type == "response.completed"
+    assert streamed[-1].type == "response.incomplete"
+    assert streamed[-1].response.status == "incomplete"
 
 
 def test_agent_parameters_work_or_are_refused_by_name(client):
@@ -131,7 +132,7 @@ def test_agent_parameters_work_or_are_refused_by_name(client):
     streamed = list(client.responses.create(model=BUNDLED, input="Hi", max_output_tokens=2,
                                             stream=True,
                                             stream_options={"include_obfuscation": False}))
-    assert streamed[-1].type == "response.completed"
+    assert streamed[-1].type == "response.incomplete"
     for kwargs, name in (({"conversation": "conv_1"}, "conversation"),
                          ({"include": ["file_search_call.results"]}, "include"),
                          ({"prompt": {"id": "pmpt_1"}}, "prompt")):

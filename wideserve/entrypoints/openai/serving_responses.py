@@ -204,7 +204,9 @@ async def _stream(turn: _Turn) -> AsyncIterator[str]:
                          _usage(call, completion, cached),
                          "max_output_tokens" if length else None)
         await _save(turn, body)
-        yield ev.event("response.completed", response=body)
+        # OpenAI's terminal event names the status: response.incomplete when cut short.
+        yield ev.event("response.incomplete" if length else "response.completed",
+                       response=body)
     except (EngineDeadError, RequestFailed, ApiError) as e:
         yield _error_event(ev, e)
     finally:
