@@ -56,7 +56,7 @@ class StreamOptions(LenientModel):
 
 class StructuredOutputsRequest(LenientModel):
     """vLLM's `structured_outputs` extension: exactly one constraint (checked when served)."""
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False,
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False,
                               populate_by_name=True)
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
@@ -261,7 +261,8 @@ class ChatMessage(LenientModel):
 def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     """Templates (HF's and ours) expect `arguments` as a mapping; as vLLM does, a JSON-object
     string is handed over parsed, anything else as given."""
-    out = call.model_dump()
+    out = {"id": call.id, "type": call.type,          # the known fields only, no extras
+           "function": {"name": call.function.name, "arguments": call.function.arguments}}
     try:
         args = json.loads(call.function.arguments)
     except json.JSONDecodeError:
