@@ -127,6 +127,10 @@ def test_agent_parameters_work_or_are_refused_by_name(client):
         prompt_cache_key="agent-1", service_tier="auto", max_tool_calls=1,
         extra_body={"ignore_eos": True})
     assert r.status == "incomplete" and r.service_tier == "default"
+    raw = client.responses.with_raw_response.create(
+        model=BUNDLED, input="Hi", max_output_tokens=1,
+        extra_body={"safety_identifier": "u1", "frobnicate": True})
+    assert raw.headers["x-wideserve-ignored-fields"] == "frobnicate"    # echoes not named
     logprobs = r.output[0].content[0].logprobs
     assert len(logprobs) == 3 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
     streamed = list(client.responses.create(model=BUNDLED, input="Hi", max_output_tokens=2,
