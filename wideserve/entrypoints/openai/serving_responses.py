@@ -32,7 +32,7 @@ from wideserve.entrypoints.openai.responses_protocol import (ResponsesRequest, c
                                                              history_message, input_items,
                                                              input_messages, output_items,
                                                              rid, to_chat)
-from wideserve.entrypoints.openai.responses_stream import Events, sse_event
+from wideserve.entrypoints.openai.responses_stream import Events
 from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engine_unavailable,
                                                   final_item, request_failed_error, respond)
 from wideserve.entrypoints.openai.serving_chat import ChoiceOutput, _Call, _stream_of, prepare
