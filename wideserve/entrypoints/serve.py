@@ -16,6 +16,7 @@ from wideserve.entrypoints.engine_args import (add_engine_args, add_request_limi
                                                engine_config_from_args, one_line_error,
                                                parse_bytes, parse_port,
                                                parse_positive_float, parse_positive_int)
+from wideserve.entrypoints.openai.response_store import add_response_store_args
 
 # Request body limits, shared with `wideserve router` (the same door for clients).
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -28,6 +29,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API.")
     parser.error = one_line_error.__get__(parser)      # type: ignore[method-assign]
     add_engine_args(parser)
+    add_response_store_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 for every interface)")

@@ -155,10 +155,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         req = await parse(ChatCompletionRequest, request)
         return await serving_chat.create_chat_completion(ctx, req, request)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        req = await parse(serving_responses.ResponsesRequest, request)
-        return await serving_responses.create_response(ctx, req, request)
+    serving_responses.add_response_routes(app, ctx, parse)    # POST, GET, DELETE, ...
 
     @app.post("/v1/embeddings")
     async def embeddings() -> Response:
@@ -384,6 +381,11 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         app = build_app(ctx, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                         debug_endpoints=args.enable_debug_endpoints, on_shutdown=on_shutdown,
                         body_timeout=args.body_read_timeout)
+        try:
+            serving_responses.configure_store(app, args)
+        except ValueError as e:
+            print(f"wideserve serve: error: {e}", file=sys.stderr)
+            return 1
         assert ctx.pool is not None
         await asyncio.to_thread(ctx.pool.start)
         # Everything loaded so far lives as long as the server: out of the collector's sight,

@@ -105,12 +105,14 @@ class TokenizerPool:
         self.chars_bound = chars_per_token_bound(tokenizer)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
-    async def encode_many(self, texts: Sequence[str],
-                          add_special_tokens: bool) -> list[list[int] | int]:
+    async def encode_many(self, texts: Sequence[str], add_special_tokens: bool,
+                          max_tokens: int | None = None) -> list[list[int] | int]:
+        """max_tokens: the bound past which only the count comes back (default: the
+        context length; larger for a prompt that will be truncated)."""
+        bound = self.max_tokens if max_tokens is None else max_tokens
         if sum(map(len, texts)) <= INLINE_CHARS:
-            return self.tokenizer.encode_many(texts, add_special_tokens, self.max_tokens)
-        return await self._run(_worker_encode, list(texts), add_special_tokens,
-                               self.max_tokens)
+            return self.tokenizer.encode_many(texts, add_special_tokens, bound)
+        return await self._run(_worker_encode, list(texts), add_special_tokens, bound)
 
     async def prescan(self, body: bytes, limits: Limits) -> tuple[str, str, str | None] | None:
         """prescan() in the worker: even msgspec takes ~0.5 s over 700k messages."""
@@ -246,6 +248,8 @@ def prescan(body: bytes, limits: Limits, full: bool = True
             gc.enable()
     if not isinstance(data, dict):
         return None
+    if data.get("truncate_prompt_tokens") is not None:
+        return None        # a prompt too long for the context is cut, not refused (vLLM's)
     if "prompt" in data:
         why = prompt_overflow(data["prompt"], limits)
         if why is not None:

@@ -29,10 +29,11 @@ from wideserve.entrypoints.openai.input_prep import (PRESCAN_BYTES, Limits, Toke
                                                      prescan, sequences_overflow,
                                                      too_long_text)
 from wideserve.entrypoints.openai.limits import RequestLimits
+from wideserve.entrypoints.openai.logprobs_format import (chat_logprobs,  # noqa: F401 - API
+                                                          completion_logprobs)
 from wideserve.entrypoints.openai.metrics import ServerMetrics
 from wideserve.entrypoints.openai.validation import (clip, param_of,
                                                      validation_error_to_param_message)
-from wideserve.outputs import Logprob
 from wideserve.sampling_params import SamplingParams
 from wideserve.tokenizer import Tokenizer
 
@@ -42,8 +43,6 @@ logger = logging.getLogger("wideserve.server")
 # Bodies from this size on have their limits checked in a prep thread (below: inline, a few
 # microseconds); from PRESCAN_BYTES on, in the tokenisation worker process.
 _THREAD_CHECK_BYTES = 16 << 10
-# JSON has no -inf: a token with zero probability is reported with this logprob (as vLLM does).
-_MIN_LOGPROB = -9999.0
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                             "max_new_tokens")
 
@@ -270,7 +269,7 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
-            raise ApiError(400, f"The model {clip(name)} does not exist; this server serves "
+            raise ApiError(404, f"The model {clip(name)} does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.served_names)}",
                            param="model", code="model_not_found")
 
@@ -539,59 +538,6 @@ async def until_shutdown(events: AsyncIterator[str], stopping: asyncio.Event
 
 def now_s() -> int:
     return int(time.time())
-
-
-# ----------------------------------------------------------------------------- logprobs
-
-def _clamp(lp: float) -> float:
-    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def _token_text(tokenizer: Tokenizer, tid: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else \
-        tokenizer.decode([tid], skip_special_tokens=False)
-
-
-def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num]
-    return sorted(ranked, key=lambda x: x[1].rank or 0)
-
-
-def completion_logprobs(tokenizer: Tokenizer, entries: list[dict[int, Logprob]],
-                        token_ids: list[int], num: int, text_offset: int) -> dict[str, Any]:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset.
-    top_logprobs holds the chosen token and the top `num` (as vLLM reports them)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(token_ids, entries):
-        chosen = entry.get(tid) or Logprob(float("-inf"))
-        text = _token_text(tokenizer, tid, chosen)
-        tokens.append(text)
-        token_lps.append(_clamp(chosen.logprob))
-        top = {text: _clamp(chosen.logprob)}
-        for t, lp in _top(entry, num):
-            top.setdefault(_token_text(tokenizer, t, lp), _clamp(lp.logprob))
-        tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def chat_logprobs(tokenizer: Tokenizer, entries: list[dict[int, Logprob]],
-                  token_ids: list[int], num: int) -> dict[str, Any]:
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        chosen = entry.get(tid) or Logprob(float("-inf"))
-        text = _token_text(tokenizer, tid, chosen)
-        content.append({
-            "token": text, "logprob": _clamp(chosen.logprob),
-            "bytes": list(text.encode("utf-8", errors="replace")),
-            "top_logprobs": [
-                {"token": (tt := _token_text(tokenizer, t, lp)), "logprob": _clamp(lp.logprob),
-                 "bytes": list(tt.encode("utf-8", errors="replace"))}
-                for t, lp in _top(entry, num)],
-        })
-    return {"content": content}
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -23,6 +23,10 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ChatOption
                                                   chat_logprobs, final_item, now_s, respond,
                                                   sse, stream_error_event, usage_dict)
 from wideserve.entrypoints.openai.input_prep import INLINE_CHARS
+from wideserve.entrypoints.openai.legacy_functions import legacy_delta, legacy_message
+from wideserve.entrypoints.openai.lenient import ignored_fields, ignored_header, warn_ignored
+from wideserve.entrypoints.openai.logprobs_format import prompt_logprobs_json
+from wideserve.entrypoints.openai.truncation import encode_keep_last, resolve_keep
 from wideserve.entrypoints.openai.structured import has_constraint, structured_params
 from wideserve.entrypoints.openai.tool_parsers import (ToolCallStream, ToolParser,
                                                        calls_to_openai, get_tool_parser)
@@ -56,11 +60,15 @@ class _Call:
 def render_prompt(ctx: ServingContext, messages: list[ChatMessage],
                   add_generation_prompt: bool, continue_final_message: bool,
                   tools: list[dict[str, Any]] | None,
-                  template_kwargs: dict[str, Any] | None) -> str:
+                  template_kwargs: dict[str, Any] | None,
+                  documents: list[dict[str, str]] | None = None) -> str:
     """The chat template applied to the messages; any failure is the request's fault (the
-    template raised on these messages), so it is a 400 naming `messages`."""
+    template raised on these messages), so it is a 400 naming `messages`. `documents` is
+    vLLM's: handed to the template as `documents` (RAG templates read it)."""
     kwargs = {k: v for k, v in (template_kwargs or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
+    if documents is not None:
+        kwargs["documents"] = documents
     dicts = [m.to_template_dict() for m in messages]
     try:
         text = ctx.tokenizer.apply_chat_template(
@@ -125,8 +133,12 @@ def _checked_and_rendered(ctx: ServingContext, req: ChatCompletionRequest
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:        # templates of reasoning models read it
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        if req.reasoning_effort == "none":      # no reasoning: the templates' own switches
+            template_kwargs.setdefault("thinking", False)
+            template_kwargs.setdefault("enable_thinking", False)
     prompt = render_prompt(ctx, req.messages, req.add_generation_prompt,
-                           req.continue_final_message, setup.tools, template_kwargs)
+                           req.continue_final_message, setup.tools, template_kwargs,
+                           req.documents)
     return setup, constraint, prompt
 
 
@@ -138,10 +150,16 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
         setup, constraint, prompt = _checked_and_rendered(ctx, req)
     else:
         setup, constraint, prompt = await ctx.off_loop(_checked_and_rendered, ctx, req)
-    ids = await ctx.encode(prompt, False, "messages")
+    keep = resolve_keep(ctx, req.truncate_prompt_tokens)
+    if keep is None:
+        ids = await ctx.encode(prompt, req.add_special_tokens, "messages")
+    else:
+        ids = (await encode_keep_last(ctx, [prompt], req.add_special_tokens, keep,
+                                      "messages"))[0]
     max_tokens = ctx.resolve_max_tokens(len(ids), req.effective_max_tokens, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
+    params.prompt_logprobs = req.prompt_logprobs
     ctx.check_kv_handle(params, ids)
     params.structured_outputs = constraint
     params.logit_bias = ctx.logit_bias(req.logit_bias)
@@ -231,9 +249,13 @@ def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
+    ignored = ignored_fields(req)
+    warn_ignored(ignored)
     call = await ctx.within_deadline(prepare(ctx, req))
-    return await respond(raw, req.stream, lambda: _stream(ctx, call),
-                         lambda: _full(ctx, call))
+    response = await respond(raw, req.stream, lambda: _stream(ctx, call),
+                             lambda: _full(ctx, call))
+    response.headers.update(ignored_header(ignored))
+    return response
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
@@ -244,17 +266,21 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
         logprobs = None
         if call.num_logprobs is not None and co.logprobs is not None:
             logprobs = chat_logprobs(ctx.tokenizer, co.logprobs, co.token_ids,
-                                     call.num_logprobs)
+                                     call.num_logprobs, call.req.return_tokens_as_token_ids)
         choice = ChoiceOutput(call)
         choice.text = co.text
         message = choice.message()
+        finish = _finish(co.finish_reason, "tool_calls" in message)
+        if call.req.uses_legacy_functions:
+            message, finish = legacy_message(message, finish)
         choices.append({"index": co.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": _finish(co.finish_reason, "tool_calls" in message),
-                        "stop_reason": co.stop_reason})
+                        "finish_reason": finish, "stop_reason": co.stop_reason})
     completion = sum(len(co.token_ids) for co in out.outputs)
     body = {"id": call.request_id, "object": "chat.completion", "created": call.created,
             "model": ctx.model_name, "choices": choices,
             "usage": usage_dict(len(call.token_ids), completion, out.num_cached_tokens)}
+    if call.req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(ctx.tokenizer, out.prompt_logprobs)
     if out.kv_transfer_params is not None:
         body["kv_transfer_params"] = out.kv_transfer_params
     return body
@@ -286,7 +312,7 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                 logprobs = None
                 if call.num_logprobs is not None and d.logprobs:
                     logprobs = chat_logprobs(ctx.tokenizer, d.logprobs, d.token_ids,
-                                             call.num_logprobs)
+                                             call.num_logprobs, req.return_tokens_as_token_ids)
                 choice = choices[d.index]
                 done = d.finish_reason is not None
                 delta = choice.delta(d.text, done)
@@ -294,8 +320,10 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                     delta, choice.role_sent = {"role": "assistant", "content": ""}, True
                 if not delta and not done and logprobs is None:
                     continue
-                chunk = _chunk(ctx, call, d.index, delta, logprobs,
-                               _finish(d.finish_reason, choice.called_tools), d.stop_reason)
+                finish = _finish(d.finish_reason, choice.called_tools)
+                if req.uses_legacy_functions:
+                    delta, finish = legacy_delta(delta, finish)
+                chunk = _chunk(ctx, call, d.index, delta, logprobs, finish, d.stop_reason)
                 if continuous:
                     chunk["usage"] = usage_dict(prompt_tokens, completion_tokens, cached)
                 yield sse(chunk)

@@ -20,7 +20,10 @@ from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingCon
                                                   merge_streams, now_s, request_failed_error,
                                                   respond, sse, stream_error_event,
                                                   usage_dict)
+from wideserve.entrypoints.openai.lenient import ignored_fields, ignored_header, warn_ignored
+from wideserve.entrypoints.openai.logprobs_format import prompt_logprobs_json
 from wideserve.entrypoints.openai.structured import has_constraint, structured_params
+from wideserve.entrypoints.openai.truncation import encode_keep_last, keep_last, resolve_keep
 from wideserve.sampling_params import SamplingParams
 
 
@@ -44,20 +47,21 @@ class _Call:
 
 async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None,
                                                                              list[int]]]:
+    """(text, ids) per prompt; cut to the last truncate_prompt_tokens tokens when set."""
     p = req.prompt
-    if isinstance(p, str):
-        return [(p, await ctx.encode(p, True))]
-    if p and isinstance(p[0], str):
-        texts: list[str] = list(p)                           # type: ignore[arg-type]
-        return list(zip(texts, await ctx.encode_many(texts, True)))
-    if p and isinstance(p[0], int):
-        ids = list(p)                                        # type: ignore[arg-type]
+    keep = resolve_keep(ctx, req.truncate_prompt_tokens)
+    if isinstance(p, str) or (p and isinstance(p[0], str)):
+        texts: list[str] = [p] if isinstance(p, str) else list(p)   # type: ignore[arg-type]
+        if keep is not None:
+            encoded = await encode_keep_last(ctx, texts, req.add_special_tokens, keep)
+            return [(None if len(ids) == keep else t, ids) for t, ids in zip(texts, encoded)]
+        return list(zip(texts, await ctx.encode_many(texts, req.add_special_tokens)))
+    lists = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]  # type: ignore
+    out: list[tuple[str | None, list[int]]] = []
+    for ids in lists:
+        ids = keep_last(ids, keep)
         ctx.check_token_ids(ids, "prompt")
-        return [(None, ids)]
-    out = []
-    for ids in p:                                            # list[list[int]]
-        ctx.check_token_ids(list(ids), "prompt")             # type: ignore[arg-type]
-        out.append((None, list(ids)))                        # type: ignore[arg-type]
+        out.append((None, ids))
     return out
 
 
@@ -68,13 +72,18 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
     prompts = []
     constraint = await ctx.off_loop(structured_params, req) if has_constraint(req) else None
     for text, ids in await _prompts(ctx, req):
-        max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
+        # max_tokens 0 (echo only): one token is generated and dropped, as vLLM does, so
+        # the prompt's logprobs are computed by the same path.
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens or (
+            None if req.max_tokens is None else 1), "prompt")
         params = ctx.sampling_params(req, max_tokens, req.logprobs)
         ctx.check_kv_handle(params, ids)
         params.structured_outputs = constraint
         params.logit_bias = ctx.logit_bias(req.logit_bias)
-        if req.echo and req.logprobs is not None:      # echo + logprobs: the prompt's too
-            params.prompt_logprobs = req.logprobs
+        wanted = [n for n in (req.prompt_logprobs,
+                              req.logprobs if req.echo else None) if n is not None]
+        if wanted:                                     # echo + logprobs: the prompt's too
+            params.prompt_logprobs = max(wanted)
         if req.echo and text is None:
             text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
         prompts.append(_Prompt(text, ids, params))
@@ -94,9 +103,13 @@ def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
+    ignored = ignored_fields(req)
+    warn_ignored(ignored)
     call = await ctx.within_deadline(prepare(ctx, req))
-    return await respond(raw, req.stream, lambda: _stream(ctx, call),
-                         lambda: _full(ctx, call))
+    response = await respond(raw, req.stream, lambda: _stream(ctx, call),
+                             lambda: _full(ctx, call))
+    response.headers.update(ignored_header(ignored))
+    return response
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
@@ -114,19 +127,27 @@ async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
         out = finals[i].output
         prompt_tokens += len(prompt.token_ids)
         cached += out.num_cached_tokens
+        echo_only = call.req.max_tokens == 0
         for co in out.outputs:
-            completion_tokens += len(co.token_ids)
+            token_ids = [] if echo_only else co.token_ids
+            completion_tokens += len(token_ids)
             prefix = (prompt.text or "") if call.req.echo else ""
             logprobs = None
             if call.num_logprobs is not None and co.logprobs is not None:
-                logprobs = completion_logprobs(ctx.tokenizer, co.logprobs, co.token_ids,
-                                               call.num_logprobs, len(prefix))
+                logprobs = completion_logprobs(ctx.tokenizer, co.logprobs, token_ids,
+                                               call.num_logprobs, len(prefix),
+                                               call.req.return_tokens_as_token_ids)
                 if call.req.echo:
                     logprobs = _with_prompt(ctx, call, prompt.token_ids, out.prompt_logprobs,
                                             logprobs)
-            choices.append({"index": i * n + co.index, "text": prefix + co.text,
-                            "logprobs": logprobs, "finish_reason": co.finish_reason,
-                            "stop_reason": co.stop_reason})
+            choice = {"index": i * n + co.index, "text": prefix + ("" if echo_only else co.text),
+                      "logprobs": logprobs,
+                      "finish_reason": "length" if echo_only else co.finish_reason,
+                      "stop_reason": None if echo_only else co.stop_reason}
+            if call.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(ctx.tokenizer,
+                                                                 out.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     body = {"id": call.request_id, "object": "text_completion", "created": call.created,
             "model": ctx.model_name, "choices": choices,
@@ -144,8 +165,11 @@ def _with_prompt(ctx: ServingContext, call: _Call, prompt_ids: list[int],
     if not prompt_lps or not prompt_ids:
         return generated
     first = ctx.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+    as_ids = call.req.return_tokens_as_token_ids
+    if as_ids:
+        first = f"token_id:{prompt_ids[0]}"
     rest = completion_logprobs(ctx.tokenizer, list(prompt_lps[1:]), prompt_ids[1:],
-                               call.num_logprobs or 0, len(first))
+                               call.num_logprobs or 0, len(first), as_ids)
     return {"tokens": [first] + rest["tokens"] + generated["tokens"],
             "token_logprobs": [None] + rest["token_logprobs"] + generated["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"] + generated["top_logprobs"],
@@ -174,7 +198,8 @@ async def _stream(ctx: ServingContext, call: _Call) -> AsyncIterator[str]:
                 if call.num_logprobs is not None and d.logprobs:
                     logprobs = completion_logprobs(ctx.tokenizer, d.logprobs, d.token_ids,
                                                    call.num_logprobs, offset + len(text)
-                                                   - len(d.text))
+                                                   - len(d.text),
+                                                   req.return_tokens_as_token_ids)
                     if req.echo and offset == 0:
                         logprobs = _with_prompt(ctx, call, call.prompts[i].token_ids,
                                                 item.output.prompt_logprobs, logprobs)

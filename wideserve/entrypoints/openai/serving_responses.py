@@ -1,186 +1,95 @@
-"""POST /v1/responses: the OpenAI Responses API (what current agent clients use), over the
-chat path.
+"""The OpenAI Responses API with state: POST /v1/responses, GET / DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel.
 
-A Responses request is translated into a chat request (instructions -> system message; input
-messages, function_call and function_call_output items -> assistant tool calls and tool
-messages; flat function tools -> chat tools) and served by serving_chat's pipeline (template,
-tool and reasoning parsers, structured outputs for text.format). The answer is turned back
-into output items: reasoning, message (output_text), function_call. Streaming sends the
-Responses events (response.created, output_item.added, output_text.delta, function_call_
-arguments.delta, ... response.completed), each with a sequence_number.
+A request is translated to chat (responses_protocol.py) and served by serving_chat's
+pipeline; the answer goes back as output items, whole, streamed (responses_stream.py), or in
+the background (`background: true`: answered at once with status "queued", then polled with
+GET and stopped with cancel). Unless `store: false`, the response, its input items and the
+conversation so far are kept in the response store (response_store.py), so a later request's
+`previous_response_id` continues it: its prompt is the stored conversation plus the new input,
+which starts with the earlier prompt, so the prefix cache serves it.
 """
 from __future__ import annotations
 
-import json
-import uuid
-from typing import Annotated, Any, AsyncIterator, Literal
+import asyncio
+import logging
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from wideserve.core.engine_client import EngineDeadError
-from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
-from wideserve.entrypoints.openai.protocol import ChatCompletionRequest
-from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ServingContext,
-                                                  final_item, respond, sse,
-                                                  stream_error_event)
+from wideserve.entrypoints.openai.async_engine import RequestFailed
+from wideserve.entrypoints.openai.lenient import ignored_fields, ignored_header, warn_ignored
+from wideserve.entrypoints.openai.logprobs_format import chat_logprobs
+from wideserve.entrypoints.openai.response_store import (MemoryResponseStore, ResponseStore,
+                                                         StoreConfig, make_store,
+                                                         store_config_from_args)
+from wideserve.entrypoints.openai.responses_protocol import (ResponsesRequest, check_refused,
+                                                             history_message, input_items,
+                                                             input_messages, output_items,
+                                                             rid, to_chat)
+from wideserve.entrypoints.openai.responses_stream import Events
+from wideserve.entrypoints.openai.serving import (ApiError, ServingContext, engine_unavailable,
+                                                  final_item, request_failed_error, respond)
 from wideserve.entrypoints.openai.serving_chat import ChoiceOutput, _Call, _stream_of, prepare
 
-_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-_TEXT_PARTS = ("input_text", "output_text", "text")
+logger = logging.getLogger("wideserve.server")
+_INPUT_ITEMS_MAX = 100
 
 
-class ResponsesRequest(BaseModel):
-    model_config = _CONFIG
-    model: str | None = None
-    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    stream: bool = False
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    truncation: str | None = None
-    previous_response_id: str | None = None
-    # P/D disaggregation (set by `wideserve router`, docs/disaggregation.md), as on chat.
-    kv_transfer_params: dict[str, Any] | None = None
+@dataclass(slots=True)
+class ResponsesState:
+    """The store, and the background responses still running (their latest object)."""
+    store: ResponseStore
+    running: dict[str, tuple[asyncio.Task[Any], dict[str, Any]]] = field(default_factory=dict)
 
 
-def _rid(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+@dataclass(slots=True)
+class _Turn:
+    """One /v1/responses call, prepared."""
+    ctx: ServingContext
+    state: ResponsesState
+    req: ResponsesRequest
+    call: _Call
+    rid: str
+    items_in: list[dict[str, Any]]
+    history_in: list[dict[str, Any]]      # the stored conversation + this input
+
+    @property
+    def max_calls(self) -> int | None:
+        return self.req.max_tool_calls or None
 
 
-def _text_of(content: Any, param: str) -> str:
-    """A message's text: a string, or the text of its text parts (each text a string)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-                continue
-            text = part.get("text", "")
-            if not isinstance(text, str):
-                raise ApiError(400, f"{param}.content[{j}].text: must be a string, got "
-                                    f"{type(text).__name__}", param=f"{param}.content")
-            texts.append(text)
-        return "".join(texts)
-    raise ApiError(400, f"{param}.content: message content must be a string or a list of "
-                        "text parts", param=f"{param}.content")
+def not_found(response_id: str, param: str | None = None) -> ApiError:
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    return ApiError(404, f"{what} with id {response_id!r} not found.", param=param,
+                    code="previous_response_not_found" if param else "response_not_found")
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    msgs: list[dict[str, Any]] = []
-    if req.instructions:
-        msgs.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return msgs + [{"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
-        kind = item.get("type", "message")
-        if kind == "message":
-            msgs.append({"role": item.get("role", "user"),
-                         "content": _text_of(item.get("content"), f"input[{i}]")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id", ""), "type": "function",
-                    "function": {"name": item.get("name", ""),
-                                 "arguments": item.get("arguments", "")}}
-            if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls"):
-                msgs[-1]["tool_calls"].append(call)
-            else:
-                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                         "content": output if isinstance(output, str) else json.dumps(output)})
-        elif kind == "reasoning":
-            continue                            # earlier reasoning is not shown to the model
-        else:
-            raise ApiError(400, f"input[{i}].type: {kind!r} is not supported (message, "
-                                "function_call, function_call_output, reasoning)",
-                           param=f"input[{i}].type")
-    return msgs
-
-
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.get("type") != "function":
-            raise ApiError(400, f"tools[{i}].type: only function tools are supported",
-                           param=f"tools[{i}].type")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-        return {"type": "function", "function": {"name": choice["name"]}}
-    return choice
-
-
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    body: dict[str, Any] = {
-        "model": req.model, "messages": _messages(req), "tools": _chat_tools(req.tools),
-        "tool_choice": _tool_choice(req.tool_choice),
-        "parallel_tool_calls": req.parallel_tool_calls,
-        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "stream": req.stream, "user": req.user,
-        "kv_transfer_params": req.kv_transfer_params}
-    fmt = (req.text or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        body["response_format"] = {"type": "json_object"}
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, f"input: {loc}: {first['msg']}", param="input") from None
-
-
-def _items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": _rid("rs"), "summary": [], "content": [
-            {"type": "reasoning_text", "text": message["reasoning_content"]}]})
-    if message.get("content"):
-        items.append({"type": "message", "id": _rid("msg"), "status": "completed",
-                      "role": "assistant", "content": [
-                          {"type": "output_text", "text": message["content"],
-                           "annotations": []}]})
-    for call in message.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": _rid("fc"), "call_id": call["id"],
-                      "name": call["function"]["name"],
-                      "arguments": call["function"]["arguments"], "status": "completed"})
-    return items
-
-
-def _response(ctx: ServingContext, call: _Call, rid: str, created: int, status: str,
-              output: list[dict[str, Any]], usage: dict[str, Any] | None,
-              incomplete: str | None = None) -> dict[str, Any]:
-    req = call.req
-    return {"id": rid, "object": "response", "created_at": created, "status": status,
-            "model": ctx.model_name, "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": None, "metadata": {}, "parallel_tool_calls": call.tools.parallel,
-            "temperature": req.temperature, "top_p": req.top_p,
-            "tool_choice": call.tools.mode if call.tools.mode != "named" else {
-                "type": "function", "name": call.tools.named},
-            "tools": [{"type": "function", **t["function"]} for t in call.tools.tools or []],
-            "max_output_tokens": req.effective_max_tokens}
+def _response(turn: _Turn, status: str, output: list[dict[str, Any]],
+              usage: dict[str, Any] | None, incomplete: str | None = None,
+              error: dict[str, Any] | None = None) -> dict[str, Any]:
+    req, call = turn.req, turn.call
+    return {
+        "id": turn.rid, "object": "response", "created_at": call.created, "status": status,
+        "background": req.background, "model": turn.ctx.model_name, "output": output,
+        "usage": usage, "error": error,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "instructions": req.instructions, "metadata": req.metadata or {},
+        "parallel_tool_calls": call.tools.parallel, "temperature": req.temperature,
+        "top_p": req.top_p, "top_logprobs": req.top_logprobs,
+        "tool_choice": call.tools.mode if call.tools.mode != "named" else {
+            "type": "function", "name": call.tools.named},
+        "tools": [{"type": "function", **t["function"]} for t in call.tools.tools or []],
+        "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
+        "previous_response_id": req.previous_response_id, "store": req.store,
+        "reasoning": req.reasoning, "text": req.text or {"format": {"type": "text"}},
+        "truncation": req.truncation or "disabled", "user": req.user,
+        "service_tier": "default", "prompt_cache_key": req.prompt_cache_key}
 
 
 def _usage(call: _Call, completion: int, cached: int) -> dict[str, Any]:
@@ -190,121 +99,88 @@ def _usage(call: _Call, completion: int, cached: int) -> dict[str, Any]:
             "total_tokens": n + completion}
 
 
-async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
-    chat = to_chat(req)
-    if chat.n != 1:
-        raise ApiError(400, "n: the Responses API returns one output", param="n")
+async def _save(turn: _Turn, body: dict[str, Any]) -> None:
+    if turn.req.store:
+        await turn.state.store.put(turn.rid, {
+            "response": body, "input_items": turn.items_in,
+            "history": turn.history_in + [history_message(body["output"])]})
+
+
+async def _history(state: ResponsesState, previous: str | None) -> list[dict[str, Any]]:
+    if previous is None:
+        return []
+    if previous in state.running:
+        raise ApiError(400, f"previous_response_id: response {previous!r} is still in "
+                            "progress", param="previous_response_id")
+    record = await state.store.get(previous)
+    if record is None:
+        raise not_found(previous, "previous_response_id")
+    status = record["response"]["status"]
+    if status not in ("completed", "incomplete"):
+        raise ApiError(400, f"previous_response_id: response {previous!r} is {status}; only "
+                            "a completed response can be continued",
+                       param="previous_response_id")
+    return list(record["history"])
+
+
+async def create_response(ctx: ServingContext, state: ResponsesState, req: ResponsesRequest,
+                          raw: Request) -> Response:
+    ignored = ignored_fields(req)
+    warn_ignored(ignored)
+    check_refused(req)
+    history = await _history(state, req.previous_response_id)
+    chat = to_chat(req, history)
     call = await ctx.within_deadline(prepare(ctx, chat))
-    rid = _rid("resp")
-    return await respond(raw, req.stream, lambda: _stream(ctx, call, rid),
-                         lambda: _full(ctx, call, rid))
+    turn = _Turn(ctx, state, req, call, rid("resp"), input_items(req),
+                 history + input_messages(req))
+    if req.background:
+        response: Response = JSONResponse(_start_background(turn))
+    else:
+        response = await respond(raw, req.stream, lambda: _stream(turn),
+                                 lambda: _full(turn))
+    response.headers.update(ignored_header(ignored))
+    return response
 
 
-async def _full(ctx: ServingContext, call: _Call, rid: str) -> dict[str, Any]:
+async def _full(turn: _Turn) -> dict[str, Any]:
+    ctx, call = turn.ctx, turn.call
     final = await final_item(_stream_of(ctx, call))
     co = final.output.outputs[0]
     choice = ChoiceOutput(call)
     choice.text = co.text
+    logprobs = None
+    if turn.req.wants_logprobs and co.logprobs is not None:
+        logprobs = chat_logprobs(ctx.tokenizer, co.logprobs, co.token_ids,
+                                 call.num_logprobs or 0)["content"]
     length = co.finish_reason == "length"
-    body = _response(ctx, call, rid, call.created, "incomplete" if length else "completed",
-                     _items(choice.message()),
+    body = _response(turn, "incomplete" if length else "completed",
+                     output_items(choice.message(), turn.req.include, logprobs,
+                                  turn.max_calls),
                      _usage(call, len(co.token_ids), final.output.num_cached_tokens),
                      "max_output_tokens" if length else None)
     if final.output.kv_transfer_params is not None:     # a prefill instance's KV handle
         body["kv_transfer_params"] = final.output.kv_transfer_params
+    await _save(turn, body)
     return body
 
 
-class _Events:
-    """Responses stream events with their sequence numbers and the items built so far."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.items: list[dict[str, Any]] = []
-        self.open: dict[str, int] = {}          # "message" / "reasoning" / call index -> item
-
-    def event(self, type_: str, **fields: Any) -> str:
-        self.seq += 1
-        return sse({"type": type_, "sequence_number": self.seq - 1, **fields})
-
-    def add(self, item: dict[str, Any], key: str) -> list[str]:
-        self.open[key] = len(self.items)
-        self.items.append(item)
-        out = [self.event("response.output_item.added", output_index=self.open[key],
-                          item=item)]
-        if item["type"] in ("message", "reasoning"):
-            part = ({"type": "output_text", "text": "", "annotations": []}
-                    if item["type"] == "message" else {"type": "reasoning_text", "text": ""})
-            out.append(self.event("response.content_part.added", item_id=item["id"],
-                                  output_index=self.open[key], content_index=0, part=part))
-        return out
-
-    def close_all(self) -> list[str]:
-        out = []
-        for idx, item in enumerate(self.items):
-            if item["type"] == "message":
-                text = item["content"][0]["text"]
-                out.append(self.event("response.output_text.done", item_id=item["id"],
-                                      output_index=idx, content_index=0, text=text))
-                out.append(self.event("response.content_part.done", item_id=item["id"],
-                                      output_index=idx, content_index=0,
-                                      part=item["content"][0]))
-            elif item["type"] == "reasoning":
-                out.append(self.event("response.reasoning_text.done", item_id=item["id"],
-                                      output_index=idx, content_index=0,
-                                      text=item["content"][0]["text"]))
-            elif item["type"] == "function_call":
-                out.append(self.event("response.function_call_arguments.done",
-                                      item_id=item["id"], output_index=idx,
-                                      arguments=item["arguments"]))
-            item["status"] = "completed"
-            out.append(self.event("response.output_item.done", output_index=idx, item=item))
-        return out
+def _error_event(ev: Events, error: BaseException) -> str:
+    if isinstance(error, EngineDeadError):
+        api = engine_unavailable(str(error))
+    elif isinstance(error, RequestFailed):
+        api = request_failed_error(error)
+    else:
+        assert isinstance(error, ApiError)
+        api = error
+    return ev.event("error", code=api.code or api.type, message=api.message, param=api.param)
 
 
-def _on_delta(ev: _Events, delta: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    if "reasoning_content" in delta:
-        if "reasoning" not in ev.open:
-            out += ev.add({"type": "reasoning", "id": _rid("rs"), "summary": [],
-                           "content": [{"type": "reasoning_text", "text": ""}]}, "reasoning")
-        i = ev.open["reasoning"]
-        ev.items[i]["content"][0]["text"] += delta["reasoning_content"]
-        out.append(ev.event("response.reasoning_text.delta", item_id=ev.items[i]["id"],
-                            output_index=i, content_index=0, delta=delta["reasoning_content"]))
-    if delta.get("content"):
-        if "message" not in ev.open:
-            out += ev.add({"type": "message", "id": _rid("msg"), "status": "in_progress",
-                           "role": "assistant", "content": [
-                               {"type": "output_text", "text": "", "annotations": []}]},
-                          "message")
-        i = ev.open["message"]
-        ev.items[i]["content"][0]["text"] += delta["content"]
-        out.append(ev.event("response.output_text.delta", item_id=ev.items[i]["id"],
-                            output_index=i, content_index=0, delta=delta["content"]))
-    for tc in delta.get("tool_calls") or []:
-        key = f"call{tc['index']}"
-        if key not in ev.open:
-            out += ev.add({"type": "function_call", "id": _rid("fc"), "call_id": tc["id"],
-                           "name": tc["function"]["name"], "arguments": "",
-                           "status": "in_progress"}, key)
-        i = ev.open[key]
-        args = tc["function"].get("arguments") or ""
-        if args:
-            ev.items[i]["arguments"] += args
-            out.append(ev.event("response.function_call_arguments.delta",
-                                item_id=ev.items[i]["id"], output_index=i, delta=args))
-    return out
-
-
-async def _stream(ctx: ServingContext, call: _Call, rid: str) -> AsyncIterator[str]:
-    ev = _Events()
+async def _stream(turn: _Turn) -> AsyncIterator[str]:
+    ctx, call = turn.ctx, turn.call
+    ev = Events(turn.req.include)
     choice = ChoiceOutput(call)
-    created = call.created
-    yield ev.event("response.created",
-                   response=_response(ctx, call, rid, created, "in_progress", [], None))
-    yield ev.event("response.in_progress",
-                   response=_response(ctx, call, rid, created, "in_progress", [], None))
+    yield ev.event("response.created", response=_response(turn, "in_progress", [], None))
+    yield ev.event("response.in_progress", response=_response(turn, "in_progress", [], None))
     stream = _stream_of(ctx, call)
     completion, cached, finish = 0, 0, None
     try:
@@ -312,18 +188,160 @@ async def _stream(ctx: ServingContext, call: _Call, rid: str) -> AsyncIterator[s
             for d in item.deltas.values():
                 completion += len(d.token_ids)
                 finish = d.finish_reason or finish
-                for line in _on_delta(ev, choice.delta(d.text, d.finish_reason is not None)):
+                logprobs = None
+                if turn.req.wants_logprobs and d.logprobs:
+                    logprobs = chat_logprobs(ctx.tokenizer, d.logprobs, d.token_ids,
+                                             call.num_logprobs or 0)["content"]
+                delta = choice.delta(d.text, d.finish_reason is not None)
+                for line in ev.on_delta(delta, logprobs, turn.max_calls):
                     yield line
             if item.finished:
                 cached = item.output.num_cached_tokens
         for line in ev.close_all():
             yield line
         length = finish == "length"
-        yield ev.event("response.completed", response=_response(
-            ctx, call, rid, created, "incomplete" if length else "completed", ev.items,
-            _usage(call, completion, cached), "max_output_tokens" if length else None))
+        body = _response(turn, "incomplete" if length else "completed", ev.items,
+                         _usage(call, completion, cached),
+                         "max_output_tokens" if length else None)
+        await _save(turn, body)
+        # OpenAI's terminal event names the status: response.incomplete when cut short.
+        yield ev.event("response.incomplete" if length else "response.completed",
+                       response=body)
     except (EngineDeadError, RequestFailed, ApiError) as e:
-        yield stream_error_event(e)
+        yield _error_event(ev, e)
     finally:
         await stream.aclose()                                # type: ignore[attr-defined]
-    yield SSE_DONE
+
+
+# ----------------------------------------------------------------------------- background
+
+def _start_background(turn: _Turn) -> dict[str, Any]:
+    body = _response(turn, "queued", [], None)
+    task = asyncio.create_task(_background(turn))
+    turn.state.running[turn.rid] = (task, body)
+    return body
+
+
+async def _background(turn: _Turn) -> None:
+    """Runs a background response to its end, whatever the client does meanwhile; the
+    final object (completed, incomplete, failed or cancelled) goes to the store."""
+    turn.state.running[turn.rid][1]["status"] = "in_progress"
+    try:
+        await _full(turn)
+    except asyncio.CancelledError:
+        await _save(turn, _response(turn, "cancelled", [], None))
+    except ApiError as e:
+        await _save(turn, _response(turn, "failed", [], None,
+                                    error={"code": e.code or e.type, "message": e.message}))
+    except Exception as e:  # noqa: BLE001 - recorded as the response's failure
+        logger.exception("background response %s failed", turn.rid)
+        await _save(turn, _response(turn, "failed", [], None, error={
+            "code": "server_error", "message": f"Internal error ({type(e).__name__})"}))
+    finally:
+        turn.state.running.pop(turn.rid, None)
+
+
+async def _stop(state: ResponsesState, response_id: str) -> bool:
+    """Cancel a running background response and wait until its final state is stored."""
+    entry = state.running.get(response_id)
+    if entry is None:
+        return False
+    entry[0].cancel()
+    await asyncio.gather(entry[0], return_exceptions=True)
+    return True
+
+
+# ----------------------------------------------------------------------------- routes
+
+async def _lookup(state: ResponsesState, response_id: str) -> dict[str, Any]:
+    entry = state.running.get(response_id)
+    if entry is not None:
+        return {"response": dict(entry[1]), "input_items": None}
+    record = await state.store.get(response_id)
+    if record is None:
+        raise not_found(response_id)
+    return record
+
+
+def _page(items: list[dict[str, Any]], request: Request) -> dict[str, Any]:
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order: must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _INPUT_ITEMS_MAX:
+        raise ApiError(400, f"limit: must be an integer in [1, {_INPUT_ITEMS_MAX}]",
+                       param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = q.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after!r} in this response",
+                           param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
+
+
+def add_response_routes(app: FastAPI, ctx: ServingContext,
+                        parse: Callable[[Any, Request], Any]) -> ResponsesState:
+    """The /v1/responses routes, over an in-memory store until `configure_store` replaces
+    it (the server's flags). `parse(model, request)` is the server's body reader and
+    validator, which also checks that a KV-handle request comes from the router."""
+    state = ResponsesState(MemoryResponseStore(StoreConfig()))
+    app.state.responses = state
+
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        req = await parse(ResponsesRequest, request)
+        return await create_response(ctx, state, req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> JSONResponse:
+        if request.query_params.get("stream", "false").lower() == "true":
+            raise ApiError(400, "stream: a stored response cannot be streamed again; "
+                                "retrieve it whole", param="stream")
+        return JSONResponse((await _lookup(state, response_id))["response"])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> JSONResponse:
+        stopped = await _stop(state, response_id)
+        if not await state.store.delete(response_id) and not stopped:
+            raise not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted",
+                             "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> JSONResponse:
+        record = await _lookup(state, response_id)
+        if record["input_items"] is None:          # still running: not stored yet
+            raise ApiError(400, f"response {response_id!r} is still in progress",
+                           param="response_id")
+        return JSONResponse(_page(record["input_items"], request))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> JSONResponse:
+        if await _stop(state, response_id):
+            return JSONResponse((await _lookup(state, response_id))["response"])
+        body = (await _lookup(state, response_id))["response"]
+        if not body.get("background"):
+            raise ApiError(400, "Only responses created with background=true can be "
+                                "cancelled", param="response_id")
+        return JSONResponse(body)                  # already finished: as it ended
+
+    return state
+
+
+def configure_store(app: FastAPI, args: Any) -> None:
+    """The store the server's flags ask for (ValueError naming the flag when it cannot be
+    opened)."""
+    config: StoreConfig = store_config_from_args(args)
+    try:
+        app.state.responses.store = make_store(config)
+    except (OSError, sqlite3.Error) as e:
+        raise ValueError(f"--response-store-path: cannot open {config.path!r} ({e})") from e
