@@ -124,9 +124,11 @@ def openai_responses(srv: Server, stream: bool) -> str:
         if stream:
             response = None
             for event in client.responses.create(**kwargs, stream=True):
-                if event.type == "response.completed":
+                # OpenAI ends a stream cut by max_output_tokens with response.incomplete
+                if event.type in ("response.completed", "response.incomplete"):
                     response = event.response
-            assert response is not None, "the stream ended without response.completed"
+            assert response is not None, \
+                "the stream ended without response.completed / response.incomplete"
         else:
             response = client.responses.create(**kwargs)
         trace.prompt_tokens.append(response.usage.input_tokens)
