@@ -20,6 +20,7 @@ from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
 from wideserve.core.kv_cache.manager import KVCacheManager
 from wideserve.core.kv_cache.spec import split_shared
+from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.kv_quant import SPEC_FORMATS
 from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
 from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
@@ -82,9 +83,8 @@ class EngineStats:
 
 def _zero_expert_load(model: torch.nn.Module) -> None:
     for module in model.modules():
-        load = getattr(module, "expert_load", None)
-        if isinstance(load, torch.Tensor):
-            load.zero_()
+        if isinstance(module, RoutedExperts):
+            module.expert_load.zero_()
 
 
 def _model_max_len(config_json: dict) -> int:
@@ -97,14 +97,14 @@ def _model_max_len(config_json: dict) -> int:
 def _compile_model(model: torch.nn.Module, enforce_eager: bool | None,
                    device: torch.device) -> bool:
     """Compile the model's forward unless eager is asked for (LoadConfig.enforce_eager; None:
-    eager on the CPU). Models without a compiled path (`compile_forward`) stay eager."""
+    eager on the CPU). Models without a compiled path (CausalLM.compile_forward returns
+    False) stay eager."""
     eager = device.type == "cpu" if enforce_eager is None else enforce_eager
-    compile_forward = getattr(model, "compile_forward", None)
-    if eager or compile_forward is None:
-        if not eager:
-            logger.warning("%s has no compiled forward; running eagerly", type(model).__name__)
+    if eager:
         return False
-    compile_forward()
+    if not model.compile_forward():
+        logger.warning("%s has no compiled forward; running eagerly", type(model).__name__)
+        return False
     return True
 
 
@@ -139,7 +139,7 @@ class EngineCore:
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
         if config.load.decoder_bounded_replay:
-            _enable_decoder_bounded_replay(self.model)
+            self.model.enable_decoder_bounded_replay()
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             # Build or load the C++ CPU kernels now, inside startup's deadline, not in the
@@ -239,8 +239,9 @@ class EngineCore:
                                           max_model_len=self.max_model_len)
         replay = 0
         if cache.enable_prefix_caching and cache.prefix_window_mode == "replay":
-            replay = exact_replay_tokens(specs, getattr(self.model, "replay_depth",
-                                                        len(kv_config.groups)))
+            depth = self.model.replay_depth
+            replay = exact_replay_tokens(specs, len(kv_config.groups) if depth is None
+                                         else depth)
         manager = KVCacheManager(kv_config, cache, self.max_model_len, replay_tokens=replay)
         return kv_config, manager
 
@@ -577,10 +578,3 @@ def _all_plain_greedy(rows: list[Request]) -> bool:
             return False
     return True
 
-
-def _enable_decoder_bounded_replay(model: torch.nn.Module) -> None:
-    enable = getattr(model, "enable_decoder_bounded_replay", None)
-    if enable is None:
-        raise ValueError(f"--decoder-bounded-replay applies to DeepSeek-V4.1 models only; "
-                         f"this model is {type(model).__name__}")
-    enable()

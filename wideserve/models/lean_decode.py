@@ -99,21 +99,20 @@ def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,
     qn, kn = attn.q_norm, attn.k_norm
     if any(m is not None and _hooked(m) for m in (qn, kn)):
         return None
-    q_p, k_p, v_p, o_p = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    if any(_hooked(m) for m in (q_p, k_p, v_p, o_p)):
+    if any(_hooked(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
         return None
     # the kernel the table picked for this many rows (WeightPack.linear's own choice)
-    qkv = attn._qkv.gemm_call((q_p.weight, k_p.weight, v_p.weight),
-                              (q_p.bias, k_p.bias, v_p.bias), dtype, rows)
-    o = attn._o.gemm_call((o_p.weight,), (o_p.bias,), dtype, rows)
+    qkv, o = attn.gemm_calls(dtype, rows)
     attention = _attention_args(attn, batch, plans, dtype)
-    mlp = _lean_mlp(layer.mlp, batch.input_ids.device, dtype)
+    # Every MLP of a lean-capable layer declares its lean form (llama.DenseMLP: the module
+    # itself; qwen3_moe.SparseMoeBlock: the router and fused-experts ops).
+    mlp = layer.mlp.lean_mlp(batch.input_ids.device, dtype)
     if qkv is None or o is None or attention is None or mlp is None:
         return None
     return LeanLayer(norms[0].fp32_weight(), norms[0].eps, norms[1].fp32_weight(),
                      norms[1].eps, qkv, o, None if qn is None else qn.weight,
                      None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
-                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn._split,
+                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_split,
                      attention, mlp)
 
 
@@ -134,13 +133,6 @@ def _attention_args(attn: Any, batch: ForwardBatch, plans: PagedAttentionPlans,
         return None          # whole prefills on SDPA (kernel choice): the module path
     return (cache, view.slot_mapping, view.block_table, view.req_rows, batch.query_start_loc,
             batch.seq_lens, attn.scale, 0 if attn.window is None else attn.window, False)
-
-
-def _lean_mlp(mlp: nn.Module, device: torch.device, dtype: torch.dtype) -> LeanMLP | None:
-    lean = getattr(mlp, "lean_mlp", None)
-    if lean is None:
-        return mlp           # a dense MLP: called as the module, hooks and all
-    return lean(device, dtype)
 
 
 def hooked(*modules: nn.Module) -> bool:
