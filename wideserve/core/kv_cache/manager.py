@@ -405,10 +405,6 @@ class KVCacheManager:
         return max(p.usage for p in self.pools)
 
     @property
-    def usage_per_bucket(self) -> list[float]:
-        return [p.usage for p in self.pools]
-
-    @property
     def num_free_blocks(self) -> int:
         """Free + cached blocks summed over buckets (see free_blocks_per_bucket)."""
         return sum(p.num_free_blocks for p in self.pools)
