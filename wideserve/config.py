@@ -47,6 +47,8 @@ class CacheConfig:
     # How the sliding-window and compressor state is restored on a prefix hit:
     # "keep" caches the window/state blocks with the prefix; "replay" recomputes them.
     prefix_window_mode: Literal["keep", "replay"] = "keep"
+    # A CPU KV pool on transparent huge pages (off: core/kv_cache/host_memory.py zeros says why).
+    kv_huge_pages: bool = False
 
 
 @dataclass(slots=True)

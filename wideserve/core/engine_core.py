@@ -164,7 +164,8 @@ class EngineCore:
                                  self._ep_group()) if config.eplb is not None else None)
         self.memory_report: memory_profile.MemoryProfile | None = None   # set by _profiled
         self.kv_config, self.kv_manager = self._build_kv_cache()
-        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
+        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device,
+                                             config.cache.kv_huge_pages)
         logger.info("%s", self.kv_config.summary())
         self.kv_connector = KVConnector(config.kv_transfer, self.kv_config, self.kv_caches,
                                         kv_hub) if config.kv_transfer is not None else None

@@ -12,7 +12,8 @@ attention `cpu_kernel_applies`), and the same ops then run with the same argumen
 loop, so the outputs and the KV cache are bitwise the module path's (tests/models/
 test_lean_decode.py). Where any decision would not come out as the C++ op (autograd, compile,
 CUDA, fp32 weights, the reference attention backend, a prefix replay's partial KV write, an
-expert-parallel dispatcher or replicas, a hook on a module it would bypass, `USE_LEAN`), the
+expert-parallel dispatcher or replicas, a hook on a module it would bypass, the model's
+`lean_decode` field off), the
 module path runs the whole forward. Dense MLP layers are called as modules.
 """
 from __future__ import annotations
@@ -30,8 +31,6 @@ from wideserve.layers.attention.paged_attention_batched import PagedAttentionPla
 from wideserve.layers.linear import GemmCall
 from wideserve.layers.norm import cpu_kernel_applies as norm_applies
 from wideserve.layers.norm import RMSNorm
-
-USE_LEAN = True        # False: always the module path (A/B runs, tests)
 
 # MLP of a layer on the lean path: the normalised rows [T, d] -> the MLP's output [T, d].
 LeanMLP = Callable[[torch.Tensor], torch.Tensor]
@@ -75,7 +74,7 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
     or None where the module path must run."""
     if torch.compiler.is_compiling():
         return None          # a compiled graph traces the module path
-    if not (USE_LEAN and h.is_cpu and h.dim() == 2 and not torch.is_grad_enabled()
+    if not (model.lean_decode and h.is_cpu and h.dim() == 2 and not torch.is_grad_enabled()
             and rotary.USE_CPU_KERNEL and pab.USE_CPU_KERNEL and pab.FUSED_KV_WRITE
             and norm_applies(h, model.norm.weight)) or _global_hooks():
         return None          # norm_applies also covers compiling and the extension build

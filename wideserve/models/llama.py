@@ -277,6 +277,9 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         self._run_layers = self.run_layers     # compile_layers(): its compiled form
+        # The lean CPU forward where it applies (models/lean_decode.py); False: always the
+        # module path (A/B runs, tests).
+        self.lean_decode = True
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
