@@ -354,7 +354,7 @@ class KVCacheManager:
         if request_id not in self._requests:
             return
         for m in self.managers:
-            for table in (m.req_tables, m.num_cached, getattr(m, "num_skipped", {})):
+            for table in m.request_tables():
                 if request_id in table:
                     table[key] = table.pop(request_id)
         self._requests.discard(request_id)
