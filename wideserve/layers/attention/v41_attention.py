@@ -93,6 +93,9 @@ class DeepseekV41Attention(nn.Module):
     """Names (the reference's): wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
     sinks_param.weight, compressor.* (full), indexer.* (full, reindex)."""
 
+    # What V4's batched attend runs the window/entry products in (v4_step.V4AttentionParams).
+    compute_dtype = torch.float32
+
     def __init__(self, config: DeepseekV41Config, layer: int, main_rope: RotaryTable,
                  compress_rope: RotaryTable) -> None:
         super().__init__()

@@ -98,12 +98,13 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     return picks[:T]
 
 
-def compute_dtype(layer: object) -> torch.dtype:
-    """The dtype a layer's q.k and p.v products run in: its `compute_dtype` attribute
-    (DeepseekV4Attention and Indexer: the model dtype unless overridden), else fp32. Scores
+def compute_dtype(layer: V4AttentionParams | Indexer) -> torch.dtype:
+    """The dtype a layer's q.k and p.v products run in: its declared `compute_dtype`
+    (DeepseekV4Attention and Indexer: the model dtype unless overridden; DeepseekV41Attention:
+    fp32). Scores
     always leave the product as fp32: masks, sinks, softmax and top-k run in fp32
     (docs/deepseek_v4.md, "Attention precision")."""
-    return getattr(layer, "compute_dtype", None) or torch.float32
+    return layer.compute_dtype
 
 
 def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
