@@ -23,7 +23,7 @@ from offline_workload import offline_workload
 def main() -> None:
     llm, prompts, sp, threads = offline_workload(__doc__)
     from wideserve.core import engine_core, output_processor, scheduler
-    from wideserve.executor import model_runner
+    from wideserve.executor import model_runner, worker
     from wideserve.models import llama
     from wideserve.sampling_params import SamplingParams
 
@@ -45,7 +45,7 @@ def main() -> None:
         setattr(cls, name, wrapper)
 
     for cls, name in ((scheduler.Scheduler, "schedule"), (scheduler.Scheduler, "update_from_output"),
-                      (engine_core.EngineCore, "_step_request"), (engine_core.EngineCore, "_sample"),
+                      (worker.Worker, "_step_request"), (worker.Worker, "_sample"),
                       (engine_core.EngineCore, "step"), (model_runner.ModelRunner, "build_batch"),
                       (model_runner.ModelRunner, "forward"), (llama.DecoderModel, "forward"),
                       (llama.DecoderForCausalLM, "compute_logits"),

@@ -22,7 +22,7 @@ ROUNDS = 10
 
 def main() -> None:
     llm, prompts, sp, threads = offline_workload(__doc__)
-    from wideserve.models import lean_decode, llama
+    from wideserve.models import llama
 
     inner = llama.DecoderModel.forward
     decodes = [0]
@@ -35,11 +35,11 @@ def main() -> None:
             if decodes[0] % EVERY == 0:
                 for _ in range(ROUNDS):
                     for lean in (True, False):
-                        lean_decode.USE_LEAN = lean
+                        self.lean_decode = lean
                         c0, t0 = time.thread_time(), time.perf_counter()
                         inner(self, batch)
                         times[lean].append((time.thread_time() - c0, time.perf_counter() - t0))
-                lean_decode.USE_LEAN = True
+                self.lean_decode = True
         return out
 
     llama.DecoderModel.forward = paired

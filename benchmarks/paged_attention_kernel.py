@@ -22,7 +22,7 @@ allocator hands them out (each request's prompt blocks consecutive, later blocks
 over the batch): "write+op" = torch.cat + index_copy_ of the step's entries then the op,
 "fused" = paged_attention_write (the write inside the op), "op" = the op alone, "op-rand" =
 the op alone over blocks drawn at random from the pool; --huge: the pool on huge pages
-(host_memory.USE_HUGE_PAGES). ms per call, the median of rounds:
+(host_memory.zeros(huge_pages=True), CacheConfig.kv_huge_pages in the engine). ms per call, the median of rounds:
 thread CPU time at one thread, wall time at more (thread CPU time misses the other threads).
 """
 import sys, time, numpy as np, torch
@@ -104,11 +104,11 @@ def engine_table(R, lens, prompt, bs, pool):
     return torch.from_numpy(table)
 def bench_fused(R=64, H=4, KVH=2, D=64, layers=4, pool=8192, bs=64, rounds=9):
     from wideserve.core.kv_cache import host_memory
-    host_memory.USE_HUGE_PAGES = "--huge" in sys.argv
+    huge = "--huge" in sys.argv
     rng = np.random.default_rng(0)
     lens = rng.integers(128, 257, R) + 1            # the 11M run: 128-token prompts, 128 out
     shape = (pool, bs, 2 * KVH * D)
-    caches = [host_memory.zeros(int(np.prod(shape)) * 2, torch.device("cpu"))
+    caches = [host_memory.zeros(int(np.prod(shape)) * 2, torch.device("cpu"), huge)
               .view(torch.bfloat16).view(shape) for _ in range(layers)]
     for c in caches: c.normal_()
     table = engine_table(R, lens, 128, bs, pool)
@@ -146,7 +146,7 @@ def bench_fused(R=64, H=4, KVH=2, D=64, layers=4, pool=8192, bs=64, rounds=9):
     kv = float(lens.sum()) * 2 * KVH * D * 2
     for name, ts in res.items():
         ms = float(np.median(ts)) * 1e3
-        print(f"{name:8s} threads={threads}{' huge' if host_memory.USE_HUGE_PAGES else ''} R={R} H={H}/{KVH} D={D} ctx~{int(lens.mean())}: "
+        print(f"{name:8s} threads={threads}{' huge' if huge else ''} R={R} H={H}/{KVH} D={D} ctx~{int(lens.mean())}: "
               f"{ms:6.3f} ms/call {unit} ({kv / ms / 1e6:5.1f} GB/s of KV)", flush=True)
 if variant == "fused":
     bench_fused()

@@ -47,6 +47,8 @@ class CacheConfig:
     # How the sliding-window and compressor state is restored on a prefix hit:
     # "keep" caches the window/state blocks with the prefix; "replay" recomputes them.
     prefix_window_mode: Literal["keep", "replay"] = "keep"
+    # A CPU KV pool on transparent huge pages (off: core/kv_cache/host_memory.py zeros says why).
+    kv_huge_pages: bool = False
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False     # shard routed experts over the ranks
     dp_sync_timeout_s: float = 120.0         # a rank silent this long fails the group
     dp_sync_method: Literal["auto", "gloo", "rd"] = "auto"   # auto = the faster, measured
+    ep_dispatcher: str = "all_to_all"        # distributed/ep.py EP_DISPATCHERS
     dp_idle_poll_ms: int = 20                # idle ranks meet this often to agree on a step
     threads: int | None = None               # torch threads per engine; None = threads.py
 

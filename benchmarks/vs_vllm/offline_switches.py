@@ -2,17 +2,19 @@
 write in the op, lazy KV pool"). Run from benchmarks/vs_vllm with offline_worker's arguments:
 
   FUSED=0|1  paged_attention_batched.FUSED_KV_WRITE (the KV write inside the attention op)
-  HUGE=0|1   host_memory.USE_HUGE_PAGES (the KV pool on transparent huge pages)
+  HUGE=0|1   kv_huge_pages (CacheConfig: the KV pool on transparent huge pages)
   EAGER=1    the KV pool zeroed by torch.zeros at startup (the allocation before session 6)
 """
+import functools
 import os
 import runpy
 import sys
 
 from wideserve.core.kv_cache import host_memory
+from wideserve.entrypoints import llm as llm_mod
 from wideserve.layers.attention import paged_attention_batched as pab
 
-host_memory.USE_HUGE_PAGES = os.environ.get("HUGE") == "1"
+llm_mod.LLM = functools.partial(llm_mod.LLM, kv_huge_pages=os.environ.get("HUGE") == "1")
 pab.FUSED_KV_WRITE = os.environ.get("FUSED", "1") == "1"
 if os.environ.get("EAGER") == "1":
     host_memory.LAZY_MIN_BYTES = 1 << 62

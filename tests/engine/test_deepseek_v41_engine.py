@@ -109,7 +109,7 @@ def test_decoder_bounded_replay_flag(case):
     V4.1; the CLI flag reaches the config."""
     import argparse
 
-    from wideserve.core.engine_core import _enable_decoder_bounded_replay
+    from wideserve.models.llama import LlamaConfig, LlamaForCausalLM
     from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
     llm = _llm(case, decoder_bounded_replay=True)
     assert llm.engine.model.decoder_replay is True
@@ -122,7 +122,10 @@ def test_decoder_bounded_replay_flag(case):
                      SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     _check_idle(llm)
     with pytest.raises(ValueError, match="--decoder-bounded-replay applies to DeepSeek-V4.1"):
-        _enable_decoder_bounded_replay(torch.nn.Linear(1, 1))
+        with torch.device("meta"):      # a model that is not V4.1 (the contract's default)
+            LlamaForCausalLM(LlamaConfig.from_dict(dict(
+                vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=1, num_key_value_heads=1))).enable_decoder_bounded_replay()
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([])).load.decoder_bounded_replay is False

@@ -143,14 +143,12 @@ def test_prompt_logprobs_cover_a_cached_prefix(llm):
 def test_prompt_logprobs_in_bounded_slices(llm, monkeypatch):
     """Logits for prompt logprobs are made a few rows at a time, never [chunk, vocab] at
     once; the numbers are those of the whole chunk."""
-    from wideserve.core import engine_core
-
     prompt = llm.get_tokenizer().encode("To be, or not to be, that is the question:\n" * 6)
     sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     whole = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
     model = llm.engine.model
     rows_per_slice = 5
-    monkeypatch.setattr(engine_core, "PROMPT_LOGPROBS_SLICE_BYTES",
+    monkeypatch.setattr(llm.engine.worker, "prompt_logprobs_slice_bytes",
                         rows_per_slice * 4 * llm.engine.vocab_size)
     seen: list[int] = []
     real = model.compute_logits

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from wideserve import LLM, SamplingParams
-from wideserve.core import engine_core as engine_core_mod
 from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.messages import EngineCoreRequest
+from wideserve.executor import worker as worker_mod
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -120,7 +120,7 @@ def test_fault_in_the_model_forward_fails_only_that_steps_requests(llm, prompts,
 
 def test_fault_in_sampling_mid_decode(llm, prompts, reference, monkeypatch):
     core = llm.engine
-    real = core.sampler
+    real = core.worker.sampler
     fault = _FailOnce(4, ValueError("injected sampler fault"))
 
     def faulty(fn):
@@ -130,9 +130,9 @@ def test_fault_in_sampling_mid_decode(llm, prompts, reference, monkeypatch):
         return call
 
     # A step samples through the sampler, or through argmax_rows alone when every row is
-    # plain greedy (EngineCore._sample): the fault is in both, a step calls one of them.
-    monkeypatch.setattr(core, "sampler", faulty(real))
-    monkeypatch.setattr(engine_core_mod, "argmax_rows", faulty(engine_core_mod.argmax_rows))
+    # plain greedy (Worker._sample): the fault is in both, a step calls one of them.
+    monkeypatch.setattr(core.worker, "sampler", faulty(real))
+    monkeypatch.setattr(worker_mod, "argmax_rows", faulty(worker_mod.argmax_rows))
     got = _run(core, {"a": prompts[1], "b": prompts[2]})
     for rid in ("a", "b"):
         assert got[rid][-1].finish_reason == "error"
@@ -175,13 +175,13 @@ def test_duplicate_request_id_leaves_the_live_request_alone(llm, prompts):
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=8, prompt_logprobs=1)
     ref = _run_one(core, "solo", prompts[1], seeded)
     core.add_request(EngineCoreRequest("dup", prompts[1], seeded))
-    gen = core._generators["dup"]
-    plp = core._prompt_logprobs["dup"]
+    gen = core.worker.generators["dup"]
+    plp = core.worker.prompt_logprobs["dup"]
     outs = core.step()
     with pytest.raises(DuplicateRequestError, match="already in use"):
         core.add_request(EngineCoreRequest("dup", prompts[2],
                                            SamplingParams(seed=99, prompt_logprobs=1)))
-    assert core._generators["dup"] is gen and core._prompt_logprobs["dup"] is plp
+    assert core.worker.generators["dup"] is gen and core.worker.prompt_logprobs["dup"] is plp
     while core.has_unfinished_requests():
         outs += core.step()
     assert _tokens(outs) == _tokens(ref)
@@ -204,4 +204,4 @@ def test_no_state_kept_for_failed_requests(llm, prompts):
         outs = core.step()
     assert outs[-1].finish_reason == "error" and "OutOfMemoryError" in outs[-1].error
     core.step()          # the next step tells the runner and drops per-request state
-    assert "s" not in core._generators and "s" not in core._prompt_logprobs
+    assert "s" not in core.worker.generators and "s" not in core.worker.prompt_logprobs

@@ -9,6 +9,7 @@ import torch
 
 from wideserve.core.engine_core import _compile_model
 from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from wideserve.models.interface import CausalLM
 
 
 def test_flag_parses_to_load_config() -> None:
@@ -18,13 +19,35 @@ def test_flag_parses_to_load_config() -> None:
         assert engine_config_from_args(parser.parse_args(argv)).load.enforce_eager is want
 
 
-class _Compilable(torch.nn.Module):
+class _Eager(CausalLM):
+    """A model with the contract's defaults: no compiled path."""
+
+    config_class = object
+
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict:
+        return {}
+
+    def param_counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def forward(self, batch):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def load_weights(self, weights) -> set[str]:
+        return set()
+
+
+class _Compilable(_Eager):
     def __init__(self) -> None:
         super().__init__()
         self.compiled = 0
 
-    def compile_forward(self) -> None:
+    def compile_forward(self) -> bool:
         self.compiled += 1
+        return True
 
 
 def test_device_default_and_models_without_a_compiled_path(caplog) -> None:
@@ -34,5 +57,5 @@ def test_device_default_and_models_without_a_compiled_path(caplog) -> None:
     assert not _compile_model(m, True, cpu) and m.compiled == 0
     assert _compile_model(m, False, cpu) and m.compiled == 1
     with caplog.at_level(logging.WARNING):
-        assert not _compile_model(torch.nn.Linear(2, 2), False, cpu)
+        assert not _compile_model(_Eager(), False, cpu)
     assert "no compiled forward" in caplog.text

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from wideserve.config import CacheConfig
 from wideserve.core.kv_cache import allocate_kv_tensors, build_kv_cache_config
 from wideserve.core.kv_cache.spec import SharedKVSpec
-from wideserve.layers.attention import v41_attention
+from wideserve.layers.attention import v41_batched
 
 TOL = 1e-4
 TOL_QUANT = 3e-2
@@ -96,21 +96,21 @@ def test_reindex_scores_only_the_candidate_blocks(oracle, monkeypatch):
     its picks, and everything after them, equal the reference's masked top-k. The candidate
     source scores its entries in pieces of 7 (the shorter request's unwritten rows included)."""
     widths = []
-    real = v41_attention._candidate_entries
+    real = v41_batched._candidate_entries
 
     def spy(cands, block_size, visible):
         ids = real(cands, block_size, visible)
         widths.append((ids.shape[-1], int(visible.max())))
         return ids
-    monkeypatch.setattr(v41_attention, "_candidate_entries", spy)
+    monkeypatch.setattr(v41_batched, "_candidate_entries", spy)
     # The candidate source scores its keys 7 entries at a time (pieces, _entry_scores).
-    monkeypatch.setattr(v41_attention, "KEY_CHUNK", 7)
+    monkeypatch.setattr(v41_batched, "KEY_CHUNK", 7)
     _chunked_then_decode(oracle, "D", "off", ([13, 6], [5, 11]))
     assert widths and all(w == 6 for w, _ in widths)
     assert max(seen for _, seen in widths) == 60
     # One-shot prefill: blocks of 32 queries, each gathering its own candidates' keys, here
     # one query slot at a time (the split that bounds a long block's gathered keys).
-    monkeypatch.setattr(v41_attention, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(v41_batched, "CHUNK_ELEMENTS", 1)
     _, _, ws, seqs, refs = oracle("D", "off")
     with h.kv_quant_off():
         out = _harness(ws, seqs, "raw").step([0, 1], seqs)

@@ -8,7 +8,8 @@ import torch
 import v41_helpers as h
 
 from wideserve.models.deepseek_v41_config import DeepseekV41Config
-from wideserve.models.deepseek_v41_dspark import DeepseekV41DSpark
+from wideserve.models.deepseek_v41_dspark import (build_stages, draft_block, draft_head,
+                                                  dspark_rope, load_stage_weights)
 
 TOL = 1e-4
 
@@ -53,9 +54,14 @@ def drafts():
             previous_token_ids=previous.reshape(1, -1))
         ref_logits = (ref.compute_logits(out.normalized_hidden_states)
                       + out.transition_logits.float()).view(2, B, -1)
-    ws = DeepseekV41DSpark(DeepseekV41Config.from_dict({"text_config": kw})).eval()
-    assert ws.load_weights(ref.state_dict().items()) == {
-        n for n in ws.state_dict() if not n.startswith("rope")}
+    config = DeepseekV41Config.from_dict({"text_config": kw})
+    ws = torch.nn.Module()          # the stages under `mtp.`, as the V4.1 model owns them
+    ws.mtp = build_stages(config, dspark_rope(config))
+    ws.config = config
+    ws.eval()
+    with torch.no_grad():
+        loaded = load_stage_weights(ws.state_dict(keep_vars=True), ref.state_dict().items())
+    assert loaded == {n for n in ws.state_dict() if not n.startswith("rope")}
     return dict(ref=ref, ws=ws, features=features, anchors=anchors[0], noise=noise,
                 previous=previous, logits=ref_logits, conf=out.confidence_pred.view(2, B))
 
@@ -68,9 +74,9 @@ def test_draft_logits_and_confidence_equal_the_reference(drafts):
     valid = ctx_pos >= 0
     feats = d["features"][0][ctx_pos.clamp(min=0)]                            # [2, W, 3d]
     with torch.no_grad():
-        states = ws.forward_block(d["ref"].embed_tokens(d["noise"]), feats, anchors, ctx_pos,
-                                  valid)
-        logits, conf = ws.head(states, d["previous"], d["ref"].lm_head)
+        states = draft_block(ws.mtp, ws.config, d["ref"].embed_tokens(d["noise"]), feats,
+                             anchors, ctx_pos, valid)
+        logits, conf = draft_head(ws.mtp, states, d["previous"], d["ref"].lm_head)
     assert d["logits"].std() > 0.3
     assert (logits - d["logits"]).abs().max().item() <= TOL
     assert (conf - d["conf"]).abs().max().item() <= TOL

@@ -91,9 +91,9 @@ def run_both(model, schedule, monkeypatch, seed=1, write_start=None):
                         for _ in range(2))
     for step, slots, new in schedule_steps(schedule, seqs):
         ws = write_start(step, slots) if write_start else None
-        monkeypatch.setattr(lean_decode, "USE_LEAN", True)
+        model.model.lean_decode = True
         got = lean_h.step(slots, new, ws)
-        monkeypatch.setattr(lean_decode, "USE_LEAN", False)
+        model.model.lean_decode = False
         want = module_h.step(slots, new, ws)
         assert torch.equal(got, want), f"step {step}: logits differ"
     for name, cache in lean_h.kv_caches.items():

@@ -101,7 +101,7 @@ def test_engine_state_equals_rebuild_every_step(llama, spec):
                   kv_cache_memory=1 << 24, num_blocks_override=14, max_num_seqs=8,
                   max_num_batched_tokens=64, enable_prefix_caching=True,
                   speculative_config=spec)
-    tracker = llm.engine.penalties
+    tracker = llm.engine.worker.penalties
     original, checked = tracker.state, [0]
 
     def state(rows):

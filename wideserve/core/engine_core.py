@@ -20,9 +20,10 @@ from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
 from wideserve.core.kv_cache.manager import KVCacheManager
 from wideserve.core.kv_cache.spec import split_shared
+from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.kv_quant import SPEC_FORMATS
-from wideserve.core.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
-from wideserve.core.sched_output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from wideserve.core.messages import EngineCoreRequest, StepLogprobs
+from wideserve.core.sched_output import EngineCoreOutput, SchedulerOutput
 from wideserve.core.scheduler import Scheduler
 from wideserve.core.step_faults import poisons_device, step_error_message
 from wideserve.core.step_timer import StepStats, StepTimer
@@ -33,21 +34,16 @@ from wideserve.executor import memory_profile
 from wideserve.executor.decode_capture import (EagerReplay, capturable, capture_sizes,
                                                decode_capture_enabled)
 from wideserve.executor.loader import LoadedModel, load_model
-from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
-from wideserve.executor.penalties import PenaltyTracker
+from wideserve.executor.model_runner import GroupLayout, ModelRunner
+from wideserve.executor.worker import Worker
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.kernel_table import kernel_summary
-from wideserve.executor.sampler import (Sampler, argmax_rows, build_sampling_metadata,
-                                        compute_prompt_logprobs, make_generator,
-                                        plain_greedy)
 from wideserve.request import Request, RequestStatus
 from wideserve.spec_decode.decoder import SpecDecoder
 from wideserve.structured_outputs.manager import StructuredOutputManager
 from wideserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
-# Prompt logprobs: fp32 logits made at most this many bytes at a time (rows = this / 4V).
-PROMPT_LOGPROBS_SLICE_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -84,9 +80,8 @@ class EngineStats:
 
 def _zero_expert_load(model: torch.nn.Module) -> None:
     for module in model.modules():
-        load = getattr(module, "expert_load", None)
-        if isinstance(load, torch.Tensor):
-            load.zero_()
+        if isinstance(module, RoutedExperts):
+            module.expert_load.zero_()
 
 
 def _model_max_len(config_json: dict) -> int:
@@ -99,14 +94,14 @@ def _model_max_len(config_json: dict) -> int:
 def _compile_model(model: torch.nn.Module, enforce_eager: bool | None,
                    device: torch.device) -> bool:
     """Compile the model's forward unless eager is asked for (LoadConfig.enforce_eager; None:
-    eager on the CPU). Models without a compiled path (`compile_forward`) stay eager."""
+    eager on the CPU). Models without a compiled path (CausalLM.compile_forward returns
+    False) stay eager."""
     eager = device.type == "cpu" if enforce_eager is None else enforce_eager
-    compile_forward = getattr(model, "compile_forward", None)
-    if eager or compile_forward is None:
-        if not eager:
-            logger.warning("%s has no compiled forward; running eagerly", type(model).__name__)
+    if eager:
         return False
-    compile_forward()
+    if not model.compile_forward():
+        logger.warning("%s has no compiled forward; running eagerly", type(model).__name__)
+        return False
     return True
 
 
@@ -141,7 +136,7 @@ class EngineCore:
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
         if config.load.decoder_bounded_replay:
-            _enable_decoder_bounded_replay(self.model)
+            self.model.enable_decoder_bounded_replay()
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             # Build or load the C++ CPU kernels now, inside startup's deadline, not in the
@@ -171,7 +166,8 @@ class EngineCore:
                                  self._ep_group()) if config.eplb is not None else None)
         self.memory_report: memory_profile.MemoryProfile | None = None   # set by _profiled
         self.kv_config, self.kv_manager = self._build_kv_cache()
-        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device)
+        self.kv_caches = allocate_kv_tensors(self.kv_config, self.device,
+                                             config.cache.kv_huge_pages)
         logger.info("%s", self.kv_config.summary())
         self.kv_connector = KVConnector(config.kv_transfer, self.kv_config, self.kv_caches,
                                         kv_hub) if config.kv_transfer is not None else None
@@ -185,18 +181,14 @@ class EngineCore:
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
         self._enable_decode_capture()
-        self.sampler = Sampler()
-        self.penalties = PenaltyTracker(self.vocab_size, self.device)   # counts kept per request
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)
-        self._generators: dict[str, torch.Generator] = {}
-        # Prompt logprobs gathered over a request's prefill chunks until its first output.
-        self._prompt_logprobs: dict[str, TokenLogprobs] = {}
-        self._prompt_lp_sent: set[str] = set()
-        self._prompt_tokens = 0
         self._generation_tokens = 0
         self.timer = StepTimer(sync=_device_sync(self.device))
+        # Step inputs, forward, sampling and the per-request execution state.
+        self.worker = Worker(self.runner, self.kv_manager, self.structured, self.spec,
+                             self.vocab_size, self.eos_token_ids, self.timer)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
 
     # ------------------------------------------------------------------------- setup
@@ -241,8 +233,9 @@ class EngineCore:
                                           max_model_len=self.max_model_len)
         replay = 0
         if cache.enable_prefix_caching and cache.prefix_window_mode == "replay":
-            replay = exact_replay_tokens(specs, getattr(self.model, "replay_depth",
-                                                        len(kv_config.groups)))
+            depth = self.model.replay_depth
+            replay = exact_replay_tokens(specs, len(kv_config.groups) if depth is None
+                                         else depth)
         manager = KVCacheManager(kv_config, cache, self.max_model_len, replay_tokens=replay)
         return kv_config, manager
 
@@ -307,11 +300,7 @@ class EngineCore:
                           arrival_time=req.arrival_time, priority=req.priority,
                           group_id=req.group_id,
                           kv_transfer_params=req.sampling_params.kv_transfer_params)
-        if req.sampling_params.seed is not None:
-            self._generators[req.request_id] = make_generator(req.sampling_params.seed,
-                                                              self.device)
-        if req.sampling_params.prompt_logprobs is not None:
-            self._prompt_logprobs[req.request_id] = TokenLogprobs()
+        self.worker.add_request(req.request_id, req.sampling_params)
         if not self.structured.hold(request):       # else: scheduled once its grammar is ready
             self.scheduler.add_request(request)
 
@@ -370,15 +359,7 @@ class EngineCore:
         if self.kv_connector is not None:
             self.kv_connector.start_step(sched_out)
         self.structured.drop(sched_out.finished_req_ids)
-        for rid in sched_out.finished_req_ids:
-            self._generators.pop(rid, None)
-            self._prompt_logprobs.pop(rid, None)
-            self._prompt_lp_sent.discard(rid)
-        self.penalties.drop(sched_out.finished_req_ids)
-        if self.spec is not None and sched_out.finished_req_ids:
-            self.spec.drop(sched_out.finished_req_ids)
-        self.runner.drop(sched_out.finished_req_ids)
-        self.runner.drop(sched_out.preempted_req_ids)
+        self.worker.drop(sched_out.finished_req_ids, sched_out.preempted_req_ids)
         timer.mark("schedule")
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, object] | None = None
@@ -399,8 +380,7 @@ class EngineCore:
             if out.request_id in failed:
                 out.error, out.internal_error = failed[out.request_id], True
         outputs.extend(grammar_errors)
-        if self.spec is not None:
-            self.spec.commit(sched_out)
+        self.worker.commit(sched_out)
         self._generation_tokens += sum([len(out.new_token_ids) for out in outputs])
         timer.mark("output")
         timer.finish(sched_out.num_batched_tokens, len(sched_out.scheduled))
@@ -435,121 +415,8 @@ class EngineCore:
 
     def _execute(self, sched_out: SchedulerOutput
                  ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs] | None]:
-        timer = self.timer
-        reqs = [self._step_request(s) for s in sched_out.scheduled]
-        timer.mark("prepare")
-        fwd = self.runner.forward(reqs)
-        timer.mark("forward")
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, StepLogprobs] = {}
-        propose = None
-        if self.spec is not None and self.spec.has_drafts(sched_out):
-            sampled, logprobs, propose = self.spec.verify(
-                sched_out, reqs, fwd, self._generators, self.eos_token_ids, self.vocab_size,
-                grammar=self.structured, penalties=self.penalties)
-        else:       # no drafts to verify (also with speculation): the plain sampler
-            if fwd.logits is not None:
-                rows = [sched_out.scheduled[i].request for i in fwd.sample_rows]
-                sampled, logprobs = self._sample(rows, fwd.logits)
-            if self.spec is not None:
-                propose = self.spec.after_plain_step(sched_out, reqs, fwd, sampled)
-        for rid, tokens in sampled.items():
-            self.structured.accept(rid, tokens)
-        for i, hidden in fwd.prompt_hidden.items():
-            self._add_prompt_logprobs(reqs[i], sched_out.scheduled[i].request, hidden)
-        for rid in sampled if self._prompt_logprobs else ():
-            prompt_lp = self._prompt_logprobs.get(rid)
-            if prompt_lp is not None and rid not in self._prompt_lp_sent:
-                logprobs.setdefault(rid, StepLogprobs()).prompt = prompt_lp
-                self._prompt_lp_sent.add(rid)
-        timer.mark("sample")
-        if propose is not None:
-            assert self.spec is not None
-            self.spec.propose(propose)      # draft model / MTP forwards count as forward time
-            timer.mark("forward")
-        return sampled, logprobs or None
-
-    def _sample(self, rows: list[Request], logits: torch.Tensor
-                ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs]]:
-        """One token per row (no speculation): the requests whose tokens are all computed."""
-        grammar = self.structured.masks(rows)
-        if grammar is None and _all_plain_greedy(rows):
-            # What the sampler would compute, without building its metadata.
-            ids = argmax_rows(logits.float()).tolist()
-            return {r.request_id: [t] for r, t in zip(rows, ids)}, {}
-        gens = {k: self._generators[r.request_id] for k, r in enumerate(rows)
-                if r.request_id in self._generators}
-        md = build_sampling_metadata(
-            [r.sampling_params for r in rows], [r.output_token_ids for r in rows],
-            [r.prompt_token_ids for r in rows], gens, self.device, self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            penalties=self.penalties.state([(r, ()) for r in rows]))
-        md.grammar = grammar
-        out = self.sampler(logits, md)
-        token_ids = out.token_ids.tolist()
-        lp = out.logprobs.tolists() if out.logprobs is not None else None
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, StepLogprobs] = {}
-        for k, r in enumerate(rows):
-            sampled[r.request_id] = [token_ids[k]]
-            if lp is not None and r.sampling_params.logprobs is not None:
-                n = r.sampling_params.logprobs + 1
-                logprobs[r.request_id] = StepLogprobs(sampled=TokenLogprobs(
-                    [lp[0][k][:n]], [lp[1][k][:n]], [lp[2][k]]))
-        return sampled, logprobs
-
-    def _step_request(self, s: ScheduledRequest) -> StepRequest:
-        # Runs once per scheduled request and step: plain list lengths, no properties.
-        r = s.request
-        rid = r.request_id
-        end = r.num_computed_tokens
-        start = end - s.num_new_tokens
-        all_ids = r.all_token_ids
-        num_tokens = len(all_ids)
-        # Drafts follow the verified tokens; slice both so a step never copies the context.
-        if end <= num_tokens:
-            toks = all_ids[start:end]
-        else:
-            toks = all_ids[start:num_tokens] + \
-                s.spec_token_ids[max(0, start - num_tokens):end - num_tokens]
-        num_prompt = len(r.prompt_token_ids)
-        if start < num_prompt:
-            self._prompt_tokens += min(end, num_prompt) - start
-        want_prompt = False
-        if self._prompt_logprobs:
-            lp = self._prompt_logprobs.get(rid)
-            # Prompt logprobs only for positions not covered yet (a resumed request recomputes).
-            want_prompt = lp is not None and len(lp) < num_prompt - 1 and end >= len(lp) + 1
-        # A bounded replay ends once the step starts at or past kv_write_start: later steps
-        # are plain ones (no write mask, no replay bookkeeping).
-        write_start = s.kv_write_start if s.kv_write_start > start else 0
-        return StepRequest(rid, toks, start, self.kv_manager.block_rows(rid),
-                           write_start, end >= num_tokens, want_prompt,
-                           len(s.spec_token_ids),
-                           self.kv_manager.replay_start(rid) if write_start else 0,
-                           s.is_new_or_resumed)
-
-    def _add_prompt_logprobs(self, step: StepRequest, request: Request,
-                             hidden: torch.Tensor) -> None:
-        """Row j predicts the token at position start + j + 1; keep the prompt's ones. Logits
-        are made PROMPT_LOGPROBS_SLICE_BYTES of fp32 at a time: a 2,048-token chunk over a
-        129k vocabulary would otherwise be a 1 GiB [chunk, vocab] tensor (plus its
-        log_softmax)."""
-        acc = self._prompt_logprobs[request.request_id]
-        first = len(acc) + 1                       # next prompt position still without logprobs
-        lo, hi = first - step.start - 1, request.num_prompt_tokens - step.start - 1
-        lo, hi = max(lo, 0), min(hi, hidden.shape[0])
-        if hi <= lo:
-            return
-        targets = torch.tensor(request.prompt_token_ids[step.start + lo + 1:step.start + hi + 1],
-                               device=hidden.device)
-        rows = max(1, PROMPT_LOGPROBS_SLICE_BYTES // (4 * self.vocab_size))
-        k = request.sampling_params.prompt_logprobs
-        for s in range(lo, hi, rows):
-            e = min(s + rows, hi)
-            logits = self.model.compute_logits(hidden[s:e])
-            ids, lps, ranks = compute_prompt_logprobs(logits, targets[s - lo:e - lo], k).tolists()
-            acc.extend(TokenLogprobs(ids, lps, ranks))
+        """The step's forward and sampling: the worker's (executor/worker.py)."""
+        return self.worker.execute(sched_out)
 
     # ------------------------------------------------------------------------- stats
     def get_stats(self) -> EngineStats:
@@ -558,32 +425,9 @@ class EngineCore:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_usage=kv.usage, prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
             num_preemptions=self.scheduler.make_stats().num_preemptions,
-            prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
+            prompt_tokens=self.worker.prompt_tokens, generation_tokens=self._generation_tokens,
             steps=self.timer.stats,
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
             kv_transfer=self.kv_connector.scheduler.snapshot() if self.kv_connector else None,
             eplb=self.eplb.stats() if self.eplb is not None else None)
 
-
-def _all_plain_greedy(rows: list[Request]) -> bool:
-    """sampler.plain_greedy over the rows, each distinct SamplingParams checked once (the
-    requests of one generate call share theirs) and min_tokens per row."""
-    last = None
-    for r in rows:
-        p = r.sampling_params
-        if p is not last:
-            # min_tokens as the count: everything but the min_tokens test.
-            if not plain_greedy((p,), (p.min_tokens,)):
-                return False
-            last = p
-        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
-            return False
-    return True
-
-
-def _enable_decoder_bounded_replay(model: torch.nn.Module) -> None:
-    enable = getattr(model, "enable_decoder_bounded_replay", None)
-    if enable is None:
-        raise ValueError(f"--decoder-bounded-replay applies to DeepSeek-V4.1 models only; "
-                         f"this model is {type(model).__name__}")
-    enable()

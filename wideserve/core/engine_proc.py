@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -33,10 +33,27 @@ DEFAULT_ENGINE = "wideserve.core.engine_core:EngineCore"
 STATS_INTERVAL_S = 0.05
 
 
+class LoopEngine(Protocol):
+    """What the loop drives: EngineCore, a data-parallel rank, or a test's fake engine
+    (`--engine module:Class`). `loop_class` (optional) picks another loop class."""
+
+    model_info: Any
+
+    def add_request(self, req: Any) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list: ...
+
+    def get_stats(self) -> Any: ...
+
+
 class EngineLoop:
     """Owns the sockets and the engine object; `run()` returns when the loop should end."""
 
-    def __init__(self, engine: Any, input_addr: str, output_addr: str,
+    def __init__(self, engine: LoopEngine, input_addr: str, output_addr: str,
                  parent_pid: int | None, heartbeat_s: float = 1.0) -> None:
         self.engine = engine
         self.parent_pid = parent_pid
@@ -118,8 +135,7 @@ class EngineLoop:
             self.running = False
 
     def _stats(self) -> dict[str, Any] | None:
-        get_stats = getattr(self.engine, "get_stats", None)
-        return ipc.to_builtins(get_stats()) if get_stats is not None else None
+        return ipc.to_builtins(self.engine.get_stats())
 
     def _take_input(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to timeout_ms for the first one."""

@@ -130,9 +130,6 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
-    def num_unfinished_requests(self) -> int:
-        return len(self._parents)
-
     # ------------------------------------------------------------------------ outputs
     def process_outputs(self, outputs: list[EngineCoreOutput],
                         now: float | None = None) -> ProcessedOutputs:

@@ -6,7 +6,7 @@ and `finish_step` before the next one (finished and failed loads reach the sched
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from wideserve.disagg.config import KVTransferConfig
 from wideserve.disagg.layout import KVLayout
@@ -29,6 +29,38 @@ LEASE_BACKOFF_S = 0.005
 # the worker still polls the fences, but rarely.
 QUARANTINE_BACKOFF_S = 0.05
 
+# Builds a connector's worker half: (config, layout, leases, hub) -> worker.
+WorkerFactory = Callable[[KVTransferConfig, KVLayout, LeaseTable, Any], KVConnectorWorker]
+
+
+def _nixl_worker(config: KVTransferConfig, layout: KVLayout, leases: LeaseTable,
+                 hub: Any) -> KVConnectorWorker:
+    from wideserve.disagg.nixl_worker import NixlWorker      # nixl only where it is used
+    return NixlWorker(config, layout, leases)
+
+
+def _loopback_worker(config: KVTransferConfig, layout: KVLayout, leases: LeaseTable,
+                     hub: Any) -> KVConnectorWorker:
+    from wideserve.disagg.loopback import LoopbackHub, LoopbackWorker
+    if not isinstance(hub, LoopbackHub):
+        raise ValueError("--kv-transfer-config: LoopbackConnector connects engines in "
+                         "one process (tests); use NixlConnector between servers")
+    return LoopbackWorker(config, layout, leases, hub)
+
+
+# KVTransferConfig.kv_connector -> its worker half (the names config.CONNECTORS accepts).
+CONNECTOR_WORKERS: dict[str, WorkerFactory] = {
+    "NixlConnector": _nixl_worker,
+    "LoopbackConnector": _loopback_worker,
+}
+
+
+def register_connector(name: str, factory: WorkerFactory) -> None:
+    """Add a connector backend (a KVConnectorWorker implementation) under `name`."""
+    if name in CONNECTOR_WORKERS:
+        raise ValueError(f"KV connector {name!r} is already registered")
+    CONNECTOR_WORKERS[name] = factory
+
 
 class KVConnector:
     def __init__(self, config: KVTransferConfig, kv_config: KVCacheConfig,
@@ -42,14 +74,12 @@ class KVConnector:
                                             self.worker.secret)
 
     def _make_worker(self, hub: Any) -> KVConnectorWorker:
-        if self.config.kv_connector == "LoopbackConnector":
-            from wideserve.disagg.loopback import LoopbackHub, LoopbackWorker
-            if not isinstance(hub, LoopbackHub):
-                raise ValueError("--kv-transfer-config: LoopbackConnector connects engines in "
-                                 "one process (tests); use NixlConnector between servers")
-            return LoopbackWorker(self.config, self.layout, self.leases, hub)
-        from wideserve.disagg.nixl_worker import NixlWorker
-        return NixlWorker(self.config, self.layout, self.leases)
+        factory = CONNECTOR_WORKERS.get(self.config.kv_connector)
+        if factory is None:
+            raise ValueError(f"--kv-transfer-config: unknown kv_connector "
+                             f"{self.config.kv_connector!r}; registered: "
+                             f"{', '.join(sorted(CONNECTOR_WORKERS))}")
+        return factory(self.config, self.layout, self.leases, hub)
 
     def start_step(self, sched_out: SchedulerOutput) -> None:
         self.worker.start(sched_out.kv_connector_meta)

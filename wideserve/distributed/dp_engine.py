@@ -30,7 +30,7 @@ from wideserve.core.engine_proc import EngineLoop
 from wideserve.core.sched_output import EngineCoreOutput, SchedulerOutput
 from wideserve.distributed.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, \
     choose_step_sync
-from wideserve.distributed.ep import AllToAllDispatcher
+from wideserve.distributed.ep import EPDispatcher, make_dispatcher
 from wideserve.distributed.eplb.balancer import EpGroup
 from wideserve.distributed.expert_shard import routed_experts
 from wideserve.distributed.groups import DPGroup, DPGroupError, init_dp_group
@@ -71,7 +71,7 @@ class DPEngineCore(EngineCore):
                 parallel.data_parallel_rank))
         self.parallel = parallel
         self.group: DPGroup | None = None
-        self.dispatcher: AllToAllDispatcher | None = None
+        self.dispatcher: EPDispatcher | None = None
         self.sync: TimedStepSync | None = None
         self.group_busy = False
         self.dp = DPStepStats(rank=parallel.data_parallel_rank,
@@ -117,12 +117,13 @@ class DPEngineCore(EngineCore):
         if len(num_local) != 1:
             raise ValueError(f"--enable-expert-parallel: MoE layers hold different numbers "
                              f"of experts per rank ({sorted(num_local)})")
-        self.dispatcher = AllToAllDispatcher(
-            self.group.device_group, self.group.rank, self.group.world_size,
-            num_local.pop(), self.device)
+        per_rank = num_local.pop()
+        self.dispatcher = make_dispatcher(
+            self.parallel.ep_dispatcher, self.group.device_group, self.group.rank,
+            self.group.world_size, per_rank, self.device)
         for _, experts in layers:
             self.dispatcher.register(experts)
-        self.dp.num_local_experts = self.dispatcher.num_local
+        self.dp.num_local_experts = per_rank
 
     # ------------------------------------------------------------------------- step
     def dp_step(self, stop: bool) -> list[EngineCoreOutput] | None:

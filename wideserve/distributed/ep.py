@@ -188,3 +188,24 @@ class AllToAllDispatcher(EPDispatcher):
         meta = self._meta(0, 0, 0, torch.float32, None)
         while self._round(meta, None) is not None:
             self.stats.drain_calls += 1
+
+
+# Dispatcher name (ParallelConfig.ep_dispatcher) -> implementation. Every implementation takes
+# (group, rank, world_size, num_local_experts, device).
+EP_DISPATCHERS: dict[str, type[EPDispatcher]] = {"all_to_all": AllToAllDispatcher}
+
+
+def register_dispatcher(name: str, cls: type[EPDispatcher]) -> None:
+    """Add an EP dispatcher implementation under `name`."""
+    if name in EP_DISPATCHERS:
+        raise ValueError(f"EP dispatcher {name!r} is already registered")
+    EP_DISPATCHERS[name] = cls
+
+
+def make_dispatcher(name: str, group: dist.ProcessGroup, rank: int, world_size: int,
+                    num_local_experts: int, device: torch.device) -> EPDispatcher:
+    cls = EP_DISPATCHERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown EP dispatcher {name!r}; registered: "
+                         f"{', '.join(sorted(EP_DISPATCHERS))}")
+    return cls(group, rank, world_size, num_local_experts, device)

@@ -59,9 +59,6 @@ class ExpertPlacement:
     def local_slots(self, expert: int) -> list[int]:
         return [i for i, e in enumerate(self.slot_experts) if e == expert]
 
-    def is_local(self, expert: int) -> bool:
-        return bool(self.local_slots(expert))
-
 
 def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every routed-experts module (target layers and MTP layers), in module order."""

@@ -238,14 +238,13 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
                         torch.device("meta"))
     total, active = model.param_counts()
     specs = model.kv_cache_specs(kv_cache_dtype)
-    mtp_specs = (model.mtp_kv_cache_specs(kv_cache_dtype)
-                 if hasattr(model, "mtp_kv_cache_specs") else {})
+    mtp_specs = model.mtp_kv_cache_specs(kv_cache_dtype)
     arch = (config_json.get("architectures") or [cls.__name__])[0]
     lines = [f"model:        {Path(path)}",
              f"architecture: {arch} (model_type {config_json.get('model_type', '?')})",
              f"dtype:        {str(wdtype).removeprefix('torch.')}{_quant_note(config_json)}",
              f"parameters:   {_count(total)} total, {_count(active)} active per token"]
-    if hasattr(model, "mtp_param_counts") and model.mtp_param_counts()[0]:
+    if model.mtp_param_counts()[0]:
         mtp_total, mtp_active = model.mtp_param_counts()
         lines.append(f"MTP blocks:   {_count(mtp_total)} total, {_count(mtp_active)} active "
                      "per token (embedding and lm_head shared)")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from wideserve.layers.engram import HostResident
+
 GIB = 1 << 30
 # V4.1's Engram tables are kept FP8 with one UE8M0 scale per 32 values (models/deepseek_v41.py
 # keeps_quantised): 1 + 1/32 bytes per value.
@@ -36,13 +38,13 @@ class WeightBytes:
 def weight_bytes(model: nn.Module) -> WeightBytes:
     """Bytes of the parameters as loaded, from a model built on the meta device."""
     host_modules = {name for name, m in model.named_modules()
-                    if getattr(m, "host_resident", False)}
-    keeps = getattr(model, "keeps_quantised", None)
+                    if isinstance(m, HostResident)}
+    keeps = model.keeps_quantised
     experts = rest = host = 0
     for name, p in model.named_parameters():
         module = name.rsplit(".", 1)[0]
         if module in host_modules:
-            per_value = FP8_WITH_SCALES if keeps is not None and keeps(name) \
+            per_value = FP8_WITH_SCALES if keeps(name) \
                 else p.element_size()
             host += int(p.numel() * per_value)
         elif ".experts." in name:

@@ -185,12 +185,11 @@ class CudaGraphCapturer:
 def capturable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a CUDA graph may record the model's decode forward: no host sync, no host-built
     per-step tensor, shapes fixed by the batch size (docs/cuda_graphs.md). A model says so
-    with a method `decode_capturable(device) -> bool`: the Llama family (Llama, Qwen2, Qwen3,
+    with `CausalLM.decode_capturable(device)` (models/interface.py): the Llama family (Llama, Qwen2, Qwen3,
     Qwen3-MoE) does on CUDA, through the static-shape decode attention and, for Qwen3-MoE,
     the grouped_mm experts; DeepSeek-V4/V4.1 do not (their attention layouts are planned on
     the host from the step's context lengths)."""
-    check = getattr(model, "decode_capturable", None)
-    return bool(check(device)) if callable(check) else False
+    return bool(model.decode_capturable(device))
 
 
 @dataclass(slots=True)

@@ -109,7 +109,3 @@ class ForwardBatch:
             + ctx[req]
         keep = pos >= ws[req]
         return None if keep.all() else np.nonzero(keep)[0]
-
-    def context_lens_cpu(self) -> np.ndarray:
-        """Positions already in the cache before this step, per request."""
-        return self.seq_lens_cpu - self.query_lens_cpu()

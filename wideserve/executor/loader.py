@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from wideserve.config import LoadConfig
 from wideserve.executor.dummy_weights import init_dummy_weights
 from wideserve.executor.weights import CheckpointReader
+from wideserve.layers.engram import HostResident
+from wideserve.models.interface import CausalLM
 from wideserve.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -131,7 +133,7 @@ def keeps_fp32(cls: type, param_name: str) -> bool:
     """Whether the model class lists `param_name` in `keep_in_fp32`: dotted name fragments
     (like HF's `_keep_in_fp32_modules_strict`) matched against whole name components."""
     return any(re.search(rf"(^|\.){re.escape(p)}($|\.)", param_name)
-               for p in getattr(cls, "keep_in_fp32", ()))
+               for p in cls.keep_in_fp32)
 
 
 def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.device,
@@ -155,9 +157,9 @@ def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.dev
                 full = f"{mod_name}.{name}" if mod_name else name
                 target = (torch.float32 if param.is_floating_point() and keeps_fp32(cls, full)
                           else dtype if full in follow else param.dtype)
-                # Modules marked host_resident (e.g. V4.1's Engram tables, far larger than a
+                # Modules marked HostResident (e.g. V4.1's Engram tables, far larger than a
                 # device) keep their parameters in host memory; they gather rows themselves.
-                where = ("cpu" if getattr(module, "host_resident", False)
+                where = ("cpu" if isinstance(module, HostResident)
                          and torch.device(device).type != "meta" else device)
                 made[id(param)] = nn.Parameter(
                     torch.empty(param.shape, dtype=target, device=where), requires_grad=False)
@@ -220,12 +222,12 @@ def _with_progress(tensors: Iterator[tuple[str, torch.Tensor]], model: nn.Module
         bar.close()
 
 
-def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype: torch.dtype,
+def load_checkpoint(model: CausalLM, model_dir: Path, config_json: dict, dtype: torch.dtype,
                     tensor_filter: TensorFilter | None = None, progress: bool = True) -> None:
     """Stream the checkpoint into `model`. Unknown tensor names are the model's to reject
     (its `load_weights` raises for a name it cannot place); the error then names the file."""
     reader = CheckpointReader(model_dir, config_json, dtype,
-                              keep_quantised=getattr(model, "keeps_quantised", None))
+                              keep_quantised=model.keeps_quantised)
     yielded: list[str] = []
     try:
         with torch.no_grad():
@@ -240,18 +242,17 @@ def load_checkpoint(model: nn.Module, model_dir: Path, config_json: dict, dtype:
     check_filled(model, filled, f"{model_dir}")
 
 
-def _drop_absent_mtp(model: nn.Module, filled: set[str], model_dir: Path) -> None:
+def _drop_absent_mtp(model: CausalLM, filled: set[str], model_dir: Path) -> None:
     """A checkpoint with no mtp.* tensor at all for a model that built MTP blocks (any
     fine-tune saved by transformers) serves without them; a partial MTP block still fails."""
-    drop = getattr(model, "drop_mtp", None)
-    if drop is None or any(n.startswith("mtp.") for n in filled) or \
+    if any(n.startswith("mtp.") for n in filled) or \
             not any(n.startswith("mtp.") for n in model.state_dict(keep_vars=True)):
         return
     reason = (f"the checkpoint {model_dir} has no MTP weights (no mtp.* tensors, as "
               f"transformers' save_pretrained writes it) although its config has "
               f"num_nextn_predict_layers >= 1")
     logger.warning("%s: serving without the MTP block; MTP speculation is unavailable", reason)
-    drop(reason)
+    model.drop_mtp(reason)
 
 
 def check_filled(model: nn.Module, filled: Iterable[str], where: str) -> None:
@@ -303,8 +304,7 @@ def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None
         # One bar per node is enough: expert-parallel ranks other than 0 load silently.
         load_checkpoint(model, path, config_json, dtype, shard_filter,
                         progress=expert_parallel is None or expert_parallel[1] == 0)
-    if hasattr(model, "bind_tokenizer"):    # models whose forward reads the vocabulary
-        model.bind_tokenizer(path)
+    model.bind_tokenizer(path)      # models whose forward reads the vocabulary
     return LoadedModel(model=model, config_json=config_json, path=path, dtype=dtype)
 
 

@@ -239,9 +239,3 @@ class CheckpointReader:
 
 def _natural_key(name: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
-
-
-def iter_weights(directory: str | Path, config_json: dict, dtype: torch.dtype
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Convenience: stream the (hf_name, tensor) pairs of a checkpoint directory."""
-    return iter(CheckpointReader(Path(directory), config_json, dtype))

@@ -111,13 +111,17 @@ class NgramHasher:
         return torch.cat(out, dim=-1) + self.offsets[layer].to(grams.device)
 
 
-class HostTable(nn.Module):
+class HostResident:
+    """Marks a module whose parameters the loader allocates in host memory
+    (executor/loader.py), whatever the model's device; it gathers rows itself."""
+
+
+class HostTable(HostResident, nn.Module):
     """An embedding table that stays in host memory (`weight` [rows, dim]); `gather(ids)`
     reads rows by id on the host and returns them on the ids' device. An official FP8
     checkpoint's table stays FP8 (e4m3 rows, one UE8M0 scale per row and 32 channels: a
     quarter of the fp32 bytes) and only the gathered rows are dequantised."""
 
-    host_resident = True    # the loader allocates it in host memory (executor/loader.py)
     SCALE_GROUP = 32        # channels per scale of an FP8 table
 
     def __init__(self, rows: int, dim: int) -> None:

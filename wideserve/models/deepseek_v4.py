@@ -27,6 +27,7 @@ from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
 from wideserve.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from wideserve.models.interface import CausalLM
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
@@ -111,8 +112,9 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     config_class = DeepseekV4Config
+    supports_mtp = True
     # Parameters that stay fp32 whatever the load dtype (HF's _keep_in_fp32_modules_strict,
     # plus the MTP norms); name components, read by the loader's build_model.
     keep_in_fp32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias",
@@ -251,6 +253,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                     CacheKind.SLIDING_WINDOW, "indexer_state", 4 * c.index_head_dim,
                     torch.float32, window=2 * m)
         return specs
+
+    @property
+    def num_mtp_blocks(self) -> int:
+        return len(self.mtp)
 
     def mtp_kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
         """The MTP blocks' sliding-window caches (kept out of kv_cache_specs())."""

@@ -34,6 +34,7 @@ from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
 from wideserve.models.deepseek_v41_config import FULL, SWA, DeepseekV41Config
+from wideserve.models.interface import CausalLM
 
 # auto / fp8: the reference's records, packed (FP8 window, NVFP4 entries, MXFP4 keys);
 # bf16 / raw: the same quantised values stored as bf16 / the model dtype (exact, more bytes).
@@ -142,8 +143,9 @@ class DeepseekV41Model(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(CausalLM):
     config_class = DeepseekV41Config
+    supports_dspark = True
     keep_in_fp32 = ("attn_hc", "ffn_hc", "sinks_param", "e_score_correction_bias",
                     "compressor.wkv", "compressor.wgate", "lm_head", "confidence_head")
 
@@ -189,6 +191,10 @@ class DeepseekV41ForCausalLM(nn.Module):
     @property
     def replay_depth(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def num_mtp_blocks(self) -> int:
+        return len(self.mtp)
 
     # ------------------------------------------------------------------ Engram hashing
     def bind_tokenizer(self, model_dir: str | Path) -> None:
@@ -288,6 +294,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         # Rows the replay skipped have no output (only each request's last rows are used).
         full = hidden.new_zeros(batch.num_tokens, hidden.shape[-1])
         return full.index_copy_(0, kept[0], hidden)
+
+    def dspark_draft(self, ids: torch.Tensor, features: torch.Tensor, anchor_pos: torch.Tensor,
+                     ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """The DSpark stages over a block per request: ids [B, Q] (anchor then noise tokens),
+        features [B, C, taps * d] at ctx_pos [B, C] (valid where ctx_valid) -> the last
+        stage's normalised states [B, Q, d] (models/deepseek_v41_dspark.py)."""
+        from wideserve.models.deepseek_v41_dspark import draft_block
+        return draft_block(self.mtp, self.config, self.model.embed_tokens(ids), features,
+                           anchor_pos, ctx_pos, ctx_valid)
+
+    def dspark_head(self, states: torch.Tensor, previous: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [..., d], previous token ids [...] -> (draft logits [..., V] fp32,
+        confidence logits [...] fp32)."""
+        from wideserve.models.deepseek_v41_dspark import draft_head
+        return draft_head(self.mtp, states, previous, self.lm_head)
 
     def dspark_kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
         """The DSpark context window: W positions of tap features (taps * hidden each)."""
@@ -399,8 +421,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                              f"no .scale companion")
         return loaded
 
-    @staticmethod
-    def keeps_quantised(name: str) -> bool:
+    def keeps_quantised(self, name: str) -> bool:
         """Checkpoint tensors the reader passes on as stored, with their `.scale`: Engram
         tables stay FP8 in host memory (HostTable.load_fp8); only gathered rows dequantise."""
         return name.endswith(_TABLE)

@@ -105,10 +105,6 @@ class DeepseekV41Config:
         """The latest KV source at or below a compressed layer."""
         return max(s for s in self.kv_source_layer_ids if s <= layer)
 
-    def index_source_of(self, layer: int) -> int:
-        """The latest index source at or below a compressed layer (its top-k is used)."""
-        return max(s for s in self.index_source_layer_ids if s <= layer)
-
     def uses_candidates(self, layer: int) -> bool:
         return 0 <= self.candidate_source_layer_id < layer
 

@@ -121,30 +121,6 @@ def draft_head(stages: nn.ModuleList, states: torch.Tensor, previous: torch.Tens
     return logits, conf.squeeze(-1)
 
 
-class DeepseekV41DSpark(nn.Module):
-    """The drafter on its own (names under `mtp.`); the V4.1 model owns the same stages as
-    its `mtp` (models/deepseek_v41.py)."""
-
-    def __init__(self, config: DeepseekV41Config) -> None:
-        super().__init__()
-        self.config = config
-        self.mtp = build_stages(config, dspark_rope(config))
-
-    def forward_block(self, embeds: torch.Tensor, features: torch.Tensor,
-                      anchor_pos: torch.Tensor, ctx_pos: torch.Tensor,
-                      ctx_valid: torch.Tensor) -> torch.Tensor:
-        return draft_block(self.mtp, self.config, embeds, features, anchor_pos, ctx_pos,
-                           ctx_valid)
-
-    def head(self, states: torch.Tensor, previous: torch.Tensor, lm_head: nn.Linear
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        return draft_head(self.mtp, states, previous, lm_head)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_stage_weights(self.state_dict(keep_vars=True), weights)
-
-
 def dspark_rope(config: DeepseekV41Config) -> RotaryTable:
     """DSpark stages are ratio-0 layers: plain RoPE at rope_theta."""
     return RotaryTable({"rope_type": "default", "rope_theta": config.rope_theta},

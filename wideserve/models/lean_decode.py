@@ -12,7 +12,8 @@ attention `cpu_kernel_applies`), and the same ops then run with the same argumen
 loop, so the outputs and the KV cache are bitwise the module path's (tests/models/
 test_lean_decode.py). Where any decision would not come out as the C++ op (autograd, compile,
 CUDA, fp32 weights, the reference attention backend, a prefix replay's partial KV write, an
-expert-parallel dispatcher or replicas, a hook on a module it would bypass, `USE_LEAN`), the
+expert-parallel dispatcher or replicas, a hook on a module it would bypass, the model's
+`lean_decode` field off), the
 module path runs the whole forward. Dense MLP layers are called as modules.
 """
 from __future__ import annotations
@@ -30,8 +31,6 @@ from wideserve.layers.attention.paged_attention_batched import PagedAttentionPla
 from wideserve.layers.linear import GemmCall
 from wideserve.layers.norm import cpu_kernel_applies as norm_applies
 from wideserve.layers.norm import RMSNorm
-
-USE_LEAN = True        # False: always the module path (A/B runs, tests)
 
 # MLP of a layer on the lean path: the normalised rows [T, d] -> the MLP's output [T, d].
 LeanMLP = Callable[[torch.Tensor], torch.Tensor]
@@ -75,7 +74,7 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
     or None where the module path must run."""
     if torch.compiler.is_compiling():
         return None          # a compiled graph traces the module path
-    if not (USE_LEAN and h.is_cpu and h.dim() == 2 and not torch.is_grad_enabled()
+    if not (model.lean_decode and h.is_cpu and h.dim() == 2 and not torch.is_grad_enabled()
             and rotary.USE_CPU_KERNEL and pab.USE_CPU_KERNEL and pab.FUSED_KV_WRITE
             and norm_applies(h, model.norm.weight)) or _global_hooks():
         return None          # norm_applies also covers compiling and the extension build
@@ -99,21 +98,20 @@ def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,
     qn, kn = attn.q_norm, attn.k_norm
     if any(m is not None and _hooked(m) for m in (qn, kn)):
         return None
-    q_p, k_p, v_p, o_p = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    if any(_hooked(m) for m in (q_p, k_p, v_p, o_p)):
+    if any(_hooked(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
         return None
     # the kernel the table picked for this many rows (WeightPack.linear's own choice)
-    qkv = attn._qkv.gemm_call((q_p.weight, k_p.weight, v_p.weight),
-                              (q_p.bias, k_p.bias, v_p.bias), dtype, rows)
-    o = attn._o.gemm_call((o_p.weight,), (o_p.bias,), dtype, rows)
+    qkv, o = attn.gemm_calls(dtype, rows)
     attention = _attention_args(attn, batch, plans, dtype)
-    mlp = _lean_mlp(layer.mlp, batch.input_ids.device, dtype)
+    # Every MLP of a lean-capable layer declares its lean form (llama.DenseMLP: the module
+    # itself; qwen3_moe.SparseMoeBlock: the router and fused-experts ops).
+    mlp = layer.mlp.lean_mlp(batch.input_ids.device, dtype)
     if qkv is None or o is None or attention is None or mlp is None:
         return None
     return LeanLayer(norms[0].fp32_weight(), norms[0].eps, norms[1].fp32_weight(),
                      norms[1].eps, qkv, o, None if qn is None else qn.weight,
                      None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
-                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn._split,
+                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_split,
                      attention, mlp)
 
 
@@ -134,13 +132,6 @@ def _attention_args(attn: Any, batch: ForwardBatch, plans: PagedAttentionPlans,
         return None          # whole prefills on SDPA (kernel choice): the module path
     return (cache, view.slot_mapping, view.block_table, view.req_rows, batch.query_start_loc,
             batch.seq_lens, attn.scale, 0 if attn.window is None else attn.window, False)
-
-
-def _lean_mlp(mlp: nn.Module, device: torch.device, dtype: torch.dtype) -> LeanMLP | None:
-    lean = getattr(mlp, "lean_mlp", None)
-    if lean is None:
-        return mlp           # a dense MLP: called as the module, hooks and all
-    return lean(device, dtype)
 
 
 def hooked(*modules: nn.Module) -> bool:

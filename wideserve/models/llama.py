@@ -25,7 +25,7 @@ from wideserve.layers.attention.registry import (
     resolve_paged_attention_backend,
     static_decode,
 )
-from wideserve.layers.linear import WeightPack
+from wideserve.layers.linear import GemmCall, WeightPack
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rotary import (
     RopeScaling,
@@ -36,6 +36,7 @@ from wideserve.layers.rotary import (
     parse_rope_config,
 )
 from wideserve.models import lean_decode
+from wideserve.models.interface import CausalLM
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -193,6 +194,21 @@ class Attention(nn.Module):
         return self._o.linear(o.reshape(t, -1), (self.o_proj.weight,),
                               (self.o_proj.bias,))                         # [T, d]
 
+    def gemm_calls(self, dtype: torch.dtype, rows: int) -> tuple[GemmCall | None,
+                                                                 GemmCall | None]:
+        """The fused q/k/v and the o GEMM that `forward` runs for `rows` rows in `dtype`
+        (WeightPack's own choice; None where it would not run a C++ op): the lean decoder
+        forward's plan (models/lean_decode.py)."""
+        q_p, k_p, v_p, o_p = self.q_proj, self.k_proj, self.v_proj, self.o_proj
+        return (self._qkv.gemm_call((q_p.weight, k_p.weight, v_p.weight),
+                                    (q_p.bias, k_p.bias, v_p.bias), dtype, rows),
+                self._o.gemm_call((o_p.weight,), (o_p.bias,), dtype, rows))
+
+    @property
+    def qkv_split(self) -> tuple[int, int, int]:
+        """Widths of q, k and v in the fused projection's output."""
+        return self._split
+
 
 @torch.compiler.disable
 def _attend(attend: Callable[..., torch.Tensor], *args) -> torch.Tensor:
@@ -209,6 +225,11 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
         self._gate_up, self._down = WeightPack(), WeightPack()   # layers/linear.py
+
+    def lean_mlp(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """On the lean path a dense MLP is called as the module, hooks and all
+        (models/lean_decode.py)."""
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj, self.up_proj
@@ -256,6 +277,9 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         self._run_layers = self.run_layers     # compile_layers(): its compiled form
+        # The lean CPU forward where it applies (models/lean_decode.py); False: always the
+        # module path (A/B runs, tests).
+        self.lean_decode = True
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
@@ -292,7 +316,7 @@ def kv_cache_name(layer_idx: int) -> str:
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(CausalLM):
     """The causal-LM surface (wideserve.models.interface.CausalLM) shared by the families."""
 
     config_class: type[LlamaConfig] = LlamaConfig
@@ -357,10 +381,11 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compile_forward(self) -> None:
+    def compile_forward(self) -> bool:
         """The compiled forward (LoadConfig.enforce_eager=False); compiling happens lazily, at
         the first steps of each shape class (prefill, decode)."""
         self.model.compile_layers()
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

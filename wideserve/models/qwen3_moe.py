@@ -141,13 +141,13 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             return SparseMoeBlock(c)
         return DenseMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
-    def compile_forward(self) -> None:
+    def compile_forward(self) -> bool:
         # Pick each expert layer's implementation now, eagerly (it probes the build), so
         # the traced forward only reads the choice.
         for m in self.modules():
             if isinstance(m, RoutedExperts):
                 m.resolved_impl(m.down_proj.device, m.down_proj.dtype)
-        super().compile_forward()
+        return super().compile_forward()
 
     def decode_capturable(self, device: torch.device) -> bool:
         """The dense decoder's condition, and every routed-expert layer on "grouped_mm" (no

@@ -1,13 +1,17 @@
 """Architecture name (config.json "architectures"[0] or model_type) -> model class.
 
-Each model module exposes a class with:
+Each model module exposes a class deriving from `wideserve.models.interface.CausalLM`:
   - `config_class`: a dataclass with `from_dict(config_json: dict)`
   - `__init__(self, config)`: builds the module on the current default device/dtype
-  - the methods of `wideserve.models.interface.CausalLM`
+  - the contract's abstract methods, and overrides of the optional capabilities it has
+The class is checked when it is resolved: one that misses part of the contract is refused
+with an error naming what is missing.
 """
 from __future__ import annotations
 
 import importlib
+
+from wideserve.models.interface import check_model_class
 
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV4ForCausalLM": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
@@ -34,8 +38,10 @@ def resolve_model_class(config_json: dict):
     names = list(config_json.get("architectures") or []) + [config_json.get("model_type", "")]
     for name in names:
         if name in _ARCHITECTURES:
-            module, cls = _ARCHITECTURES[name]
-            return getattr(importlib.import_module(module), cls)
+            module, cls_name = _ARCHITECTURES[name]
+            cls = getattr(importlib.import_module(module), cls_name)
+            check_model_class(cls)
+            return cls
     raise ValueError(
         f"unknown architecture {names[0] if names else '<none>'!r}; "
         f"wideserve supports {', '.join(supported_architectures())}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from wideserve.core.sched_output import SchedulerOutput
 from wideserve.executor.model_runner import ForwardOutput, ModelRunner, StepRequest
 from wideserve.executor.penalties import PenaltyTracker
 from wideserve.executor.sampler import build_sampling_metadata
+from wideserve.models.interface import CausalLM
 from wideserve.request import Request, RequestStatus
 from wideserve.sampling_params import SamplingParams
 from wideserve.spec_decode.config import SpeculativeConfig
@@ -36,22 +37,49 @@ from wideserve.structured_outputs.manager import StructuredOutputManager
 logger = logging.getLogger("wideserve.spec_decode")
 
 
-def make_proposer(config: SpeculativeConfig, model: torch.nn.Module, load: LoadConfig,
-                  vocab_size: int, max_model_len: int) -> Proposer:
-    if config.method == "mtp":
-        from wideserve.spec_decode.mtp import MTPProposer
-        return MTPProposer(model)
-    if config.method == "dspark":
-        from wideserve.spec_decode.dspark import DSparkProposer
-        return DSparkProposer(model, config.num_speculative_tokens,
-                              config.dspark_confidence_threshold)
-    if config.method == "ngram":
-        from wideserve.spec_decode.ngram import NgramProposer
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+# Builds a proposer: (config, target model, load config, vocab size, max model len).
+ProposerFactory = Callable[[SpeculativeConfig, CausalLM, LoadConfig, int, int], Proposer]
+
+
+def _mtp(config: SpeculativeConfig, model: CausalLM, load: LoadConfig, vocab_size: int,
+         max_model_len: int) -> Proposer:
+    from wideserve.spec_decode.mtp import MTPProposer
+    return MTPProposer(model)
+
+
+def _dspark(config: SpeculativeConfig, model: CausalLM, load: LoadConfig, vocab_size: int,
+            max_model_len: int) -> Proposer:
+    from wideserve.spec_decode.dspark import DSparkProposer
+    return DSparkProposer(model, config.num_speculative_tokens,
+                          config.dspark_confidence_threshold)
+
+
+def _ngram(config: SpeculativeConfig, model: CausalLM, load: LoadConfig, vocab_size: int,
+           max_model_len: int) -> Proposer:
+    from wideserve.spec_decode.ngram import NgramProposer
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def _draft_model(config: SpeculativeConfig, model: CausalLM, load: LoadConfig,
+                 vocab_size: int, max_model_len: int) -> Proposer:
     from wideserve.spec_decode.draft_model import DraftModelProposer
     assert config.model is not None
     return DraftModelProposer(config.model, config.load_format, load, vocab_size,
                               max_model_len)
+
+
+# speculative_config.method -> its proposer (the methods spec_decode/config.py accepts).
+PROPOSERS: dict[str, ProposerFactory] = {
+    "mtp": _mtp, "dspark": _dspark, "ngram": _ngram, "draft_model": _draft_model}
+
+
+def make_proposer(config: SpeculativeConfig, model: CausalLM, load: LoadConfig,
+                  vocab_size: int, max_model_len: int) -> Proposer:
+    factory = PROPOSERS.get(config.method)
+    if factory is None:
+        raise ValueError(f"speculative_config.method {config.method!r} has no proposer; "
+                         f"registered: {', '.join(sorted(PROPOSERS))}")
+    return factory(config, model, load, vocab_size, max_model_len)
 
 
 # Device type -> verified tokens per step beyond which drafts shrink (draft_depth). CPU: on

@@ -15,23 +15,23 @@ head predicts acceptance below the threshold (sigmoid of its logit); off by defa
 """
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
 
+from wideserve.models.interface import CausalLM
 from wideserve.spec_decode.proposer import ProposeInput, Proposer
 
 
 class DSparkProposer(Proposer):
     writes_kv = False      # the feature cache is written by the target's own forward
 
-    def __init__(self, model: Any, num_tokens: int, threshold: float | None = None) -> None:
-        unavailable = getattr(model, "mtp_unavailable", None)
+    def __init__(self, model: CausalLM, num_tokens: int, threshold: float | None = None) -> None:
+        unavailable = model.mtp_unavailable
         if unavailable is not None:
             raise ValueError(f"speculative_config.method 'dspark' is unavailable: "
                              f"{unavailable}")
-        if not hasattr(model, "dspark_kv_cache_specs") or len(getattr(model, "mtp", ())) == 0:
+        if not model.supports_dspark or model.num_mtp_blocks == 0:
             raise ValueError(f"speculative_config.method 'dspark' needs a DeepSeek-V4.1 model "
                              f"with DSpark stages (mtp.*); {type(model).__name__} has none")
         block = model.config.dspark_block_size
@@ -48,7 +48,6 @@ class DSparkProposer(Proposer):
     @torch.inference_mode()
     def propose(self, inp: ProposeInput) -> list[list[int]]:
         from wideserve.models.deepseek_v41 import DSPARK_FEATURES
-        from wideserve.models.deepseek_v41_dspark import draft_block, draft_head
         model, batch, c = self.model, inp.batch, self.model.config
         out: list[list[int]] = [[] for _ in inp.step_reqs]
         want = np.nonzero((inp.num_drafts > 0) & (inp.next_tokens() >= 0))[0]
@@ -71,12 +70,11 @@ class DSparkProposer(Proposer):
         ids = torch.full((len(want), Q), c.dspark_noise_token_id, dtype=torch.int64,
                          device=dev)
         ids[:, 0] = tokens
-        states = draft_block(model.mtp, c, model.model.embed_tokens(ids), feats,
-                             torch.from_numpy(anchor).to(dev),
-                             torch.from_numpy(ctx_pos).to(dev), valid_t)
+        states = model.dspark_draft(ids, feats, torch.from_numpy(anchor).to(dev),
+                                    torch.from_numpy(ctx_pos).to(dev), valid_t)
         prev, drafts, alive = tokens, [], torch.ones(len(want), dtype=torch.bool, device=dev)
         for j in range(int(inp.num_drafts[want].max())):
-            logits, conf = draft_head(model.mtp, states[:, j], prev, model.lm_head)
+            logits, conf = model.dspark_head(states[:, j], prev)
             prev = logits.argmax(dim=-1)
             if self.threshold is not None:
                 alive = alive & (torch.sigmoid(conf) >= self.threshold)

@@ -20,23 +20,23 @@ drafts: the rejection sampler treats q as one-hot).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from wideserve.executor.model_runner import ModelRunner
+from wideserve.models.interface import CausalLM
 from wideserve.spec_decode.proposer import ChainedProposer, ProposeInput
 
 
 class MTPProposer(ChainedProposer):
-    def __init__(self, model: Any) -> None:
-        """model: a DeepseekV4ForCausalLM-like target (mtp, mtp_forward, last_streams)."""
-        unavailable = getattr(model, "mtp_unavailable", None)
+    def __init__(self, model: CausalLM) -> None:
+        """model: a target with `supports_mtp` (DeepseekV4ForCausalLM: mtp, mtp_forward,
+        last_streams)."""
+        unavailable = model.mtp_unavailable
         if unavailable is not None:
             raise ValueError(f"speculative_config.method 'mtp' is unavailable: {unavailable}; "
                              f"use method 'ngram' or 'draft_model' instead")
-        if not hasattr(model, "mtp_forward") or len(getattr(model, "mtp", ())) == 0:
+        if not model.supports_mtp or model.num_mtp_blocks == 0:
             raise ValueError(
                 f"speculative_config.method 'mtp' needs a model with MTP block(s) "
                 f"(num_nextn_predict_layers >= 1); {type(model).__name__} has none")

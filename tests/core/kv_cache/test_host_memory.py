@@ -32,12 +32,11 @@ def test_zeros_are_zero_and_sized() -> None:
         assert not buf.any()
 
 
-def test_large_buffer_is_advised_for_huge_pages_where_thp_exists(monkeypatch) -> None:
+def test_large_buffer_is_advised_for_huge_pages_where_thp_exists() -> None:
     """The pool's interior is marked MADV_HUGEPAGE ("hg" in its VmFlags). Whether the kernel
     then backs it with huge pages depends on free, unfragmented memory at that moment (a
     test that counted AnonHugePages failed in a full suite run), so that is not asserted."""
-    monkeypatch.setattr(host_memory, "USE_HUGE_PAGES", True)
-    buf = host_memory.zeros(64 << 20, torch.device("cpu"))
+    buf = host_memory.zeros(64 << 20, torch.device("cpu"), huge_pages=True)
     assert not buf.any() and buf.numel() == 64 << 20
     if not (sys.platform.startswith("linux")
             and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")):
@@ -47,9 +46,8 @@ def test_large_buffer_is_advised_for_huge_pages_where_thp_exists(monkeypatch) ->
     assert host_memory.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))
 
 
-def test_switch_off_gives_plain_zeros(monkeypatch) -> None:
-    monkeypatch.setattr(host_memory, "USE_HUGE_PAGES", False)
-    assert not host_memory.zeros(4 << 20, torch.device("cpu")).any()
+def test_switch_off_gives_plain_zeros() -> None:
+    assert not host_memory.zeros(4 << 20, torch.device("cpu"), huge_pages=False).any()
 
 
 def _rss_bytes() -> int:

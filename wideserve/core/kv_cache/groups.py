@@ -321,19 +321,20 @@ def exact_replay_tokens(specs: dict[str, KVCacheSpec | SharedKVSpec],
 
 
 # ----------------------------------------------------------------------------- tensors
-def allocate_kv_tensors(kv_config: KVCacheConfig,
-                        device: str | torch.device) -> dict[str, torch.Tensor]:
+def allocate_kv_tensors(kv_config: KVCacheConfig, device: str | torch.device,
+                        huge_pages: bool = False) -> dict[str, torch.Tensor]:
     """Cache name -> zeroed view [num_blocks, entries_per_block, width] of its slab.
 
     Raw records have `spec.dtype` and `spec.width`; quantised records (fp8_ds_mla, fp8_index,
-    mxfp4_index) are uint8 [num_blocks, entries_per_block, entry_bytes].
+    mxfp4_index) are uint8 [num_blocks, entries_per_block, entry_bytes]. huge_pages: the
+    slabs on transparent huge pages (CacheConfig.kv_huge_pages; host_memory.zeros).
     """
     device = torch.device(device)
     host_memory.check_pool_fits(
         sum(b.num_blocks * b.page_bytes * b.num_slabs for b in kv_config.buckets), device)
     out: dict[str, torch.Tensor] = {}
     for b in kv_config.buckets:
-        slabs = [host_memory.zeros(b.num_blocks * b.page_bytes, device)
+        slabs = [host_memory.zeros(b.num_blocks * b.page_bytes, device, huge_pages)
                  for _ in range(b.num_slabs)]
         for gid in b.group_ids:
             g = kv_config.groups[gid]

@@ -18,7 +18,8 @@ pool can ask for huge pages itself (madvise(MADV_HUGEPAGE) on the untouched mapp
 Linux, THP off, a failing call, no free contiguous memory) the buffer is ordinary memory:
 huge pages change speed, never contents.
 
-`USE_HUGE_PAGES`: see its comment for the default and the measurement behind it.
+Huge pages are asked for by `CacheConfig.kv_huge_pages` (passed down as `zeros(...,
+huge_pages=)`); it is off by default, for the reason given at `zeros`.
 """
 from __future__ import annotations
 
@@ -33,11 +34,6 @@ import torch
 HUGE_PAGE = 2 << 20
 LAZY_MIN_BYTES = 1 << 20          # smaller buffers: torch.zeros (a mapping each is not worth it)
 MADV_HUGEPAGE = 14                # <sys/mman.h> on Linux
-# Off: with the lazy pool they no longer cost startup, but a quiet in-engine A/B (11M decode,
-# 1 and 2 threads) showed no throughput gain again, and the first write into each 2 MiB page
-# took 0.2-6 ms (compaction) against ~0.02 ms for a 4 KiB page: a stall in whichever step
-# first fills it (BENCHMARKS.md "KV write in the op, lazy KV pool").
-USE_HUGE_PAGES = False
 
 
 @functools.cache
@@ -91,16 +87,20 @@ def check_pool_fits(nbytes: int, device: torch.device) -> None:
                          f"(CacheConfig.kv_cache_memory)")
 
 
-def zeros(nbytes: int, device: torch.device) -> torch.Tensor:
+def zeros(nbytes: int, device: torch.device, huge_pages: bool = False) -> torch.Tensor:
     """A zeroed uint8 buffer of `nbytes` on `device`. On Linux CPUs a large one is a fresh
     anonymous mapping, committed page by page as it is first written (module docstring), and
-    advised for huge pages when USE_HUGE_PAGES."""
+    advised for huge pages when `huge_pages` (CacheConfig.kv_huge_pages). Off by default: with
+    the lazy pool they no longer cost startup, but a quiet in-engine A/B (11M decode, 1 and 2
+    threads) showed no throughput gain again, and the first write into each 2 MiB page took
+    0.2-6 ms (compaction) against ~0.02 ms for a 4 KiB page: a stall in whichever step first
+    fills it (BENCHMARKS.md "KV write in the op, lazy KV pool")."""
     if device.type != "cpu" or nbytes < LAZY_MIN_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     # The kernel zero-fills anonymous pages at their first touch; the tensor holds a reference
     # to the mapping, which lives as long as the tensor's storage.
     buf = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
                            dtype=torch.uint8)
-    if USE_HUGE_PAGES:
+    if huge_pages:
         advise_huge_pages(buf)
     return buf

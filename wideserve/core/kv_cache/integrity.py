@@ -122,7 +122,7 @@ def check_manager_integrity(pools: list[BlockPool], managers: list[GroupManager]
         if set(m.req_tables) != tracked:
             problems.append(f"group {m.group_id}: tracks requests "
                             f"{sorted(set(m.req_tables) ^ tracked)} inconsistently")
-        skipped = getattr(m, "num_skipped", None)
+        skipped = m.skipped_entries()
         if skipped is not None:
             for rid, table in m.req_tables.items():
                 k = skipped.get(rid, 0)

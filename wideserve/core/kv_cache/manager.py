@@ -354,7 +354,7 @@ class KVCacheManager:
         if request_id not in self._requests:
             return
         for m in self.managers:
-            for table in (m.req_tables, m.num_cached, getattr(m, "num_skipped", {})):
+            for table in m.request_tables():
                 if request_id in table:
                     table[key] = table.pop(request_id)
         self._requests.discard(request_id)
@@ -403,10 +403,6 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks not free or cached, in the fullest bucket (what limits admission)."""
         return max(p.usage for p in self.pools)
-
-    @property
-    def usage_per_bucket(self) -> list[float]:
-        return [p.usage for p in self.pools]
 
     @property
     def num_free_blocks(self) -> int:

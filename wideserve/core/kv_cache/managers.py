@@ -47,6 +47,15 @@ class GroupManager:
     def blocks(self, request_id: str) -> list[KVBlock]:
         return [self.pool.blocks[i] for i in self.req_tables.get(request_id, ())]
 
+    def skipped_entries(self) -> dict[str, int] | None:
+        """request id -> leading table entries already nulled, for managers that null
+        them (sliding windows); None: this manager never does."""
+        return None
+
+    def request_tables(self) -> tuple[dict, ...]:
+        """Every per-request dict this manager keeps (re-keyed together: manager.py)."""
+        return self.req_tables, self.num_cached
+
     def num_slots(self, request_id: str) -> int:
         """Positions the request's table covers."""
         return len(self.req_tables[request_id]) * self.block_size
@@ -164,6 +173,12 @@ class SlidingWindowManager(GroupManager):
         self.window = group.spec.window
         self.pages_for_hit = window_pages_for_hit(group)
         self.num_skipped: dict[str, int] = {}    # leading table entries already nulled
+
+    def skipped_entries(self) -> dict[str, int] | None:
+        return self.num_skipped
+
+    def request_tables(self) -> tuple[dict, ...]:
+        return self.req_tables, self.num_cached, self.num_skipped
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         # The next query is at p = num_computed_tokens and reads p - window + 1 .. p, so pages

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ from wideserve.distributed.eplb.config import EplbConfig
 from wideserve.distributed.eplb.recorder import LoadRecorder
 from wideserve.distributed.eplb.replicas import ReplicaTable
 from wideserve.distributed.eplb.transfer import execute_layer, plan_layer
+
+if TYPE_CHECKING:      # layers/experts.py imports this package
+    from wideserve.layers.experts import RoutedExperts
 
 logger = logging.getLogger(__name__)
 # Balancedness refresh when log_balancedness is off (it feeds /metrics): one small
@@ -66,7 +70,7 @@ def expert_weights(layer: nn.Module) -> list[torch.Tensor]:
 
 
 class ExpertBalancer:
-    def __init__(self, name: str, layers: list[nn.Module], num_logical: int,
+    def __init__(self, name: str, layers: list[RoutedExperts], num_logical: int,
                  config: EplbConfig, ep: EpGroup, device: torch.device,
                  num_groups: int = 1) -> None:
         self.name, self.layers, self.config, self.ep = name, layers, config, ep
@@ -111,8 +115,7 @@ class ExpertBalancer:
                 continue
             raise ValueError(f"EPLB {self.name}: expert weights have {w.shape[0]} rows, "
                              f"expected {self.per_rank} slots on this rank")
-        if hasattr(layer, "num_local_experts"):
-            layer.num_local_experts = self.per_rank
+        layer.num_local_experts = self.per_rank
 
     def local_experts(self, layer: int = 0) -> list[int]:
         """The logical expert in each of this rank's slots (what a loader must put there)."""
@@ -224,8 +227,7 @@ class ExpertBalancer:
                                                    spare, self.ep.group)
             for w, s in zip(expert_weights(self.layers[i]), spare):
                 w.data.copy_(s)
-            if hasattr(self.layers[i], "weights_changed"):
-                self.layers[i].weights_changed()     # packed copies (layers/experts.py)
+            self.layers[i].weights_changed()     # packed copies (layers/experts.py)
         self.placement[layers] = self._next[layers]
         self.table.update(layers, self.placement)
         self.recorder.forget_layers(layers)

@@ -28,7 +28,7 @@ def moe_layers(module: nn.Module, mtp: bool | None = None) -> list[RoutedExperts
 def _num_groups(model: nn.Module, config: EplbConfig) -> int:
     if config.num_groups is not None:
         return config.num_groups
-    return int(getattr(getattr(model, "config", None), "n_group", None) or 1)
+    return model.num_expert_groups()
 
 
 class EplbManager:
@@ -68,7 +68,7 @@ class EplbManager:
 def _draft_layers(model: nn.Module, spec: Any) -> tuple[nn.Module | None, list[RoutedExperts]]:
     """The MoE layers the speculative proposer runs: the target's MTP block (method mtp), a
     draft model's (method draft_model), none otherwise."""
-    method = getattr(getattr(spec, "config", None), "method", None)
+    method = spec.config.method if spec is not None else None
     if method == "mtp":
         return model, moe_layers(model, mtp=True)
     if method == "draft_model":

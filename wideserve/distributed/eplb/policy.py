@@ -216,11 +216,6 @@ def rank_loads(load: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> tor
     return per_slot.reshape(phy2log.shape[0], num_ranks, -1).sum(-1)
 
 
-def slot_rank_loads(slot_load: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """Measured per-slot load [L, P] -> per-rank load [L, R]."""
-    return slot_load.double().reshape(slot_load.shape[0], num_ranks, -1).sum(-1)
-
-
 def layer_balancedness(per_rank: torch.Tensor) -> torch.Tensor:
     """[L, R] -> [L] mean / max per layer (NaN for a layer with no load)."""
     per_rank = per_rank.double()

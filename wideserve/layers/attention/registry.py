@@ -10,6 +10,12 @@ requests) and a "batched" one (the default: a constant number of torch ops per l
     attend(attn, q, kv, step, picks) -> [T, H, D]   (window + entries + sink; the batched
                                                     backend: in the layer's compute dtype)
   `picks` is whatever that backend's `select` returns; only its own `attend` reads it.
+- kind "v41" (DeepSeek-V4.1 CSA2 attention, v41_attention.py): the same pair of ops, select
+  being the two-level CSA2 indexer (v41_batched.py: select(indexer, x, q_res, step, keys_name,
+  cis, ratio, state, candidate_source, use_candidates, topk_blocks, block_size) leaves its
+  picks in the step's CSA2State) and attend V4's batched op. Only "batched" exists (the
+  oracle of V4.1 is the reference implementation the tests load), so the environment
+  variable does not apply to this kind.
 - kind "paged" (standard GQA paged attention for Llama / Qwen2 / Qwen3 / Qwen3-MoE): a backend
   is one op fn(q, k, v, batch, cache_name, scale, window, plans), where `plans` is the step's
   PagedAttentionPlans (built once per forward; backends that need no plan ignore it).
@@ -36,7 +42,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from wideserve.executor.forward_batch import ForwardBatch
-from wideserve.layers.attention import v4_batched, v4_reference
+from wideserve.layers.attention import v41_batched, v4_batched, v4_reference
 from wideserve.layers.attention.paged_attention import paged_attention
 from wideserve.layers.attention.paged_attention_batched import (PagedAttentionPlans,
                                                                 paged_attention_batched)
@@ -94,6 +100,9 @@ ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
     "reference": AttentionBackend("reference", v4_reference.select, v4_reference.attend),
     "batched": AttentionBackend("batched", v4_batched.select, v4_batched.attend),
 })
+V41_ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
+    "batched": AttentionBackend("batched", v41_batched.select, v4_batched.attend),
+})
 PAGED_ATTENTION_BACKENDS: Mapping[str, PagedAttentionFn] = MappingProxyType({
     "reference": _paged_reference,
     "batched": _paged_batched,
@@ -135,6 +144,16 @@ def resolve_attention_backend(name: str | None = None) -> str:
 
 def get_attention_backend(name: str) -> AttentionBackend:
     return lookup_backend(name, ATTENTION_BACKENDS, "attention backend")
+
+
+def resolve_v41_attention_backend(name: str | None = None) -> str:
+    """An explicit name, else "batched" (the only one; see the module docstring)."""
+    return lookup_backend(name or DEFAULT_ATTENTION_BACKEND, V41_ATTENTION_BACKENDS,
+                          "DeepSeek-V4.1 attention backend").name
+
+
+def get_v41_attention_backend(name: str) -> AttentionBackend:
+    return lookup_backend(name, V41_ATTENTION_BACKENDS, "DeepSeek-V4.1 attention backend")
 
 
 def resolve_paged_attention_backend(name: str | None = None) -> str:

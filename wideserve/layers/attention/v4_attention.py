@@ -112,12 +112,3 @@ class DeepseekV4Attention(nn.Module):
         w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])               # [g, o_lora, H*D/g]
         low = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2))           # [g, T, o_lora]
         return self.o_b_proj(low.transpose(0, 1).reshape(T, g * w.shape[1]))  # [T, g*o_lora]
-
-    def kv_cache_names(self) -> list[str]:
-        names = [self.prefix + "window"]
-        if self.layer_type == CSA:
-            names += [self.prefix + n for n in ("compressed", "indexer", "state", "indexer_state")]
-        elif self.layer_type == HCA:
-            names += [self.prefix + n for n in ("compressed", "state")]
-        return names
-

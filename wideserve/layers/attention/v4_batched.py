@@ -34,22 +34,7 @@ from wideserve.layers.rope import rotate
 CHUNK_ELEMENTS = 1 << 25    # bound on a chunk's main intermediates (128 MiB in fp32)
 
 
-def _chunks(num_blocks: int, per_block: int) -> list[tuple[int, int]]:
-    n = max(1, CHUNK_ELEMENTS // max(1, per_block))
-    return [(a, min(a + n, num_blocks)) for a in range(0, num_blocks, n)]
-
-
-def _rows(x: torch.Tensor, blocks: QueryBlocks, a: int, b: int) -> torch.Tensor:
-    """x [T, ...] -> the rows of blocks a..b-1's query slots [b-a, Q, ...]."""
-    return _part_rows(x, blocks, slice(a, b))
-
-
-def _store(out: torch.Tensor, blocks: QueryBlocks, a: int, b: int, rows: torch.Tensor) -> None:
-    """rows [b-a, Q, ...] -> out's token rows (padding slots land on the scratch row T)."""
-    _part_store(out, blocks, slice(a, b), rows)
-
-
-def _part_rows(x: torch.Tensor, blocks: QueryBlocks, sel: Part | slice) -> torch.Tensor:
+def part_rows(x: torch.Tensor, blocks: QueryBlocks, sel: Part | slice) -> torch.Tensor:
     """x [T, ...] -> the rows of the selected blocks' query slots [P, Q, ...]."""
     if blocks.identity:
         return take(x, sel)[:, None]
@@ -57,7 +42,7 @@ def _part_rows(x: torch.Tensor, blocks: QueryBlocks, sel: Part | slice) -> torch
     return x.index_select(0, idx.flatten()).view(*idx.shape, *x.shape[1:])
 
 
-def _part_store(out: torch.Tensor, blocks: QueryBlocks, sel: Part | slice,
+def part_store(out: torch.Tensor, blocks: QueryBlocks, sel: Part | slice,
                 rows: torch.Tensor) -> None:
     """rows [P, Q, ...] -> out's token rows (padding slots land on the scratch row T)."""
     sel = sel.sel if isinstance(sel, Part) else sel
@@ -101,24 +86,25 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
                 continue                                # no entries yet: nothing to pick
             P = part.num_blocks
             keys = step.gather_part_entries(keys_name, blocks, part, indexer.ratio, dt)
-            scores = torch.bmm(_part_rows(q, blocks, part).flatten(1, 2), keys.transpose(1, 2))
+            scores = torch.bmm(part_rows(q, blocks, part).flatten(1, 2), keys.transpose(1, 2))
             scores = torch.relu(scores.float()) * D ** -0.5                   # [P, Q*H_I, N]
             # Weighted sum over heads as one batched matmul: [P*Q, 1, H_I] @ [P*Q, H_I, N].
-            w = _part_rows(weights, blocks, part).reshape(P * Q, 1, H)
+            w = part_rows(weights, blocks, part).reshape(P * Q, 1, H)
             scores = torch.bmm(w, scores.view(P * Q, H, part.width)).view(P, Q, part.width)
             scores = scores + step.part_entry_bias(blocks, part, indexer.ratio)
             idx = index_topk(scores, k)                                       # [P, Q, k]
             visible = part.take(step.block_visible(blocks, indexer.ratio))
-            _part_store(picks, blocks, part, torch.where(idx >= visible[..., None], -1, idx))
+            part_store(picks, blocks, part, torch.where(idx >= visible[..., None], -1, idx))
     return picks[:T]
 
 
-def compute_dtype(layer: object) -> torch.dtype:
-    """The dtype a layer's q.k and p.v products run in: its `compute_dtype` attribute
-    (DeepseekV4Attention and Indexer: the model dtype unless overridden), else fp32. Scores
+def compute_dtype(layer: V4AttentionParams | Indexer) -> torch.dtype:
+    """The dtype a layer's q.k and p.v products run in: its declared `compute_dtype`
+    (DeepseekV4Attention and Indexer: the model dtype unless overridden; DeepseekV41Attention:
+    fp32). Scores
     always leave the product as fp32: masks, sinks, softmax and top-k run in fp32
     (docs/deepseek_v4.md, "Attention precision")."""
-    return getattr(layer, "compute_dtype", None) or torch.float32
+    return layer.compute_dtype
 
 
 def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
@@ -171,7 +157,7 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
     for part in step.entry_parts(blocks, ratio, ENTRY_FLOOR, (Lk + k) * per_entry + Q * k * D,
                                  per_entry, CHUNK_ELEMENTS):
         P = part.num_blocks
-        qb = _part_rows(q, blocks, part).flatten(1, 2)                        # [P, Q*H, D]
+        qb = part_rows(q, blocks, part).flatten(1, 2)                        # [P, Q*H, D]
         if src.dim() == 3:
             keys = part.take(src)
         else:
@@ -181,7 +167,7 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                                                              attn.ratio, q.dtype)], dim=1)
         own = None
         if picks is not None:                       # each query's own top-k entries
-            sel = _part_rows(picks, blocks, part)                             # [P, Q, k]
+            sel = part_rows(picks, blocks, part)                             # [P, Q, k]
             chosen = sel >= 0
             rows = step.gather_picked(comp_name, attn.ratio, part.take(blocks.block_req), sel,
                                       chosen, q.dtype)                        # [P, Q, k, D]
@@ -189,7 +175,7 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                 keys = torch.cat([keys, rows[:, 0]], dim=1)
             own = (rows, chosen)
         bias = step.part_bias(blocks, part, attn.window, ratio, k)
-        _part_store(out, blocks, part, _softmax_attend(qb, keys, bias, attn.sinks.float(),
+        part_store(out, blocks, part, _softmax_attend(qb, keys, bias, attn.sinks.float(),
                                                        attn.head_dim ** -0.5, Lk, own))
 
 

@@ -44,8 +44,7 @@ class V4AttentionParams(Protocol):
     ratio: int                 # compression ratio (0: sliding-window layer)
     head_dim: int
     sinks: torch.Tensor        # [H] fp32 per-head sink logits
-    # Optional `compute_dtype` (torch.dtype): what the window/entry products run in
-    # (v4_batched.compute_dtype; absent: fp32).
+    compute_dtype: torch.dtype  # what the window/entry products run in (v4_batched)
 
 
 class V4Step:
