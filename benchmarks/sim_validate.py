@@ -266,3 +266,7 @@ def dep_rounds(args: argparse.Namespace, rounds: int) -> list[dict]:
                     "measured": meas_step, "prediction": pred, "run": measured,
                     "profile": prof})
     return out
+
+
+if __name__ == "__main__":
+    main()
