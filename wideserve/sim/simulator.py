@@ -95,6 +95,7 @@ class Simulation:
         self.prefill_free = [0.0] * layout.pd.prefill_instances
         self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
         self.exhausted = False
+        self.max_loads = 0          # most KV loads one rank admitted in one step
         if steady:
             self._fill_steady()
         else:                       # a benchmark from empty: every slot sends at t = 0
@@ -155,6 +156,7 @@ class Simulation:
             else:
                 keep.append(req)
         self.pending = keep
+        self.max_loads = max(self.max_loads, *loads)
         return cost
 
     def step(self, index: int) -> dict[str, float]:
