@@ -30,7 +30,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}')
-SERVER_KW = ["--max-num-seqs", "8", "--log-level", "warning"]
+BATCH_TOKENS = 2048         # the servers' --max-num-batched-tokens (the engine default)
+SERVER_KW = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(BATCH_TOKENS),
+             "--log-level", "warning"]
 
 
 def _cli(*args: str) -> list[str]:
@@ -124,7 +126,8 @@ def predict_pd(prof, w: dict[str, int]) -> dict[str, Any]:
     from wideserve.sim.workload import fixed
     m = load_model(BUNDLED_MODEL)
     lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False,
-                 pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push"))
+                 pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push",
+                               prefill_batch_tokens=BATCH_TOKENS))
     work = itertools.islice(fixed(w["input_len"], w["output_len"]), w["requests"])
     sim = Simulation(m, prof.as_hardware(), prof, lay, work, steady=False)
     r = sim.run_to_end()

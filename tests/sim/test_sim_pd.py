@@ -62,6 +62,20 @@ def test_benchmark_run_finishes_every_request_and_ttft_includes_prefill_and_tran
     assert len(first_two) == 2 and first_two[1] >= 2 * 0.10
 
 
+def test_prefill_batches_a_burst_within_the_token_budget():
+    prof = _measured()
+    for budget, expect in ((0, [0.10, 0.20]), (400, [0.20, 0.20]), (300, [0.10, 0.20])):
+        lay = Layout(dep=1, batch=2, overlap_host=False, jitter=False,
+                     pd=PDSettings(prefill_instances=1, prefill_ranks=1,
+                                   prefill_batch_tokens=budget))
+        sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay,
+                         itertools.islice(fixed(200, 5), 2), steady=False)
+        link = transfer_s(sim.m, sim.hw, lay.pd, 200)
+        # FIFO: 0.10 then 0.20; batched (400 tokens fit): both end with the 400-token batch,
+        # whose measured cost is the table at 400 tokens (0.20, extrapolated)
+        assert sorted(x.ready - link for x in sim.pending) == pytest.approx(expect)
+
+
 def test_admission_cost_is_measured_per_load_and_the_cap_spreads_it():
     adm = {"tokens": [100.0, 300.0], "s": [0.01, 0.03]}
     prof = _measured(adm)

@@ -47,6 +47,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="GPUs per prefill instance")
     p.add_argument("--transfer", choices=("pull", "push"), default="push",
                    help="KV transfer: per-block pull or packed push")
+    p.add_argument("--prefill-batch-tokens", type=int, default=0,
+                   help="prompt tokens a prefill instance batches per step (0: one prompt at "
+                        "a time)")
     p.add_argument("--max-kv-loads", type=int, default=None,
                    help="new KV loads admitted per decode step and rank")
     p.add_argument("--workload", choices=("fixed", "agentic"), default="fixed",
@@ -131,6 +134,8 @@ def _base(args: argparse.Namespace):
     from wideserve.sim.eplb import EplbSettings, eplb_schedule
     from wideserve.sim.pd import PDSettings
     from wideserve.sim.simulator import Layout
+    if args.prefill_batch_tokens < 0:
+        raise ValueError("--prefill-batch-tokens must be >= 0")
     interval, window, warn = eplb_schedule(args.steps, args.eplb_interval, args.eplb_window)
     if warn and (args.eplb is True or args.eplb in ("on", "both")):
         print(warn, file=sys.stderr)
@@ -138,7 +143,8 @@ def _base(args: argparse.Namespace):
                   overlap_host=not args.no_overlap, skew=args.skew, draft_skew=args.draft_skew,
                   eplb=EplbSettings(True, interval, window, args.redundant),
                   pd=PDSettings(prefill_ranks=args.prefill_ranks, transfer=args.transfer,
-                                max_kv_loads_per_step=args.max_kv_loads),
+                                max_kv_loads_per_step=args.max_kv_loads,
+                                prefill_batch_tokens=args.prefill_batch_tokens),
                   price_per_gpu_hour=args.price)
 
 

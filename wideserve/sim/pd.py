@@ -31,6 +31,7 @@ class PDSettings:
     block_size: int = 256
     caches: int = 4                 # KV caches moved per request (owned specs)
     max_kv_loads_per_step: int | None = None
+    prefill_batch_tokens: int = 0   # prompts batched per prefill step (0: one at a time)
 
 
 def kv_bytes(m: ModelShape, context: int) -> float:

@@ -93,6 +93,7 @@ class Simulation:
                       if layout.mtp_k and model.draft_layers else None)
         self.now, self.pending, self.finished = 0.0, [], []
         self.prefill_free = [0.0] * layout.pd.prefill_instances
+        self.prefill_batch: list[dict | None] = [None] * layout.pd.prefill_instances
         self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
         self.exhausted = False
         self.max_loads = 0          # most KV loads one rank admitted in one step
@@ -126,20 +127,43 @@ class Simulation:
         req = _Req(rank, float(q.output_len), float(q.input_len), arrival=self.now)
         pd = self.lay.pd
         if pd.prefill_instances:
-            i = int(np.argmin(self.prefill_free))
-            start = max(self.now, self.prefill_free[i])
-            table = self.sm.p.ops.get("prefill") or self.sm.p.pd.get("prefill") \
-                if self.hw.kind == "measured" else None
-            end = start + prefill_s(self.m, self.hw, q.input_len - q.cached, q.cached,
-                                    pd.prefill_ranks, table)
-            self.prefill_free[i] = end
-            # the first token reaches the user from the decode step that admits the KV
-            # (a router streams the decode leg), set in _advance
-            req.ready = end + transfer_s(self.m, self.hw, pd, q.input_len)
+            self._prefill(req, q.input_len - q.cached, q.cached)
             self.pending.append(req)
         else:
             req.new_tokens = q.input_len - q.cached
             self.running[rank].append(req)
+
+    def _prefill(self, req: _Req, new: int, cached: int) -> None:
+        """Queue a prompt on a prefill instance. With `prefill_batch_tokens` a prompt joins the
+        instance's batch that has not started yet while it fits the token budget (the engine
+        schedules waiting prompts together), and every member finishes with the batch;
+        otherwise prompts run one at a time on the instance that frees first (FIFO). The first
+        token reaches the user from the decode step that admits the KV (a router streams the
+        decode leg), set in _advance."""
+        pd = self.lay.pd
+        table = (self.sm.p.ops.get("prefill") or self.sm.p.pd.get("prefill")
+                 if self.hw.kind == "measured" else None)
+
+        def cost(members: list[tuple[_Req, int, int]]) -> float:
+            if table:           # the measured table at the batch's total tokens
+                return prefill_s(self.m, self.hw, sum(n for _, n, _ in members), 0,
+                                 pd.prefill_ranks, table)
+            return sum(prefill_s(self.m, self.hw, n, c, pd.prefill_ranks) for _, n, c in members)
+        budget = pd.prefill_batch_tokens
+        for i, b in enumerate(self.prefill_batch):
+            if budget and b and b["start"] >= self.now and b["tokens"] + new <= budget:
+                b["members"].append((req, new, cached))
+                b["tokens"] += new
+                break
+        else:
+            i = int(np.argmin(self.prefill_free))
+            b = {"start": max(self.now, self.prefill_free[i]), "tokens": new,
+                 "members": [(req, new, cached)]}
+            self.prefill_batch[i] = b
+        end = b["start"] + cost(b["members"])
+        self.prefill_free[i] = end
+        for r, n, c in b["members"]:
+            r.ready = end + transfer_s(self.m, self.hw, pd, n + c)
 
     def _admit(self) -> list[float]:
         """Move arrived KV into the decode ranks; returns each rank's admission host seconds
