@@ -8,7 +8,7 @@ figures, with one labelled exception: the routing skew is an input (no V4.1 rout
 available), chosen so that the identity placement's balancedness equals the published
 "before" value; the "after" value is then the prediction.
 
-    python benchmarks/sim_recipe.py --profile benchmarks/results/sim_profile.json
+    python benchmarks/sim_recipe.py --profile benchmarks/results/sim_profile_recipe.json
 """
 from __future__ import annotations
 
@@ -44,9 +44,11 @@ def skew_for(before: float, layers: int, experts: int, ranks: int) -> float:
 
 def run(m, hw, prof, steps: int = 60, ctx: int = CTX, **kw) -> dict:
     lay = Layout(batch=BATCH, mtp_k=K, acceptance=ACCEPT, **kw)
-    r = Simulation(m, hw, prof, lay, fixed(ctx, OUT)).run(steps)
+    sim = Simulation(m, hw, prof, lay, fixed(ctx, OUT))
+    r = sim.run(steps)
     return {"step_ms": r.step_ms, "parts_ms": r.breakdown_ms, "tok_s_gpu": r.tok_s_per_gpu,
-            "p90_user": r.p90_user_tok_s, "balancedness": r.balancedness}
+            "p90_user": r.p90_user_tok_s, "balancedness": r.balancedness,
+            "max_kv_loads": sim.max_loads}
 
 
 def eplb_rows(m, ranks: int) -> list[dict]:
@@ -65,6 +67,41 @@ def eplb_rows(m, ranks: int) -> list[dict]:
                     "inputs": f"skew {skew:.2f} (conditioned on before={before}), "
                               f"{ranks} redundant experts, window 1000 of 3000 steps"})
     return out
+
+
+def with_admission(prof):
+    """The profile with the decode host's per-KV-load admission cost on V4.1-Flash's KV
+    layout (measured here with the engine's scheduler/connector code unless the profile
+    already holds one measured on a V4.1 layout)."""
+    from wideserve.sim.calibrate_pd import measure_admission
+    adm = prof.pd.get("admission")
+    if not adm or "v41" not in str(adm.get("model", "")):
+        adm = measure_admission(ROOT / "tests/data/deepseek-v41-flash", [4096, 32768, CTX])
+        prof = dataclasses.replace(prof, pd={**prof.pd, "admission": adm})
+    return prof
+
+
+def kv_load_cap_rows(m, hw, prof) -> list[dict]:
+    """"<= 4 KV loads per step: 460K -> 516K": the decode host's admission cost per KV load is
+    measured with the engine's scheduler/connector code on V4.1-Flash's KV layout (128K
+    context: calibrate_pd.measure_admission), unless the profile holds one; P/D as in the
+    packed-push row, uncapped vs at most 4 loads per rank and step. Compared: the gain."""
+    adm = prof.pd["admission"]
+    out = {}
+    for cap in (None, 4):
+        r = run(m, hw, prof, steps=400, dep=32, sync_algo="rd",
+                pd=PDSettings(prefill_instances=4, prefill_ranks=4, transfer="push",
+                              max_kv_loads_per_step=cap))
+        out[cap] = r
+    gain = out[4]["tok_s_gpu"] / out[None]["tok_s_gpu"]
+    return [{"figure": "P/D tokens/s/GPU gain from <= 4 KV loads per step (516K/460K)",
+             "published": 516 / 460, "simulated": gain,
+             "inputs": f"admission {1e3 * adm['s'][-1]:.1f} ms per load at "
+                       f"{int(adm['tokens'][-1])} tokens (measured here); uncapped "
+                       f"{out[None]['tok_s_gpu']:.0f}, capped {out[4]['tok_s_gpu']:.0f} "
+                       f"tok/s/GPU; step {out[None]['step_ms']:.2f} -> "
+                       f"{out[4]['step_ms']:.2f} ms; most loads one rank admitted in one "
+                       f"step: {out[None]['max_kv_loads']} uncapped"}]
 
 
 def main() -> None:
@@ -100,16 +137,19 @@ def main() -> None:
     long = run(m, hw, prof, dep=32, sync_algo="rd", pd=pd, ctx=855_000)
     rows.append({"figure": "decode step increase 128K -> 855K context (ms)", "published": 0.6,
                  "simulated": long["step_ms"] - rd32["step_ms"]})
+    prof = with_admission(prof)      # P/D rows: admitting a KV load costs the decode host
     for mode, pub in (("pull", 141e3), ("push", 440e3)):
         r = run(m, hw, prof, steps=400, dep=32, sync_algo="rd",
                 pd=PDSettings(prefill_instances=4, prefill_ranks=4, transfer=mode))
         rows.append({"figure": f"P/D tokens/s/GPU, KV {mode} (output only)", "published": pub,
                      "simulated": r["tok_s_gpu"]})
+    rows += kv_load_cap_rows(m, hw, prof)
     for row in rows:
         row["ratio"] = row["simulated"] / row["published"]
         print(f"{row['figure']:52s} published {row['published']:>10.4g}  simulated "
               f"{row['simulated']:>10.4g}  ratio {row['ratio']:.2f}")
     Path(args.out).write_text(json.dumps({"rows": rows, "profile_machine": prof.machine,
+                                          "admission": prof.pd.get("admission"),
                                           "layout": dataclasses.asdict(Layout())}, indent=1))
 
 

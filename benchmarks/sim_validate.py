@@ -1,23 +1,27 @@
 """Held-out validation of the rack simulator on this machine (docs/simulator.md, table A).
 
-1. Calibrate on ONE rank (wideserve/sim/calibrate.py): the engine's host and forward time per
-   step at batches 1, 4, 8 of a many-expert Qwen3-MoE (dummy weights, the DEP benchmark's
-   config), the expert op vs rows, gloo collectives, host jitter.
-2. Predict a DEP2 run at `--per-rank` requests per rank from that profile alone.
-3. Run the real engine at DEP2 (benchmarks/dep_scaling.py's harness) and compare step time.
+DEP2: calibrate on ONE rank (wideserve/sim/calibrate.py: the engine's host and forward time per
+step at batches 1, 4, 8 of a many-expert Qwen3-MoE with dummy weights, the DEP benchmark's
+config; the expert op vs rows, gloo collectives, host jitter), predict a DEP2 run at
+`--per-rank` requests per rank from that profile alone, then run the real engine at DEP2
+(benchmarks/dep_scaling.py's harness). P/D: benchmarks/sim_validate_pd.py. MTP and EPLB: below.
+DEP2 and P/D run `--rounds` rounds of calibrate-then-measure (each prediction paired with the
+measurement of the same minute on a shared machine); the table gives the medians and each
+round's error (the spread). Nothing is fitted to the measurements.
 
     python benchmarks/sim_validate.py --out benchmarks/results/sim_validate.json
+    python benchmarks/sim_validate.py --parts pd --rounds 3     # one part; other rows kept
 """
 from __future__ import annotations
 
 import argparse
 import json
-
-import numpy as np
 import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -161,7 +165,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=24)
     ap.add_argument("--out", default="benchmarks/results/sim_validate.json")
-    ap.add_argument("--parts", nargs="+", default=["dep2", "mtp", "eplb"])
+    ap.add_argument("--parts", nargs="+", default=["dep2", "pd", "mtp", "eplb"],
+                    choices=("dep2", "pd", "mtp", "eplb"))
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="calibrate-then-measure rounds of DEP2 and P/D (median and spread)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -180,35 +187,85 @@ def main() -> None:
             rows.append({"quantity": f"EPLB {role} balancedness after rebalance (EP2)",
                          "predicted": r["predicted"], "measured": r["measured"],
                          "error": r["predicted"] / r["measured"] - 1})
+    dep = pd = None
+    if "dep2" in args.parts:
+        dep = dep_rounds(args, args.rounds)
+        rows.insert(0, summary_row(f"DEP2 decode step, {args.per_rank} req/rank (ms)",
+                                   [(r["predicted"], r["measured"]) for r in dep]))
+    if "pd" in args.parts:
+        from sim_validate_pd import pd_rounds
+        w = {"input_len": 256, "output_len": 32, "requests": 16, "concurrency": 4}
+        pd = pd_rounds(w, args.rounds)
+        rr = pd["rounds"]
+        rows.append(summary_row("P/D 1P+1D output tokens/s (NIXL loopback, router)",
+                                [(r["predicted"]["output_tok_s"], r["measured"]["output_tok_s"])
+                                 for r in rr]))
+        rows.append(summary_row("P/D 1P+1D TTFT P50 (ms)",
+                                [(1e3 * r["predicted"]["ttft_p50_s"],
+                                  1e3 * r["measured"]["ttft_p50_s"]) for r in rr]))
+    for r in rows:
+        print(f"{r['quantity']:52s} predicted {r['predicted']:8.2f}  measured "
+              f"{r['measured']:8.2f}  error {100 * r['error']:+.0f}% (rounds "
+              f"{', '.join(f'{100 * e:+.0f}%' for e in r.get('round_errors', [r['error']]))})")
+    out = Path(args.out)
+    prev = json.loads(out.read_text()) if out.is_file() else {}
+    kept = {r["quantity"]: r for r in prev.get("rows", [])}
+    kept.update({r["quantity"]: r for r in rows})        # a partial run keeps the other rows
+    kept_sections = {k: prev[k] for k in ("mtp", "eplb", "dep2_rounds", "pd") if k in prev}
+    Path(args.out).write_text(json.dumps({
+        **kept_sections, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_end": os.getloadavg(), "cpu": _cpu(), "command": " ".join(sys.argv),
+        "rows": list(kept.values()), **extra,
+        **({"dep2_rounds": dep} if dep else {}), **({"pd": pd} if pd else {})}, indent=1))
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def summary_row(quantity: str, pairs: list[tuple[float, float]]) -> dict:
+    """Median of the rounds' predictions and measurements, with each round's own error (the
+    spread on a shared machine)."""
+    errs = [p / m - 1 for p, m in pairs]
+    pred, meas = float(np.median([p for p, _ in pairs])), float(np.median([m for _, m in pairs]))
+    return {"quantity": quantity, "predicted": pred, "measured": meas,
+            "error": float(np.median(errs)), "round_errors": errs,
+            "rounds": len(pairs), "pairs": pairs}
+
+
+def dep_rounds(args: argparse.Namespace, rounds: int) -> list[dict]:
+    """Calibrate on one rank, then measure DEP2 at once, `rounds` times: each prediction is
+    paired with the measurement of the same minute (the load moves between minutes)."""
     from dep_scaling import CONFIG, run_size
 
-    from wideserve.sim.calibrate import calibrate, temp_model_dir
+    from wideserve.sim.calibrate import calibrate, temp_model_dir, write_profile
     model_dir = temp_model_dir(CONFIG)
-    profile = calibrate(model_dir, [1, 4, 8], args.prompt_len, args.output_len, 1, (2,))
     ns = argparse.Namespace(per_rank=args.per_rank, prompt_len=args.prompt_len,
                             output_len=args.output_len)
-    measured = run_size(model_dir, 2, ns)
-    s = measured["step_split"]
-    # The decode step a user sees: 1 / (P50 tokens/s per user). The per-step split of a
-    # DEP run averages in dummy steps (an idle rank's 1-token batches), so it is reported
-    # but not compared.
-    meas_step = 1e3 / measured["p50_user_tok_s"]
-    algo = "rd" if measured.get("sync", {}).get("method") == "rd" else "ring"
-    ctx = args.prompt_len + args.output_len / 2
-    pred = predict_dep(profile, model_dir, 2, args.per_rank, ctx, algo)
-    rows.insert(0, {"quantity": f"DEP2 decode step, {args.per_rank} req/rank (ms)",
-             "predicted": pred["step_ms"], "measured": meas_step,
-             "error": pred["step_ms"] / meas_step - 1})
-    for r in rows:
-        print(f"{r['quantity']:28s} predicted {r['predicted']:8.2f}  measured "
-              f"{r['measured']:8.2f}  error {100 * r['error']:+.0f}%")
-    from wideserve.sim.calibrate import write_profile
-    write_profile(profile, Path(args.out).with_name("sim_profile.json"))
-    prof = profile.to_dict()
-    prof["profile"]["host"]["jitter_s"] = prof["profile"]["host"]["jitter_s"][:50]
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg(),
-        "rows": rows, "prediction": pred, **extra, "measured": measured, "profile": prof}, indent=1))
+    out = []
+    for k in range(rounds):
+        load = os.getloadavg()[0]
+        profile = calibrate(model_dir, [1, 4, 8], args.prompt_len, args.output_len, 1, (2,))
+        measured = run_size(model_dir, 2, ns)
+        # The decode step a user sees: 1 / (P50 tokens/s per user). The per-step split of a
+        # DEP run averages in dummy steps (an idle rank's 1-token batches), so it is
+        # reported but not compared.
+        meas_step = 1e3 / measured["p50_user_tok_s"]
+        algo = "rd" if measured.get("sync", {}).get("method") == "rd" else "ring"
+        ctx = args.prompt_len + args.output_len / 2
+        pred = predict_dep(profile, model_dir, 2, args.per_rank, ctx, algo)
+        print(f"DEP2 round {k}: load {load:.1f}  predicted {pred['step_ms']:.1f} ms  measured "
+              f"{meas_step:.1f} ms", flush=True)
+        write_profile(profile, Path(args.out).with_name("sim_profile.json"))
+        prof = profile.to_dict()
+        prof["profile"]["host"]["jitter_s"] = prof["profile"]["host"]["jitter_s"][:50]
+        out.append({"round": k, "load_1min": load, "predicted": pred["step_ms"],
+                    "measured": meas_step, "prediction": pred, "run": measured,
+                    "profile": prof})
+    return out
 
 
 if __name__ == "__main__":

@@ -35,16 +35,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew", type=float, default=0.0, help="Zipf skew of target routing")
     p.add_argument("--draft-skew", type=float, default=0.0,
                    help="Zipf skew of draft-model routing")
-    p.add_argument("--eplb-interval", type=int, default=3000,
-                   help="steps between EPLB rebalances")
-    p.add_argument("--eplb-window", type=int, default=1000,
-                   help="steps of load recorded after each rebalance")
+    p.add_argument("--eplb-interval", type=int, default=None,
+                   help="steps between EPLB rebalances (default: a quarter of --steps, so "
+                        "a run sees several rebalances)")
+    p.add_argument("--eplb-window", type=int, default=None,
+                   help="steps of load recorded after each rebalance (default: a third of "
+                        "the interval)")
     p.add_argument("--redundant", type=int, default=0,
                    help="redundant expert slots per layer (EPLB)")
     p.add_argument("--prefill-ranks", type=int, default=4,
                    help="GPUs per prefill instance")
     p.add_argument("--transfer", choices=("pull", "push"), default="push",
                    help="KV transfer: per-block pull or packed push")
+    p.add_argument("--prefill-batch-tokens", type=int, default=0,
+                   help="prompt tokens a prefill instance batches per step (0: one prompt at "
+                        "a time)")
     p.add_argument("--max-kv-loads", type=int, default=None,
                    help="new KV loads admitted per decode step and rank")
     p.add_argument("--workload", choices=("fixed", "agentic"), default="fixed",
@@ -89,6 +94,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="batch sizes the engine is measured at")
     c.add_argument("--threads", type=int, default=1,
                    help="torch threads while measuring")
+    c.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+                   help="rank counts the collectives are measured at (>= 2 each)")
+    c.add_argument("--pd", action="store_true",
+                   help="also measure P/D: one-rank prefill vs prompt length, NIXL loopback "
+                        "transfer, per-KV-load admission cost")
+    c.add_argument("--admission-model", default=None,
+                   help="model directory whose KV layout the admission cost is measured on "
+                        "(default: --model)")
     c.add_argument("--out", required=True,
                    help="where to write the profile JSON")
     return p
@@ -105,22 +118,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from wideserve.sim.calibrate import DEFAULT_CONFIG, calibrate, temp_model_dir, write_profile
+    from wideserve.sim.calibrate import (DEFAULT_CONFIG, PDCalibration, calibrate,
+                                         temp_model_dir, write_profile)
+    if min(args.ranks) < 2:
+        raise ValueError(f"--ranks: collectives need rank counts >= 2, got {args.ranks}")
     model = args.model or temp_model_dir(DEFAULT_CONFIG)
-    write_profile(calibrate(model, args.batches, threads=args.threads), args.out)
+    pd = PDCalibration(admission_model=args.admission_model) if args.pd else None
+    write_profile(calibrate(model, args.batches, threads=args.threads,
+                            ranks=tuple(args.ranks), pd=pd), args.out)
     print(f"profile written to {args.out}")
     return 0
 
 
 def _base(args: argparse.Namespace):
-    from wideserve.sim.eplb import EplbSettings
+    from wideserve.sim.eplb import EplbSettings, eplb_schedule
     from wideserve.sim.pd import PDSettings
     from wideserve.sim.simulator import Layout
+    if args.prefill_batch_tokens < 0:
+        raise ValueError("--prefill-batch-tokens must be >= 0")
+    interval, window, warn = eplb_schedule(args.steps, args.eplb_interval, args.eplb_window)
+    if warn and (args.eplb is True or args.eplb in ("on", "both")):
+        print(warn, file=sys.stderr)
     return Layout(acceptance=tuple(args.acceptance), sync_algo=args.sync,
                   overlap_host=not args.no_overlap, skew=args.skew, draft_skew=args.draft_skew,
-                  eplb=EplbSettings(True, args.eplb_interval, args.eplb_window, args.redundant),
+                  eplb=EplbSettings(True, interval, window, args.redundant),
                   pd=PDSettings(prefill_ranks=args.prefill_ranks, transfer=args.transfer,
-                                max_kv_loads_per_step=args.max_kv_loads),
+                                max_kv_loads_per_step=args.max_kv_loads,
+                                prefill_batch_tokens=args.prefill_batch_tokens),
                   price_per_gpu_hour=args.price)
 
 

@@ -70,3 +70,23 @@ class EplbState:
             self.window_load[:] = 0
             self.rebalances += 1
             self.history.append((step + 1, self.balancedness()))
+
+
+def eplb_schedule(steps: int, interval: int | None, window: int | None
+                  ) -> tuple[int, int, str | None]:
+    """(interval, window, warning): defaults sized to the run (the first rebalance comes after
+    `interval` steps, so an interval >= --steps never rebalances)."""
+    if steps < 1:
+        raise ValueError("--steps must be >= 1")
+    interval = interval if interval is not None else max(2, steps // 4)
+    window = window if window is not None else max(1, interval // 3)
+    if interval < 1 or window < 1:
+        raise ValueError("--eplb-interval and --eplb-window must be >= 1")
+    if window > interval:
+        raise ValueError(f"--eplb-window ({window}) must not exceed --eplb-interval "
+                         f"({interval})")
+    warn = None
+    if interval >= steps:
+        warn = (f"warning: --eplb-interval {interval} >= --steps {steps}: EPLB never "
+                f"rebalances in this run (EPLB on = the identity placement)")
+    return interval, window, warn

@@ -78,6 +78,9 @@ class Profile:
     mem_bytes_per_s: float
     flops_fp32: float
     sources: dict[str, str] = field(default_factory=dict)
+    # P/D (calibrate_pd.py): prefill {tokens, s} on one rank, nixl {per_transfer_s,
+    # bytes_per_s}, admission {tokens, s} = decode-host seconds to admit one KV load
+    pd: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Profile":
@@ -89,13 +92,18 @@ class Profile:
 
     def as_hardware(self) -> Hardware:
         a2a = self.collectives["alltoall"]
+        nixl = self.pd.get("nixl") or {}
         return Hardware(
             name=f"this machine ({self.machine})", kind="measured",
             flops={"fp32": self.flops_fp32, "bf16": self.flops_fp32},
             mem_bytes_per_s=self.mem_bytes_per_s, mem_bytes=0.0,
             scaleup_bytes_per_s=a2a["bytes_per_s"], scaleup_latency_s=a2a["alpha_s"],
-            scaleup_domain=1 << 20, nic_bytes_per_s=a2a["bytes_per_s"],
-            nic_latency_s=a2a["alpha_s"], kernel_gap_s=0.0, host_speed=1.0,
+            scaleup_domain=1 << 20,
+            # the KV path between servers: measured NIXL when calibrated (its per-transfer
+            # time includes the software overhead), else the host collectives' link
+            nic_bytes_per_s=nixl.get("bytes_per_s", a2a["bytes_per_s"]),
+            nic_latency_s=nixl.get("per_transfer_s", a2a["alpha_s"]), kernel_gap_s=0.0,
+            host_speed=1.0,
             sources={"all": "measured by wideserve simulate calibrate", **self.sources})
 
 

@@ -7,14 +7,18 @@ cached prefix. KV of a request: context * KV bytes/token + the bounded windows (
 own KV spec). Transfer over the NIC (or NVLink inside a domain):
   pull:        one read per block per cache: ceil(ctx / block) * caches transfers
   packed push: the prefill packs the blocks of each cache into one write: `caches` transfers
-  time = transfers * per-transfer overhead + bytes / bandwidth
+  time = transfers * (per-transfer overhead + latency) + bytes / bandwidth
+On a calibrated machine the prefill is the measured one-rank table, the link is the measured
+NIXL path (its per-transfer time already holds the software overhead), and admitting a load
+costs the decode host the measured admission time at the request's context (calibrate_pd.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from wideserve.sim.hardware import Hardware
+from wideserve.sim.costs import interp
+from wideserve.sim.hardware import Hardware, Profile
 from wideserve.sim.model import FORMAT_BYTES, ModelShape
 
 
@@ -23,10 +27,11 @@ class PDSettings:
     prefill_instances: int = 0      # 0: colocated (prefill inside the decode steps)
     prefill_ranks: int = 4          # GPUs per prefill instance
     transfer: str = "push"          # "pull" (per block) or "push" (packed)
-    transfer_overhead_s: float = 20e-6
+    transfer_overhead_s: float | None = None    # None: 20 us on a GPU, 0 when measured
     block_size: int = 256
     caches: int = 4                 # KV caches moved per request (owned specs)
     max_kv_loads_per_step: int | None = None
+    prefill_batch_tokens: int = 0   # prompts batched per prefill step (0: one at a time)
 
 
 def kv_bytes(m: ModelShape, context: int) -> float:
@@ -38,12 +43,19 @@ def transfer_s(m: ModelShape, hw: Hardware, pd: PDSettings, context: int) -> flo
         raise ValueError(f"KV transfer must be pull or push, got {pd.transfer!r}")
     blocks = math.ceil(context / pd.block_size)
     transfers = blocks * pd.caches if pd.transfer == "pull" else pd.caches
-    return transfers * (pd.transfer_overhead_s + hw.nic_latency_s) \
+    overhead = pd.transfer_overhead_s
+    if overhead is None:
+        overhead = 0.0 if hw.kind == "measured" else 20e-6
+    return transfers * (overhead + hw.nic_latency_s) \
         + kv_bytes(m, context) / hw.nic_bytes_per_s
 
 
-def prefill_s(m: ModelShape, hw: Hardware, new_tokens: int, cached: int, ranks: int) -> float:
-    """One prompt on one prefill instance of `ranks` GPUs (tensor/expert parallel, ideal split)."""
+def prefill_s(m: ModelShape, hw: Hardware, new_tokens: int, cached: int, ranks: int,
+              table: dict | None = None) -> float:
+    """One prompt on one prefill instance of `ranks` GPUs (tensor/expert parallel, ideal split);
+    `table`: the measured one-rank prefill seconds vs prompt tokens (a calibrated machine)."""
+    if table:
+        return interp(table["tokens"], table["s"], new_tokens) / ranks
     active = m.dense_params + m.expert_params * m.top_k / max(1, m.experts)
     flops = 2 * active * new_tokens
     attn = 4 * m.heads * m.head_dim * new_tokens * (cached + new_tokens / 2) * m.layers \
@@ -59,3 +71,13 @@ def _attended_fraction(m: ModelShape, ctx: int) -> float:
         return 0.0
     read = sum((a.window + a.entries(ctx)) if a.window or a.topk else ctx for a in m.attn)
     return min(1.0, read / (len(m.attn) * ctx))
+
+
+def admission_s(profile: Profile, hw: Hardware, context: float) -> float:
+    """Decode-host seconds to admit one KV load of `context` tokens: the measured admission
+    table (lookup + allocate + plan), scaled by the host speed; a flat `per_kv_load_s` in the
+    profile's host costs otherwise; 0 when neither was measured."""
+    table = profile.pd.get("admission")
+    if table:
+        return interp(table["tokens"], table["s"], context) / hw.host_speed
+    return profile.host.get("per_kv_load_s", 0.0) / hw.host_speed

@@ -21,7 +21,7 @@ import numpy as np
 from wideserve.sim.eplb import EplbSettings, EplbState, zipf_shares
 from wideserve.sim.hardware import Hardware, Profile
 from wideserve.sim.model import ModelShape
-from wideserve.sim.pd import PDSettings, prefill_s, transfer_s
+from wideserve.sim.pd import PDSettings, admission_s, prefill_s, transfer_s
 from wideserve.sim.step import StepInputs, StepModel
 from wideserve.sim.workload import SimRequest
 
@@ -62,6 +62,7 @@ class _Req:
     first: float | None = None
     done_tokens: float = 0.0
     new_tokens: int = 0         # prompt tokens still to prefill (colocated)
+    end: float | None = None    # when its last token was emitted
 
 
 @dataclass(slots=True)
@@ -82,7 +83,7 @@ class SimResult:
 
 class Simulation:
     def __init__(self, model: ModelShape, hw: Hardware, profile: Profile, layout: Layout,
-                 workload: Iterator[SimRequest], seed: int = 0) -> None:
+                 workload: Iterator[SimRequest], seed: int = 0, steady: bool = True) -> None:
         self.m, self.hw, self.lay, self.work = model, hw, layout, workload
         self.sm = StepModel(model, hw, profile, seed)
         self.rng = np.random.default_rng(seed)
@@ -92,8 +93,16 @@ class Simulation:
                       if layout.mtp_k and model.draft_layers else None)
         self.now, self.pending, self.finished = 0.0, [], []
         self.prefill_free = [0.0] * layout.pd.prefill_instances
+        self.prefill_batch: list[dict | None] = [None] * layout.pd.prefill_instances
         self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
-        self._fill_steady()
+        self.exhausted = False
+        self.max_loads = 0          # most KV loads one rank admitted in one step
+        if steady:
+            self._fill_steady()
+        else:                       # a benchmark from empty: every slot sends at t = 0
+            for r in range(layout.dep):
+                for _ in range(layout.batch):
+                    self._new_request(r)
 
     def _eplb(self, layers: int, experts: int, skew: float, seed: int) -> EplbState | None:
         if not experts:
@@ -111,36 +120,68 @@ class Simulation:
                                             arrival=-1.0, first=-1.0))
 
     def _new_request(self, rank: int) -> None:
-        q = next(self.work)
+        q = next(self.work, None)
+        if q is None:               # a finite workload ran out: the slot stays empty
+            self.exhausted = True
+            return
         req = _Req(rank, float(q.output_len), float(q.input_len), arrival=self.now)
         pd = self.lay.pd
         if pd.prefill_instances:
-            i = int(np.argmin(self.prefill_free))
-            start = max(self.now, self.prefill_free[i])
-            end = start + prefill_s(self.m, self.hw, q.input_len - q.cached, q.cached,
-                                    pd.prefill_ranks)
-            self.prefill_free[i] = end
-            req.first = end
-            req.ready = end + transfer_s(self.m, self.hw, pd, q.input_len)
+            self._prefill(req, q.input_len - q.cached, q.cached)
             self.pending.append(req)
         else:
             req.new_tokens = q.input_len - q.cached
             self.running[rank].append(req)
 
-    def _admit(self) -> list[int]:
-        """Move arrived KV into the decode ranks; returns admitted loads per rank."""
+    def _prefill(self, req: _Req, new: int, cached: int) -> None:
+        """Queue a prompt on a prefill instance. With `prefill_batch_tokens` a prompt joins the
+        instance's batch that has not started yet while it fits the token budget (the engine
+        schedules waiting prompts together), and every member finishes with the batch;
+        otherwise prompts run one at a time on the instance that frees first (FIFO). The first
+        token reaches the user from the decode step that admits the KV (a router streams the
+        decode leg), set in _advance."""
+        pd = self.lay.pd
+        table = (self.sm.p.ops.get("prefill") or self.sm.p.pd.get("prefill")
+                 if self.hw.kind == "measured" else None)
+
+        def cost(members: list[tuple[_Req, int, int]]) -> float:
+            if table:           # the measured table at the batch's total tokens
+                return prefill_s(self.m, self.hw, sum(n for _, n, _ in members), 0,
+                                 pd.prefill_ranks, table)
+            return sum(prefill_s(self.m, self.hw, n, c, pd.prefill_ranks) for _, n, c in members)
+        budget = pd.prefill_batch_tokens
+        for i, b in enumerate(self.prefill_batch):
+            if budget and b and b["start"] >= self.now and b["tokens"] + new <= budget:
+                b["members"].append((req, new, cached))
+                b["tokens"] += new
+                break
+        else:
+            i = int(np.argmin(self.prefill_free))
+            b = {"start": max(self.now, self.prefill_free[i]), "tokens": new,
+                 "members": [(req, new, cached)]}
+            self.prefill_batch[i] = b
+        end = b["start"] + cost(b["members"])
+        self.prefill_free[i] = end
+        for r, n, c in b["members"]:
+            r.ready = end + transfer_s(self.m, self.hw, pd, n + c)
+
+    def _admit(self) -> list[float]:
+        """Move arrived KV into the decode ranks; returns each rank's admission host seconds
+        (the measured per-load cost at each request's context)."""
         cap = self.lay.pd.max_kv_loads_per_step
-        loads = [0] * self.lay.dep
+        loads, cost = [0] * self.lay.dep, [0.0] * self.lay.dep
         keep = []
         for req in sorted(self.pending, key=lambda x: x.ready):
             r = req.rank
             if req.ready <= self.now and (cap is None or loads[r] < cap):
                 loads[r] += 1
+                cost[r] += admission_s(self.sm.p, self.hw, req.context)
                 self.running[r].append(req)
             else:
                 keep.append(req)
         self.pending = keep
-        return loads
+        self.max_loads = max(self.max_loads, *loads)
+        return cost
 
     def step(self, index: int) -> dict[str, float]:
         lay, m = self.lay, self.m
@@ -153,8 +194,7 @@ class Simulation:
         host_len = self.sm.host_s(max(reqs), max(reqs) * q)
         jit = (list(self.sm.noise.draw(host_len, (lay.dep,), self.rng)) if lay.jitter
                else [0.0] * lay.dep)
-        admit = self.sm.p.host
-        jit = [j + loads[r] * admit.get("per_kv_load_s", 0.0) for r, j in enumerate(jit)]
+        jit = [j + loads[r] for r, j in enumerate(jit)]
         inputs = StepInputs(
             lay.dep, [r + (p // q if p else 0) for r, p in zip(reqs, prefill)], ctx, lay.mtp_k,
             self.target.rank_rows(total_rows) if self.target else None,
@@ -184,16 +224,32 @@ class Simulation:
                     x.first = self.now
                     emitted = 1.0
                 else:
+                    if x.first is None:                # first decode step after a KV load
+                        x.first = self.now
                     emitted = min(tokens, x.remaining)
                 x.remaining -= emitted
                 x.done_tokens += emitted
                 x.context += emitted
                 if x.remaining <= 1e-9:
+                    x.end = self.now
                     self.finished.append(x)
                     self._new_request(r)
                 else:
                     keep.append(x)
             self.running[r] = keep + [y for y in self.running[r][len(rs):]]
+
+    def run_to_end(self, max_steps: int = 1_000_000) -> SimResult:
+        """A finite workload from empty until every request finished (a benchmark run);
+        an idle decode rank waits for the next KV to arrive."""
+        parts: dict[str, float] = {}
+        steps = 0
+        while steps < max_steps and (any(self.running) or self.pending):
+            if not any(self.running):
+                self.now = max(self.now, min(x.ready for x in self.pending))
+            for k, v in self.step(steps).items():
+                parts[k] = parts.get(k, 0.0) + v
+            steps += 1
+        return self._result(max(steps, 1), parts)
 
     def run(self, steps: int) -> SimResult:
         if steps < 1:
@@ -208,8 +264,10 @@ class Simulation:
         lay = self.lay
         live = [x for rs in self.running for x in rs]
         tokens = sum(x.done_tokens for x in self.finished + live)
-        rates = [x.done_tokens / (self.now - max(x.first, 0.0)) for x in self.finished + live
-                 if x.first is not None and self.now > max(x.first, 0.0) and x.done_tokens > 1]
+        def span(x: _Req) -> float:
+            return (x.end if x.end is not None else self.now) - max(x.first, 0.0)
+        rates = [x.done_tokens / span(x) for x in self.finished + live
+                 if x.first is not None and span(x) > 0 and x.done_tokens > 1]
         ttft = [x.first - x.arrival for x in self.finished + live
                 if x.arrival >= 0 and x.first is not None]
         tps_gpu = tokens / self.now / lay.gpus()

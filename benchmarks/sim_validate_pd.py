@@ -1,0 +1,158 @@
+"""P/D held-out row of the simulator's validation (docs/simulator.md, table A).
+
+Calibration, one rank, in-process (wideserve/sim/calibrate*.py): the bundled V4 tiny model's
+decode step (host + forward) at batches 1, 2, 4 (least-disturbed of 3), its prefill seconds at three prompt lengths,
+NIXL on loopback (per-transfer time, bytes/s) and the decode host's admission cost of one KV
+load. From that alone the simulator predicts a fixed benchmark (N requests of I prompt / O
+output tokens at concurrency C, from empty) on one prefill + one decode server.
+Held out: the real servers (`wideserve serve` x 2 with NixlConnector, `wideserve router`,
+WIDESERVE_KV_SECRET set, as the README's P/D tour runs them) measured by `wideserve bench
+serve` with the same workload: output tokens/s and TTFT (median).
+Rounds interleave calibration and measurement (the servers stay up, idle while calibrating),
+so both see the same minute of a shared machine.
+
+    python benchmarks/sim_validate.py --parts pd
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}')
+BATCH_TOKENS = 2048         # the servers' --max-num-batched-tokens (the engine default)
+SERVER_KW = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(BATCH_TOKENS),
+             "--log-level", "warning"]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "wideserve.entrypoints.cli", *args]
+
+
+def _wait(url: str, procs: list[subprocess.Popen], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def start_cluster(base_port: int = 8411) -> tuple[list[subprocess.Popen], str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", UCX_NET_DEVICES="lo", UCX_MODULES="^ib",
+               WIDESERVE_KV_SECRET=os.environ.get("WIDESERVE_KV_SECRET")
+               or secrets.token_hex(32), PYTHONUNBUFFERED="1")
+    p, d, r = base_port, base_port + 1, base_port + 2
+    procs = [subprocess.Popen(_cli("serve", "--port", str(p), *SERVER_KW, "--kv-transfer-config",
+                                   NIXL % "kv_producer"), env=env),
+             subprocess.Popen(_cli("serve", "--port", str(d), *SERVER_KW, "--kv-transfer-config",
+                                   NIXL % "kv_consumer"), env=env)]
+    try:
+        for port in (p, d):
+            _wait(f"http://127.0.0.1:{port}", procs)
+        procs.append(subprocess.Popen(_cli("router", "--prefill", f"http://127.0.0.1:{p}",
+                                           "--decode", f"http://127.0.0.1:{d}", "--port", str(r),
+                                           "--log-level", "warning"), env=env))
+        _wait(f"http://127.0.0.1:{r}", procs)
+    except BaseException:
+        stop_cluster(procs)
+        raise
+    return procs, f"http://127.0.0.1:{r}"
+
+
+def stop_cluster(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def bench(url: str, w: dict[str, int]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "b.json"
+        subprocess.run(_cli("bench", "serve", "--base-url", url, "--no-progress", "--dataset",
+                            "random", "--endpoint", "completions", "--input-len",
+                            str(w["input_len"]), "--output-len", str(w["output_len"]),
+                            "--num-prompts", str(w["requests"]), "--max-concurrency",
+                            str(w["concurrency"]), "--ignore-eos", "--output-json", str(out)),
+                       check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       stdout=subprocess.DEVNULL)
+        pt = json.loads(out.read_text())["points"][0]
+    if pt["failed"]:
+        raise RuntimeError(f"P/D bench: {pt['failed']} requests failed: {pt['errors']}")
+    return {"output_tok_s": pt["output_throughput"], "ttft_p50_s": pt["ttft_s"]["p50"],
+            "ttft_mean_s": pt["ttft_s"]["mean"], "tpot_p50_s": pt["tpot_s"]["p50"],
+            "duration_s": pt["duration_s"]}
+
+
+def calibrate_pd(w: dict[str, int]):
+    """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission)."""
+    from wideserve.executor.loader import BUNDLED_MODEL
+    from wideserve.sim.calibrate import measure_engine
+    from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
+    from wideserve.sim.validate import profile_from_rows
+    model = str(BUNDLED_MODEL)
+    kw = {"load_format": "auto", "dtype": "auto", "block_size": None}
+    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3)
+    prof = profile_from_rows(rows)
+    i = w["input_len"]
+    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw), "nixl": measure_nixl(),
+               "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
+    return prof
+
+
+def predict_pd(prof, w: dict[str, int]) -> dict[str, Any]:
+    from wideserve.executor.loader import BUNDLED_MODEL
+    from wideserve.sim.model import load_model
+    from wideserve.sim.pd import PDSettings
+    from wideserve.sim.simulator import Layout, Simulation
+    from wideserve.sim.workload import fixed
+    m = load_model(BUNDLED_MODEL)
+    lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False,
+                 pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push",
+                               prefill_batch_tokens=BATCH_TOKENS))
+    work = itertools.islice(fixed(w["input_len"], w["output_len"]), w["requests"])
+    sim = Simulation(m, prof.as_hardware(), prof, lay, work, steady=False)
+    r = sim.run_to_end()
+    tokens = w["requests"] * w["output_len"]
+    return {"output_tok_s": tokens / r.seconds, "ttft_p50_s": r.ttft_p50_s,
+            "step_ms": r.step_ms, "parts_ms": r.breakdown_ms, "seconds": r.seconds}
+
+
+def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
+    procs, url = start_cluster()
+    out = []
+    try:
+        bench(url, {**w, "requests": 2 * w["concurrency"]})          # warm-up
+        for k in range(rounds):
+            load = os.getloadavg()[0]
+            prof = calibrate_pd(w)
+            pred = predict_pd(prof, w)
+            meas = bench(url, w)
+            out.append({"round": k, "load_1min": load, "predicted": pred, "measured": meas,
+                        "profile_pd": prof.pd, "host": {x: prof.host[x] for x in
+                                                        ("base_s", "per_request_s")}})
+            print(f"P/D round {k}: load {load:.1f}  tok/s pred {pred['output_tok_s']:.1f} "
+                  f"meas {meas['output_tok_s']:.1f}  TTFT p50 pred "
+                  f"{1e3 * pred['ttft_p50_s']:.0f} ms meas {1e3 * meas['ttft_p50_s']:.0f} ms",
+                  flush=True)
+    finally:
+        stop_cluster(procs)
+    return {"workload": w, "rounds": out}

@@ -1,0 +1,111 @@
+"""P/D in the simulator with a calibrated (measured) profile: the measured prefill table, the
+NIXL link, per-KV-load admission cost, TTFT from the admitting decode step, finite benchmark
+runs; plus the calibrate/sweep flags of `wideserve simulate` (docs/simulator.md)."""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import pytest
+
+from wideserve.sim.eplb import eplb_schedule
+from wideserve.sim.hardware import Profile
+from wideserve.sim.pd import PDSettings, admission_s, transfer_s
+from wideserve.sim.simulator import Layout, Simulation
+from wideserve.sim.workload import fixed
+
+from sim_helpers import profile, tiny_model
+
+PREFILL = {"tokens": [100.0, 200.0], "s": [0.05, 0.10]}
+NIXL = {"per_transfer_s": 1e-3, "bytes_per_s": 1e9}
+
+
+def _measured(admission: dict | None = None) -> Profile:
+    p = profile()
+    p.ops = {"dense_forward": {"tokens": [1.0, 8.0], "s": [0.01, 0.01]},
+             "expert": {"rows": [1], "s": [0.0]}}
+    p.pd = {"prefill": PREFILL, "nixl": NIXL, **({"admission": admission} if admission else {})}
+    return p
+
+
+def _bench(prof: Profile, n: int, batch: int, cap: int | None = None):
+    lay = Layout(dep=1, batch=batch, overlap_host=False, jitter=False,
+                 pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push",
+                               max_kv_loads_per_step=cap))
+    hw = prof.as_hardware()
+    sim = Simulation(tiny_model(), hw, prof, lay, itertools.islice(fixed(200, 5), n),
+                     steady=False)
+    return sim, sim.run_to_end(), hw
+
+
+def test_profile_round_trip_keeps_pd_and_uses_nixl_as_the_kv_link():
+    prof = _measured({"tokens": [100.0], "s": [0.002]})
+    back = Profile.from_dict(prof.to_dict())
+    assert back.pd == prof.pd
+    hw = back.as_hardware()
+    assert (hw.nic_bytes_per_s, hw.nic_latency_s) == (1e9, 1e-3)
+    # measured per-transfer time already holds the software overhead: no 20 us added
+    m = tiny_model()
+    pd = PDSettings(transfer="push", caches=4)
+    assert transfer_s(m, hw, pd, 200) == pytest.approx(4 * 1e-3 + (200 * m.kv_bytes_per_token
+                                                                   + m.kv_bounded_bytes) / 1e9)
+
+
+def test_benchmark_run_finishes_every_request_and_ttft_includes_prefill_and_transfer():
+    sim, r, hw = _bench(_measured(), n=6, batch=2)
+    assert len(sim.finished) == 6 and not sim.pending and not any(sim.running)
+    assert sum(x.done_tokens for x in sim.finished) == pytest.approx(6 * 5)
+    floor = 0.10 + transfer_s(sim.m, hw, sim.lay.pd, 200)     # the measured 200-token prefill
+    assert r.ttft_p50_s >= floor
+    # the first two prompts queue on one prefill instance: the second waits for the first
+    first_two = sorted(x.first for x in sim.finished if x.arrival == 0.0)
+    assert len(first_two) == 2 and first_two[1] >= 2 * 0.10
+
+
+def test_prefill_batches_a_burst_within_the_token_budget():
+    prof = _measured()
+    for budget, expect in ((0, [0.10, 0.20]), (400, [0.20, 0.20]), (300, [0.10, 0.20])):
+        lay = Layout(dep=1, batch=2, overlap_host=False, jitter=False,
+                     pd=PDSettings(prefill_instances=1, prefill_ranks=1,
+                                   prefill_batch_tokens=budget))
+        sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay,
+                         itertools.islice(fixed(200, 5), 2), steady=False)
+        link = transfer_s(sim.m, sim.hw, lay.pd, 200)
+        # FIFO: 0.10 then 0.20; batched (400 tokens fit): both end with the 400-token batch,
+        # whose measured cost is the table at 400 tokens (0.20, extrapolated)
+        assert sorted(x.ready - link for x in sim.pending) == pytest.approx(expect)
+
+
+def test_admission_cost_is_measured_per_load_and_the_cap_spreads_it():
+    adm = {"tokens": [100.0, 300.0], "s": [0.01, 0.03]}
+    prof = _measured(adm)
+    assert admission_s(prof, prof.as_hardware(), 200) == pytest.approx(0.02)
+    assert admission_s(profile(), prof.as_hardware(), 200) == 0.0     # not measured: free
+    free = _bench(_measured(), n=8, batch=4)[1]
+    paid = _bench(prof, n=8, batch=4)[1]
+    assert paid.seconds > free.seconds
+    sim = Simulation(tiny_model(), prof.as_hardware(), prof, Layout(
+        dep=1, batch=4, overlap_host=False, jitter=False,
+        pd=PDSettings(prefill_instances=1, prefill_ranks=1, max_kv_loads_per_step=1)),
+        itertools.islice(fixed(200, 5), 4), steady=False)
+    sim.now = 10.0                      # every KV has arrived: the cap admits one per step
+    assert sim._admit() == [pytest.approx(0.02)] and len(sim.pending) == 3
+
+
+def test_eplb_schedule_fits_the_run_and_warns_when_it_cannot():
+    interval, window, warn = eplb_schedule(200, None, None)
+    assert interval < 200 and 0 < window <= interval and warn is None
+    assert "never rebalances" in eplb_schedule(200, 3000, 1000)[2]
+    with pytest.raises(ValueError, match="--eplb-window"):
+        eplb_schedule(200, 10, 20)
+
+
+def test_calibrate_rank_counts_flag():
+    from wideserve.entrypoints import simulate
+    ap = argparse.ArgumentParser()
+    simulate.add_parser(ap.add_subparsers(dest="cmd"))
+    args = ap.parse_args(["simulate", "calibrate", "--ranks", "2", "4", "--pd", "--out", "x"])
+    assert args.ranks == [2, 4] and args.pd
+    bad = ap.parse_args(
+        ["simulate", "calibrate", "--ranks", "1", "--out", "x"])
+    assert simulate.run(bad) == 2          # a clear error naming --ranks, before measuring
