@@ -1,4 +1,4 @@
-"""The prepared GPU check (docs/cuda_graphs.md, "The prepared GPU check"): one run on a CUDA
+"""The prepared GPU check (docs/testing.md, "The prepared GPU check"): one run on a CUDA
 machine answers what the CPU cannot. NOT YET RUN ON A GPU: every part that needs no CUDA is
 tested on the CPU (tests/bench/test_gpu_check.py runs `--device cpu` end to end).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (docs/cuda_graphs.md): <= 8 minutes on one H200, idempotent (writes
+# The prepared GPU check (docs/testing.md): <= 8 minutes on one H200, idempotent (writes
 # only under $OUT or benchmarks/gpu/results/), installs nothing. NOT YET RUN ON A GPU.
 #   1. the tests marked `gpu` (skipped, with their reason, where no CUDA device is);
 #   2. benchmarks/gpu/check.py: greedy V4 / V4.1 / Qwen3-MoE on cuda vs CPU fp32, captured

@@ -185,6 +185,9 @@ def plan_lines(w: WeightBytes, kv_per_token: float, kv_bounded: int, p: PlanInpu
         lines.append("  (--memory-per-rank 141GiB adds the KV capacity each rank is left with)")
     else:
         lines += _capacity_lines(per_rank, kv_per_token, kv_bounded, per_request, p)
+        if w.expert_values:
+            lines += _packed_capacity_lines(w, per_rank, kv_per_token, kv_bounded,
+                                            per_request, p)
     lines += ["", "  weights per rank by layout (GiB):",
               "    ranks " + "".join(f"{n:>9d}" for n in DEP_SIZES),
               "    DEP   " + "".join(f"{w.per_rank(n, True) / GIB:>9.1f}" for n in DEP_SIZES),
@@ -219,6 +222,20 @@ def _breakdown_lines(w: WeightBytes, p: PlanInputs, dtype: str) -> list[str]:
         lines.append(f"    routed experts per rank: {_gib(w.experts * share)} as loaded today "
                      f"({dtype}, dequantised at load) vs {kept}{named}")
     return lines
+
+
+def _packed_capacity_lines(w: WeightBytes, per_rank: float, kv_per_token: float,
+                           kv_bounded: float, per_request: float, p: PlanInputs) -> list[str]:
+    """The same rank if the routed experts stayed in checkpoint format (not done yet: they
+    are dequantised at load today), so the guide shows what keeping them packed buys."""
+    fmt = p.checkpoint_experts if p.checkpoint_experts in CHECKPOINT_EXPERT_BYTES else "fp4"
+    ratio = w.experts_as(fmt) / w.experts
+    experts = w.per_rank(p.ranks, p.expert_parallel, p.num_redundant_experts) - w.rest
+    packed = w.rest + experts * ratio
+    cap = _capacity_lines(packed, kv_per_token, kv_bounded, per_request, p)
+    return [f"  if the experts stayed {fmt.upper()} with scales (not yet: dequantised at load "
+            f"today): weights {_gib(packed)} instead of {_gib(per_rank)}",
+            *("  " + line for line in cap[1:])]
 
 
 def _capacity_lines(per_rank: float, kv_per_token: float, kv_bounded: int,
