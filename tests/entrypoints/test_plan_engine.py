@@ -93,6 +93,7 @@ def test_cli_plan_prints_drafter_replicas_checkpoint_and_reserve(capsys) -> None
     for needle in ("+ 32 EPLB replicas", "of which drafter (MTP / DSpark blocks)",
                    "as loaded today (bfloat16, dequantised at load) vs",
                    "as FP4 with scales", "activation reserve:", "KV capacity:",
+                   "if the experts stayed FP4 with scales (not yet",
                    "requests at 131,072 tokens"):
         assert needle in out, needle
     assert "config.json names no expert format" not in out          # V4 names fp4
