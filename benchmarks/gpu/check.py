@@ -129,11 +129,13 @@ def count_syncs(fn, device: str) -> tuple[object, int | None]:
 
 def step_ms(llm, vocab: int, args: argparse.Namespace, device: str) -> dict[int, float]:
     """Wall ms per decode step at each batch size: (two runs' time difference) / (extra
-    tokens), so prefill and startup cancel out."""
+    tokens), so prefill cancels out; an untimed first run takes lazy compilation and
+    capture at this batch size."""
     import torch
     out = {}
     for b in args.batches:
         batch = prompts(b, args.prompt_len, vocab, seed=b)
+        greedy(llm, batch, 2 + args.max_tokens)              # warm-up, untimed
         times = []
         for n in (2, 2 + args.max_tokens):
             if device.startswith("cuda"):
