@@ -2,8 +2,9 @@
 sync-free decode step (docs/testing.md, "Counting host reads").
 
 On a GPU every read of a device tensor by the host (`Tensor.item`, `tolist`, `cpu`, `numpy`,
-`__array__`, `__bool__` / `__int__` / `__float__` / `__index__`, `nonzero`) waits for the launch queue to drain. Here,
-on the CPU, `HostReadCounter` wraps those entry points on `torch.Tensor` and counts calls:
+`__array__`, `__bool__` / `__int__` / `__float__` / `__index__`, `nonzero`) waits for the
+launch queue to drain. Here, on the CPU, `HostReadCounter` wraps those entry points on
+`torch.Tensor` and counts calls:
 - in the decode forward: while the model's `forward` runs (wrapped on the instance);
 - in the whole step: everything `llm.generate` does per decode step (schedule, forward,
   sample, output).
@@ -138,13 +139,15 @@ def reads_per_step(family: str, tokens: int, batch: int, tmp: Path,
                 del llm.engine.model.forward          # back to the class's forward
             counts[n] = c
     lo, hi = counts[2], counts[2 + tokens]
-    per = lambda a, b: {k: round((a[k] - b[k]) / tokens, 2) for k in READS if a[k] - b[k]}  # noqa: E731
+
+    def per(a: Counter, b: Counter) -> dict[str, float]:
+        return {k: round((a[k] - b[k]) / tokens, 2) for k in READS if a[k] - b[k]}
     return {"family": family + (" (CUDA paths)" if cuda_paths else ""), "batch": batch,
             "forward": per(hi.inside, lo.inside), "step": per(hi.total, lo.total),
             "sites": {k: round((hi.sites[k] - lo.sites[k]) / tokens, 2)
                       for k in hi.sites if hi.sites[k] - lo.sites[k]},
-            "forward_total": round(sum(hi.inside.values()) - sum(lo.inside.values()), 2) / tokens,
-            "step_total": round(sum(hi.total.values()) - sum(lo.total.values()), 2) / tokens}
+            "forward_total": round((sum(hi.inside.values()) - sum(lo.inside.values())) / tokens, 2),
+            "step_total": round((sum(hi.total.values()) - sum(lo.total.values())) / tokens, 2)}
 
 
 def table(rows: list[dict]) -> str:
