@@ -14,7 +14,7 @@ from wideserve.core.kv_cache.groups import allocate_kv_tensors, build_kv_cache_c
 from wideserve.entrypoints.cli import main as cli_main
 from wideserve.entrypoints.info import _draft_specs
 from wideserve.entrypoints.plan import (CHECKPOINT_EXPERT_BYTES, GIB, engine_kv_sizes,
-                                        weight_bytes)
+                                        host_resident_modules, weight_bytes)
 from wideserve.executor.loader import BUNDLED_MODEL, build_model, load_model, read_config
 from wideserve.models.registry import resolve_model_class
 
@@ -32,7 +32,7 @@ def _meta(path: Path) -> torch.nn.Module:
 
 def _device_bytes(model: torch.nn.Module) -> int:
     """Parameter bytes outside host-resident modules (what the device would hold)."""
-    host = {n for n, m in model.named_modules() if getattr(m, "host_resident", False)}
+    host = host_resident_modules(model)
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                if n.rsplit(".", 1)[0] not in host)
 

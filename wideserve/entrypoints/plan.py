@@ -57,11 +57,15 @@ def _is_draft(name: str) -> bool:
     return name.startswith(DRAFT_PREFIXES)
 
 
+def host_resident_modules(model: nn.Module) -> set[str]:
+    """Names of the modules whose parameters the loader keeps in host memory."""
+    return {name for name, m in model.named_modules() if getattr(m, "host_resident", False)}
+
+
 def weight_bytes(model: nn.Module) -> WeightBytes:
     """Bytes of the parameters as loaded, from a model built on the meta device (experts
     unsharded: the first dimension of an expert tensor is the layer's expert count)."""
-    host_modules = {name for name, m in model.named_modules()
-                    if getattr(m, "host_resident", False)}
+    host_modules = host_resident_modules(model)
     keeps = getattr(model, "keeps_quantised", None)
     w = WeightBytes(0, 0, 0)
     for name, p in model.named_parameters():
