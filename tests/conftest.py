@@ -213,7 +213,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ModuleScheduling(config, log)
 
 
+GPU_SKIP = "gpu: no CUDA device on this machine (benchmarks/gpu/check.sh runs it on one)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests marked `gpu` are reported as skipped for want of a GPU, never silently dropped.
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and not torch.cuda.is_available():
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
     if not hasattr(config, "workerinput"):            # only on xdist workers
         return
     # xdist hands out modules in this order (`--no-loadscope-reorder`); every worker sorts

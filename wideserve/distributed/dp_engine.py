@@ -28,6 +28,7 @@ from wideserve.config import EngineConfig
 from wideserve.core.engine_core import EngineCore, EngineStats
 from wideserve.core.engine_proc import EngineLoop
 from wideserve.core.sched_output import EngineCoreOutput, SchedulerOutput
+from wideserve.distributed.devices import bind_device, rank_device
 from wideserve.distributed.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, \
     choose_step_sync
 from wideserve.distributed.ep import EPDispatcher, make_dispatcher
@@ -66,6 +67,11 @@ class DPEngineCore(EngineCore):
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         parallel.check()
+        # Each rank on its own device (devices.py): not --device as given, which would put
+        # every rank of a node on cuda:0.
+        device = rank_device(parallel, config.load.device)
+        bind_device(device)
+        config = replace(config, load=replace(config.load, device=device))
         if config.kv_transfer is not None:      # P/D: each rank loads its own requests' KV
             config = replace(config, kv_transfer=config.kv_transfer.for_dp_rank(
                 parallel.data_parallel_rank))
@@ -80,8 +86,7 @@ class DPEngineCore(EngineCore):
         # A hung group is diagnosed from the ranks' stacks: `kill -USR1 <pid>` prints them.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         if parallel.enable_expert_parallel and parallel.enabled:
-            device = torch.device(config.load.device)
-            self.group = init_dp_group(parallel, device)
+            self.group = init_dp_group(parallel, torch.device(device))
             redundant = config.eplb.num_redundant_experts if config.eplb else 0
             loaded = load_model(config.load, (parallel.data_parallel_size,
                                               parallel.data_parallel_rank, redundant))

@@ -16,6 +16,7 @@ import time
 import msgspec
 
 from wideserve.config import EngineConfig
+from wideserve.distributed.devices import DevicePlanError, plan_devices
 from wideserve.distributed.dp_client import DP_ENGINE, rank_addresses, rank_config
 from wideserve.procs import child_env
 
@@ -34,8 +35,14 @@ def spawn_rank(config: EngineConfig, rank: int, heartbeat_s: float = 1.0
 def run_headless(config: EngineConfig) -> int:
     p = config.parallel
     ranks = list(range(p.data_parallel_start_rank, p.data_parallel_start_rank + p.local_size))
-    print(f"wideserve | headless: ranks {ranks[0]}..{ranks[-1]} of {p.data_parallel_size}, "
-          f"front end at {p.data_parallel_address}:{p.data_parallel_rpc_port}", flush=True)
+    try:                                  # refuse too few devices before spawning a rank
+        devices = plan_devices(p, config.load.device)
+    except DevicePlanError as e:
+        print(f"wideserve serve: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wideserve | headless: ranks {ranks[0]}..{ranks[-1]} of {p.data_parallel_size} on "
+          f"{', '.join(devices.devices)}, front end at {p.data_parallel_address}:"
+          f"{p.data_parallel_rpc_port}", flush=True)
     stopping = False
 
     def stop(*_: object) -> None:

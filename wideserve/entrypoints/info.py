@@ -50,6 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="context per request, e.g. 128k (default: the model's limit)")
     g.add_argument("--max-num-seqs", type=parse_positive_int, default=64,
                    help="requests running at once per rank (their windows are reserved)")
+    g.add_argument("--max-num-batched-tokens", type=parse_positive_int, default=2048,
+                   help="tokens of the largest step (sizes the activation reserve)")
+    g.add_argument("--num-redundant-experts", type=_non_negative_int, default=0,
+                   help="EPLB replicas per MoE layer over all ranks (with "
+                        "--enable-expert-parallel)")
+    g.add_argument("--speculative", action="store_true",
+                   help="count the drafter's KV cache too (MTP / DSpark)")
     p.add_argument("--kernels", action="store_true",
                    help="also print the GEMM kernel chosen per family and token bucket on "
                         "this machine, with the measured times (timed now if not cached)")
@@ -213,10 +220,20 @@ def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
     return lines
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _plan_inputs(args: argparse.Namespace) -> dict:
     return {"ranks": args.data_parallel_size, "expert_parallel": args.enable_expert_parallel,
             "memory_per_rank": args.memory_per_rank, "utilization": args.gpu_memory_utilization,
-            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs}
+            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "num_redundant_experts": args.num_redundant_experts,
+            "speculative": args.speculative}
 
 
 def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
@@ -261,18 +278,50 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
 
 def _plan(model, specs: dict, config_json: dict, plan: dict, wdtype, kv_cache_dtype: str
           ) -> list[str]:
-    from wideserve.core.kv_cache.spec import split_shared
-    from wideserve.entrypoints.plan import PlanInputs, plan_lines, weight_bytes
-    own, _shared = split_shared(specs)
-    per_token = sum(s.bytes_per_token for s in own.values())
-    bounded = sum(s.bounded_bytes for s in own.values())
-    limit = int(config_json.get("max_position_embeddings") or 0) or None
+    from wideserve.entrypoints.plan import (PlanInputs, activation_reserve, activation_shape,
+                                            engine_kv_sizes, plan_lines, weight_bytes)
+    plan = dict(plan)
+    tokens = plan.pop("max_num_batched_tokens", 2048)
+    if plan.pop("speculative", False):
+        specs = {**specs, **_draft_specs(model, kv_cache_dtype)}
+    limit = int(config_json.get("max_position_embeddings")
+                or (config_json.get("text_config") or {}).get("max_position_embeddings")
+                or 0) or None
     inputs = PlanInputs(**{**plan, "max_model_len": plan["max_model_len"] or limit or 4096})
     if limit and inputs.max_model_len > limit:
         raise ValueError(f"--max-model-len {inputs.max_model_len} exceeds the model's limit "
                          f"of {limit} positions")
-    return plan_lines(weight_bytes(model), per_token, bounded, inputs,
-                      str(wdtype).removeprefix("torch."), kv_cache_dtype)
+    w = weight_bytes(model)
+    if inputs.num_redundant_experts and not inputs.expert_parallel:
+        raise ValueError("--num-redundant-experts needs --enable-expert-parallel")
+    per_token, bounded = engine_kv_sizes(specs, inputs.max_num_seqs, tokens)
+    inputs.reserve = activation_reserve(activation_shape(model.config), tokens,
+                                        inputs.max_num_seqs, wdtype.itemsize)
+    inputs.checkpoint_experts = _expert_format(config_json)
+    return plan_lines(w, per_token, bounded, inputs, str(wdtype).removeprefix("torch."),
+                      kv_cache_dtype)
+
+
+def _draft_specs(model, kv_cache_dtype: str) -> dict:
+    """The drafter's KV specs, as spec_decode/dspark.py and spec_decode/mtp.py add them."""
+    if len(getattr(model, "mtp", ())):
+        for hook in ("dspark_kv_cache_specs", "mtp_kv_cache_specs"):
+            try:
+                specs = getattr(model, hook)(kv_cache_dtype)
+            except (AttributeError, NotImplementedError):      # not this kind of drafter
+                continue
+            if hook == "mtp_kv_cache_specs":      # one block drafts (spec_decode/mtp.py)
+                specs = {n: s for n, s in specs.items() if n.startswith("mtp.0.")}
+            if specs:
+                return specs
+    raise ValueError("--speculative: this model has no drafter (MTP / DSpark blocks)")
+
+
+def _expert_format(config_json: dict) -> str | None:
+    text = config_json.get("text_config") or {}
+    qc = config_json.get("quantization_config") or text.get("quantization_config") or {}
+    fmt = config_json.get("expert_dtype") or text.get("expert_dtype") or qc.get("expert_dtype")
+    return str(fmt).lower() if fmt else None
 
 
 def _quant_note(config_json: dict) -> str:
