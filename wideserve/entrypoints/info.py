@@ -303,17 +303,16 @@ def _plan(model, specs: dict, config_json: dict, plan: dict, wdtype, kv_cache_dt
 
 
 def _draft_specs(model, kv_cache_dtype: str) -> dict:
-    """The drafter's KV specs, as spec_decode/dspark.py and spec_decode/mtp.py add them."""
-    if len(getattr(model, "mtp", ())):
-        for hook in ("dspark_kv_cache_specs", "mtp_kv_cache_specs"):
-            try:
-                specs = getattr(model, hook)(kv_cache_dtype)
-            except (AttributeError, NotImplementedError):      # not this kind of drafter
-                continue
-            if hook == "mtp_kv_cache_specs":      # one block drafts (spec_decode/mtp.py)
-                specs = {n: s for n, s in specs.items() if n.startswith("mtp.0.")}
-            if specs:
-                return specs
+    """The drafter's KV specs, as spec_decode/dspark.py and spec_decode/mtp.py add them
+    (the model contract says which drafter the model has: models/interface.py)."""
+    if model.num_mtp_blocks:
+        if model.supports_dspark:
+            specs = model.dspark_kv_cache_specs(kv_cache_dtype)
+        else:                                      # one MTP block drafts (spec_decode/mtp.py)
+            specs = {n: s for n, s in model.mtp_kv_cache_specs(kv_cache_dtype).items()
+                     if n.startswith("mtp.0.")}
+        if specs:
+            return specs
     raise ValueError("--speculative: this model has no drafter (MTP / DSpark blocks)")
 
 
