@@ -135,6 +135,7 @@ class EngineCore:
         self.config = config
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
+        self.model.apply_kernel_config(config.kernels)       # the per-engine CPU-op switches
         if config.load.decoder_bounded_replay:
             self.model.enable_decoder_bounded_replay()
         self.device = torch.device(config.load.device)
@@ -188,7 +189,8 @@ class EngineCore:
         self.timer = StepTimer(sync=_device_sync(self.device))
         # Step inputs, forward, sampling and the per-request execution state.
         self.worker = Worker(self.runner, self.kv_manager, self.structured, self.spec,
-                             self.vocab_size, self.eos_token_ids, self.timer)
+                             self.vocab_size, self.eos_token_ids, self.timer,
+                             cpu_argmax=config.kernels.cpu_argmax)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
 
     # ------------------------------------------------------------------------- setup
