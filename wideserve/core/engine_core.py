@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from wideserve.config import CacheConfig, EngineConfig
+from wideserve.core.engine_proc import EngineLoop
 from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
@@ -128,6 +129,8 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 class EngineCore:
     lockstep = False        # DEP ranks (distributed/dp_engine.py) run steps in lock-step
+    # The engine process's loop for it (core/engine_proc.py LoopEngine); DPEngineCore's own.
+    loop_class: type[EngineLoop] = EngineLoop
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  kv_hub: Any = None) -> None:

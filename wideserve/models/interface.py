@@ -81,6 +81,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         remove them and remember `reason` as `mtp_unavailable`."""
 
     # ------------------------------------------------------------------ execution
+    def tied_head_shape(self) -> tuple[int, int] | None:
+        """(vocab, hidden) of an LM head that is the input embedding (tied; no nn.Linear of
+        its own, so layers/kernel_table.py cannot see its GEMM); None: the head is a module."""
+        return None
+
     def apply_kernel_config(self, kernels: KernelConfig) -> None:
         """Set the per-module CPU-op switches from the engine's KernelConfig (the norms' and
         the weight packs' here; models with more override and call this)."""

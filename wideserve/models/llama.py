@@ -403,6 +403,12 @@ class DecoderForCausalLM(CausalLM):
         self.model.compile_layers()
         return True
 
+    def tied_head_shape(self) -> tuple[int, int] | None:
+        if self.lm_head is not None:
+            return None
+        vocab, hidden = self.model.embed_tokens.weight.shape
+        return vocab, hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # fp32 logits of the bf16-rounded values, in one pass on the CPU kernel path
