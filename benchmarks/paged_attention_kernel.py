@@ -49,9 +49,9 @@ def bench(R, H, KVH, D, ctx, qlen, layers=8, dtype=torch.bfloat16, bs=64, budget
     names = [f"l{i}" for i in range(layers)]
     batch = ForwardBatch(torch.zeros(T, dtype=torch.long), pos, torch.from_numpy(qsl), torch.from_numpy(lens), qsl, lens,
                          dict(zip(names, caches)), [view], {n: 0 for n in names})
-    pab.USE_CPU_KERNEL = variant == "kernel"
+    config = pab.PagedAttentionConfig(cpu_kernel=variant == "kernel")
     def step():
-        plans = pab.PagedAttentionPlans(batch)
+        plans = pab.PagedAttentionPlans(batch, config=config)
         for n in names: pab.paged_attention_batched(q, k, v, batch, n, D**-0.5, None, plans)
     with torch.inference_mode():
         step(); times = []; t0 = time.perf_counter()

@@ -3,8 +3,7 @@
 On the CPU the decoder's layers pick C++ ops (norms, q/k norm + RoPE, paged attention, fused
 experts, the GEMM micro-kernel and the fused router) and oneDNN-packed weights; on CUDA every one of them is the plain torch path, the
 attention of decode batches is the static-shape op and the routed experts are "grouped_mm".
-`force_cuda_paths` switches a model (and, through pytest's monkeypatch, the modules' CPU-op
-switches) to those, so a CPU test runs the forward a CUDA graph would record. CaptureGuard
+`force_cuda_paths` switches a model (its KernelConfig: every CPU op off) to those, so a CPU test runs the forward a CUDA graph would record. CaptureGuard
 (wideserve/executor/capture_guard.py) rejects every CPU-only op, so a path this misses fails
 the guarded tests instead of passing unnoticed.
 """
@@ -13,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wideserve.layers import linear, norm, rotary
-from wideserve.layers.attention import paged_attention_batched
+from wideserve.config import KernelConfig
+from wideserve.layers import linear
 from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.linear import WeightPack
 
 
 def force_cuda_paths(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) -> None:
-    for module in (norm, rotary, paged_attention_batched, linear):
-        monkeypatch.setattr(module, "USE_CPU_KERNEL", False)
+    model.apply_kernel_config(KernelConfig(cpu_norm=False, cpu_rope=False, cpu_gemm=False,
+                                           cpu_attention=False))
     monkeypatch.setattr(linear, "packing_runs", lambda dtype: False)
     for m in model.modules():
         if isinstance(m, RoutedExperts):

@@ -109,6 +109,22 @@ class ParallelConfig:
             raise ValueError("dp_sync_timeout_s must be positive")
 
 
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Which C++ CPU ops an engine's model and sampler may run (docs/cpu_kernels.md). Every
+    default is the fast path; False takes the torch reference path instead, per engine (A/B
+    benchmarks, the tests of the paths CUDA runs). Where an op does not apply (another
+    device or dtype, autograd, the extension not built) the torch path runs anyway."""
+
+    cpu_norm: bool = True            # RMSNorm.cpu_kernel: the C++ norm / add+norm ops
+    cpu_rope: bool = True            # llama Attention.cpu_kernel: fused q/k norm + RoPE
+    cpu_gemm: bool = True            # WeightPack.cpu_kernel: the micro-kernel and brgemm GEMMs
+    cpu_attention: bool = True       # PagedAttentionConfig.cpu_kernel: the paged attention op
+    sdpa_prefill: bool = True        # PagedAttentionConfig.sdpa_prefill
+    fused_kv_write: bool = True      # PagedAttentionConfig.fused_kv_write
+    cpu_argmax: bool = True          # Sampler / Worker: greedy rows by the C++ argmax op
+
+
 @dataclass(slots=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -118,6 +134,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None      # None = no P/D disaggregation
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eplb: EplbConfig | None = None                   # None = no expert load balancing
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
 
 # --- sizes with units (shared by LLM(...) keywords and the CLI's flags) ---
@@ -169,7 +186,9 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     TypeError naming it; sizes take units (`kv_cache_memory="4GiB"`, `max_model_len="32k"`),
     a bad one is a ValueError naming the argument. `speculative_config` takes a dict, a JSON string or a
     SpeculativeConfig (as vLLM's LLM does); `enable_eplb` with `eplb_config` (dict, JSON or
-    EplbConfig) the same way."""
+    EplbConfig) the same way; `kernel_config` a KernelConfig or a dict of its fields (the
+    engine's CPU-op switches, e.g. {"cpu_attention": False} for an A/B run)."""
+    kernels = _kernels(kwargs.pop("kernel_config", None))
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
              "parallel": ParallelConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
@@ -186,7 +205,18 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
         setattr(owner, key, value)
     parts["parallel"].check()  # type: ignore[attr-defined]
     return EngineConfig(**parts, speculative=speculative,  # type: ignore[arg-type]
-                        kv_transfer=kv_transfer, eplb=eplb)
+                        kv_transfer=kv_transfer, eplb=eplb, kernels=kernels)
+
+
+def _kernels(config: Any) -> KernelConfig:
+    if config is None or isinstance(config, KernelConfig):
+        return config or KernelConfig()
+    if not isinstance(config, dict):
+        raise TypeError(f"kernel_config: expected a KernelConfig or a dict, got {config!r}")
+    unknown = sorted(set(config) - set(KernelConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"kernel_config: unknown field(s) {unknown}")
+    return KernelConfig(**config)
 
 
 def _eplb(enable: bool, config: Any) -> EplbConfig | None:

@@ -19,10 +19,8 @@ from wideserve.entrypoints.llm import LLM
 from wideserve.sampling_params import SamplingParams
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers import linear as lin
-from wideserve.layers import rotary
 from wideserve.layers.experts import RoutedExperts
-from wideserve.layers import norm as norm_mod
-from wideserve.executor import sampler as sampler_mod
+from wideserve.config import KernelConfig
 from breakdown import ForwardBreakdown
 model, n, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = random.Random(0)
@@ -30,11 +28,14 @@ ids = [[rng.randrange(3, 8192) for _ in range(128)] for _ in range(n)]
 llm = LLM(model, dtype="bfloat16", max_model_len=1024)
 sp = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
 def setcfg(attn_mm, experts, pack, cattn=False, fastnorm=False, qkr=False, gemm=False):
-    lin.USE_CPU_KERNEL = gemm           # csrc/linear.cpp: linears, LM head, router
-    norm_mod.USE_CPU_KERNEL = sampler_mod.USE_CPU_ARGMAX = fastnorm   # csrc/norm.cpp ops
+    engine = llm.engine
+    engine.model.apply_kernel_config(KernelConfig(
+        cpu_gemm=gemm,                  # csrc/linear.cpp: linears, LM head, router
+        cpu_norm=fastnorm,              # csrc/norm.cpp ops (and the greedy argmax below)
+        cpu_rope=qkr,                   # the fused q/k norm + RoPE op (csrc/qk_norm_rope.cpp)
+        cpu_attention=cattn))           # the C++ paged attention op (csrc/paged_attention.cpp)
+    engine.worker.cpu_argmax = engine.worker.sampler.cpu_argmax = fastnorm
     pab.MATMUL_MAX_ROWS = 16 if attn_mm else 0
-    rotary.USE_CPU_KERNEL = qkr         # the fused q/k norm + RoPE op (csrc/qk_norm_rope.cpp)
-    pab.USE_CPU_KERNEL = cattn          # the C++ paged attention op (csrc/paged_attention.cpp)
     for m in llm.engine.model.modules():
         if isinstance(m, RoutedExperts):
             m.impl = experts; m._resolved.clear()

@@ -1,7 +1,7 @@
 """offline_worker.py with in-process switches, for A/B runs of one tree (BENCHMARKS.md, "KV
 write in the op, lazy KV pool"). Run from benchmarks/vs_vllm with offline_worker's arguments:
 
-  FUSED=0|1  paged_attention_batched.FUSED_KV_WRITE (the KV write inside the attention op)
+  FUSED=0|1  KernelConfig.fused_kv_write (the KV write inside the attention op)
   HUGE=0|1   kv_huge_pages (CacheConfig: the KV pool on transparent huge pages)
   EAGER=1    the KV pool zeroed by torch.zeros at startup (the allocation before session 6)
 """
@@ -12,10 +12,10 @@ import sys
 
 from wideserve.core.kv_cache import host_memory
 from wideserve.entrypoints import llm as llm_mod
-from wideserve.layers.attention import paged_attention_batched as pab
 
-llm_mod.LLM = functools.partial(llm_mod.LLM, kv_huge_pages=os.environ.get("HUGE") == "1")
-pab.FUSED_KV_WRITE = os.environ.get("FUSED", "1") == "1"
+llm_mod.LLM = functools.partial(
+    llm_mod.LLM, kv_huge_pages=os.environ.get("HUGE") == "1",
+    kernel_config={"fused_kv_write": os.environ.get("FUSED", "1") == "1"})
 if os.environ.get("EAGER") == "1":
     host_memory.LAZY_MIN_BYTES = 1 << 62
 sys.argv = ["offline_worker.py"] + sys.argv[1:]

@@ -32,6 +32,18 @@ def test_shapes_and_lines_of_a_qwen3_moe(tmp_path) -> None:
     assert kernel_table_lines(model, torch.float32)[0].startswith("GEMM kernel choice: float32")
 
 
+def test_a_tied_head_is_a_linear_shape() -> None:
+    """The tied LM head runs the embedding through its own GEMM (no nn.Linear): the model
+    names its shape through the contract (CausalLM.tied_head_shape)."""
+    with torch.device("meta"):
+        tied = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(
+            {**CFG, "vocab_size": 96, "tie_word_embeddings": True}))
+        untied = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict({**CFG, "vocab_size": 96}))
+    assert tied.tied_head_shape() == (96, 32) and untied.tied_head_shape() is None
+    assert ("linear", 96, 32) in set(model_gemm_shapes(tied))
+    assert ("linear", 96, 32) in set(model_gemm_shapes(untied))     # its lm_head
+
+
 def test_summary_names_the_build_and_only_the_models_shapes(tmp_path, monkeypatch) -> None:
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(CFG))

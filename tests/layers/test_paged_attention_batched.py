@@ -14,7 +14,8 @@ from paged_harness import PagedHarness
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.attention.paged_attention import paged_attention
-from wideserve.layers.attention.paged_attention_batched import (PagedAttentionPlans,
+from wideserve.layers.attention.paged_attention_batched import (PagedAttentionConfig,
+                                                                PagedAttentionPlans,
                                                                 paged_attention_batched)
 
 TOL = 1e-5
@@ -29,10 +30,14 @@ SCHEDULES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _torch_buckets(monkeypatch):
-    """This file tests the torch buckets; the CPU's C++ op has tests/kernels/ of its own."""
-    monkeypatch.setattr(pab, "USE_CPU_KERNEL", False)
+# This file tests the torch buckets; the CPU's C++ op has tests/kernels/ of its own.
+BUCKETS = PagedAttentionConfig(cpu_kernel=False)
+
+
+def _buckets(q, k, v, b, name, scale, window=None):
+    """paged_attention_batched on the torch buckets (the C++ op off for this call)."""
+    return paged_attention_batched(q, k, v, b, name, scale, window,
+                                   PagedAttentionPlans(b, config=BUCKETS))
 
 
 class _Specs:
@@ -82,7 +87,7 @@ def run_both(schedule, heads: int, kv_heads: int, head_dim: int, window: int | N
         want = ref_h.run(slots, new, lambda b: paged_attention(q, k, v, b, NAME, scale, window))
 
         def batched(b):
-            plans = PagedAttentionPlans(b, budget)
+            plans = PagedAttentionPlans(b, budget, BUCKETS)
             all_plans.append(plans)
             return paged_attention_batched(q, k, v, b, NAME, scale, window, plans)
 
@@ -127,7 +132,7 @@ def test_bf16_cache():
 def test_replay_keeps_stored_prefix():
     """kv_write_start: replayed positions of a FULL cache are read, never rewritten."""
     outs, caches = [], []
-    for op in (paged_attention, paged_attention_batched):
+    for op in (paged_attention, _buckets):
         h = make_harness(2, 8, None, max_reqs=2)
         g = torch.Generator().manual_seed(3)
         scale = 8 ** -0.5
@@ -187,7 +192,6 @@ def test_fresh_prefills_on_sdpa_match_the_reference(schedule, equal, monkeypatch
     op would, and later steps (context in the cache) run the op."""
     from wideserve.kernels import loader
     loader.build()
-    monkeypatch.setattr(pab, "USE_CPU_KERNEL", True)
     monkeypatch.setattr(pab, "default_choice", lambda: _PickSdpa(2))
     calls = []
     inner = pab.sdpa_prefill

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from wideserve.config import CacheConfig, EngineConfig
+from wideserve.core.engine_proc import EngineLoop
 from wideserve.core.errors import DuplicateRequestError, EngineStateError
 from wideserve.core.kv_cache.groups import (KVCacheConfig, allocate_kv_tensors,
                                             build_kv_cache_config, exact_replay_tokens)
@@ -128,6 +129,8 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 class EngineCore:
     lockstep = False        # DEP ranks (distributed/dp_engine.py) run steps in lock-step
+    # The engine process's loop for it (core/engine_proc.py LoopEngine); DPEngineCore's own.
+    loop_class: type[EngineLoop] = EngineLoop
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  kv_hub: Any = None) -> None:
@@ -135,6 +138,7 @@ class EngineCore:
         self.config = config
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
+        self.model.apply_kernel_config(config.kernels)       # the per-engine CPU-op switches
         if config.load.decoder_bounded_replay:
             self.model.enable_decoder_bounded_replay()
         self.device = torch.device(config.load.device)
@@ -188,7 +192,8 @@ class EngineCore:
         self.timer = StepTimer(sync=_device_sync(self.device))
         # Step inputs, forward, sampling and the per-request execution state.
         self.worker = Worker(self.runner, self.kv_manager, self.structured, self.spec,
-                             self.vocab_size, self.eos_token_ids, self.timer)
+                             self.vocab_size, self.eos_token_ids, self.timer,
+                             cpu_argmax=config.kernels.cpu_argmax)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
 
     # ------------------------------------------------------------------------- setup

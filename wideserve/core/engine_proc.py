@@ -35,9 +35,11 @@ STATS_INTERVAL_S = 0.05
 
 class LoopEngine(Protocol):
     """What the loop drives: EngineCore, a data-parallel rank, or a test's fake engine
-    (`--engine module:Class`). `loop_class` (optional) picks another loop class."""
+    (`--engine module:Class`). `loop_class`: the loop that drives it (EngineLoop; a
+    data-parallel lock-step rank brings its own, wideserve/distributed/dp_engine.py)."""
 
     model_info: Any
+    loop_class: type[EngineLoop]
 
     def add_request(self, req: Any) -> None: ...
 
@@ -195,7 +197,7 @@ def _rejection(request_id: str, message: str) -> Any:
     return EngineCoreOutput(request_id=request_id, finish_reason="error", error=message)
 
 
-def _load_engine(config: EngineConfig, engine_path: str) -> Any:
+def _load_engine(config: EngineConfig, engine_path: str) -> LoopEngine:
     module_name, _, attr = engine_path.partition(":")
     cls = getattr(importlib.import_module(module_name), attr)
     return cls(config)
@@ -216,8 +218,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
         engine = _load_engine(config, engine_path)
         announce_engine_plan(plan, *_local_rank(config))
         # A data-parallel lock-step rank brings its own loop (wideserve/distributed).
-        loop_cls = getattr(engine, "loop_class", EngineLoop)
-        loop = loop_cls(engine, input_addr, output_addr, parent_pid, heartbeat_s)
+        loop = engine.loop_class(engine, input_addr, output_addr, parent_pid, heartbeat_s)
         loop.send_ready()
         loop.run()
         return 0

@@ -107,11 +107,12 @@ def _tool_parser_name(text: str) -> str:
 
 
 def _reasoning_parser_name(text: str) -> str:
-    from wideserve.entrypoints.openai.reasoning import check_reasoning_parser
+    from wideserve.entrypoints.openai.reasoning import get_reasoning_parser
     try:
-        return check_reasoning_parser(text)
+        get_reasoning_parser(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+    return text
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:

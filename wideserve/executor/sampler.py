@@ -34,7 +34,6 @@ from wideserve.sampling_params import SAMPLING_EPS, SamplingParams
 from wideserve.structured_outputs.grammar import GrammarMask
 
 _NEG_INF = float("-inf")
-USE_CPU_ARGMAX = True      # greedy rows by the C++ argmax op on the CPU (False: torch; A/B runs)
 
 
 @dataclass(slots=True)
@@ -381,18 +380,23 @@ def target_probs(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return x.softmax(dim=-1)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, cpu_op: bool = True) -> torch.Tensor:
     """x.argmax(dim=-1) of [N, V] fp32 logits; on the CPU the C++ op (kernels/csrc/norm.cpp,
     the same first-index / NaN-first semantics), which is ~10x faster than torch's reduction
-    at decode sizes (docs/cpu_kernels.md, "Norms and greedy argmax")."""
-    if (USE_CPU_ARGMAX and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    at decode sizes (docs/cpu_kernels.md, "Norms and greedy argmax"). cpu_op: False always
+    takes torch's (KernelConfig.cpu_argmax; A/B runs)."""
+    if (cpu_op and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.size(1) > 0 and cpu_ops_available()):
         return torch.ops.wideserve.argmax_rows(x)
     return x.argmax(dim=-1)
 
 
 class Sampler:
-    """Stateless; every per-request input travels in SamplingMetadata."""
+    """Stateless; every per-request input travels in SamplingMetadata. cpu_argmax: greedy
+    rows by the C++ argmax op on the CPU (KernelConfig.cpu_argmax)."""
+
+    def __init__(self, cpu_argmax: bool = True) -> None:
+        self.cpu_argmax = cpu_argmax
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.size(0) != md.num_reqs or logits.size(1) != md.vocab_size:
@@ -400,7 +404,7 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
         x = processed_logits(raw, md)
-        greedy = None if md.all_random else argmax_rows(x)
+        greedy = None if md.all_random else argmax_rows(x, self.cpu_argmax)
         if md.all_greedy:
             assert greedy is not None
             token_ids = greedy

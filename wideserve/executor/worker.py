@@ -48,9 +48,11 @@ class Worker:
     def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager,
                  structured: StructuredOutputManager, spec: SpecDecoder | None,
                  vocab_size: int, eos_token_ids: list[int], timer: StepTimer,
-                 prompt_logprobs_slice_bytes: int = PROMPT_LOGPROBS_SLICE_BYTES) -> None:
+                 prompt_logprobs_slice_bytes: int = PROMPT_LOGPROBS_SLICE_BYTES,
+                 cpu_argmax: bool = True) -> None:
         """kv_manager: read for each request's block-table rows and replay start; structured:
-        the engine's grammar state (masks for sampling, accepted tokens)."""
+        the engine's grammar state (masks for sampling, accepted tokens); cpu_argmax:
+        KernelConfig.cpu_argmax (greedy rows by the C++ argmax op on the CPU)."""
         self.runner = runner
         self.model = runner.model
         self.device = runner.device
@@ -61,7 +63,8 @@ class Worker:
         self.eos_token_ids = eos_token_ids
         self.timer = timer
         self.prompt_logprobs_slice_bytes = prompt_logprobs_slice_bytes
-        self.sampler = Sampler()
+        self.cpu_argmax = cpu_argmax
+        self.sampler = Sampler(cpu_argmax)
         self.penalties = PenaltyTracker(vocab_size, self.device)   # counts kept per request
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs: dict[str, TokenLogprobs] = {}
@@ -137,7 +140,7 @@ class Worker:
         grammar = self.structured.masks(rows)
         if grammar is None and _all_plain_greedy(rows):
             # What the sampler would compute, without building its metadata.
-            ids = argmax_rows(logits.float()).tolist()
+            ids = argmax_rows(logits.float(), self.cpu_argmax).tolist()
             return {r.request_id: [t] for r, t in zip(rows, ids)}, {}
         gens = {k: self.generators[r.request_id] for k, r in enumerate(rows)
                 if r.request_id in self.generators}

@@ -3,6 +3,8 @@ of its GEMM families runs per token bucket on this machine, with the measured ti
 `wideserve info --kernels` and the server's startup log."""
 from __future__ import annotations
 
+from typing import Iterator, Protocol
+
 import torch
 from torch import nn
 
@@ -14,7 +16,15 @@ from wideserve.layers.linear import WeightPack
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def model_gemm_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
+class TableModel(Protocol):
+    """What the table reads of a model (models/interface.py CausalLM provides it)."""
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def tied_head_shape(self) -> tuple[int, int] | None: ...
+
+
+def model_gemm_shapes(model: TableModel) -> list[tuple[str, int, int]]:
     """(family, N, K) of every distinct packed GEMM `model` runs: fused q/k/v and gate/up
     ("qkv"), routers whose logits go through a WeightPack ("router"), the routed experts
     (N = intermediate, K = hidden), the other linears and an LM head ("linear"); and the
@@ -39,9 +49,9 @@ def model_gemm_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     for m in model.modules():
         if isinstance(m, nn.Linear) and id(m) not in fused:
             shapes[("linear", m.out_features, m.in_features)] = None
-    if getattr(model, "lm_head", 0) is None and hasattr(model, "get_input_embeddings"):
-        emb = model.get_input_embeddings().weight          # a tied head
-        shapes[("linear", emb.shape[0], emb.shape[1])] = None
+    tied = model.tied_head_shape()          # a head that is the embedding: no nn.Linear
+    if tied is not None:
+        shapes[("linear", *tied)] = None
     return list(shapes)
 
 
@@ -50,7 +60,7 @@ def _not_chosen(dtype: torch.dtype) -> str:
             "the fused ops' portable loops (only bf16 is chosen by measurement)")
 
 
-def plan_model(model: nn.Module, dtype: torch.dtype, choice: KernelChoice) -> set[tuple[str, str]]:
+def plan_model(model: TableModel, dtype: torch.dtype, choice: KernelChoice) -> set[tuple[str, str]]:
     """Plan every GEMM shape of `model` (timing, once per machine, what the disk table lacks:
     what the first forward would otherwise time); returns them as (family, "NxK")."""
     wanted = set()
@@ -65,7 +75,7 @@ def plan_model(model: nn.Module, dtype: torch.dtype, choice: KernelChoice) -> se
     return wanted
 
 
-def kernel_table_lines(model: nn.Module, dtype: torch.dtype,
+def kernel_table_lines(model: TableModel, dtype: torch.dtype,
                        choice: KernelChoice | None = None) -> list[str]:
     """The kernel per family and bucket for `model`'s shapes in `dtype`, every candidate's
     time (`wideserve info --kernels`), as text lines."""
@@ -77,7 +87,7 @@ def kernel_table_lines(model: nn.Module, dtype: torch.dtype,
             if not line.startswith("  ") or line.split()[1] in wanted]
 
 
-def kernel_summary(model: nn.Module, dtype: torch.dtype, device: str,
+def kernel_summary(model: TableModel, dtype: torch.dtype, device: str,
                    choice: KernelChoice | None = None) -> list[str]:
     """The kernels of a loaded model in a few lines (the server's startup block): the build
     serving `device`, then the kernel per token bucket for each of the model's shapes and its

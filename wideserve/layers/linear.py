@@ -31,14 +31,12 @@ __all__ = ["WeightPack", "GemmCall", "packed_linear", "prepack", "packing_runs",
 
 # Dtypes packed at all on the CPU (bf16: fp32 GEMMs already run MKL's packed-free path well).
 PACKED_DTYPES = (torch.bfloat16,)
-# A/B switches kept for tests/cuda_paths.py (the policy, KernelPolicy / WIDESERVE_GEMM, is the
-# way to force a kernel): False takes the extension's kernels (micro, brgemm) off the table.
-USE_CPU_KERNEL = True
 
 
-def cpu_kernel_runs(dtype: torch.dtype) -> bool:
-    """Whether the extension's bf16 GEMM kernels (micro-kernel, brgemm) can run for `dtype`."""
-    return USE_CPU_KERNEL and dtype in PACKED_DTYPES and gemm.fast_path_compiled()
+def cpu_kernel_runs(dtype: torch.dtype, enabled: bool = True) -> bool:
+    """Whether the extension's bf16 GEMM kernels (micro-kernel, brgemm) can run for `dtype`;
+    enabled: the pack's switch (WeightPack.cpu_kernel)."""
+    return enabled and dtype in PACKED_DTYPES and gemm.fast_path_compiled()
 
 
 @functools.cache
@@ -104,12 +102,16 @@ class GemmCall(NamedTuple):
 class WeightPack:
     """The prepared copy of one or more [out_i, in] weights (and biases), concatenated on
     the output axis in the order given, and the GEMM per token-count bucket. Not a module: it
-    holds no parameters of its own. `choice`: the kernel table (default: the process's)."""
+    holds no parameters of its own. `choice`: the kernel table (default: the process's).
+    cpu_kernel: False takes the extension's kernels (micro, brgemm) off the table (A/B runs,
+    tests/cuda_paths.py; the policy, KernelPolicy / WIDESERVE_GEMM, is the way to force a
+    kernel); set per model from the engine's KernelConfig (CausalLM.apply_kernel_config)."""
 
-    __slots__ = ("_key", "_calls", "_plain", "_choice", "_out")
+    __slots__ = ("_key", "_calls", "_plain", "_choice", "_out", "cpu_kernel")
 
-    def __init__(self, choice: KernelChoice | None = None) -> None:
+    def __init__(self, choice: KernelChoice | None = None, cpu_kernel: bool = True) -> None:
         self._choice = choice
+        self.cpu_kernel = cpu_kernel
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -134,7 +136,8 @@ class WeightPack:
 
     def _prepare(self, weights: tuple[torch.Tensor, ...],
                  biases: tuple[torch.Tensor | None, ...], family: str) -> None:
-        key = (weights_fingerprint(weights + biases), family, torch.get_num_threads())
+        key = (weights_fingerprint(weights + biases), family, torch.get_num_threads(),
+               self.cpu_kernel)
         if key == self._key:
             return
         w = weights[0].detach() if len(weights) == 1 else torch.cat([t.detach() for t in weights])
@@ -145,8 +148,8 @@ class WeightPack:
         plan = ("torch",) * len(BUCKETS)
         allowed: tuple[str, ...] = ()
         if w.device.type == "cpu" and w.dtype in PACKED_DTYPES:
-            allowed = tuple(k for k, ok in (("micro", cpu_kernel_runs(w.dtype)),
-                                            ("brgemm", cpu_kernel_runs(w.dtype)),
+            ext = cpu_kernel_runs(w.dtype, self.cpu_kernel)
+            allowed = tuple(k for k, ok in (("micro", ext), ("brgemm", ext),
                                             ("onednn", packing_runs(w.dtype)),
                                             ("torch", family != "router")) if ok)
         if set(allowed) - {"torch"}:        # something to choose (no probe otherwise)

@@ -13,7 +13,6 @@ from torch import nn
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.linear import tensor_version
 
-USE_CPU_KERNEL = True          # the C++ norm ops on the CPU (False: the torch path; for A/B runs)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -26,10 +25,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return xf.to(dtype)
 
 
-def cpu_kernel_applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """Whether the C++ norm op may stand in for the torch path for this call. The cheap
-    attribute checks first: this runs twice per layer of every step (docs/host_path.md)."""
-    if not (USE_CPU_KERNEL and x.is_cpu and x.dtype in KERNEL_DTYPES):
+def cpu_kernel_applies(x: torch.Tensor, weight: torch.Tensor | None,
+                       enabled: bool = True) -> bool:
+    """Whether the C++ norm op may stand in for the torch path for this call; enabled: the
+    caller's switch (RMSNorm.cpu_kernel; False: the torch path, for A/B runs and the CUDA-path
+    tests). The cheap attribute checks first: this runs twice per layer of every step
+    (docs/host_path.md)."""
+    if not (enabled and x.is_cpu and x.dtype in KERNEL_DTYPES):
         return False
     if torch.is_grad_enabled() and (x.requires_grad
                                     or (weight is not None and weight.requires_grad)):
@@ -65,6 +67,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # The C++ ops on the CPU (False: the torch path); set per model from the engine's
+        # KernelConfig (CausalLM.apply_kernel_config).
+        self.cpu_kernel = True
         # derived: (source tensor, data_ptr, version, fp32 copy); see fp32_weight
         self._fp32: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
 
@@ -85,7 +90,7 @@ class RMSNorm(nn.Module):
         return c[3]
 
     def fast(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernel_applies(x, self.weight):
+        if cpu_kernel_applies(x, self.weight, self.cpu_kernel):
             return torch.ops.wideserve.rms_norm(x, self.fp32_weight(), self.eps)
         return rms_norm(x, self.weight, self.eps)
 
@@ -93,7 +98,7 @@ class RMSNorm(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm with this norm's weight (one C++ pass on the CPU)."""
         if delta.dtype == h.dtype and not delta.requires_grad \
-                and cpu_kernel_applies(h, self.weight):
+                and cpu_kernel_applies(h, self.weight, self.cpu_kernel):
             return torch.ops.wideserve.add_rms_norm(h, delta, self.fp32_weight(), self.eps)
         s = h + delta
         return s, rms_norm(s, self.weight, self.eps)

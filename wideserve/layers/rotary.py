@@ -141,15 +141,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-USE_CPU_KERNEL = True             # the fused C++ q/k norm + RoPE op on the CPU (False: torch)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def fused_norm_rope_applies(qkv: torch.Tensor) -> bool:
+def fused_norm_rope_applies(qkv: torch.Tensor, enabled: bool = True) -> bool:
     """Whether `norm_rope_qkv_` runs the C++ op (docs/cpu_kernels.md, "q/k norm + RoPE"): CPU,
     fp32/bf16, row-contiguous, no autograd (the op writes in place), the extension built; not
-    inside torch.compile (the op has no fake kernel; a compiled graph fuses these ops itself)."""
-    if not (USE_CPU_KERNEL and qkv.is_cpu and qkv.dtype in KERNEL_DTYPES and qkv.dim() == 2
+    inside torch.compile (the op has no fake kernel; a compiled graph fuses these ops itself).
+    enabled: the caller's switch (llama Attention.cpu_kernel; False: the torch ops)."""
+    if not (enabled and qkv.is_cpu and qkv.dtype in KERNEL_DTYPES and qkv.dim() == 2
             and not qkv.requires_grad and qkv.stride(-1) == 1):
         return False
     return not torch.compiler.is_compiling() and cpu_ops_available()

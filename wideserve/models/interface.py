@@ -17,13 +17,18 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 
 import torch
 from torch import nn
 
 from wideserve.core.kv_cache.spec import KVCacheSpec
 from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.layers.linear import WeightPack
+from wideserve.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from wideserve.config import KernelConfig
 
 
 class CausalLM(nn.Module, metaclass=ABCMeta):
@@ -76,6 +81,21 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         remove them and remember `reason` as `mtp_unavailable`."""
 
     # ------------------------------------------------------------------ execution
+    def tied_head_shape(self) -> tuple[int, int] | None:
+        """(vocab, hidden) of an LM head that is the input embedding (tied; no nn.Linear of
+        its own, so layers/kernel_table.py cannot see its GEMM); None: the head is a module."""
+        return None
+
+    def apply_kernel_config(self, kernels: KernelConfig) -> None:
+        """Set the per-module CPU-op switches from the engine's KernelConfig (the norms' and
+        the weight packs' here; models with more override and call this)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.cpu_kernel = kernels.cpu_norm
+            for value in vars(m).values():
+                if isinstance(value, WeightPack):
+                    value.cpu_kernel = kernels.cpu_gemm
+
     def compile_forward(self) -> bool:
         """Switch to the compiled forward (LoadConfig.enforce_eager=False); False when the
         model has no compiled path and stays eager."""

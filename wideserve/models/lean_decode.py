@@ -75,8 +75,8 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
     if torch.compiler.is_compiling():
         return None          # a compiled graph traces the module path
     if not (model.lean_decode and h.is_cpu and h.dim() == 2 and not torch.is_grad_enabled()
-            and rotary.USE_CPU_KERNEL and pab.USE_CPU_KERNEL and pab.FUSED_KV_WRITE
-            and norm_applies(h, model.norm.weight)) or _global_hooks():
+            and plans.config.cpu_kernel and plans.config.fused_kv_write
+            and norm_applies(h, model.norm.weight, model.norm.cpu_kernel)) or _global_hooks():
         return None          # norm_applies also covers compiling and the extension build
     if h.dtype not in rotary.KERNEL_DTYPES or h.dtype not in pab.KERNEL_DTYPES:
         return None
@@ -95,6 +95,8 @@ def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(_hooked(m) for m in (layer, attn, *norms)) or attn.backend != "batched":
         return None
+    if not (attn.cpu_kernel and all(n.cpu_kernel for n in norms)):
+        return None          # a C++ op switched off (KernelConfig): the module path
     qn, kn = attn.q_norm, attn.k_norm
     if any(m is not None and _hooked(m) for m in (qn, kn)):
         return None

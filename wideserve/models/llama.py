@@ -11,7 +11,7 @@ The building blocks (attention, dense MLP, decoder stack, causal-LM base) are sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,8 @@ from torch import nn
 
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.executor.forward_batch import ForwardBatch
-from wideserve.layers.attention.paged_attention_batched import PagedAttentionPlans
+from wideserve.layers.attention.paged_attention_batched import (PagedAttentionConfig,
+                                                                PagedAttentionPlans)
 from wideserve.layers.attention.registry import (
     get_paged_attention_backend,
     resolve_paged_attention_backend,
@@ -37,6 +38,9 @@ from wideserve.layers.rotary import (
 )
 from wideserve.models import lean_decode
 from wideserve.models.interface import CausalLM
+
+if TYPE_CHECKING:
+    from wideserve.config import KernelConfig
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -163,6 +167,8 @@ class Attention(nn.Module):
         self.window = cfg.window_of(layer_idx)
         self.cache_name = kv_cache_name(layer_idx)
         self.backend = backend                  # a layers/attention/registry.py paged backend name
+        # the fused C++ q/k norm + RoPE op on the CPU (False: torch; from KernelConfig.cpu_rope)
+        self.cpu_kernel = True
         # q/k/v as one GEMM and o packed (layers/linear.py); the parameters stay HF's.
         self._qkv, self._o = WeightPack(), WeightPack()
         self._split = (self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)
@@ -175,7 +181,7 @@ class Attention(nn.Module):
                                (q_p.bias, k_p.bias, v_p.bias))
         # On the CPU one C++ pass does the q/k norms and RoPE in place (layers/rotary.py);
         # elsewhere the torch ops below, which are its reference.
-        fused = fused_norm_rope_applies(qkv)
+        fused = fused_norm_rope_applies(qkv, self.cpu_kernel)
         if fused:
             qn, kn = self.q_norm, self.k_norm
             norm_rope_qkv_(qkv, cos, sin, None if qn is None else qn.weight,
@@ -280,13 +286,15 @@ class DecoderModel(nn.Module):
         # The lean CPU forward where it applies (models/lean_decode.py); False: always the
         # module path (A/B runs, tests).
         self.lean_decode = True
+        # The paged attention op's CPU paths (from the engine's KernelConfig).
+        self.attention_config = PagedAttentionConfig()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
         seq_lens = batch.seq_lens_cpu                          # bounds every position
         cos, sin = self.rotary.cos_sin(                        # [T, D] fp32, shared by layers
             batch.positions, int(seq_lens.max()) if seq_lens.size else 0)
-        plans = PagedAttentionPlans(batch)                     # attention indices, shared too
+        plans = PagedAttentionPlans(batch, config=self.attention_config)   # shared by layers
         return self._run_layers(h, cos, sin, batch, plans)
 
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -331,6 +339,14 @@ class DecoderForCausalLM(CausalLM):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self._head = WeightPack()
+
+    def apply_kernel_config(self, kernels: KernelConfig) -> None:
+        super().apply_kernel_config(kernels)
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.cpu_kernel = kernels.cpu_rope
+        self.model.attention_config = PagedAttentionConfig(
+            kernels.cpu_attention, kernels.sdpa_prefill, kernels.fused_kv_write)
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config
@@ -386,6 +402,12 @@ class DecoderForCausalLM(CausalLM):
         the first steps of each shape class (prefill, decode)."""
         self.model.compile_layers()
         return True
+
+    def tied_head_shape(self) -> tuple[int, int] | None:
+        if self.lm_head is not None:
+            return None
+        vocab, hidden = self.model.embed_tokens.weight.shape
+        return vocab, hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -6,6 +6,7 @@ with CRASH_TOKEN makes step() raise, to exercise the engine-died path.
 """
 from __future__ import annotations
 
+from wideserve.core.engine_proc import EngineLoop
 from wideserve.core.errors import DuplicateRequestError
 from wideserve.core.sched_output import EngineCoreOutput
 
@@ -14,6 +15,8 @@ CRASH_TOKEN = 999
 
 
 class FakeEngineCore:
+    loop_class = EngineLoop              # the plain loop (core/engine_proc.py LoopEngine)
+
     def __init__(self, config) -> None:
         self.config = config
         self.requests: dict[str, tuple[list[int], int]] = {}

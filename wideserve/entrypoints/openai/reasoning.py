@@ -6,19 +6,43 @@ inside the reasoning; otherwise it is reasoning only if it opens with <think>. T
 </think> is the content (leading whitespace dropped); an output that never closes the tag
 is all reasoning. Like the tool parsers this is one pure function of the text so far, and
 streaming sends what is new (see tool_parsers/base.py).
+
+A parser is a `ReasoningParser` registered under its `--reasoning-parser` names in
+REASONING_PARSERS; `get_reasoning_parser(name)` looks one up (a ValueError names the known).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import abc
 
 from wideserve.entrypoints.openai.tool_parsers.partial_json import held_back
 
 START, END = "<think>", "</think>"
 
 
-@dataclass(slots=True)
-class ThinkParser:
-    starts_in_reasoning: bool = False
+class ReasoningParser(abc.ABC):
+    """One choice's reasoning/content split; a new instance per choice."""
+
+    def __init__(self, starts_in_reasoning: bool = False) -> None:
+        """starts_in_reasoning: the prompt opened the reasoning (see `starts_inside`)."""
+        self.starts_in_reasoning = starts_in_reasoning
+
+    @classmethod
+    @abc.abstractmethod
+    def starts_inside(cls, prompt: str) -> bool:
+        """Whether a generation from `prompt` starts inside the reasoning."""
+
+    @abc.abstractmethod
+    def parse(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of the output so far, as far as `text` says for sure;
+        final: the output is complete (nothing held back)."""
+
+
+class ThinkParser(ReasoningParser):
+    """Reasoning between <think> and </think> (DeepSeek R1/V3.x/V4, Qwen3)."""
+
+    @classmethod
+    def starts_inside(cls, prompt: str) -> bool:
+        return prompt.rstrip().endswith(START)
 
     def parse(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) as far as text says for sure."""
@@ -38,14 +62,17 @@ class ThinkParser:
         return text[i:end], text[end + len(END):].lstrip()
 
 
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "deepseek_v31", "deepseek_v4", "qwen3")
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    name: ThinkParser
+    for name in ("deepseek_r1", "deepseek_v3", "deepseek_v31", "deepseek_v4", "qwen3")}
 
 
-def check_reasoning_parser(name: str) -> str:
-    if name not in REASONING_PARSERS:
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
         raise ValueError(f"--reasoning-parser: unknown parser {name!r}; choose one of "
-                         f"{', '.join(REASONING_PARSERS)}")
-    return name
+                         f"{', '.join(REASONING_PARSERS)}") from None
 
 
 class TextDiff:

@@ -18,7 +18,8 @@ from starlette.responses import Response
 from wideserve.core.engine_client import EngineDeadError
 from wideserve.entrypoints.openai.async_engine import RequestFailed, StreamItem
 from wideserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, random_id
-from wideserve.entrypoints.openai.reasoning import TextDiff, ThinkParser
+from wideserve.entrypoints.openai.reasoning import (ReasoningParser, TextDiff,
+                                                    get_reasoning_parser)
 from wideserve.entrypoints.openai.serving import (SSE_DONE, ApiError, ChatOptions, ServingContext,
                                                   chat_logprobs, final_item, now_s, respond,
                                                   sse, stream_error_event, usage_dict)
@@ -54,7 +55,7 @@ class _Call:
     echo_prefix: str
     tools: ToolSetup
     tool_parser: Callable[[], ToolParser] | None   # set when calls are read out of the text
-    thinks: bool | None                      # None: no reasoning parser; else starts inside
+    reasoning: Callable[[], ReasoningParser] | None   # None: no reasoning parser
 
 
 def render_prompt(ctx: ServingContext, messages: list[ChatMessage],
@@ -166,14 +167,15 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     parser = _tool_parser(ctx, setup)
     if parser is not None and _keeps_markers(ctx, parser):
         params.skip_special_tokens = False
-    thinks = None
+    reasoning = None
     if ctx.chat.reasoning_parser is not None:
-        thinks = prompt.rstrip().endswith("<think>")
+        cls = get_reasoning_parser(ctx.chat.reasoning_parser)
+        reasoning = partial(cls, cls.starts_inside(prompt))
     last = req.messages[-1]
     echo_prefix = last.text() if req.echo and last.role == "assistant" else ""
     ctx.check_alive()
     call = _Call(random_id("chatcmpl"), now_s(), req, prompt, ids, params, num_logprobs,
-                 echo_prefix, setup, parser, thinks)
+                 echo_prefix, setup, parser, reasoning)
     ctx.log_request(call.request_id, len(ids), req.user, prompt)
     return call
 
@@ -182,7 +184,7 @@ class ChoiceOutput:
     """One choice's text -> reasoning, content and tool calls (whole or as deltas)."""
 
     def __init__(self, call: _Call) -> None:
-        self.think = ThinkParser(call.thinks) if call.thinks is not None else None
+        self.think = call.reasoning() if call.reasoning is not None else None
         self.tools = ToolCallStream(call.tool_parser()) if call.tool_parser else None
         self.parallel = call.tools.parallel
         self.text = ""

@@ -62,11 +62,18 @@ from wideserve.kernels.loader import cpu_ops_available
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
 MATMUL_MAX_ROWS = 16              # folded query rows (Q*G) up to which a bucket uses two GEMMs
-USE_CPU_KERNEL = True             # the C++ op on the CPU (False: the buckets; for A/B runs)
-# fresh prefills through SDPA where the kernel choice measured it faster (False: never; A/B)
-USE_SDPA_PREFILL = True
-FUSED_KV_WRITE = True             # the op writes the step's K/V itself (False: torch write; A/B)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # q and cache dtypes the C++ op takes
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionConfig:
+    """Which CPU paths the op may take; the defaults are the fast ones, False is for A/B runs
+    and tests. A model holds one (DecoderModel.attention_config, from the engine's
+    KernelConfig) and hands it to each step's PagedAttentionPlans."""
+
+    cpu_kernel: bool = True          # the C++ op on the CPU (False: the buckets)
+    sdpa_prefill: bool = True        # fresh prefills through SDPA where the choice measured it
+    fused_kv_write: bool = True      # the op writes the step's K/V itself (False: torch write)
 
 
 @dataclass(slots=True)
@@ -119,9 +126,12 @@ class _Plan:
 class PagedAttentionPlans:
     """Per-step cache of attention plans; build one per forward and hand it to every layer."""
 
-    def __init__(self, batch: ForwardBatch, max_score_elements: int | None = None) -> None:
-        """max_score_elements: per-call budget of heads x queries x keys (MAX_SCORE_ELEMENTS)."""
+    def __init__(self, batch: ForwardBatch, max_score_elements: int | None = None,
+                 config: PagedAttentionConfig | None = None) -> None:
+        """max_score_elements: per-call budget of heads x queries x keys (MAX_SCORE_ELEMENTS);
+        config: the paths the op may take (None: the defaults)."""
         self.batch = batch
+        self.config = PagedAttentionConfig() if config is None else config
         self.max_score_elements = (MAX_SCORE_ELEMENTS if max_score_elements is None
                                    else max_score_elements)
         self._plans: dict[tuple[int, int | None, int], _Plan] = {}
@@ -138,7 +148,7 @@ class PagedAttentionPlans:
         if key not in self._sdpa:
             self._sdpa[key] = None
             b = self.batch
-            if USE_SDPA_PREFILL and window is None and len(b.seq_lens_cpu):
+            if self.config.sdpa_prefill and window is None and len(b.seq_lens_cpu):
                 q = b.query_lens_cpu()
                 if np.array_equal(q, b.seq_lens_cpu) and q.min() > 1:
                     plan = default_choice().plan_attention(heads, kv_heads, head_dim, dtype)
@@ -295,9 +305,10 @@ def _attend_bucket_matmul(b: _Bucket, flat: torch.Tensor, q: torch.Tensor, num_k
     return o.reshape(n * b.q, num_heads, head_dim)
 
 
-def cpu_kernel_applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether this call runs the C++ op (see the module docstring)."""
-    return (USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
+def cpu_kernel_applies(q: torch.Tensor, cache: torch.Tensor, enabled: bool = True) -> bool:
+    """Whether this call runs the C++ op (see the module docstring); enabled:
+    PagedAttentionConfig.cpu_kernel."""
+    return (enabled and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
             and cache.dtype in KERNEL_DTYPES and cpu_ops_available())
 
 
@@ -371,10 +382,10 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{cache.shape[-1]}")
     plans = PagedAttentionPlans(batch) if plans is None else plans
     wp = plans.write(cache_name, window)
-    kernel = cpu_kernel_applies(q, cache) and k.dtype in KERNEL_DTYPES
+    kernel = cpu_kernel_applies(q, cache, plans.config.cpu_kernel) and k.dtype in KERNEL_DTYPES
     lens = plans.sdpa_prefill(num_heads, num_kv_heads, head_dim, q.dtype, window) \
         if kernel and wp.rows is None else None
-    if kernel and wp.rows is None and FUSED_KV_WRITE and lens is None:
+    if kernel and wp.rows is None and plans.config.fused_kv_write and lens is None:
         # The op writes every token's entry and attends, in one call.
         return paged_attention_kernel(q, cache, view, batch, scale, window, k=k, v=v)
     flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
