@@ -1,6 +1,7 @@
-"""argparse value types that both the engine flags (engine_args.py) and the data-parallel flags
-(distributed/args.py) use; a module of their own so that neither flag module imports the other.
-argparse only: every `wideserve` call imports this (tests/entrypoints/test_cli_help.py)."""
+"""argparse value types that both flag modules use, the engine flags (engine_args.py) and the
+data-parallel flags (distributed/args.py): a module of their own so that neither flag module
+imports the other. argparse only: every `wideserve` call imports this
+(tests/entrypoints/test_cli_help.py)."""
 from __future__ import annotations
 
 import argparse
