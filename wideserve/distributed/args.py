@@ -6,7 +6,7 @@ import argparse
 import re
 
 from wideserve.config import ParallelConfig
-from wideserve.entrypoints.engine_args import parse_positive_int as _positive_int
+from wideserve.entrypoints.arg_types import parse_positive_int as _positive_int
 
 
 def _rank(text: str) -> int:

@@ -6,40 +6,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from wideserve.entrypoints.arg_types import (parse_bytes, parse_port, parse_positive_float,
+                                             parse_positive_int)
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
 _KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
               "fp8_e4m3": "fp8"}
 
 
-def parse_positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _non_negative_int(text: str) -> int:
     return 0 if text.strip() == "0" else parse_positive_int(text)
-
-
-def parse_positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def parse_port(text: str) -> int:
-    value = parse_positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}")
-    return value
 
 
 def _human_int(text: str) -> int:
@@ -48,15 +24,6 @@ def _human_int(text: str) -> int:
     from wideserve.config import parse_count
     try:
         return parse_count(text, "value")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
-
-
-def parse_bytes(text: str) -> int:
-    """'8589934592', '8GiB', '512MB', '4g' -> bytes."""
-    from wideserve.config import parse_size
-    try:
-        return parse_size(text, "value")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from None
 

@@ -39,9 +39,30 @@ from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
 
 if TYPE_CHECKING:
     from wideserve.executor.block_tables import BlockTables
-    from wideserve.executor.model_runner import GroupLayout, StepRequest
 
 logger = logging.getLogger(__name__)
+
+
+class StepRequest(Protocol):
+    """What a captured decode step reads of a request's share of the step (the runner's
+    model_runner.StepRequest); a protocol so that this module, which the runner imports, need
+    not import the runner."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: Sequence[Sequence[int]]
+    kv_write_start: int
+    prompt_logits: bool
+    num_spec: int
+    is_new: bool
+
+
+class GroupLayout(Protocol):
+    """What a captured decode step reads of a KV group's layout (model_runner.GroupLayout)."""
+
+    block_size: int
+    compress_ratio: int
 
 MAX_CAPTURE_SIZE = 512          # vLLM's default largest capture size
 # Context buckets of the CUDA graphs: max_model_len, then / CONTEXT_BUCKET_FACTOR down to no

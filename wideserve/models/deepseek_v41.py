@@ -20,7 +20,6 @@ from typing import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec
@@ -29,10 +28,11 @@ from wideserve.layers.attention.v41_attention import CSA2State, DeepseekV41Atten
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
 from wideserve.layers.kv_quant import RecordCodec
-from wideserve.layers.mhc import HyperConnection, sinkhorn
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
+from wideserve.models.deepseek_v41_common import SinglePassHC, collapse, expand
+from wideserve.models.deepseek_v41_common import expert_layout as _expert_layout
 from wideserve.models.deepseek_v41_config import FULL, SWA, DeepseekV41Config
 from wideserve.models.interface import CausalLM
 
@@ -55,39 +55,6 @@ def rotary_tables(c: DeepseekV41Config) -> tuple[RotaryTable, RotaryTable]:
     else:
         params = {"rope_type": "default", "rope_theta": c.compress_rope_theta}
     return main, RotaryTable(params, c.qk_rope_head_dim)
-
-
-class SinglePassHC(HyperConnection):
-    """One mHC site of V4.1 (names fn, base, scale): the same coefficients as V4's, with the
-    projection taken before the RMS scaling and one fused affine (the reference's rounding)."""
-
-    def coefficients(self, x: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
-        n = self.n
-        flat = x.flatten(1).float()
-        mixes = F.linear(flat, self.fn.float()) * torch.rsqrt(
-            flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        s = self.scale.float()
-        scales = torch.cat([s[0].expand(n), s[1].expand(n), s[2].expand(n * n)])
-        logits = torch.addcmul(self.base.float(), mixes, scales)
-        pre = torch.sigmoid(logits[:, :n]) + self.hc_eps
-        post = 2 * torch.sigmoid(logits[:, n:2 * n])
-        comb = logits[:, 2 * n:].unflatten(-1, (n, n)).softmax(dim=-1) + self.hc_eps
-        return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
-
-
-def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """[T, n, d] weighted by pre [T, n] -> [T, d] (fp32 sum, cast back)."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
-
-
-def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-           comb: torch.Tensor) -> torch.Tensor:
-    """Stream k <- post_k * y + sum_j comb[j, k] * stream_j."""
-    update = post.unsqueeze(-1) * y.unsqueeze(-2).float()
-    mixed = (comb.unsqueeze(-1) * streams.float().unsqueeze(-2)).sum(1)
-    return (update + mixed).to(y.dtype)
 
 
 class DeepseekV41Block(nn.Module):
@@ -476,29 +443,6 @@ def official_to_reference(name: str) -> str | None:
     if name.endswith(".ffn.gate.bias"):
         name = name.removesuffix(".bias") + ".e_score_correction_bias"
     return "model." + name
-
-
-_EXPERT = re.compile(r"^(?P<p>.+\.ffn\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
-
-
-def _expert_layout(name: str, tensor: torch.Tensor
-                   ) -> tuple[str, torch.Tensor, tuple | None]:
-    """Routed-expert tensors -> RoutedExperts' layout. The reference stacks
-    gate_and_up_projs [E, d, 2I] and down_projs [E, I, d]; the official checkpoint has one
-    w1/w3 [I, d] and w2 [d, I] per expert, returned with (expert, slice, parts per expert)."""
-    if name.endswith(".experts.gate_and_up_projs"):
-        return name[:-len("gate_and_up_projs")] + "gate_up_proj", tensor.transpose(1, 2), None
-    if name.endswith(".experts.down_projs"):
-        return name[:-len("down_projs")] + "down_proj", tensor.transpose(1, 2), None
-    m = _EXPERT.match(name)
-    if m is None:
-        return name, tensor, None
-    e, w = int(m["e"]), m["w"]
-    if w == "w2":
-        return f"{m['p']}.down_proj", tensor, (e, slice(None), 1)
-    half = tensor.shape[0]
-    rows = slice(0, half) if w == "w1" else slice(half, 2 * half)
-    return f"{m['p']}.gate_up_proj", tensor, (e, rows, 2)
 
 
 def load_stage_weights(targets, weights):   # noqa: ANN001, ANN201 - see deepseek_v41_dspark

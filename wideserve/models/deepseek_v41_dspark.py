@@ -28,7 +28,8 @@ from wideserve.layers.attention.v41_attention import DeepseekV41Attention
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope import RotaryTable
-from wideserve.models.deepseek_v41 import SinglePassHC, _expert_layout, collapse, expand
+from wideserve.models.deepseek_v41_common import SinglePassHC, collapse, expand
+from wideserve.models.deepseek_v41_common import expert_layout as _expert_layout
 from wideserve.models.deepseek_v41_config import DeepseekV41Config
 
 

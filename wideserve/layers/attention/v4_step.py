@@ -30,7 +30,7 @@ from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, Part
                                                   build_parts, build_query_blocks,
                                                   build_token_blocks, build_window_keys,
                                                   most_visible)
-from wideserve.layers.compressor import CompressPlan, build_compress_plan
+from wideserve.layers.compress_plan import CompressPlan, build_compress_plan
 from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.rope import RotaryTable, rope_cis
 

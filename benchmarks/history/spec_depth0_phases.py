@@ -1,7 +1,7 @@
 """Step phases at batch 64 where speculation drafts nothing (BENCHMARKS.md, "Speculation at
 draft depth 0").
 
-  OMP_NUM_THREADS=1 PYTHONPATH=ROOT python benchmarks/spec_depth0_phases.py ROOT
+  OMP_NUM_THREADS=1 PYTHONPATH=ROOT python benchmarks/history/spec_depth0_phases.py ROOT
 
 ROOT: the source tree to measure (the repository, or a `git archive` of an older commit, so
 before and after run the same script). On the bundled model, 64 requests (benchmarks/

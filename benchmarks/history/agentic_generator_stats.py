@@ -1,7 +1,7 @@
 """Shape statistics of the synthetic AgentX generator at full scale, against the targets of
 docs/benchmarking.md (BENCHMARKS.md, "Agentic workload generator").
 
-    .venv/bin/python benchmarks/agentic_generator_stats.py
+    .venv/bin/python benchmarks/history/agentic_generator_stats.py
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from wideserve.bench.agentic import AgenticParams, generate_sessions, trace_stats
 
-OUT = Path(__file__).parent / "results" / "agentic_generator_stats.json"
+OUT = Path(__file__).parents[1] / "results" / "agentic_generator_stats.json"
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ ratio 4), the benchmark model's indexer shape (8 heads x 64, bf16), top-512. Fiv
 4 MiB each are used in turn (more than the L2, like five CSA layers of a step), with table
 blocks of 64 entries either scattered at random over the cache or in order.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v4_indexer_op.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/history/v4_indexer_op.py
 """
 from __future__ import annotations
 

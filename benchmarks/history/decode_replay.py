@@ -1,7 +1,7 @@
 """The decode forward inside the engine against the same batch replayed (BENCHMARKS.md,
 "Decode forward in the engine").
 
-  OMP_NUM_THREADS=1 PYTHONPATH=<tree> python benchmarks/decode_replay.py MODEL [--threads N]
+  OMP_NUM_THREADS=1 PYTHONPATH=<tree> python benchmarks/history/decode_replay.py MODEL [--threads N]
 
 64 token-id prompts of 128 -> 128 tokens, greedy, EOS ignored (the vs_vllm offline workload),
 run twice; in the second run `DecoderModel.forward` is timed (thread CPU time, and minor page

@@ -7,7 +7,7 @@ whole prompt in one step. Per prompt length: time a 1-token generation (the pref
 replay off and on, alternating, median of 3; then greedy 16 tokens both ways over 8 prompts:
 the share of identical continuations and of identical first tokens.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/v41_decoder_replay.py [prompt lengths]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/history/v41_decoder_replay.py [prompt lengths]
 
 The engine option is `--decoder-bounded-replay` / `LLM(decoder_bounded_replay=True)`; here one
 engine flips the model's switch between runs so that on and off alternate on the same caches.
@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from v41_decode_context import COMMON  # noqa: E402
 
 from wideserve import LLM, SamplingParams  # noqa: E402
 from wideserve.bench.report import machine_info  # noqa: E402
 
 OUT = Path(os.environ.get("V41_REPLAY_OUT",
-                         Path(__file__).parent / "results" / "v41_decoder_replay.json"))
+                         Path(__file__).parents[1] / "results" / "v41_decoder_replay.json"))
 
 
 def _llm(tmp: Path) -> LLM:

@@ -1,7 +1,7 @@
 """Host time per decode step of one offline run, by component (BENCHMARKS.md, "Host path per
 decode step").
 
-  OMP_NUM_THREADS=1 PYTHONPATH=<tree> python benchmarks/host_phases.py MODEL [--threads N]
+  OMP_NUM_THREADS=1 PYTHONPATH=<tree> python benchmarks/history/host_phases.py MODEL [--threads N]
 
 64 token-id prompts of 128 -> 128 tokens, greedy, EOS ignored (the vs_vllm offline workload).
 Named functions of the engine loop are wrapped with timers reading the thread's CPU time (a

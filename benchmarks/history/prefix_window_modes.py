@@ -12,7 +12,7 @@ shared machine hit every configuration alike; the median of the repeats is repor
 Workloads: 32 requests sharing 1 (then 4) prefixes of 768 tokens (3 logical blocks; the bundled
 model's context is 1024), distinct 64-token suffixes, 32 greedy output tokens, ignore_eos.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/prefix_window_modes.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/history/prefix_window_modes.py
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from wideserve.bench.throughput import build_llm, median_result, reset_prefix_ca
 from wideserve.config import CacheConfig, EngineConfig, LoadConfig
 from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-OUT = Path(__file__).parent / "results" / "prefix_window_modes.json"
+OUT = Path(__file__).parents[1] / "results" / "prefix_window_modes.json"
 MODES = ("keep", "replay", "replay-exact", "off")
 REPEATS = 3
 

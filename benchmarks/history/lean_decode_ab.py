@@ -1,11 +1,11 @@
 """The lean CPU decoder forward against the module path, paired on live batches (BENCHMARKS.md,
 "Lean decoder forward"; docs/cpu_kernels.md).
 
-  OMP_NUM_THREADS=N PYTHONPATH=<tree> python benchmarks/lean_decode_ab.py MODEL [--threads N]
+  OMP_NUM_THREADS=N PYTHONPATH=<tree> python benchmarks/history/lean_decode_ab.py MODEL [--threads N]
 
 The vs_vllm offline workload (64 token-id prompts of 128 -> 128, greedy, EOS ignored). At every
 EVERY-th decode step the step's batch, whose requests are still running (its block-table rows
-valid: benchmarks/decode_replay.py says why that matters), is replayed ROUNDS times with the
+valid: benchmarks/history/decode_replay.py says why that matters), is replayed ROUNDS times with the
 lean path on and off in turn (each replay rewrites the step's KV with the same values), so
 both see the same cache state; the median and min thread-CPU and wall ms per forward follow.
 """

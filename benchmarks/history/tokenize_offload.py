@@ -2,7 +2,7 @@
 which holds the GIL; `encode_batch`, which releases it), or in a worker process. Reports the
 time, the worst delay of a 5 ms loop ticker, and this process's RSS after (issue 15).
 
-    OMP_NUM_THREADS=1 python benchmarks/tokenize_offload.py [--words 1000000]
+    OMP_NUM_THREADS=1 python benchmarks/history/tokenize_offload.py [--words 1000000]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tokenizers
 
-TOKENIZER = Path(__file__).resolve().parents[1] / \
+TOKENIZER = Path(__file__).resolve().parents[2] / \
     "wideserve/assets/shakespeare-v4-tiny/tokenizer.json"
 _worker: tokenizers.Tokenizer | None = None
 

@@ -9,7 +9,7 @@ revisions must share the packed layout. Every call's output is checked bit-ident
 first revision's. `--evict MB` touches that many MB between calls (weights then come from
 DRAM, as in the engine, where attention's KV reads evict them).
 
-  PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/moe_kernel_ab.py --rev 825e022 --rev WORKTREE
+  PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/history/moe_kernel_ab.py --rev 825e022 --rev WORKTREE
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ SHAPES = {  # name: (experts, top-k, hidden, moe_intermediate)
     "qwen3moe-653m": (64, 8, 1024, 384),
 }
 FILES = ("moe.cpp", "gemm.h")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = "wideserve/kernels/csrc"
 
 

@@ -2,7 +2,7 @@
 # In-engine A/B of two trees on the 11M offline run (BENCHMARKS.md, "Host path per decode
 # step"): offline_worker.py alternating BEFORE and AFTER at 1 and 2 torch threads, one
 # --profile-breakdown run each, then host_phases.py per tree (1 thread). Run through quiet.
-#   BEFORE=<tree> AFTER=<tree> [PY=python] [MODEL=...] [ROUNDS=2] benchmarks/host_path_ab.sh OUT
+#   BEFORE=<tree> AFTER=<tree> [PY=python] [MODEL=...] [ROUNDS=2] benchmarks/history/host_path_ab.sh OUT
 # ROUNDS: before/after pairs per thread count (each run is ~1.5 s of generation: more pairs
 # show the spread).
 set -u

@@ -1,6 +1,6 @@
 """The captured decode step on the CPU, on vs off (BENCHMARKS.md, "Captured decode step").
 
-  python benchmarks/decode_capture_ab.py MODEL {0|1} [--num-prompts 64 ...]
+  python benchmarks/history/decode_capture_ab.py MODEL {0|1} [--num-prompts 64 ...]
 
 One offline run (token-id prompts, greedy, EOS ignored, as benchmarks/vs_vllm/offline_worker.py)
 with LoadConfig.decode_capture off (0) or on (1). Prints one JSON line: output tok/s, and per
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "vs_vllm"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "vs_vllm"))
 from offline_worker import prompts  # noqa: E402
 
 

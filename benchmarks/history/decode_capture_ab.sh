@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Alternate the captured decode step off/on, REPEATS rounds, one process per run.
-#   benchmarks/decode_capture_ab.sh MODEL OUT.jsonl [REPEATS] [NUM_PROMPTS]
+#   benchmarks/history/decode_capture_ab.sh MODEL OUT.jsonl [REPEATS] [NUM_PROMPTS]
 set -euo pipefail
 model=$1; out=$2; repeats=${3:-3}; n=${4:-64}
 py=${WS_PY:-python}

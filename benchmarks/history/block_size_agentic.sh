@@ -5,9 +5,9 @@
 # (DeepSeek-V4's compression ratios 4 and 128 make 128 its smallest block; GQA models take
 # any). Reports the server's prefix-cache hit rate and mean engine step (from /metrics), TTFT,
 # TPOT and total tokens/s. Results: benchmarks/results/block_size_<model>_<B>.json.
-#   benchmarks/block_size_agentic.sh [duration_s]
+#   benchmarks/history/block_size_agentic.sh [duration_s]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=benchmarks/results
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
