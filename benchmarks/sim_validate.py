@@ -54,7 +54,7 @@ def _bundled_run(prompts: list, k: int, max_tokens: int, reps: int = 3) -> dict:
     """The bundled tiny V4 (real weights, one MTP block), greedy, one rank: per decode step
     host and forward seconds (output-length difference), wall time, acceptance per position."""
     from wideserve import LLM, SamplingParams
-    from wideserve.core import engine_ipc as ipc
+    from wideserve.engine import engine_ipc as ipc
     kw = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
     llm = LLM(enable_prefix_caching=False, max_num_seqs=len(prompts), **kw)
 
@@ -105,7 +105,7 @@ def mtp_section(batch: int, prompt_len: int, max_tokens: int) -> dict:
     sys.path.insert(0, str(ROOT / "tools"))
     from tiny_data import held_out_stream
 
-    from wideserve.executor.loader import BUNDLED_MODEL
+    from wideserve.worker.model_loader import BUNDLED_MODEL
     stream = held_out_stream(str(BUNDLED_MODEL))
 
     def prompts(offset: int, n: int) -> list:
@@ -141,7 +141,7 @@ def eplb_section(ranks: int) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks/eplb"))
     from bundled_routing import windows
 
-    from wideserve.distributed.eplb import policy
+    from wideserve.parallel.eplb import policy
     from wideserve.sim.eplb import EplbSettings, EplbState
     loads = windows(32, 96, 32)
     out = {}

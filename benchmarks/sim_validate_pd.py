@@ -104,7 +104,7 @@ def bench(url: str, w: dict[str, int]) -> dict[str, Any]:
 
 def calibrate_pd(w: dict[str, int]):
     """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission)."""
-    from wideserve.executor.loader import BUNDLED_MODEL
+    from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.calibrate import measure_engine
     from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
     from wideserve.sim.validate import profile_from_rows
@@ -119,7 +119,7 @@ def calibrate_pd(w: dict[str, int]):
 
 
 def predict_pd(prof, w: dict[str, int]) -> dict[str, Any]:
-    from wideserve.executor.loader import BUNDLED_MODEL
+    from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.model import load_model
     from wideserve.sim.pd import PDSettings
     from wideserve.sim.simulator import Layout, Simulation

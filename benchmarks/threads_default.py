@@ -1,4 +1,4 @@
-"""The default thread plan (wideserve/threads.py) against fixed thread counts, alternated in one
+"""The default thread plan (wideserve/utils/threads.py) against fixed thread counts, alternated in one
 run: offline throughput (`wideserve bench throughput`) and serving TTFT at concurrency 1 and a
 busy front end at concurrency 8 (`wideserve serve` + `wideserve bench serve`).
 

@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 from wideserve.bench.report import machine_info
-from wideserve.core.kv_cache.spec import CacheKind, split_shared
-from wideserve.executor.dummy_weights import init_dummy_weights
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
-from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-from wideserve.models.deepseek_v4_config import DeepseekV4Config
-from wideserve.models.deepseek_v41 import DeepseekV41ForCausalLM
-from wideserve.models.deepseek_v41_config import DeepseekV41Config
+from wideserve.kv_cache.spec import CacheKind, split_shared
+from wideserve.worker.dummy_weights import init_dummy_weights
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
+from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from wideserve.models.deepseek_v4.config import DeepseekV4Config
+from wideserve.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from wideserve.models.deepseek_v41.config import DeepseekV41Config
 
 OUT = Path(__file__).parent / "results" / "v41_decode_context.json"
 BLOCK = 256

@@ -29,7 +29,7 @@ import torch
 
 from wideserve.bench.report import machine_info
 from wideserve.config import LoadConfig
-from wideserve.executor.loader import BUNDLED_MODEL, load_model
+from wideserve.worker.model_loader import BUNDLED_MODEL, load_model
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from wideserve.bench.report import machine_info
-from wideserve.core.kv_cache.spec import split_shared
-from wideserve.executor.dummy_weights import init_dummy_weights
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
-from wideserve.executor.loader import build_model
-from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+from wideserve.kv_cache.spec import split_shared
+from wideserve.worker.dummy_weights import init_dummy_weights
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
+from wideserve.worker.model_loader import build_model
+from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 HERE = Path(__file__).parent
 SCENARIOS = {"short": [2048] * 4, "long": [32768] * 4, "mixed": [32768, 2048, 2048, 2048]}

@@ -4,7 +4,7 @@ On the CPU the decoder's layers pick C++ ops (norms, q/k norm + RoPE, paged atte
 experts, the GEMM micro-kernel and the fused router) and oneDNN-packed weights; on CUDA every one of them is the plain torch path, the
 attention of decode batches is the static-shape op and the routed experts are "grouped_mm".
 `force_cuda_paths` switches a model (its KernelConfig: every CPU op off) to those, so a CPU test runs the forward a CUDA graph would record. CaptureGuard
-(wideserve/executor/capture_guard.py) rejects every CPU-only op, so a path this misses fails
+(wideserve/worker/capture_guard.py) rejects every CPU-only op, so a path this misses fails
 the guarded tests instead of passing unnoticed.
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec, split_shared
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.kv_cache.spec import CacheKind, KVCacheSpec, split_shared
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
 
 def default_block_size(specs: dict[str, KVCacheSpec], at_least: int = 16) -> int:

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from wideserve import detokenizer
-from wideserve.detokenizer import FinalDetokenizer, IncrementalDetokenizer, make_detokenizer
-from wideserve.tokenizer import Tokenizer
+from wideserve.text import detokenizer
+from wideserve.text.detokenizer import FinalDetokenizer, IncrementalDetokenizer, make_detokenizer
+from wideserve.text.tokenizer import Tokenizer
 
 UTF8_TEXT = (
     "你好，世界！今天天气很好。🌍🎉 naïve café résumé — déjà vu; Ελληνικά, русский, العربية, "

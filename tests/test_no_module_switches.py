@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the field overrides per engine (and nothing rebinds: the second check).
 DEFAULTS = {
     # LoadConfig.decode_capture=None on the CPU resolves to it; True/False set it per engine
-    ("wideserve/executor/decode_capture.py", "CPU_DEFAULT"),
+    ("wideserve/worker/decode_capture.py", "CPU_DEFAULT"),
 }
 
 

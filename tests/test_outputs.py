@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from wideserve.executor.sampler import Sampler, build_sampling_metadata
-from wideserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, \
-    make_logprobs_entry
-from wideserve.sampling_params import SamplingParams
+from wideserve.worker.sampler import Sampler, build_sampling_metadata
+from wideserve.types.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                                     make_logprobs_entry)
+from wideserve.types.sampling_params import SamplingParams
 
 
 def test_logprobs_entry_from_sampler_row():

@@ -1,4 +1,4 @@
-"""Children die with their parent (wideserve/procs.py): a child armed by `die_with_parent` ends
+"""Children die with their parent (wideserve/utils/procs.py): a child armed by `die_with_parent` ends
 when its parent is SIGKILLed, with the death signal (started from the parent's main thread),
 with the poller alone (started from another thread), and when the parent was already gone
 before it armed either. End to end: a SIGKILLed server leaves no engine, tokenizer worker or
@@ -17,15 +17,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "entrypoints" / "openai"))
 from oai_server_utils import RemoteServer, pid_alive, write_tiny_model  # noqa: E402
 
-from wideserve.procs import descendants  # noqa: E402
+from wideserve.utils.procs import descendants  # noqa: E402
 
 # The middle process: starts a child that arms die_with_parent, prints the child's pid, and
 # waits to be killed. `mode` picks how the child is started.
 _PARENT = r"""
 import os, subprocess, sys, threading, time
-from wideserve.procs import child_env
+from wideserve.utils.procs import child_env
 mode = sys.argv[1]
-child_code = ("import os, sys, time; from wideserve.procs import die_with_parent; "
+child_code = ("import os, sys, time; from wideserve.utils.procs import die_with_parent; "
               "time.sleep(float(sys.argv[2])); die_with_parent(int(sys.argv[1])); "
               "print('armed', flush=True); time.sleep(120)")
 delay = "1.5" if mode == "late" else "0"
@@ -91,7 +91,7 @@ def test_sigkilled_server_leaves_no_process_behind(tmp_path):
     tree = descendants(srv.proc.pid)
     try:
         cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in tree]
-        assert any(b"wideserve.core.engine_proc" in c for c in cmdlines)
+        assert any(b"wideserve.engine.engine_proc" in c for c in cmdlines)
         assert any(b"spawn_main" in c for c in cmdlines), "no tokenizer worker was started"
         srv.proc.kill()
         srv.proc.wait()

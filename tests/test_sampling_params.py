@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from wideserve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from wideserve.types.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 BAD = [
     ("temperature", -1), ("temperature", float("nan")), ("temperature", float("inf")),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from wideserve.threads import ThreadPlan, physical_cores, plan_engine, plan_in_process
+from wideserve.utils.threads import ThreadPlan, physical_cores, plan_engine, plan_in_process
 
 NO_ENV: dict[str, str] = {}
 
@@ -86,8 +86,8 @@ import json, os, threading
 os.sched_setaffinity(0, {cpus})                    # the CPUs the probe may use
 import torch
 from wideserve.config import EngineConfig, ParallelConfig
-from wideserve.core.engine_proc import _local_rank, _set_torch_threads
-from wideserve.threads import announce_engine_plan
+from wideserve.engine.engine_proc import _local_rank, _set_torch_threads
+from wideserve.utils.threads import announce_engine_plan
 stop = threading.Event()
 t = threading.Thread(target=stop.wait, daemon=True); t.start()   # a thread started before
 config = EngineConfig(parallel=ParallelConfig({parallel}))

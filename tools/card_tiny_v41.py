@@ -105,7 +105,7 @@ def render_card(model_dir: str, info: dict, m: dict) -> str:
         "streams) at [a-64, a) and to its whole block (bidirectional). Slot j's logits = shared lm_head of",
         "the final norm + the Markov head of the previous token, predicting token a+1+j; the confidence",
         "head predicts slot j's acceptance. Code: the reference's `DeepseekV41DSparkModel`; wideserve's",
-        "`models/deepseek_v41_dspark.py` is tested equal to it.",
+        "`models/deepseek_v41/dspark.py` is tested equal to it.",
         "",
         "## Training",
         "",

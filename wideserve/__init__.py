@@ -8,9 +8,9 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # Lazy so `import wideserve` (and the CLI's --help) stays fast and torch-free.
     if name == "LLM":
-        from wideserve.entrypoints.llm import LLM
+        from wideserve.serving.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from wideserve.sampling_params import SamplingParams
+        from wideserve.types.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

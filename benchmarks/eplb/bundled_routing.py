@@ -26,14 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from wideserve.distributed.eplb import policy  # noqa: E402
-from wideserve.entrypoints.llm import LLM  # noqa: E402
-from wideserve.sampling_params import SamplingParams  # noqa: E402
+from wideserve.parallel.eplb import policy  # noqa: E402
+from wideserve.serving.llm import LLM  # noqa: E402
+from wideserve.types.sampling_params import SamplingParams  # noqa: E402
 
 
 def windows(num_prompts: int, prompt_len: int, max_tokens: int) -> dict[str, list[np.ndarray]]:
     from tiny_data import held_out_stream  # noqa: PLC0415
-    from wideserve.executor.loader import BUNDLED_MODEL  # noqa: PLC0415
+    from wideserve.worker.model_loader import BUNDLED_MODEL  # noqa: PLC0415
     stream = held_out_stream(str(BUNDLED_MODEL))
     llm = LLM(enable_eplb=True, eplb_config={"window_size": 100000, "step_interval": 10**9},
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/eplb_dep_rebalance.json")
     args = ap.parse_args()
     from tiny_data import held_out_stream  # noqa: PLC0415
-    from wideserve.executor.loader import BUNDLED_MODEL  # noqa: PLC0415
+    from wideserve.worker.model_loader import BUNDLED_MODEL  # noqa: PLC0415
     stream = held_out_stream(str(BUNDLED_MODEL))
     n, plen = args.num_prompts, args.prompt_len
     prompts = [{"prompt_token_ids": stream[i * plen:(i + 1) * plen].tolist()} for i in range(n)]

@@ -23,8 +23,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from wideserve.distributed.eplb import policy
-from wideserve.distributed.eplb.synthetic import SkewedLoad, load_checksum
+from wideserve.parallel.eplb import policy
+from wideserve.parallel.eplb.synthetic import SkewedLoad, load_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_DATA = ROOT / "tests/distributed/eplb/data/reference_cases.json"

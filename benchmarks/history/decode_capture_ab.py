@@ -60,7 +60,7 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": p} for p in ids[:4]], warm, use_tqdm=False)
     runner = llm.engine.runner
     cap = runner.captured
-    from wideserve.executor.decode_capture import is_decode_step
+    from wideserve.worker.decode_capture import is_decode_step
     # Decode steps only: the metadata the captured step replaces.
     meta = [_Timed(runner, "build_batch", only=is_decode_step)] if cap is None else \
         [_Timed(cap, "stage"), _Timed(cap.inputs, "upload", only=lambda n: True)]

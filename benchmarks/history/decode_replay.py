@@ -32,7 +32,7 @@ def _minflt() -> int:
 def main() -> None:
     llm, prompts, sp, threads = offline_workload(__doc__)
     import torch
-    from wideserve.models import llama
+    from wideserve.models.llama import model as llama
 
     llm.generate(prompts, sp, use_tqdm=False)
     inner = llama.DecoderModel.forward

@@ -22,10 +22,12 @@ from offline_workload import offline_workload
 
 def main() -> None:
     llm, prompts, sp, threads = offline_workload(__doc__)
-    from wideserve.core import engine_core, output_processor, scheduler
-    from wideserve.executor import model_runner, worker
-    from wideserve.models import llama
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.engine import engine_core, scheduler
+    from wideserve.serving import output_processor
+    from wideserve.worker import model_runner
+    from wideserve.engine import step_worker as worker
+    from wideserve.models.llama import model as llama
+    from wideserve.types.sampling_params import SamplingParams
 
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                  use_tqdm=False)

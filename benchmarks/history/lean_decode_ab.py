@@ -22,7 +22,7 @@ ROUNDS = 10
 
 def main() -> None:
     llm, prompts, sp, threads = offline_workload(__doc__)
-    from wideserve.models import llama
+    from wideserve.models.llama import model as llama
 
     inner = llama.DecoderModel.forward
     decodes = [0]

@@ -16,8 +16,8 @@ def offline_workload(description: str) -> tuple[Any, list[dict], Any, int]:
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
-    from wideserve.entrypoints.llm import LLM
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.serving.llm import LLM
+    from wideserve.types.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype="bfloat16", max_model_len=1024)
     rng = random.Random(0)

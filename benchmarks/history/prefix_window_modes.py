@@ -28,7 +28,7 @@ from wideserve.bench.report import machine_info
 from wideserve.bench.throughput import build_llm, median_result, reset_prefix_cache, \
     run_wideserve
 from wideserve.config import CacheConfig, EngineConfig, LoadConfig
-from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 OUT = Path(__file__).parents[1] / "results" / "prefix_window_modes.json"
 MODES = ("keep", "replay", "replay-exact", "off")

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.core.kv_cache.groups import build_kv_cache_config
-from wideserve.core.kv_cache.manager import KVCacheManager
+from wideserve.kv_cache.groups import build_kv_cache_config
+from wideserve.kv_cache.kv_cache_manager import KVCacheManager
 from wideserve.disagg.layout import cdiv, descriptor_indices, group_plans, plan_pages, region_bases
-from wideserve.request import Request
-from wideserve.sampling_params import SamplingParams
+from wideserve.types.request import Request
+from wideserve.types.sampling_params import SamplingParams
 
 
 def flash_specs() -> dict:
@@ -33,8 +33,8 @@ def flash_specs() -> dict:
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from models.v4_configs import FLASH
-    from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from wideserve.models.deepseek_v4_config import DeepseekV4Config
+    from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from wideserve.models.deepseek_v4.config import DeepseekV4Config
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(FLASH))
     return model.kv_cache_specs("auto")

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.core.kv_cache.groups import allocate_kv_tensors, build_kv_cache_config
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
-from wideserve.disagg.config import KVTransferConfig
+from wideserve.kv_cache.groups import allocate_kv_tensors, build_kv_cache_config
+from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, plan_pages
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.params import LoadSpec, RemoteKV

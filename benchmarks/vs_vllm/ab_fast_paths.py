@@ -15,8 +15,8 @@ import sys, time, random, torch
 torch.set_num_threads(1)
 import os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from wideserve.entrypoints.llm import LLM
-from wideserve.sampling_params import SamplingParams
+from wideserve.serving.llm import LLM
+from wideserve.types.sampling_params import SamplingParams
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers import linear as lin
 from wideserve.layers.experts import RoutedExperts

@@ -1,6 +1,6 @@
 """Per-step time split of a wideserve engine (offline_worker.py --profile-breakdown).
 
-Phases come from the engine's own StepTimer (core/step_timer.py): schedule, prepare, forward,
+Phases come from the engine's own StepTimer (engine/step_timer.py): schedule, prepare, forward,
 sample, output. The forward is split further by forward hooks on the model's modules:
 - "attention": every `*.self_attn` module (projections, q/k norms, RoPE and the attention op),
   of which "attention_op" is the paged attention backend call itself (KV write, gather, SDPA);
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from wideserve.core.step_timer import PHASES
-from wideserve.models import llama
+from wideserve.engine.step_timer import PHASES
+from wideserve.models.llama import model as llama
 
 
 class _Clock:

@@ -124,8 +124,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append the JSON line to this file too")
     a = ap.parse_args()
     bw = bandwidth_gbs(a.threads, a.bandwidth_mib)
-    from wideserve.entrypoints.llm import LLM
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.serving.llm import LLM
+    from wideserve.types.sampling_params import SamplingParams
     llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,
               max_num_seqs=max(64, a.batch))
     engine = llm.engine

@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 from serve_compare import prompts, run_point, stop_server, wait_ready  # noqa: E402
 
 from wideserve.bench.client import ServeTarget  # noqa: E402
-from wideserve.bench.metrics import compute_metrics  # noqa: E402
+from wideserve.bench.latency_metrics import compute_metrics  # noqa: E402
 
 REPO = Path(os.environ.get("WS_REPO", HERE.parent.parent))    # the wideserve tree to serve
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
@@ -59,7 +59,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 # The API process runs the real CLI with the engine path swapped (no wideserve flag exists
 # for it: it is a benchmark's instrument, not a feature).
-_SHIM = ("import sys; from wideserve.core.engine_client import EngineCoreClient as C; "
+_SHIM = ("import sys; from wideserve.serving.engine_client import EngineCoreClient as C; "
          "C.__init__.__kwdefaults__['engine_path'] = 'instant_engine:InstantForwardEngineCore'; "
          "from wideserve.entrypoints.cli import main; sys.argv[0] = 'wideserve'; "
          "sys.exit(main())")

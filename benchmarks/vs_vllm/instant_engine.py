@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from wideserve.core.engine_core import EngineCore
+from wideserve.engine.engine_core import EngineCore
 
 
 class InstantForwardEngineCore(EngineCore):

@@ -10,8 +10,8 @@ import os
 import runpy
 import sys
 
-from wideserve.core.kv_cache import host_memory
-from wideserve.entrypoints import llm as llm_mod
+from wideserve.kv_cache import host_memory
+from wideserve.serving import llm as llm_mod
 
 llm_mod.LLM = functools.partial(
     llm_mod.LLM, kv_huge_pages=os.environ.get("HUGE") == "1",

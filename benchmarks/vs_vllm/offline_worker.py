@@ -29,8 +29,8 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_wideserve(args, ids: list[list[int]]) -> float:
     import torch
     torch.set_num_threads(args.threads)
-    from wideserve.entrypoints.llm import LLM
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.serving.llm import LLM
+    from wideserve.types.sampling_params import SamplingParams
     extra = {} if args.enforce_eager is None else {"enforce_eager": args.enforce_eager}
     t = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **extra)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "tests" / "entrypoints" / "openai"))
 from test_engine_proc_plumbing import _client, _env, _req  # noqa: E402
 
 from wideserve.config import EngineConfig  # noqa: E402
-from wideserve.core.engine_client import EngineCoreClient  # noqa: E402
+from wideserve.serving.engine_client import EngineCoreClient  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

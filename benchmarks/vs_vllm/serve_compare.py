@@ -5,7 +5,7 @@ For each model, the engines alternate within one run (the order flips every roun
 the server, warm it up, then for each concurrency (1 / 4 / 16) and each client (aiohttp,
 httpx) send `--prompts-per-concurrency x c` (at least `--min-prompts`) streaming requests of
 128 token ids -> 128 tokens, greedy, EOS ignored, and compute the metrics with
-wideserve.bench.metrics (the definitions of docs/benchmarking.md, the same for both
+wideserve.bench.latency_metrics (the definitions of docs/benchmarking.md, the same for both
 engines). One JSON line per (engine, model, concurrency, client).
 
   PYTHONPATH=. WS_PY=.venv/bin/python VLLM_PY/bin/python benchmarks/vs_vllm/serve_compare.py \
@@ -34,7 +34,7 @@ from typing import Any
 
 from wideserve.bench.client import ServeTarget, build_body, send_request
 from wideserve.bench.datasets import BenchRequest
-from wideserve.bench.metrics import RequestRecord, compute_metrics
+from wideserve.bench.latency_metrics import RequestRecord, compute_metrics
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

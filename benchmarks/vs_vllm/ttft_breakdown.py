@@ -58,10 +58,10 @@ class _Traces:
 
 
 def _install_hooks(traces: _Traces) -> None:
-    from wideserve.core import engine_client as ec
-    from wideserve.core.sched_output import RequestEventType
-    from wideserve.entrypoints.openai import (api_server, async_engine, serving,
-                                              serving_completions)
+    from wideserve.serving import engine_client as ec
+    from wideserve.types.sched_output import RequestEventType
+    from wideserve.entrypoints import api_server
+    from wideserve.serving.openai import async_engine, serving, serving_completions
 
     def after(owner: Any, name: str, mark: str) -> None:
         inner = getattr(owner, name)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from wideserve import LLM, SamplingParams
-from wideserve.executor.loader import BUNDLED_MODEL
+from wideserve.worker.model_loader import BUNDLED_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 256

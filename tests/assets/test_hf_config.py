@@ -11,8 +11,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from wideserve.models.deepseek_v4_config import DeepseekV4Config  # noqa: E402
-from wideserve.models.deepseek_v41_config import DeepseekV41Config  # noqa: E402
+from wideserve.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
+from wideserve.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "wideserve" / "assets"
 V4, V41 = ASSETS / "shakespeare-v4-tiny", ASSETS / "shakespeare-v41-tiny"

@@ -14,8 +14,8 @@ from wideserve.bench.agentic import (AgenticParams, generate_session, generate_s
                                      iter_requests, read_traces, trace_stats, write_traces)
 from wideserve.bench.agentic_replay import BlockText, ReplayClock, trace_turns
 from wideserve.bench.datasets import WordVocab
-from wideserve.executor.loader import BUNDLED_MODEL
-from wideserve.tokenizer import Tokenizer
+from wideserve.worker.model_loader import BUNDLED_MODEL
+from wideserve.text.tokenizer import Tokenizer
 
 TRACE_KEYS = {"id", "models", "block_size", "hash_id_scope", "tool_tokens", "system_tokens",
               "requests", "totals"}

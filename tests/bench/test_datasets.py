@@ -6,8 +6,8 @@ import pytest
 
 from wideserve.bench.datasets import (WordVocab, random_requests, sample_lengths,
                                       shared_prefix_requests, token_pool)
-from wideserve.executor.loader import BUNDLED_MODEL
-from wideserve.tokenizer import Tokenizer
+from wideserve.worker.model_loader import BUNDLED_MODEL
+from wideserve.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from wideserve.bench.metrics import (RequestRecord, compute_metrics, distribution,
-                                     e2e_interactivity, server_metric_deltas)
+from wideserve.bench.latency_metrics import (RequestRecord, compute_metrics, distribution,
+                                             e2e_interactivity, server_metric_deltas)
 from wideserve.bench.prometheus import normalise, parse_metrics
 
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.core.kv_cache import (CacheKind, KVCacheManager, KVCacheSpec,
-                                     build_kv_cache_config)
-from wideserve.core.sched_output import EngineCoreOutput, SchedulerOutput
-from wideserve.core.scheduler import Scheduler
-from wideserve.request import Request
-from wideserve.sampling_params import SamplingParams
+from wideserve.kv_cache import CacheKind, KVCacheManager, KVCacheSpec, build_kv_cache_config
+from wideserve.types.sched_output import EngineCoreOutput, SchedulerOutput
+from wideserve.engine.scheduler import Scheduler
+from wideserve.types.request import Request
+from wideserve.types.sampling_params import SamplingParams
 
 VOCAB = 1000
 EOS = 999

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from wideserve.core import engine_proc
-from wideserve.core.engine_proc import STATS_INTERVAL_S, EngineLoop
+from wideserve.engine import engine_proc
+from wideserve.engine.engine_proc import STATS_INTERVAL_S, EngineLoop
 
 
 class _Engine:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from wideserve.core.output_processor import OutputProcessor
-from wideserve.core.sched_output import EngineCoreOutput
-from wideserve.sampling_params import SamplingParams
-from wideserve.tokenizer import Tokenizer
+from wideserve.serving.output_processor import OutputProcessor
+from wideserve.types.sched_output import EngineCoreOutput
+from wideserve.types.sampling_params import SamplingParams
+from wideserve.text.tokenizer import Tokenizer
 
 ASSET = Path(__file__).resolve().parents[2] / "wideserve" / "assets" / "shakespeare-v4-tiny"
 

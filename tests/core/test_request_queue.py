@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from wideserve.core.request_queue import FCFSQueue, PriorityQueue, make_request_queue
-from wideserve.request import Request
-from wideserve.sampling_params import SamplingParams
+from wideserve.engine.request_queue import FCFSQueue, PriorityQueue, make_request_queue
+from wideserve.types.request import Request
+from wideserve.types.sampling_params import SamplingParams
 
 
 def _req(rid: str, priority: int = 0, arrival: float = 0.0) -> Request:

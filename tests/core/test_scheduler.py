@@ -5,8 +5,8 @@ import pytest
 from sched_harness import (SchedulerFactory, Trace, make_request, next_token, run_to_completion,
                            step)
 
-from wideserve.core.sched_output import RequestEventType
-from wideserve.request import RequestStatus
+from wideserve.types.sched_output import RequestEventType
+from wideserve.types.request import RequestStatus
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_config_validation():
     from sched_harness import make_kv_manager
 
     from wideserve.config import SchedulerConfig
-    from wideserve.core.scheduler import Scheduler
+    from wideserve.engine.scheduler import Scheduler
     kv = make_kv_manager(8, 4)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(SchedulerConfig(max_num_batched_tokens=0), kv, 64)
@@ -171,8 +171,8 @@ def test_config_validation():
 
 
 def test_prefix_hit_is_reported_and_skipped(make):
-    from wideserve.request import Request
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.types.request import Request
+    from wideserve.types.sampling_params import SamplingParams
     sched, kv = make(block_size=16)
     shared = [(i * 7) % 900 for i in range(40)]
     first = Request("first", shared + [1, 2, 3], SamplingParams(max_tokens=2))

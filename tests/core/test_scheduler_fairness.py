@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from sched_harness import SchedulerFactory, make_request, run_to_completion, step
 
-from wideserve.core.request_queue import FCFSQueue
+from wideserve.engine.request_queue import FCFSQueue
 
 
 @pytest.fixture
@@ -78,8 +78,8 @@ def test_queue_round_robin_resume_and_remove():
 
 
 def test_children_and_prompts_of_one_client_request_share_a_group():
-    from wideserve.core.output_processor import OutputProcessor
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.serving.output_processor import OutputProcessor
+    from wideserve.types.sampling_params import SamplingParams
 
     proc = OutputProcessor(None)
     kids = proc.add_request("p", None, [1, 2], SamplingParams(n=3))

@@ -5,8 +5,8 @@ import pytest
 from sched_harness import (SchedulerFactory, Trace, make_request, next_token, run_to_completion,
                            step)
 
-from wideserve.core.sched_output import RequestEventType
-from wideserve.request import RequestStatus
+from wideserve.types.sched_output import RequestEventType
+from wideserve.types.request import RequestStatus
 
 
 @pytest.fixture
@@ -265,8 +265,8 @@ def _workload(seed: int, n: int) -> list[tuple[str, list[int], int, int]]:
 
 
 def _run_workload(sched, kv, work, max_steps=3000):
-    from wideserve.request import Request
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.types.request import Request
+    from wideserve.types.sampling_params import SamplingParams
     trace = Trace()
     for t in range(max_steps):
         for i, (rid, prompt, max_tokens, arrival, prio) in enumerate(work):

@@ -90,7 +90,7 @@ def test_negative_share_is_rejected():
     from sched_harness import make_kv_manager
 
     from wideserve.config import SchedulerConfig
-    from wideserve.core.scheduler import Scheduler
+    from wideserve.engine.scheduler import Scheduler
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         Scheduler(SchedulerConfig(max_prefill_tokens_while_decoding=-1), make_kv_manager(8, 4),
                   64)

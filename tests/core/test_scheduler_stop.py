@@ -5,7 +5,7 @@ import pytest
 from sched_harness import (EOS, SchedulerFactory, Trace, make_request, next_token,
                            run_to_completion, step)
 
-from wideserve.request import RequestStatus
+from wideserve.types.request import RequestStatus
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from wideserve.core.step_timer import StepTimer
+from wideserve.engine.step_timer import StepTimer
 
 
 def test_sync_runs_before_each_clock_read() -> None:

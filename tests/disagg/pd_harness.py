@@ -9,11 +9,11 @@ import warnings
 from pathlib import Path
 
 from wideserve.config import engine_config_from_kwargs
-from wideserve.core.engine_core import EngineCore
-from wideserve.core.messages import EngineCoreRequest
+from wideserve.engine.engine_core import EngineCore
+from wideserve.types.messages import EngineCoreRequest
 from wideserve.disagg.loopback import LoopbackHub
-from wideserve.executor.loader import load_model
-from wideserve.sampling_params import SamplingParams
+from wideserve.worker.model_loader import load_model
+from wideserve.types.sampling_params import SamplingParams
 
 
 def write_config(path: Path, cfg: dict) -> str:

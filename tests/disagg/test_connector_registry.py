@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wideserve.disagg import connector
-from wideserve.disagg.config import CONNECTORS, KVTransferConfig
+from wideserve.config.kv_transfer import CONNECTORS, KVTransferConfig
 
 
 def test_registry_covers_the_configured_connectors() -> None:

@@ -12,9 +12,9 @@ import pytest
 
 from pd_harness import decode, greedy, make_engines, prefill, run_colocated, settle, write_config
 from test_pd_faults import LLAMA, MAX_NEW
-from wideserve.core.messages import EngineCoreRequest
+from wideserve.types.messages import EngineCoreRequest
 from wideserve.disagg.leases import LeaseRef, LeaseTable
-from wideserve.disagg.metrics import families
+from wideserve.disagg.connector_metrics import families
 from wideserve.disagg.params import RemoteKV, handle_problem, prompt_digest, sign_handle
 
 ROWS = [[3, 4, 5], [0, 7, 8]]

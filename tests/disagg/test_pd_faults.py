@@ -9,8 +9,8 @@ import pytest
 
 from pd_harness import (decode, drain, greedy, make_engines, prefill, run_colocated, settle,
                         write_config)
-from wideserve.core.messages import EngineCoreRequest
-from wideserve.disagg.metrics import families
+from wideserve.types.messages import EngineCoreRequest
+from wideserve.disagg.connector_metrics import families
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 160,
          "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -9,7 +9,7 @@ import pytest
 
 from models import v4_configs
 from pd_harness import make_engines, prefill, run_colocated, run_pd, settle, write_config
-from wideserve.tokenizer import Tokenizer
+from wideserve.text.tokenizer import Tokenizer
 
 MAX_NEW = 6
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from wideserve.disagg.peer_auth import HEADER, PeerAuth, sign_request
-from wideserve.disagg.router import RouterConfig, build_app
+from wideserve.serving.openai.pd_router import RouterConfig, build_app
 
 P, D = "http://prefill.test", "http://decode.test"
 SECRET = b"router-unit-test-secret-0123456789"

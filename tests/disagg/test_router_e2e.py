@@ -90,7 +90,7 @@ def test_router_greedy_equals_colocated_streaming_and_not(cluster):
     assert _metric(metrics, "wideserve_router_remote_kv_total", used="true") == len(PROMPTS) + 1
     held = [_stats(cluster[p])["kv_transfer"]["leases_released"] for p in ("p1", "p2")]
     assert sum(held) == len(PROMPTS) + 1 and min(held) > 0        # both prefills served
-    # The engines' connector metrics on each server's /metrics (disagg/metrics.py).
+    # The engines' connector metrics on each server's /metrics (disagg/connector_metrics.py).
     dm = httpx.get(d.url + "/metrics").text
     for name in ("loads_completed_total", "load_seconds_count"):
         assert _metric(dm, "wideserve:kv_transfer_" + name) == len(PROMPTS) + 1, name

@@ -87,7 +87,7 @@ def engine_children(server_pid: int) -> dict[int, int]:
         except OSError:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) != server_pid or \
-                b"wideserve.core.engine_proc" not in args:
+                b"wideserve.engine.engine_proc" not in args:
             continue
         config = args[args.index(b"--config-json") + 1].decode()
         import json

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wideserve.config import ParallelConfig, engine_config_from_kwargs
-from wideserve.distributed.expert_shard import ExpertPlacement
+from wideserve.worker.expert_shard import ExpertPlacement
 
 
 def _serve(capsys, *args: str) -> tuple[int, str]:

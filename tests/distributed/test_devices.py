@@ -1,4 +1,4 @@
-"""Per-rank devices (wideserve/distributed/devices.py) on a simulated list of devices: which
+"""Per-rank devices (wideserve/parallel/devices.py) on a simulated list of devices: which
 rank runs where on one node and on several, the refusals, and that a DP engine rank hands its
 own device (not --device as given) to its model and to its process group."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from wideserve.config import EngineConfig, LoadConfig, ParallelConfig
-from wideserve.distributed import devices as dev
-from wideserve.distributed import dp_engine
-from wideserve.distributed.devices import DevicePlanError, plan_devices, rank_device
-from wideserve.distributed.groups import backend_for
+from wideserve.parallel import devices as dev
+from wideserve.engine import dp_engine
+from wideserve.parallel.devices import DevicePlanError, plan_devices, rank_device
+from wideserve.parallel.groups import backend_for
 
 GPUS8 = [f"cuda:{i}" for i in range(8)]
 
@@ -129,7 +129,7 @@ def test_dp_engine_rank_gets_its_own_device(monkeypatch) -> None:
 
 
 def test_headless_refuses_before_spawning(monkeypatch, capsys) -> None:
-    from wideserve.distributed import launch
+    from wideserve.serving import dp_launch as launch
     monkeypatch.setattr(dev, "device_count", lambda kind: 1)
     monkeypatch.setattr(launch, "spawn_rank", lambda *a, **k: pytest.fail("spawned a rank"))
     par = ParallelConfig(data_parallel_size=4, data_parallel_size_local=2,

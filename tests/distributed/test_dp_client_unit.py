@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from wideserve.distributed.offline import stall_report
+from wideserve.serving.dp_offline import stall_report
 
 
 def test_stall_report_names_each_ranks_load_and_silence():

@@ -13,15 +13,15 @@ from dist_utils import free_port, run_ranks
 def _group(rank: int, world: int, port: int, timeout_s: float):
     import torch
     from wideserve.config import ParallelConfig
-    from wideserve.distributed.groups import init_dp_group
+    from wideserve.parallel.groups import init_dp_group
     return init_dp_group(ParallelConfig(data_parallel_size=world, data_parallel_rank=rank,
                                         data_parallel_rpc_port=port,
                                         dp_sync_timeout_s=timeout_s), torch.device("cpu"))
 
 
 def _silent_worker(rank: int, world: int, port: int) -> dict:
-    from wideserve.distributed.dp_sync import GlooStepSync, RecursiveDoublingSync
-    from wideserve.distributed.groups import DPGroupError
+    from wideserve.parallel.dp_sync import GlooStepSync, RecursiveDoublingSync
+    from wideserve.parallel.groups import DPGroupError
     group = _group(rank, world, port, 1.0)
     syncs = [RecursiveDoublingSync(group), GlooStepSync(group)]
     for sync in syncs:

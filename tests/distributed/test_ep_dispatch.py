@@ -58,8 +58,8 @@ STEPS = [
 
 def _worker(rank: int, world: int, port: int) -> dict:
     from wideserve.config import ParallelConfig
-    from wideserve.distributed.ep import AllToAllDispatcher
-    from wideserve.distributed.groups import init_dp_group
+    from wideserve.layers.ep_dispatch import AllToAllDispatcher
+    from wideserve.parallel.groups import init_dp_group
     group = init_dp_group(ParallelConfig(
         data_parallel_size=world, data_parallel_rank=rank, data_parallel_rpc_port=port,
         enable_expert_parallel=True, dp_sync_timeout_s=30), torch.device("cpu"))
@@ -93,8 +93,7 @@ def _worker(rank: int, world: int, port: int) -> dict:
 def _sync_rows(group, rank: int) -> dict:
     """The per-step DP sync on the same group: both methods, then "auto"."""
     import numpy as np
-    from wideserve.distributed.dp_sync import (GlooStepSync, RecursiveDoublingSync,
-                                               choose_step_sync)
+    from wideserve.parallel.dp_sync import GlooStepSync, RecursiveDoublingSync, choose_step_sync
     out = {}
     for sync in (GlooStepSync(group), RecursiveDoublingSync(group)):
         out[sync.name] = [sync.exchange(np.array([rank, 10 * rank + s, s])).tolist()

@@ -1,4 +1,4 @@
-"""EP dispatchers are a registry of EPDispatcher implementations (distributed/ep.py), picked
+"""EP dispatchers are a registry of EPDispatcher implementations (layers/ep_dispatch.py), picked
 by ParallelConfig.ep_dispatcher."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from wideserve.config import ParallelConfig
-from wideserve.distributed import ep
+from wideserve.layers import ep_dispatch as ep
 
 
 def test_default_dispatcher_is_registered() -> None:

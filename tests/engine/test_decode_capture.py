@@ -1,4 +1,4 @@
-"""The captured decode step (executor/decode_capture.py) on the CPU: decode batches padded to
+"""The captured decode step (worker/decode_capture.py) on the CPU: decode batches padded to
 capture sizes and run over static buffers ("replayed" eagerly: the CUDA graph capture itself
 needs a GPU). Greedy outputs equal the eager path's across batch-size changes, preemption,
 prefix hits and speculative decoding; padded rows write nothing but the null block."""
@@ -13,9 +13,8 @@ import torch
 from oracle import mixed_prompts, save_hf
 from test_engine_greedy import _qwen3_moe
 from wideserve import LLM, SamplingParams
-from wideserve.executor.decode_capture import (CPU_DEFAULT, CapturedDecode, capture_sizes,
-                                               context_buckets, decode_capture_enabled,
-                                               padded_size)
+from wideserve.worker.decode_capture import (CPU_DEFAULT, CapturedDecode, capture_sizes,
+                                             context_buckets, decode_capture_enabled, padded_size)
 
 LENGTHS = [3, 9, 17, 30, 41, 5, 12, 27]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -119,8 +118,8 @@ def test_greedy_equal_with_batch_changes_preemption_and_prefix_hits(model_path) 
 def test_cuda_like_copies(model_path) -> None:
     """Separate device copies of the static buffers and block tables (uploaded each step, as on
     CUDA) give the same greedy outputs: every field the model reads is uploaded."""
-    from wideserve.executor.block_tables import BlockTables
-    from wideserve.executor.decode_capture import StaticDecodeInputs
+    from wideserve.worker.block_tables import BlockTables
+    from wideserve.worker.decode_capture import StaticDecodeInputs
     prompts = mixed_prompts(160, LENGTHS, seed=5)
     base = _generate(_llm(model_path, False), prompts)
     llm = _llm(model_path, False)
@@ -266,7 +265,7 @@ def test_speculative_decoding_composes(tmp_path) -> None:
 
 
 def test_block_tables_reserve_keeps_the_tables() -> None:
-    from wideserve.executor.block_tables import BlockTables
+    from wideserve.worker.block_tables import BlockTables
     t = BlockTables(2, CPU, rows=2, separate_copy=True)
     pad = t.reserve_row()
     t.reserve(9, [5, 40])
@@ -284,7 +283,7 @@ def test_the_cuda_decode_path_replays_as_captured(tmp_path, monkeypatch) -> None
     shape trace of its capture (other contexts, tokens, rows: what a graph replays), and the
     greedy outputs equal the default eager engine's."""
     from cuda_paths import force_cuda_paths
-    from wideserve.executor.capture_guard import GuardedCapturer
+    from wideserve.worker.capture_guard import GuardedCapturer
     path = str(save_hf(_qwen3_moe(), tmp_path / "qwen3_moe"))
     prompts = mixed_prompts(160, LENGTHS, seed=7)
     base = _generate(_llm(path, False), prompts)
@@ -327,7 +326,7 @@ def test_cuda_graph_capturer_protocol(monkeypatch) -> None:
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from wideserve.executor.decode_capture import CudaGraphCapturer
+    from wideserve.worker.decode_capture import CudaGraphCapturer
     log: list = []
 
     class Stream:

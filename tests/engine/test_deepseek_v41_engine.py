@@ -109,7 +109,7 @@ def test_decoder_bounded_replay_flag(case):
     V4.1; the CLI flag reaches the config."""
     import argparse
 
-    from wideserve.models.llama import LlamaConfig, LlamaForCausalLM
+    from wideserve.models.llama.model import LlamaConfig, LlamaForCausalLM
     from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
     llm = _llm(case, decoder_bounded_replay=True)
     assert llm.engine.model.decoder_replay is True

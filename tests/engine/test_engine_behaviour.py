@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wideserve import LLM, SamplingParams
-from wideserve.core.messages import EngineCoreRequest
+from wideserve.types.messages import EngineCoreRequest
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import math
 
 from models import v4_configs
 from wideserve.config import engine_config_from_kwargs
-from wideserve.core.engine_core import EngineCore
-from wideserve.core.messages import EngineCoreRequest
-from wideserve.sampling_params import SamplingParams
+from wideserve.engine.engine_core import EngineCore
+from wideserve.types.messages import EngineCoreRequest
+from wideserve.types.sampling_params import SamplingParams
 
 PROMPT = 4096
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from wideserve import LLM, SamplingParams
-from wideserve.core.errors import DuplicateRequestError, EngineStateError
-from wideserve.core.messages import EngineCoreRequest
-from wideserve.executor import worker as worker_mod
+from wideserve.engine.errors import DuplicateRequestError, EngineStateError
+from wideserve.types.messages import EngineCoreRequest
+from wideserve.engine import step_worker as worker_mod
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

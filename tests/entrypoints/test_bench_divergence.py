@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from wideserve.bench.throughput_cmd import _divergence_line, _divergences
+from wideserve.entrypoints.bench_throughput import _divergence_line, _divergences
 from wideserve.entrypoints.cli import main as cli_main
 
 

@@ -15,7 +15,7 @@ from wideserve.entrypoints import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "numpy", "fastapi", "uvicorn", "zmq", "transformers",
-         "wideserve.core", "wideserve.executor", "wideserve.models")
+         "wideserve.engine", "wideserve.worker", "wideserve.models")
 
 _PROBE = """
 import json, sys

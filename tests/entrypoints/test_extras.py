@@ -1,5 +1,5 @@
 """A feature whose optional dependency is missing fails at once with one line naming the pip
-extra that installs it (wideserve/extras.py), not with an ImportError from deep inside."""
+extra that installs it (wideserve/utils/extras.py), not with an ImportError from deep inside."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from wideserve import LLM, extras
+from wideserve import LLM
+from wideserve.utils import extras
 from wideserve.entrypoints import cli
 
 PD = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})

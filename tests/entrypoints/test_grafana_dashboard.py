@@ -11,17 +11,17 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from wideserve.core.engine_core import EngineStats
-from wideserve.core.engine_ipc import to_builtins
-from wideserve.core.step_timer import StepStats
+from wideserve.engine.engine_core import EngineStats
+from wideserve.engine.engine_ipc import to_builtins
+from wideserve.engine.step_timer import StepStats
 from wideserve.disagg.scheduler_side import ConnectorStats
-from wideserve.distributed.dp_engine import DPStepStats
-from wideserve.distributed.dp_metrics import DPStatsCollector
-from wideserve.distributed.eplb.balancer import BalancerStats
-from wideserve.entrypoints.openai.metrics import ServerMetrics
-from wideserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from wideserve.sampling_params import SamplingParams
-from wideserve.spec_decode.metrics import SpecDecodeStats
+from wideserve.engine.dp_engine import DPStepStats
+from wideserve.serving.dp_metrics import DPStatsCollector
+from wideserve.worker.eplb_balancer import BalancerStats
+from wideserve.serving.openai.server_metrics import ServerMetrics
+from wideserve.types.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from wideserve.types.sampling_params import SamplingParams
+from wideserve.spec_decode.acceptance_metrics import SpecDecodeStats
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # vLLM's own dashboard (its panels and queries; the file names its source and licence).

@@ -12,7 +12,7 @@ from wideserve.config import LoadConfig
 from wideserve.entrypoints.cli import main as cli_main
 from wideserve.entrypoints.info import describe_model
 from wideserve.entrypoints.plan import GIB, PlanInputs, WeightBytes, plan_lines, weight_bytes
-from wideserve.executor.loader import build_model, load_model, read_config, resolve_model_path
+from wideserve.worker.model_loader import build_model, load_model, read_config, resolve_model_path
 from wideserve.models.registry import resolve_model_class
 
 DATA = Path(__file__).resolve().parents[1] / "data"

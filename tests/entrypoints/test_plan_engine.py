@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from wideserve.config import CacheConfig, LoadConfig, SchedulerConfig
-from wideserve.core.kv_cache.groups import allocate_kv_tensors, build_kv_cache_config
+from wideserve.kv_cache.groups import allocate_kv_tensors, build_kv_cache_config
 from wideserve.entrypoints.cli import main as cli_main
 from wideserve.entrypoints.info import _draft_specs
 from wideserve.entrypoints.plan import (CHECKPOINT_EXPERT_BYTES, GIB, engine_kv_sizes,
                                         host_resident_modules, weight_bytes)
-from wideserve.executor.loader import BUNDLED_MODEL, build_model, load_model, read_config
+from wideserve.worker.model_loader import BUNDLED_MODEL, build_model, load_model, read_config
 from wideserve.models.registry import resolve_model_class
 
 ASSETS = BUNDLED_MODEL.parent

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from wideserve.config import engine_config_from_kwargs
-from wideserve.entrypoints.startup import PREFIX, features, startup_summary
+from wideserve.serving.startup import PREFIX, features, startup_summary
 from wideserve.kernels import describe
-from wideserve.executor.loader import _with_progress
+from wideserve.worker.model_loader import _with_progress
 
 INFO = {"architecture": "DeepseekV4ForCausalLM", "dtype": "bfloat16", "num_params": 13_760_000_000,
         "num_active_params": 1_000_000_000, "kv_capacity_tokens": 1_114_112,
@@ -98,7 +98,7 @@ def test_kernels_line_without_an_engine_report_names_the_build() -> None:
 def test_the_engine_reports_its_kernels(monkeypatch, tmp_path) -> None:
     """The engine's ModelInfo carries the lines the server prints: the build and the GEMM
     choice of the loaded model (measured here, in a cache of the test's own)."""
-    from wideserve.core.engine_core import EngineCore
+    from wideserve.engine.engine_core import EngineCore
     from wideserve.kernels import choice
 
     monkeypatch.setenv(choice.ENV_FORCE, "auto")

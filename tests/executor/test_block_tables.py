@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from wideserve.executor.block_tables import BlockTables
+from wideserve.worker.block_tables import BlockTables
 
 
 @pytest.mark.parametrize("separate_copy", [False, True])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from wideserve.executor.model_runner import GroupLayout, ModelRunner, StepRequest
+from wideserve.worker.model_runner import GroupLayout, ModelRunner, StepRequest
 
 
 def _runner() -> ModelRunner:

@@ -1,4 +1,4 @@
-"""CaptureGuard (executor/capture_guard.py): each kind of forward a CUDA graph cannot record
+"""CaptureGuard (worker/capture_guard.py): each kind of forward a CUDA graph cannot record
 raises with its reason; the allowed forms pass and are traced. What it proves about the GQA
 models is in tests/models/test_cuda_decode_path.py."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from wideserve.distributed.eplb.replicas import count_rows
-from wideserve.executor.capture_guard import CaptureGuard, CaptureViolation
+from wideserve.parallel.eplb.replicas import count_rows
+from wideserve.worker.capture_guard import CaptureGuard, CaptureViolation
 
 
 def _x() -> torch.Tensor:

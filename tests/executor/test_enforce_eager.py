@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from wideserve.core.engine_core import _compile_model
+from wideserve.engine.engine_core import _compile_model
 from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from wideserve.models.interface import CausalLM
 

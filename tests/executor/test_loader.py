@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import save_file
 
 from wideserve.config import LoadConfig
-from wideserve.executor import loader
-from wideserve.executor.deepseek_names import rename_deepseek_v4
-from wideserve.executor.dummy_weights import distinct_expert_table
-from wideserve.executor.loader import load_model, resolve_dtype
-from wideserve.executor.weights import CheckpointReader, QuantFormat
+from wideserve.worker import model_loader as loader
+from wideserve.models.deepseek_v4.checkpoint_names import rename_deepseek_v4
+from wideserve.worker.dummy_weights import distinct_expert_table
+from wideserve.worker.model_loader import load_model, resolve_dtype
+from wideserve.worker.weights import CheckpointReader, QuantFormat
 from wideserve.layers import quant
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96,
@@ -179,7 +179,7 @@ def test_bundled_model_missing_is_clear(monkeypatch, tmp_path):
 
 
 def test_gguf_files_go_to_the_gguf_loader(tmp_path, monkeypatch):
-    from wideserve.executor import gguf_loader
+    from wideserve.worker import gguf_loader
 
     calls = []
     model = torch.nn.Linear(2, 2)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from paged_harness import PagedHarness
 from wideserve.config import LoadConfig
-from wideserve.executor.loader import load_model
+from wideserve.worker.model_loader import load_model
 from wideserve.layers import quant
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"

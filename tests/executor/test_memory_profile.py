@@ -1,4 +1,4 @@
-"""KV sizing after a maximal dummy step (executor/memory_profile.py), run on CPU with a
+"""KV sizing after a maximal dummy step (worker/memory_profile.py), run on CPU with a
 stand-in for the accelerator's memory statistics: the dummy step is the largest the
 scheduler can build, the budget arithmetic is vLLM's, and serving is unchanged."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from wideserve import LLM, SamplingParams
 from wideserve.config import SchedulerConfig
-from wideserve.executor import memory_profile
-from wideserve.executor.model_runner import ModelRunner
+from wideserve.worker import memory_profile
+from wideserve.worker.model_runner import ModelRunner
 
 MIB = 1 << 20
 ARGS = dict(dtype="float32", block_size=64, max_num_batched_tokens=96, max_num_seqs=4,

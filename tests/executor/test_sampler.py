@@ -8,16 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from wideserve.executor.sampler import (
-    Sampler,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    build_sampling_metadata,
-    compute_prompt_logprobs,
-    make_generator,
-)
-from wideserve.sampling_params import SamplingParams
+from wideserve.worker.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
+                                      build_sampling_metadata, compute_prompt_logprobs,
+                                      make_generator)
+from wideserve.types.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # Each chi-square test fails a correct sampler with probability P_FALSE (for a random seed;
@@ -366,7 +360,7 @@ def test_logits_shape_is_checked():
 def test_plain_greedy_is_what_the_sampler_does_without_metadata(kw, plain):
     """plain_greedy (the engine's fast path: argmax without SamplingMetadata) holds exactly
     when the metadata would apply nothing; then the sampler's tokens are the argmax."""
-    from wideserve.executor.sampler import argmax_rows, plain_greedy
+    from wideserve.worker.sampler import argmax_rows, plain_greedy
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, **kw)]
     outputs = [[1, 2], [3, 4]]
     assert plain_greedy(params, [len(o) for o in outputs]) is plain

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from wideserve.config import ParallelConfig
-from wideserve.distributed.devices import plan_devices
-from wideserve.distributed.groups import backend_for
+from wideserve.parallel.devices import plan_devices
+from wideserve.parallel.groups import backend_for
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def test_nccl_is_the_backend_of_a_cuda_rank() -> None:
 
 
 def test_step_metadata_copy_is_pinned_and_asynchronous() -> None:
-    from wideserve.device import to_device
+    from wideserve.utils.device import to_device
     a = np.arange(1 << 16, dtype=np.int64)
     torch.cuda.set_sync_debug_mode("error")       # the copy must not synchronise the host
     try:
@@ -38,7 +38,7 @@ def test_step_metadata_copy_is_pinned_and_asynchronous() -> None:
 
 def test_tiny_v4_greedy_on_cuda_equals_cpu_fp32() -> None:
     from wideserve import LLM, SamplingParams
-    from wideserve.executor.loader import BUNDLED_MODEL
+    from wideserve.worker.model_loader import BUNDLED_MODEL
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(2, 18))}]
     torch.backends.cuda.matmul.allow_tf32 = False

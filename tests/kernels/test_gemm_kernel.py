@@ -14,7 +14,7 @@ from wideserve.kernels import gemm, loader
 from wideserve.kernels.choice import KernelChoice, KernelPolicy
 from wideserve.layers import linear as linear_mod
 from wideserve.layers.linear import WeightPack
-from wideserve.models.qwen3_moe import TopKRouter
+from wideserve.models.qwen3_moe.model import TopKRouter
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wideserve.executor import sampler
+from wideserve.worker import sampler
 from wideserve.kernels.loader import build
 from wideserve.layers import norm
 

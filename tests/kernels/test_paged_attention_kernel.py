@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from paged_harness import PagedHarness
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.kernels.loader import build
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.attention.paged_attention import paged_attention

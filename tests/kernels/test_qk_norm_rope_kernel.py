@@ -1,6 +1,6 @@
 """The fused C++ q/k norm + RoPE op (wideserve/kernels/csrc/qk_norm_rope.cpp) against the torch
-path it replaces in models/llama.py's Attention (layers/norm.py rms_norm per head, then
-layers/rotary.py apply_rotary), on random shapes: Llama (no q/k norm) and Qwen3 (with it), fp32
+path it replaces in models/llama/model.py's Attention (layers/norm.py rms_norm per head, then
+layers/rope_rotate_half.py apply_rotary), on random shapes: Llama (no q/k norm) and Qwen3 (with it), fp32
 and bf16, head dims 64 and 128 (the AVX512 path) and 40 (portable only), 0, 1 and many tokens,
 in the AVX512 form and the portable form (`portable=True`)."""
 from __future__ import annotations
@@ -10,13 +10,8 @@ import torch
 
 from wideserve.kernels.loader import build
 from wideserve.layers.norm import rms_norm
-from wideserve.layers.rotary import (
-    RopeScaling,
-    RotaryEmbedding,
-    apply_rotary,
-    fused_norm_rope_applies,
-    norm_rope_qkv_,
-)
+from wideserve.layers.rope_rotate_half import (RopeScaling, RotaryEmbedding, apply_rotary,
+                                               fused_norm_rope_applies, norm_rope_qkv_)
 
 # Worst |difference| relative to the largest |value|. bf16: the op rotates in fp32 and rounds
 # once, the torch path rounds every product and the sum (together ~2 ulps, 2^-7 each);

@@ -16,7 +16,7 @@ import torch
 
 from wideserve.kernels import loader
 from wideserve.kernels.v4_indexer import indexer_topk
-from wideserve.layers.indexer import stable_topk_indices
+from wideserve.layers.attention.indexer import stable_topk_indices
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,7 +8,7 @@ from wideserve.kernels import choice as ch
 from wideserve.kernels import describe
 from wideserve.kernels.choice import KernelChoice, KernelPolicy
 from wideserve.layers.kernel_table import kernel_summary, kernel_table_lines, model_gemm_shapes
-from wideserve.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from wideserve.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=24,

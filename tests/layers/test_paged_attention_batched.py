@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged_harness import PagedHarness
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.attention.paged_attention import paged_attention
 from wideserve.layers.attention.paged_attention_batched import (PagedAttentionConfig,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 from wideserve.layers.attention.paged_attention import paged_attention
 from wideserve.layers.attention.paged_decode_static import (chunk_blocks, decode_attention,
                                                             is_decode_batch, paged_decode_static)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from wideserve.layers.rotary import ROPE_TABLE_MIN, RopeScaling, RotaryEmbedding
+from wideserve.layers.rope_rotate_half import ROPE_TABLE_MIN, RopeScaling, RotaryEmbedding
 
 
 def test_table_rows_equal_computed_rows():

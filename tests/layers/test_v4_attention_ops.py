@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wideserve.layers import indexer
+from wideserve.layers.attention import indexer
 from wideserve.layers.attention.registry import (ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND,
                                                  ENV_VAR, get_attention_backend,
                                                  resolve_attention_backend)
-from wideserve.layers.indexer import index_topk, keyed_topk, stable_topk_indices
-from wideserve.layers.rope import apply_rope, rope_cis, rotate
-from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-from wideserve.models.deepseek_v4_config import DeepseekV4Config
+from wideserve.layers.attention.indexer import index_topk, keyed_topk, stable_topk_indices
+from wideserve.layers.rope_interleaved import apply_rope, rope_cis, rotate
+from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from wideserve.models.deepseek_v4.config import DeepseekV4Config
 
 
 def test_registry_default_env_and_errors(monkeypatch):

@@ -1,5 +1,5 @@
 """The GQA models' decode forward on the code paths it takes on CUDA (tests/cuda_paths.py),
-under CaptureGuard (executor/capture_guard.py): it does nothing a CUDA graph cannot record,
+under CaptureGuard (worker/capture_guard.py): it does nothing a CUDA graph cannot record,
 records the same ops and shapes whatever the contexts and tokens, and equals the reference
 backend; the CPU paths, the host-planned attention and the syncing experts fail the same
 guard. And `decode_capturable` says so on CUDA only where it holds (docs/cuda_graphs.md)."""
@@ -11,7 +11,7 @@ import torch
 from cuda_paths import force_cuda_paths
 from paged_harness import PagedHarness
 from test_paged_backends import build
-from wideserve.executor.capture_guard import CaptureGuard, CaptureViolation
+from wideserve.worker.capture_guard import CaptureGuard, CaptureViolation
 from wideserve.layers import experts
 
 CUDA = torch.device("cuda")

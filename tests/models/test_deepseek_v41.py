@@ -26,8 +26,8 @@ from paged_harness import PagedHarness
 from safetensors.torch import save_file
 
 from wideserve.config import CacheConfig
-from wideserve.core.kv_cache import allocate_kv_tensors, build_kv_cache_config
-from wideserve.core.kv_cache.spec import SharedKVSpec
+from wideserve.kv_cache import allocate_kv_tensors, build_kv_cache_config
+from wideserve.kv_cache.spec import SharedKVSpec
 from wideserve.layers.attention import v41_batched
 
 TOL = 1e-4
@@ -220,7 +220,7 @@ def test_shared_records_are_allocated_and_counted_once(oracle):
 
 def test_dummy_weights_from_the_config(oracle):
     from wideserve.config import LoadConfig
-    from wideserve.executor.loader import load_model
+    from wideserve.worker.model_loader import load_model
     _, path, _, seqs, _ = oracle("C")
     model = load_model(LoadConfig(model=str(path), load_format="dummy", seed=3)).model
     out = _harness(model, seqs[:1]).step([0], seqs[:1])
@@ -256,7 +256,7 @@ def test_decoder_bounded_replay(oracle):
 
 
 def test_config_rejects_candidates_across_ratios():
-    from wideserve.models.deepseek_v41_config import DeepseekV41Config
+    from wideserve.models.deepseek_v41.config import DeepseekV41Config
     kw = dict(h.C, compress_ratios=[1, 1, 2, 0, 2, 2, 2, 0, 0, 0], kv_source_layer_ids=[0, 2],
               index_source_layer_ids=[0, 2, 4], candidate_source_layer_id=0)
     with pytest.raises(ValueError, match="index source 2 comes after the candidate source 0"):

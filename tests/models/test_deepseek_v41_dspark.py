@@ -7,8 +7,8 @@ import pytest
 import torch
 import v41_helpers as h
 
-from wideserve.models.deepseek_v41_config import DeepseekV41Config
-from wideserve.models.deepseek_v41_dspark import (build_stages, draft_block, draft_head,
+from wideserve.models.deepseek_v41.config import DeepseekV41Config
+from wideserve.models.deepseek_v41.dspark import (build_stages, draft_block, draft_head,
                                                   dspark_rope, load_stage_weights)
 
 TOL = 1e-4

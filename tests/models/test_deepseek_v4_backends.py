@@ -17,7 +17,7 @@ from wideserve.kernels import v4_indexer as indexer_op
 from wideserve.layers.attention import v4_batched
 from wideserve.layers.attention.v4_blocks import LONG_QUERY
 from wideserve.layers.attention.v4_step import V4Step
-from wideserve.models.deepseek_v4_config import CSA, HCA
+from wideserve.models.deepseek_v4.config import CSA, HCA
 
 TOL = 1e-5
 NAMES = ["A", "B", "C", "D", "E"]
@@ -280,7 +280,7 @@ def test_op_count_does_not_grow_with_requests(model, monkeypatch):
     context, never with the requests.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from wideserve.layers.attention.v4_attention import DeepseekV4Attention
+    from wideserve.models.deepseek_v4.attention import DeepseekV4Attention
 
     class Count(TorchDispatchMode):
         n = 0
@@ -317,9 +317,9 @@ def test_bf16_model_runs_attention_products_in_bf16(model, monkeypatch):
     fp32 model with the same weights against the bf16 one, both with fp32 attention: a tiny
     random model amplifies rounding, so this is the honest yardstick; a bug such as a lost
     mask lands far outside it). Forced to fp32 the batched products match the reference."""
-    from wideserve.executor.loader import build_model
+    from wideserve.worker.model_loader import build_model
     from wideserve.layers.experts import RoutedExperts
-    from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     ws32 = model("A")
     ws = build_model(DeepseekV4ForCausalLM, ws32.config, torch.bfloat16, torch.device("cpu"))

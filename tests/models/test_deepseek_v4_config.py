@@ -10,13 +10,13 @@ import v4_configs as cfgs
 from paged_harness import PagedHarness
 from v4_helpers import random_tokens, ws_model
 
-from wideserve.core.kv_cache.spec import CacheKind
-from wideserve.layers.indexer import stable_topk_indices
+from wideserve.kv_cache.spec import CacheKind
+from wideserve.layers.attention.indexer import stable_topk_indices
 from wideserve.layers.mhc import sinkhorn
 from wideserve.layers.moe import DeepseekV4MoE
-from wideserve.layers.rope import RotaryTable
-from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-from wideserve.models.deepseek_v4_config import DeepseekV4Config
+from wideserve.layers.rope_interleaved import RotaryTable
+from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from wideserve.models.deepseek_v4.config import DeepseekV4Config
 from wideserve.models.registry import resolve_model_class
 
 ALL = ("A", "B", "C", "D", "E", "FLASH")

@@ -18,13 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.pre_tokenizers import ByteLevel
 
 from paged_harness import PagedHarness
-from wideserve.executor.gguf_loader import (
-    build_model,
-    load_gguf_checkpoint,
-    load_gguf_model,
-    load_gguf_tokenizer,
-    open_gguf,
-)
+from wideserve.worker.gguf_loader import (build_model, load_gguf_checkpoint, load_gguf_model,
+                                          load_gguf_tokenizer, open_gguf)
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

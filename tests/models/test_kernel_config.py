@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paged_harness import PagedHarness
 from test_paged_backends import build
 from wideserve.config import KernelConfig, engine_config_from_kwargs
-from wideserve.executor.sampler import argmax_rows
+from wideserve.worker.sampler import argmax_rows
 from wideserve.kernels.loader import cpu_ops_available
 
 OFF = KernelConfig(cpu_norm=False, cpu_rope=False, cpu_gemm=False, cpu_attention=False,

@@ -15,8 +15,8 @@ from wideserve.layers import linear as linear_mod
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.linear import cpu_kernel_runs
 from wideserve.models import lean_decode
-from wideserve.models.llama import Qwen3Config, Qwen3ForCausalLM
-from wideserve.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from wideserve.models.llama.model import Qwen3Config, Qwen3ForCausalLM
+from wideserve.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -6,8 +6,8 @@ import torch
 import transformers
 
 from paged_harness import PagedHarness, schedule_steps
-from wideserve.core.kv_cache.spec import CacheKind
-from wideserve.layers.rotary import RopeScaling, parse_rope_config
+from wideserve.kv_cache.spec import CacheKind
+from wideserve.layers.rope_rotate_half import RopeScaling, parse_rope_config
 from wideserve.models.registry import resolve_model_class
 
 TOL = 1e-4

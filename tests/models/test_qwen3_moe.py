@@ -7,7 +7,7 @@ import transformers
 
 from paged_harness import PagedHarness, schedule_steps
 from wideserve.layers.experts import RoutedExperts
-from wideserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from wideserve.models.qwen3_moe.model import Qwen3MoeForCausalLM
 from wideserve.models.registry import resolve_model_class
 
 TOL = 1e-4

@@ -104,7 +104,7 @@ def save_checkpoint(m, kw: dict, path: Path) -> Path:
 
 def ws_model(path: Path):
     from wideserve.config import LoadConfig
-    from wideserve.executor.loader import load_model
+    from wideserve.worker.model_loader import load_model
     return load_model(LoadConfig(model=str(path), dtype="float32")).model
 
 

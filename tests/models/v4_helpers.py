@@ -8,8 +8,8 @@ from typing import Iterator
 
 import torch
 
-from wideserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-from wideserve.models.deepseek_v4_config import DeepseekV4Config
+from wideserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from wideserve.models.deepseek_v4.config import DeepseekV4Config
 
 
 def hf_model(kw: dict, seed: int = 0):

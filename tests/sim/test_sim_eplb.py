@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wideserve.distributed.eplb import policy
+from wideserve.parallel.eplb import policy
 from wideserve.sim.eplb import EplbSettings, EplbState, zipf_shares
 from wideserve.sim.simulator import Layout, Simulation
 from wideserve.sim.workload import fixed

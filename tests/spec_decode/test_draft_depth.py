@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from wideserve.spec_decode.config import SpeculativeConfig
+from wideserve.config.speculative import SpeculativeConfig
 from wideserve.spec_decode.decoder import draft_depth
 
 

@@ -61,7 +61,7 @@ def _generate(llm: LLM, prompts) -> list[list[int]]:
 
 
 def test_tap_features_equal_the_references(ckpt):
-    from wideserve.models.deepseek_v41 import DSPARK_FEATURES
+    from wideserve.models.deepseek_v41.model import DSPARK_FEATURES
     target = ckpt["target"]
     seq = h.random_tokens(30, seed=70)
     captured = []

@@ -1,4 +1,4 @@
-"""The incremental penalty state (executor/penalties.py) equals the one rebuilt from the full
+"""The incremental penalty state (worker/penalties.py) equals the one rebuilt from the full
 histories (sampler._build_penalties): on random histories that grow, with draft tokens ahead
 of verification rows, after a drop and after an output that shrank; and at every step of a
 real engine run with repetition/frequency/presence penalties under speculation (rejected
@@ -14,8 +14,8 @@ import torch
 from spec_models import llama_checkpoint
 
 from wideserve import LLM, SamplingParams
-from wideserve.executor.penalties import PenaltyTracker
-from wideserve.executor.sampler import PenaltyState, _build_penalties
+from wideserve.worker.penalties import PenaltyTracker
+from wideserve.worker.sampler import PenaltyState, _build_penalties
 
 VOCAB = 64
 

@@ -7,7 +7,7 @@ import pytest
 
 from wideserve.config import LoadConfig
 from wideserve.spec_decode import decoder
-from wideserve.spec_decode.config import METHODS, SpeculativeConfig
+from wideserve.config.speculative import METHODS, SpeculativeConfig
 from wideserve.spec_decode.ngram import NgramProposer
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from stats_util import chi_square_pvalue
 
-from wideserve.executor.sampler import Sampler, build_sampling_metadata, make_generator
-from wideserve.sampling_params import SamplingParams
+from wideserve.worker.sampler import Sampler, build_sampling_metadata, make_generator
+from wideserve.types.sampling_params import SamplingParams
 from wideserve.spec_decode.rejection_sampler import RejectionSampler
 
 ALPHA = 1e-3

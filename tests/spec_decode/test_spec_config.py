@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from wideserve.config import EngineConfig, engine_config_from_kwargs
-from wideserve.core.engine_core import EngineStats
-from wideserve.core.engine_ipc import to_builtins
-from wideserve.spec_decode.config import SpeculativeConfig
-from wideserve.spec_decode.metrics import SpecDecodeStats
+from wideserve.engine.engine_core import EngineStats
+from wideserve.engine.engine_ipc import to_builtins
+from wideserve.config.speculative import SpeculativeConfig
+from wideserve.spec_decode.acceptance_metrics import SpecDecodeStats
 from wideserve.spec_decode.ngram import find_continuation
 
 
@@ -89,7 +89,7 @@ def test_prometheus_export_reads_back_under_vllm_names():
     from prometheus_client import generate_latest
 
     from wideserve.bench.prometheus import parse_metrics
-    from wideserve.entrypoints.openai.metrics import ServerMetrics
+    from wideserve.serving.openai.server_metrics import ServerMetrics
     sd = SpecDecodeStats("mtp", 2, forced_acceptance_length=2.0)
     sd.observe(np.array([2, 2, 1]), np.array([2, 0, 1]))
     stats = to_builtins(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, spec_decode=sd))

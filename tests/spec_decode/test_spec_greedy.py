@@ -19,7 +19,7 @@ from spec_models import llama_checkpoint, v4_mtp_checkpoint
 
 from wideserve import LLM, SamplingParams
 from wideserve.config import LoadConfig
-from wideserve.executor.loader import load_model
+from wideserve.worker.model_loader import load_model
 
 MAX_NEW = 12
 LENGTHS = [3, 9, 17, 30, 41, 5, 64, 12, 27, 50, 8, 33, 19, 70, 2, 45]

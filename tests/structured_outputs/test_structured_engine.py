@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from wideserve import LLM, SamplingParams
-from wideserve.core.messages import EngineCoreRequest
-from wideserve.structured_outputs.grammar import GrammarMask, unpack_bitmask
-from wideserve.structured_outputs.params import StructuredOutputsParams as SO
+from wideserve.types.messages import EngineCoreRequest
+from wideserve.worker.grammar_mask import GrammarMask, unpack_bitmask
+from wideserve.types.structured_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
@@ -146,7 +146,7 @@ def test_compilation_is_off_the_step_loop_and_failures_end_one_request(llm, monk
 
 
 def test_logit_bias_in_the_batched_sampler():
-    from wideserve.executor.sampler import Sampler, build_sampling_metadata
+    from wideserve.worker.sampler import Sampler, build_sampling_metadata
     logits = torch.zeros(3, 10)
     logits[:, 2] = 5.0
     params = [SamplingParams(temperature=0.0, logit_bias={7: 10.0}), SamplingParams(temperature=0.0),
@@ -189,7 +189,7 @@ def test_a_constraint_that_dead_ends_mid_decode_fails_its_request(llm):
 def test_a_refused_token_fails_the_request_instead_of_dropping_the_constraint(llm):
     manager = llm.engine.structured
     sp = SamplingParams(structured_outputs=SO(choice=["ROMEO"]))
-    from wideserve.request import Request
+    from wideserve.types.request import Request
     request = Request("r", [1, 2], sp)
     assert manager.hold(request)
     assert manager.ready(5.0) == [request]
@@ -216,7 +216,7 @@ def test_compilation_is_concurrent_and_cached_by_digest(llm, monkeypatch):
         return build(grammar)
 
     monkeypatch.setattr(manager, "_build", gated_build)
-    from wideserve.request import Request
+    from wideserve.types.request import Request
     slow = Request("slow", [1], SamplingParams(structured_outputs=SO(choice=["SLOW"])))
     fast = [Request(f"fast{i}", [1], SamplingParams(structured_outputs=SO(choice=["NURSE"])))
             for i in range(3)]

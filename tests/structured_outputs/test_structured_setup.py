@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys, threading, warnings
 from wideserve import LLM, SamplingParams
-from wideserve.structured_outputs.params import StructuredOutputsParams as SO
+from wideserve.types.structured_params import StructuredOutputsParams as SO
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -102,7 +102,7 @@ def test_loads_with_transformers(trained_dir: tuple[str, dict]) -> None:
 
 def test_loads_with_wideserve(trained_dir: tuple[str, dict]) -> None:
     from wideserve.config import LoadConfig
-    from wideserve.executor.loader import load_model as ws_load_model
+    from wideserve.worker.model_loader import load_model as ws_load_model
 
     out, _ = trained_dir
     loaded = ws_load_model(LoadConfig(model=out))

@@ -33,7 +33,7 @@ import numpy as np
 
 from wideserve.bench.client import ServeTarget, send_request
 from wideserve.bench.datasets import BenchRequest, WordVocab
-from wideserve.bench.metrics import RequestRecord
+from wideserve.bench.latency_metrics import RequestRecord
 
 
 @dataclass(slots=True)

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wideserve.bench.datasets import BenchRequest
-from wideserve.bench.metrics import RequestRecord
+from wideserve.bench.latency_metrics import RequestRecord
 
 if TYPE_CHECKING:
     import httpx
 
-    from wideserve.tokenizer import Tokenizer
+    from wideserve.text.tokenizer import Tokenizer
 
 _OVERFLOW_MARKERS = ("maximum context length", "context_length_exceeded", "context length")
 

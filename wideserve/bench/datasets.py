@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from wideserve.tokenizer import Tokenizer
+    from wideserve.text.tokenizer import Tokenizer
 
 _WORD = re.compile(r"[ \u2581][A-Za-z]+")
 

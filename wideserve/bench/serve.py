@@ -17,7 +17,7 @@ import numpy as np
 
 from wideserve.bench.client import ServeTarget, send_request
 from wideserve.bench.datasets import BenchRequest
-from wideserve.bench.metrics import RequestRecord, compute_metrics, server_metric_deltas
+from wideserve.bench.latency_metrics import RequestRecord, compute_metrics, server_metric_deltas
 from wideserve.bench.prometheus import scrape
 
 

@@ -24,7 +24,7 @@ import torch
 
 from wideserve.bench.datasets import BenchRequest
 from wideserve.config import EngineConfig
-from wideserve.core.step_timer import PHASES
+from wideserve.engine.step_timer import PHASES
 
 
 @dataclass(slots=True)
@@ -128,7 +128,7 @@ def _snapshot(engine: Any) -> tuple[Any, Any]:
 def run_wideserve(llm: Any, requests: list[BenchRequest], ignore_eos: bool = True,
                   use_tqdm: bool = False) -> tuple[ThroughputResult, list[list[int]]]:
     """Time one `llm.generate` over the requests (the LLM is built and warmed by the caller)."""
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.types.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=ignore_eos)
               for r in requests]
@@ -163,8 +163,8 @@ def run_wideserve(llm: Any, requests: list[BenchRequest], ignore_eos: bool = Tru
 def build_llm(config: EngineConfig, warmup_token: int) -> Any:
     """The engine plus one short warmup generation (allocator and first-call costs), whose
     prompt shares no block with any benchmark prompt."""
-    from wideserve.entrypoints.llm import LLM
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.serving.llm import LLM
+    from wideserve.types.sampling_params import SamplingParams
 
     llm = LLM.from_engine_config(config, skip_tokenizer_init=True)
     llm.generate([{"prompt_token_ids": [warmup_token] * 8}],

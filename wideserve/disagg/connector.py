@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from wideserve.disagg.config import KVTransferConfig
+from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import KVLayout
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.scheduler_side import ConnectorScheduler
@@ -17,8 +17,8 @@ from wideserve.disagg.worker import KVConnectorWorker
 if TYPE_CHECKING:
     import torch
 
-    from wideserve.core.kv_cache.groups import KVCacheConfig
-    from wideserve.core.sched_output import SchedulerOutput
+    from wideserve.kv_cache.groups import KVCacheConfig
+    from wideserve.types.sched_output import SchedulerOutput
 
 # A step with nothing to compute but transfers in flight sleeps this long: a busy poll would
 # starve UCX's progress (and the other processes) on a small machine. With only leases held

@@ -1,6 +1,6 @@
 """Where a KV cache's bytes are, and which pages one request's pull moves.
 
-The KV tensors of an engine are slabs (core/kv_cache/groups.py): bucket b has `num_slabs`
+The KV tensors of an engine are slabs (kv_cache/groups.py): bucket b has `num_slabs`
 byte buffers of [num_blocks, page_bytes]; block id k of group g lives in page k of slabs
 0..len(g.names)-1 of g's bucket. A *region* here is one slab; a transfer *descriptor* is one
 (region, block) page, numbered region_base[r] + block, so both sides prepare their descriptor
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wideserve.core.kv_cache.groups import KVCacheConfig
+from wideserve.kv_cache.groups import KVCacheConfig
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wideserve.disagg.config import KVTransferConfig
+from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import KVLayout
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.params import LoadSpec, RemoteKV

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from wideserve.disagg.config import KVTransferConfig
+from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseRef, LeaseTable
 from wideserve.disagg.fence import Fence, FenceTable

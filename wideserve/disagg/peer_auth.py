@@ -21,9 +21,12 @@ import hashlib
 import hmac
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wideserve.disagg.params import wants_remote_decode
+
+if TYPE_CHECKING:
+    from wideserve.config.kv_transfer import KVTransferConfig
 
 HEADER = "x-wideserve-kv-auth"
 TAG = b"wideserve-kv-peer-v1"       # domain separation from handle and side-channel MACs
@@ -110,3 +113,9 @@ class PeerAuth:
             while len(self._seen) >= MAX_NONCES:
                 self._seen.pop(next(iter(self._seen)))
         self._seen[nonce] = now
+
+
+def peer_auth_for(config: KVTransferConfig) -> PeerAuth | None:
+    """A producer's check of who may ask it for KV handles (the router, holding the
+    secret), else None."""
+    return PeerAuth(config.secret()) if config.is_producer else None

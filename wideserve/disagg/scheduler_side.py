@@ -25,21 +25,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wideserve.disagg.config import KVTransferConfig
+from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import GroupPlan, plan_pages
 from wideserve.disagg.leases import LeaseTable
-from wideserve.disagg.metrics import LOAD_BUCKETS, observe
+from wideserve.disagg.connector_metrics import LOAD_BUCKETS, observe
 from wideserve.disagg.params import (ConnectorMeta, LoadSpec, RemoteKV, WorkerResult,
                                      handle_problem, prompt_digest, sign_handle,
                                      wants_remote_decode, wants_remote_prefill)
-from wideserve.request import RequestStatus
+from wideserve.types.request import RequestStatus
 
 # The KV manager key a quarantined load's blocks are held under (+ the fence id).
 QUARANTINE_KEY = "kv-quarantine:"
 
 if TYPE_CHECKING:
-    from wideserve.core.kv_cache.manager import KVCacheManager
-    from wideserve.request import Request
+    from wideserve.kv_cache.kv_cache_manager import KVCacheManager
+    from wideserve.types.request import Request
 
 
 @dataclass(slots=True)

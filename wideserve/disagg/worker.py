@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from wideserve.disagg.config import KVTransferConfig
+from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import KVLayout
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.params import ConnectorMeta, LoadSpec, WorkerResult

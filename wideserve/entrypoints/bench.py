@@ -13,7 +13,8 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from wideserve.bench import agentic_cmd, serve_cmd, throughput_cmd
+    from wideserve.entrypoints import (bench_agentic as agentic_cmd, bench_serve as serve_cmd,
+                                       bench_throughput as throughput_cmd)
     from wideserve.entrypoints.engine_args import add_engine_args, one_line_error
 
     parser = subparsers.add_parser("bench", help="benchmarks (throughput, serve, gen-agentic)",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from wideserve.entrypoints.arg_types import (parse_bytes, parse_port, parse_positive_float,
-                                             parse_positive_int)
+from wideserve.config.arg_types import (parse_bytes, parse_port, parse_positive_float,
+                                        parse_positive_int)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
 _KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
@@ -50,7 +50,7 @@ def _seed(text: str) -> int:
 
 def _speculative_config(text: str) -> Any:
     """JSON like vLLM's: '{"method": "mtp", "num_speculative_tokens": 3}'."""
-    from wideserve.spec_decode.config import SpeculativeConfig
+    from wideserve.config.speculative import SpeculativeConfig
     try:
         return SpeculativeConfig.parse(text)
     except ValueError as e:
@@ -59,7 +59,7 @@ def _speculative_config(text: str) -> Any:
 
 def _kv_transfer_config(text: str) -> Any:
     """JSON like vLLM's: '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'."""
-    from wideserve.disagg.config import KVTransferConfig
+    from wideserve.config.kv_transfer import KVTransferConfig
     try:
         return KVTransferConfig.parse(text)
     except ValueError as e:
@@ -69,7 +69,7 @@ def _kv_transfer_config(text: str) -> Any:
 
 def _eplb_config(text: str) -> Any:
     """JSON like vLLM's: '{"window_size": 1000, "step_interval": 3000, ...}'."""
-    from wideserve.distributed.eplb.config import EplbConfig
+    from wideserve.config.eplb import EplbConfig
     try:
         return EplbConfig.parse(text)
     except ValueError as e:
@@ -83,7 +83,7 @@ def one_line_error(self: argparse.ArgumentParser, message: str) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that become the EngineConfig (shared shape with vLLM's engine args)."""
-    from wideserve.distributed.args import add_parallel_args
+    from wideserve.entrypoints.parallel_args import add_parallel_args
     _add_model_args(parser)
     add_parallel_args(parser)
 
@@ -123,7 +123,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens-while-decoding", type=_non_negative_int,
                    default=SchedulerConfig().max_prefill_tokens_while_decoding,
                    help="new prompt tokens admitted per step while running requests share "
-                        "it (0: the whole budget left); see core/scheduler.py")
+                        "it (0: the whole budget left); see engine/scheduler.py")
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                    help="admission order: first come first served, or the request's "
                         "'priority' field (lower first)")
@@ -172,8 +172,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
     """`wideserve serve`'s per-request limits (docs/server_reliability.md, "Request limits"),
-    the fields of entrypoints/openai/limits.py's RequestLimits (its defaults)."""
-    from wideserve.entrypoints.openai.limits import RequestLimits
+    the fields of serving/openai/limits.py's RequestLimits (its defaults)."""
+    from wideserve.serving.openai.limits import RequestLimits
     d = RequestLimits()
     g = parser.add_argument_group("request limits (400 beyond each, 431 for headers)")
     for flag, default, what in (
@@ -202,7 +202,7 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     from wideserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
-    from wideserve.distributed.args import parallel_config_from_args
+    from wideserve.entrypoints.parallel_args import parallel_config_from_args
     parallel = parallel_config_from_args(args)
     parallel.threads = getattr(args, "threads", None)
     return EngineConfig(
@@ -229,7 +229,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _eplb_from_args(args: argparse.Namespace) -> Any:
-    from wideserve.distributed.eplb.config import EplbConfig
+    from wideserve.config.eplb import EplbConfig
     config = getattr(args, "eplb_config", None)
     if config is not None and not getattr(args, "enable_eplb", False):
         raise ValueError("--eplb-config is given without --enable-eplb")

@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _sampling_params(args: argparse.Namespace):
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.types.sampling_params import SamplingParams
     kwargs = {field: getattr(args, flag[2:].replace("-", "_"))
               for flag, field in _SAMPLING_FLAGS.items()}
     try:
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"wideserve generate: error: {exc}", file=sys.stderr)
         return 2
-    from wideserve.entrypoints.llm import LLM
+    from wideserve.serving.llm import LLM
     from wideserve.entrypoints.engine_args import engine_config_from_args
     config = engine_config_from_args(args)
     try:

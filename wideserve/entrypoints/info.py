@@ -14,8 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from wideserve.entrypoints.engine_args import (_fraction, _human_int, parse_bytes,
-                                               parse_positive_int)
+from wideserve.entrypoints.engine_args import _fraction, _human_int
+from wideserve.config.arg_types import parse_bytes, parse_positive_int
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -128,7 +128,7 @@ def _block_of(name: str) -> tuple[str, int] | None:
 
 def attention_labels(specs: dict) -> dict[tuple[str, int], str]:
     """(block kind, index) -> "SWA(128)" / "CSA(4)" / "HCA(128)" / "full", from cache specs."""
-    from wideserve.core.kv_cache.spec import SharedKVSpec   # torch: not at --help time
+    from wideserve.kv_cache.spec import SharedKVSpec   # torch: not at --help time
     by_block: dict[tuple[str, int], list] = defaultdict(list)
     reads: dict[tuple[str, int], str] = {}
     for name, spec in specs.items():
@@ -194,7 +194,7 @@ def _schedule_lines(specs: dict, model, config_json: dict) -> list[str]:
 
 
 def _kv_lines(specs: dict, mtp_specs: dict, kv_cache_dtype: str) -> list[str]:
-    from wideserve.core.kv_cache.spec import split_shared
+    from wideserve.kv_cache.spec import split_shared
     per_token: dict[str, float] = defaultdict(float)
     bounded: dict[str, int] = defaultdict(int)
     specs, shared = split_shared(specs)
@@ -241,8 +241,8 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
                    kernels: bool = False) -> str:
     import torch
 
-    from wideserve.executor.loader import (build_model, read_config, resolve_dtype,
-                                           resolve_model_path)
+    from wideserve.worker.model_loader import (build_model, read_config, resolve_dtype,
+                                               resolve_model_path)
     from wideserve.models.registry import resolve_model_class
 
     path = resolve_model_path(model_dir)

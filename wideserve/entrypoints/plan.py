@@ -23,7 +23,7 @@ from torch import nn
 from wideserve.layers.engram import HostResident
 
 GIB = 1 << 30
-# V4.1's Engram tables are kept FP8 with one UE8M0 scale per 32 values (models/deepseek_v41.py
+# V4.1's Engram tables are kept FP8 with one UE8M0 scale per 32 values (models/deepseek_v41/model.py
 # keeps_quantised): 1 + 1/32 bytes per value.
 FP8_WITH_SCALES = 1 + 1 / 32
 # Checkpoint formats of routed experts, bytes per weight value with their scales
@@ -148,7 +148,7 @@ def engine_kv_sizes(specs: dict, max_num_seqs: int, max_num_batched_tokens: int
     for prefix hits, divided over `max_num_seqs` requests. Read off the engine's own sizing
     for a budget far larger than any device, so it is exact, not re-derived."""
     from wideserve.config import CacheConfig, SchedulerConfig
-    from wideserve.core.kv_cache.groups import build_kv_cache_config
+    from wideserve.kv_cache.groups import build_kv_cache_config
     sched = SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens)
     cfg = build_kv_cache_config(specs, CacheConfig(kv_cache_memory=1 << 60), sched)

@@ -10,8 +10,8 @@ import argparse
 import sys
 from typing import Any
 
-from wideserve.entrypoints.engine_args import (one_line_error, parse_bytes, parse_port,
-                                               parse_positive_float)
+from wideserve.entrypoints.engine_args import one_line_error
+from wideserve.config.arg_types import parse_bytes, parse_port, parse_positive_float
 from wideserve.entrypoints.serve import BODY_READ_TIMEOUT_S, MAX_REQUEST_BYTES
 
 
@@ -52,8 +52,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from wideserve.disagg.config import SECRET_ENV, load_secret
-    from wideserve.disagg.router import RouterConfig, build_app
+    from wideserve.config.kv_transfer import SECRET_ENV, load_secret
+    from wideserve.serving.openai.pd_router import RouterConfig, build_app
     try:
         secret = load_secret(args.kv_secret_file)
     except OSError as e:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from wideserve.entrypoints.engine_args import (add_engine_args, add_request_limit_args,
-                                               engine_config_from_args, one_line_error,
-                                               parse_bytes, parse_port,
-                                               parse_positive_float, parse_positive_int)
-from wideserve.entrypoints.openai.response_store import add_response_store_args
+                                               engine_config_from_args, one_line_error)
+from wideserve.config.arg_types import (parse_bytes, parse_port, parse_positive_float,
+                                        parse_positive_int)
+from wideserve.serving.openai.response_store import add_response_store_args
 
 # Request body limits, shared with `wideserve router` (the same door for clients).
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -98,7 +98,7 @@ def add_engine_health_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _tool_parser_name(text: str) -> str:
-    from wideserve.entrypoints.openai.tool_parsers import get_tool_parser
+    from wideserve.serving.openai.tool_parsers import get_tool_parser
     try:
         get_tool_parser(text)
     except ValueError as e:
@@ -107,7 +107,7 @@ def _tool_parser_name(text: str) -> str:
 
 
 def _reasoning_parser_name(text: str) -> str:
-    from wideserve.entrypoints.openai.reasoning import get_reasoning_parser
+    from wideserve.serving.openai.reasoning import get_reasoning_parser
     try:
         get_reasoning_parser(text)
     except ValueError as e:
@@ -143,14 +143,14 @@ def default_model_name(model: str | None) -> str:
 
 def _check_kv_transfer(kv_transfer: Any) -> None:
     """Before anything starts: P/D over NIXL needs the [pd] extra and the shared secret."""
-    from wideserve.extras import require_kv_connector
+    from wideserve.utils.extras import require_kv_connector
     require_kv_connector(kv_transfer)
     if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
         kv_transfer.secret()        # a ValueError naming $WIDESERVE_KV_SECRET when missing
 
 
 def run(args: argparse.Namespace) -> int:
-    from wideserve.entrypoints.openai.api_server import serve_forever
+    from wideserve.entrypoints.api_server import serve_forever
     if not args.served_model_name:
         args.served_model_name = [default_model_name(args.model)]
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wideserve serve: error: {e}", file=sys.stderr)
         return 2
     if args.headless:
-        from wideserve.distributed.launch import run_headless
+        from wideserve.serving.dp_launch import run_headless
         return run_headless(config)
     return serve_forever(args, config)
 

@@ -113,7 +113,7 @@ class NgramHasher:
 
 class HostResident:
     """Marks a module whose parameters the loader allocates in host memory
-    (executor/loader.py), whatever the model's device; it gathers rows itself."""
+    (worker/model_loader.py), whatever the model's device; it gathers rows itself."""
 
 
 class HostTable(HostResident, nn.Module):

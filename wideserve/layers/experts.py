@@ -4,7 +4,7 @@ Glossary: a *logical* expert is what the router picks (0..E-1); a *physical* exp
 in the weight tensors (`num_local_experts` rows on this rank). `logical_to_physical` [E, W]
 lists each logical expert's replicas (identity, W = 1, until expert parallelism / EPLB place
 replicas; `replica_count` [E] says how many are valid) and the router's choice is spread over
-them (`distributed/eplb/replicas.py`); `expert_load` counts routed rows per physical expert on
+them (`parallel/eplb/replicas.py`); `expert_load` counts routed rows per physical expert on
 the device, without a host sync (a scatter into a fixed-size tensor, `count_rows`: bincount
 sizes its output from the data), for EPLB and the load-skew reports.
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wideserve.distributed.eplb.replicas import count_rows, map_to_physical
+from wideserve.parallel.eplb.replicas import count_rows, map_to_physical
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
 from wideserve.kernels.loader import cpu_ops_available

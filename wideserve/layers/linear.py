@@ -185,7 +185,7 @@ class WeightPack:
                   ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
         """(weight in the extension's packed layout, bias, out features) for a router's
         `moe_route` (family "router"), prepared as `route` prepares it; None where `route`
-        would not run the op (models/qwen3_moe.py)."""
+        would not run the op (models/qwen3_moe/model.py)."""
         self._prepare(weights, biases, "router")
         call = next((c for c in self._calls if c.kernel in ("micro", "brgemm")), None)
         if call is None or call.weight.dtype != dtype:

@@ -10,8 +10,8 @@ Glossary:
   MTP block   a next-token-prediction block run after the main forward (V4: `mtp_forward`,
               used by spec_decode/mtp.py; V4.1: the DSpark drafter stages, spec_decode/dspark.py)
   replay      rebuilding the sliding windows of a prefix-cache hit by recomputing the last
-              `replay_depth` windowed layers' tokens (core/kv_cache/groups.exact_replay_tokens)
-  capture     recording the decode forward once and replaying it (executor/decode_capture.py)
+              `replay_depth` windowed layers' tokens (kv_cache/groups.exact_replay_tokens)
+  capture     recording the decode forward once and replaying it (worker/decode_capture.py)
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 import torch
 from torch import nn
 
-from wideserve.core.kv_cache.spec import KVCacheSpec
-from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.kv_cache.spec import KVCacheSpec
+from wideserve.types.forward_batch import ForwardBatch
 from wideserve.layers.linear import WeightPack
 from wideserve.layers.norm import RMSNorm
 
@@ -37,7 +37,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     # A dataclass with `from_dict(config_json: dict)`; `__init__(config)` builds the model on
     # the current default device/dtype.
     config_class: ClassVar[type]
-    # Parameter name components that stay fp32 whatever the load dtype (executor/loader.py
+    # Parameter name components that stay fp32 whatever the load dtype (worker/model_loader.py
     # build_model; like HF's _keep_in_fp32_modules_strict).
     keep_in_fp32: ClassVar[tuple[str, ...]] = ()
     # Whether the model has a V4-style MTP block (`mtp_forward`) / DSpark drafter stages.
@@ -70,7 +70,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     # ------------------------------------------------------------------ loading
     def keeps_quantised(self, name: str) -> bool:
         """Checkpoint tensors the reader passes on as stored, with their `.scale`
-        (executor/weights.py); none by default."""
+        (worker/weights.py); none by default."""
         return False
 
     def bind_tokenizer(self, model_dir: str | Path) -> None:
@@ -151,7 +151,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     # ------------------------------------------------------------------ experts (EPLB)
     def num_expert_groups(self) -> int:
-        """Expert groups for EPLB's hierarchical policy (distributed/eplb/manager.py)."""
+        """Expert groups for EPLB's hierarchical policy (worker/eplb_manager.py)."""
         return 1
 
 

@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from wideserve.executor.forward_batch import ForwardBatch
-from wideserve.layers import rotary
+from wideserve.types.forward_batch import ForwardBatch
+from wideserve.layers import rope_rotate_half as rotary
 from wideserve.layers.attention import paged_attention_batched as pab
 from wideserve.layers.attention.paged_attention_batched import PagedAttentionPlans
 from wideserve.layers.linear import GemmCall

@@ -14,18 +14,18 @@ import importlib
 from wideserve.models.interface import check_model_class
 
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "DeepseekV4ForCausalLM": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
-    "deepseek_v4": ("wideserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
-    "DeepseekV41ForCausalLM": ("wideserve.models.deepseek_v41", "DeepseekV41ForCausalLM"),
-    "deepseek_v41": ("wideserve.models.deepseek_v41", "DeepseekV41ForCausalLM"),
-    "LlamaForCausalLM": ("wideserve.models.llama", "LlamaForCausalLM"),
-    "llama": ("wideserve.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("wideserve.models.llama", "Qwen2ForCausalLM"),
-    "qwen2": ("wideserve.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("wideserve.models.llama", "Qwen3ForCausalLM"),
-    "qwen3": ("wideserve.models.llama", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("wideserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "qwen3_moe": ("wideserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV4ForCausalLM": ("wideserve.models.deepseek_v4.model", "DeepseekV4ForCausalLM"),
+    "deepseek_v4": ("wideserve.models.deepseek_v4.model", "DeepseekV4ForCausalLM"),
+    "DeepseekV41ForCausalLM": ("wideserve.models.deepseek_v41.model", "DeepseekV41ForCausalLM"),
+    "deepseek_v41": ("wideserve.models.deepseek_v41.model", "DeepseekV41ForCausalLM"),
+    "LlamaForCausalLM": ("wideserve.models.llama.model", "LlamaForCausalLM"),
+    "llama": ("wideserve.models.llama.model", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("wideserve.models.llama.model", "Qwen2ForCausalLM"),
+    "qwen2": ("wideserve.models.llama.model", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("wideserve.models.llama.model", "Qwen3ForCausalLM"),
+    "qwen3": ("wideserve.models.llama.model", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("wideserve.models.qwen3_moe.model", "Qwen3MoeForCausalLM"),
+    "qwen3_moe": ("wideserve.models.qwen3_moe.model", "Qwen3MoeForCausalLM"),
 }
 
 

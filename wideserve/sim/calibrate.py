@@ -138,7 +138,7 @@ def _time_experts(model: Any) -> list[float]:
 
 
 def _step_totals(llm: Any) -> dict[str, float]:
-    from wideserve.core import engine_ipc as ipc
+    from wideserve.engine import engine_ipc as ipc
     s = ipc.to_builtins(llm.engine.get_stats())["steps"]
     sec = s["seconds"]
     return {"steps": s["steps"], "forward": sec["forward"],

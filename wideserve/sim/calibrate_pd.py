@@ -134,7 +134,7 @@ def kv_specs(model_dir: str | Path) -> dict:
     """The model's own KV cache specs (built on the meta device: no weights)."""
     import torch
 
-    from wideserve.executor.loader import build_model, read_config, resolve_dtype
+    from wideserve.worker.model_loader import build_model, read_config, resolve_dtype
     from wideserve.models.registry import resolve_model_class
     config = read_config(Path(model_dir))
     cls = resolve_model_class(config)
@@ -147,12 +147,12 @@ def measure_admission(model_dir: str | Path, tokens: list[int], block_size: int 
                       reps: int = 3) -> dict[str, Any]:
     """Host seconds to admit one remote KV load of n tokens (lookup + allocate + plan)."""
     from wideserve.config import CacheConfig, SchedulerConfig
-    from wideserve.core.kv_cache.groups import build_kv_cache_config
-    from wideserve.core.kv_cache.manager import KVCacheManager
+    from wideserve.kv_cache.groups import build_kv_cache_config
+    from wideserve.kv_cache.kv_cache_manager import KVCacheManager
     from wideserve.disagg.layout import (cdiv, descriptor_indices, group_plans, plan_pages,
                                          region_bases)
-    from wideserve.request import Request
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.types.request import Request
+    from wideserve.types.sampling_params import SamplingParams
     specs = kv_specs(model_dir)
     out = []
     for n in tokens:

@@ -1,7 +1,7 @@
 """Expert routing load and the project's own EPLB policy, inside the simulator.
 
 The routing statistic is a per-layer share of routed rows per logical expert ([L, E], rows
-sum to 1): a Zipf-like synthetic (`distributed/eplb/synthetic.py`, the generator the policy's
+sum to 1): a Zipf-like synthetic (`parallel/eplb/synthetic.py`, the generator the policy's
 tests and benchmarks use) or a recorded load (an engine's EPLB window, a trace). Every
 `interval` steps the load recorded over the first `window` steps after the last rebalance is
 handed to `distributed/eplb/policy.rebalance` (the code the engine runs), which returns the
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wideserve.distributed.eplb import policy
-from wideserve.distributed.eplb.synthetic import SkewedLoad
+from wideserve.parallel.eplb import policy
+from wideserve.parallel.eplb.synthetic import SkewedLoad
 
 
 def zipf_shares(layers: int, experts: int, skew: float, seed: int = 0) -> np.ndarray:

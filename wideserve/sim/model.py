@@ -142,7 +142,7 @@ def _param_split(model: Any) -> dict[str, int]:
 
 
 def _kv_bytes(model: Any) -> tuple[float, int, dict[str, int]]:
-    from wideserve.core.kv_cache.spec import split_shared
+    from wideserve.kv_cache.spec import split_shared
     own, _ = split_shared(model.kv_cache_specs("auto"))
     records = {s.role: s.entry_bytes for s in own.values()}
     return (sum(s.bytes_per_token for s in own.values()),
@@ -153,7 +153,7 @@ def load_model(path: str | Path, dtype: str | None = None) -> ModelShape:
     """ModelShape of the model directory (config.json); built on the meta device."""
     import torch
 
-    from wideserve.executor.loader import build_model, read_config, resolve_dtype
+    from wideserve.worker.model_loader import build_model, read_config, resolve_dtype
     from wideserve.models.registry import resolve_model_class
 
     config = read_config(Path(path))

@@ -20,16 +20,16 @@ import numpy as np
 import torch
 
 from wideserve.config import LoadConfig
-from wideserve.core.messages import StepLogprobs, TokenLogprobs
-from wideserve.core.sched_output import SchedulerOutput
-from wideserve.executor.model_runner import ForwardOutput, ModelRunner, StepRequest
-from wideserve.executor.penalties import PenaltyTracker
-from wideserve.executor.sampler import build_sampling_metadata
+from wideserve.types.messages import StepLogprobs, TokenLogprobs
+from wideserve.types.sched_output import SchedulerOutput
+from wideserve.worker.model_runner import ForwardOutput, ModelRunner, StepRequest
+from wideserve.worker.penalties import PenaltyTracker
+from wideserve.worker.sampler import build_sampling_metadata
 from wideserve.models.interface import CausalLM
-from wideserve.request import Request, RequestStatus
-from wideserve.sampling_params import SamplingParams
-from wideserve.spec_decode.config import SpeculativeConfig
-from wideserve.spec_decode.metrics import SpecDecodeStats
+from wideserve.types.request import Request, RequestStatus
+from wideserve.types.sampling_params import SamplingParams
+from wideserve.config.speculative import SpeculativeConfig
+from wideserve.spec_decode.acceptance_metrics import SpecDecodeStats
 from wideserve.spec_decode.proposer import ProposeInput, Proposer
 from wideserve.spec_decode.rejection_sampler import RejectionSampler, VerifyOutput
 from wideserve.structured_outputs.manager import StructuredOutputManager
@@ -68,7 +68,7 @@ def _draft_model(config: SpeculativeConfig, model: CausalLM, load: LoadConfig,
                               max_model_len)
 
 
-# speculative_config.method -> its proposer (the methods spec_decode/config.py accepts).
+# speculative_config.method -> its proposer (the methods config/speculative.py accepts).
 PROPOSERS: dict[str, ProposerFactory] = {
     "mtp": _mtp, "dspark": _dspark, "ngram": _ngram, "draft_model": _draft_model}
 

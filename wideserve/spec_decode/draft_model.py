@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from wideserve.config import LoadConfig
-from wideserve.executor.loader import load_model
-from wideserve.executor.model_runner import ModelRunner, StepRequest
+from wideserve.worker.model_loader import load_model
+from wideserve.worker.model_runner import ModelRunner, StepRequest
 from wideserve.spec_decode.proposer import ChainedProposer, ProposeInput
 
 PREFIX = "draft."

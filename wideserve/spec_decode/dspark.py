@@ -1,7 +1,7 @@
 """DSpark proposer (DeepSeek-V4.1): one parallel pass drafts a block of tokens.
 
 After a step's verification the newest token of request i sits at position a = c_i (emitted,
-not run by the target yet). The drafter (models/deepseek_v41_dspark.py) takes the embeddings of
+not run by the target yet). The drafter (models/deepseek_v41/dspark.py) takes the embeddings of
 that anchor token and dspark_block_size - 1 noise tokens at positions a .. a + block - 1, and the
 target's tap features at positions [a - W, a) from the "model.dspark.features" window cache the
 target's forward fills for every token it computes (so prefix caching, preemption and rejected
@@ -47,7 +47,7 @@ class DSparkProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, inp: ProposeInput) -> list[list[int]]:
-        from wideserve.models.deepseek_v41 import DSPARK_FEATURES
+        from wideserve.models.deepseek_v41.model import DSPARK_FEATURES
         model, batch, c = self.model, inp.batch, self.model.config
         out: list[list[int]] = [[] for _ in inp.step_reqs]
         want = np.nonzero((inp.num_drafts > 0) & (inp.next_tokens() >= 0))[0]

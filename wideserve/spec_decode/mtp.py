@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from wideserve.executor.model_runner import ModelRunner
+from wideserve.worker.model_runner import ModelRunner
 from wideserve.models.interface import CausalLM
 from wideserve.spec_decode.proposer import ChainedProposer, ProposeInput
 

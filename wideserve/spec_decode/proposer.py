@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from wideserve.device import to_device
+from wideserve.utils.device import to_device
 
 if TYPE_CHECKING:
-    from wideserve.core.kv_cache.groups import KVCacheConfig
-    from wideserve.core.kv_cache.spec import KVCacheSpec
-    from wideserve.executor.forward_batch import ForwardBatch
-    from wideserve.executor.model_runner import ModelRunner, StepRequest
-    from wideserve.request import Request
+    from wideserve.kv_cache.groups import KVCacheConfig
+    from wideserve.kv_cache.spec import KVCacheSpec
+    from wideserve.types.forward_batch import ForwardBatch
+    from wideserve.worker.model_runner import ModelRunner, StepRequest
+    from wideserve.types.request import Request
 
 # One chained draft step: (the step's batch, each row's newest draft, the proposer's carried
 # state for those rows) -> (the next drafts, the new state). State rows follow the batch rows.
@@ -92,7 +92,7 @@ class ChainedProposer(Proposer):
               tok: torch.Tensor, state: Any, step: DraftStep) -> list[list[int]]:
         """active [A]: requests (index into inp) that drafted `tok` [A] (draft 1, at
         first_pos [A]); returns every request's drafts (up to inp.num_drafts)."""
-        from wideserve.executor.model_runner import StepRequest
+        from wideserve.worker.model_runner import StepRequest
         assert self.runner is not None
         steps = [(active, tok)]
         batch = None

@@ -34,14 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wideserve.executor.sampler import (
-    LogprobsTensors,
-    SamplingMetadata,
-    exponential_race,
-    gather_logprobs,
-    processed_logits,
-    target_probs,
-)
+from wideserve.worker.sampler import (LogprobsTensors, SamplingMetadata, exponential_race,
+                                      gather_logprobs, processed_logits, target_probs)
 
 
 @dataclass(slots=True)

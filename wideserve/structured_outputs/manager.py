@@ -29,9 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
-from wideserve.request import Request
-from wideserve.structured_outputs.grammar import (
-    GrammarMask, bitmask_width, fill_bitmask_row)
+from wideserve.types.request import Request
+from wideserve.worker.grammar_mask import GrammarMask, bitmask_width, fill_bitmask_row
 
 logger = logging.getLogger(__name__)
 # Compiled grammars kept for reuse (each request gets a deep copy of one).
@@ -75,7 +74,7 @@ class StructuredOutputManager:
         if self._lltok is None:
             import llguidance
 
-            from wideserve.tokenizer import Tokenizer
+            from wideserve.text.tokenizer import Tokenizer
             tok = Tokenizer.from_pretrained(self.tokenizer_path)
             self._lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab_size,
                                                  eos_token=self.eos_token_ids or None)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 
 from wideserve.config import CacheConfig
-from wideserve.core.kv_cache.groups import KVCacheConfig, build_kv_cache_config
-from wideserve.core.kv_cache.manager import KVCacheManager
-from wideserve.core.kv_cache.spec import CacheKind, KVCacheSpec
-from wideserve.request import Request
-from wideserve.sampling_params import SamplingParams
+from wideserve.kv_cache.groups import KVCacheConfig, build_kv_cache_config
+from wideserve.kv_cache.kv_cache_manager import KVCacheManager
+from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
+from wideserve.types.request import Request
+from wideserve.types.sampling_params import SamplingParams
 
 SLIDING, FULL = CacheKind.SLIDING_WINDOW, CacheKind.FULL
 

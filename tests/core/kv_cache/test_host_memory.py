@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from wideserve.core.kv_cache import host_memory
+from wideserve.kv_cache import host_memory
 
 
 def _vm_flags(addr: int) -> list[str]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from wideserve.core.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
+from wideserve.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 
 
 def queue_ids(pool: BlockPool) -> list[int]:

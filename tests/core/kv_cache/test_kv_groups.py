@@ -8,16 +8,10 @@ import torch
 from kv_testing import FULL, SLIDING, v4_specs
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.core.kv_cache.groups import (
-    allocate_kv_tensors,
-    bounded_blocks_per_request,
-    build_kv_cache_config,
-    default_block_size,
-    exact_replay_tokens,
-    sliding_page_size,
-    window_pages_for_hit,
-)
-from wideserve.core.kv_cache.spec import KVCacheSpec
+from wideserve.kv_cache.groups import (allocate_kv_tensors, bounded_blocks_per_request,
+                                       build_kv_cache_config, default_block_size,
+                                       exact_replay_tokens, sliding_page_size, window_pages_for_hit)
+from wideserve.kv_cache.spec import KVCacheSpec
 
 F32 = torch.float32
 # The layouts below are worked out for 256-position logical blocks.

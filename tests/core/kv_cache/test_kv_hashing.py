@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 from kv_testing import make_request
 
-from wideserve.core.kv_cache.hashing import (
-    NONE_HASH,
-    BlockHasher,
-    encode_extra_keys,
-    hash_block_tokens,
-    hash_token_blocks,
-    sub_block_key,
-)
+from wideserve.kv_cache.hashing import (NONE_HASH, BlockHasher, encode_extra_keys,
+                                        hash_block_tokens, hash_token_blocks, sub_block_key)
 
 BS = 16
 
@@ -106,7 +100,7 @@ def test_sub_block_key_is_distinct_per_page():
 
 def test_deterministic_across_processes():
     toks = list(range(300, 300 + 3 * BS))
-    code = ("from wideserve.core.kv_cache.hashing import hash_token_blocks, encode_extra_keys;"
+    code = ("from wideserve.kv_cache.hashing import hash_token_blocks, encode_extra_keys;"
             f"print(','.join(x.hex() for x in hash_token_blocks({toks!r}, {BS}, "
             "extra_keys=encode_extra_keys('salt', 7))))")
     env = dict(os.environ, PYTHONHASHSEED="12345")

@@ -6,9 +6,9 @@ import pytest
 import torch
 from kv_testing import FULL, SLIDING, make_manager, make_request, run_prefill, v4_specs
 
-from wideserve.core.kv_cache.groups import bounded_blocks_per_request, exact_replay_tokens
-from wideserve.core.kv_cache.hashing import sub_block_key
-from wideserve.core.kv_cache.spec import KVCacheSpec
+from wideserve.kv_cache.groups import bounded_blocks_per_request, exact_replay_tokens
+from wideserve.kv_cache.hashing import sub_block_key
+from wideserve.kv_cache.spec import KVCacheSpec
 
 F32 = torch.float32
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from kv_testing import FULL, SLIDING, make_request
 
-from wideserve.core.kv_cache.block_pool import BlockPool
-from wideserve.core.kv_cache.groups import KVCacheGroup
-from wideserve.core.kv_cache.hashing import BlockHasher, sub_block_key
-from wideserve.core.kv_cache.managers import FullManager, SlidingWindowManager
-from wideserve.core.kv_cache.spec import KVCacheSpec
+from wideserve.kv_cache.block_pool import BlockPool
+from wideserve.kv_cache.groups import KVCacheGroup
+from wideserve.kv_cache.hashing import BlockHasher, sub_block_key
+from wideserve.kv_cache.group_managers import FullManager, SlidingWindowManager
+from wideserve.kv_cache.spec import KVCacheSpec
 
 L = 16   # logical block
 

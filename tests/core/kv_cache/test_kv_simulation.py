@@ -15,13 +15,10 @@ import torch
 from kv_testing import FULL, SLIDING, make_request
 
 from wideserve.config import CacheConfig
-from wideserve.core.kv_cache.groups import (
-    allocate_kv_tensors,
-    build_kv_cache_config,
-    exact_replay_tokens,
-)
-from wideserve.core.kv_cache.manager import KVCacheManager
-from wideserve.core.kv_cache.spec import KVCacheSpec
+from wideserve.kv_cache.groups import (allocate_kv_tensors, build_kv_cache_config,
+                                       exact_replay_tokens)
+from wideserve.kv_cache.kv_cache_manager import KVCacheManager
+from wideserve.kv_cache.spec import KVCacheSpec
 
 F32 = torch.float32
 L = 16

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from wideserve.distributed.eplb.replicas import map_to_physical
+from wideserve.parallel.eplb.replicas import map_to_physical
 from wideserve.layers.experts import swiglu
 
 # The DEP tests' helpers (tests/distributed/dist_utils.py) are one directory up.

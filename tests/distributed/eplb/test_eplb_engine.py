@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wideserve.distributed.eplb.balancer import EpGroup, ExpertBalancer
-from wideserve.distributed.eplb.config import EplbConfig
+from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
+from wideserve.config.eplb import EplbConfig
 from wideserve.layers.experts import RoutedExperts
 
 
@@ -33,8 +33,8 @@ def test_redundant_slots_hold_their_experts_and_outputs_do_not_change() -> None:
 
 
 def test_engine_with_redundant_experts_matches_and_tracks_target_and_draft() -> None:
-    from wideserve.entrypoints.llm import LLM
-    from wideserve.sampling_params import SamplingParams
+    from wideserve.serving.llm import LLM
+    from wideserve.types.sampling_params import SamplingParams
     prompts = ["ROMEO: what light", "JULIET: O Romeo, Romeo", "To be or not to be"]
     sp = SamplingParams(temperature=0, max_tokens=24)
     want = [o.outputs[0].token_ids for o in LLM().generate(prompts, sp)]
@@ -59,11 +59,11 @@ def test_balancedness_reaches_metrics_and_flags_parse() -> None:
 
     from prometheus_client import generate_latest
 
-    from wideserve.core.engine_core import EngineStats
-    from wideserve.core.engine_ipc import to_builtins
-    from wideserve.distributed.eplb.balancer import BalancerStats
+    from wideserve.engine.engine_core import EngineStats
+    from wideserve.engine.engine_ipc import to_builtins
+    from wideserve.worker.eplb_balancer import BalancerStats
     from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
-    from wideserve.entrypoints.openai.metrics import ServerMetrics
+    from wideserve.serving.openai.server_metrics import ServerMetrics
     eplb = {"target": BalancerStats(balancedness=0.5, rebalances=2),
             "draft": BalancerStats(balancedness=0.25)}
     stats = to_builtins(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from wideserve.distributed.eplb import policy
-from wideserve.distributed.eplb.synthetic import SkewedLoad, load_checksum
+from wideserve.parallel.eplb import policy
+from wideserve.parallel.eplb.synthetic import SkewedLoad, load_checksum
 
 DATA = json.loads((Path(__file__).parent / "data/reference_cases.json").read_text())
 # Ours may trail the reference by this much in-sample (tie-breaks in the greedy packing

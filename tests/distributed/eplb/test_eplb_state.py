@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wideserve.distributed.eplb import policy
-from wideserve.distributed.eplb.balancer import EpGroup, ExpertBalancer
-from wideserve.distributed.eplb.config import EplbConfig
-from wideserve.distributed.eplb.recorder import LoadRecorder
-from wideserve.distributed.eplb.replicas import ReplicaTable, map_to_physical
+from wideserve.parallel.eplb import policy
+from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
+from wideserve.config.eplb import EplbConfig
+from wideserve.parallel.eplb.recorder import LoadRecorder
+from wideserve.parallel.eplb.replicas import ReplicaTable, map_to_physical
 from wideserve.layers.experts import RoutedExperts
 
 

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from ep_harness import ep_moe, gloo_ranks, reference_moe
-from wideserve.distributed.eplb import policy
-from wideserve.distributed.eplb.balancer import EpGroup, ExpertBalancer
-from wideserve.distributed.eplb.config import EplbConfig
+from wideserve.parallel.eplb import policy
+from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
+from wideserve.config.eplb import EplbConfig
 from wideserve.layers.experts import RoutedExperts
 
 E, D, I, LAYERS, K, T = 8, 16, 8, 3, 2, 24

@@ -6,16 +6,16 @@ with CRASH_TOKEN makes step() raise, to exercise the engine-died path.
 """
 from __future__ import annotations
 
-from wideserve.core.engine_proc import EngineLoop
-from wideserve.core.errors import DuplicateRequestError
-from wideserve.core.sched_output import EngineCoreOutput
+from wideserve.engine.engine_proc import EngineLoop
+from wideserve.engine.errors import DuplicateRequestError
+from wideserve.types.sched_output import EngineCoreOutput
 
 VOCAB = 1000
 CRASH_TOKEN = 999
 
 
 class FakeEngineCore:
-    loop_class = EngineLoop              # the plain loop (core/engine_proc.py LoopEngine)
+    loop_class = EngineLoop              # the plain loop (engine/engine_proc.py LoopEngine)
 
     def __init__(self, config) -> None:
         self.config = config

@@ -116,7 +116,7 @@ class RemoteServer:
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid and b"wideserve.core.engine_proc" in cmdline:
+            if ppid == self.proc.pid and b"wideserve.engine.engine_proc" in cmdline:
                 return int(entry.name)
         raise LookupError("no engine-core child process found")
 

@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from oai_server_utils import RemoteServer, served
-from wideserve.entrypoints.anthropic import convert
-from wideserve.entrypoints.anthropic.protocol import MessagesRequest
-from wideserve.entrypoints.anthropic.serving import BlockWriter
-from wideserve.executor.loader import BUNDLED_MODEL
+from wideserve.serving.anthropic import convert
+from wideserve.serving.anthropic.protocol import MessagesRequest
+from wideserve.serving.anthropic.serving import BlockWriter
+from wideserve.worker.model_loader import BUNDLED_MODEL
 
 MODEL = "shakespeare-v4-tiny"
 KEY = "sk-anthropic-test"
@@ -339,9 +339,9 @@ def test_block_writer_opens_and_closes_blocks():
 
 
 def test_stream_errors_are_anthropic_error_events():
-    from wideserve.core.engine_client import EngineDeadError
-    from wideserve.entrypoints.anthropic.serving import _error_event
-    from wideserve.entrypoints.openai.async_engine import RequestFailed
+    from wideserve.serving.engine_client import EngineDeadError
+    from wideserve.serving.anthropic.serving import _error_event
+    from wideserve.serving.openai.async_engine import RequestFailed
 
     def parsed(error: BaseException) -> dict:
         name, data = _error_event(error).strip().split("\n")

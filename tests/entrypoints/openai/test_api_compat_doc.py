@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from wideserve.entrypoints.openai.protocol import (IGNORED_FIELDS, ChatCompletionRequest,
-                                                   CompletionRequest)
-from wideserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from wideserve.serving.openai.protocol import (IGNORED_FIELDS, ChatCompletionRequest,
+                                               CompletionRequest)
+from wideserve.serving.openai.responses_protocol import ResponsesRequest
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "api-compatibility.md"
 

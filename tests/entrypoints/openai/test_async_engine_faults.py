@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from wideserve.core.engine_client import EngineDeadError
-from wideserve.core.sched_output import EngineCoreOutput
-from wideserve.entrypoints.openai.async_engine import AsyncEngine, RequestFailed
-from wideserve.sampling_params import SamplingParams
+from wideserve.serving.engine_client import EngineDeadError
+from wideserve.types.sched_output import EngineCoreOutput
+from wideserve.serving.openai.async_engine import AsyncEngine, RequestFailed
+from wideserve.types.sampling_params import SamplingParams
 
 
 class _StubClient:

@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from wideserve.chat_templates import load_chat_template
-from wideserve.entrypoints.openai.protocol import ChatMessage
-from wideserve.entrypoints.openai.reasoning import ThinkParser
-from wideserve.entrypoints.openai.tool_parsers import calls_to_openai, get_tool_parser
-from wideserve.tokenizer import Tokenizer
+from wideserve.text.chat_templates import load_chat_template
+from wideserve.serving.openai.protocol import ChatMessage
+from wideserve.serving.openai.reasoning import ThinkParser
+from wideserve.serving.openai.tool_parsers import calls_to_openai, get_tool_parser
+from wideserve.text.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]

@@ -10,7 +10,7 @@ import msgspec
 
 from test_engine_proc_plumbing import FAKE, _client, _collect, _env, _req
 from wideserve.config import EngineConfig
-from wideserve.core.engine_client import EngineCoreClient
+from wideserve.serving.engine_client import EngineCoreClient
 
 
 def test_a_failing_output_handler_does_not_stop_routing(caplog):

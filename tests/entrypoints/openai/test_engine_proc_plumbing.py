@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from wideserve.config import EngineConfig
-from wideserve.core.engine_client import EngineCoreClient, EngineDeadError, EngineStartupError
-from wideserve.core.messages import EngineCoreRequest
-from wideserve.sampling_params import SamplingParams
+from wideserve.serving.engine_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from wideserve.types.messages import EngineCoreRequest
+from wideserve.types.sampling_params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 FAKE = "fake_engine_core:FakeEngineCore"
@@ -186,8 +186,8 @@ def test_a_burst_queued_while_the_loop_was_busy_is_routed_whole_and_in_order(mon
     order, and other tasks run between the batches. The watchdog's tick (which also wakes
     the loop) is slowed to 60 s, so a loop that waited for the FD with messages still
     queued would stall here: the engine sends nothing more once the burst is out."""
-    from wideserve.core import engine_client
-    from wideserve.core.engine_client import DRAIN_BATCH
+    from wideserve.serving import engine_client
+    from wideserve.serving.engine_client import DRAIN_BATCH
     monkeypatch.setattr(engine_client, "WATCH_S", 60.0)
 
     async def main():

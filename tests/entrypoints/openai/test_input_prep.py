@@ -1,5 +1,5 @@
 """Input processing off the event loop: the characters-per-token bound, the worker pool, and
-the pre-scan of large bodies (wideserve/entrypoints/openai/input_prep.py)."""
+the pre-scan of large bodies (wideserve/serving/openai/input_prep.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +13,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
 from oai_server_utils import write_tiny_model
-from wideserve.entrypoints.openai.input_prep import (INLINE_CHARS, Limits, TokenizerPool,
-                                                     chars_per_token_bound, prescan)
-from wideserve.tokenizer import Tokenizer
+from wideserve.serving.openai.input_prep import (INLINE_CHARS, Limits, TokenizerPool,
+                                                 chars_per_token_bound, prescan)
+from wideserve.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_prescan_leaves_malformed_json_to_pydantic():
 
 
 def test_prescan_applies_the_request_limits_first_and_names_the_deeper_reason():
-    from wideserve.entrypoints.openai.limits import RequestLimits
+    from wideserve.serving.openai.limits import RequestLimits
     limits = Limits(max_model_len=100, chars_bound=10, max_sequences=256,
                     request=RequestLimits(max_messages=8, max_tools=2))
     too_many = prescan(json.dumps({"messages": [{"role": "user", "content": "w"}] * 9}).encode(),

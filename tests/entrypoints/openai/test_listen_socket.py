@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from wideserve.entrypoints.openai.api_server import _bind
+from wideserve.entrypoints.api_server import _bind
 
 
 def test_accepted_connections_have_nodelay() -> None:

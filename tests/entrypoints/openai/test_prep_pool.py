@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from wideserve.entrypoints.openai.limits import RequestLimits
-from wideserve.entrypoints.openai.serving import ApiError, PrepPool, ServingContext
+from wideserve.serving.openai.limits import RequestLimits
+from wideserve.serving.openai.serving import ApiError, PrepPool, ServingContext
 
 
 def test_a_slot_is_held_until_the_work_ends_even_after_its_request_gave_up():

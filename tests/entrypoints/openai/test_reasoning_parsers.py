@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from wideserve.entrypoints.openai.reasoning import (REASONING_PARSERS, ReasoningParser,
-                                                    ThinkParser, get_reasoning_parser)
+from wideserve.serving.openai.reasoning import (REASONING_PARSERS, ReasoningParser, ThinkParser,
+                                                get_reasoning_parser)
 from wideserve.entrypoints.serve import _reasoning_parser_name
 
 NAMES = ("deepseek_r1", "deepseek_v3", "deepseek_v31", "deepseek_v4", "qwen3")

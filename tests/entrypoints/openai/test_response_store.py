@@ -6,10 +6,9 @@ import asyncio
 
 import pytest
 
-from wideserve.entrypoints.openai.lenient import IGNORED_HEADER, ignored_header
-from wideserve.entrypoints.openai.response_store import (MemoryResponseStore,
-                                                         SqliteResponseStore, StoreConfig,
-                                                         make_store)
+from wideserve.serving.openai.lenient import IGNORED_HEADER, ignored_header
+from wideserve.serving.openai.response_store import (MemoryResponseStore, SqliteResponseStore,
+                                                     StoreConfig, make_store)
 
 
 def _record(i: int, size: int = 10) -> dict:

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from oai_server_utils import RemoteServer, served
-from wideserve.entrypoints.openai.serving import ApiError
-from wideserve.entrypoints.openai.tools import resolve_tools
+from wideserve.serving.openai.serving import ApiError
+from wideserve.serving.openai.tools import resolve_tools
 
 BUNDLED = "shakespeare-v4-tiny"
 WEATHER_TOOL = {"type": "function", "function": {

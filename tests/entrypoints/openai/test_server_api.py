@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from oai_server_utils import MAX_LEN, RemoteServer, served, write_tiny_model
-from wideserve.tokenizer import Tokenizer
+from wideserve.text.tokenizer import Tokenizer
 
 NAME = "tiny-test"
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})

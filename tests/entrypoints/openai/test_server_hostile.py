@@ -263,8 +263,8 @@ def test_logs_carry_no_end_user_id_or_prompt_text(server):
 def test_request_content_is_logged_only_at_debug_when_asked(caplog):
     from types import SimpleNamespace
 
-    from wideserve.entrypoints.openai.limits import RequestLimits
-    from wideserve.entrypoints.openai.serving import ServingContext
+    from wideserve.serving.openai.limits import RequestLimits
+    from wideserve.serving.openai.serving import ServingContext
     for opt_in in (False, True):
         ctx = SimpleNamespace(request_limits=RequestLimits(log_request_content=opt_in))
         with caplog.at_level("DEBUG", logger="wideserve.server"):

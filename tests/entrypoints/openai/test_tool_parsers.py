@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from wideserve.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ToolCallStream,
-                                                       calls_to_openai, get_tool_parser)
+from wideserve.serving.openai.tool_parsers import (TOOL_PARSERS, ToolCallStream, calls_to_openai,
+                                                   get_tool_parser)
 
 WEATHER = {"city": "Verona", "days": 3, "units": {"temp": "C", "wind": ["km/h"]},
            "note": "quote \" brace } and <tag> \\ ü"}

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from wideserve.core.step_timer import StepTimer
-from wideserve.entrypoints.openai.metrics import ServerMetrics
-from wideserve.entrypoints.openai.request_metrics import buckets_1_2_5
-from wideserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from wideserve.sampling_params import SamplingParams
+from wideserve.engine.step_timer import StepTimer
+from wideserve.serving.openai.server_metrics import ServerMetrics
+from wideserve.serving.openai.request_metrics import buckets_1_2_5
+from wideserve.types.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from wideserve.types.sampling_params import SamplingParams
 
 
 def _samples(m: ServerMetrics) -> dict[tuple[str, tuple], float]:

@@ -1,7 +1,7 @@
 """The DeepSeek-V4.1 config class for Hugging Face tooling (transformers has no `deepseek_v41`
 model type): `AutoConfig.from_pretrained(dir, trust_remote_code=True)` loads config.json
 through it (config.json's `auto_map`). wideserve itself reads config.json with
-wideserve/models/deepseek_v41_config.py and never imports this file."""
+wideserve/models/deepseek_v41/config.py and never imports this file."""
 from __future__ import annotations
 
 from typing import Any

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
 
 def write_kv(cache: torch.Tensor, view: KVGroupView, k: torch.Tensor, v: torch.Tensor,

@@ -54,8 +54,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wideserve.device import to_device
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.utils.device import to_device
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 from wideserve.kernels.choice import bucket_of, default_choice
 from wideserve.kernels.loader import cpu_ops_available
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
 KEY_CHUNK_ELEMENTS = 1 << 25     # R x positions x entry width gathered per chunk (128 MiB fp32)
 MASKED = torch.finfo(torch.float32).min

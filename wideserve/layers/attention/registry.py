@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from wideserve.executor.forward_batch import ForwardBatch
+from wideserve.types.forward_batch import ForwardBatch
 from wideserve.layers.attention import v41_batched, v4_batched, v4_reference
 from wideserve.layers.attention.paged_attention import paged_attention
 from wideserve.layers.attention.paged_attention_batched import (PagedAttentionPlans,

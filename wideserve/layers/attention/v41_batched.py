@@ -20,8 +20,8 @@ from wideserve.layers import kv_quant
 from wideserve.layers.attention.v4_batched import CHUNK_ELEMENTS, part_rows, part_store
 from wideserve.layers.attention.v4_blocks import QueryBlocks
 from wideserve.layers.attention.v4_step import V4Step
-from wideserve.layers.indexer import index_topk
-from wideserve.layers.rope import rotate
+from wideserve.layers.attention.indexer import index_topk
+from wideserve.layers.rope_interleaved import rotate
 
 KEY_CHUNK = 8192    # entries per gather-and-score piece at an index source (_entry_scores)
 

@@ -28,8 +28,8 @@ import torch
 from wideserve.kernels import v4_indexer as indexer_op
 from wideserve.layers.attention.v4_blocks import Part, QueryBlocks, take
 from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
-from wideserve.layers.indexer import Indexer, index_topk
-from wideserve.layers.rope import rotate
+from wideserve.layers.attention.indexer import Indexer, index_topk
+from wideserve.layers.rope_interleaved import rotate
 
 CHUNK_ELEMENTS = 1 << 25    # bound on a chunk's main intermediates (128 MiB in fp32)
 

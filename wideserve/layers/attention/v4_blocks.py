@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from wideserve.device import to_device
+from wideserve.utils.device import to_device
 
 LONG_QUERY = 32     # queries per block for requests with at least this many new tokens
 

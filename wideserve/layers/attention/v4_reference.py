@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
-from wideserve.layers.indexer import Indexer, stable_topk_indices
-from wideserve.layers.rope import rotate
+from wideserve.layers.attention.indexer import Indexer, stable_topk_indices
+from wideserve.layers.rope_interleaved import rotate
 
 QUERY_BLOCK = 256   # queries per attention block: bounds the score tensor on long prefills
 

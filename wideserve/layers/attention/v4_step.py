@@ -23,16 +23,16 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 import torch
 
-from wideserve.device import to_device
-from wideserve.executor.forward_batch import ForwardBatch, KVGroupView
+from wideserve.utils.device import to_device
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, Part, QueryBlocks,
                                                   WindowKeys, bucket_widths, build_block_entries,
                                                   build_parts, build_query_blocks,
                                                   build_token_blocks, build_window_keys,
                                                   most_visible)
-from wideserve.layers.compress_plan import CompressPlan, build_compress_plan
+from wideserve.layers.attention.compress_plan import CompressPlan, build_compress_plan
 from wideserve.layers.kv_quant import RecordCodec
-from wideserve.layers.rope import RotaryTable, rope_cis
+from wideserve.layers.rope_interleaved import RotaryTable, rope_cis
 
 
 class V4AttentionParams(Protocol):

@@ -1,0 +1,119 @@
+"""Prefix-cache block hashes: a chain over `block_size`-token logical blocks.
+
+    hash[i] = blake2b-256(hash[i-1] or NONE_HASH, len(extra) || extra, token ids of block i)
+
+Token ids are hashed as little-endian int64 bytes (one numpy conversion per call, not per
+token), extra keys as length-prefixed typed bytes (`encode_extra_keys`); nothing is pickled,
+so the hashes are the same in every process and on every machine (P/D and DP ranks can
+compare them). Only full blocks of `request.all_token_ids` are hashed: draft tokens
+(`request.spec_token_ids`) are unverified and never enter a hash.
+
+Sliding-window groups page at a divisor of the logical block (a 128-token window uses
+128-position pages of a 256-token block). Their page k of logical block i is keyed
+`sub_block_key(hash[i], k)`: the logical hash plus the sub-index, no extra hashing. A prefix
+hit can only end on a logical boundary anyway (the growing groups page at logical blocks), and
+a page is only published once its whole logical block is computed, so every page key is
+known exactly when it is needed.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from wideserve.types.request import Request
+
+HASH_BYTES = 32
+# Parent of the first block. Fixed (not random) so hashes agree across processes.
+NONE_HASH = hashlib.blake2b(b"wideserve/prefix-cache/v1", digest_size=HASH_BYTES).digest()
+
+# (request, logical block index) -> extra key bytes for that block (cache salt, LoRA id, ...).
+ExtraKeysFn = Callable[["Request", int], bytes]
+
+
+def encode_extra_keys(*keys: int | str | bytes | None) -> bytes:
+    """Deterministic, unambiguous bytes for a tuple of extra keys (None entries are skipped)."""
+    out = bytearray()
+    for key in keys:
+        if key is None:
+            continue
+        if isinstance(key, bool) or not isinstance(key, (int, str, bytes)):
+            raise TypeError(f"extra key must be int, str or bytes, got {type(key).__name__}")
+        if isinstance(key, int):
+            tag, raw = b"i", key.to_bytes(16, "little", signed=True)
+        elif isinstance(key, str):
+            tag, raw = b"s", key.encode("utf-8")
+        else:
+            tag, raw = b"b", key
+        out += tag + struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def hash_block_tokens(parent: bytes | None, token_bytes: bytes | memoryview,
+                      extra_keys: bytes = b"") -> bytes:
+    """One link of the chain. `token_bytes` = the block's ids as little-endian int64."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(NONE_HASH if parent is None else parent)
+    h.update(struct.pack("<I", len(extra_keys)))
+    h.update(extra_keys)
+    h.update(token_bytes)
+    return h.digest()
+
+
+def token_bytes(token_ids: list[int] | np.ndarray) -> bytes:
+    return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+def hash_token_blocks(token_ids: list[int] | np.ndarray, block_size: int,
+                      parent: bytes | None = None, extra_keys: bytes = b"") -> list[bytes]:
+    """Hashes of every full block of `token_ids` (the same extra keys for each block)."""
+    n_full = len(token_ids) // block_size
+    raw = memoryview(token_bytes(token_ids[:n_full * block_size]))
+    step = 8 * block_size
+    out = []
+    for i in range(n_full):
+        parent = hash_block_tokens(parent, raw[i * step:(i + 1) * step], extra_keys)
+        out.append(parent)
+    return out
+
+
+def sub_block_key(logical_hash: bytes, sub_index: int) -> bytes:
+    """Key of page `sub_index` of a logical block, for groups that page below the block."""
+    return logical_hash + struct.pack("<I", sub_index)
+
+
+class BlockHasher:
+    """Extends `request.block_hashes` to cover every full block of `request.all_token_ids`.
+
+    Idempotent and incremental: call it whenever tokens were appended (it costs one length
+    check when nothing new is full).
+    """
+
+    def __init__(self, block_size: int, extra_keys: ExtraKeysFn | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+
+    def __call__(self, request: Request) -> list[bytes]:
+        """Append the hashes of newly full blocks; return them."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        start = len(hashes)
+        n_full = len(request.all_token_ids) // bs
+        if n_full <= start:
+            return []
+        raw = memoryview(token_bytes(request.all_token_ids[start * bs:n_full * bs]))
+        step = 8 * bs
+        parent = hashes[-1] if hashes else None
+        new = []
+        for i in range(n_full - start):
+            extra = self.extra_keys(request, start + i) if self.extra_keys else b""
+            parent = hash_block_tokens(parent, raw[i * step:(i + 1) * step], extra)
+            new.append(parent)
+        hashes.extend(new)
+        return new

@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1: config, model, attention layer, DSpark draft stages, what they share."""

@@ -1,0 +1,480 @@
+"""DeepSeek-V4.1 causal LM over wideserve's paged varlen batch (docs/deepseek_v41.md).
+
+Differences from V4 (models/deepseek_v4/model.py), all in this file or layers/v41_attention.py and
+layers/engram.py: CSA2 attention with cross-layer KV sharing (full / reindex / reuse layers
+and the two-level indexer), no per-head q norm, single-pass mHC (each site collapses the
+streams with the previous site's `pre`; the first with stream 0; no hc_head), Engram memory
+at some layers, and score-routed MoE only (the V4 MoE block with hash routing off).
+
+Parameter names are those of the reference implementation's state_dict (`model.layers.{i}.
+attn.wq_a.weight`, `model.layers.{i}.ffn.experts...`, `lm_head.weight`), except the routed
+experts, which use wideserve's `RoutedExperts` layout; `load_weights` also takes the official
+DeepSeek names (`layers.{i}.attn.wq_a.weight`, `embed.weight`, `hc_attn_fn`, per-expert w1/w2/w3).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from wideserve.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec
+from wideserve.types.forward_batch import ForwardBatch
+from wideserve.models.deepseek_v41.attention import CSA2State, DeepseekV41Attention
+from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
+from wideserve.layers.kv_quant import RecordCodec
+from wideserve.layers.moe import DeepseekV4MoE
+from wideserve.layers.norm import RMSNorm
+from wideserve.layers.rope_interleaved import RotaryTable
+from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
+from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
+from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
+from wideserve.models.interface import CausalLM
+
+# auto / fp8: the reference's records, packed (FP8 window, NVFP4 entries, MXFP4 keys);
+# bf16 / raw: the same quantised values stored as bf16 / the model dtype (exact, more bytes).
+KV_CACHE_DTYPES = ("auto", "fp8", "bf16", "raw")
+ENGRAM_TOKENS = "model.engram.tokens"
+# DSpark context: per position, the tap layers' pre-attention streams averaged over streams.
+DSPARK_FEATURES = "model.dspark.features"
+
+
+def rotary_tables(c: DeepseekV41Config) -> tuple[RotaryTable, RotaryTable]:
+    """(main, compress): ratio-0 layers use plain RoPE at rope_theta; compressed layers use
+    compress_rope_theta with frequency-only YaRN (no attention factor)."""
+    main = RotaryTable({"rope_type": "default", "rope_theta": c.rope_theta}, c.qk_rope_head_dim)
+    scaling = dict(c.rope_scaling or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) == "yarn":
+        params = {**scaling, "rope_type": "yarn", "rope_theta": c.compress_rope_theta,
+                  "attention_factor": 1.0}
+    else:
+        params = {"rope_type": "default", "rope_theta": c.compress_rope_theta}
+    return main, RotaryTable(params, c.qk_rope_head_dim)
+
+
+class DeepseekV41Block(nn.Module):
+    """Names: attn, ffn, attn_norm, ffn_norm, attn_hc, ffn_hc, engram (some layers)."""
+
+    def __init__(self, c: DeepseekV41Config, layer: int, main_rope: RotaryTable,
+                 compress_rope: RotaryTable) -> None:
+        super().__init__()
+        self.attn = DeepseekV41Attention(c, layer, main_rope, compress_rope)
+        self.ffn = DeepseekV4MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts,
+                                 c.num_experts_per_tok, c.scoring_func,
+                                 c.routed_scaling_factor, c.swiglu_limit, False, c.vocab_size)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc = SinglePassHC(*hc)
+        self.ffn_hc = SinglePassHC(*hc)
+        if layer in c.engram_layers:
+            hash_heads = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+            rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
+            self.engram = Engram(c.hidden_size, c.hc_mult, rows, c.engram_head_dim,
+                                 hash_heads, c.rms_norm_eps)
+
+    def tap(self, streams: torch.Tensor, engram_rows: torch.Tensor | None) -> torch.Tensor:
+        """DSpark's feature of this layer: the streams entering attention, averaged [T, d]."""
+        if engram_rows is not None:
+            streams = self.engram(streams, engram_rows)
+        return streams.float().mean(dim=1)
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
+                state: CSA2State, input_ids: torch.Tensor,
+                engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre)."""
+        if engram_rows is not None:
+            streams = self.engram(streams, engram_rows)
+        attn_pre, post, comb = self.attn_hc.coefficients(streams)
+        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state)
+        streams = expand(y, streams, post, comb)
+        ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
+        y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), input_ids)
+        return expand(y, streams, post, comb), ffn_pre
+
+
+class DeepseekV41Model(nn.Module):
+    """Names under `model.`: embed_tokens, layers, norm."""
+
+    def __init__(self, c: DeepseekV41Config, main_rope: RotaryTable,
+                 compress_rope: RotaryTable) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV41Block(c, i, main_rope, compress_rope)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DeepseekV41ForCausalLM(CausalLM):
+    config_class = DeepseekV41Config
+    supports_dspark = True
+    keep_in_fp32 = ("attn_hc", "ffn_hc", "sinks_param", "e_score_correction_bias",
+                    "compressor.wkv", "compressor.wgate", "lm_head", "confidence_head")
+
+    def __init__(self, config: DeepseekV41Config) -> None:
+        super().__init__()
+        self.config = config
+        self.main_rope, self.compress_rope = rotary_tables(config)
+        self.model = DeepseekV41Model(config, self.main_rope, self.compress_rope)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                 dtype=torch.float32)
+        self._hasher: NgramHasher | None = None
+        self._token_map: torch.Tensor | None = None
+        self._codecs = self._record_codecs()
+        # Decoder bounded replay (approximate; off by default): layers after the last KV
+        # source run only on each request's last `sliding_window` rows of the step.
+        self.decoder_replay = False
+        # DSpark drafter stages (`mtp.*`, models/deepseek_v41/dspark.py); dropped when the
+        # checkpoint has none (drop_mtp).
+        self.mtp = nn.ModuleList()
+        self.mtp_unavailable: str | None = None
+        if config.num_nextn_predict_layers > 0 and config.dspark_target_layer_ids and \
+                max(config.dspark_target_layer_ids) < config.num_hidden_layers:
+            from wideserve.models.deepseek_v41.dspark import build_stages, dspark_rope
+            self.mtp = build_stages(config, dspark_rope(config))
+
+    def enable_decoder_bounded_replay(self) -> None:
+        """--decoder-bounded-replay: layers after the last KV source run only on each
+        request's last `sliding_window` rows of a step (approximate; docs/deepseek_v41.md)."""
+        if not self.config.kv_source_layer_ids:
+            raise ValueError("--decoder-bounded-replay: this DeepSeek-V4.1 config has no KV "
+                             "source layers, so there is no decoder to bound")
+        self.decoder_replay = True
+
+    def drop_mtp(self, reason: str) -> None:
+        """Serve without DSpark: the checkpoint has no mtp.* tensors."""
+        self.mtp = nn.ModuleList()
+        self.mtp_unavailable = reason
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def replay_depth(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_mtp_blocks(self) -> int:
+        return len(self.mtp)
+
+    # ------------------------------------------------------------------ Engram hashing
+    def bind_tokenizer(self, model_dir: str | Path) -> None:
+        """Engram's normalised vocabulary from the checkpoint's tokenizer.json (when the
+        model has Engram layers and the file exists)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if self.config.engram_layers and path.is_file():
+            token_map, size = compressed_token_map(path.read_text())
+            self.set_token_map(token_map, size)
+
+    def set_token_map(self, token_map: list[int], size: int) -> None:
+        c = self.config
+        if size != c.engram_compressed_vocab_size:
+            raise ValueError(f"Engram: the tokenizer normalises to {size} distinct tokens, the "
+                             f"config says engram_compressed_vocab_size="
+                             f"{c.engram_compressed_vocab_size} (the hashes depend on it)")
+        self._token_map = torch.tensor(token_map, dtype=torch.int64)
+        self._hasher = NgramHasher(c.engram_layers,
+                                   [c.engram_num_embeddings[c.engram_layer_ids.index(i)]
+                                    for i in c.engram_layers],
+                                   c.engram_max_ngram_size, c.engram_n_heads,
+                                   c.engram_vocab_size, size,
+                                   int(token_map[c.engram_pad_token_id]))
+
+    def _ensure_hasher(self) -> NgramHasher:
+        if self._hasher is None:
+            c = self.config
+            if c.engram_compressed_vocab_size != c.vocab_size:
+                raise ValueError("DeepSeek-V4.1 Engram needs the checkpoint's tokenizer.json "
+                                 "(its normalised vocabulary feeds the n-gram hashes)")
+            self.set_token_map(list(range(c.vocab_size)), c.vocab_size)   # identity map
+        return self._hasher
+
+    def _engram_rows(self, step: V4Step, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Row ids [T, hash_heads] per Engram layer, from each token's n-gram (this step's
+        tokens and the cached token history)."""
+        hasher = self._ensure_hasher()
+        step.write_window_rows(ENGRAM_TOKENS, input_ids.float()[:, None])
+        flat, view = step.flat_cache(ENGRAM_TOKENS)
+        T, dev = input_ids.shape[0], input_ids.device
+        req, pos = step.token_req, step.token_pos
+        tmap = self._token_map.to(dev)
+        grams = []
+        blocked = torch.zeros(T, dtype=torch.bool, device=dev)
+        for s in range(hasher.max_ngram):
+            p = pos - s
+            in_step = p >= step.ctx[req]
+            cached = ~in_step & (p >= step.lo[req]) & (p >= 0)
+            rows = torch.from_numpy(np.where(in_step, np.arange(T) - s, 0)).to(dev)
+            slots = view.entry_slots(torch.from_numpy(req).to(dev),
+                                     torch.from_numpy(np.where(cached, p, 0)).to(dev))
+            tok = torch.where(torch.from_numpy(in_step).to(dev), input_ids[rows],
+                              flat[slots, 0].long())
+            blocked = blocked | ~torch.from_numpy(in_step | cached).to(dev)
+            grams.append(torch.where(blocked, hasher.pad_id, tmap[tok.clamp(0, len(tmap) - 1)]))
+        grams = torch.stack(grams, dim=1)                                     # [T, N]
+        return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, d] after the final collapse and norm."""
+        c = self.config
+        step = V4Step(batch, self._codecs)
+        ids = batch.input_ids
+        x = self.model.embed_tokens(ids)
+        streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
+        pre[:, 0] = 1
+        rows = self._engram_rows(step, ids) if c.engram_layers else []
+        engram_at = {layer: r for layer, r in zip(c.engram_layers, rows)}
+        state = CSA2State()
+        taps = (set(c.dspark_target_layer_ids) if DSPARK_FEATURES in batch.kv_caches
+                else set())
+        features = []
+        kept = None
+        replay_from = max(c.kv_source_layer_ids, default=-1) + 1 if self.decoder_replay else -1
+        for i, layer in enumerate(self.model.layers):
+            if i == replay_from:
+                kept = decoder_replay_rows(batch, c.sliding_window, step.lo)
+                if kept is not None:
+                    rows, sub = kept
+                    streams, pre, ids = streams[rows], pre[rows], ids[rows]
+                    features = [f[rows] for f in features]   # DSpark taps before it
+                    state = CSA2State(None if state.picks is None else state.picks[rows],
+                                      None if state.candidates is None
+                                      else state.candidates[rows])
+                    engram_at = {k: v[rows] for k, v in engram_at.items()}
+                    step = V4Step(sub, self._codecs)
+            if i in taps:   # the streams entering layer i (after its Engram)
+                features.append(layer.tap(streams, engram_at.get(i)))
+            streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
+        if features:
+            step.write_window_rows(DSPARK_FEATURES, torch.cat(features, dim=-1))
+        hidden = self.model.norm(collapse(streams, pre))
+        if kept is None:
+            return hidden
+        # Rows the replay skipped have no output (only each request's last rows are used).
+        full = hidden.new_zeros(batch.num_tokens, hidden.shape[-1])
+        return full.index_copy_(0, kept[0], hidden)
+
+    def dspark_draft(self, ids: torch.Tensor, features: torch.Tensor, anchor_pos: torch.Tensor,
+                     ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """The DSpark stages over a block per request: ids [B, Q] (anchor then noise tokens),
+        features [B, C, taps * d] at ctx_pos [B, C] (valid where ctx_valid) -> the last
+        stage's normalised states [B, Q, d] (models/deepseek_v41/dspark.py)."""
+        from wideserve.models.deepseek_v41.dspark import draft_block
+        return draft_block(self.mtp, self.config, self.model.embed_tokens(ids), features,
+                           anchor_pos, ctx_pos, ctx_valid)
+
+    def dspark_head(self, states: torch.Tensor, previous: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [..., d], previous token ids [...] -> (draft logits [..., V] fp32,
+        confidence logits [...] fp32)."""
+        from wideserve.models.deepseek_v41.dspark import draft_head
+        return draft_head(self.mtp, states, previous, self.lm_head)
+
+    def dspark_kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
+        """The DSpark context window: W positions of tap features (taps * hidden each)."""
+        c = self.config
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else self.dtype
+        return {DSPARK_FEATURES: KVCacheSpec(
+            CacheKind.SLIDING_WINDOW, "dspark_features",
+            len(c.dspark_target_layer_ids) * c.hidden_size, dtype, window=c.sliding_window)}
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.float())
+
+    # ------------------------------------------------------------------ KV cache
+    def _record_codecs(self) -> dict[str, RecordCodec]:
+        """Every window, compressed and indexer-key cache is quantised, however stored."""
+        c = self.config
+        codecs = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.attn."
+            codecs[p + "window"] = RecordCodec("fp8", c.head_dim)
+            if c.compress_ratio(i):
+                codecs[p + "compressed"] = RecordCodec("nvfp4", c.head_dim)
+                codecs[p + "indexer_keys"] = RecordCodec("mxfp4", c.index_head_dim)
+        return codecs
+
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec | SharedKVSpec]:
+        """Every layer owns its window; KV sources own their compressed entries, indexer keys
+        and (ratio > 1) compressor state; reindex / reuse layers' compressed caches are the
+        source's (SharedKVSpec: stored and counted once). Engram keeps the last
+        engram_max_ngram_size token ids of each request (one cache for all its layers)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {kv_cache_dtype!r}")
+        c = self.config
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else self.dtype
+        packed = kv_cache_dtype in ("auto", "fp8")
+        fmt = {"window": "fp8_ue8m0", "compressed": "nvfp4_ds_mla",
+               "indexer": "mxfp4_index"} if packed else {}
+        specs: dict[str, KVCacheSpec | SharedKVSpec] = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.attn."
+            specs[p + "window"] = KVCacheSpec(CacheKind.SLIDING_WINDOW, "window", c.head_dim,
+                                              dtype, window=c.sliding_window,
+                                              record_format=fmt.get("window", "raw"))
+            mode, m = c.layer_mode(i), c.compress_ratio(i)
+            if mode == SWA:
+                continue
+            if mode != FULL:
+                specs[p + "compressed"] = SharedKVSpec(
+                    f"model.layers.{c.kv_source_of(i)}.attn.compressed")
+                continue
+            specs[p + "compressed"] = KVCacheSpec(
+                CacheKind.FULL, "compressed", c.head_dim, dtype, compress_ratio=m,
+                record_format=fmt.get("compressed", "raw"))
+            specs[p + "indexer_keys"] = KVCacheSpec(
+                CacheKind.FULL, "indexer", c.index_head_dim, dtype, compress_ratio=m,
+                record_format=fmt.get("indexer", "raw"))
+            if m > 1:
+                specs[p + "compressor_state"] = KVCacheSpec(
+                    CacheKind.SLIDING_WINDOW, "state", 2 * c.head_dim, torch.float32, window=m)
+        if c.engram_layers:
+            specs[ENGRAM_TOKENS] = KVCacheSpec(CacheKind.SLIDING_WINDOW, "engram_tokens", 1,
+                                               torch.float32, window=c.engram_max_ngram_size)
+        return specs
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """(name, tensor) pairs in the reference's or the official naming (module doc)."""
+        targets = self.state_dict(keep_vars=True)
+        loaded: set[str] = set()
+        parts: dict[str, int] = {}
+        fp8_tables: dict[str, torch.Tensor] = {}    # an FP8 Engram table until its scale
+        for raw, tensor in weights:
+            if raw.startswith("mtp.") and len(self.mtp):
+                loaded |= load_stage_weights(targets, [(raw, tensor)])
+                continue
+            name = official_to_reference(raw)
+            if name is None:
+                continue
+            if name.endswith(_TABLE) and tensor.dtype == torch.float8_e4m3fn:
+                fp8_tables[name] = tensor
+                continue
+            if name.endswith(".engram.embed.scale"):
+                table = name.removesuffix(".scale") + ".weight"
+                if table not in fp8_tables:
+                    raise ValueError(f"DeepSeek-V4.1: {raw!r} comes without its FP8 table")
+                self.get_submodule(table.removesuffix(".weight")).load_fp8(
+                    fp8_tables.pop(table), tensor)
+                loaded.add(table)
+                continue
+            name, tensor, part = _expert_layout(name, tensor)
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"DeepSeek-V4.1: unknown weight {raw!r}")
+            dst = target.data if part is None else target.data[part[0]][part[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"DeepSeek-V4.1: weight {raw!r} has shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            if part is None:
+                loaded.add(name)
+            else:
+                parts[name] = parts.get(name, 0) + 1
+                if parts[name] == target.shape[0] * part[2]:
+                    loaded.add(name)
+        if fp8_tables:
+            raise ValueError(f"DeepSeek-V4.1: FP8 Engram table {next(iter(fp8_tables))!r} has "
+                             f"no .scale companion")
+        return loaded
+
+    def keeps_quantised(self, name: str) -> bool:
+        """Checkpoint tensors the reader passes on as stored, with their `.scale`: Engram
+        tables stay FP8 in host memory (HostTable.load_fp8); only gathered rows dequantise."""
+        return name.endswith(_TABLE)
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, active per token): routed experts count at k/E; an Engram table (in host
+        memory) only with the rows a token gathers."""
+        c = self.config
+        total = routed = tables = 0
+        for name, p in self.named_parameters():
+            if name.startswith("mtp."):
+                continue
+            total += p.numel()
+            if ".experts." in name:
+                routed += p.numel()
+            elif name.endswith(".engram.embed.weight"):
+                tables += p.numel()
+        gathered = (len(c.engram_layers) * (c.engram_max_ngram_size - 1) * c.engram_n_heads
+                    * c.engram_head_dim)
+        active = (total - routed - tables + routed * c.num_experts_per_tok // c.n_routed_experts
+                  + gathered)
+        return total, active
+
+
+# ------------------------------------------------------------------ checkpoint names
+_IGNORED = re.compile(r"(^|\.)(bias_vl|tid2eid)$|^(model\.)?(vision|aligner)\.|"
+                      r"^(model\.)?image_(start|end|newline)$")
+_TABLE = ".engram.embed.weight"
+_HC = re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
+_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def official_to_reference(name: str) -> str | None:
+    """An official DeepSeek-V4.1 tensor name -> the reference's state_dict name (reference
+    names pass through); None for tensors wideserve does not use (vision, vision routing
+    bias, DSpark `mtp.*` weights)."""
+    if _IGNORED.search(name) or name.startswith(("mtp.", "model.mtp.")):
+        return None
+    top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+           "norm.weight": "model.norm.weight"}
+    if name in top:
+        return top[name]
+    if not name.startswith("layers."):
+        return name
+    m = _HC.match(name)
+    if m:
+        return f"model.layers.{m[1]}.{m[2]}_hc.{m[3]}"
+    if name.endswith(".attn.attn_sink"):
+        name = name.removesuffix(".attn_sink") + ".sinks_param.weight"
+    name = re.sub(r"\.ffn\.shared_experts\.(w[123])\.",
+                  lambda g: f".ffn.shared_experts.{_SHARED[g[1]]}.", name)
+    if name.endswith(".ffn.gate.bias"):
+        name = name.removesuffix(".bias") + ".e_score_correction_bias"
+    return "model." + name
+
+
+def load_stage_weights(targets, weights):   # noqa: ANN001, ANN201 - see deepseek_v41_dspark
+    from wideserve.models.deepseek_v41.dspark import load_stage_weights as load
+    return load(targets, weights)
+
+
+def decoder_replay_rows(batch: ForwardBatch, window: int, lo: np.ndarray
+                        ) -> tuple[torch.Tensor, ForwardBatch] | None:
+    """The decoder bounded replay's sub-batch: each request keeps its last `window` new rows.
+    Layers after the last KV source write no shared KV, and future steps read their windows
+    only back to seq - window + 1, so only those rows matter later; the kept rows' windows are
+    clamped at the first kept row (kv_replay_start), the approximation (docs/deepseek_v41.md).
+    lo [R]: the full step's first readable positions (V4Step.lo: a prefix-cache replay's
+    start), which stay in force. None when no request has more than `window` new rows."""
+    qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
+    qlen = np.diff(qsl)
+    if not (qlen > window).any():
+        return None
+    skip = np.maximum(qlen - window, 0)
+    new_len = qlen - skip
+    rows_np = np.concatenate([np.arange(a + k, b) for a, b, k in zip(qsl[:-1], qsl[1:], skip)])
+    rows = torch.from_numpy(rows_np).to(batch.input_ids.device)
+    new_qsl = np.concatenate([[0], np.cumsum(new_len)])
+    seq = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
+    ctx = seq - new_len
+    views = [dataclasses.replace(v, slot_mapping=None if v.slot_mapping is None
+                                 else v.slot_mapping[rows]) for v in batch.kv_groups]
+    sub = ForwardBatch(
+        input_ids=batch.input_ids[rows], positions=batch.positions[rows],
+        query_start_loc=torch.from_numpy(new_qsl).to(batch.query_start_loc.device),
+        seq_lens=batch.seq_lens, query_start_loc_cpu=new_qsl, seq_lens_cpu=seq,
+        kv_caches=batch.kv_caches, kv_groups=views, cache_group=batch.cache_group,
+        kv_replay_start=np.where(skip > 0, np.maximum(ctx, lo), lo), extras=batch.extras)
+    return rows, sub

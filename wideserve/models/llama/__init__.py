@@ -1,0 +1,1 @@
+"""Llama / Qwen2 / Qwen3 (dense, GQA)."""

@@ -1,0 +1,129 @@
+"""`LLM(data_parallel_size=N, ...)`: the offline API over N engine-core processes.
+
+One process cannot be N lock-step ranks, so the offline LLM drives N engine-core processes
+through the same DPEngineClient the server uses, on a private asyncio loop, behind the small
+synchronous surface the LLM needs from an engine (add_request, abort_requests, step,
+has_unfinished_requests). `step()` returns whatever outputs arrived (waiting for the first).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from wideserve.config import EngineConfig
+from wideserve.serving.engine_client import EngineDeadError
+from wideserve.types.messages import EngineCoreRequest
+from wideserve.types.sched_output import EngineCoreOutput
+from wideserve.serving.dp_client import DPEngineClient
+from wideserve.worker.model_loader import resolve_model_path
+
+OFFLINE_STALL_S = 60.0
+
+
+class SyncDPEngine:
+    def __init__(self, config: EngineConfig, step_timeout_s: float | None = None) -> None:
+        self.config = config
+        self.model_path: Path = resolve_model_path(config.load.model)
+        self.step_timeout_s = step_timeout_s or config.parallel.dp_sync_timeout_s + 30.0
+        self._loop = asyncio.new_event_loop()
+        self._outputs: list[EngineCoreOutput] = []
+        self._arrived = asyncio.Event()
+        self._unfinished: set[str] = set()
+        # No health endpoint to fail here, and a long lock-step step on a big model is not a
+        # hang: declared dead only after OFFLINE_STALL_S of silence.
+        self.client = DPEngineClient(config, stale_after_s=OFFLINE_STALL_S,
+                                     stall_timeout_s=OFFLINE_STALL_S)
+        self.client.on_outputs = self._on_outputs
+        self.client.on_dead = lambda reason: self._arrived.set()
+        try:
+            self.model_info = self._run(self.client.start())
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        self._outputs.extend(outputs)
+        for out in outputs:
+            if out.finished:
+                self._unfinished.discard(out.request_id)
+        self._arrived.set()
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._unfinished.add(req.request_id)
+        self._run(self.client.add_requests([req]))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._run(self.client.abort_requests(list(request_ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self._outputs:
+            self._run(self._wait())
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    async def _wait(self) -> None:
+        self._arrived.clear()
+        if self.client.dead_reason is not None:
+            raise EngineDeadError(self.client.dead_reason)
+        try:
+            await asyncio.wait_for(self._arrived.wait(), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            self._dump_rank_stacks()
+            raise EngineDeadError(f"no output from the data-parallel engines in "
+                                  f"{self.step_timeout_s:.0f} s with requests unfinished ("
+                                  f"{stall_report(self.client.clients, time.monotonic())})"
+                                  ) from None
+        if self.client.dead_reason is not None and not self._outputs:
+            raise EngineDeadError(self.client.dead_reason)
+
+    def _dump_rank_stacks(self) -> None:
+        """Ask this node's ranks to print their Python stacks to stderr (DPEngineCore
+        registers faulthandler on SIGUSR1): the evidence for why nobody produced output."""
+        for client in self.client.clients:
+            if client.proc is not None and client.proc.poll() is None:
+                try:
+                    os.kill(client.proc.pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+
+    def get_stats(self) -> dict[str, Any]:
+        return self._run(self.client.call_utility("get_stats"))
+
+    def check_integrity(self) -> None:
+        self._run(self.client.call_utility("check_integrity"))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.client.shutdown())
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._run(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            self._loop.close()
+
+
+def stall_report(clients: Sequence[Any], now: float) -> str:
+    """Each rank's load as its last stats said, and how long ago it was last heard from:
+    a rank still heard from with requests that never finish points at the scheduler, one
+    long silent at its process or the network."""
+    parts = []
+    for rank, client in enumerate(clients):
+        stats = client.stats or {}
+        load = (f"{stats['num_running']} running, {stats['num_waiting']} waiting"
+                if "num_running" in stats and "num_waiting" in stats else "no stats yet")
+        parts.append(f"rank {rank}: {load}, last heard {now - client.last_heard:.1f} s ago")
+    return "; ".join(parts)

@@ -1,0 +1,193 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`.
+
+The engine core runs in-process; this class tokenises, drives steps until every request is
+done, and returns RequestOutputs in the order of the prompts.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from wideserve.config import EngineConfig, engine_config_from_kwargs
+from wideserve.engine.engine_core import EngineCore
+from wideserve.serving.output_processor import OutputProcessor
+from wideserve.utils.extras import require_kv_connector
+from wideserve.types.outputs import RequestOutput
+from wideserve.types.sampling_params import SamplingParams
+from wideserve.utils.threads import plan_in_process
+from wideserve.text.tokenizer import Tokenizer
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+Message = Mapping[str, Any]
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_path, tokenizer: str | None) -> Tokenizer:
+    if tokenizer is not None:
+        return Tokenizer.from_pretrained(tokenizer)
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        return Tokenizer.from_gguf(model_path)
+    return Tokenizer.from_pretrained(model_path)
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+    plan = plan_in_process(threads, current=torch.get_num_threads())
+    plan.apply()
+    logger.info("LLM engine: %s", plan.describe())
+
+
+class LLM:
+    """Engine arguments are the fields of LoadConfig, CacheConfig and SchedulerConfig
+    (e.g. dtype, seed, load_format, max_model_len, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, block_size, kv_cache_memory, policy) and ParallelConfig
+    (data_parallel_size, enable_expert_parallel: N engine-core processes, docs/distributed.md;
+    threads: torch threads per engine, default chosen for the machine, wideserve/utils/threads.py)."""
+
+    def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
+                 **engine_args: Any) -> None:
+        self._init(engine_config_from_kwargs(model=model, **engine_args), skip_tokenizer_init)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig,
+                           skip_tokenizer_init: bool = False) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(config, skip_tokenizer_init)
+        return llm
+
+    def _init(self, config: EngineConfig, skip_tokenizer_init: bool) -> None:
+        require_kv_connector(config.kv_transfer)
+        if config.parallel.enabled:
+            # N ranks are N engine-core processes (wideserve/serving/dp_offline.py).
+            from wideserve.serving.dp_offline import SyncDPEngine
+            self.engine: Any = SyncDPEngine(config)
+            self._finalizer = weakref.finalize(self, self.engine.close)
+            model_path = self.engine.model_path
+        else:
+            _set_threads(config.parallel.threads)
+            self.engine = EngineCore(config)
+            model_path = self.engine.loaded.path
+        # Without a tokenizer prompts must be token ids and outputs carry no text.
+        self.tokenizer = None if skip_tokenizer_init else \
+            load_tokenizer(model_path, config.load.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, stream=False)   # finished outputs only
+        self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine processes now (data-parallel LLMs; otherwise a no-op). They also
+        stop when this object is collected or the interpreter exits."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this LLM was created with skip_tokenizer_init=True")
+        return self.tokenizer
+
+    # ------------------------------------------------------------------------- generate
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        pairs = [self._tokenize(p) for p in prompt_list]
+        return self._run(pairs, params, use_tqdm, priority)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) \
+            else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(
+            list(c), add_generation_prompt=add_generation_prompt, tools=tools,
+            chat_template=chat_template) for c in conversations]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        # The template already holds the special tokens (bos included).
+        pairs = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        return self._run(pairs, params, use_tqdm, None)
+
+    # -------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, Mapping)):
+            return [prompts]
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]                     # one prompt given as token ids
+        return list(prompts)
+
+    @staticmethod
+    def _params_per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
+                           n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return list(sp)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, [int(t) for t in prompt]
+
+    def _run(self, pairs: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        ids = []
+        added = []
+        try:
+            for i, ((text, token_ids), sp) in enumerate(zip(pairs, params)):
+                rid = str(next(self._ids))
+                core_reqs = self.processor.add_request(
+                    rid, text, token_ids, sp, priority=priority[i] if priority else 0)
+                ids.append(rid)
+                for req in core_reqs:
+                    self.engine.add_request(req)
+                    added.append(req.request_id)
+        except Exception:
+            self.engine.abort_requests(added)
+            for rid in ids:
+                self.processor.abort_request(rid)
+            self._drain()
+            raise
+        return self._drive(ids, use_tqdm)
+
+    def _drive(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        failed: dict[str, str] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                processed = self.processor.process_outputs(self.engine.step())
+                failed.update(processed.failed)
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {next(iter(failed.values()))}")
+        return [done[rid] for rid in ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()

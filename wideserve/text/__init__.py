@@ -1,0 +1,1 @@
+"""Tokenizer, incremental detokenizer and chat templates."""

@@ -1,0 +1,1 @@
+"""Process, thread, device-transfer and optional-dependency helpers."""

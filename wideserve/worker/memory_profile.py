@@ -1,0 +1,127 @@
+"""Size the KV cache after measuring a maximal step's activations (docs/memory.md).
+
+On an accelerator the KV cache takes what is left of `gpu_memory_utilization` x total memory
+once the weights are loaded AND the largest step the scheduler can build has run: a maximal
+dummy batch (max_num_batched_tokens tokens over as many requests as max_num_seqs allows, every
+request sampled) goes through a throwaway runner on a KV cache just big enough for it, and
+the peak memory above the baseline is the activation reserve. This is vLLM's profile run.
+Without it the KV cache took 0.9 x free memory and the first large prefill could run out.
+
+Device-agnostic: the memory statistics come from `torch.<device type>` (cuda, xpu, ...) when
+the backend has them; on CPU there are none and sizing keeps its CPU default, but the dummy
+step itself runs anywhere (the tests run it on CPU with a stand-in probe).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wideserve.config import CacheConfig, SchedulerConfig
+from wideserve.kv_cache.groups import allocate_kv_tensors, build_kv_cache_config
+from wideserve.kv_cache.kv_cache_manager import KVCacheManager
+from wideserve.worker.model_runner import GroupLayout, ModelRunner, StepRequest
+from wideserve.types.request import Request
+from wideserve.types.sampling_params import SamplingParams
+
+_STATS = ("mem_get_info", "memory_allocated", "max_memory_allocated",
+          "reset_peak_memory_stats", "synchronize", "empty_cache")
+
+
+class DeviceMemory:
+    """Memory statistics of one accelerator, through torch's per-backend module."""
+
+    def __init__(self, device: torch.device, backend: Any) -> None:
+        self.device, self.backend = device, backend
+
+    @staticmethod
+    def for_device(device: torch.device) -> "DeviceMemory | None":
+        backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+        if backend is None or not all(hasattr(backend, n) for n in _STATS):
+            return None
+        return DeviceMemory(device, backend)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self.backend.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def allocated(self) -> int:
+        return int(self.backend.memory_allocated(self.device))
+
+    def peak(self) -> int:
+        return int(self.backend.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        self.backend.reset_peak_memory_stats(self.device)
+
+    def settle(self) -> None:
+        self.backend.synchronize(self.device)
+        self.backend.empty_cache()
+
+
+@dataclass(slots=True)
+class MemoryProfile:
+    total: int               # device memory
+    used_before: int         # in use after loading (weights, context, other processes)
+    activation_peak: int     # a maximal step's peak above its baseline
+    budget: int              # what the KV cache gets
+
+
+def dummy_lengths(sched: SchedulerConfig, max_model_len: int) -> list[int]:
+    """Tokens per request of the largest step: the whole token budget over as many requests
+    as max_num_seqs allows (more sampled rows = more logits), none longer than a request may
+    be."""
+    per = max(1, max_model_len - 1)
+    total = min(sched.max_num_batched_tokens, sched.max_num_seqs * per)
+    n = min(sched.max_num_seqs, total)
+    n = max(n, math.ceil(total / per))
+    base, extra = divmod(total, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def run_dummy_step(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
+                   max_model_len: int, device: torch.device) -> int:
+    """One maximal step on a throwaway KV cache sized for exactly it; returns the tokens."""
+    lengths = dummy_lengths(sched, max_model_len)
+    tmp = dataclasses.replace(cache, enable_prefix_caching=False, num_blocks_override=2,
+                              kv_cache_memory=None)
+    kv_config = build_kv_cache_config(specs, tmp, sched, device=device)
+    for bucket in kv_config.buckets:             # pages for every request's whole chunk
+        bucket.num_blocks = 1 + sum(math.ceil(n / kv_config.groups[g].block_size) + 1
+                                    for g in bucket.group_ids for n in lengths)
+    caches = allocate_kv_tensors(kv_config, device)
+    manager = KVCacheManager(kv_config, tmp, max_model_len)
+    reqs = []
+    for i, n in enumerate(lengths):
+        r = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
+        if manager.allocate_slots(r, n) is None:
+            raise RuntimeError("memory profiling: the dummy KV cache is too small")
+        reqs.append(StepRequest(r.request_id, r.prompt_token_ids, 0,
+                                manager.block_ids(r.request_id), is_new=True))
+    layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in kv_config.groups]
+    ModelRunner(model, layouts, kv_config.cache_group, caches, device).forward(reqs)
+    return sum(lengths)
+
+
+def profile_kv_budget(probe: DeviceMemory, utilization: float, run_step: Any) -> MemoryProfile:
+    """KV budget = utilization x total - memory in use now - a maximal step's activations."""
+    probe.settle()
+    free, total = probe.mem_get_info()
+    used = total - free
+    probe.reset_peak()
+    base = probe.allocated()
+    run_step()
+    probe.settle()
+    activation = max(0, probe.peak() - base)
+    budget = int(total * utilization) - used - activation
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: of "
+            f"{total / gib:.2f} GiB, {used / gib:.2f} GiB are in use (weights, other "
+            f"processes) and a maximal step needs {activation / gib:.2f} GiB of activations; "
+            f"raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
+    return MemoryProfile(total, used, activation, budget)

@@ -1,0 +1,193 @@
+"""Builds the flat batch for a step, runs the model, and returns the rows to sample from.
+
+Host path (docs/host_path.md): one numpy pass per step over the scheduled requests (never a
+Python loop per token). Block tables persist across steps (block_tables.py): a step appends
+only the block ids each request gained, so its cost does not grow with the context. Every
+metadata array goes to the device through `to_device` (shared memory on the CPU, pinned and
+non-blocking on CUDA), and nothing in here reads a device value back.
+
+Decode steps can instead go through the captured decode step (decode_capture.py, enabled by
+`enable_decode_capture`): padded to a capture size, metadata in static buffers, replayed.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from wideserve.utils.device import to_device
+from wideserve.worker.block_tables import BlockTables
+from wideserve.worker.decode_capture import CapturedDecode, Capturer
+from wideserve.types.forward_batch import ForwardBatch, KVGroupView
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """One request's share of a step, as the runner needs it."""
+
+    request_id: str
+    token_ids: list[int]          # the tokens at positions start .. start + len - 1
+    start: int                    # position of the first new token (= computed tokens before)
+    # Per KV group: the request's block-table row. May be the KV manager's own lists (read
+    # during the step, never kept or modified): rows only grow, entries only change to 0.
+    block_ids: Sequence[Sequence[int]]
+    kv_write_start: int = 0       # positions below are a replayed cached prefix
+    sample: bool = True           # the step reaches the end of the request's tokens
+    prompt_logits: bool = False   # also return every new row's hidden state (prompt logprobs)
+    num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
+    replay_start: int = 0         # with kv_write_start: where this request's replay began
+    is_new: bool = False          # first step of the request (or of its resumption)
+
+
+@dataclass(slots=True)
+class GroupLayout:
+    block_size: int
+    compress_ratio: int
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    # [S, V] fp32, one row per sampled request, in order; with drafts (runner built with
+    # with_drafts=True) num_spec + 1 consecutive rows per sampled request.
+    logits: torch.Tensor | None
+    sample_rows: list[int]               # index into the step's requests of each request's rows
+    # request index -> [n, d] hidden states of all new rows (prompt logprobs: the engine turns
+    # them into logits in bounded slices, never [n, vocab] at once)
+    prompt_hidden: dict[int, torch.Tensor]
+    batch: ForwardBatch | None = None    # the step's batch (speculative proposers reuse it)
+
+
+class ModelRunner:
+    def __init__(self, model, groups: list[GroupLayout], cache_group: dict[str, int],
+                 kv_caches: dict[str, torch.Tensor], device: torch.device,
+                 with_drafts: bool = False, tables: BlockTables | None = None) -> None:
+        """tables: block tables to share (a draft model's runner shares the target's)."""
+        self.model = model
+        self.with_drafts = with_drafts      # speculative decoding: logits for draft rows too
+        self.groups = groups
+        self.cache_group = cache_group
+        self.kv_caches = kv_caches
+        self.device = device
+        self.tables = tables if tables is not None else BlockTables(len(groups), device)
+        self.captured: CapturedDecode | None = None     # enable_decode_capture()
+
+    def enable_decode_capture(self, sizes: list[int] | tuple[int, ...], max_model_len: int,
+                              capturer: Capturer | None = None) -> CapturedDecode:
+        """Decode steps of up to max(sizes) requests run padded over static buffers (CUDA
+        graphs where the model is capturable, captured here); other steps stay eager."""
+        cap = CapturedDecode(self.model, self.groups, self.cache_group, self.kv_caches,
+                             self.tables, self.device, sizes, capturer)
+        with torch.inference_mode():
+            cap.capture(max_model_len)
+        self.captured = cap
+        return cap
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget finished or preempted requests (their block-table rows are freed). A
+        request that is not dropped keeps its row until it is."""
+        self.tables.drop(request_ids)
+
+    def build_batch(self, reqs: list[StepRequest]) -> ForwardBatch:
+        # Per-request fields gathered by list comprehensions into np.array: several times
+        # cheaper per request than np.fromiter over a generator (docs/host_path.md).
+        lens = [len(r.token_ids) for r in reqs]
+        num_tokens = sum(lens)
+        # One token per request (decode): token = request. A zero-token request beside a
+        # two-token one also has as many tokens as requests, hence the min.
+        one_each = num_tokens == len(reqs) > 0 and min(lens) == 1
+        qlens = np.array(lens, dtype=np.int64)
+        starts = np.array([r.start for r in reqs], dtype=np.int64)
+        if one_each:
+            qsl = np.arange(len(reqs) + 1, dtype=np.int64)
+            input_ids = np.array([r.token_ids[0] for r in reqs], dtype=np.int64)
+        else:
+            qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+            np.cumsum(qlens, out=qsl[1:])
+            input_ids = np.array([t for r in reqs for t in r.token_ids], dtype=np.int64)
+        seq_lens = starts + qlens
+        dev = self.device
+        update = self.tables.update
+        rows = np.array([update(r.request_id, r.block_ids, r.is_new) for r in reqs],
+                        dtype=np.int64)
+        rows_t = to_device(rows, dev)
+        if one_each:
+            positions, token_rows = starts, rows
+        else:
+            req_of_token = np.repeat(np.arange(len(reqs)), qlens)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1],
+                                                                          qlens)
+            token_rows = rows[req_of_token]
+        views = [self._group_view(g, layout, rows, rows_t, token_rows, positions)
+                 for g, layout in enumerate(self.groups)]
+        write_start = write_start_cpu = replay_start = None
+        if any(r.kv_write_start for r in reqs):
+            write_start_cpu = np.array([r.kv_write_start for r in reqs], dtype=np.int64)
+            write_start = to_device(write_start_cpu.copy(), dev)
+            replay_start = np.array([r.replay_start for r in reqs], dtype=np.int64)
+        return ForwardBatch(
+            input_ids=to_device(input_ids, dev), positions=to_device(positions, dev),
+            query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
+            kv_write_start=write_start, kv_write_start_cpu=write_start_cpu,
+            kv_replay_start=replay_start)
+
+    def _group_view(self, g: int, layout: GroupLayout, rows: np.ndarray, rows_t: torch.Tensor,
+                    token_rows: np.ndarray, positions: np.ndarray) -> KVGroupView:
+        view = KVGroupView(layout.block_size, layout.compress_ratio,
+                           self.tables.device_table(g), req_rows=rows_t, req_rows_cpu=rows)
+        if layout.compress_ratio == 1:
+            bs = layout.block_size
+            block, offset = np.divmod(positions, bs)
+            slots = self.tables.host(g)[token_rows, block]     # a new array: scaled in place
+            slots *= bs
+            slots += offset
+            view.slot_mapping = to_device(slots, self.device)
+        return view
+
+    @torch.inference_mode()
+    def forward(self, reqs: list[StepRequest],
+                input_ids: torch.Tensor | None = None) -> ForwardOutput:
+        """input_ids [T] on the device replaces the requests' token ids (a proposer feeding
+        its own drafts back without a host sync)."""
+        n = None if self.captured is None or input_ids is not None else \
+            self.captured.padded_size(reqs)
+        if n is not None:
+            step = self.captured.run(reqs, n)
+            hidden, batch = step.hidden, step.batch
+        else:
+            batch = self.build_batch(reqs)
+            if input_ids is not None:
+                batch.input_ids = input_ids
+            hidden = self.model.forward(batch)
+        qsl = batch.query_start_loc_cpu
+        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+        logits = None
+        if sample_rows:
+            # Every row is a request's last (one token each: as many rows as requests, none
+            # with zero tokens): no gather.
+            if hidden.shape[0] == len(sample_rows) == len(reqs) \
+                    and min([len(r.token_ids) for r in reqs]) == 1:
+                sampled = hidden
+            else:
+                idx = qsl[1:][np.array(sample_rows, dtype=np.int64)] - 1
+                if self.with_drafts:
+                    idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
+                sampled = hidden.index_select(0, to_device(idx, hidden.device))
+            logits = self.model.compute_logits(sampled)
+        prompt_hidden: dict[int, torch.Tensor] = {}
+        if any([r.prompt_logits for r in reqs]):
+            for i, r in enumerate(reqs):
+                if r.prompt_logits:
+                    prompt_hidden[i] = hidden[int(qsl[i]):int(qsl[i + 1])]
+        return ForwardOutput(logits, sample_rows, prompt_hidden, batch)
+
+
+def _with_draft_rows(ends: np.ndarray, num_spec: list[int]) -> np.ndarray:
+    """Last rows -> the last num_spec + 1 rows of each request, consecutive."""
+    k = np.asarray(num_spec, dtype=np.int64)
+    counts = k + 1
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(ends - k, counts) + offsets

@@ -1,0 +1,241 @@
+"""Stream (HF name, tensor) pairs out of a safetensors checkpoint directory.
+
+Handles a single `model.safetensors`, shards listed by `model.safetensors.index.json` (or bare
+`*.safetensors` files), the original DeepSeek-V4 tensor names (renamed to the HF names the
+models use, docs/deepseek_v4.md, "Checkpoint names"; see `deepseek_names.py`), per-expert tensors stacked
+into `gate_up_proj` [E, 2I, d] / `down_proj` [E, d, I], and quantised weights with `.scale` /
+`.weight_scale_inv` companions, dequantised to the load dtype (FP8 block-scaled, packed FP4).
+
+Memory: tensors are read one at a time from memory-mapped files; stacking the experts of a
+layer needs one buffer of that layer's stacked size at a time.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from wideserve.models.deepseek_v4.checkpoint_names import (EXPERT_RE, is_original_block_name,
+                                                           rename_deepseek_v4)
+from wideserve.layers import quant
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_EXPERT_DTYPES = (None, "fp4", "fp8", "bf16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """What the checkpoint's quantised tensors look like (from config.json)."""
+
+    fp8_block: tuple[int, int] = (128, 128)
+    fp4_group: int = 32
+    expert_dtype: str | None = None
+
+    @classmethod
+    def from_config(cls, config_json: dict, where: str = "config.json") -> QuantFormat:
+        qc = config_json.get("quantization_config") or {}
+        method = qc.get("quant_method")
+        if qc and method != "fp8":
+            raise ValueError(f"{where}: unsupported quantization_config.quant_method {method!r}; "
+                             "wideserve loads block-wise 'fp8' checkpoints (optional FP4 experts)")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"{where}: unsupported quantization_config.fmt {qc['fmt']!r} "
+                             "(need e4m3)")
+        if qc.get("scale_fmt") not in (None, "ue8m0", "float32", "fp32"):
+            raise ValueError(f"{where}: unsupported quantization_config.scale_fmt "
+                             f"{qc['scale_fmt']!r}")
+        block = qc.get("weight_block_size") or [128, 128]
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"{where}: quantization_config.weight_block_size must be two "
+                             f"positive ints, got {block!r}")
+        expert = config_json.get("expert_dtype", qc.get("expert_dtype"))
+        if expert not in _EXPERT_DTYPES:
+            raise ValueError(f"{where}: unsupported expert_dtype {expert!r}; "
+                             f"known: {', '.join(str(e) for e in _EXPERT_DTYPES[1:])}")
+        return cls(fp8_block=(block[0], block[1]), expert_dtype=expert)
+
+
+def find_tensor_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it; clear errors for missing files."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no 'weight_map' in the index")
+        files = {name: directory / fname for name, fname in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} lists {path.name}, which does not exist")
+        return files
+    single = directory / SINGLE_FILE
+    shards = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no weights in {directory}: expected {SINGLE_FILE}, "
+                                f"{INDEX_FILE} or *.safetensors files")
+    files: dict[str, Path] = {}
+    for path in shards:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name in files:
+                    raise ValueError(f"tensor {name!r} is in both {files[name].name} and "
+                                     f"{path.name}")
+                files[name] = path
+    return files
+
+
+def uses_original_deepseek_names(names: list[str]) -> bool:
+    """Original DeepSeek block names (`layers.{i}.attn.wq_a.weight`, also under transformers'
+    `model.` prefix) or top-level `embed.weight` / `head.weight`; `mtp.*` appears in both
+    layouts, so it is judged by its inner names."""
+    return any(n in ("embed.weight", "head.weight") or is_original_block_name(n) for n in names)
+
+
+@dataclass(slots=True)
+class CheckpointReader:
+    """Iterate (hf_name, tensor); `sources[hf_name]` says which file/tensor it came from."""
+
+    directory: Path
+    config_json: dict
+    dtype: torch.dtype                       # what quantised weights dequantise to
+    files: dict[str, Path] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    quant_format: QuantFormat = field(default_factory=QuantFormat)
+    rename: bool = False
+    # Names (as yielded) whose quantised tensor is passed on as stored, followed by its scale
+    # as `<name without .weight>.scale` (the model's `keeps_quantised`, e.g. V4.1's FP8
+    # Engram tables kept FP8 in host memory); None: everything is dequantised.
+    keep_quantised: Callable[[str], bool] | None = None
+    _handles: dict[Path, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+        self.files = find_tensor_files(self.directory)
+        self.quant_format = QuantFormat.from_config(
+            self.config_json, str(self.directory / "config.json"))
+        model_type = self.config_json.get("model_type", "")
+        self.rename = model_type == "deepseek_v4" and uses_original_deepseek_names(list(self.files))
+
+    # --- raw access ---
+    def _raw(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        return handle.get_tensor(name)
+
+    def where(self, name: str) -> str:
+        return f"{self.files[name].name}:{name}"
+
+    def _scale_of(self, name: str) -> str | None:
+        """The scale companion of `name`: `X.scale` / `X.weight_scale_inv` for `X.weight`, and
+        `X_scale_inv` for a bare tensor X (HF's stacked FP8 experts)."""
+        if name.endswith(".weight"):
+            candidates = [name[: -len(".weight")] + s for s in (".scale", ".weight_scale_inv")]
+        else:
+            candidates = [name + "_scale_inv"]
+        return next((c for c in candidates if c in self.files), None)
+
+    def _dense(self, name: str) -> torch.Tensor:
+        """The tensor `name`, dequantised to `self.dtype` when it has a scale companion."""
+        weight = self._raw(name)
+        scale_name = self._scale_of(name)
+        if scale_name is None:
+            if weight.dtype == torch.float8_e4m3fn or weight.dtype == torch.float8_e5m2:
+                raise ValueError(f"{self.where(name)}: FP8 tensor without a .scale companion")
+            return weight
+        scale = self._raw(scale_name)
+        try:
+            if weight.dtype == torch.float8_e4m3fn:
+                return quant.dequantize_fp8_block(weight, scale, self.quant_format.fp8_block,
+                                                  self.dtype)
+            if quant.is_fp4_storage(weight.dtype):
+                return quant.dequantize_fp4(weight, scale, self.quant_format.fp4_group, self.dtype)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{self.where(name)} with {scale_name}: {exc}") from exc
+        raise ValueError(f"{self.where(name)}: unsupported quantised weight dtype {weight.dtype} "
+                         f"(scale {scale_name}); wideserve dequantises float8_e4m3fn and "
+                         "packed FP4")
+
+    def _hf_name(self, name: str) -> str:
+        if not self.rename:
+            return name
+        try:
+            return rename_deepseek_v4(name)
+        except ValueError as exc:
+            raise ValueError(f"{self.files[name]}: {exc}") from exc
+
+    # --- iteration ---
+    def _is_scale(self, name: str) -> bool:
+        """Whether `name` is some weight's scale companion (the mHC `attn_hc.scale` parameter
+        of an HF-named checkpoint is not: it has no `attn_hc.weight` beside it)."""
+        for suffix, weight_suffix in ((".scale", ".weight"), (".weight_scale_inv", ".weight"),
+                                      ("_scale_inv", "")):
+            if name.endswith(suffix) and name[: -len(suffix)] + weight_suffix in self.files:
+                return True
+        return False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors in file order; a layer's experts are stacked and emitted together where the
+        first of them appears."""
+        order = sorted((n for n in self.files if not self._is_scale(n)),
+                       key=lambda n: (str(self.files[n]), _natural_key(n)))
+        experts: dict[str, dict[int, dict[str, str]]] = {}
+        expert_of: dict[str, str] = {}
+        for name in order:
+            m = EXPERT_RE.match(name) if self.rename else None
+            if m is not None:
+                group = experts.setdefault(m["prefix"], {})
+                group.setdefault(int(m["expert"]), {})[m["proj"]] = name
+                expert_of[name] = m["prefix"]
+        done: set[str] = set()
+        for name in order:
+            prefix = expert_of.get(name)
+            if prefix is None:
+                hf = self._hf_name(name)
+                self.sources[hf] = self.where(name)
+                scale = self._scale_of(name)
+                if scale is not None and self.keep_quantised is not None and \
+                        self.keep_quantised(hf):
+                    yield hf, self._raw(name)
+                    yield hf.removesuffix(".weight") + ".scale", self._raw(scale)
+                    continue
+                yield hf, self._dense(name)
+            elif prefix not in done:
+                done.add(prefix)
+                yield from self._stacked_experts(prefix, experts[prefix])
+
+    def _stacked_experts(self, prefix: str, group: dict[int, dict[str, str]]
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        count = max(group) + 1
+        for e in range(count):
+            missing = [p for p in ("w1", "w2", "w3") if p not in group.get(e, {})]
+            if missing:
+                raise ValueError(f"{self.directory}: expert {e} of {prefix} lacks "
+                                 f"{', '.join(f'{prefix}.{e}.{p}.weight' for p in missing)}")
+        hf_prefix = rename_deepseek_v4(prefix + ".0.w1.weight").rsplit(".", 3)[0]
+        for hf_leaf, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+            buf: torch.Tensor | None = None
+            for e in range(count):
+                mats = [self._dense(group[e][p]) for p in parts]
+                mat = mats[0] if len(mats) == 1 else torch.cat(mats, dim=0)
+                if buf is None:
+                    buf = torch.empty(count, *mat.shape, dtype=mat.dtype)
+                if mat.shape != buf.shape[1:]:
+                    raise ValueError(f"{self.where(group[e][parts[0]])}: expert shape "
+                                     f"{tuple(mat.shape)} differs from expert 0's "
+                                     f"{tuple(buf.shape[1:])}")
+                buf[e] = mat
+            hf = f"{hf_prefix}.{hf_leaf}"
+            self.sources[hf] = f"{prefix}.{{0..{count - 1}}}.{'+'.join(parts)}"
+            yield hf, buf
+
+
+def _natural_key(name: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
