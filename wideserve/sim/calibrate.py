@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from wideserve.sim.calibrate_pd import step_totals
 from wideserve.sim.hardware import Profile
 
 # The default calibration model: benchmarks/dep_scaling.py's many-expert Qwen3-MoE (dummy
@@ -111,11 +112,11 @@ def _generate(llm: Any, rng: np.random.Generator, batch: int, prompt_len: int,
               max_tokens: int, clock: list[float] | None = None) -> dict[str, float]:
     """Step-timer totals (and expert seconds) of one generate call."""
     from wideserve import SamplingParams
-    before = _step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    before = step_totals(llm) | {"experts": clock[0] if clock else 0.0}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
                   for _ in range(batch)], sp, use_tqdm=False)
-    after = _step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    after = step_totals(llm) | {"experts": clock[0] if clock else 0.0}
     return {k: after[k] - before[k] for k in after}
 
 
@@ -135,14 +136,6 @@ def _time_experts(model: Any) -> list[float]:
             mod.register_forward_pre_hook(pre)
             mod.register_forward_hook(post)
     return clock
-
-
-def _step_totals(llm: Any) -> dict[str, float]:
-    from wideserve.engine import engine_ipc as ipc
-    s = ipc.to_builtins(llm.engine.get_stats())["steps"]
-    sec = s["seconds"]
-    return {"steps": s["steps"], "forward": sec["forward"],
-            "host": sum(sec[k] for k in ("schedule", "prepare", "sample", "output"))}
 
 
 def host_fit(rows: list[dict[str, float]]) -> tuple[float, float]:

@@ -24,13 +24,21 @@ import numpy as np
 PAGE = 4096
 
 
+def step_totals(llm: Any) -> dict[str, float]:
+    """The engine's cumulative step counters: steps, forward and host seconds."""
+    from wideserve.engine import engine_ipc as ipc
+    s = ipc.to_builtins(llm.engine.get_stats())["steps"]
+    sec = s["seconds"]
+    return {"steps": s["steps"], "forward": sec["forward"],
+            "host": sum(sec[k] for k in ("schedule", "prepare", "sample", "output"))}
+
+
 def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | None = None,
                     reps: int = 3) -> dict[str, list[float]]:
     """Seconds of host + forward per prompt of n tokens (the least-disturbed of `reps`; noise
     only adds time), max_tokens = 1 so only the prefill step runs."""
     from wideserve import LLM, SamplingParams
 
-    from wideserve.sim.calibrate import _step_totals
     kw = dict(load_format="dummy", dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
               enable_prefix_caching=False,
               max_num_batched_tokens=max(lengths) + 64)
@@ -44,10 +52,10 @@ def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | 
         for n in lengths:
             best = float("inf")
             for _ in range(reps):
-                a = _step_totals(llm)
+                a = step_totals(llm)
                 llm.generate([{"prompt_token_ids": rng.integers(2, 500, n).tolist()}], sp,
                              use_tqdm=False)
-                b = _step_totals(llm)
+                b = step_totals(llm)
                 best = min(best, (b["host"] + b["forward"]) - (a["host"] + a["forward"]))
             out.append(best)
     finally:
