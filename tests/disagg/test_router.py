@@ -185,14 +185,64 @@ def test_responses_go_prefill_then_decode_with_the_handle():
     up = Upstreams()
 
     async def calls(c):
-        return await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 9})
+        return await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 9,
+                                                   "background": True})
     r, _ = _run(up, calls)
     assert r.status_code == 200
     (p_url, p_body, _), (d_url, d_body, _) = up.seen
     assert p_url == P + "/v1/responses" and d_url == D + "/v1/responses"
-    assert p_body == {"input": "hi", "max_output_tokens": 1, "stream": False,
+    # The decode leg's response is the stored (or background) one; the prefill leg's is not.
+    assert p_body == {"input": "hi", "max_output_tokens": 1, "stream": False, "store": False,
                       "kv_transfer_params": {"do_remote_decode": True}}
-    assert d_body == {"input": "hi", "max_output_tokens": 9, "kv_transfer_params": HANDLE}
+    assert d_body == {"input": "hi", "max_output_tokens": 9, "background": True,
+                      "kv_transfer_params": HANDLE}
+
+
+def test_stored_responses_live_on_the_decode_instance_that_stored_them():
+    """Two decode instances, `resp_b` stored on the second: a continuation skips the
+    prefill leg and goes there, and so do GET / DELETE / input_items / cancel (query string,
+    Authorization and method as they came); an unknown id gets the first's 404."""
+    d2 = "http://decode2.test"
+    seen: list[tuple[str, str, str]] = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}"
+        seen.append((request.method, base + request.url.path, request.url.query.decode()))
+        assert request.headers.get("authorization") == "Bearer k"
+        if request.url.path.startswith("/v1/responses/"):
+            held = base == d2 and "/resp_b" in request.url.path
+            return httpx.Response(200 if held else 404, json={"from": base})
+        return httpx.Response(200, json={"from": base})
+
+    config = RouterConfig([P], [D, d2], max_request_bytes=1 << 20, body_read_timeout_s=5.0,
+                          kv_secret=SECRET)
+    app = build_app(config, httpx.MockTransport(upstream))
+    auth = {"authorization": "Bearer k"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://router", headers=auth) as c:
+            out = [await c.post("/v1/responses", json={"input": "more",
+                                                       "previous_response_id": "resp_b"})]
+            continued = [url for method, url, _ in seen if method == "POST"]
+            for method, path in [("GET", "/v1/responses/resp_b"),
+                                 ("GET", "/v1/responses/resp_b/input_items?order=asc"),
+                                 ("POST", "/v1/responses/resp_b/cancel"),
+                                 ("DELETE", "/v1/responses/resp_b"),
+                                 ("GET", "/v1/responses/resp_x")]:
+                seen.clear()
+                out.append(await c.request(method, path))
+                out.append(seen[-1])
+            return out, continued
+    out, continued = asyncio.run(go())
+    assert out[0].status_code == 200 and out[0].json() == {"from": d2}
+    assert continued == [d2 + "/v1/responses"]                  # no prefill leg
+    assert [r.status_code for r in out[1::2]] == [200, 200, 200, 200, 404]
+    assert out[2::2] == [("GET", d2 + "/v1/responses/resp_b", ""),
+                         ("GET", d2 + "/v1/responses/resp_b/input_items", "order=asc"),
+                         ("POST", d2 + "/v1/responses/resp_b/cancel", ""),
+                         ("DELETE", d2 + "/v1/responses/resp_b", ""),
+                         ("GET", D + "/v1/responses/resp_x", "")]
 
 
 def test_the_prefill_leg_is_signed_with_the_kv_secret():

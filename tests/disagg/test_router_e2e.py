@@ -124,6 +124,40 @@ def test_responses_route_prefill_then_decode(cluster):
     assert "kv_transfer_params" not in got.json()
 
 
+def _conversation(url: str) -> tuple[list[str], str]:
+    """Two turns, the second continuing the first by previous_response_id."""
+    texts, previous = [], None
+    for turn in (PROMPTS[0], PROMPTS[1]):
+        body = {"input": turn, "max_output_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True, "previous_response_id": previous}
+        r = httpx.post(url + "/v1/responses", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        previous = r.json()["id"]
+        texts.append(r.json()["output"][0]["content"][0]["text"])
+    return texts, previous
+
+
+def test_responses_with_state_through_the_router(cluster):
+    """The decode instance holds the store: turn 2 through the router continues turn 1
+    (the prefill leg stores nothing and is not asked for previous_response_id), and the
+    stored-response routes reach the decode instance."""
+    router, d = cluster["router"], cluster["d"]
+    expected, _ = _conversation(d.url)
+    got, last = _conversation(router)
+    assert got == expected
+    stored = httpx.get(f"{router}/v1/responses/{last}", timeout=30)
+    assert stored.status_code == 200 and stored.json()["id"] == last
+    items = httpx.get(f"{router}/v1/responses/{last}/input_items", params={"order": "asc"},
+                      timeout=30)
+    assert items.status_code == 200
+    assert items.json()["data"][0]["content"][0]["text"] == PROMPTS[1]
+    assert httpx.post(f"{router}/v1/responses/{last}/cancel", timeout=30).status_code == 400
+    assert httpx.delete(f"{router}/v1/responses/{last}", timeout=30).json()["deleted"] is True
+    gone = httpx.get(f"{router}/v1/responses/{last}", timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+    _idle_and_intact(d)
+
+
 def test_prefill_killed_before_the_pull_recomputes_on_decode(cluster):
     p2, d, router = cluster["p2"], cluster["d"], cluster["router"]
     expected = _complete(d.url, PROMPTS[2])["choices"][0]["text"]
@@ -156,3 +190,4 @@ def test_decode_killed_holding_a_handle_frees_prefill_blocks_on_lease_expiry(clu
     # ... and the prefill instance frees the held blocks when their leases expire.
     _idle_and_intact(p1, timeout=15)
     assert _stats(p1)["kv_transfer"]["leases_expired"] >= expired0 + 1
+

@@ -54,6 +54,10 @@ def test_published_schema_describes_the_routes(server):
     schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
             "/detokenize", "/v1/models", "/health"} <= set(schema["paths"])
+    stored = "/v1/responses/{response_id}"
+    assert {"get", "delete"} <= set(schema["paths"][stored])
+    assert "get" in schema["paths"][stored + "/input_items"]
+    assert "post" in schema["paths"][stored + "/cancel"]
     comp = schema["components"]["schemas"]["CompletionRequest"]
     assert {"prompt", "max_tokens", "n", "stop", "priority"} <= set(comp["properties"])
     # Unknown fields are accepted (as vLLM does) and named in a response header.

@@ -19,6 +19,7 @@ BUNDLED = "shakespeare-v4-tiny"
 # Longer than one 64-token KV block, so a follow-up's prefix-cache hit is visible.
 LONG = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet "
         "is the sun. Arise, fair sun, and kill the envious moon. ") * 3
+LONG_TOKENS = 200           # an upper bound on one turn of LONG, with its chat framing
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,27 @@ def test_agent_parameters_work_or_are_refused_by_name(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=BUNDLED, input="Hi", **kwargs)
         assert e.value.body["param"] == name and name in e.value.body["message"]
+
+
+def test_truncation_auto_drops_the_earliest_items_to_fit(client):
+    """A conversation over the 1024-token context: `disabled` (the default) is a 400,
+    `auto` drops items from the start until it fits, keeping the latest (OpenAI's rule)."""
+    turns = [{"role": "user", "content": f"{i}: {LONG}"} for i in range(12)]
+    turns.append({"role": "user", "content": "And then?"})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=BUNDLED, input=turns, max_output_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+    r = client.responses.create(model=BUNDLED, input=turns, max_output_tokens=4,
+                                temperature=0.0, truncation="auto")
+    assert r.status in ("completed", "incomplete") and r.truncation == "auto"
+    assert 1024 - LONG_TOKENS <= r.usage.input_tokens + 4 <= 1024   # as few dropped as needed
+    # The stored input is the whole input, as sent (truncation is of the prompt only).
+    assert len(client.responses.input_items.list(r.id, limit=100).data) == len(turns)
+    # One item alone over the context cannot be truncated: still a 400.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=BUNDLED, input=LONG * 40, max_output_tokens=4,
+                                truncation="auto")
+    assert e.value.body["code"] == "context_length_exceeded"
 
 
 # ---- vLLM's extras -------------------------------------------------------------------------

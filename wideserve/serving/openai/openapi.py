@@ -86,6 +86,47 @@ def _get(summary: str, ok: dict[str, Any] | None, media: str = "application/json
         "200": response, **_error_responses(errors or {"401": "missing or bad API key"})}}}
 
 
+_RESPONSE = {"type": "object", "required": ["id", "object", "status"],
+             "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                            "status": {"type": "string"}, "output": {"type": "array"}}}
+_ID_PARAM = {"name": "response_id", "in": "path", "required": True,
+             "schema": {"type": "string"}}
+_STORED_ERRORS = {"400": "invalid request (the message names the field)",
+                  "401": "missing or bad API key", "404": "no response with this id"}
+
+
+def _stored(method: str, summary: str, ok: dict[str, Any],
+            query: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    params = [_ID_PARAM] + [{"name": k, "in": "query", "required": False, "schema": v}
+                            for k, v in (query or {}).items()]
+    return {method: {"summary": summary, "parameters": params, "responses": {
+        "200": {"description": "OK", "content": {"application/json": {"schema": ok}}},
+        **_error_responses(_STORED_ERRORS)}}}
+
+
+def responses_routes() -> dict[str, Any]:
+    """The stored-response routes of the Responses API (serving_responses.py)."""
+    deleted = {"type": "object", "required": ["id", "object", "deleted"],
+               "properties": {"id": {"type": "string"}, "object": {"const": "response.deleted"},
+                              "deleted": {"type": "boolean"}}}
+    items = {"type": "object", "required": ["object", "data", "has_more"],
+             "properties": {"object": {"const": "list"}, "data": {"type": "array"},
+                            "first_id": {"type": ["string", "null"]},
+                            "last_id": {"type": ["string", "null"]},
+                            "has_more": {"type": "boolean"}}}
+    return {
+        "/v1/responses/{response_id}": {
+            **_stored("get", "A stored response (or a background one as it stands)",
+                      _RESPONSE, {"stream": {"type": "boolean"}}),
+            **_stored("delete", "Delete a stored response (stops a running one)", deleted)},
+        "/v1/responses/{response_id}/input_items": _stored(
+            "get", "A stored response's input items", items,
+            {"limit": {"type": "integer", "minimum": 1, "maximum": 100},
+             "order": {"enum": ["asc", "desc"]}, "after": {"type": "string"}}),
+        "/v1/responses/{response_id}/cancel": _stored(
+            "post", "Cancel a background response", _RESPONSE)}
+
+
 def build_openapi(extra_models: dict[str, type[BaseModel]] | None = None) -> dict[str, Any]:
     """The schema; `extra_models` are further POST routes' bodies by path (e.g. the
     Responses API), described with the same error set."""
@@ -118,6 +159,8 @@ def build_openapi(extra_models: dict[str, type[BaseModel]] | None = None) -> dic
     for path, model in (extra_models or {}).items():
         paths[path] = _post(model.__doc__.split("\n")[0] if model.__doc__ else path,
                             ref(model), {"type": "object"}, stream=True)
+    if "/v1/responses" in (extra_models or {}):
+        paths.update(responses_routes())
     return {"openapi": "3.1.0",
             "info": {"title": "wideserve", "version": __version__,
                      "description": "OpenAI-compatible API; errors are OpenAI's error object."},

@@ -17,6 +17,13 @@ fails otherwise (instance down, 5xx, no handle) sends the request to decode with
 handle: the decode instance computes the prompt itself, and `wideserve_router_remote_kv`
 counts it as not used (so P/D silently running as plain serving shows in the metrics).
 Requests P/D cannot serve (n > 1, several prompts) go straight to decode.
+
+The Responses API's state lives on the decode instances (docs/disaggregation.md, "The
+Responses API with state"): a prefill leg is sent with `store: false` and without
+`background`, so nothing is stored on a prefill instance; a request that continues a stored
+conversation (`previous_response_id`) goes straight to the decode instance that holds it,
+which has the conversation and, in its prefix cache, the KV of all but the new input; and
+GET / DELETE /v1/responses/{id}, its input_items and cancel go to that instance too.
 """
 from __future__ import annotations
 
@@ -123,11 +130,34 @@ class Router:
                 self.metrics.in_flight.labels(inst.role, inst.url).set(inst.in_flight)
         return leave
 
+    async def owner(self, response_id: str, headers: dict[str, str]) -> Instance:
+        """The decode instance that stores `response_id` (each instance has its own store);
+        with one decode instance, that one. None answering 200: the first, whose 404 the
+        client then gets."""
+        instances = self.decode.instances
+        if len(instances) == 1:
+            return instances[0]
+
+        async def holds(inst: Instance) -> bool:
+            try:
+                r = await self.client.get(f"{inst.url}/v1/responses/{response_id}",
+                                          headers=headers, timeout=HEALTH_TIMEOUT_S)
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
+        found = await asyncio.gather(*(holds(i) for i in instances))
+        return next((i for i, ok in zip(instances, found) if ok), instances[0])
+
     async def handle(self, route: str, body: dict[str, Any], headers: dict[str, str]
                      ) -> Response:
         arrival = time.monotonic()
         params = None
-        if _pd_capable(body):
+        target = None
+        previous = body.get("previous_response_id") if route == "/v1/responses" else None
+        if isinstance(previous, str):
+            # The conversation and most of its KV are on the decode instance that stored it.
+            target = await self.owner(previous, headers)
+        elif _pd_capable(body):
             early, params = await self._prefill(route, body, headers)
             if early is not None:
                 self.metrics.requests.labels(route, "prefill_rejected").inc()
@@ -136,14 +166,16 @@ class Router:
         decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if params:
             decode_body["kv_transfer_params"] = params
-        return await self._decode(route, decode_body, headers, arrival)
+        return await self._decode(route, decode_body, headers, arrival, target)
 
     async def _prefill(self, route: str, body: dict[str, Any], headers: dict[str, str]
                        ) -> tuple[Response | None, dict[str, Any] | None]:
         leg = {k: v for k, v in body.items() if k != "stream_options"}
         leg.update(stream=False, kv_transfer_params={"do_remote_decode": True})
         if route == "/v1/responses":
-            leg["max_output_tokens"] = 1
+            # The decode leg's response is the one stored (or run in the background).
+            leg.pop("background", None)
+            leg.update(max_output_tokens=1, store=False)
         else:
             leg["max_tokens"] = 1
             if "max_completion_tokens" in leg:
@@ -177,8 +209,8 @@ class Router:
         return None, params if isinstance(params, dict) else None
 
     async def _decode(self, route: str, body: dict[str, Any], headers: dict[str, str],
-                      arrival: float) -> Response:
-        inst = self.decode.pick()
+                      arrival: float, inst: Instance | None = None) -> Response:
+        inst = inst or self.decode.pick()
         leave = self._enter(inst)
         try:
             req = self.client.build_request("POST", inst.url + route, json=body,
@@ -246,6 +278,24 @@ class Router:
             return JSONResponse({"error": {"message": f"decode instance unreachable: {e}",
                                            "type": "upstream_error", "code": 502}}, 502)
         return Response(r.content, r.status_code, media_type="application/json")
+
+    async def stored(self, request: Request) -> Response:
+        """GET / DELETE /v1/responses/{id}, its input_items and cancel: passed to the decode
+        instance that stores the response, query string and body as they came."""
+        auth = request.headers.get("authorization")
+        headers = {"authorization": auth} if auth else {}
+        inst = await self.owner(request.path_params["response_id"], headers)
+        content = await request.body()
+        if content:
+            headers["content-type"] = request.headers.get("content-type", "application/json")
+        try:
+            r = await self.client.request(request.method, inst.url + request.url.path,
+                                          params=request.query_params, content=content,
+                                          headers=headers)
+        except httpx.HTTPError as e:
+            return self._decode_failed(request.url.path, inst, e)
+        return Response(r.content, r.status_code,
+                        media_type=r.headers.get("content-type") or None)
 
     async def _healthy(self, inst: Instance) -> bool:
         try:
@@ -324,6 +374,10 @@ def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None =
     for route in ROUTES:
         app.add_api_route(route, proxy, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", router.stored, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", router.stored,
+                      methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", router.stored, methods=["POST"])
 
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry),

@@ -128,8 +128,7 @@ async def create_response(ctx: ServingContext, state: ResponsesState, req: Respo
     warn_ignored(ignored)
     check_refused(req)
     history = await _history(state, req.previous_response_id)
-    chat = to_chat(req, history)
-    call = await ctx.within_deadline(prepare(ctx, chat))
+    call = await _prepare(ctx, req, history)
     turn = _Turn(ctx, state, req, call, rid("resp"), input_items(req),
                  history + input_messages(req))
     if req.background:
@@ -139,6 +138,47 @@ async def create_response(ctx: ServingContext, state: ResponsesState, req: Respo
                                  lambda: _full(turn))
     response.headers.update(ignored_header(ignored))
     return response
+
+
+async def _prepare(ctx: ServingContext, req: ResponsesRequest,
+                   history: list[dict[str, Any]]) -> _Call:
+    """The chat call for this turn. With `truncation: "auto"`, a conversation over the
+    context drops its earliest messages (stored turns first, then input items; the
+    instructions stay), as few as needed, as OpenAI does; `disabled` (the default) leaves it
+    a 400 `context_length_exceeded`."""
+    try:
+        return await ctx.within_deadline(prepare(ctx, to_chat(req, history)))
+    except ApiError as e:
+        if req.truncation != "auto" or e.code != "context_length_exceeded":
+            raise
+        overflow = e
+    conversation = history + input_messages(req)
+    bare = req.model_copy(update={"input": None})
+
+    async def fits(drop: int) -> _Call | None:
+        kept = conversation[drop:]
+        while kept and kept[0]["role"] == "tool":   # a tool result without its call
+            kept = kept[1:]
+        if not kept:
+            return None
+        try:
+            return await ctx.within_deadline(prepare(ctx, to_chat(bare, kept)))
+        except ApiError as err:
+            if err.code != "context_length_exceeded":
+                raise
+            return None
+    # Fewer messages, shorter prompt: the fewest to drop is found by bisection.
+    lo, hi, best = 1, len(conversation) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        call = await fits(mid)
+        if call is None:
+            lo = mid + 1
+        else:
+            best, hi = call, mid - 1
+    if best is None:        # even the last message alone is over the context
+        raise overflow
+    return best
 
 
 async def _full(turn: _Turn) -> dict[str, Any]:
