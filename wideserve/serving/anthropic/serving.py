@@ -30,9 +30,9 @@ from wideserve.serving.anthropic.protocol import CountTokensRequest, MessagesReq
 from wideserve.serving.openai import serving_chat
 from wideserve.serving.openai.async_engine import RequestFailed
 from wideserve.serving.openai.protocol import ChatCompletionRequest
-from wideserve.serving.openai.serving import (ApiError, ServingContext, collect_or_disconnect,
-                                              engine_unavailable, final_item, parse_body,
-                                              request_failed_error, shutting_down)
+from wideserve.serving.openai.serving import (ApiError, ServingContext, as_api_error,
+                                              collect_or_disconnect, final_item, parse_body,
+                                              shutting_down)
 from wideserve.serving.openai.tools import check_tool_list
 
 logger = logging.getLogger("wideserve.server")
@@ -173,14 +173,7 @@ class BlockWriter:
 
 
 def _error_event(error: BaseException) -> str:
-    if isinstance(error, EngineDeadError):
-        api = engine_unavailable(str(error))
-    elif isinstance(error, RequestFailed):
-        api = request_failed_error(error)
-    elif isinstance(error, ApiError):
-        api = error
-    else:
-        api = ApiError(500, f"Internal error: {type(error).__name__}", type_="server_error")
+    api = as_api_error(error)
     return event(convert.error_body(api.status, api.message))
 
 

@@ -123,3 +123,11 @@ def ignored_header(names: list[str]) -> dict[str, str]:
     if len(names) > _MAX_HEADER_NAMES:
         clean.append(f"... ({len(names)} in all)")
     return {IGNORED_HEADER: ", ".join(clean)}
+
+
+def note_ignored(model: BaseModel) -> dict[str, str]:
+    """Log the request's ignored fields once each and return the response header naming
+    them (what every route does with an accepted request)."""
+    names = ignored_fields(model)
+    warn_ignored(names)
+    return ignored_header(names)

@@ -465,16 +465,19 @@ async def collect_or_disconnect(request: Request, coro: Any) -> Any:
     return None
 
 
-def stream_error_event(error: BaseException) -> str:
+def as_api_error(error: BaseException) -> ApiError:
+    """The API error a failure mid-stream is reported as (any API's stream error event)."""
     if isinstance(error, EngineDeadError):
-        api = engine_unavailable(str(error))
-    elif isinstance(error, RequestFailed):
-        api = request_failed_error(error)
-    elif isinstance(error, ApiError):
-        api = error
-    else:
-        api = ApiError(500, f"Internal error: {type(error).__name__}", type_="server_error")
-    return sse(api.body())
+        return engine_unavailable(str(error))
+    if isinstance(error, RequestFailed):
+        return request_failed_error(error)
+    if isinstance(error, ApiError):
+        return error
+    return ApiError(500, f"Internal error: {type(error).__name__}", type_="server_error")
+
+
+def stream_error_event(error: BaseException) -> str:
+    return sse(as_api_error(error).body())
 
 
 def request_failed_error(error: RequestFailed) -> ApiError:

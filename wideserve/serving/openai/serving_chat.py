@@ -24,7 +24,7 @@ from wideserve.serving.openai.serving import (SSE_DONE, ApiError, ChatOptions, S
                                               stream_error_event, usage_dict)
 from wideserve.serving.openai.input_prep import INLINE_CHARS
 from wideserve.serving.openai.legacy_functions import legacy_delta, legacy_message
-from wideserve.serving.openai.lenient import ignored_fields, ignored_header, warn_ignored
+from wideserve.serving.openai.lenient import note_ignored
 from wideserve.serving.openai.logprobs_format import prompt_logprobs_json
 from wideserve.serving.openai.truncation import encode_keep_last, resolve_keep
 from wideserve.serving.openai.structured import has_constraint, structured_params
@@ -249,12 +249,11 @@ def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
-    ignored = ignored_fields(req)
-    warn_ignored(ignored)
+    ignored = note_ignored(req)
     call = await ctx.within_deadline(prepare(ctx, req))
     response = await respond(raw, req.stream, lambda: _stream(ctx, call),
                              lambda: _full(ctx, call))
-    response.headers.update(ignored_header(ignored))
+    response.headers.update(ignored)
     return response
 
 

@@ -19,7 +19,7 @@ from wideserve.serving.openai.serving import (SSE_DONE, ApiError, ServingContext
                                               completion_logprobs, engine_unavailable,
                                               merge_streams, now_s, request_failed_error, respond,
                                               sse, stream_error_event, usage_dict)
-from wideserve.serving.openai.lenient import ignored_fields, ignored_header, warn_ignored
+from wideserve.serving.openai.lenient import note_ignored
 from wideserve.serving.openai.logprobs_format import prompt_logprobs_json
 from wideserve.serving.openai.structured import has_constraint, structured_params
 from wideserve.serving.openai.truncation import encode_keep_last, keep_last, resolve_keep
@@ -102,12 +102,11 @@ def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
-    ignored = ignored_fields(req)
-    warn_ignored(ignored)
+    ignored = note_ignored(req)
     call = await ctx.within_deadline(prepare(ctx, req))
     response = await respond(raw, req.stream, lambda: _stream(ctx, call),
                              lambda: _full(ctx, call))
-    response.headers.update(ignored_header(ignored))
+    response.headers.update(ignored)
     return response
 
 

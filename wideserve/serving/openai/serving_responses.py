@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from wideserve.serving.engine_client import EngineDeadError
 from wideserve.serving.openai.async_engine import RequestFailed
-from wideserve.serving.openai.lenient import ignored_fields, ignored_header, warn_ignored
+from wideserve.serving.openai.lenient import note_ignored
 from wideserve.serving.openai.logprobs_format import chat_logprobs
 from wideserve.serving.openai.response_store import (MemoryResponseStore, ResponseStore,
                                                      StoreConfig, make_store,
@@ -124,8 +124,7 @@ async def _history(state: ResponsesState, previous: str | None) -> list[dict[str
 
 async def create_response(ctx: ServingContext, state: ResponsesState, req: ResponsesRequest,
                           raw: Request) -> Response:
-    ignored = ignored_fields(req)
-    warn_ignored(ignored)
+    ignored = note_ignored(req)
     check_refused(req)
     history = await _history(state, req.previous_response_id)
     call = await _prepare(ctx, req, history)
@@ -136,7 +135,7 @@ async def create_response(ctx: ServingContext, state: ResponsesState, req: Respo
     else:
         response = await respond(raw, req.stream, lambda: _stream(turn),
                                  lambda: _full(turn))
-    response.headers.update(ignored_header(ignored))
+    response.headers.update(ignored)
     return response
 
 
