@@ -6,7 +6,7 @@ import argparse
 import re
 
 from wideserve.config import ParallelConfig
-from wideserve.config.arg_types import parse_positive_int as _positive_int
+from wideserve.config.arg_types import parse_port, parse_positive_float, parse_positive_int
 
 
 def _rank(text: str) -> int:
@@ -19,40 +19,23 @@ def _rank(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    value = _positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
-
-
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     d = ParallelConfig()
     g = parser.add_argument_group("data parallel + expert parallel (DEP, docs/distributed.md)")
-    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+    g.add_argument("--data-parallel-size", "-dp", type=parse_positive_int, default=1,
                    help="engine-core ranks in total, over all nodes")
-    g.add_argument("--data-parallel-size-local", type=_positive_int, default=None,
+    g.add_argument("--data-parallel-size-local", type=parse_positive_int, default=None,
                    help="ranks started on this node (default: all of them)")
     g.add_argument("--data-parallel-start-rank", type=_rank, default=0,
                    help="the first rank on this node (with --headless on the other nodes)")
     g.add_argument("--data-parallel-address", default=d.data_parallel_address,
                    help="node 0's address: rendezvous and the engines' sockets")
-    g.add_argument("--data-parallel-rpc-port", type=_port, default=d.data_parallel_rpc_port,
+    g.add_argument("--data-parallel-rpc-port", type=parse_port, default=d.data_parallel_rpc_port,
                    help="rendezvous port on node 0; ranks on other nodes also use the "
                         "2 x size ports after it")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="shard the routed experts over the ranks (all-to-all MoE, lock-step)")
-    g.add_argument("--dp-sync-timeout", type=_seconds, default=d.dp_sync_timeout_s,
+    g.add_argument("--dp-sync-timeout", type=parse_positive_float, default=d.dp_sync_timeout_s,
                    help="seconds a rank may stay silent before the group fails")
     g.add_argument("--dp-sync-method", default="auto", choices=("auto", "gloo", "rd"),
                    help="per-step sync: gloo all-reduce, recursive doubling on sockets, or "

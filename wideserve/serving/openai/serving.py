@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from wideserve.serving.openai.lenient import note_ignored
 from wideserve.serving.engine_client import EngineDeadError
 from wideserve.disagg.params import client_handle_problem
 from wideserve.disagg.peer_auth import HEADER as KV_PEER_HEADER, PeerAuth
@@ -559,3 +560,16 @@ async def respond(raw: Request, stream: bool, sse: Callable[[], AsyncIterator[st
     if result is None:
         return Response(status_code=499)
     return JSONResponse(result)
+
+
+async def serve_request(ctx: ServingContext, req: Any, raw: Request,
+                        prepare: Callable[[ServingContext, Any], Awaitable[Any]],
+                        sse: Callable[[ServingContext, Any], AsyncIterator[str]],
+                        full: Callable[[ServingContext, Any], Awaitable[Any]]) -> Response:
+    """One generation route (chat, completions): prepare within the deadline, stream or
+    answer whole, and name the request's ignored fields in the response header."""
+    ignored = note_ignored(req)
+    call = await ctx.within_deadline(prepare(ctx, req))
+    response = await respond(raw, req.stream, lambda: sse(ctx, call), lambda: full(ctx, call))
+    response.headers.update(ignored)
+    return response

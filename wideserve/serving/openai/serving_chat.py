@@ -20,11 +20,10 @@ from wideserve.serving.openai.async_engine import RequestFailed, StreamItem
 from wideserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, random_id
 from wideserve.serving.openai.reasoning import ReasoningParser, TextDiff, get_reasoning_parser
 from wideserve.serving.openai.serving import (SSE_DONE, ApiError, ChatOptions, ServingContext,
-                                              chat_logprobs, final_item, now_s, respond, sse,
+                                              chat_logprobs, final_item, now_s, serve_request, sse,
                                               stream_error_event, usage_dict)
 from wideserve.serving.openai.input_prep import INLINE_CHARS
 from wideserve.serving.openai.legacy_functions import legacy_delta, legacy_message
-from wideserve.serving.openai.lenient import note_ignored
 from wideserve.serving.openai.logprobs_format import prompt_logprobs_json
 from wideserve.serving.openai.truncation import encode_keep_last, resolve_keep
 from wideserve.serving.openai.structured import has_constraint, structured_params
@@ -249,12 +248,7 @@ def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
-    ignored = note_ignored(req)
-    call = await ctx.within_deadline(prepare(ctx, req))
-    response = await respond(raw, req.stream, lambda: _stream(ctx, call),
-                             lambda: _full(ctx, call))
-    response.headers.update(ignored)
-    return response
+    return await serve_request(ctx, req, raw, prepare, _stream, _full)
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:

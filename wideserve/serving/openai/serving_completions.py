@@ -17,9 +17,8 @@ from wideserve.serving.openai.input_prep import num_prompts
 from wideserve.serving.openai.protocol import CompletionRequest, random_id
 from wideserve.serving.openai.serving import (SSE_DONE, ApiError, ServingContext,
                                               completion_logprobs, engine_unavailable,
-                                              merge_streams, now_s, request_failed_error, respond,
-                                              sse, stream_error_event, usage_dict)
-from wideserve.serving.openai.lenient import note_ignored
+                                              merge_streams, now_s, request_failed_error,
+                                              serve_request, sse, stream_error_event, usage_dict)
 from wideserve.serving.openai.logprobs_format import prompt_logprobs_json
 from wideserve.serving.openai.structured import has_constraint, structured_params
 from wideserve.serving.openai.truncation import encode_keep_last, keep_last, resolve_keep
@@ -102,12 +101,7 @@ def _streams(ctx: ServingContext, call: _Call) -> list[AsyncIterator[StreamItem]
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
-    ignored = note_ignored(req)
-    call = await ctx.within_deadline(prepare(ctx, req))
-    response = await respond(raw, req.stream, lambda: _stream(ctx, call),
-                             lambda: _full(ctx, call))
-    response.headers.update(ignored)
-    return response
+    return await serve_request(ctx, req, raw, prepare, _stream, _full)
 
 
 async def _full(ctx: ServingContext, call: _Call) -> dict[str, Any]:
