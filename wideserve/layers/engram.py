@@ -97,18 +97,29 @@ class NgramHasher:
         self.primes = torch.tensor(primes, dtype=torch.int64)        # [L, (N-1)*heads]
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
         self.multipliers = torch.tensor(mults, dtype=torch.int64)     # [L, N]
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(multipliers, primes, offsets) on `device`, copied once: a per-step copy from the
+        host is what a captured decode graph must not contain (docs/cuda_graphs.md)."""
+        tables = self._on_device.get(device)
+        if tables is None:
+            tables = self._on_device[device] = (self.multipliers.to(device),
+                                                self.primes.to(device), self.offsets.to(device))
+        return tables
 
     def __call__(self, grams: torch.Tensor, layer: int) -> torch.Tensor:
         """grams [T, N] compressed ids of positions p, p-1, .., p-N+1 (pad_id where blocked)
         -> row ids [T, (N-1) * heads] of table `layer` (index into the hasher's layers)."""
-        products = grams * self.multipliers[layer].to(grams.device)
+        multipliers, primes, offsets = self._tables(grams.device)
+        products = grams * multipliers[layer]
         rolling = products[:, 0]
         out = []
-        primes = self.primes[layer].to(grams.device).view(self.max_ngram - 1, self.n_heads)
+        primes = primes[layer].view(self.max_ngram - 1, self.n_heads)
         for shift in range(1, self.max_ngram):
             rolling = torch.bitwise_xor(rolling, products[:, shift])
             out.append(rolling[:, None] % primes[shift - 1])
-        return torch.cat(out, dim=-1) + self.offsets[layer].to(grams.device)
+        return torch.cat(out, dim=-1) + offsets[layer]
 
 
 class HostResident:

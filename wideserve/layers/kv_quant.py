@@ -26,6 +26,7 @@ every value above has at most 5 significant bits).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,16 @@ def _scales(groups: torch.Tensor, fmt: str) -> torch.Tensor:
     return _pow2_ceil(amax.clamp_min(6 * 2**-126) * (1 / 6))
 
 
+@functools.lru_cache(maxsize=None)
+def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A constant fp32 table on `device`, built once: a tensor built from the host on every
+    call is what a captured decode graph must not contain (docs/cuda_graphs.md)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 def _e2m1_index(normalized: torch.Tensor) -> torch.Tensor:
     """|value| (already in [0, 6]) -> code index 0..7, nearest level, ties to the even index."""
-    mid = normalized.new_tensor(_MIDPOINTS)
+    mid = _table(_MIDPOINTS, normalized.device)
     lower = torch.bucketize(normalized, mid)
     tie = normalized == mid[lower.clamp_max(len(_MIDPOINTS) - 1)]
     return lower + (tie & (lower % 2 == 1)).to(lower.dtype)
@@ -91,7 +99,7 @@ def _quantise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _e2m1_value(codes: torch.Tensor) -> torch.Tensor:
-    levels = torch.tensor(_LEVELS, dtype=torch.float32, device=codes.device)
+    levels = _table(_LEVELS, codes.device)
     value = levels[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -value, value)
 

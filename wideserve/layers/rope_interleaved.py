@@ -111,7 +111,10 @@ def rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     c = cis.reshape(cis.shape[0], *([1] * (x.dim() - 2)), half)
     pairs = x[..., -r:].float()
     # view_as_complex needs unit stride inside a pair and even strides/offset elsewhere.
-    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+    # (Under torch.compile a storage offset cannot be read: copy, the compiler fuses it.)
+    if torch.compiler.is_compiling():
+        pairs = pairs.clone(memory_format=torch.contiguous_format)
+    elif pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
         pairs = pairs.contiguous()
     z = torch.view_as_complex(pairs.unflatten(-1, (half, 2)))
     rotated = torch.view_as_real(z * c).flatten(-2)

@@ -68,6 +68,8 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, step: V4Step, state_name: str, out_name: str,
                 rope: RotaryTable) -> None:
         """Write this step's state rows and every entry completing in the step."""
+        if step.static:     # a decode batch on the capturable path (v4_static.py)
+            return step.compress(self, x, state_name, out_name, rope)
         rows = self.state_rows(x, step.position_phase(self.ratio))           # [T, C]
         step.write_window_rows(state_name, rows)
         plan = step.compress_plan(self.ratio, self.overlap)

@@ -99,9 +99,13 @@ def _paged_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Forw
 ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
     "reference": AttentionBackend("reference", v4_reference.select, v4_reference.attend),
     "batched": AttentionBackend("batched", v4_batched.select, v4_batched.attend),
+    # Decode batches run v4_static.py's ops on every device (the model picks them by the
+    # step it builds, `static_decode`); other batches these.
+    "static": AttentionBackend("static", v4_batched.select, v4_batched.attend),
 })
 V41_ATTENTION_BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType({
     "batched": AttentionBackend("batched", v41_batched.select, v4_batched.attend),
+    "static": AttentionBackend("static", v41_batched.select, v4_batched.attend),
 })
 PAGED_ATTENTION_BACKENDS: Mapping[str, PagedAttentionFn] = MappingProxyType({
     "reference": _paged_reference,

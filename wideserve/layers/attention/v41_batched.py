@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from wideserve.layers import kv_quant
 from wideserve.layers.attention.v4_batched import CHUNK_ELEMENTS, part_rows, part_store
 from wideserve.layers.attention.v4_blocks import QueryBlocks
+from wideserve.layers.attention.v4_static import V4DecodeStep, entry_bias
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.attention.indexer import index_topk
 from wideserve.layers.rope_interleaved import rotate
@@ -82,7 +83,10 @@ def _candidate_mask(cands: torch.Tensor, block_size: int, width: int) -> torch.T
     nb = -(-width // block_size)
     keep = torch.zeros(*cands.shape[:-1], nb + 1, dtype=torch.bool, device=cands.device)
     keep.scatter_(-1, torch.where(cands >= 0, cands, nb), True)
-    return keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :width]
+    # Each block's flag over its entries (an expand, not repeat_interleave: no output size
+    # to learn from the data).
+    keep = keep[..., :nb, None].expand(*keep.shape[:-1], nb, block_size)
+    return keep.flatten(-2)[..., :width]
 
 
 def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -195,3 +199,44 @@ def select(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     if candidate_source:
         state.candidates = cands[:T]
     state.picks = None if dense else picks[:T]
+
+
+def select_decode(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4DecodeStep,
+                  keys_name: str, cis: torch.Tensor, ratio: int, state: CSA2State,
+                  candidate_source: bool, use_candidates: bool, topk_blocks: int,
+                  block_size: int) -> None:
+    """`select` for a decode batch on the capturable path (v4_static.py): the same picks,
+    with every shape fixed by the batch size and K, the entries a block-table row holds
+    (`V4DecodeStep.entry_capacity`) instead of the step's most visible. Each row is a block
+    of one query ([R, 1, ...] in the helpers above)."""
+    R = x.shape[0]
+    K = step.entry_capacity(keys_name)
+    dense = indexer.topk >= K and not use_candidates
+    if dense and not candidate_source:
+        state.picks = None
+        return
+    H, D = indexer.n_heads, indexer.head_dim
+    q = rotate(indexer.wq_b(q_res).view(R, H, D), cis)
+    q = kv_quant.fake_quant(q, "mxfp4").float()[:, None]                      # [R, 1, H, D]
+    weights = (indexer.weights_proj(x).float() * (D ** -0.5 * H ** -0.5))[:, None]
+    k = min(indexer.topk, K)
+    visible = step.visible(ratio)[:, None]                                    # [R, 1]
+    width = state.candidates.shape[1] * block_size if use_candidates else K
+    ids = None
+    if width < K:       # only the candidates' entries, gathered per query
+        ids = _candidate_entries(state.candidates[:, None], block_size, visible)
+        scores = _candidate_scores(step, keys_name, ratio, None, q, weights, ids)
+    else:
+        keys, seen = step.all_entries(keys_name, ratio, torch.float32)       # [R, K, D]
+        scores = _index_scores(q, weights, keys) + entry_bias(seen)[:, None]  # [R, 1, K]
+        if candidate_source:
+            state.candidates = _candidate_blocks(scores, visible, topk_blocks, block_size)[:, 0]
+        elif use_candidates:
+            mask = _candidate_mask(state.candidates[:, None], block_size, K)
+            scores = scores.masked_fill(~mask, float("-inf"))
+    idx = index_topk(scores, min(k, scores.shape[-1]))                        # [R, 1, <= k]
+    ok = scores.gather(-1, idx) > float("-inf")
+    if ids is not None:
+        idx = ids.gather(-1, idx)
+    got = torch.where(ok, idx, -1)
+    state.picks = None if dense else F.pad(got, (0, k - got.shape[-1]), value=-1)[:, 0]

@@ -47,8 +47,12 @@ class V4AttentionParams(Protocol):
     compute_dtype: torch.dtype  # what the window/entry products run in (v4_batched)
 
 
-class V4Step:
-    """Per-forward batch layout and cache access helpers (one per ForwardBatch)."""
+class StepCaches:
+    """What both step views share: the step's rope rotations and the cache reads and writes
+    that need no host layout (V4Step plans on the host; v4_static.V4DecodeStep does not).
+    `static`: the decode batch runs through the capturable ops of v4_static.py."""
+
+    static = False
 
     def __init__(self, batch: ForwardBatch,
                  codecs: Mapping[str, RecordCodec] | None = None) -> None:
@@ -59,6 +63,85 @@ class V4Step:
         self.codecs = codecs or {}
         self.positions = batch.positions
         self.device = batch.positions.device
+        self._memo: dict[tuple, Any] = {}
+
+    def _once(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The step's value for `key`, built on first use (shared by all layers)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def cos_sin(self, table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._once(("rope", id(table)), lambda: table.cos_sin(self.positions))
+
+    def cis(self, table: RotaryTable, inverse: bool = False) -> torch.Tensor:
+        """[T, r/2] complex rotation of `table` at the step's positions (rope.rotate)."""
+        return self._once(("cis", id(table), inverse),
+                          lambda: rope_cis(*self.cos_sin(table), inverse=inverse))
+
+    def _view(self, name: str) -> KVGroupView:
+        if name not in self.batch.kv_caches:
+            raise KeyError(f"ForwardBatch has no KV cache named {name!r}")
+        return self.batch.kv_groups[self.batch.cache_group[name]]
+
+    def flat_cache(self, name: str) -> tuple[torch.Tensor, KVGroupView]:
+        """The cache `name` viewed as [slots, width or record bytes], and its group view."""
+        view = self._view(name)
+        cache = self.batch.kv_caches[name]
+        if not cache.dtype.is_floating_point and name not in self.codecs:
+            raise ValueError(f"KV cache {name!r} holds quantised records ({cache.dtype}) but "
+                             f"the model gave no codec for it")
+        return cache.view(-1, cache.shape[-1]), view
+
+    def _read(self, name: str, flat: torch.Tensor, slots: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `slots` of cache `name` as `dtype` values [N, width] (unpacked records)."""
+        rows = flat.index_select(0, slots)
+        if flat.dtype == torch.uint8:
+            return self.codecs[name].unpack(rows).to(dtype)
+        return rows.to(dtype)
+
+    def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `slots` [N] of cache `name` as fp32 values [N, width] (unpacked records), as
+        they are: a row nothing was written to may hold stale data or NaN (mask it)."""
+        flat, _ = self.flat_cache(name)
+        return self._read(name, flat, slots)
+
+    def _encode(self, name: str, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows to store in cache `name`: packed records, quantised values, or as given."""
+        codec = self.codecs.get(name)
+        if codec is None:
+            return rows.to(flat.dtype)
+        if flat.dtype == torch.uint8:
+            return codec.pack(rows)
+        return codec.fake_quant(rows).to(flat.dtype)
+
+    def write_window_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Write one row per new token through the group's slot mapping (every new token has
+        a slot: no device-side check, no sync)."""
+        flat, view = self.flat_cache(name)
+        if view.slot_mapping is None:
+            raise ValueError("a per-position KV cache group has no slot_mapping")
+        flat.index_copy_(0, view.slot_mapping, self._encode(name, flat, rows))
+
+    def gather_rows(self, name: str, slots: torch.Tensor, valid: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """flat[slots] as `dtype` with rows where `valid` is False set to 0 (they may hold NaN or
+        stale data, and 0-weight * NaN would still be NaN) -> [*slots.shape, width]."""
+        flat, _ = self.flat_cache(name)
+        rows = self._read(name, flat, slots.flatten(), dtype)
+        rows = torch.where(valid.reshape(-1, 1), rows, 0.0)
+        return rows.view(*slots.shape, rows.shape[-1])
+
+
+class V4Step(StepCaches):
+    """Per-forward batch layout, planned on the host, and cache access helpers (one per
+    ForwardBatch)."""
+
+    def __init__(self, batch: ForwardBatch,
+                 codecs: Mapping[str, RecordCodec] | None = None) -> None:
+        """codecs: as StepCaches."""
+        super().__init__(batch, codecs)
         self.qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
         self.seq = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
         self.ctx = self.seq - np.diff(self.qsl)
@@ -91,7 +174,6 @@ class V4Step:
         # position 0 is cached: the fast decode layout of v4_batched.attend applies.
         self.plain_decode = bool(len(qlens) and (qlens == 1).all() and (self.ctx >= 1).all()
                                  and not self.lo.any())
-        self._memo: dict[tuple, Any] = {}
 
     @property
     def num_reqs(self) -> int:
@@ -114,20 +196,6 @@ class V4Step:
         blocks = table.numpy()[view.host_rows(req), pos // view.block_size]
         return torch.from_numpy(blocks * view.entries_per_block
                                 + (pos % view.block_size) // view.compress_ratio)
-
-    def _once(self, key: tuple, build: Callable[[], Any]) -> Any:
-        """The step's value for `key`, built on first use (shared by all layers)."""
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
-
-    def cos_sin(self, table: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._once(("rope", id(table)), lambda: table.cos_sin(self.positions))
-
-    def cis(self, table: RotaryTable, inverse: bool = False) -> torch.Tensor:
-        """[T, r/2] complex rotation of `table` at the step's positions (rope.rotate)."""
-        return self._once(("cis", id(table), inverse),
-                          lambda: rope_cis(*self.cos_sin(table), inverse=inverse))
 
     def position_phase(self, ratio: int) -> torch.Tensor:
         """[T] position % ratio (the compressor's position-bias row)."""
@@ -263,51 +331,6 @@ class V4Step:
         return self._read(name, flat, slots.flatten(), dtype).view(*slots.shape, -1)
 
     # ------------------------------------------------------------------ cache access
-    def _view(self, name: str) -> KVGroupView:
-        if name not in self.batch.kv_caches:
-            raise KeyError(f"ForwardBatch has no KV cache named {name!r}")
-        return self.batch.kv_groups[self.batch.cache_group[name]]
-
-    def flat_cache(self, name: str) -> tuple[torch.Tensor, KVGroupView]:
-        """The cache `name` viewed as [slots, width or record bytes], and its group view."""
-        view = self._view(name)
-        cache = self.batch.kv_caches[name]
-        if not cache.dtype.is_floating_point and name not in self.codecs:
-            raise ValueError(f"KV cache {name!r} holds quantised records ({cache.dtype}) but "
-                             f"the model gave no codec for it")
-        return cache.view(-1, cache.shape[-1]), view
-
-    def _read(self, name: str, flat: torch.Tensor, slots: torch.Tensor,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows `slots` of cache `name` as `dtype` values [N, width] (unpacked records)."""
-        rows = flat.index_select(0, slots)
-        if flat.dtype == torch.uint8:
-            return self.codecs[name].unpack(rows).to(dtype)
-        return rows.to(dtype)
-
-    def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
-        """Rows `slots` [N] of cache `name` as fp32 values [N, width] (unpacked records), as
-        they are: a row nothing was written to may hold stale data or NaN (mask it)."""
-        flat, _ = self.flat_cache(name)
-        return self._read(name, flat, slots)
-
-    def _encode(self, name: str, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Rows to store in cache `name`: packed records, quantised values, or as given."""
-        codec = self.codecs.get(name)
-        if codec is None:
-            return rows.to(flat.dtype)
-        if flat.dtype == torch.uint8:
-            return codec.pack(rows)
-        return codec.fake_quant(rows).to(flat.dtype)
-
-    def write_window_rows(self, name: str, rows: torch.Tensor) -> None:
-        """Write one row per new token through the group's slot mapping (every new token has
-        a slot: no device-side check, no sync)."""
-        flat, view = self.flat_cache(name)
-        if view.slot_mapping is None:
-            raise ValueError("a per-position KV cache group has no slot_mapping")
-        flat.index_copy_(0, view.slot_mapping, self._encode(name, flat, rows))
-
     def write_entries(self, name: str, plan: CompressPlan, entries: torch.Tensor) -> None:
         flat, view = self.flat_cache(name)
         slots = self._once(("entry_slots", id(view), id(plan)), lambda: self._slots(
@@ -412,12 +435,3 @@ class V4Step:
             rows = self._read(name, flat, slots.flatten(), dtype)
             return rows.view(*picks.shape, rows.shape[-1])
         return self.gather_rows(name, slots, chosen, dtype)
-
-    def gather_rows(self, name: str, slots: torch.Tensor, valid: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """flat[slots] as `dtype` with rows where `valid` is False set to 0 (they may hold NaN or
-        stale data, and 0-weight * NaN would still be NaN) -> [*slots.shape, width]."""
-        flat, _ = self.flat_cache(name)
-        rows = self._read(name, flat, slots.flatten(), dtype)
-        rows = torch.where(valid.reshape(-1, 1), rows, 0.0)
-        return rows.view(*slots.shape, rows.shape[-1])

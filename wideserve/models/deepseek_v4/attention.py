@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wideserve.layers.attention import v4_static
 from wideserve.layers.attention.registry import get_attention_backend, resolve_attention_backend
-from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.attention.v4_step import StepCaches, V4Step
 from wideserve.layers.attention.compressor import Compressor
 from wideserve.layers.attention.indexer import Indexer
 from wideserve.layers.norm import RMSNorm, rms_norm
@@ -79,7 +80,7 @@ class DeepseekV4Attention(nn.Module):
         `dtype_override` is set."""
         return self.dtype_override or self.q_b_proj.weight.dtype
 
-    def forward(self, x: torch.Tensor, step: V4Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepCaches) -> torch.Tensor:
         """x [T, d] (after input_layernorm) -> [T, d]."""
         T = x.shape[0]
         cis = step.cis(self.rope)
@@ -89,7 +90,8 @@ class DeepseekV4Attention(nn.Module):
         kv = rotate(self.kv_norm(self.kv_proj(x)), cis)                       # [T, D]
         step.write_window_rows(self.prefix + "window", kv)
 
-        ops = get_attention_backend(self.backend)
+        # A decode batch on the capturable path (v4_static.py), else the layer's backend.
+        ops = v4_static if step.static else get_attention_backend(self.backend)
         picks = None
         if self.ratio:
             self.compressor(x, step, self.prefix + "state", self.prefix + "compressed",

@@ -18,7 +18,10 @@ from torch import nn
 
 from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.types.forward_batch import ForwardBatch
-from wideserve.layers.attention.registry import resolve_attention_backend
+from wideserve.layers.attention.paged_decode_static import is_decode_batch
+from wideserve.layers.attention.registry import resolve_attention_backend, static_decode
+from wideserve.layers.attention.v4_static import V4DecodeStep
+from wideserve.layers.experts import RoutedExperts
 from wideserve.models.deepseek_v4.attention import DeepseekV4Attention
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.kv_quant import RecordCodec, codec_for
@@ -55,7 +58,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters,
                                       c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, streams: torch.Tensor, step: V4Step,
+    def forward(self, streams: torch.Tensor, step: V4Step | V4DecodeStep,
                 input_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, n, d] -> [T, n, d]."""
         post, comb, x = self.attn_hc(streams)
@@ -167,8 +170,35 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, d] after hc_head and the final norm."""
-        step = V4Step(batch, self._packed_codecs(batch))
+        """Hidden states [T, d] after hc_head and the final norm. A decode batch goes to
+        `decode_forward` where the backend runs decode batches through the static path."""
+        if self.static_decode(batch):
+            return self.decode_forward(batch)
+        return self._run(V4Step(batch, self._packed_codecs(batch)), batch)
+
+    def static_decode(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` runs the capturable decode forward (host arrays only, no device
+        read): a decode batch (registry's `is_decode_batch`) under a backend that sends those
+        to the static path on this device."""
+        return (static_decode(self.attention_backend, batch.positions.device)
+                and is_decode_batch(batch))
+
+    def decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` of a decode batch (every request one new token, no bounded replay) as a
+        CUDA graph can record it: no host read, no host-built tensor, shapes fixed by the
+        batch size and the block tables (layers/attention/v4_static.py; docs/cuda_graphs.md)."""
+        return self._run(V4DecodeStep(batch, self._packed_codecs(batch)), batch)
+
+    def decode_capturable(self, device: torch.device) -> bool:
+        """On CUDA, when the attention backend sends decode batches to the static path and
+        every routed-expert layer runs "grouped_mm" (no host sync) without an expert-parallel
+        dispatcher (models/qwen3_moe/model.py's rule)."""
+        return (device.type == "cuda" and static_decode(self.attention_backend, device)
+                and all(m.ep is None
+                        and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
+                        for m in self.model.modules() if isinstance(m, RoutedExperts)))
+
+    def _run(self, step: V4Step | V4DecodeStep, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)                          # [T, d]
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.model.layers:

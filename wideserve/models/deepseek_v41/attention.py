@@ -27,8 +27,9 @@ from torch import nn
 from wideserve.layers import kv_quant
 from wideserve.layers.attention.registry import (get_v41_attention_backend,
                                                  resolve_v41_attention_backend)
-from wideserve.layers.attention.v41_batched import CSA2State
-from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.attention import v4_static
+from wideserve.layers.attention.v41_batched import CSA2State, select_decode
+from wideserve.layers.attention.v4_step import StepCaches, V4Step
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable, rope_cis, rotate
 from wideserve.models.deepseek_v41.config import FULL, REINDEX, SWA, DeepseekV41Config
@@ -54,9 +55,13 @@ class CSA2Compressor(nn.Module):
             self.wgate = nn.Linear(hidden, head_dim, bias=False, dtype=torch.float32)
         self.norm = RMSNorm(head_dim, eps)
 
-    def latents(self, x: torch.Tensor, step: V4Step, state_name: str):
+    def latents(self, x: torch.Tensor, step: StepCaches, state_name: str):
         """Pre-RoPE normalised latents [N, D] of the entries completing in this step, and
-        their plan. m > 1 keeps per-position [kv | gate] rows (fp32) in a window-m cache."""
+        their plan. m > 1 keeps per-position [kv | gate] rows (fp32) in a window-m cache.
+        A decode step on the static path: every row's target entry [R, D], plan None
+        (v4_static.V4DecodeStep.entry_target)."""
+        if step.static:
+            return self._decode_latents(x, step, state_name), None
         plan = step.compress_plan(self.ratio, False)
         if self.ratio == 1:
             rows = torch.from_numpy(plan.row[:, 0]).to(x.device)
@@ -71,6 +76,16 @@ class CSA2Compressor(nn.Module):
         kv, gate = src[..., :self.head_dim], src[..., self.head_dim:]
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1).to(x.dtype)
         return self.norm(pooled), plan
+
+    def _decode_latents(self, x: torch.Tensor, step: v4_static.V4DecodeStep,
+                        state_name: str) -> torch.Tensor:
+        if self.ratio == 1:
+            return self.norm(self.wkv(x.float()).to(x.dtype))
+        rows = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1)   # [R, 2D]
+        step.write_window_rows(state_name, rows)
+        src, _ = step.gather_state(state_name, rows, self.ratio, False, 1)       # [R, m, 2D]
+        kv, gate = src[..., :self.head_dim], src[..., self.head_dim:]
+        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1).to(x.dtype))
 
 
 class CSA2Indexer(nn.Module):
@@ -136,9 +151,13 @@ class DeepseekV41Attention(nn.Module):
     def sinks(self) -> torch.Tensor:
         return self.sinks_param.weight
 
-    def forward(self, x: torch.Tensor, step: V4Step, state: CSA2State) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepCaches, state: CSA2State) -> torch.Tensor:
         """x [T, d] (after attn_norm) -> [T, d]."""
-        backend = get_v41_attention_backend(self.backend)
+        if step.static:     # a decode batch on the capturable path (v4_static.py)
+            select, attend = select_decode, v4_static.attend
+        else:
+            backend = get_v41_attention_backend(self.backend)
+            select, attend = backend.select, backend.attend
         T = x.shape[0]
         cis = step.cis(self.rope)
         q_res = self.q_norm(self.wq_a(x))
@@ -151,11 +170,11 @@ class DeepseekV41Attention(nn.Module):
         if self.mode == FULL:
             self._write_entries(x, step)
         if self.mode in (FULL, REINDEX):
-            backend.select(self.indexer, x, q_res, step, self.keys_name, cis, self.ratio,
-                           state, self.candidate_source, self.use_candidates,
-                           self.topk_blocks, self.block_size)
+            select(self.indexer, x, q_res, step, self.keys_name, cis, self.ratio, state,
+                   self.candidate_source, self.use_candidates, self.topk_blocks,
+                   self.block_size)
         picks = state.picks if self.mode != SWA else None
-        out = backend.attend(self, q, kv, step, picks)                        # [T, H, D]
+        out = attend(self, q, kv, step, picks)                                # [T, H, D]
         out = rotate(out, step.cis(self.rope, inverse=True)).to(x.dtype)
         return self._project_out(out)
 
@@ -187,14 +206,17 @@ class DeepseekV41Attention(nn.Module):
         out = rotate(out.reshape(B * Q, self.num_heads, -1), cis(q_pos, inverse=True))
         return self._project_out(out).view(B, Q, -1)
 
-    def _write_entries(self, x: torch.Tensor, step: V4Step) -> None:
+    def _write_entries(self, x: torch.Tensor, step: StepCaches) -> None:
         latent, plan = self.compressor.latents(x, step, self.prefix + "compressor_state")
-        if plan.num_entries == 0:
+        if step.static:     # every row's target entry; `where`: the entry's slot or scratch
+            cis, where = step.entry_cis(self.rope, self.ratio), self.ratio
+        elif plan.num_entries == 0:
             return
-        cis = step.entry_cis(self.rope, self.ratio, False)
-        step.write_entries(self.prefix + "compressed", plan, rotate(latent, cis))  # -> NVFP4
+        else:
+            cis, where = step.entry_cis(self.rope, self.ratio, False), plan
+        step.write_entries(self.prefix + "compressed", where, rotate(latent, cis))  # -> NVFP4
         keys = rotate(self.indexer.k_norm(self.indexer.wk(latent)), cis)
-        step.write_entries(self.keys_name, plan, keys)                         # -> MXFP4
+        step.write_entries(self.keys_name, where, keys)                         # -> MXFP4
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> grouped wo_a (one block per head group) -> wo_b -> [T, d]."""

@@ -25,7 +25,11 @@ from torch import nn
 from wideserve.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec
 from wideserve.types.forward_batch import ForwardBatch
 from wideserve.models.deepseek_v41.attention import CSA2State, DeepseekV41Attention
+from wideserve.layers.attention.paged_decode_static import is_decode_batch
+from wideserve.layers.attention.registry import resolve_v41_attention_backend, static_decode
+from wideserve.layers.attention.v4_static import V4DecodeStep
 from wideserve.layers.attention.v4_step import V4Step
+from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
 from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.moe import DeepseekV4MoE
@@ -84,7 +88,7 @@ class DeepseekV41Block(nn.Module):
             streams = self.engram(streams, engram_rows)
         return streams.float().mean(dim=1)
 
-    def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step | V4DecodeStep,
                 state: CSA2State, input_ids: torch.Tensor,
                 engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre)."""
@@ -203,7 +207,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         flat, view = step.flat_cache(ENGRAM_TOKENS)
         T, dev = input_ids.shape[0], input_ids.device
         req, pos = step.token_req, step.token_pos
-        tmap = self._token_map.to(dev)
+        tmap = self._device_token_map(dev)
         grams = []
         blocked = torch.zeros(T, dtype=torch.bool, device=dev)
         for s in range(hasher.max_ngram):
@@ -220,24 +224,90 @@ class DeepseekV41ForCausalLM(CausalLM):
         grams = torch.stack(grams, dim=1)                                     # [T, N]
         return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
 
+    def _engram_rows_decode(self, step: V4DecodeStep,
+                            input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """`_engram_rows` of a decode batch on the static path: the token at p and the
+        cached tokens at p-1 .. p-N+1 (positions below 0 are blocked), on the device."""
+        hasher = self._ensure_hasher()
+        step.write_window_rows(ENGRAM_TOKENS, input_ids.float()[:, None])
+        flat, _ = step.flat_cache(ENGRAM_TOKENS)
+        tmap = self._device_token_map(input_ids.device)
+        grams = [tmap[input_ids.clamp(0, len(tmap) - 1)]]
+        blocked = torch.zeros_like(input_ids, dtype=torch.bool)
+        for s in range(1, hasher.max_ngram):
+            p = step.positions - s
+            tok = flat[step.slots(ENGRAM_TOKENS, p.clamp(min=0)), 0].long()
+            blocked = blocked | (p < 0)
+            grams.append(torch.where(blocked, hasher.pad_id, tmap[tok.clamp(0, len(tmap) - 1)]))
+        grams = torch.stack(grams, dim=1)                                     # [R, N]
+        return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
+
+    def _device_token_map(self, device: torch.device) -> torch.Tensor:
+        """The Engram token map on `device`, copied once (a per-step copy from the host is
+        what a captured graph must not contain)."""
+        if self._token_map.device != device:
+            self._token_map = self._token_map.to(device)
+        return self._token_map
+
     # ------------------------------------------------------------------ forward
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, d] after the final collapse and norm."""
+        """Hidden states [T, d] after the final collapse and norm. A decode batch goes to
+        `decode_forward` where the backend runs decode batches through the static path."""
+        if static_decode(self.attention_backend, batch.positions.device) and \
+                is_decode_batch(batch):
+            return self.decode_forward(batch)
+        return self._run(V4Step(batch, self._codecs), batch)
+
+    def decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` of a decode batch (every request one new token, no bounded replay) as a
+        CUDA graph can record it: no host read, no host-built tensor, shapes fixed by the
+        batch size and the block tables (layers/attention/v4_static.py; docs/cuda_graphs.md).
+        The DSpark taps are written as in `forward`."""
+        return self._run(V4DecodeStep(batch, self._codecs), batch)
+
+    @property
+    def attention_backend(self) -> str:
+        return next((m.backend for m in self.model.modules()
+                     if isinstance(m, DeepseekV41Attention)), "")
+
+    def set_attention_backend(self, name: str) -> None:
+        """Switch every attention layer to backend `name` (registry kind "v41")."""
+        name = resolve_v41_attention_backend(name)
+        for m in self.model.modules():
+            if isinstance(m, DeepseekV41Attention):
+                m.backend = name
+
+    def decode_capturable(self, device: torch.device) -> bool:
+        """On CUDA, when the backend sends decode batches to the static path, every
+        routed-expert layer runs "grouped_mm" without an expert-parallel dispatcher, and
+        there is no Engram layer: its table lives in host memory and is gathered by row ids
+        the device computes, which the host must read (layers/engram.py, `HostTable`)."""
+        return (device.type == "cuda" and not self.config.engram_layers
+                and static_decode(self.attention_backend, device)
+                and all(m.ep is None
+                        and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
+                        for m in self.model.modules() if isinstance(m, RoutedExperts)))
+
+    def _run(self, step: V4Step | V4DecodeStep, batch: ForwardBatch) -> torch.Tensor:
         c = self.config
-        step = V4Step(batch, self._codecs)
         ids = batch.input_ids
         x = self.model.embed_tokens(ids)
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
-        pre[:, 0] = 1
-        rows = self._engram_rows(step, ids) if c.engram_layers else []
+        pre[:, 0].fill_(1.0)         # (an op: `= 1` lifts a host scalar tensor)
+        rows = []
+        if c.engram_layers:
+            rows = (self._engram_rows_decode(step, ids) if step.static
+                    else self._engram_rows(step, ids))
         engram_at = {layer: r for layer, r in zip(c.engram_layers, rows)}
         state = CSA2State()
         taps = (set(c.dspark_target_layer_ids) if DSPARK_FEATURES in batch.kv_caches
                 else set())
         features = []
         kept = None
-        replay_from = max(c.kv_source_layer_ids, default=-1) + 1 if self.decoder_replay else -1
+        # A decode row never has more new rows than the window: nothing for the replay.
+        replay_from = (max(c.kv_source_layer_ids, default=-1) + 1
+                       if self.decoder_replay and not step.static else -1)
         for i, layer in enumerate(self.model.layers):
             if i == replay_from:
                 kept = decoder_replay_rows(batch, c.sliding_window, step.lo)
