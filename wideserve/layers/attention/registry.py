@@ -10,6 +10,9 @@ requests) and a "batched" one (the default: a constant number of torch ops per l
     attend(attn, q, kv, step, picks) -> [T, H, D]   (window + entries + sink; the batched
                                                     backend: in the layer's compute dtype)
   `picks` is whatever that backend's `select` returns; only its own `attend` reads it.
+  Decode batches do not go through these where `static_decode(name, device)` holds: the model
+  then builds a v4_static.V4DecodeStep and its layers call v4_static.py's ops (static shapes,
+  device-only: what a CUDA graph records). "static" is "batched" for the other batches.
 - kind "v41" (DeepSeek-V4.1 CSA2 attention, v41_attention.py): the same pair of ops, select
   being the two-level CSA2 indexer (v41_batched.py: select(indexer, x, q_res, step, keys_name,
   cis, ratio, state, candidate_source, use_candidates, topk_blocks, block_size) leaves its
