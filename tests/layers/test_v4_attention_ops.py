@@ -17,7 +17,7 @@ from wideserve.models.deepseek_v4.config import DeepseekV4Config
 
 
 def test_registry_default_env_and_errors(monkeypatch):
-    assert set(ATTENTION_BACKENDS) == {"reference", "batched"}
+    assert set(ATTENTION_BACKENDS) == {"reference", "batched", "static"}
     assert DEFAULT_ATTENTION_BACKEND == "batched"
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert resolve_attention_backend() == "batched"

@@ -37,7 +37,9 @@ from wideserve.types.forward_batch import ForwardBatch
 
 class V4DecodeStep(StepCaches):
     """The per-forward view of a decode batch: device tensors only, shapes fixed by R and the
-    block tables. Request r's token is row r at position positions[r]."""
+    block tables. Request r's token is row r at position positions[r]. Shared values are
+    keyed by the cache's group index, not by an object id: torch.compile guards on ids, so
+    an id key would recompile the forward every step."""
 
     static = True
 
@@ -79,7 +81,7 @@ class V4DecodeStep(StepCaches):
             pos = self.positions[:, None] - (W - 1) + torch.arange(W - 1, device=self.device)
             ok = pos >= 0
             return self.slots(name, pos.clamp(min=0)), ok
-        slots, ok = self._once(("hist", id(self._view(name)), W), build)
+        slots, ok = self._once(("hist", self.batch.cache_group[name], W), build)
         flat, _ = self.flat_cache(name)
         R, D = kv.shape
         hist = self._read(name, flat, slots.flatten(), dtype).view(R, W - 1, D)
@@ -107,7 +109,7 @@ class V4DecodeStep(StepCaches):
                      + torch.arange(epb, device=self.device)).flatten(1)          # [R, K]
             ids = torch.arange(slots.shape[1], device=self.device)
             return slots, ids < self.visible(ratio)[:, None]
-        slots, seen = self._once(("entries", id(self._view(name)), ratio), build)
+        slots, seen = self._once(("entries", self.batch.cache_group[name], ratio), build)
         return self.gather_rows(name, slots, seen, dtype), seen
 
     def gather_picked(self, name: str, ratio: int, block_req: Any, picks: torch.Tensor,
@@ -150,7 +152,8 @@ class V4DecodeStep(StepCaches):
             src = self.entry_target(ratio)[0][:, None] * ratio + offsets           # [R, L]
             cached = self.slots(name, src.clamp(min=0)) * num_series + series
             return cached.flatten(), series, src == self.positions[:, None], src >= 0
-        cached, series, own, valid = self._once(("state", id(self._view(name)), ratio, overlap), build)
+        key = ("state", self.batch.cache_group[name], ratio, overlap)
+        cached, series, own, valid = self._once(key, build)
         R, L = own.shape
         new = step_rows.view(R, num_series, -1).index_select(1, series)      # [R, L, 2D]
         old = halves.index_select(0, cached).view(R, L, -1).float()
@@ -164,7 +167,7 @@ class V4DecodeStep(StepCaches):
         def build() -> torch.Tensor:
             w, done = self.entry_target(ratio)
             return torch.where(done, self.slots(name, w), 0)
-        slots = self._once(("entry_slots", id(self._view(name)), ratio), build)
+        slots = self._once(("entry_slots", self.batch.cache_group[name], ratio), build)
         flat.index_copy_(0, slots, self._encode(name, flat, entries))
 
 
