@@ -227,8 +227,9 @@ def select_decode(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4De
         ids = _candidate_entries(state.candidates[:, None], block_size, visible)
         scores = _candidate_scores(step, keys_name, ratio, None, q, weights, ids)
     else:
-        keys, seen = step.all_entries(keys_name, ratio, torch.float32)       # [R, K, D]
-        scores = _index_scores(q, weights, keys) + entry_bias(seen)[:, None]  # [R, 1, K]
+        scores = step.score_entries(keys_name, ratio, torch.float32,
+                                    lambda keys: _index_scores(q, weights, keys))
+        scores = scores + entry_bias(step.entry_slots(keys_name, ratio)[1])[:, None]
         if candidate_source:
             state.candidates = _candidate_blocks(scores, visible, topk_blocks, block_size)[:, 0]
         elif use_candidates:

@@ -23,7 +23,7 @@ match the batched backend's; the ops are tested against it (tests/models/test_v4
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -33,6 +33,9 @@ from wideserve.layers.attention.indexer import Indexer, index_topk
 from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.rope_interleaved import RotaryTable, rope_cis, rotate
 from wideserve.types.forward_batch import ForwardBatch
+
+
+KEY_CHUNK = 4096    # entries scored per piece by the indexers (`score_entries`)
 
 
 class V4DecodeStep(StepCaches):
@@ -97,10 +100,8 @@ class V4DecodeStep(StepCaches):
         view = self._view(name)
         return int(view.block_table.shape[1]) * view.entries_per_block
 
-    def all_entries(self, name: str, ratio: int,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries 0..K-1 of every request -> ([R, K, C] `dtype`, zero where not visible
-        yet; [R, K] bool visible)."""
+    def entry_slots(self, name: str, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R, K] cache slots of entries 0..K-1 of every request, [R, K] bool visible)."""
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             view = self._view(name)
             epb = view.entries_per_block
@@ -109,8 +110,27 @@ class V4DecodeStep(StepCaches):
                      + torch.arange(epb, device=self.device)).flatten(1)          # [R, K]
             ids = torch.arange(slots.shape[1], device=self.device)
             return slots, ids < self.visible(ratio)[:, None]
-        slots, seen = self._once(("entries", self.batch.cache_group[name], ratio), build)
+        return self._once(("entries", self.batch.cache_group[name], ratio), build)
+
+    def all_entries(self, name: str, ratio: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries 0..K-1 of every request -> ([R, K, C] `dtype`, zero where not visible
+        yet; [R, K] bool visible)."""
+        slots, seen = self.entry_slots(name, ratio)
         return self.gather_rows(name, slots, seen, dtype), seen
+
+    def score_entries(self, name: str, ratio: int, dtype: torch.dtype,
+                      score: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """score(keys [R, n, C]) -> [..., n] over entries 0..K-1 of every request, KEY_CHUNK
+        entries at a time (the indexer's [R, heads, n] intermediate stays bounded whatever
+        K is: at a 1M-position bucket K is 256K for ratio 4), concatenated -> [..., K].
+        Keys not visible yet are zero (their scores are the caller's to mask)."""
+        slots, seen = self.entry_slots(name, ratio)
+        K = slots.shape[1]
+        parts = [score(self.gather_rows(name, slots[:, a:a + KEY_CHUNK],
+                                        seen[:, a:a + KEY_CHUNK], dtype))
+                 for a in range(0, K, KEY_CHUNK)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def gather_picked(self, name: str, ratio: int, block_req: Any, picks: torch.Tensor,
                       chosen: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -201,9 +221,12 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Decod
     dt = compute_dtype(indexer)
     q = rotate(indexer.q_b_proj(q_res).view(R, H, D), cis).to(dt)           # [R, H, D]
     weights = indexer.scorer.weights_proj(x).float() * H ** -0.5              # [R, H]
-    keys, seen = step.all_entries(keys_name, indexer.ratio, dt)                # [R, K, D]
-    scores = torch.relu(torch.bmm(q, keys.transpose(1, 2)).float()) * D ** -0.5   # [R, H, K]
-    scores = torch.bmm(weights[:, None, :], scores)[:, 0] + entry_bias(seen)       # [R, K]
+
+    def score(keys: torch.Tensor) -> torch.Tensor:                         # [R, n, D]
+        s = torch.relu(torch.bmm(q, keys.transpose(1, 2)).float()) * D ** -0.5   # [R, H, n]
+        return torch.bmm(weights[:, None, :], s)[:, 0]                         # [R, n]
+    scores = step.score_entries(keys_name, indexer.ratio, dt, score)
+    scores = scores + entry_bias(step.entry_slots(keys_name, indexer.ratio)[1])    # [R, K]
     idx = index_topk(scores, k)
     return torch.where(idx >= step.visible(indexer.ratio)[:, None], -1, idx)
 
