@@ -180,7 +180,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         """Whether `batch` runs the capturable decode forward (host arrays only, no device
         read): a decode batch (registry's `is_decode_batch`) under a backend that sends those
         to the static path on this device."""
-        return (static_decode(self.attention_backend, batch.positions.device)
+        return (batch.num_tokens > 0
+                and static_decode(self.attention_backend, batch.positions.device)
                 and is_decode_batch(batch))
 
     def decode_forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -253,8 +253,8 @@ class DeepseekV41ForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, d] after the final collapse and norm. A decode batch goes to
         `decode_forward` where the backend runs decode batches through the static path."""
-        if static_decode(self.attention_backend, batch.positions.device) and \
-                is_decode_batch(batch):
+        if batch.num_tokens and static_decode(self.attention_backend,
+                                              batch.positions.device) and is_decode_batch(batch):
             return self.decode_forward(batch)
         return self._run(V4Step(batch, self._codecs), batch)
 
