@@ -13,7 +13,10 @@ brgemm) and "experts" (the grouped expert GEMMs inside `moe_fused_experts`, time
 expert's shapes: micro or brgemm, the bucket being that expert's row count).
 
 Each (family, N, K) shape is timed the first time a layer of that shape is prepared, at one row
-count per bucket, and the fastest candidate per bucket is kept; a kernel on a layout the pack
+count per bucket, and the fastest candidate per bucket is kept: the candidates called in
+alternation, each one's median call compared, on the thread's CPU time at one torch thread (a
+shared machine's other processes then cost nothing but cache), close calls timed again and
+decided by the median timing (`KernelChoice._timed`); a kernel on a layout the pack
 already holds is preferred where it is within `share_tolerance` of the fastest, so a weight is
 held in one packed layout wherever that costs at most that much. Results are cached on disk
 per machine (CPU model, ISA flags, torch version, thread count, kernel sources), so a second
@@ -28,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +58,7 @@ LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "pla
           "own": "-", "sdpa": "-"}
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
-FORMAT = 1                     # bump when the table's meaning changes
+FORMAT = 2                     # bump when the table's meaning changes
 
 
 def bucket_of(rows: int) -> int:
@@ -126,17 +130,24 @@ class KernelPolicy:
 
     force: str = "auto"
     cache_dir: Path | None = field(default_factory=_default_cache_dir)
-    share_tolerance: float = 0.10   # a kernel on an already-held layout within this of best
+    share_tolerance: float = 0.05   # a kernel on an already-held layout within this of best
     prune_ratio: float = 4.0        # this much slower, and growing with the rows: not timed
                                     # at larger buckets
-    min_time_s: float = 3e-3        # per bucket: repeat all candidates up to this long ...
-    max_reps: int = 5               # ... or this many rounds (each one's minimum is kept)
+    min_time_s: float = 1e-2        # per bucket: alternate all candidates at least this long
+    min_reps: int = 5               # ... and at least this many rounds ...
+    max_reps: int = 30              # ... but at most this many (the median of the rounds kept)
+    recheck_margin: float = 0.15    # candidates this close to the fastest are timed again ...
+    rechecks: int = 2               # ... this many more times (the median of all timings)
+    clock: str = "auto"             # "cpu": the thread's CPU time, "wall", "auto": cpu at 1
+                                    # thread (immune to other processes' time slices)
     max_cols: int = 2048            # wider outputs (an LM head) are timed on a slice
 
     def __post_init__(self) -> None:
         if self.force not in KERNELS + ("auto",):
             raise ValueError(f"{ENV_FORCE}={self.force!r}: choose one of auto, "
                              f"{', '.join(KERNELS)}")
+        if self.clock not in ("auto", "cpu", "wall"):
+            raise ValueError(f"KernelPolicy.clock={self.clock!r}: choose auto, cpu or wall")
 
     @classmethod
     def from_env(cls) -> KernelPolicy:
@@ -251,12 +262,7 @@ class KernelChoice:
         alive = set(cands)
         prev: dict[str, float | None] = {}
         for i, rows in enumerate(SAMPLE_ROWS):
-            timed_now = self._timer(family, tuple(c for c in cands if c in alive), shape, rows)
-            close = sorted((t, c) for c, t in timed_now.items())[:2]
-            if len(close) == 2 and close[1][0] <= (1 + self.policy.share_tolerance) * close[0][0]:
-                # a near-tie decides the bucket: the two timed again, the better of both kept
-                again = self._timer(family, (close[0][1], close[1][1]), shape, rows)
-                timed_now.update({c: min(t, timed_now[c]) for c, t in again.items()})
+            timed_now = self._timed(family, tuple(c for c in cands if c in alive), shape, rows)
             row: dict[str, float | None] = {c: timed_now.get(c) for c in cands}
             times.append({c: (None if t is None else t * 1e6) for c, t in row.items()})
             timed = [t for t in row.values() if t is not None]
@@ -271,28 +277,37 @@ class KernelChoice:
             prev = row
         return Entry(choose(times, self.policy.share_tolerance), times)
 
+    def _timed(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
+               rows: int) -> dict[str, float]:
+        """One bucket's seconds per kernel. Close calls decide the bucket, and one timing of
+        a shared machine can flip them: the candidates within `recheck_margin` of the fastest
+        are timed again together, up to `rechecks` times, and each kernel's median timing
+        kept (a lone outlier timing then decides nothing)."""
+        runs = {c: [t] for c, t in self._timer(family, kernels, shape, rows).items()}
+        for _ in range(self.policy.rechecks):
+            now = {c: statistics.median(v) for c, v in runs.items()}
+            best = min(now.values(), default=0.0)
+            close = tuple(c for c in kernels if c in now
+                          and now[c] <= (1 + self.policy.recheck_margin) * best)
+            if len(close) < 2:
+                break
+            for c, t in self._timer(family, close, shape, rows).items():
+                runs[c].append(t)
+        return {c: statistics.median(v) for c, v in runs.items()}
+
     # -- timing one candidate
 
     def _time(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
               rows: int) -> dict[str, float]:
-        """The best of a few calls of each kernel, the kernels called in alternation (a
-        burst of load from elsewhere then hits all of them alike)."""
+        """The median of several calls of each kernel, the kernels called in alternation
+        and in a rotating order (a burst of load from elsewhere, or the cache state the
+        previous call left, then hits all of them alike)."""
         if family != "attention":
             shape = (min(shape[0], self.policy.max_cols), shape[1])
         fns = {c: candidate(family, c, shape, rows) for c in kernels}
-        for fn in fns.values():
-            fn()                               # warm: first-call setup, caches
-        best = dict.fromkeys(fns, float("inf"))
-        spent, reps = 0.0, 0
-        while reps < self.policy.max_reps and (reps < 2 or spent < self.policy.min_time_s):
-            for c, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-                best[c] = min(best[c], dt)
-                spent += dt
-            reps += 1
-        return best
+        samples = time_interleaved(fns, self.policy.min_reps, self.policy.max_reps,
+                                   self.policy.min_time_s, self.policy.clock)
+        return {c: statistics.median(v) for c, v in samples.items()}
 
     # -- disk cache
 
@@ -403,6 +418,37 @@ def _span(first: int, last: int) -> str:
     """Token buckets first..last as one range: "1", "2-16", "17+"."""
     lo, hi = BUCKETS[first][0], BUCKETS[last][1]
     return f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def clock_of(name: str) -> Callable[[], float]:
+    """The clock timings read: "cpu" the calling thread's CPU time (at one torch thread every
+    timed call runs on it, and time slices given to other processes of a shared machine do
+    not count), "wall" perf_counter, "auto" cpu where torch runs one thread."""
+    if name == "auto":
+        name = "cpu" if torch.get_num_threads() == 1 else "wall"
+    return time.thread_time if name == "cpu" else time.perf_counter
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], min_reps: int, max_reps: int,
+                     min_time_s: float, clock: str = "auto") -> dict[str, list[float]]:
+    """Seconds of each call of each fn: every round calls all fns once, starting one further
+    along each round, until `min_reps` rounds and `min_time_s` in all, or `max_reps` rounds."""
+    now = clock_of(clock)
+    for fn in fns.values():
+        fn()                                   # warm: first-call setup, caches
+    names = list(fns)
+    samples: dict[str, list[float]] = {c: [] for c in names}
+    spent, reps = 0.0, 0
+    while reps < max_reps and (reps < min_reps or spent < min_time_s):
+        for j in range(len(names)):
+            c = names[(reps + j) % len(names)]
+            t0 = now()
+            fns[c]()
+            dt = now() - t0
+            samples[c].append(dt)
+            spent += dt
+        reps += 1
+    return samples
 
 
 def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:
