@@ -211,7 +211,8 @@ def test_real_candidates_run_on_tiny_shapes() -> None:
     loader.build()
     kc = KernelChoice(KernelPolicy(cache_dir=None))
     for family, shape in (("linear", (40, 32)), ("qkv", (40, 32)), ("router", (8, 32)),
-                          ("experts", (24, 32)), ("attention", (4, 2, 16))):
+                          ("experts", (24, 32)), ("attention", (4, 2, 16)),
+                          ("attention_ctx", (4, 2, 16))):
         for kernel in kc.runnable(family, torch.bfloat16):
             for rows in (1, 5):
                 ch.candidate(family, kernel, shape, rows)()
@@ -304,3 +305,14 @@ def test_clock_is_cpu_time_at_one_thread(monkeypatch) -> None:
     assert ch.clock_of("cpu") is ch.time.thread_time
     with pytest.raises(ValueError, match="clock"):
         KernelPolicy(clock="tsc", cache_dir=None)
+
+
+def test_plan_attention_with_context_is_its_own_family(tmp_path, monkeypatch) -> None:
+    """A chunk after a context is timed as family attention_ctx (own entry, own plan)."""
+    monkeypatch.setattr(KernelChoice, "runnable", lambda self, family, dtype: ("own", "sdpa"))
+    timer = FakeTimer({"own": [1, 2, 8, 30, 200, 800], "sdpa": [3, 3, 5, 10, 50, 150]})
+    kc = _choice(tmp_path, timer)
+    ctx = kc.plan_attention(16, 4, 64, torch.bfloat16, context=True)
+    assert ctx == ("own", "own", "sdpa", "sdpa", "sdpa", "sdpa")
+    assert {c[0] for c in timer.calls} == {"attention_ctx"}
+    assert [r["family"] for r in kc.table()] == ["attention_ctx"]

@@ -43,14 +43,16 @@ import torch.nn.functional as F
 
 from wideserve.kernels import gemm
 from wideserve.kernels import moe as moe_op
+from wideserve.kernels import sdpa_context
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("linear", "qkv", "router", "experts", "attention")
+FAMILIES = ("linear", "qkv", "router", "experts", "attention", "attention_ctx")
 KERNELS = ("micro", "brgemm", "onednn", "torch")
 FAMILY_KERNELS = {"linear": KERNELS, "qkv": KERNELS, "router": ("micro", "brgemm"),
-                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa")}
+                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa"),
+                  "attention_ctx": ("own", "sdpa")}
 # Token-count buckets (inclusive bounds; None: no upper bound) and the row count each is timed at.
 BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 SAMPLE_ROWS = (1, 4, 16, 64, 256, 512)
@@ -206,7 +208,7 @@ class KernelChoice:
 
     def runnable(self, family: str, dtype: torch.dtype) -> tuple[str, ...]:
         """The candidates of `family` that can run here for `dtype` weights."""
-        if family == "attention":
+        if family.startswith("attention"):
             return ("own", "sdpa") if dtype == torch.bfloat16 and cpu_ops_available() else ()
         if dtype != torch.bfloat16:
             return ("torch",) if family in ("linear", "qkv") else ()
@@ -233,13 +235,17 @@ class KernelChoice:
         return tuple(entry.kernels)
 
     def plan_attention(self, heads: int, kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> tuple[str, ...]:
-        """"own" (the C++ paged attention op) or "sdpa" (torch's fused attention on the
-        step's own k/v) per bucket of query tokens per request, for a fresh prefill."""
-        cands = self.runnable("attention", dtype)
+                       dtype: torch.dtype, context: bool = False) -> tuple[str, ...]:
+        """"own" (the C++ paged op) or "sdpa" (torch's fused attention) per bucket of query
+        tokens per request: for a fresh prefill (SDPA on the step's own k/v), or with
+        `context` for a chunk attending to as many cached positions as it has queries
+        (family "attention_ctx": SDPA on the context gathered from the cache,
+        kernels/sdpa_context.py)."""
+        family = "attention_ctx" if context else "attention"
+        cands = self.runnable(family, dtype)
         if self.policy.force != "auto" or len(cands) < 2:
             return (cands[0] if cands else "",) * len(BUCKETS)
-        return tuple(self.entry("attention", (heads, kv_heads, head_dim), cands).kernels)
+        return tuple(self.entry(family, (heads, kv_heads, head_dim), cands).kernels)
 
     def entry(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
         threads = torch.get_num_threads()
@@ -302,7 +308,7 @@ class KernelChoice:
         """The median of several calls of each kernel, the kernels called in alternation
         and in a rotating order (a burst of load from elsewhere, or the cache state the
         previous call left, then hits all of them alike)."""
-        if family != "attention":
+        if not family.startswith("attention"):
             shape = (min(shape[0], self.policy.max_cols), shape[1])
         fns = {c: candidate(family, c, shape, rows) for c in kernels}
         samples = time_interleaved(fns, self.policy.min_reps, self.policy.max_reps,
@@ -485,10 +491,13 @@ def candidate(family: str, kernel: str, shape: tuple[int, ...],
               rows: int) -> Callable[[], object]:
     """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
     fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
-    of `rows` tokens with (heads, kv heads, head dim) = shape)."""
+    of `rows` tokens with (heads, kv heads, head dim) = shape; "attention_ctx": a chunk of
+    `rows` queries after `rows` cached positions)."""
     g = torch.Generator().manual_seed(rows)
     if family == "attention":
         return _attention_candidate(kernel, *shape, rows, g)
+    if family == "attention_ctx":
+        return _attention_ctx_candidate(kernel, *shape, rows, g)
     n, k = shape
     if family == "experts":
         return _experts_candidate(kernel, n, k, rows, g)
@@ -537,6 +546,25 @@ def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, 
     table = torch.arange(blocks, dtype=torch.int64)[None]
     starts = torch.tensor([0, rows], dtype=torch.int64)
     lens = torch.tensor([rows], dtype=torch.int64)
+    return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
+                                                        scale, 0, False)
+
+
+def _attention_ctx_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
+                             g: torch.Generator) -> Callable[[], object]:
+    """A chunk of `rows` queries whose request has `rows` positions cached before it (2*rows
+    keys), the cache's blocks shuffled: the C++ op reading the cache in place, or SDPA over
+    the gathered context (the two paths paged_attention_batched takes)."""
+    block, length = 64, 2 * rows
+    blocks = -(-length // block)
+    cache = torch.randn(blocks, block, 2 * kv_heads * head_dim, generator=g).bfloat16()
+    table = torch.randperm(blocks, generator=g)[None]
+    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    if kernel == "sdpa":
+        return lambda: sdpa_context.attend_paged(q, cache, table[0], length, scale)
+    starts = torch.tensor([0, rows], dtype=torch.int64)
+    lens = torch.tensor([length], dtype=torch.int64)
     return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
                                                         scale, 0, False)
 
