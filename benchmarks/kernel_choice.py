@@ -3,7 +3,8 @@ token bucket on a model's shapes, the chosen kernel's time against the best cand
 against F.linear (goal: within 10% of the best everywhere), the calibration's own cost, and the
 GFLOP/s a 653M-sized prefill layer's GEMMs reach against the machine's measured bf16 matmul
 peak (the chosen kernels vs the micro-kernel alone), and a whole prefill's attention on the
-C++ paged op vs SDPA.
+C++ paged op vs SDPA, and a prefill chunk after a cached context on the C++ op vs SDPA over
+the gathered context (family attention_ctx).
 
   PYTHONPATH=. python benchmarks/kernel_choice.py [--model 653m|11m] [--threads 1]
       [--repeats 7] [--tokens 2048] [--stat median|min]
@@ -145,6 +146,21 @@ def attention(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
     return lines
 
 
+def attention_ctx(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
+    """A prefill chunk after as many cached positions (chunked and mixed prefills): the C++
+    paged op vs SDPA over the context gathered from the cache, and what the choice picks."""
+    d, h, kv, hd = MODELS[model][:4]
+    plan = kc.plan_attention(h, kv, hd, torch.bfloat16, context=True)
+    lines = ["| chunk tokens (after as many cached) | C++ op ms | SDPA (gathered) ms | "
+             "op / SDPA | chosen |", "|---|---|---|---|---|"]
+    for rows in (4, 16, 64, 128, 512, 1024):
+        fns = {c: ch.candidate("attention_ctx", c, (h, kv, hd), rows) for c in ("own", "sdpa")}
+        t = _median_times(fns, max(3, repeats // 3))
+        lines.append(f"| {rows} | {t['own'] / 1e3:.2f} | {t['sdpa'] / 1e3:.2f} | "
+                     f"{t['own'] / t['sdpa']:.2f} | {plan[ch.bucket_of(rows)]} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(MODELS), default="653m")
@@ -176,6 +192,8 @@ def main() -> None:
     print(prefill_layer(args.model, args.tokens, kc, max(3, args.repeats // 2)))
     print()
     print("\n".join(attention(args.model, kc, args.repeats)))
+    print()
+    print("\n".join(attention_ctx(args.model, kc, args.repeats)))
 
 
 if __name__ == "__main__":
