@@ -3,7 +3,8 @@ token bucket on a model's shapes, the chosen kernel's time against the best cand
 against F.linear (goal: within 10% of the best everywhere), the calibration's own cost, and the
 GFLOP/s a 653M-sized prefill layer's GEMMs reach against the machine's measured bf16 matmul
 peak (the chosen kernels vs the micro-kernel alone), and a whole prefill's attention on the
-C++ paged op vs SDPA.
+C++ paged op vs SDPA, and a prefill chunk after a cached context on the C++ op vs SDPA over
+the gathered context (family attention_ctx).
 
   PYTHONPATH=. python benchmarks/kernel_choice.py [--model 653m|11m] [--threads 1]
       [--repeats 7] [--tokens 2048] [--stat median|min]
@@ -36,20 +37,17 @@ def shapes(model: str) -> list[tuple[str, str, int, int]]:
             ("experts", "experts", inter, d)]
 
 
+CLOCK = "auto"               # --clock: cpu (the thread's CPU time), wall, auto (cpu at 1 thread)
 STAT = statistics.median     # --stat min: the best of the rounds (a heavily shared machine,
                              # where a ms-long call is often preempted: the minimum is the
                              # kernel's own time)
 
 
 def _median_times(fns: dict[str, object], repeats: int) -> dict[str, float]:
-    for fn in fns.values():
-        fn()                                          # warm
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():                     # alternating: load hits all alike
-            t0 = time.perf_counter()
-            fn()
-            samples[k].append(time.perf_counter() - t0)
+    """us per call of each fn: `repeats` alternating rounds in a rotating order (load from
+    elsewhere hits all alike), on the policy's clock (CLOCK: the thread's CPU time at one
+    thread), reduced by STAT - the same method as the choice's own timing."""
+    samples = ch.time_interleaved(fns, repeats, repeats, 0.0, CLOCK)
     return {k: STAT(v) * 1e6 for k, v in samples.items()}
 
 
@@ -87,9 +85,10 @@ def matmul_peak() -> float:
 
 
 def _once(fn) -> float:
-    t0 = time.perf_counter()
+    now = ch.clock_of(CLOCK)
+    t0 = now()
     fn()
-    return time.perf_counter() - t0
+    return now() - t0
 
 
 def prefill_layer(model: str, tokens: int, kc: ch.KernelChoice, repeats: int) -> str:
@@ -147,6 +146,21 @@ def attention(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
     return lines
 
 
+def attention_ctx(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
+    """A prefill chunk after as many cached positions (chunked and mixed prefills): the C++
+    paged op vs SDPA over the context gathered from the cache, and what the choice picks."""
+    d, h, kv, hd = MODELS[model][:4]
+    plan = kc.plan_attention(h, kv, hd, torch.bfloat16, context=True)
+    lines = ["| chunk tokens (after as many cached) | C++ op ms | SDPA (gathered) ms | "
+             "op / SDPA | chosen |", "|---|---|---|---|---|"]
+    for rows in (4, 16, 64, 128, 512, 1024):
+        fns = {c: ch.candidate("attention_ctx", c, (h, kv, hd), rows) for c in ("own", "sdpa")}
+        t = _median_times(fns, max(3, repeats // 3))
+        lines.append(f"| {rows} | {t['own'] / 1e3:.2f} | {t['sdpa'] / 1e3:.2f} | "
+                     f"{t['own'] / t['sdpa']:.2f} | {plan[ch.bucket_of(rows)]} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(MODELS), default="653m")
@@ -155,12 +169,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="per candidate over the alternating rounds (min on a loaded machine)")
+    ap.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
+                    help="what a call's time is: the thread's CPU time (auto at 1 thread: "
+                         "other processes' time slices not counted) or wall time")
     args = ap.parse_args()
-    global STAT
+    global STAT, CLOCK
+    CLOCK = args.clock
     STAT = statistics.median if args.stat == "median" else min
     torch.set_num_threads(args.threads)
     loader.build()
-    kc = ch.KernelChoice(ch.KernelPolicy(cache_dir=None))       # time everything afresh
+    kc = ch.KernelChoice(ch.KernelPolicy(cache_dir=None, clock=args.clock))   # afresh
     t0 = time.perf_counter()
     for _, family, n, k in shapes(args.model):
         kc.plan(family, n, k, torch.bfloat16)
@@ -174,6 +192,8 @@ def main() -> None:
     print(prefill_layer(args.model, args.tokens, kc, max(3, args.repeats // 2)))
     print()
     print("\n".join(attention(args.model, kc, args.repeats)))
+    print()
+    print("\n".join(attention_ctx(args.model, kc, args.repeats)))
 
 
 if __name__ == "__main__":

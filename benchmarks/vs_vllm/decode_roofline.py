@@ -15,7 +15,10 @@ steps (every request computes one token) are timed by the engine's own StepTimer
   - the KV cache read: every request's context (input + tokens so far, averaged over the
     decode steps) x bytes per token per layer.
 The decode roofline is bytes / read bandwidth; the achieved fraction is that time over the
-measured median decode step. One JSON line (stdout, and --out if given).
+measured median decode step. At one thread the same is also given on the thread's CPU time
+(`*_cpu`: the read bandwidth and the step both timed on it), which a shared machine's load
+does not inflate (wall-clock steps at load 10-20 on 2 cores were 2-3x their CPU time, while
+the best-of-5 bandwidth is not). One JSON line (stdout, and --out if given).
 """
 from __future__ import annotations
 
@@ -31,40 +34,52 @@ import torch
 
 
 def bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> dict[str, float]:
-    """Best-of-`repeats` read (sum) and copy bandwidth in GB/s (1e9 bytes/s)."""
+    """Best-of-`repeats` read (sum) and copy bandwidth in GB/s (1e9 bytes/s), on the wall
+    clock; at one thread also the median read on the thread's CPU time ("read_gbs_cpu": time
+    slices given to other processes of a shared machine not counted)."""
     torch.set_num_threads(threads)
     n = mib * (1 << 20) // 4
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)                      # touch every page before timing
     read = copy = 0.0
+    cpu_reads = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         src.sum()
+        cpu_reads.append(src.nbytes / max(time.thread_time() - c, 1e-9) / 1e9)
         read = max(read, src.nbytes / (time.perf_counter() - t) / 1e9)
         t = time.perf_counter()
         dst.copy_(src)
         copy = max(copy, 2 * src.nbytes / (time.perf_counter() - t) / 1e9)
-    return {"read_gbs": round(read, 2), "copy_gbs": round(copy, 2), "buffer_mib": mib}
+    out = {"read_gbs": round(read, 2), "copy_gbs": round(copy, 2), "buffer_mib": mib}
+    if threads == 1:
+        out["read_gbs_cpu"] = round(statistics.median(cpu_reads), 2)
+    return out
 
 
 class _DecodeSteps:
-    """Records (tokens, requests, seconds) of every step from the engine's StepTimer."""
+    """Records (tokens, requests, seconds, forward seconds, CPU seconds) of every step from
+    the engine's StepTimer; CPU seconds: the calling thread's CPU time since the previous
+    step finished (the whole step, scheduling included, at one torch thread)."""
 
     def __init__(self, timer: Any) -> None:
-        self.steps: list[tuple[int, int, float, float]] = []
+        self.steps: list[tuple[int, int, float, float, float]] = []
         inner = timer.finish
+        last = [time.thread_time()]
 
         def finish(num_tokens: int, num_requests: int) -> None:
             inner(num_tokens, num_requests)
+            now = time.thread_time()
             if num_tokens:
                 cur = timer.stats.last_seconds
                 self.steps.append((num_tokens, num_requests, sum(cur.values()),
-                                   cur["forward"]))
+                                   cur["forward"], now - last[0]))
+            last[0] = now
         timer.finish = finish
 
-    def decode(self, batch: int) -> list[tuple[float, float]]:
-        return [(s, f) for t, r, s, f in self.steps if t == r == batch]
+    def decode(self, batch: int) -> list[tuple[float, float, float]]:
+        return [(s, f, c) for t, r, s, f, c in self.steps if t == r == batch]
 
 
 def count_active_experts(model: torch.nn.Module,
@@ -140,8 +155,9 @@ def main() -> None:
     decode = rec.decode(a.batch)
     if not decode:
         raise SystemExit(f"no decode step of exactly {a.batch} requests was seen")
-    step_s = statistics.median(s for s, _ in decode)
-    forward_s = statistics.median(f for _, f in decode)
+    step_s = statistics.median(s for s, _, _ in decode)
+    forward_s = statistics.median(f for _, f, _ in decode)
+    step_cpu_s = statistics.median(c for _, _, c in decode[1:] or decode)
     # One more, untimed, decode step with hooks on the routers: the experts it activates.
     handles, seen, num_experts = count_active_experts(engine.model, a.batch)
     fresh = [{"prompt_token_ids": [t + 1 for t in p]} for p in ids]
@@ -164,6 +180,11 @@ def main() -> None:
            "achieved_gbs": round(b["total"] / step_s / 1e9, 2),
            "roofline_ms": round(roof_s * 1e3, 2),
            "fraction_of_roofline": round(roof_s / step_s, 3),
+           **({} if "read_gbs_cpu" not in bw else {
+               "step_cpu_ms_p50": round(step_cpu_s * 1e3, 2),
+               "roofline_cpu_ms": round(b["total"] / (bw["read_gbs_cpu"] * 1e9) * 1e3, 2),
+               "fraction_of_roofline_cpu": round(
+                   b["total"] / (bw["read_gbs_cpu"] * 1e9) / step_cpu_s, 3)}),
            "load": os.getloadavg()[0]}
     line = json.dumps(row)
     print(line, flush=True)

@@ -179,7 +179,7 @@ class _PickSdpa:
     def __init__(self, start: int) -> None:
         self.start = start
 
-    def plan_attention(self, heads, kv_heads, head_dim, dtype):
+    def plan_attention(self, heads, kv_heads, head_dim, dtype, context=False):
         from wideserve.kernels.choice import BUCKETS
         return tuple("sdpa" if lo >= self.start else "own" for lo, _ in BUCKETS)
 

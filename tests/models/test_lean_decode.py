@@ -57,7 +57,7 @@ class _Attention:
     def __init__(self, sdpa_from: int | None) -> None:
         self.sdpa_from = sdpa_from
 
-    def plan_attention(self, heads, kv_heads, head_dim, dtype):
+    def plan_attention(self, heads, kv_heads, head_dim, dtype, context=False):
         return tuple("sdpa" if self.sdpa_from is not None and lo >= self.sdpa_from else "own"
                      for lo, _ in BUCKETS)
 

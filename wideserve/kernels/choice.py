@@ -13,7 +13,10 @@ brgemm) and "experts" (the grouped expert GEMMs inside `moe_fused_experts`, time
 expert's shapes: micro or brgemm, the bucket being that expert's row count).
 
 Each (family, N, K) shape is timed the first time a layer of that shape is prepared, at one row
-count per bucket, and the fastest candidate per bucket is kept; a kernel on a layout the pack
+count per bucket, and the fastest candidate per bucket is kept: the candidates called in
+alternation, each one's median call compared, on the thread's CPU time at one torch thread (a
+shared machine's other processes then cost nothing but cache), close calls timed again and
+decided by the median timing (`KernelChoice._timed`); a kernel on a layout the pack
 already holds is preferred where it is within `share_tolerance` of the fastest, so a weight is
 held in one packed layout wherever that costs at most that much. Results are cached on disk
 per machine (CPU model, ISA flags, torch version, thread count, kernel sources), so a second
@@ -28,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,14 +43,16 @@ import torch.nn.functional as F
 
 from wideserve.kernels import gemm
 from wideserve.kernels import moe as moe_op
+from wideserve.kernels import sdpa_context
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("linear", "qkv", "router", "experts", "attention")
+FAMILIES = ("linear", "qkv", "router", "experts", "attention", "attention_ctx")
 KERNELS = ("micro", "brgemm", "onednn", "torch")
 FAMILY_KERNELS = {"linear": KERNELS, "qkv": KERNELS, "router": ("micro", "brgemm"),
-                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa")}
+                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa"),
+                  "attention_ctx": ("own", "sdpa")}
 # Token-count buckets (inclusive bounds; None: no upper bound) and the row count each is timed at.
 BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 SAMPLE_ROWS = (1, 4, 16, 64, 256, 512)
@@ -54,7 +60,7 @@ LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "pla
           "own": "-", "sdpa": "-"}
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
-FORMAT = 1                     # bump when the table's meaning changes
+FORMAT = 2                     # bump when the table's meaning changes
 
 
 def bucket_of(rows: int) -> int:
@@ -126,17 +132,24 @@ class KernelPolicy:
 
     force: str = "auto"
     cache_dir: Path | None = field(default_factory=_default_cache_dir)
-    share_tolerance: float = 0.10   # a kernel on an already-held layout within this of best
+    share_tolerance: float = 0.05   # a kernel on an already-held layout within this of best
     prune_ratio: float = 4.0        # this much slower, and growing with the rows: not timed
                                     # at larger buckets
-    min_time_s: float = 3e-3        # per bucket: repeat all candidates up to this long ...
-    max_reps: int = 5               # ... or this many rounds (each one's minimum is kept)
+    min_time_s: float = 1e-2        # per bucket: alternate all candidates at least this long
+    min_reps: int = 5               # ... and at least this many rounds ...
+    max_reps: int = 30              # ... but at most this many (the median of the rounds kept)
+    recheck_margin: float = 0.15    # candidates this close to the fastest are timed again ...
+    rechecks: int = 2               # ... this many more times (the median of all timings)
+    clock: str = "auto"             # "cpu": the thread's CPU time, "wall", "auto": cpu at 1
+                                    # thread (immune to other processes' time slices)
     max_cols: int = 2048            # wider outputs (an LM head) are timed on a slice
 
     def __post_init__(self) -> None:
         if self.force not in KERNELS + ("auto",):
             raise ValueError(f"{ENV_FORCE}={self.force!r}: choose one of auto, "
                              f"{', '.join(KERNELS)}")
+        if self.clock not in ("auto", "cpu", "wall"):
+            raise ValueError(f"KernelPolicy.clock={self.clock!r}: choose auto, cpu or wall")
 
     @classmethod
     def from_env(cls) -> KernelPolicy:
@@ -195,7 +208,7 @@ class KernelChoice:
 
     def runnable(self, family: str, dtype: torch.dtype) -> tuple[str, ...]:
         """The candidates of `family` that can run here for `dtype` weights."""
-        if family == "attention":
+        if family.startswith("attention"):
             return ("own", "sdpa") if dtype == torch.bfloat16 and cpu_ops_available() else ()
         if dtype != torch.bfloat16:
             return ("torch",) if family in ("linear", "qkv") else ()
@@ -222,13 +235,17 @@ class KernelChoice:
         return tuple(entry.kernels)
 
     def plan_attention(self, heads: int, kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> tuple[str, ...]:
-        """"own" (the C++ paged attention op) or "sdpa" (torch's fused attention on the
-        step's own k/v) per bucket of query tokens per request, for a fresh prefill."""
-        cands = self.runnable("attention", dtype)
+                       dtype: torch.dtype, context: bool = False) -> tuple[str, ...]:
+        """"own" (the C++ paged op) or "sdpa" (torch's fused attention) per bucket of query
+        tokens per request: for a fresh prefill (SDPA on the step's own k/v), or with
+        `context` for a chunk attending to as many cached positions as it has queries
+        (family "attention_ctx": SDPA on the context gathered from the cache,
+        kernels/sdpa_context.py)."""
+        family = "attention_ctx" if context else "attention"
+        cands = self.runnable(family, dtype)
         if self.policy.force != "auto" or len(cands) < 2:
             return (cands[0] if cands else "",) * len(BUCKETS)
-        return tuple(self.entry("attention", (heads, kv_heads, head_dim), cands).kernels)
+        return tuple(self.entry(family, (heads, kv_heads, head_dim), cands).kernels)
 
     def entry(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
         threads = torch.get_num_threads()
@@ -251,12 +268,7 @@ class KernelChoice:
         alive = set(cands)
         prev: dict[str, float | None] = {}
         for i, rows in enumerate(SAMPLE_ROWS):
-            timed_now = self._timer(family, tuple(c for c in cands if c in alive), shape, rows)
-            close = sorted((t, c) for c, t in timed_now.items())[:2]
-            if len(close) == 2 and close[1][0] <= (1 + self.policy.share_tolerance) * close[0][0]:
-                # a near-tie decides the bucket: the two timed again, the better of both kept
-                again = self._timer(family, (close[0][1], close[1][1]), shape, rows)
-                timed_now.update({c: min(t, timed_now[c]) for c, t in again.items()})
+            timed_now = self._timed(family, tuple(c for c in cands if c in alive), shape, rows)
             row: dict[str, float | None] = {c: timed_now.get(c) for c in cands}
             times.append({c: (None if t is None else t * 1e6) for c, t in row.items()})
             timed = [t for t in row.values() if t is not None]
@@ -271,28 +283,37 @@ class KernelChoice:
             prev = row
         return Entry(choose(times, self.policy.share_tolerance), times)
 
+    def _timed(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
+               rows: int) -> dict[str, float]:
+        """One bucket's seconds per kernel. Close calls decide the bucket, and one timing of
+        a shared machine can flip them: the candidates within `recheck_margin` of the fastest
+        are timed again together, up to `rechecks` times, and each kernel's median timing
+        kept (a lone outlier timing then decides nothing)."""
+        runs = {c: [t] for c, t in self._timer(family, kernels, shape, rows).items()}
+        for _ in range(self.policy.rechecks):
+            now = {c: statistics.median(v) for c, v in runs.items()}
+            best = min(now.values(), default=0.0)
+            close = tuple(c for c in kernels if c in now
+                          and now[c] <= (1 + self.policy.recheck_margin) * best)
+            if len(close) < 2:
+                break
+            for c, t in self._timer(family, close, shape, rows).items():
+                runs[c].append(t)
+        return {c: statistics.median(v) for c, v in runs.items()}
+
     # -- timing one candidate
 
     def _time(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
               rows: int) -> dict[str, float]:
-        """The best of a few calls of each kernel, the kernels called in alternation (a
-        burst of load from elsewhere then hits all of them alike)."""
-        if family != "attention":
+        """The median of several calls of each kernel, the kernels called in alternation
+        and in a rotating order (a burst of load from elsewhere, or the cache state the
+        previous call left, then hits all of them alike)."""
+        if not family.startswith("attention"):
             shape = (min(shape[0], self.policy.max_cols), shape[1])
         fns = {c: candidate(family, c, shape, rows) for c in kernels}
-        for fn in fns.values():
-            fn()                               # warm: first-call setup, caches
-        best = dict.fromkeys(fns, float("inf"))
-        spent, reps = 0.0, 0
-        while reps < self.policy.max_reps and (reps < 2 or spent < self.policy.min_time_s):
-            for c, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-                best[c] = min(best[c], dt)
-                spent += dt
-            reps += 1
-        return best
+        samples = time_interleaved(fns, self.policy.min_reps, self.policy.max_reps,
+                                   self.policy.min_time_s, self.policy.clock)
+        return {c: statistics.median(v) for c, v in samples.items()}
 
     # -- disk cache
 
@@ -405,6 +426,37 @@ def _span(first: int, last: int) -> str:
     return f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
 
 
+def clock_of(name: str) -> Callable[[], float]:
+    """The clock timings read: "cpu" the calling thread's CPU time (at one torch thread every
+    timed call runs on it, and time slices given to other processes of a shared machine do
+    not count), "wall" perf_counter, "auto" cpu where torch runs one thread."""
+    if name == "auto":
+        name = "cpu" if torch.get_num_threads() == 1 else "wall"
+    return time.thread_time if name == "cpu" else time.perf_counter
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], min_reps: int, max_reps: int,
+                     min_time_s: float, clock: str = "auto") -> dict[str, list[float]]:
+    """Seconds of each call of each fn: every round calls all fns once, starting one further
+    along each round, until `min_reps` rounds and `min_time_s` in all, or `max_reps` rounds."""
+    now = clock_of(clock)
+    for fn in fns.values():
+        fn()                                   # warm: first-call setup, caches
+    names = list(fns)
+    samples: dict[str, list[float]] = {c: [] for c in names}
+    spent, reps = 0.0, 0
+    while reps < max_reps and (reps < min_reps or spent < min_time_s):
+        for j in range(len(names)):
+            c = names[(reps + j) % len(names)]
+            t0 = now()
+            fns[c]()
+            dt = now() - t0
+            samples[c].append(dt)
+            spent += dt
+        reps += 1
+    return samples
+
+
 def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:
     """The kernel per bucket from measured times: the fastest, except that where one packed
     layout can serve every bucket within `tolerance` of the fastest, that layout's kernels
@@ -439,10 +491,13 @@ def candidate(family: str, kernel: str, shape: tuple[int, ...],
               rows: int) -> Callable[[], object]:
     """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
     fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
-    of `rows` tokens with (heads, kv heads, head dim) = shape)."""
+    of `rows` tokens with (heads, kv heads, head dim) = shape; "attention_ctx": a chunk of
+    `rows` queries after `rows` cached positions)."""
     g = torch.Generator().manual_seed(rows)
     if family == "attention":
         return _attention_candidate(kernel, *shape, rows, g)
+    if family == "attention_ctx":
+        return _attention_ctx_candidate(kernel, *shape, rows, g)
     n, k = shape
     if family == "experts":
         return _experts_candidate(kernel, n, k, rows, g)
@@ -491,6 +546,25 @@ def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, 
     table = torch.arange(blocks, dtype=torch.int64)[None]
     starts = torch.tensor([0, rows], dtype=torch.int64)
     lens = torch.tensor([rows], dtype=torch.int64)
+    return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
+                                                        scale, 0, False)
+
+
+def _attention_ctx_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
+                             g: torch.Generator) -> Callable[[], object]:
+    """A chunk of `rows` queries whose request has `rows` positions cached before it (2*rows
+    keys), the cache's blocks shuffled: the C++ op reading the cache in place, or SDPA over
+    the gathered context (the two paths paged_attention_batched takes)."""
+    block, length = 64, 2 * rows
+    blocks = -(-length // block)
+    cache = torch.randn(blocks, block, 2 * kv_heads * head_dim, generator=g).bfloat16()
+    table = torch.randperm(blocks, generator=g)[None]
+    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    if kernel == "sdpa":
+        return lambda: sdpa_context.attend_paged(q, cache, table[0], length, scale)
+    starts = torch.tensor([0, rows], dtype=torch.int64)
+    lens = torch.tensor([length], dtype=torch.int64)
     return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
                                                         scale, 0, False)
 

@@ -67,8 +67,9 @@ def plan_model(model: TableModel, dtype: torch.dtype, choice: KernelChoice) -> s
     for family, n, k in model_gemm_shapes(model):
         if family == "attention":       # (heads, kv heads * 100000 + head dim)
             kv, hd = divmod(k, 100000)
-            choice.plan_attention(n, kv, hd, dtype)
-            wanted.add((family, f"{n}x{kv}x{hd}"))
+            for context in (False, True):      # fresh prefills; chunks after a context
+                choice.plan_attention(n, kv, hd, dtype, context)
+                wanted.add(("attention_ctx" if context else family, f"{n}x{kv}x{hd}"))
         else:
             choice.plan(family, n, k, dtype)
             wanted.add((family, f"{n}x{k}"))

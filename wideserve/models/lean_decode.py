@@ -132,6 +132,9 @@ def _attention_args(attn: Any, batch: ForwardBatch, plans: PagedAttentionPlans,
     if plans.sdpa_prefill(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype,
                           attn.window) is not None:
         return None          # whole prefills on SDPA (kernel choice): the module path
+    if plans.context_split(attn.cache_name, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                           dtype, attn.window) is not None:
+        return None          # chunked / mixed prefills partly on SDPA: the module path
     return (cache, view.slot_mapping, view.block_table, view.req_rows, batch.query_start_loc,
             batch.seq_lens, attn.scale, 0 if attn.window is None else attn.window, False)
 

@@ -58,6 +58,7 @@ from wideserve.utils.device import to_device
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 from wideserve.kernels.choice import bucket_of, default_choice
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.attention.paged_prefill import ContextSplit, attend_split, build_split
 
 MAX_SCORE_ELEMENTS = 1 << 24      # heads * queries * keys of one SDPA call (64 MiB in fp32)
 SMALL_ELEMENTS = 1 << 16          # buckets this small merge whatever their padding costs
@@ -74,6 +75,8 @@ class PagedAttentionConfig:
     cpu_kernel: bool = True          # the C++ op on the CPU (False: the buckets)
     sdpa_prefill: bool = True        # fresh prefills through SDPA where the choice measured it
     fused_kv_write: bool = True      # the op writes the step's K/V itself (False: torch write)
+    sdpa_context: bool = True        # chunked / mixed prefills through SDPA where measured
+                                     # faster (layers/attention/paged_prefill.py)
 
 
 @dataclass(slots=True)
@@ -137,6 +140,7 @@ class PagedAttentionPlans:
         self._plans: dict[tuple[int, int | None, int], _Plan] = {}
         self._writes: dict[tuple[int, bool], _WritePlan] = {}
         self._sdpa: dict[tuple, list[int] | None] = {}
+        self._split: dict[tuple, ContextSplit | None] = {}
 
     def sdpa_prefill(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                      window: int | None) -> list[int] | None:
@@ -155,6 +159,24 @@ class PagedAttentionPlans:
                     if plan[bucket_of(int(q.min()))] == "sdpa":
                         self._sdpa[key] = q.tolist()
         return self._sdpa[key]
+
+    def context_split(self, cache_name: str, heads: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, window: int | None) -> ContextSplit | None:
+        """The step's requests that attend through SDPA although the step is not all fresh
+        prefills (a chunk after cached positions, prefills beside decodes), where the kernel
+        choice measured SDPA faster at their query length (layers/attention/paged_prefill.py);
+        None: every request goes to the C++ op."""
+        group = self.batch.cache_group[cache_name]
+        key = (group, heads, kv_heads, head_dim, dtype, window)
+        if key not in self._split:
+            self._split[key] = None
+            if self.config.sdpa_context and window is None and len(self.batch.seq_lens_cpu):
+                choice = default_choice()
+                self._split[key] = build_split(
+                    self.batch, self.batch.kv_groups[group],
+                    choice.plan_attention(heads, kv_heads, head_dim, dtype),
+                    choice.plan_attention(heads, kv_heads, head_dim, dtype, context=True))
+        return self._split[key]
 
     def attention(self, cache_name: str, window: int | None, num_heads: int) -> _Plan:
         key = (self.batch.cache_group[cache_name], window, num_heads)
@@ -385,7 +407,10 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel = cpu_kernel_applies(q, cache, plans.config.cpu_kernel) and k.dtype in KERNEL_DTYPES
     lens = plans.sdpa_prefill(num_heads, num_kv_heads, head_dim, q.dtype, window) \
         if kernel and wp.rows is None else None
-    if kernel and wp.rows is None and plans.config.fused_kv_write and lens is None:
+    split = plans.context_split(cache_name, num_heads, num_kv_heads, head_dim, q.dtype,
+                                window) if kernel and wp.rows is None and lens is None else None
+    if kernel and wp.rows is None and plans.config.fused_kv_write and lens is None \
+            and split is None:
         # The op writes every token's entry and attends, in one call.
         return paged_attention_kernel(q, cache, view, batch, scale, window, k=k, v=v)
     flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
@@ -396,6 +421,8 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
     if lens is not None:
         return sdpa_prefill(q, k, v, lens, scale)
+    if split is not None:
+        return attend_split(q, k, v, cache, view, split, scale)
     if kernel:
         return paged_attention_kernel(q, cache, view, batch, scale, window)
 
