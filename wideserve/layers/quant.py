@@ -259,3 +259,49 @@ def dequant_grouped_linear(x: torch.Tensor, counts: torch.Tensor, codes: torch.T
             out[start:start + n] = torch.nn.functional.linear(x[start:start + n], w)
             start += n
     return out
+
+
+def scaled_mm_grouped_linear(x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
+                             scale: torch.Tensor, fmt: ExpertFormat, halves: int) -> torch.Tensor:
+    """FP8 experts through torch._scaled_mm (CUDA where the device has FP8 tensor cores):
+    per expert with rows and per K block of the scale grid, the rows quantised to e4m3 with one
+    fp32 scale per row (as the official kernel quantises activations per 1 x 128 block) times
+    the stored codes with their block scale per output row, summed in fp32. Approximate (the
+    activations are quantised); the CPU dequantises instead. One host read of the counts."""
+    if fmt.kind != "fp8":
+        raise ValueError("torch._scaled_mm takes FP8 weights only")
+    rows, K = codes.shape[1], x.shape[1]
+    bn = fmt.block[1]
+    out = torch.zeros(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if not n:
+            continue
+        w = codes[e].view(torch.float8_e4m3fn)
+        s_rows = _scale_rows(scale[e].view(torch.uint8), rows, fmt.block[0], halves)  # [R, Sc]
+        pad = -n % 16                          # _scaled_mm wants M, N, K multiples of 16
+        xe = _pad_rows(x[start:start + n].float(), pad)
+        for kb in range(0, K, bn):
+            xb = xe[:, kb:kb + bn]
+            amax = xb.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+            sa = amax / FP8_E4M3_MAX
+            xq = (xb / sa).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            sb = s_rows[:, kb // bn].reshape(1, rows).contiguous()
+            part = torch._scaled_mm(xq, w[:, kb:kb + bn].t(), scale_a=sa, scale_b=sb,
+                                    out_dtype=torch.bfloat16)
+            out[start:start + n] += part[:n].float()
+        start += n
+    return out.to(x.dtype)
+
+
+def _scale_rows(scale: torch.Tensor, rows: int, bm: int, halves: int) -> torch.Tensor:
+    """A stored scale grid [Sr, Sc] -> the fp32 scale of each weight row [rows, Sc]."""
+    f = ue8m0_to_float(scale)
+    if halves == 2:
+        return torch.cat([expand_scale(h, rows // 2, h.shape[1], (bm, 1))
+                          for h in f.chunk(2, dim=0)], dim=0)
+    return expand_scale(f, rows, f.shape[1], (bm, 1))
+
+
+def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
