@@ -303,6 +303,14 @@ class CheckpointReader:
         yield hf + "_scale", scales
 
 
+def keeps_expert_format(config_json: dict) -> bool:
+    """Whether the loader keeps this model family's FP8 / FP4 routed experts in checkpoint
+    format (for `wideserve info --plan`, which sees the config only): the reader stacks the
+    experts of DeepSeek-V4's original per-expert names and of HF fused stacks; V4.1's official
+    per-expert tensors are placed by its model (models/deepseek_v41) and still dequantised."""
+    return config_json.get("model_type") == "deepseek_v4"
+
+
 def checkpoint_expert_format(reader: CheckpointReader) -> quant.ExpertFormat | None:
     """The format the checkpoint's routed experts are stored in (FP8 e4m3 codes, or packed FP4
     codes, with scale companions), or None (dense experts, or a layout the reader does not
