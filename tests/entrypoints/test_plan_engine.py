@@ -102,7 +102,7 @@ def test_cli_plan_prints_drafter_replicas_checkpoint_and_reserve(capsys) -> None
                    "requests at 131,072 tokens"):
         assert needle in out, needle
     assert "config.json names no expert format" not in out
-    assert "if the experts were" not in out and "as loaded today" not in out
+    assert "if the experts were held" not in out and "as loaded today" not in out
 
 
 def test_cli_plan_refusals(capsys) -> None:

@@ -256,8 +256,8 @@ def _packed_capacity_lines(w: WeightBytes, per_rank: float, kv_per_token: float,
     experts = w.per_rank(p.ranks, p.expert_parallel, p.num_redundant_experts) - w.rest
     packed = w.rest + experts * ratio
     cap = _capacity_lines(packed, kv_per_token, kv_bounded, per_request, p)
-    return [f"  if the experts were {fmt.upper()} with scales (a checkpoint in that format): "
-            f"weights {_gib(packed)} instead of {_gib(per_rank)}",
+    return [f"  if the experts were held as {fmt.upper()} with scales (the loader does not keep "
+            f"this model's experts packed): weights {_gib(packed)} instead of {_gib(per_rank)}",
             *("  " + line for line in cap[1:])]
 
 
