@@ -4,7 +4,8 @@
    and FP8 (128 x 128) weights, x [M, K] bf16 for M in --rows: the C++ op that dequantises per
    tile inside the kernel (`quant_grouped_linear`: dot products, and brgemm from
    QUANT_BRGEMM_MIN_ROWS rows; both forced too) against dequantise-then-GEMM (the whole
-   weight to bf16 in torch, then F.linear: what a per-call dequantising path costs).
+   weight to bf16 in torch, then F.linear: what a per-call dequantising path costs), and the
+   GEMM on a resident bf16 copy (what dequantising at load bought, at 4x the memory).
    Alternated in one run, median of --rounds; outputs checked equal within bf16 rounding.
 2. Memory: a V4.1-Flash-shaped MoE layer (d 5120, I 2304; --experts of the 384, the bytes per
    expert are what matter) held in checkpoint format with dummy weights, after a forward:
@@ -61,12 +62,14 @@ def gemm(fmt: ExpertFormat, proj: str, m: int, rounds: int) -> dict[str, float]:
         return quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block, halves,
                                          big)
 
+    dense = fmt.dequantize(codes[0], scale[0], halves, torch.bfloat16)   # the old resident copy
     ways = {
         "in-kernel": lambda: kernel(QUANT_BRGEMM_MIN_ROWS),
         "in-kernel dots": lambda: kernel(None),
         "in-kernel brgemm": lambda: kernel(1),
         "dequant+GEMM": lambda: F.linear(x, fmt.dequantize(codes[0], scale[0], halves,
                                                            torch.bfloat16)),
+        "bf16 resident": lambda: F.linear(x, dense),
     }
     want = ways["dequant+GEMM"]().float()
     times: dict[str, list[float]] = {k: [] for k in ways}
@@ -123,8 +126,8 @@ def main() -> None:
     result: dict = {"threads": torch.get_num_threads(), "gemm": [], "memory": {}}
     print(f"threads {torch.get_num_threads()}; times in ms (median of {args.rounds})")
     print("| format | projection | M | in-kernel | dots only | brgemm only | dequant+GEMM | "
-          "speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+          "speed-up | bf16 resident (no dequant) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, fmt in formats.items():
         for proj in PROJECTIONS:
             for m in args.rows:
@@ -132,7 +135,8 @@ def main() -> None:
                 result["gemm"].append({"format": name, "proj": proj, "M": m, **t})
                 print(f"| {name} | {proj} | {m} | {t['in-kernel']:.2f} | "
                       f"{t['in-kernel dots']:.2f} | {t['in-kernel brgemm']:.2f} | "
-                      f"{t['dequant+GEMM']:.2f} | {t['dequant+GEMM'] / t['in-kernel']:.1f}x |",
+                      f"{t['dequant+GEMM']:.2f} | {t['dequant+GEMM'] / t['in-kernel']:.1f}x | "
+                      f"{t['bf16 resident']:.2f} |",
                       flush=True)
     for name, fmt in formats.items():
         mem = memory(fmt, args.experts)
