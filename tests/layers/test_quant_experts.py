@@ -260,3 +260,23 @@ def test_loader_keeps_experts_packed_and_greedy_is_unchanged(checkpoint, dtype):
     # after decoding no derived dense copy was made
     assert _expert_bytes(packed) == _checkpoint_expert_bytes(checkpoint)
     assert all(m._packs is None for m in experts)
+
+
+def test_expert_parallel_ranks_load_their_packed_experts(checkpoint):
+    """Under expert parallelism each rank's slots hold the codes and scales of its experts
+    (the shard filter slices the scale stacks with the codes), redundant slots included."""
+    from wideserve.worker.expert_shard import ExpertPlacement
+    load = LoadConfig(model=str(checkpoint), dtype="bfloat16")
+    full = dict(_named_experts(load_model(load).model))
+    for rank in (0, 1):
+        part = load_model(load, (2, rank, 2)).model
+        for name, m in _named_experts(part):
+            ref = full[name]
+            slots = ExpertPlacement(ref.num_experts, 2, rank, 2).slot_experts
+            assert m.weight_format == ref.weight_format and len(slots) == m.num_local_experts
+            for leaf in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+                assert torch.equal(getattr(m, leaf), getattr(ref, leaf)[slots]), (name, leaf)
+
+
+def _named_experts(model) -> list[tuple[str, RoutedExperts]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
