@@ -245,21 +245,49 @@ def test_loader_keeps_experts_packed_and_greedy_is_unchanged(checkpoint, dtype):
         for got, want in zip(m.dense_weights(ref.gate_up_proj.dtype),
                              (ref.gate_up_proj, ref.down_proj)):
             assert torch.equal(got, want)
-    prompts = [[5, 9, 17, 3, 44, 2, 8], [60, 1, 7]]
-    tokens = {}
-    for label, model in (("packed", packed), ("dense", dense)):
-        harness = PagedHarness(model, max_reqs=2, max_len=48)
-        logits = harness.step([0, 1], prompts)
-        seqs = [[int(logits[6].argmax())], [int(logits[9].argmax())]]
-        for _ in range(12):
-            logits = harness.step([0, 1], [[s[-1]] for s in seqs])
-            for i in range(2):
-                seqs[i].append(int(logits[i].argmax()))
-        tokens[label] = seqs
-    assert tokens["packed"] == tokens["dense"]
+    assert _greedy(packed) == _greedy(dense)
     # after decoding no derived dense copy was made
     assert _expert_bytes(packed) == _checkpoint_expert_bytes(checkpoint)
     assert all(m._packs is None for m in experts)
+
+
+def _greedy(model, after_step=None, steps: int = 12) -> list[list[int]]:
+    """Two requests decoded greedily through the paged harness; `after_step()` runs after
+    every forward (an EPLB balancer's step)."""
+    prompts = [[5, 9, 17, 3, 44, 2, 8], [60, 1, 7]]
+    harness = PagedHarness(model, max_reqs=2, max_len=48)
+    logits = harness.step([0, 1], prompts)
+    seqs = [[int(logits[6].argmax())], [int(logits[9].argmax())]]
+    for _ in range(steps):
+        if after_step is not None:
+            after_step()
+        logits = harness.step([0, 1], [[s[-1]] for s in seqs])
+        for i in range(2):
+            seqs[i].append(int(logits[i].argmax()))
+    return seqs
+
+
+def test_eplb_rebalance_with_packed_experts_keeps_greedy(checkpoint):
+    """EPLB with redundant slots on checkpoint-format experts: the replicas get the codes and
+    the scales, a rebalance moves both, and the greedy tokens stay those without EPLB."""
+    from wideserve.config.eplb import EplbConfig
+    from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
+    load = LoadConfig(model=str(checkpoint), dtype="float32")
+    want = _greedy(load_model(load).model)
+    model = load_model(load).model
+    layers = [m for n, m in _named_experts(model) if n.startswith("model.")]
+    cfg = EplbConfig(num_redundant_experts=4, window_size=2, step_interval=3,
+                     layers_per_step=2)
+    bal = ExpertBalancer("target", layers, layers[0].num_experts, cfg, EpGroup(),
+                         torch.device("cpu"))
+    assert all(m.gate_up_proj_scale.shape[0] == m.num_experts + 4 for m in layers)
+    before = bal.placement.clone()
+    # One rank: the policy has no ranks to balance and keeps the placement, so the plan is
+    # a rotation of every layer's slots (the moves are what this test is about).
+    bal._choose = lambda logical: bal.placement.roll(1, dims=1)
+    assert _greedy(model, bal.step) == want
+    assert bal.stats.rebalances >= 1 and not torch.equal(bal.placement, before)
+    bal.verify_weights()             # every slot holds its logical expert's codes and scales
 
 
 def test_expert_parallel_ranks_load_their_packed_experts(checkpoint):
