@@ -90,13 +90,19 @@ def test_cli_plan_prints_drafter_replicas_checkpoint_and_reserve(capsys) -> None
                      "--memory-per-rank", "141GiB", "--max-model-len", "128K",
                      "--kv-cache-dtype", "fp8", "--speculative"]) == 0
     out = capsys.readouterr().out
+    # V4 names fp4 and its loader keeps FP4 experts packed: the weights are counted so
+    w = weight_bytes(_meta(DATA / "deepseek-v4-flash"))
+    kept = w.with_experts_as("fp4")
+    per_rank = kept.per_rank(8, True, 32) / GIB
     for needle in ("+ 32 EPLB replicas", "of which drafter (MTP / DSpark blocks)",
-                   "as loaded today (bfloat16, dequantised at load) vs",
-                   "as FP4 with scales", "activation reserve:", "KV capacity:",
-                   "if the experts stayed FP4 with scales (not yet",
+                   f"routed experts per rank: {kept.experts / 8 / GIB:.2f} GiB as FP4 with "
+                   f"scales, kept in the checkpoint's format ({w.experts / 8 / GIB:.2f} GiB "
+                   "if dequantised to bfloat16)",
+                   f"- weights {per_rank:.2f} GiB", "activation reserve:", "KV capacity:",
                    "requests at 131,072 tokens"):
         assert needle in out, needle
-    assert "config.json names no expert format" not in out          # V4 names fp4
+    assert "config.json names no expert format" not in out
+    assert "if the experts were held" not in out and "as loaded today" not in out
 
 
 def test_cli_plan_refusals(capsys) -> None:

@@ -154,7 +154,11 @@ def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
-    return load_model(LoadConfig(model=str(checkpoint[0]), dtype="float32")).model
+    """Dequantised at load (the routed experts too): what these tests compare tensor by tensor.
+    By default FP4 experts stay packed (layers/experts.py), tested below and in
+    tests/layers/test_quant_experts.py."""
+    return load_model(LoadConfig(model=str(checkpoint[0]), dtype="float32"),
+                      packed_experts=False).model
 
 
 def test_original_layout_loads_to_independent_dequantisation(checkpoint, loaded):
@@ -191,6 +195,13 @@ def test_same_logits_as_transformers(loaded, hf_model):
     got = torch.cat([harness.step([0], [ids[:20]]), harness.step([0], [ids[20:]])])
     assert want.abs().max() > 0.1                                 # informative logits
     assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_packed_experts_same_logits_as_transformers(checkpoint, hf_model):
+    """The default load keeps the FP4 experts packed and computes the same logits."""
+    packed = load_model(LoadConfig(model=str(checkpoint[0]), dtype="float32")).model
+    assert packed.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.uint8
+    test_same_logits_as_transformers(packed, hf_model)
 
 
 def test_hf_named_bf16_sharded_roundtrip(tmp_path, loaded):

@@ -278,8 +278,10 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
 
 def _plan(model, specs: dict, config_json: dict, plan: dict, wdtype, kv_cache_dtype: str
           ) -> list[str]:
-    from wideserve.entrypoints.plan import (PlanInputs, activation_reserve, activation_shape,
+    from wideserve.entrypoints.plan import (CHECKPOINT_EXPERT_BYTES, PlanInputs,
+                                            activation_reserve, activation_shape,
                                             engine_kv_sizes, plan_lines, weight_bytes)
+    from wideserve.worker.weights import keeps_expert_format
     plan = dict(plan)
     tokens = plan.pop("max_num_batched_tokens", 2048)
     if plan.pop("speculative", False):
@@ -298,6 +300,9 @@ def _plan(model, specs: dict, config_json: dict, plan: dict, wdtype, kv_cache_dt
     inputs.reserve = activation_reserve(activation_shape(model.config), tokens,
                                         inputs.max_num_seqs, wdtype.itemsize)
     inputs.checkpoint_experts = _expert_format(config_json)
+    if inputs.checkpoint_experts in CHECKPOINT_EXPERT_BYTES and keeps_expert_format(config_json):
+        inputs.experts_kept, inputs.dense_experts = True, w.experts
+        w = w.with_experts_as(inputs.checkpoint_experts)
     return plan_lines(w, per_token, bounded, inputs, str(wdtype).removeprefix("torch."),
                       kv_cache_dtype)
 
@@ -331,4 +336,5 @@ def _quant_note(config_json: dict) -> str:
     experts = config_json.get("expert_dtype", qc.get("expert_dtype"))
     return (f" (checkpoint: {qc.get('quant_method')} {qc.get('fmt', '')}"
             f"{f' blocks {block[0]}x{block[1]}' if block else ''}"
-            f"{f', experts {experts}' if experts else ''}; dequantised on load)")
+            f"{f', experts {experts}' if experts else ''}; routed experts kept in that format "
+            f"where the loader stacks them, the rest dequantised on load)")

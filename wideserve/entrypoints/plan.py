@@ -1,9 +1,10 @@
 """`wideserve info MODEL --plan`: how much memory a deployment needs, from config.json alone.
 
 The model is built on the meta device (no weights read), so a 284B checkpoint directory that
-holds only its config can be sized. Per rank: the weights as wideserve holds them (FP8/FP4
-checkpoints are dequantised to the load dtype today; the checkpoint's own expert bytes are
-printed beside them; V4.1's Engram tables stay FP8 in host memory), split into the target and
+holds only its config can be sized. Per rank: the weights as wideserve holds them (routed
+experts in the checkpoint's FP8 / FP4 format where config.json names it and the loader keeps
+them so, worker/weights.py `keeps_expert_format`; other FP8 weights dequantised to the load
+dtype; V4.1's Engram tables stay FP8 in host memory), split into the target and
 its drafter (MTP / DSpark blocks), the routed experts split over the ranks under expert
 parallelism plus EPLB's redundant replicas, the KV cache as the engine lays it out
 (kv_cache/groups.py: pages padded to their bucket), an activation reserve estimated from
@@ -54,6 +55,15 @@ class WeightBytes:
         """All routed experts' bytes if held in checkpoint format `fmt` (fp8 / fp4)."""
         return self.expert_values * CHECKPOINT_EXPERT_BYTES[fmt]
 
+    def with_experts_as(self, fmt: str) -> WeightBytes:
+        """The same weights with the routed experts held in checkpoint format `fmt` (as the
+        loader keeps them, layers/experts.py `keep_checkpoint_format`)."""
+        ratio = self.experts_as(fmt) / self.experts if self.experts else 1.0
+        draft_experts = int(self.draft_experts * ratio)
+        return WeightBytes(int(self.experts * ratio), self.rest, self.host,
+                           self.draft - self.draft_experts + draft_experts, draft_experts,
+                           self.one_expert * ratio, self.expert_values)
+
 
 def _is_draft(name: str) -> bool:
     return name.startswith(DRAFT_PREFIXES)
@@ -102,6 +112,8 @@ class PlanInputs:
     num_redundant_experts: int = 0   # EPLB replicas per MoE layer, over all ranks
     reserve: int = 0                 # activation + decode-graph reserve per rank (estimate)
     checkpoint_experts: str | None = None   # the checkpoint's expert format, if config says
+    experts_kept: bool = False       # the weights hold the experts in that format (loader)
+    dense_experts: float = 0.0       # all routed experts' bytes if dequantised to the load dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +203,7 @@ def plan_lines(w: WeightBytes, kv_per_token: float, kv_bounded: int, p: PlanInpu
         lines.append("  (--memory-per-rank 141GiB adds the KV capacity each rank is left with)")
     else:
         lines += _capacity_lines(per_rank, kv_per_token, kv_bounded, per_request, p)
-        if w.expert_values:
+        if w.expert_values and not p.experts_kept:
             lines += _packed_capacity_lines(w, per_rank, kv_per_token, kv_bounded,
                                             per_request, p)
     lines += ["", "  weights per rank by layout (GiB):",
@@ -219,7 +231,12 @@ def _breakdown_lines(w: WeightBytes, p: PlanInputs, dtype: str) -> list[str]:
         lines.append(f"    of which drafter (MTP / DSpark blocks): {_gib(draft)}; "
                      f"target {_gib(w.per_rank(p.ranks, p.expert_parallel) - draft)}"
                      f"{' (replicas apart)' if p.num_redundant_experts else ''}")
-    if w.expert_values:
+    if w.expert_values and p.experts_kept:
+        fmt = p.checkpoint_experts.upper()
+        lines.append(f"    routed experts per rank: {_gib(w.experts * share)} as {fmt} with "
+                     f"scales, kept in the checkpoint's format "
+                     f"({_gib(p.dense_experts * share)} if dequantised to {dtype})")
+    elif w.expert_values:
         fmts = [p.checkpoint_experts] if p.checkpoint_experts in CHECKPOINT_EXPERT_BYTES \
             else list(CHECKPOINT_EXPERT_BYTES)
         named = "" if p.checkpoint_experts else " (config.json names no expert format)"
@@ -232,15 +249,15 @@ def _breakdown_lines(w: WeightBytes, p: PlanInputs, dtype: str) -> list[str]:
 
 def _packed_capacity_lines(w: WeightBytes, per_rank: float, kv_per_token: float,
                            kv_bounded: float, per_request: float, p: PlanInputs) -> list[str]:
-    """The same rank if the routed experts stayed in checkpoint format (not done yet: they
-    are dequantised at load today), so the guide shows what keeping them packed buys."""
+    """The same rank if the routed experts were in checkpoint format (config.json names none,
+    or the loader does not keep this layout packed), so the guide shows what that buys."""
     fmt = p.checkpoint_experts if p.checkpoint_experts in CHECKPOINT_EXPERT_BYTES else "fp4"
     ratio = w.experts_as(fmt) / w.experts
     experts = w.per_rank(p.ranks, p.expert_parallel, p.num_redundant_experts) - w.rest
     packed = w.rest + experts * ratio
     cap = _capacity_lines(packed, kv_per_token, kv_bounded, per_request, p)
-    return [f"  if the experts stayed {fmt.upper()} with scales (not yet: dequantised at load "
-            f"today): weights {_gib(packed)} instead of {_gib(per_rank)}",
+    return [f"  if the experts were held as {fmt.upper()} with scales (the loader does not keep "
+            f"this model's experts packed): weights {_gib(packed)} instead of {_gib(per_rank)}",
             *("  " + line for line in cap[1:])]
 
 

@@ -27,6 +27,12 @@ per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "R
   family "experts"), on brgemm (AMX where present) over the same packed weights.
 - "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
   reference the others are tested against.
+- "quant": experts kept in the checkpoint's format (`keep_checkpoint_format`: FP8 block-scaled
+  or MXFP4 codes with their UE8M0 scales, layers/quant.py ExpertFormat; no dense copy exists).
+  Rows are sorted as above and both projections run as grouped GEMMs that dequantise a tile of
+  each expert's weight inside the kernel (kernels/quant_gemm.py, C++ on the CPU); elsewhere
+  (CUDA, no compiler) FP8 goes through torch._scaled_mm where the device has it, else each
+  expert with rows is dequantised per call and dropped (layers/quant.py).
 With expert parallelism, `ep` (default None) is the dispatcher that moves rows to the ranks
 owning their experts and calls `grouped_mlp` there.
 """
@@ -41,9 +47,11 @@ from torch import nn
 
 from wideserve.parallel.eplb.replicas import count_rows, map_to_physical
 from wideserve.kernels import moe as moe_op
+from wideserve.kernels import quant_gemm
 from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
+from wideserve.layers.quant import ExpertFormat, dequant_grouped_linear, scaled_mm_grouped_linear
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,9 @@ FALLBACK_EXPERT_IMPL = "padded"
 # below it the per-expert Python loop costs more than the re-layout it saves (measured on the
 # 11M model's 256 x 256 experts; the 653M model's 1024 x 384 ones gain, BENCHMARKS.md).
 PACKED_MIN_ELEMENTS = 1 << 18
+# Quantised experts with at least this many rows run their dequantised tiles through brgemm
+# (AMX), fewer through AVX512-BF16 dot products (BENCHMARKS.md, "Quantised experts").
+QUANT_BRGEMM_MIN_ROWS = 16
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -109,6 +120,9 @@ class RoutedExperts(nn.Module):
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
         self._packs: _ExpertPacks | _FusedPack | None = None   # derived copies of the weights
         self.kernel_choice: KernelChoice | None = None           # None: the process's table
+        self.hidden, self.intermediate = hidden, intermediate
+        self.weight_format: ExpertFormat | None = None   # None: dense weights in the load dtype
+        self.quant_brgemm_min_rows: int | None = QUANT_BRGEMM_MIN_ROWS
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -148,6 +162,36 @@ class RoutedExperts(nn.Module):
         ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
+    def keep_checkpoint_format(self, fmt: ExpertFormat) -> None:
+        """Hold the weights as the checkpoint stores them: gate_up_proj / down_proj become uint8
+        codes [L, 2I, packed(d)] / [L, d, packed(I)] with UE8M0 scale bytes gate_up_proj_scale /
+        down_proj_scale (ExpertFormat). Call before the parameters are filled (on meta in the
+        loader, so no dense copy is ever allocated); they are then uninitialised."""
+        L, device = self.num_local_experts, self.down_proj.device
+        if fmt.kind == "mxfp4" and (self.hidden % 2 or self.intermediate % 2):
+            raise ValueError("MXFP4 experts need even hidden and intermediate sizes")
+        two_i, d, inter = 2 * self.intermediate, self.hidden, self.intermediate
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(L, *shape, dtype=torch.uint8, device=device),
+                                requires_grad=False)
+        self.gate_up_proj = param(two_i, fmt.packed_cols(d))
+        self.gate_up_proj_scale = param(*fmt.scale_shape(two_i, d, halves=2))
+        self.down_proj = param(d, fmt.packed_cols(inter))
+        self.down_proj_scale = param(*fmt.scale_shape(d, inter))
+        self.weight_format = fmt
+        self._packs = None
+        self._resolved.clear()
+
+    def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [L, 2I, d], down [L, d, I]) in `dtype`: the weights as stored, or the
+        checkpoint-format ones dequantised (a full copy: tests and tools only)."""
+        fmt = self.weight_format
+        if fmt is None:
+            return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+        return (fmt.dequantize(self.gate_up_proj, self.gate_up_proj_scale, 2, dtype),
+                fmt.dequantize(self.down_proj, self.down_proj_scale, 1, dtype))
+
     def weights_changed(self) -> None:
         """Call after writing the expert weights through `.data` (which the version counter
         misses): the packed copies are rebuilt on the next forward."""
@@ -160,7 +204,9 @@ class RoutedExperts(nn.Module):
         return self._resolved[key]
 
     def _resolve(self, device: torch.device, dtype: torch.dtype) -> str:
-        hidden, intermediate = self.down_proj.shape[1], self.down_proj.shape[2]
+        if self.weight_format is not None:
+            return "quant"
+        hidden, intermediate = self.hidden, self.intermediate
         impl = self.impl or DEFAULT_EXPERT_IMPL.get(device.type, FALLBACK_EXPERT_IMPL)
         if impl == "fused":
             if self.impl is None:
@@ -229,6 +275,10 @@ class RoutedExperts(nn.Module):
             return xs.clone()
         w1, w2 = self.gate_up_proj, self.down_proj
         impl = self.resolved_impl(xs.device, xs.dtype)
+        if impl == "quant":
+            gate, up = self._quant_linear(xs, counts, w1, self.gate_up_proj_scale, 2).chunk(2, -1)
+            return self._quant_linear(swiglu(gate, up, self.swiglu_limit), counts, w2,
+                                      self.down_proj_scale, 1)
         if impl == "grouped_mm":
             return grouped_mm_mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "padded":
@@ -238,6 +288,28 @@ class RoutedExperts(nn.Module):
                 self._packs = _ExpertPacks(w1, w2)
             return packed_mlp(xs, counts, self._packs, self.swiglu_limit)
         return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
+
+
+    def _quant_linear(self, x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
+                      scale: torch.Tensor, halves: int) -> torch.Tensor:
+        """One grouped projection on checkpoint-format weights (sorted rows, counts [L])."""
+        fmt = self.weight_format
+        assert fmt is not None
+        if quant_gemm.available(x.device, x.dtype):
+            return quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block,
+                                             halves, self.quant_brgemm_min_rows)
+        if fmt.kind == "fp8" and _scaled_mm_runs(x.device):
+            return scaled_mm_grouped_linear(x, counts, codes, scale, fmt, halves)
+        return dequant_grouped_linear(x, counts, codes, scale, fmt, halves)
+
+
+@torch.compiler.disable      # a device query: never traced
+def _scaled_mm_runs(device: torch.device) -> bool:
+    """Whether torch._scaled_mm runs FP8 with row-wise scales on `device` (CUDA compute
+    capability 8.9 / 9.0 and newer); torch.cuda is only touched for a CUDA device."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 class _DerivedPack:

@@ -17,6 +17,7 @@ Any number of leading (batch) dimensions is allowed, e.g. stacked experts [E, ou
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -158,3 +159,149 @@ def quantize_fp4(weight: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, t
     codes = (mag | ((x < 0).long() << 3)).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.view(torch.int8), scale
+
+
+# --- routed experts kept in their checkpoint format (layers/experts.py) ---
+
+@dataclass(frozen=True, slots=True)
+class ExpertFormat:
+    """How a stack of expert weights [L, rows, cols] is held in memory when it stays in the
+    checkpoint's format: codes as uint8 [L, rows, packed_cols(cols)] and UE8M0 scale bytes
+    [L, scale_rows, ceil(cols / block[1])]. The bytes are the checkpoint's; only their layout
+    may differ: a gate/up stack (`halves` = 2) keeps the gate's and the up projection's scale
+    grids one after the other, as w1 and w3 are separate tensors in the checkpoint (a 128-row
+    FP8 block would otherwise straddle them when I is not a multiple of 128).
+    - "fp8": e4m3 codes, one scale per `block` = (rows, cols) tile (DeepSeek: 128 x 128);
+    - "mxfp4": e2m1 codes, two per byte (low nibble = even column), one scale per `block[1]`
+      values of a row (block = (1, 32)).
+    NVFP4 (E4M3 scales per 16 values and a global fp32 scale) is not a checkpoint weight format
+    the loader knows (worker/weights.py), so it has no entry here."""
+
+    kind: str
+    block: tuple[int, int]
+
+    @property
+    def op_id(self) -> int:
+        """The format id of the C++ op (wideserve/kernels/quant_gemm.py)."""
+        return 0 if self.kind == "fp8" else 1
+
+    def packed_cols(self, cols: int) -> int:
+        return cols if self.kind == "fp8" else cols // 2
+
+    def scale_shape(self, rows: int, cols: int, halves: int = 1) -> tuple[int, int]:
+        return (halves * math.ceil(rows // halves / self.block[0]),
+                math.ceil(cols / self.block[1]))
+
+    def bytes_per_value(self) -> float:
+        """Codes plus scales per weight value (whole blocks)."""
+        code = 1.0 if self.kind == "fp8" else 0.5
+        return code + 1 / (self.block[0] * self.block[1])
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, halves: int = 1,
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """[..., rows, packed] codes, [..., Sr, Sc] scale bytes -> dense `dtype` [..., rows, cols]."""
+        if halves == 2:
+            c_gate, c_up = codes.chunk(2, dim=-2)
+            s_gate, s_up = scale.chunk(2, dim=-2)
+            return torch.cat([self.dequantize(c_gate, s_gate, 1, dtype),
+                              self.dequantize(c_up, s_up, 1, dtype)], dim=-2)
+        scale = scale.view(torch.uint8)
+        if self.kind == "fp8":
+            return dequantize_fp8_block(codes.view(torch.float8_e4m3fn), scale, self.block, dtype)
+        return dequantize_fp4(codes, scale, self.block[1], dtype)
+
+    def quantize(self, dense: torch.Tensor, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense [..., rows, cols] -> (uint8 codes, uint8 UE8M0 scales) in this layout."""
+        if halves == 2:
+            parts = [self.quantize(h) for h in dense.chunk(2, dim=-2)]
+            return (torch.cat([p[0] for p in parts], dim=-2),
+                    torch.cat([p[1] for p in parts], dim=-2))
+        if self.kind == "fp8":
+            q, s = quantize_fp8_block(dense, self.block)
+        else:
+            q, s = quantize_fp4(dense, self.block[1])
+        return q.view(torch.uint8), s.view(torch.uint8)
+
+
+def expert_format(kind: str, fp8_block: tuple[int, int] = (128, 128),
+                  fp4_group: int = 32) -> ExpertFormat:
+    """The config's `expert_dtype` ("fp8" / "fp4"; "mxfp4" accepted) -> its ExpertFormat."""
+    if kind == "fp8":
+        return ExpertFormat("fp8", tuple(fp8_block))
+    if kind in ("fp4", "mxfp4"):
+        return ExpertFormat("mxfp4", (1, fp4_group))
+    raise ValueError(f"no checkpoint expert format {kind!r}; known: fp8, fp4 (MXFP4)")
+
+
+def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """A scale tensor as UE8M0 bytes: UE8M0 as is; float multipliers that are all powers of two
+    converted exactly (HF `weight_scale_inv` companions); anything else is refused."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return scale.view(torch.uint8)
+    f = scale_to_float(scale)
+    mant, exp = torch.frexp(f)
+    if not bool(((mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)).all()):
+        raise ValueError("scales that are not powers of two cannot be kept as UE8M0; load with "
+                         "dequantised experts")
+    return (exp - 1 + 127).to(torch.uint8)
+
+
+def dequant_grouped_linear(x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
+                           scale: torch.Tensor, fmt: ExpertFormat, halves: int) -> torch.Tensor:
+    """The torch path of kernels/quant_gemm.grouped_linear (no C++ op, another device): each
+    expert with rows dequantised on the fly, used, dropped; no dense copy is kept. One host
+    read of the counts."""
+    out = x.new_empty(x.shape[0], codes.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            w = fmt.dequantize(codes[e], scale[e], halves, x.dtype)
+            out[start:start + n] = torch.nn.functional.linear(x[start:start + n], w)
+            start += n
+    return out
+
+
+def scaled_mm_grouped_linear(x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
+                             scale: torch.Tensor, fmt: ExpertFormat, halves: int) -> torch.Tensor:
+    """FP8 experts through torch._scaled_mm (CUDA where the device has FP8 tensor cores):
+    per expert with rows and per K block of the scale grid, the rows quantised to e4m3 with one
+    fp32 scale per row (as the official kernel quantises activations per 1 x 128 block) times
+    the stored codes with their block scale per output row, summed in fp32. Approximate (the
+    activations are quantised); the CPU dequantises instead. One host read of the counts."""
+    if fmt.kind != "fp8":
+        raise ValueError("torch._scaled_mm takes FP8 weights only")
+    rows, K = codes.shape[1], x.shape[1]
+    bn = fmt.block[1]
+    out = torch.zeros(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if not n:
+            continue
+        w = codes[e].view(torch.float8_e4m3fn)
+        s_rows = _scale_rows(scale[e].view(torch.uint8), rows, fmt.block[0], halves)  # [R, Sc]
+        pad = -n % 16                          # _scaled_mm wants M, N, K multiples of 16
+        xe = _pad_rows(x[start:start + n].float(), pad)
+        for kb in range(0, K, bn):
+            xb = xe[:, kb:kb + bn]
+            amax = xb.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+            sa = amax / FP8_E4M3_MAX
+            xq = (xb / sa).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            sb = s_rows[:, kb // bn].reshape(1, rows).contiguous()
+            part = torch._scaled_mm(xq, w[:, kb:kb + bn].t(), scale_a=sa, scale_b=sb,
+                                    out_dtype=torch.bfloat16)
+            out[start:start + n] += part[:n].float()
+        start += n
+    return out.to(x.dtype)
+
+
+def _scale_rows(scale: torch.Tensor, rows: int, bm: int, halves: int) -> torch.Tensor:
+    """A stored scale grid [Sr, Sc] -> the fp32 scale of each weight row [rows, Sc]."""
+    f = ue8m0_to_float(scale)
+    if halves == 2:
+        return torch.cat([expand_scale(h, rows // 2, h.shape[1], (bm, 1))
+                          for h in f.chunk(2, dim=0)], dim=0)
+    return expand_scale(f, rows, f.shape[1], (bm, 1))
+
+
+def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from wideserve.config import LoadConfig
 from wideserve.worker.dummy_weights import init_dummy_weights
-from wideserve.worker.weights import CheckpointReader
+from wideserve.worker.weights import CheckpointReader, checkpoint_expert_format
 from wideserve.layers.engram import HostResident
 from wideserve.models.interface import CausalLM
 from wideserve.models.registry import resolve_model_class
@@ -155,8 +155,10 @@ def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.dev
                 continue
             if id(param) not in made:
                 full = f"{mod_name}.{name}" if mod_name else name
+                # (integer parameters, e.g. experts kept as checkpoint codes, keep their dtype)
                 target = (torch.float32 if param.is_floating_point() and keeps_fp32(cls, full)
-                          else dtype if full in follow else param.dtype)
+                          else dtype if full in follow and param.is_floating_point()
+                          else param.dtype)
                 # Modules marked HostResident (e.g. V4.1's Engram tables, far larger than a
                 # device) keep their parameters in host memory; they gather rows themselves.
                 where = ("cpu" if isinstance(module, HostResident)
@@ -222,12 +224,21 @@ def _with_progress(tensors: Iterator[tuple[str, torch.Tensor]], model: nn.Module
         bar.close()
 
 
+def packed_expert_names(model: nn.Module) -> frozenset[str]:
+    """HF names of the routed-expert stacks the model holds in checkpoint format."""
+    from wideserve.layers.experts import RoutedExperts
+    return frozenset(f"{n}.{leaf}" for n, m in model.named_modules()
+                     if isinstance(m, RoutedExperts) and m.weight_format is not None
+                     for leaf in ("gate_up_proj", "down_proj"))
+
+
 def load_checkpoint(model: CausalLM, model_dir: Path, config_json: dict, dtype: torch.dtype,
                     tensor_filter: TensorFilter | None = None, progress: bool = True) -> None:
     """Stream the checkpoint into `model`. Unknown tensor names are the model's to reject
     (its `load_weights` raises for a name it cannot place); the error then names the file."""
     reader = CheckpointReader(model_dir, config_json, dtype,
-                              keep_quantised=model.keeps_quantised)
+                              keep_quantised=model.keeps_quantised,
+                              packed_experts=packed_expert_names(model))
     yielded: list[str] = []
     try:
         with torch.no_grad():
@@ -265,10 +276,13 @@ def check_filled(model: nn.Module, filled: Iterable[str], where: str) -> None:
 
 # --- entry point ---
 
-def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None
-               ) -> LoadedModel:
+def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None, *,
+               packed_experts: bool = True) -> LoadedModel:
     """`expert_parallel` = (ep_size, ep_rank[, num_redundant_experts]): build and load only
-    this rank's routed experts (wideserve/worker/expert_shard.py)."""
+    this rank's routed experts (wideserve/worker/expert_shard.py). Routed experts stored FP8 /
+    FP4 in the checkpoint stay in that format in memory (layers/experts.py
+    `keep_checkpoint_format`); `packed_experts=False` dequantises them at load instead (the
+    reference the packed path is tested against)."""
     path = resolve_model_path(load.model)
     device = torch.device(load.device)
     if load.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -284,11 +298,18 @@ def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None
     dtype = resolve_dtype(load.dtype, config_json)
     cls = resolve_model_class(config_json)
     placements: dict = {}
-    reshape = None
-    if expert_parallel is not None:
-        from wideserve.worker.expert_shard import shard_experts
+    fmt = None
+    if packed_experts and load.load_format in ("auto", "safetensors"):
+        fmt = checkpoint_expert_format(CheckpointReader(path, config_json, dtype))
 
-        def reshape(meta_model: nn.Module) -> None:
+    def reshape(meta_model: nn.Module) -> None:
+        if fmt is not None:
+            from wideserve.layers.experts import RoutedExperts
+            for m in meta_model.modules():
+                if isinstance(m, RoutedExperts):
+                    m.keep_checkpoint_format(fmt)
+        if expert_parallel is not None:
+            from wideserve.worker.expert_shard import shard_experts
             placements.update(shard_experts(meta_model, *expert_parallel))
     model = build_model(cls, cls.config_class.from_dict(config_json), dtype, device, reshape)
     if load.load_format == "dummy":

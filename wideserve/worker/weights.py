@@ -5,6 +5,10 @@ Handles a single `model.safetensors`, shards listed by `model.safetensors.index.
 models use, docs/deepseek_v4.md, "Checkpoint names"; see `deepseek_names.py`), per-expert tensors stacked
 into `gate_up_proj` [E, 2I, d] / `down_proj` [E, d, I], and quantised weights with `.scale` /
 `.weight_scale_inv` companions, dequantised to the load dtype (FP8 block-scaled, packed FP4).
+Routed experts the model holds in the checkpoint's format (`packed_experts`, layers/experts.py
+`keep_checkpoint_format`) are passed on as stored instead: codes as uint8 and their scales as
+UE8M0 bytes under `<name>_scale`, stacked like the dense ones (`checkpoint_expert_format` says
+which format a checkpoint's experts are in).
 
 Memory: tensors are read one at a time from memory-mapped files; stacking the experts of a
 layer needs one buffer of that layer's stacked size at a time.
@@ -112,6 +116,9 @@ class CheckpointReader:
     # as `<name without .weight>.scale` (the model's `keeps_quantised`, e.g. V4.1's FP8
     # Engram tables kept FP8 in host memory); None: everything is dequantised.
     keep_quantised: Callable[[str], bool] | None = None
+    # HF names of routed-expert stacks (`...experts.gate_up_proj` / `.down_proj`) to pass on in
+    # the checkpoint's format (codes + `<name>_scale`), not dequantised.
+    packed_experts: frozenset[str] = frozenset()
     _handles: dict[Path, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -201,6 +208,9 @@ class CheckpointReader:
                 hf = self._hf_name(name)
                 self.sources[hf] = self.where(name)
                 scale = self._scale_of(name)
+                if hf in self.packed_experts:
+                    yield from self._packed(hf, name)
+                    continue
                 if scale is not None and self.keep_quantised is not None and \
                         self.keep_quantised(hf):
                     yield hf, self._raw(name)
@@ -210,6 +220,35 @@ class CheckpointReader:
             elif prefix not in done:
                 done.add(prefix)
                 yield from self._stacked_experts(prefix, experts[prefix])
+
+    def _codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantised tensor as stored: (uint8 codes, UE8M0 scale bytes)."""
+        scale_name = self._scale_of(name)
+        weight = self._raw(name)
+        if scale_name is None or not (weight.dtype == torch.float8_e4m3fn
+                                      or quant.is_fp4_storage(weight.dtype)):
+            raise ValueError(f"{self.where(name)}: expected FP8 e4m3 or packed FP4 codes with a "
+                             f"scale companion to keep experts in checkpoint format, got "
+                             f"{weight.dtype}{'' if scale_name else ' without a scale'}")
+        try:
+            return weight.view(torch.uint8), quant.ue8m0_bytes(self._raw(scale_name))
+        except ValueError as exc:
+            raise ValueError(f"{self.where(scale_name)}: {exc}") from exc
+
+    def _packed(self, hf: str, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """An HF-named expert stack kept in checkpoint format. A gate/up stack's FP8 scale grid
+        is split into the gate's and the up projection's (ExpertFormat's layout); that needs
+        I to be a multiple of the block rows, as it is when HF concatenated them."""
+        codes, scale = self._codes(name)
+        self.sources[hf] = self.where(name)
+        if hf.endswith("gate_up_proj") and self.quant_format.expert_dtype == "fp8":
+            half, bm = codes.shape[1] // 2, self.quant_format.fp8_block[0]
+            if half % bm:
+                raise ValueError(f"{self.where(name)}: FP8 gate/up stack with I = {half} not a "
+                                 f"multiple of the {bm}-row scale block: its scale grid mixes "
+                                 f"gate and up rows")
+        yield hf, codes
+        yield hf + "_scale", scale
 
     def _stacked_experts(self, prefix: str, group: dict[int, dict[str, str]]
                          ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -221,6 +260,10 @@ class CheckpointReader:
                                  f"{', '.join(f'{prefix}.{e}.{p}.weight' for p in missing)}")
         hf_prefix = rename_deepseek_v4(prefix + ".0.w1.weight").rsplit(".", 3)[0]
         for hf_leaf, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+            hf = f"{hf_prefix}.{hf_leaf}"
+            if hf in self.packed_experts:
+                yield from self._stacked_codes(hf, prefix, group, parts, count)
+                continue
             buf: torch.Tensor | None = None
             for e in range(count):
                 mats = [self._dense(group[e][p]) for p in parts]
@@ -232,9 +275,61 @@ class CheckpointReader:
                                      f"{tuple(mat.shape)} differs from expert 0's "
                                      f"{tuple(buf.shape[1:])}")
                 buf[e] = mat
-            hf = f"{hf_prefix}.{hf_leaf}"
             self.sources[hf] = f"{prefix}.{{0..{count - 1}}}.{'+'.join(parts)}"
             yield hf, buf
+
+
+    def _stacked_codes(self, hf: str, prefix: str, group: dict[int, dict[str, str]],
+                       parts: tuple[str, ...], count: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """One layer's experts kept in checkpoint format: codes [E, rows, Kb] and scales
+        [E, Sr, Sc], w1 then w3 for gate/up (each with its own scale grid)."""
+        codes: torch.Tensor | None = None
+        scales: torch.Tensor | None = None
+        for e in range(count):
+            pairs = [self._codes(group[e][p]) for p in parts]
+            c = torch.cat([p[0] for p in pairs], dim=0)
+            s = torch.cat([p[1] for p in pairs], dim=0)
+            if codes is None:
+                codes = torch.empty(count, *c.shape, dtype=torch.uint8)
+                scales = torch.empty(count, *s.shape, dtype=torch.uint8)
+            if c.shape != codes.shape[1:] or s.shape != scales.shape[1:]:
+                raise ValueError(f"{self.where(group[e][parts[0]])}: expert shape "
+                                 f"{tuple(c.shape)} / scale {tuple(s.shape)} differs from "
+                                 f"expert 0's")
+            codes[e], scales[e] = c, s
+        self.sources[hf] = self.sources[hf + "_scale"] = \
+            f"{prefix}.{{0..{count - 1}}}.{'+'.join(parts)} (checkpoint format)"
+        yield hf, codes
+        yield hf + "_scale", scales
+
+
+def keeps_expert_format(config_json: dict) -> bool:
+    """Whether the loader keeps this model family's FP8 / FP4 routed experts in checkpoint
+    format (for `wideserve info --plan`, which sees the config only): the reader stacks the
+    experts of DeepSeek-V4's original per-expert names and of HF fused stacks; V4.1's official
+    per-expert tensors are placed by its model (models/deepseek_v41) and still dequantised."""
+    return config_json.get("model_type") == "deepseek_v4"
+
+
+def checkpoint_expert_format(reader: CheckpointReader) -> quant.ExpertFormat | None:
+    """The format the checkpoint's routed experts are stored in (FP8 e4m3 codes, or packed FP4
+    codes, with scale companions), or None (dense experts, or a layout the reader does not
+    stack: only the original DeepSeek-V4 per-expert names and HF fused stacks qualify)."""
+    qf = reader.quant_format
+    for name in sorted(reader.files):
+        if reader.rename and EXPERT_RE.match(name):
+            pass
+        elif not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            continue
+        if reader._scale_of(name) is None:
+            return None
+        dtype = reader._raw(name).dtype
+        if dtype == torch.float8_e4m3fn:
+            return quant.expert_format("fp8", qf.fp8_block, qf.fp4_group)
+        if quant.is_fp4_storage(dtype):
+            return quant.expert_format("fp4", qf.fp8_block, qf.fp4_group)
+        return None
+    return None
 
 
 def _natural_key(name: str) -> tuple:

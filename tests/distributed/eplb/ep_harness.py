@@ -42,7 +42,11 @@ def ep_moe(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
     out = torch.zeros_like(xa)
     for local in range(per_rank):
         rows, cols = torch.nonzero(pa == rank * per_rank + local, as_tuple=True)
-        if rows.numel():
+        if rows.numel() and getattr(layer, "weight_format", None) is not None:
+            # checkpoint-format experts (codes + scales): through the layer's own grouped MLP
+            y = layer.grouped_mlp(xa[rows], torch.full_like(rows, local))
+            out.index_add_(0, rows, y * wa[rows, cols, None])
+        elif rows.numel():
             gate, up = F.linear(xa[rows], layer.gate_up_proj[local]).chunk(2, dim=-1)
             y = F.linear(swiglu(gate, up, None), layer.down_proj[local])
             out.index_add_(0, rows, y * wa[rows, cols, None])

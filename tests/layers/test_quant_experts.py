@@ -1,0 +1,310 @@
+"""Routed experts kept in their checkpoint format (FP8 block-scaled, MXFP4): the C++ grouped GEMM
+that dequantises per tile (csrc/quant_gemm.cpp) and its torch fallbacks against dequantise-then-
+matmul in fp32; RoutedExperts on packed weights against the same experts dequantised; the loader
+keeping a tiny FP4 / FP8 DeepSeek-V4 checkpoint's experts packed (checkpoint bytes, resident
+bytes, logits and greedy tokens equal to the dequantised load)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_harness import PagedHarness
+from wideserve.config import LoadConfig
+from wideserve.kernels import quant_gemm
+from wideserve.kernels.loader import build
+from wideserve.layers import quant
+from wideserve.layers.experts import RoutedExperts, loop_mlp
+from wideserve.worker.model_loader import load_model
+
+FORMATS = {"fp8": quant.expert_format("fp8", (128, 128)),
+           "fp8_small": quant.expert_format("fp8", (16, 32)),
+           "mxfp4": quant.expert_format("fp4")}
+
+
+def _random(fmt: quant.ExpertFormat, L: int, R: int, K: int, halves: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(L, R, K, generator=g) / K ** 0.5
+    return fmt.quantize(dense, halves)
+
+
+def _reference(x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+               fmt: quant.ExpertFormat, halves: int) -> torch.Tensor:
+    """Dequantise every expert to fp32, then one matmul per expert's rows, in fp32."""
+    w = fmt.dequantize(codes, scale, halves, torch.float32)
+    out, start = torch.zeros(x.shape[0], codes.shape[1]), 0
+    for e, n in enumerate(counts.tolist()):
+        out[start:start + n] = x[start:start + n].float() @ w[e].t()
+        start += n
+    return out
+
+
+# (format, L, R output rows, K, rows per expert, halves): M = 0, 1, odd, large; experts with
+# no rows; R not a multiple of 16; K not a multiple of 32 (odd for FP8).
+CASES = [
+    ("mxfp4", 3, 64, 256, [0, 0, 0], 2),
+    ("mxfp4", 3, 64, 256, [0, 1, 0], 2),
+    ("mxfp4", 4, 40, 96, [1, 0, 3, 7], 1),
+    ("mxfp4", 2, 300, 258, [33, 2], 2),
+    ("mxfp4", 3, 90, 320, [0, 257, 5], 2),
+    ("fp8", 3, 256, 384, [5, 0, 70], 2),
+    ("fp8", 2, 200, 131, [1, 19], 1),
+    ("fp8_small", 3, 72, 77, [9, 0, 300], 2),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    build()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["dots", "brgemm", "portable"])
+@pytest.mark.parametrize("case", CASES)
+def test_op_matches_dequantise_then_matmul(case, path, dtype):
+    name, L, R, K, rows, halves = case
+    fmt = FORMATS[name]
+    codes, scale = _random(fmt, L, R, K, halves, seed=L * R + K)
+    counts = torch.tensor(rows)
+    x = torch.randn(int(counts.sum()), K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = _reference(x, counts, codes, scale, fmt, halves)
+    got = quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block, halves,
+                                    brgemm_min_rows=4 if path == "brgemm" else None,
+                                    portable=path == "portable")
+    assert got.dtype == dtype and got.shape == (x.shape[0], R)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:                      # fp32 sums rounded once to bf16: within one bf16 ulp
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
+
+
+def test_op_refuses_mismatched_inputs():
+    fmt = FORMATS["mxfp4"]
+    codes, scale = _random(fmt, 2, 32, 64, 1, seed=0)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="counts sum"):
+        quant_gemm.grouped_linear(x, torch.tensor([1, 1]), codes, scale, 1, fmt.block, 1)
+    with pytest.raises(RuntimeError, match="does not hold K"):
+        quant_gemm.grouped_linear(torch.randn(3, 60), torch.tensor([1, 2]), codes, scale, 1,
+                                  fmt.block, 1)
+    with pytest.raises(RuntimeError, match="scale"):
+        quant_gemm.grouped_linear(x, torch.tensor([1, 2]), codes, scale[:, :, :1], 1,
+                                  fmt.block, 1)
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_torch_fallback_matches_reference(name):
+    fmt = FORMATS[name]
+    codes, scale = _random(fmt, 3, 256, 128, 2, seed=4)
+    counts = torch.tensor([3, 0, 9])
+    x = torch.randn(12, 128)
+    torch.testing.assert_close(quant.dequant_grouped_linear(x, counts, codes, scale, fmt, 2),
+                               _reference(x, counts, codes, scale, fmt, 2))
+
+
+def test_scaled_mm_path_is_close():
+    """The CUDA FP8 path's maths (torch._scaled_mm row-wise also runs on the CPU): FP8
+    activations per row and K block, so close to, not equal to, the dequantised product."""
+    fmt = FORMATS["fp8"]
+    codes, scale = _random(fmt, 3, 256, 512, 2, seed=5)
+    counts = torch.tensor([5, 0, 20])
+    x = torch.randn(25, 512).to(torch.bfloat16)
+    want = _reference(x, counts, codes, scale, fmt, 2)
+    got = quant.scaled_mm_grouped_linear(x, counts, codes, scale, fmt, 2).float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_fp8_gate_up_keeps_separate_scale_grids():
+    """I = 96 is not a multiple of the 128-row block: gate and up rows keep their own grids."""
+    fmt = FORMATS["fp8"]
+    dense = torch.randn(1, 192, 256)
+    dense[:, 96:] *= 1000                          # up rows far larger than gate rows
+    codes, scale = fmt.quantize(dense, halves=2)
+    assert scale.shape == (1, 2, 2)
+    back = fmt.dequantize(codes, scale, 2, torch.float32)
+    for rows in (slice(0, 96), slice(96, 192)):     # each half within its own block's precision
+        err = (back[:, rows] - dense[:, rows]).abs().max()
+        assert err <= dense[:, rows].abs().max() / 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["fp8_small", "mxfp4"])
+def test_routed_experts_on_packed_weights(name, dtype):
+    """RoutedExperts holding codes + scales computes what the same experts dequantised do, and
+    holds no dense copy."""
+    fmt = FORMATS[name]
+    E, d, inter, T, k = 6, 96, 48, 37, 2
+    packed = RoutedExperts(E, d, inter, swiglu_limit=7.0)
+    packed.keep_checkpoint_format(fmt)
+    g = torch.Generator().manual_seed(3)
+    w13, s13 = fmt.quantize(torch.randn(E, 2 * inter, d, generator=g) / d ** 0.5, halves=2)
+    w2, s2 = fmt.quantize(torch.randn(E, d, inter, generator=g) / inter ** 0.5)
+    with torch.no_grad():
+        for p, v in ((packed.gate_up_proj, w13), (packed.gate_up_proj_scale, s13),
+                     (packed.down_proj, w2), (packed.down_proj_scale, s2)):
+            p.copy_(v)
+    x = torch.randn(T, d, generator=g).to(dtype)
+    ids = torch.randint(0, E - 1, (T, k), generator=g)     # expert E-1 gets no rows
+    weights = torch.rand(T, k, generator=g).to(dtype)
+    got = packed(x, ids, weights)
+    assert packed.resolved_impl(x.device, dtype) == "quant"
+    gate_up, down = packed.dense_weights(torch.float32)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    ys = loop_mlp(x.float().index_select(0, order // k), counts, gate_up, down, 7.0)
+    y = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, d)
+    want = (weights.float().unsqueeze(-1) * y).sum(1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert packed.expert_load.tolist() == counts.tolist()
+    assert all(p.dtype == torch.uint8 for p in packed.parameters())
+    assert packed._packs is None
+
+
+# --- the tiny DeepSeek-V4 checkpoint of tests/executor/test_loader_v4.py, FP4 and FP8 experts ---
+
+def _loader_v4():
+    path = Path(__file__).resolve().parents[1] / "executor" / "test_loader_v4.py"
+    spec = importlib.util.spec_from_file_location("loader_v4_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _to_fp8_experts(root: Path) -> None:
+    """Rewrite the checkpoint's FP4 experts as FP8 e4m3 with 128x128 UE8M0 block scales (a
+    `Base`-style "FP8 mixed" checkpoint); I = 32 < 128, so w1 and w3 have one block row each."""
+    from safetensors.torch import load_file, save_file
+    weights, scales = {}, {}
+    files = sorted(root.glob("*.safetensors"))
+    every = {f: load_file(f) for f in files}
+    for f, tensors in every.items():
+        for n, t in tensors.items():
+            if ".ffn.experts." in n:
+                (weights if n.endswith(".weight") else scales)[n] = (f, t)
+    for n, (f, t) in weights.items():
+        sname = n[: -len("weight")] + "scale"
+        sf, s = scales[sname]
+        q, qs = quant.quantize_fp8_block(quant.dequantize_fp4(t, s, 32, torch.float32))
+        every[f][n], every[sf][sname] = q, qs
+    for f, tensors in every.items():
+        save_file(tensors, f)
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "expert_dtype": "fp8"}))
+
+
+@pytest.fixture(scope="module", params=["fp4", "fp8"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    module = _loader_v4()
+    tmp = tmp_path_factory.mktemp(f"v4{request.param}")
+    (tmp / "cfg").mkdir()
+    (tmp / "cfg" / "config.json").write_text(json.dumps(module.CONFIG))
+    truth = load_model(LoadConfig(model=str(tmp / "cfg"), load_format="dummy", seed=5,
+                                  dtype="float32")).model.state_dict()
+    module.write_original(tmp / "original", truth)
+    if request.param == "fp8":
+        _to_fp8_experts(tmp / "original")
+    return tmp / "original"
+
+
+def _expert_modules(model) -> list[RoutedExperts]:
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+
+
+def _expert_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for m in _expert_modules(model)
+               for p in m.parameters())
+
+
+def _checkpoint_expert_bytes(root: Path) -> int:
+    from safetensors import safe_open
+    total = 0
+    for f in root.glob("*.safetensors"):
+        with safe_open(f, framework="pt") as h:
+            for n in h.keys():
+                if ".ffn.experts." in n:
+                    t = h.get_tensor(n)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loader_keeps_experts_packed_and_greedy_is_unchanged(checkpoint, dtype):
+    packed = load_model(LoadConfig(model=str(checkpoint), dtype=dtype)).model
+    dense = load_model(LoadConfig(model=str(checkpoint), dtype=dtype), packed_experts=False).model
+    experts = _expert_modules(packed)
+    assert experts and all(m.weight_format is not None for m in experts)
+    assert all(m.weight_format is None for m in _expert_modules(dense))
+    # resident expert bytes are the checkpoint's (codes + scales), not 2 bytes per value
+    assert _expert_bytes(packed) == _checkpoint_expert_bytes(checkpoint)
+    for m, ref in zip(experts, _expert_modules(dense)):
+        for got, want in zip(m.dense_weights(ref.gate_up_proj.dtype),
+                             (ref.gate_up_proj, ref.down_proj)):
+            assert torch.equal(got, want)
+    assert _greedy(packed) == _greedy(dense)
+    # after decoding no derived dense copy was made
+    assert _expert_bytes(packed) == _checkpoint_expert_bytes(checkpoint)
+    assert all(m._packs is None for m in experts)
+
+
+def _greedy(model, after_step=None, steps: int = 12) -> list[list[int]]:
+    """Two requests decoded greedily through the paged harness; `after_step()` runs after
+    every forward (an EPLB balancer's step)."""
+    prompts = [[5, 9, 17, 3, 44, 2, 8], [60, 1, 7]]
+    harness = PagedHarness(model, max_reqs=2, max_len=48)
+    logits = harness.step([0, 1], prompts)
+    seqs = [[int(logits[6].argmax())], [int(logits[9].argmax())]]
+    for _ in range(steps):
+        if after_step is not None:
+            after_step()
+        logits = harness.step([0, 1], [[s[-1]] for s in seqs])
+        for i in range(2):
+            seqs[i].append(int(logits[i].argmax()))
+    return seqs
+
+
+def test_eplb_rebalance_with_packed_experts_keeps_greedy(checkpoint):
+    """EPLB with redundant slots on checkpoint-format experts: the replicas get the codes and
+    the scales, a rebalance moves both, and the greedy tokens stay those without EPLB."""
+    from wideserve.config.eplb import EplbConfig
+    from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
+    load = LoadConfig(model=str(checkpoint), dtype="float32")
+    want = _greedy(load_model(load).model)
+    model = load_model(load).model
+    layers = [m for n, m in _named_experts(model) if n.startswith("model.")]
+    cfg = EplbConfig(num_redundant_experts=4, window_size=2, step_interval=3,
+                     layers_per_step=2)
+    bal = ExpertBalancer("target", layers, layers[0].num_experts, cfg, EpGroup(),
+                         torch.device("cpu"))
+    assert all(m.gate_up_proj_scale.shape[0] == m.num_experts + 4 for m in layers)
+    before = bal.placement.clone()
+    # One rank: the policy has no ranks to balance and keeps the placement, so the plan is
+    # a rotation of every layer's slots (the moves are what this test is about).
+    bal._choose = lambda logical: bal.placement.roll(1, dims=1)
+    assert _greedy(model, bal.step) == want
+    assert bal.stats.rebalances >= 1 and not torch.equal(bal.placement, before)
+    bal.verify_weights()             # every slot holds its logical expert's codes and scales
+
+
+def test_expert_parallel_ranks_load_their_packed_experts(checkpoint):
+    """Under expert parallelism each rank's slots hold the codes and scales of its experts
+    (the shard filter slices the scale stacks with the codes), redundant slots included."""
+    from wideserve.worker.expert_shard import ExpertPlacement
+    load = LoadConfig(model=str(checkpoint), dtype="bfloat16")
+    full = dict(_named_experts(load_model(load).model))
+    for rank in (0, 1):
+        part = load_model(load, (2, rank, 2)).model
+        for name, m in _named_experts(part):
+            ref = full[name]
+            slots = ExpertPlacement(ref.num_experts, 2, rank, 2).slot_experts
+            assert m.weight_format == ref.weight_format and len(slots) == m.num_local_experts
+            for leaf in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+                assert torch.equal(getattr(m, leaf), getattr(ref, leaf)[slots]), (name, leaf)
+
+
+def _named_experts(model) -> list[tuple[str, RoutedExperts]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]

@@ -1,0 +1,427 @@
+// Grouped expert GEMMs on weights kept in their checkpoint format (docs/cpu_kernels.md,
+// "Quantised experts"; formats in wideserve/layers/quant.py):
+//
+//   quant_grouped_linear(x [N, K], counts [L], w [L, R, Kb] uint8, scale [L, Sr, Sc] uint8,
+//                        fmt, block_rows, block_cols, halves, brgemm_min_rows?, portable)
+//     -> out [N, R] = x_e @ dequant(W_e)^T for the rows x_e of each expert e (rows sorted by
+//        expert, counts[e] of them), accumulated in fp32, rounded once to x's dtype.
+//
+// fmt 0: FP8 e4m3 codes (Kb = K) with one UE8M0 scale per block_rows x block_cols tile;
+// fmt 1: MXFP4, two e2m1 codes per byte, low nibble first (Kb = K / 2), one UE8M0 scale per
+// block_cols values of a row (block_rows = 1). `halves` = 2 for a gate/up stack whose gate and
+// up halves each have their own scale grid, one after the other (a layout of the checkpoint's
+// bytes: w1 and w3 are separate tensors there).
+//
+// No dequantised copy of a weight is ever kept: each work item (expert, tile of output rows)
+// dequantises its rows into a small buffer that stays in L1/L2 and runs the dot products on
+// it. The dequantisation is exact (e4m3 or e2m1 times a power of two fits bf16 and fp32), so
+// results equal a matmul on the dequantised weight up to the order of the fp32 sums.
+//   - few rows (bf16, AVX512-BF16): one weight row at a time into a bf16 buffer, `vdpbf16ps`
+//     dot products with up to 4 input rows per pass;
+//   - at least `brgemm_min_rows` rows (bf16, brgemm available: AMX where present): the
+//     expert's rows transposed once into brgemm's VNNI B layout, the weight tile (32 rows x
+//     a K chunk) dequantised row-major as A, C^T = W x^T accumulated over the K chunks;
+//   - fp32 inputs and the portable build: the weight row into an fp32 buffer, dot products
+//     with 16 partial sums (vectorised by the compiler).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 32;        // K is padded to whole chunks of 32 values
+constexpr int64_t kSmallTile = 16;    // weight rows per work item on the dot-product paths
+constexpr int64_t kBigTile = 32;      // weight rows per brgemm A tile
+constexpr int64_t kBigK = 512;        // K values per brgemm call (A tile: 32 x 512 bf16)
+
+struct Format {
+  int64_t kind;                       // 0 FP8 e4m3 block-scaled, 1 MXFP4
+  int64_t bm, bn, halves;
+  int64_t rows, cols, row_bytes, srows, scols;
+  // The scale-grid row of weight row n: with halves == 2 the gate rows use the first grid,
+  // the up rows the second.
+  int64_t scale_row(int64_t n) const {
+    if (halves == 2) {
+      const int64_t h = rows / 2, per = (h + bm - 1) / bm;
+      return n < h ? n / bm : per + (n - h) / bm;
+    }
+    return n / bm;
+  }
+};
+
+std::array<float, 256> ue8m0_table() {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const uint32_t bits = b == 0 ? (1u << 22) : b == 255 ? 0x7FC00000u : uint32_t(b) << 23;
+    std::memcpy(&t[b], &bits, 4);
+  }
+  return t;
+}
+
+std::array<float, 256> e4m3_table() {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    if ((b & 0x7F) == 0x7F) v = NAN;    // e4m3fn's only NaN
+    t[b] = (b & 0x80) ? -v : v;
+  }
+  return t;
+}
+
+constexpr std::array<float, 16> kE2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f,
+                                         -6.0f};
+const std::array<float, 256> kScale = ue8m0_table();
+const std::array<float, 256> kE4M3 = e4m3_table();
+
+// ------------------------------------------------------------------ dequantising one row
+
+// Values [k0, k1) of weight row n of one expert as fp32 into dst (k1 - k0 of them; k0 and
+// the length are multiples of 16, k1 <= K; the caller zero-fills the padding past K).
+void dequant_row_f32(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
+                     int64_t k0, int64_t k1, float* dst) {
+  const uint8_t* row = w + n * f.row_bytes;
+  const uint8_t* srow = s + f.scale_row(n) * f.scols;
+  int64_t k = k0;
+#ifdef __AVX512F__
+  // 16 values at a time share one scale when the scale block is a multiple of 16 wide
+  for (; f.bn % 16 == 0 && k + 16 <= k1; k += 16) {
+    const __m512 scale = _mm512_set1_ps(kScale[srow[k / f.bn]]);
+    __m512 v;
+    if (f.kind == 0) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(row + k)));
+      const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+      // normal: exponent rebias 7 -> 127 by adding 120 << 23; subnormal (e == 0): m * 2^-9
+      const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(
+          _mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+      const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
+      v = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8)), normal,
+                               sub);
+      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+      v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+      const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
+      v = _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
+    } else {
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+      v = _mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1.data()));
+    }
+    _mm512_storeu_ps(dst + (k - k0), _mm512_mul_ps(v, scale));
+  }
+#endif
+  for (; k < k1; ++k) {
+    const float scale = kScale[srow[k / f.bn]];
+    const float v = f.kind == 0 ? kE4M3[row[k]]
+                                : kE2M1[(row[k / 2] >> (4 * (k & 1))) & 0xF];
+    dst[k - k0] = v * scale;
+  }
+}
+
+// The same as bf16 (exact: a truncation of the fp32 value, which bf16 represents).
+void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
+                              int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst);
+
+void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
+                      int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst) {
+#ifdef __AVX512F__
+  if (f.kind == 1 && f.bn % 32 == 0 && k0 % 32 == 0) {
+    // MXFP4 straight to bf16, 32 values (16 bytes, one scale) per step: the e2m1 table times
+    // the scale, truncated to bf16 (exact), looked up by code with one 16-bit permute.
+    const uint8_t* row = w + n * f.row_bytes;
+    const uint8_t* srow = s + f.scale_row(n) * f.scols;
+    const __m512 table = _mm512_loadu_ps(kE2M1.data());
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(
+          table, _mm512_set1_ps(kScale[srow[k / f.bn]]))), 16);
+      const __m512i lut = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bits));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_set_m128i(
+          _mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+      _mm512_storeu_si512(dst + (k - k0), _mm512_permutexvar_epi16(codes, lut));
+    }
+    if (k < k1) dequant_row_bf16_generic(f, w, s, n, k, k1, tmp, dst + (k - k0));
+    return;
+  }
+#endif
+  dequant_row_bf16_generic(f, w, s, n, k0, k1, tmp, dst);
+}
+
+void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
+                              int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst) {
+  dequant_row_f32(f, w, s, n, k0, k1, tmp);
+  const int64_t len = k1 - k0;
+  int64_t k = 0;
+#ifdef __AVX512F__
+  for (; k + 16 <= len; k += 16) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(tmp + k)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm512_cvtepi32_epi16(bits));
+  }
+#endif
+  for (; k < len; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, tmp + k, 4);
+    const uint16_t top = uint16_t(bits >> 16);
+    std::memcpy(dst + k, &top, 2);
+  }
+}
+
+// ------------------------------------------------------------------ the three paths
+
+struct Job {
+  const Format& f;
+  int64_t kp;                         // K padded to kChunk
+  const uint8_t* w;                   // [L, R, row_bytes]
+  const uint8_t* s;                   // [L, Sr, Sc]
+  const std::vector<int64_t>& offsets;
+  int64_t expert_w, expert_s;         // bytes per expert
+};
+
+// Portable / fp32: rows [r0, r1) of x (fp32, [N, kp]) times weight rows [n0, n1) of expert e.
+template <typename T>
+void tile_f32(const Job& j, const float* x, int64_t e, int64_t n0, int64_t n1, T* out,
+              std::vector<float>& wrow) {
+  const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1], R = j.f.rows;
+  const uint8_t* w = j.w + e * j.expert_w;
+  const uint8_t* s = j.s + e * j.expert_s;
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row_f32(j.f, w, s, n, 0, j.f.cols, wrow.data());
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * j.kp;
+      float part[16] = {};
+      for (int64_t k = 0; k < j.kp; k += 16)
+        for (int l = 0; l < 16; ++l) part[l] += xr[k + l] * wrow[k + l];
+      float sum = 0.0f;
+      for (int l = 0; l < 16; ++l) sum += part[l];
+      out[r * R + n] = static_cast<T>(sum);
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// bf16, few rows: each weight row dequantised once, dotted with the expert's rows 4 at a time.
+void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64_t n1,
+               at::BFloat16* out, std::vector<float>& tmp, std::vector<at::BFloat16>& wrow) {
+  const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1], R = j.f.rows;
+  const uint8_t* w = j.w + e * j.expert_w;
+  const uint8_t* s = j.s + e * j.expert_s;
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row_bf16(j.f, w, s, n, 0, j.f.cols, tmp.data(), wrow.data());
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int64_t k = 0; k < j.kp; k += kChunk) {
+        const __m512bh wv = as_bh(_mm512_loadu_si512(wrow.data() + k));
+        for (int m = 0; m < rows; ++m)
+          acc[m] = _mm512_dpbf16_ps(acc[m], wv,
+                                    as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k)));
+      }
+      for (int m = 0; m < rows; ++m)
+        out[(r + m) * R + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+    }
+  }
+}
+#endif
+
+// bf16, many rows, through brgemm: C^T [rows of W, M] = W_tile [32, kc] x (x_e^T in VNNI).
+// xt: the expert's rows as [kp/2, mp, 2] (mp = rows rounded up to 16, zero columns).
+void tile_brgemm(const Job& j, const at::BFloat16* xt, int64_t mp, int64_t e, int64_t n0,
+                 int64_t n1, at::BFloat16* out, std::vector<float>& tmp,
+                 std::vector<at::BFloat16>& a, std::vector<float>& c) {
+  const int64_t r0 = j.offsets[e], m = j.offsets[e + 1] - r0, R = j.f.rows;
+  const uint8_t* w = j.w + e * j.expert_w;
+  const uint8_t* s = j.s + e * j.expert_s;
+  const int64_t rows = n1 - n0;
+  c.resize(rows * mp);
+  for (int64_t k0 = 0; k0 < j.kp; k0 += kBigK) {
+    const int64_t kc = std::min(kBigK, j.kp - k0), valid = std::min(j.f.cols, k0 + kc) - k0;
+    for (int64_t n = n0; n < n1; ++n) {
+      at::BFloat16* dst = a.data() + (n - n0) * kc;
+      if (valid > 0) dequant_row_bf16(j.f, w, s, n, k0, k0 + valid, tmp.data(), dst);
+      std::memset(static_cast<void*>(dst + std::max<int64_t>(valid, 0)), 0,
+                  (kc - std::max<int64_t>(valid, 0)) * sizeof(at::BFloat16));
+    }
+    at::native::cpublas::brgemm(rows, mp, kc, kc, mp, mp, /*add_C=*/k0 > 0, a.data(),
+                                xt + k0 * mp, c.data(), /*is_vnni=*/true);
+  }
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t n = n0; n < n1; ++n)
+      out[(r0 + i) * R + n] = static_cast<at::BFloat16>(c[(n - n0) * mp + i]);
+}
+
+// x_e [m, kp] -> [kp/2, mp, 2] (brgemm's VNNI B: pairs of K for each column), zero-padded.
+void pack_vnni(const at::BFloat16* x, int64_t m, int64_t kp, int64_t mp, at::BFloat16* xt) {
+  std::memset(static_cast<void*>(xt), 0, kp * mp * sizeof(at::BFloat16));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = 0; p < kp / 2; ++p) {
+      xt[(p * mp + i) * 2] = x[i * kp + 2 * p];
+      xt[(p * mp + i) * 2 + 1] = x[i * kp + 2 * p + 1];
+    }
+}
+
+bool brgemm_runs() {
+  static const bool ok = at::native::cpublas::could_pack(at::kBFloat16);
+  return ok;
+}
+
+// ------------------------------------------------------------------ the op
+
+Format check_format(const at::Tensor& w, const at::Tensor& scale, int64_t k, int64_t fmt,
+                    int64_t bm, int64_t bn, int64_t halves) {
+  TORCH_CHECK(fmt == 0 || fmt == 1, "quant_grouped_linear: fmt must be 0 (FP8) or 1 (MXFP4)");
+  TORCH_CHECK(halves == 1 || halves == 2, "quant_grouped_linear: halves must be 1 or 2");
+  TORCH_CHECK(bm > 0 && bn > 0 && (fmt == 0 || bm == 1),
+              "quant_grouped_linear: bad scale block ", bm, " x ", bn);
+  TORCH_CHECK(w.dim() == 3 && w.element_size() == 1 && w.is_contiguous(),
+              "quant_grouped_linear: w must be contiguous 1-byte codes [L, R, Kb]");
+  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kByte && scale.is_contiguous(),
+              "quant_grouped_linear: scale must be contiguous uint8 (UE8M0) [L, Sr, Sc]");
+  Format f{fmt, bm, bn, halves, w.size(1), k, w.size(2), scale.size(1), scale.size(2)};
+  TORCH_CHECK(f.row_bytes == (fmt == 0 ? k : (k + 1) / 2) && (fmt == 0 || k % 2 == 0),
+              "quant_grouped_linear: w ", w.sizes(), " does not hold K = ", k, " values");
+  TORCH_CHECK(f.rows % halves == 0, "quant_grouped_linear: R must split into halves");
+  const int64_t per = (f.rows / halves + bm - 1) / bm;
+  TORCH_CHECK(scale.size(0) == w.size(0) && f.srows == halves * per &&
+                  f.scols == (k + bn - 1) / bn,
+              "quant_grouped_linear: scale ", scale.sizes(), " does not match w ", w.sizes(),
+              " with block ", bm, " x ", bn, " and halves ", halves);
+  return f;
+}
+
+at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts,
+                                const at::Tensor& w_in, const at::Tensor& scale, int64_t fmt,
+                                int64_t block_rows, int64_t block_cols, int64_t halves,
+                                std::optional<int64_t> brgemm_min_rows, bool portable) {
+  TORCH_CHECK(x_in.dim() == 2, "quant_grouped_linear: x must be [N, K]");
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "quant_grouped_linear: x must be bfloat16 or float32, got ", dtype);
+  const at::Tensor w = w_in.scalar_type() == at::kByte ? w_in : w_in.view(at::kByte);
+  const Format f = check_format(w, scale, x_in.size(1), fmt, block_rows, block_cols, halves);
+  const int64_t experts = w.size(0), n_rows = x_in.size(0);
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == experts,
+              "quant_grouped_linear: counts must be [", experts, "]");
+  const at::Tensor cnt = counts.to(at::kLong).contiguous();
+  std::vector<int64_t> offsets(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t c = cnt.data_ptr<int64_t>()[e];
+    TORCH_CHECK(c >= 0, "quant_grouped_linear: negative count for expert ", e);
+    offsets[e + 1] = offsets[e] + c;
+  }
+  TORCH_CHECK(offsets[experts] == n_rows, "quant_grouped_linear: counts sum to ",
+              offsets[experts], ", x has ", n_rows, " rows");
+  at::Tensor out = at::empty({n_rows, f.rows}, x_in.options());
+  if (n_rows == 0 || f.rows == 0) return out;
+  const int64_t kp = (f.cols + kChunk - 1) / kChunk * kChunk;
+  const Job job{f, kp, w.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), offsets,
+                f.rows * f.row_bytes, f.srows * f.scols};
+  if (f.cols == 0) return out.zero_();
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (offsets[e + 1] > offsets[e]) active.push_back(e);
+#ifdef __AVX512BF16__
+  const bool fast = !portable && dtype == at::kBFloat16;
+#else
+  const bool fast = false;
+#endif
+  if (!fast) {
+    const at::Tensor x = at::constant_pad_nd(x_in.to(at::kFloat), {0, kp - f.cols})
+                             .contiguous();
+    const float* xp = x.data_ptr<float>();
+    const int64_t tiles = (f.rows + kSmallTile - 1) / kSmallTile;
+    const int64_t items = static_cast<int64_t>(active.size()) * tiles;
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> wrow(kp, 0.0f);
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t e = active[it / tiles], n0 = (it % tiles) * kSmallTile;
+        const int64_t n1 = std::min(f.rows, n0 + kSmallTile);
+        if (dtype == at::kFloat) tile_f32(job, xp, e, n0, n1, out.data_ptr<float>(), wrow);
+        else tile_f32(job, xp, e, n0, n1, out.data_ptr<at::BFloat16>(), wrow);
+      }
+    });
+    return out;
+  }
+#ifdef __AVX512BF16__
+  const at::Tensor x = at::constant_pad_nd(x_in, {0, kp - f.cols}).contiguous();
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t big = brgemm_min_rows.has_value() && brgemm_runs()
+                          ? std::max<int64_t>(*brgemm_min_rows, 1) : 0;
+  // Experts with at least `big` rows: their rows in VNNI once, shared by all their tiles.
+  std::vector<int64_t> xt_at(experts + 1, 0), mp(experts, 0);
+  for (const int64_t e : active) {
+    const int64_t m = offsets[e + 1] - offsets[e];
+    if (big > 0 && m >= big) mp[e] = (m + 15) / 16 * 16;
+  }
+  for (int64_t e = 0; e < experts; ++e) xt_at[e + 1] = xt_at[e] + kp * mp[e];
+  at::Tensor xt = at::empty({xt_at[experts]}, x_in.options());
+  auto* xtp = xt.data_ptr<at::BFloat16>();
+  at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = active[i];
+      if (mp[e]) pack_vnni(xp + offsets[e] * kp, offsets[e + 1] - offsets[e], kp, mp[e],
+                           xtp + xt_at[e]);
+    }
+  });
+  // Work items: (expert, tile of output rows), the brgemm experts' tiles of kBigTile rows.
+  std::vector<std::array<int64_t, 3>> items;
+  for (const int64_t e : active) {
+    const int64_t tile = mp[e] ? kBigTile : kSmallTile;
+    for (int64_t n0 = 0; n0 < f.rows; n0 += tile)
+      items.push_back({e, n0, std::min(f.rows, n0 + tile)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(std::max(kp, kBigK));
+    std::vector<at::BFloat16> wrow(kp, at::BFloat16(0.0f));
+    std::vector<at::BFloat16> a;
+    std::vector<float> c;
+    bool used = false;
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [e, n0, n1] = items[it];
+      if (mp[e]) {
+        a.resize(kBigTile * kBigK);
+        tile_brgemm(job, xtp + xt_at[e], mp[e], e, n0, n1, op, tmp, a, c);
+        used = true;
+      } else {
+        tile_bf16(job, xp, e, n0, n1, op, tmp, wrow);
+      }
+    }
+    if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wideserve, m) {
+  m.def("quant_grouped_linear(Tensor x, Tensor counts, Tensor w, Tensor scale, int fmt, "
+        "int block_rows, int block_cols, int halves, int? brgemm_min_rows=None, "
+        "bool portable=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wideserve, CPU, m) {
+  m.impl("quant_grouped_linear", &quant_grouped_linear);
+}
