@@ -75,10 +75,6 @@ class ModelShape:
     expert_format: str = "bf16"
 
     @property
-    def expert_bytes(self) -> float:
-        return self.expert_params * FORMAT_BYTES[self.expert_format]
-
-    @property
     def dense_bytes(self) -> float:
         return self.dense_params * FORMAT_BYTES[self.weight_format]
 
