@@ -43,6 +43,7 @@ from wideserve.parallel.eplb.replicas import count_rows, map_to_physical
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int,
         return False        # AssertionError: a torch built without the device (CUDA)
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(nn.Module, DeclaresGemms):
     """Weights in the HF layout: gate_up_proj [L, 2I, d] (gate rows first), down_proj [L, d, I]
     with L = num_local_experts physical slots."""
 
@@ -121,6 +122,10 @@ class RoutedExperts(nn.Module):
                              persistent=False)
         self.register_buffer("expert_load", torch.zeros(L, dtype=torch.int64),
                              persistent=False)
+
+    def gemm_shapes(self) -> list[GemmShape | AttentionShape]:
+        """The grouped expert GEMM, named by (intermediate, hidden)."""
+        return [GemmShape("experts", self.down_proj.shape[2], self.down_proj.shape[1])]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
