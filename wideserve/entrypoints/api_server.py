@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 import uvicorn
@@ -132,10 +132,14 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
+ReadBody = Callable[[Request], Awaitable[bytes]]
+Parse = Callable[[Any, Request], Awaitable[Any]]
+
+
 def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
                 body_timeout: float | None) -> None:
-    tok = ctx.tokenizer
-    created = int(time.time())
+    """Every route, in this order: OpenAI, Anthropic, service (schema, models, health,
+    metrics), tokenizer, and the debug routes when asked for."""
 
     async def read_body(request: Request) -> bytes:
         return await serving_read_body(request, limit, body_timeout)
@@ -145,6 +149,18 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         req = await ctx.parse(model, body)
         await ctx.check_kv_peer(req, request, body)        # a KV handle: the router's only
         return req
+
+    _add_openai_routes(app, ctx, parse)
+    anthropic_serving.add_routes(app, ctx, read_body)     # /v1/messages
+    _add_service_routes(app, ctx)
+    _add_tokenizer_routes(app, ctx, read_body)
+    if debug:
+        _add_debug_routes(app, ctx)
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext, parse: Parse) -> None:
+    """/v1/completions, /v1/chat/completions, /v1/responses (serving/openai/), and a clear
+    404 for /v1/embeddings."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -164,8 +180,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
                             "server does not compute embeddings", type_="not_found_error",
                        code="embeddings_not_supported")
 
-    anthropic_serving.add_routes(app, ctx, read_body)     # /v1/messages
 
+def _add_service_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The schema, the model list, health, version and the Prometheus metrics."""
+    created = int(time.time())
     schema = build_openapi({"/v1/responses": serving_responses.ResponsesRequest})
 
     @app.get("/openapi.json")
@@ -200,6 +218,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         body = ctx.metrics.render() if ctx.metrics is not None else b""
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext, read_body: ReadBody) -> None:
+    """vLLM's /tokenize (a prompt or chat messages) and /detokenize."""
+    tok = ctx.tokenizer
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await read_body(request)
@@ -229,26 +252,29 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    if debug:
-        @app.get("/debug/kv_integrity")
-        async def kv_integrity() -> JSONResponse:
-            """The KV pool's idle invariant (free + cached + used == pool) and the stats."""
-            ctx.check_alive()
-            try:
-                await ctx.engine.client.call_utility("check_integrity")
-                ok, detail = True, "ok"
-            except RuntimeError as e:
-                ok, detail = False, str(e)
-            stats = await ctx.engine.client.call_utility("get_stats")
-            return JSONResponse({"ok": ok, "detail": detail, "stats": stats,
-                                 "in_flight": ctx.engine.num_in_flight})
 
-        @app.get("/debug/stats")
-        async def debug_stats() -> JSONResponse:
-            """The engine's scheduler and KV-cache counters."""
-            ctx.check_alive()
-            stats = await ctx.engine.client.call_utility("get_stats")
-            return JSONResponse({"stats": stats, "in_flight": ctx.engine.num_in_flight})
+def _add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """--enable-debug-endpoints: the KV pool's integrity check and the engine's counters."""
+
+    @app.get("/debug/kv_integrity")
+    async def kv_integrity() -> JSONResponse:
+        """The KV pool's idle invariant (free + cached + used == pool) and the stats."""
+        ctx.check_alive()
+        try:
+            await ctx.engine.client.call_utility("check_integrity")
+            ok, detail = True, "ok"
+        except RuntimeError as e:
+            ok, detail = False, str(e)
+        stats = await ctx.engine.client.call_utility("get_stats")
+        return JSONResponse({"ok": ok, "detail": detail, "stats": stats,
+                             "in_flight": ctx.engine.num_in_flight})
+
+    @app.get("/debug/stats")
+    async def debug_stats() -> JSONResponse:
+        """The engine's scheduler and KV-cache counters."""
+        ctx.check_alive()
+        stats = await ctx.engine.client.call_utility("get_stats")
+        return JSONResponse({"stats": stats, "in_flight": ctx.engine.num_in_flight})
 
 
 # ----------------------------------------------------------------------------- startup
