@@ -32,11 +32,11 @@ def test_logprobs_entry_from_sampler_row():
 
 def test_metrics_and_output():
     m = RequestMetrics(arrival_time=10.0)
-    assert m.ttft is None and m.queue_time is None and m.e2e_latency is None and m.tpot is None
+    assert m.ttft is None and m.queue_time is None and m.tpot is None
     m.first_scheduled_time, m.first_token_time = 10.5, 11.0
     m.last_token_time, m.finished_time, m.num_generation_tokens = 13.0, 13.5, 5
     m.num_cached_tokens = 256
-    assert (m.queue_time, m.ttft, m.e2e_latency, m.tpot) == (0.5, 1.0, 3.5, 0.5)
+    assert (m.queue_time, m.ttft, m.tpot) == (0.5, 1.0, 0.5)
     c = CompletionOutput(index=0, text="hi", token_ids=[5, 6])
     assert not c.finished
     c.finish_reason, c.stop_reason = "stop", "###"

@@ -48,10 +48,10 @@ def test_defaults_and_normalisation():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert p.max_tokens == 16
     assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None
-    assert not p.is_greedy and not p.has_penalties and p.max_stop_str_len == 0
+    assert not p.is_greedy and not p.has_penalties
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="###").stop == ["###"]
-    assert SamplingParams(stop=("a", "bcd")).max_stop_str_len == 3
+    assert SamplingParams(stop=("a", "bcd")).stop == ["a", "bcd"]
     assert SamplingParams(temperature=0).is_greedy and SamplingParams(temperature=1e-6).is_greedy
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1

@@ -116,5 +116,6 @@ class SchedulerFactory:
             run_to_completion(sched)
             assert not sched.requests and sched.num_running == 0 and sched.num_waiting == 0
             counts = kv.check_integrity()
-            assert kv.num_running_requests == 0 and kv.usage == 0.0, "blocks held at idle"
+            # Refused while any request holds blocks or any block is in use.
+            assert kv.usage == 0.0 and kv.reset_prefix_cache(), "blocks held at idle"
             assert all(c["used"] == 0 for c in counts.values()), counts

@@ -270,11 +270,10 @@ def test_block_tables_reserve_keeps_the_tables() -> None:
     pad = t.reserve_row()
     t.reserve(9, [5, 40])
     tables = [t.device_table(g) for g in range(2)]
-    for i in range(8):
-        t.update(f"r{i}", [list(range(1, 6)), list(range(1, 41))])
+    rows = [t.update(f"r{i}", [list(range(1, 6)), list(range(1, 41))]) for i in range(8)]
     assert all(t.device_table(g) is tables[g] for g in range(2))
     assert not t.host(0)[pad].any() and not t.host(1)[pad].any()
-    assert np.array_equal(t.device_table(1).numpy()[t.row_of("r3")], np.arange(1, 41))
+    assert np.array_equal(t.device_table(1).numpy()[rows[3]], np.arange(1, 41))
 
 
 def test_the_cuda_decode_path_replays_as_captured(tmp_path, monkeypatch) -> None:

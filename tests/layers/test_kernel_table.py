@@ -7,6 +7,7 @@ import torch
 from wideserve.kernels import choice as ch
 from wideserve.kernels import describe
 from wideserve.kernels.choice import KernelChoice, KernelPolicy
+from wideserve.layers.gemm_shapes import AttentionShape, GemmShape
 from wideserve.layers.kernel_table import kernel_summary, kernel_table_lines, model_gemm_shapes
 from wideserve.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -20,12 +21,12 @@ def test_shapes_and_lines_of_a_qwen3_moe(tmp_path) -> None:
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(CFG))
     shapes = set(model_gemm_shapes(model))
-    assert ("qkv", (4 + 2 + 2) * 8, 32) in shapes          # fused q/k/v
-    assert ("linear", 32, 32) in shapes                    # o_proj
-    assert ("router", 4, 32) in shapes
-    assert ("experts", 24, 32) in shapes
-    assert ("linear", 64, 32) in shapes                    # the LM head
-    assert ("attention", 4, 2 * 100000 + 8) in shapes
+    assert GemmShape("qkv", (4 + 2 + 2) * 8, 32) in shapes      # fused q/k/v
+    assert GemmShape("linear", 32, 32) in shapes                # o_proj
+    assert GemmShape("router", 4, 32) in shapes
+    assert GemmShape("experts", 24, 32) in shapes
+    assert GemmShape("linear", 64, 32) in shapes                # the LM head
+    assert AttentionShape(4, 2, 8) in shapes
     lines = kernel_table_lines(model, torch.bfloat16,
                                KernelChoice(KernelPolicy(force="micro", cache_dir=tmp_path)))
     assert lines[0].startswith("GEMM kernel choice (policy micro")
@@ -40,8 +41,8 @@ def test_a_tied_head_is_a_linear_shape() -> None:
             {**CFG, "vocab_size": 96, "tie_word_embeddings": True}))
         untied = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict({**CFG, "vocab_size": 96}))
     assert tied.tied_head_shape() == (96, 32) and untied.tied_head_shape() is None
-    assert ("linear", 96, 32) in set(model_gemm_shapes(tied))
-    assert ("linear", 96, 32) in set(model_gemm_shapes(untied))     # its lm_head
+    assert GemmShape("linear", 96, 32) in set(model_gemm_shapes(tied))
+    assert GemmShape("linear", 96, 32) in set(model_gemm_shapes(untied))     # its lm_head
 
 
 def test_summary_names_the_build_and_only_the_models_shapes(tmp_path, monkeypatch) -> None:

@@ -17,6 +17,15 @@ from wideserve.layers import experts
 CUDA = torch.device("cuda")
 
 
+def _allow_batch(guard: CaptureGuard, batch) -> None:
+    """A batch built after the guard: its tensors are the forward's inputs."""
+    fields = [batch.input_ids, batch.positions, batch.query_start_loc, batch.seq_lens,
+              batch.kv_write_start, *batch.kv_caches.values(), *batch.extras.values()]
+    for view in batch.kv_groups:
+        fields += [view.block_table, view.slot_mapping, view.req_rows]
+    guard.allow(t for t in fields if t is not None)
+
+
 def _decode_steps(model, guard_from: int, steps: int = 4, prompts=(7, 12, 3)):
     """Prefill the prompts, then `steps` decode steps; steps >= guard_from run guarded (the
     earlier ones are the warm-up). Returns (logits per decode step, traces of the guarded)."""
@@ -34,7 +43,7 @@ def _decode_steps(model, guard_from: int, steps: int = 4, prompts=(7, 12, 3)):
         guard = guard or CaptureGuard()
 
         def guarded(batch):
-            guard.allow_batch(batch)
+            _allow_batch(guard, batch)
             with guard:
                 hidden = model.forward(batch)
             traces.append(guard.trace)

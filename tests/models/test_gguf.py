@@ -18,10 +18,17 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.pre_tokenizers import ByteLevel
 
 from paged_harness import PagedHarness
-from wideserve.worker.gguf_loader import (build_model, load_gguf_checkpoint, load_gguf_model,
-                                          load_gguf_tokenizer, open_gguf)
+from wideserve.worker.gguf_loader import (build_model, gguf_config, iter_gguf_weights,
+                                          load_gguf_model, load_gguf_tokenizer, open_gguf)
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
+
+
+def load_gguf_checkpoint(path, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+    """(config.json dict, HF-named state dict) of a GGUF file, dequantised to `dtype`."""
+    meta = open_gguf(path)
+    config = gguf_config(meta)
+    return config, dict(iter_gguf_weights(meta, config, dtype))
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
             max_position_embeddings=128, rope_parameters={"rope_type": "default",

@@ -49,17 +49,19 @@ def _loopback_worker(config: KVTransferConfig, layout: KVLayout, leases: LeaseTa
 
 
 # KVTransferConfig.kv_connector -> its worker half (the names config.CONNECTORS accepts).
-CONNECTOR_WORKERS: dict[str, WorkerFactory] = {
-    "NixlConnector": _nixl_worker,
-    "LoopbackConnector": _loopback_worker,
-}
+CONNECTOR_WORKERS: dict[str, WorkerFactory] = {}
 
 
 def register_connector(name: str, factory: WorkerFactory) -> None:
-    """Add a connector backend (a KVConnectorWorker implementation) under `name`."""
+    """Add a connector backend (a KVConnectorWorker implementation) under `name`; the
+    built-in ones are registered the same way, below."""
     if name in CONNECTOR_WORKERS:
         raise ValueError(f"KV connector {name!r} is already registered")
     CONNECTOR_WORKERS[name] = factory
+
+
+register_connector("NixlConnector", _nixl_worker)
+register_connector("LoopbackConnector", _loopback_worker)
 
 
 class KVConnector:

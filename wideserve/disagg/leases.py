@@ -170,11 +170,6 @@ class LeaseTable:
             return {"leases_refused_mismatch": self.refused_mismatch,
                     "leases_refused_unknown": self.refused_unknown}
 
-    @property
-    def num_claimed(self) -> int:
-        with self._lock:
-            return len(self._claimed)
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._held) + len(self._opened) + len(self._claimed) + \

@@ -20,7 +20,6 @@ import faulthandler
 import signal
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
 
 import torch
 
@@ -129,6 +128,17 @@ class DPEngineCore(EngineCore):
             self.dispatcher.register(experts)
         self.dp.num_local_experts = per_rank
 
+    def shutdown(self) -> None:
+        """Leave the group once the ranks agreed to stop: close the step sync's side channel
+        and destroy the process group, so a later engine in this process can join a new one
+        (torch allows one default group per process)."""
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
     # ------------------------------------------------------------------------- step
     def dp_step(self, stop: bool) -> list[EngineCoreOutput] | None:
         """One lock-step iteration; None once the ranks agreed to stop."""
@@ -207,6 +217,7 @@ class LockstepLoop(EngineLoop):
             start = time.perf_counter()
             outputs = self.engine.dp_step(stop=not self.running)
             if outputs is None:
+                self.engine.shutdown()      # every rank left the loop: none is in a collective
                 return
             if self.engine.group_busy:
                 self.step_times.append(time.perf_counter() - start)

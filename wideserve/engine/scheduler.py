@@ -39,8 +39,8 @@ Order of a step
   2. The runner computes the scheduled tokens and samples for every request whose step
      reaches the end of its token list (a partial prefill chunk samples nothing).
   3. `update_from_output`: lower num_computed_tokens by rejected drafts, append sampled
-     tokens (stopping at the first stop condition), free finished requests' blocks and return
-     one `EngineCoreOutput` per request with news.
+     tokens (stopping at the first stop condition: engine/stop_check.py), free finished
+     requests' blocks and return one `EngineCoreOutput` per request with news.
 
 One step is in flight at a time: every `schedule()` is followed by `update_from_output` with
 its output (also when it is empty) before the next `schedule()`. Requests may be aborted or
@@ -65,21 +65,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from wideserve.config import SchedulerConfig
 from wideserve.engine.request_queue import RequestQueue, make_request_queue
-from wideserve.types.sched_output import (EngineCoreOutput, FinishReason, RequestEvent,
-                                          RequestEventType, ScheduledRequest, SchedulerOutput)
+from wideserve.engine.stop_check import FINISH_REASON, append_and_check_stop
+from wideserve.types.sched_output import (EngineCoreOutput, RequestEvent, RequestEventType,
+                                          ScheduledRequest, SchedulerOutput)
 from wideserve.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from wideserve.kv_cache.kv_cache_manager import KVCacheManager
     from wideserve.disagg.scheduler_side import ConnectorScheduler
-
-_FINISH_REASON: dict[RequestStatus, FinishReason] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
-
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -450,7 +443,7 @@ class Scheduler:
             if not new_ids:
                 raise ValueError(f"request {request.request_id!r} reached the end of its tokens "
                                  f"but `sampled` has no token for it")
-            out = self._append_and_check_stop(request, new_ids)
+            out = append_and_check_stop(request, new_ids, self._model_eos, self.max_model_len)
             if logprobs is not None:
                 out.new_logprobs = logprobs.get(request.request_id)
             if events:
@@ -496,40 +489,6 @@ class Scheduler:
                              f"{num_drafts} drafts (expected 1..{num_drafts + 1})")
         request.num_computed_tokens -= num_rejected
 
-    def _append_and_check_stop(self, request: Request,
-                               new_ids: list[int]) -> EngineCoreOutput:
-        sp = request.sampling_params
-        eos_ids = self._model_eos
-        if request.eos_token_id is not None and request.eos_token_id not in eos_ids:
-            eos_ids = eos_ids | {request.eos_token_id}
-        stop_ids = sp.stop_token_ids or ()
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
-        status: RequestStatus | None = None
-        stop_reason: int | None = None
-        # One token at a time: several may arrive at once (accepted drafts) and none may be
-        # appended after the first stop condition.
-        output, all_ids = request.output_token_ids, request.all_token_ids
-        for i, tok in enumerate(new_ids):
-            request.append_output_token_ids([tok])
-            if len(output) >= sp.min_tokens:
-                if tok in eos_ids and not sp.ignore_eos:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif tok in stop_ids:
-                    status, stop_reason = RequestStatus.FINISHED_STOPPED, tok
-            if status is None and (len(output) >= max_tokens
-                                   or len(all_ids) >= self.max_model_len):
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                new_ids = new_ids[:i + 1]
-                break
-        if status is not None:
-            request.status = status
-            request.stop_reason = stop_reason
-        return EngineCoreOutput(
-            request.request_id, list(new_ids),
-            finish_reason=_FINISH_REASON[status] if status is not None else None,
-            stop_reason=stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
-
     # ------------------------------------------------------------------------ bookkeeping
     def _end(self, request: Request, status: RequestStatus, *,
              stop_reason: int | str | None = None, error: str | None = None) -> None:
@@ -551,7 +510,7 @@ class Scheduler:
         if status is RequestStatus.FINISHED_ERROR:
             self._num_errors += 1
         out = EngineCoreOutput(
-            request.request_id, finish_reason=_FINISH_REASON[status], stop_reason=stop_reason,
+            request.request_id, finish_reason=FINISH_REASON[status], stop_reason=stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             events=self._events.pop(request.request_id, None), error=error)
         self._pending_outputs.append(out)

@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 import uvicorn
@@ -132,10 +132,14 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
+ReadBody = Callable[[Request], Awaitable[bytes]]
+Parse = Callable[[Any, Request], Awaitable[Any]]
+
+
 def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
                 body_timeout: float | None) -> None:
-    tok = ctx.tokenizer
-    created = int(time.time())
+    """Every route, in this order: OpenAI, Anthropic, service (schema, models, health,
+    metrics), tokenizer, and the debug routes when asked for."""
 
     async def read_body(request: Request) -> bytes:
         return await serving_read_body(request, limit, body_timeout)
@@ -145,6 +149,18 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         req = await ctx.parse(model, body)
         await ctx.check_kv_peer(req, request, body)        # a KV handle: the router's only
         return req
+
+    _add_openai_routes(app, ctx, parse)
+    anthropic_serving.add_routes(app, ctx, read_body)     # /v1/messages
+    _add_service_routes(app, ctx)
+    _add_tokenizer_routes(app, ctx, read_body)
+    if debug:
+        _add_debug_routes(app, ctx)
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext, parse: Parse) -> None:
+    """/v1/completions, /v1/chat/completions, /v1/responses (serving/openai/), and a clear
+    404 for /v1/embeddings."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -164,8 +180,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
                             "server does not compute embeddings", type_="not_found_error",
                        code="embeddings_not_supported")
 
-    anthropic_serving.add_routes(app, ctx, read_body)     # /v1/messages
 
+def _add_service_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The schema, the model list, health, version and the Prometheus metrics."""
+    created = int(time.time())
     schema = build_openapi({"/v1/responses": serving_responses.ResponsesRequest})
 
     @app.get("/openapi.json")
@@ -200,6 +218,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         body = ctx.metrics.render() if ctx.metrics is not None else b""
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext, read_body: ReadBody) -> None:
+    """vLLM's /tokenize (a prompt or chat messages) and /detokenize."""
+    tok = ctx.tokenizer
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await read_body(request)
@@ -229,26 +252,29 @@ def _add_routes(app: FastAPI, ctx: ServingContext, limit: int, debug: bool,
         ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    if debug:
-        @app.get("/debug/kv_integrity")
-        async def kv_integrity() -> JSONResponse:
-            """The KV pool's idle invariant (free + cached + used == pool) and the stats."""
-            ctx.check_alive()
-            try:
-                await ctx.engine.client.call_utility("check_integrity")
-                ok, detail = True, "ok"
-            except RuntimeError as e:
-                ok, detail = False, str(e)
-            stats = await ctx.engine.client.call_utility("get_stats")
-            return JSONResponse({"ok": ok, "detail": detail, "stats": stats,
-                                 "in_flight": ctx.engine.num_in_flight})
 
-        @app.get("/debug/stats")
-        async def debug_stats() -> JSONResponse:
-            """The engine's scheduler and KV-cache counters."""
-            ctx.check_alive()
-            stats = await ctx.engine.client.call_utility("get_stats")
-            return JSONResponse({"stats": stats, "in_flight": ctx.engine.num_in_flight})
+def _add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """--enable-debug-endpoints: the KV pool's integrity check and the engine's counters."""
+
+    @app.get("/debug/kv_integrity")
+    async def kv_integrity() -> JSONResponse:
+        """The KV pool's idle invariant (free + cached + used == pool) and the stats."""
+        ctx.check_alive()
+        try:
+            await ctx.engine.client.call_utility("check_integrity")
+            ok, detail = True, "ok"
+        except RuntimeError as e:
+            ok, detail = False, str(e)
+        stats = await ctx.engine.client.call_utility("get_stats")
+        return JSONResponse({"ok": ok, "detail": detail, "stats": stats,
+                             "in_flight": ctx.engine.num_in_flight})
+
+    @app.get("/debug/stats")
+    async def debug_stats() -> JSONResponse:
+        """The engine's scheduler and KV-cache counters."""
+        ctx.check_alive()
+        stats = await ctx.engine.client.call_utility("get_stats")
+        return JSONResponse({"stats": stats, "in_flight": ctx.engine.num_in_flight})
 
 
 # ----------------------------------------------------------------------------- startup
@@ -324,13 +350,59 @@ def serve_forever(args: Any, config: EngineConfig) -> int:
         sock.close()
 
 
-def _engine_client(args: Any, config: EngineConfig) -> EngineCoreClient | DPEngineClient:
+EngineClient = EngineCoreClient | DPEngineClient
+
+
+def _engine_client(args: Any, config: EngineConfig) -> EngineClient:
     timeouts = {"stale_after_s": args.engine_heartbeat_timeout,
                 "stall_timeout_s": args.engine_stall_timeout}    # every rank's too
     if config.parallel.enabled:
         return DPEngineClient(config, prefix_affinity=getattr(args, "dp_prefix_affinity", False),
                               **timeouts)
     return EngineCoreClient(config, **timeouts)
+
+
+async def _start_engine(args: Any, config: EngineConfig, client: EngineClient
+                        ) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
+    """Start the engine; the tokenizer loads here meanwhile. (tokenizer, sampling defaults,
+    the engine's model info)."""
+    starting = asyncio.create_task(client.start())
+    try:
+        tokenizer, defaults = await asyncio.to_thread(_load_frontend, args, config)
+    except BaseException:
+        starting.cancel()
+        raise
+    return tokenizer, defaults, await starting
+
+
+def _serving_context(args: Any, config: EngineConfig, client: EngineClient,
+                     tokenizer: Tokenizer, defaults: dict[str, Any],
+                     info: dict[str, Any]) -> ServingContext:
+    """The metrics, the async engine and what every route reads."""
+    names = list(args.served_model_name or [str(info.get("name", "model"))])
+    metrics = ServerMetrics(names[0], lambda: client.stats, int(info["max_model_len"]),
+                            cache_config_info(info, config))
+    if isinstance(client, DPEngineClient):
+        metrics.registry.register(DPStatsCollector(
+            lambda: client.rank_stats, names[0], lambda: client.balancer.picks))
+    engine = AsyncEngine(client, tokenizer, metrics)
+    client.on_step_times = metrics.observe_step_times
+    kv = config.kv_transfer
+    return ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
+                          int(info["vocab_size"]), config.scheduler.policy, defaults,
+                          metrics, chat_options(args),
+                          request_limits=request_limits_from_args(args),
+                          kv_secret=kv.consumer_secret() if kv else None,
+                          kv_peer_auth=peer_auth_for(kv) if kv else None)
+
+
+def _uvicorn_server(args: Any, app: FastAPI, ctx: ServingContext) -> _Server:
+    return _Server(uvicorn.Config(
+        app, log_level=args.log_level, access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
+        http=protocol_with_header_timeout(args.header_read_timeout,
+                                          ctx.request_limits.max_header_bytes),
+        limit_concurrency=args.max_connections), app.state.stopping, ctx.engine)
 
 
 async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
@@ -345,33 +417,11 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         print(f"wideserve | loading {config.load.model or 'the bundled model'} ...",
               flush=True)
         try:
-            # The tokenizer loads here while the engine process loads the model.
-            starting = asyncio.create_task(client.start())
-            try:
-                tokenizer, defaults = await asyncio.to_thread(_load_frontend, args, config)
-            except BaseException:
-                starting.cancel()
-                raise
-            info = await starting
+            tokenizer, defaults, info = await _start_engine(args, config, client)
         except (EngineStartupError, OSError, ValueError) as e:
             print(f"wideserve serve: error: {e}", file=sys.stderr)
             return 1
-        names = list(args.served_model_name or [str(info.get("name", "model"))])
-        metrics = ServerMetrics(names[0], lambda: client.stats, int(info["max_model_len"]),
-                                cache_config_info(info, config))
-        if isinstance(client, DPEngineClient):
-            metrics.registry.register(DPStatsCollector(
-                lambda: client.rank_stats, names[0], lambda: client.balancer.picks))
-        engine = AsyncEngine(client, tokenizer, metrics)
-        client.on_step_times = metrics.observe_step_times
-        ctx = ServingContext(engine, tokenizer, names, int(info["max_model_len"]),
-                             int(info["vocab_size"]), config.scheduler.policy, defaults,
-                             metrics, chat_options(args),
-                             request_limits=request_limits_from_args(args),
-                             kv_secret=config.kv_transfer.consumer_secret()
-                             if config.kv_transfer else None,
-                             kv_peer_auth=peer_auth_for(config.kv_transfer)
-                             if config.kv_transfer else None)
+        ctx = _serving_context(args, config, client, tokenizer, defaults, info)
 
         async def on_shutdown() -> None:
             assert ctx.pool is not None and ctx.prep is not None
@@ -394,7 +444,7 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
         gc.collect()
         gc.freeze()
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(startup_summary(info, config, names, ctx.max_model_len,
+        print(startup_summary(info, config, ctx.served_names, ctx.max_model_len,
                               f"http://{host}:{args.port}"), flush=True)
         if defaults:
             print(f"wideserve | default sampling from generation_config: {defaults}",
@@ -404,12 +454,7 @@ async def _serve(args: Any, config: EngineConfig, sock: socket.socket) -> int:
             # uvicorn restores these after its graceful shutdown and re-raises the signal it
             # caught; a no-op keeps SIGTERM from killing us before the engine is shut down.
             signal.signal(sig, lambda *_: None)
-        server = _Server(uvicorn.Config(
-            app, log_level=args.log_level, access_log=args.log_level == "debug",
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
-            http=protocol_with_header_timeout(args.header_read_timeout,
-                                              ctx.request_limits.max_header_bytes),
-            limit_concurrency=args.max_connections), app.state.stopping, engine)
+        server = _uvicorn_server(args, app, ctx)
         # Data-parallel ranks fail together and are not restarted in place
         # (docs/distributed.md, "Failure"); either way the server exits non-zero.
         death = ExitOnEngineDeath(client, server, grace_s=DP_FAILURE_GRACE_S

@@ -89,8 +89,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    from wideserve.config import SchedulerConfig
+    """One "model and engine" group: what to load, how to schedule and cache, and the
+    features (speculative decoding, P/D, EPLB), in this order in --help."""
     g = parser.add_argument_group("model and engine")
+    _add_load_args(g)
+    _add_schedule_and_cache_args(g)
+    _add_feature_args(g)
+
+
+def _add_load_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("model", nargs="?", default=None,
                    help="model directory or .gguf file (default: the bundled tiny model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
@@ -113,6 +120,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "process may use, less one for the server's front end, split over "
                         "data-parallel ranks, each rank bound to its cores; "
                         "$OMP_NUM_THREADS also sets it)")
+
+
+def _add_schedule_and_cache_args(g: argparse._ArgumentGroup) -> None:
+    from wideserve.config import SchedulerConfig
     g.add_argument("--max-model-len", type=_human_int, default=None,
                    help="longest prompt + output in tokens, e.g. 4096 or 32k (default: the "
                         "model's limit)")
@@ -146,6 +157,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="'auto' (the model's generation_config.json), 'vllm' or 'none' "
                         "(ignore it), or a directory holding one")
+
+
+def _add_feature_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--decoder-bounded-replay", action="store_true",
                    help="DeepSeek-V4.1 only, approximate (off by default): layers after the "
                         "last KV source run only on each prefill chunk's last sliding-window "

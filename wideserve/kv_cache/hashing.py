@@ -69,14 +69,17 @@ def token_bytes(token_ids: list[int] | np.ndarray) -> bytes:
 
 
 def hash_token_blocks(token_ids: list[int] | np.ndarray, block_size: int,
-                      parent: bytes | None = None, extra_keys: bytes = b"") -> list[bytes]:
-    """Hashes of every full block of `token_ids` (the same extra keys for each block)."""
+                      parent: bytes | None = None,
+                      extra_keys: bytes | Callable[[int], bytes] = b"") -> list[bytes]:
+    """Hashes of every full block of `token_ids`, chained from `parent`. `extra_keys`: the
+    same bytes for every block, or block index (within `token_ids`) -> that block's bytes."""
     n_full = len(token_ids) // block_size
     raw = memoryview(token_bytes(token_ids[:n_full * block_size]))
     step = 8 * block_size
     out = []
     for i in range(n_full):
-        parent = hash_block_tokens(parent, raw[i * step:(i + 1) * step], extra_keys)
+        extra = extra_keys(i) if callable(extra_keys) else extra_keys
+        parent = hash_block_tokens(parent, raw[i * step:(i + 1) * step], extra)
         out.append(parent)
     return out
 
@@ -107,13 +110,9 @@ class BlockHasher:
         n_full = len(request.all_token_ids) // bs
         if n_full <= start:
             return []
-        raw = memoryview(token_bytes(request.all_token_ids[start * bs:n_full * bs]))
-        step = 8 * bs
-        parent = hashes[-1] if hashes else None
-        new = []
-        for i in range(n_full - start):
-            extra = self.extra_keys(request, start + i) if self.extra_keys else b""
-            parent = hash_block_tokens(parent, raw[i * step:(i + 1) * step], extra)
-            new.append(parent)
+        extra_keys = self.extra_keys
+        new = hash_token_blocks(
+            request.all_token_ids[start * bs:n_full * bs], bs, hashes[-1] if hashes else None,
+            (lambda i: extra_keys(request, start + i)) if extra_keys else b"")
         hashes.extend(new)
         return new

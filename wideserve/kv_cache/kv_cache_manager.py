@@ -64,9 +64,6 @@ class KVCacheBlocks:
 
     blocks: list[list[KVBlock]]
 
-    def get_block_ids(self) -> list[list[int]]:
-        return [[b.block_id for b in group] for group in self.blocks]
-
     @property
     def num_blocks(self) -> int:
         return sum(len(g) for g in self.blocks)
@@ -138,8 +135,7 @@ class KVCacheManager:
         self._write_start: dict[str, int] = {}
         self._replay_start: dict[str, int] = {}    # where a bounded replay began (S)
         self._state: dict[str, _RequestState] = {}
-        self.stats = PrefixCacheStats()
-        self._interval = PrefixCacheStats()
+        self.stats = PrefixCacheStats()             # since start (engine stats, metrics)
 
     # -------------------------------------------------------------------- prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -306,11 +302,11 @@ class KVCacheManager:
         if hit_tokens > computed:
             self._write_start[rid] = hit_tokens
             self._replay_start[rid] = computed
-        for s in (self.stats, self._interval):
-            s.requests += 1
-            s.queries += request.num_tokens
-            s.hits += computed
-            s.replayed += max(0, hit_tokens - computed)
+        s = self.stats
+        s.requests += 1
+        s.queries += request.num_tokens
+        s.hits += computed
+        s.replayed += max(0, hit_tokens - computed)
 
     def _cache_computed(self, request: Request) -> None:
         if not self.enable_caching:
@@ -392,9 +388,6 @@ class KVCacheManager:
         or keep it): what the runner's persistent block tables append from each step."""
         return [m.req_tables.get(request_id, []) for m in self.managers]
 
-    def num_blocks_per_group(self, request_id: str) -> list[int]:
-        return [len(m.req_tables.get(request_id, ())) for m in self.managers]
-
     @property
     def num_groups(self) -> int:
         return len(self.managers)
@@ -413,10 +406,6 @@ class KVCacheManager:
     def free_blocks_per_bucket(self) -> list[int]:
         return [p.num_free_blocks for p in self.pools]
 
-    @property
-    def num_running_requests(self) -> int:
-        return len(self._requests)
-
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; refused (False) while any request holds blocks."""
         if self._requests or any(p.num_free_blocks != p.num_usable for p in self.pools):
@@ -424,13 +413,7 @@ class KVCacheManager:
         for p in self.pools:
             p.reset_prefix_cache()
         self.stats.resets += 1
-        self._interval.resets += 1
         return True
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Stats since the previous call (the cumulative ones are `stats`)."""
-        out, self._interval = self._interval, PrefixCacheStats()
-        return out
 
     def check_integrity(self) -> dict[int, dict[str, int]]:
         """Assert the pool invariants; returns {bucket: {"free", "cached", "used",

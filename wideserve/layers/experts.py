@@ -50,6 +50,7 @@ from wideserve.kernels import moe as moe_op
 from wideserve.kernels import quant_gemm
 from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
 from wideserve.layers.quant import ExpertFormat, dequant_grouped_linear, scaled_mm_grouped_linear
 
@@ -102,7 +103,7 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int,
         return False        # AssertionError: a torch built without the device (CUDA)
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(nn.Module, DeclaresGemms):
     """Weights in the HF layout: gate_up_proj [L, 2I, d] (gate rows first), down_proj [L, d, I]
     with L = num_local_experts physical slots."""
 
@@ -135,6 +136,13 @@ class RoutedExperts(nn.Module):
                              persistent=False)
         self.register_buffer("expert_load", torch.zeros(L, dtype=torch.int64),
                              persistent=False)
+
+    def gemm_shapes(self) -> list[GemmShape | AttentionShape]:
+        """The grouped expert GEMM, named by (intermediate, hidden). Experts kept in the
+        checkpoint's format run their own dequantising op, which the table does not choose."""
+        if self.weight_format is not None:
+            return []
+        return [GemmShape("experts", self.intermediate, self.hidden)]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

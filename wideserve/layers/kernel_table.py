@@ -10,10 +10,7 @@ from torch import nn
 
 from wideserve.kernels import describe
 from wideserve.kernels.choice import KernelChoice, default_choice
-from wideserve.layers.experts import RoutedExperts
-from wideserve.layers.linear import WeightPack
-
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
 
 
 class TableModel(Protocol):
@@ -24,34 +21,22 @@ class TableModel(Protocol):
     def tied_head_shape(self) -> tuple[int, int] | None: ...
 
 
-def model_gemm_shapes(model: TableModel) -> list[tuple[str, int, int]]:
-    """(family, N, K) of every distinct packed GEMM `model` runs: fused q/k/v and gate/up
-    ("qkv"), routers whose logits go through a WeightPack ("router"), the routed experts
-    (N = intermediate, K = hidden), the other linears and an LM head ("linear"); and the
-    paged GQA attention layers ("attention": N = heads, K = kv heads * 100000 + head dim)."""
-    shapes: dict[tuple[str, int, int], None] = {}
-    fused: set[int] = set()
+def model_gemm_shapes(model: TableModel) -> list[GemmShape | AttentionShape]:
+    """Every distinct GEMM (and paged attention) shape `model` runs: what its layers declare
+    (layers/gemm_shapes.py: fused q/k/v and gate/up, routers, routed experts, GQA attention),
+    every other nn.Linear as "linear", and a tied LM head."""
+    shapes: dict[GemmShape | AttentionShape, None] = {}
+    declared: set[int] = set()          # nn.Linear children a declaring layer runs itself
     for m in model.modules():
-        if isinstance(m, RoutedExperts):
-            shapes[("experts", m.down_proj.shape[2], m.down_proj.shape[1])] = None
-            continue
-        for names in _FUSED:
-            parts = [getattr(m, n, None) for n in names]
-            if all(isinstance(p, nn.Linear) for p in parts):
-                shapes[("qkv", sum(p.out_features for p in parts), parts[0].in_features)] = None
-                fused.update(id(p) for p in parts)
-        if all(isinstance(getattr(m, a, None), int)
-               for a in ("num_heads", "num_kv_heads", "head_dim")) and hasattr(m, "backend"):
-            shapes[("attention", m.num_heads, m.num_kv_heads * 100000 + m.head_dim)] = None
-        weight = getattr(m, "weight", None)
-        if isinstance(getattr(m, "_pack", None), WeightPack) and weight is not None:
-            shapes[("router", weight.shape[0], weight.shape[1])] = None
+        if isinstance(m, DeclaresGemms):
+            shapes.update(dict.fromkeys(m.gemm_shapes()))
+            declared.update(id(c) for c in m.children() if isinstance(c, nn.Linear))
     for m in model.modules():
-        if isinstance(m, nn.Linear) and id(m) not in fused:
-            shapes[("linear", m.out_features, m.in_features)] = None
+        if isinstance(m, nn.Linear) and id(m) not in declared:
+            shapes[GemmShape("linear", m.out_features, m.in_features)] = None
     tied = model.tied_head_shape()          # a head that is the embedding: no nn.Linear
     if tied is not None:
-        shapes[("linear", *tied)] = None
+        shapes[GemmShape("linear", *tied)] = None
     return list(shapes)
 
 
@@ -64,15 +49,15 @@ def plan_model(model: TableModel, dtype: torch.dtype, choice: KernelChoice) -> s
     """Plan every GEMM shape of `model` (timing, once per machine, what the disk table lacks:
     what the first forward would otherwise time); returns them as (family, "NxK")."""
     wanted = set()
-    for family, n, k in model_gemm_shapes(model):
-        if family == "attention":       # (heads, kv heads * 100000 + head dim)
-            kv, hd = divmod(k, 100000)
+    for shape in model_gemm_shapes(model):
+        if isinstance(shape, AttentionShape):
             for context in (False, True):      # fresh prefills; chunks after a context
-                choice.plan_attention(n, kv, hd, dtype, context)
-                wanted.add(("attention_ctx" if context else family, f"{n}x{kv}x{hd}"))
-        else:
-            choice.plan(family, n, k, dtype)
-            wanted.add((family, f"{n}x{k}"))
+                choice.plan_attention(shape.heads, shape.kv_heads, shape.head_dim, dtype,
+                                      context)
+                wanted.add(("attention_ctx" if context else shape.family, shape.label))
+            continue
+        choice.plan(shape.family, shape.n, shape.k, dtype)
+        wanted.add((shape.family, shape.label))
     return wanted
 
 

@@ -75,10 +75,6 @@ class ModelShape:
     expert_format: str = "bf16"
 
     @property
-    def expert_bytes(self) -> float:
-        return self.expert_params * FORMAT_BYTES[self.expert_format]
-
-    @property
     def dense_bytes(self) -> float:
         return self.dense_params * FORMAT_BYTES[self.weight_format]
 
@@ -130,7 +126,9 @@ def _formats(config: dict[str, Any], dtype: str | None) -> tuple[str, str]:
 
 
 def _param_split(model: Any) -> dict[str, int]:
-    host = {name for name, m in model.named_modules() if getattr(m, "host_resident", False)}
+    from wideserve.layers.engram import HostResident
+    # Host-resident tables (V4.1's Engram) are not read as weights by a step.
+    host = {name for name, m in model.named_modules() if isinstance(m, HostResident)}
     out = dict.fromkeys(("dense", "experts", "draft_dense", "draft_experts"), 0)
     for name, p in model.named_parameters():
         if name.rsplit(".", 1)[0] in host:

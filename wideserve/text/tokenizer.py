@@ -325,9 +325,6 @@ class Tokenizer:
             return None
         return DecodeStep(self.backend, stream)
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
-        return [self.backend.id_to_token(int(i)) for i in ids]
-
     def convert_tokens_to_ids(self, tokens: Iterable[str]) -> list[int | None]:
         return [self.backend.token_to_id(t) for t in tokens]
 

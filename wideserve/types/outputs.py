@@ -85,12 +85,6 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
     @property
-    def e2e_latency(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
-
-    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""
         if (self.first_token_time is None or self.last_token_time is None

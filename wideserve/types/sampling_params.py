@@ -168,10 +168,6 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @property
-    def max_stop_str_len(self) -> int:
-        return max((len(s) for s in self.stop), default=0)  # type: ignore[union-attr]
-
     def all_stop_token_ids(self, eos_token_ids: set[int] | frozenset[int] | None) -> set[int]:
         """Token ids that end generation: stop_token_ids, plus EOS unless ignore_eos."""
         ids = set(self.stop_token_ids or ())

@@ -73,9 +73,6 @@ class BlockTables:
                 self._clear(row)
                 self._free.append(row)
 
-    def row_of(self, request_id: str) -> int | None:
-        return self._row.get(request_id)
-
     def reserve_row(self) -> int:
         """A row no request will get: all null blocks in every group, for ever (the padding
         rows of a captured decode step, worker/decode_capture.py)."""

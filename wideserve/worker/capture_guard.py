@@ -37,8 +37,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from wideserve.types.forward_batch import ForwardBatch
-
 aten = torch.ops.aten
 
 # Ops that read a device value on the host or size their output from the data.
@@ -134,14 +132,6 @@ class CaptureGuard:
     def allow(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
             self._known.add(t)
-
-    def allow_batch(self, batch: ForwardBatch) -> None:
-        """A batch built after the guard: its tensors are the forward's inputs."""
-        fields = [batch.input_ids, batch.positions, batch.query_start_loc, batch.seq_lens,
-                  batch.kv_write_start, *batch.kv_caches.values(), *batch.extras.values()]
-        for view in batch.kv_groups:
-            fields += [view.block_table, view.slot_mapping, view.req_rows]
-        self.allow(t for t in fields if t is not None)
 
     def __enter__(self) -> CaptureGuard:
         self.trace, self._made = [], _Storages()

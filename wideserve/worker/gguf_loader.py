@@ -193,14 +193,6 @@ def iter_gguf_weights(meta: GGUFFile, config: dict, dtype: torch.dtype
         yield name, w.to(dtype)
 
 
-def load_gguf_checkpoint(path: str | os.PathLike[str] | GGUFFile, dtype: torch.dtype = torch.float32
-                         ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, HF-named state dict) of a GGUF file, dequantised to `dtype`."""
-    meta = open_gguf(path)
-    config = gguf_config(meta)
-    return config, dict(iter_gguf_weights(meta, config, dtype))
-
-
 def build_model(config_json: dict, weights, dtype: torch.dtype,
                 device: torch.device | str) -> torch.nn.Module:
     """Instantiate the registry's class for `config_json` in `dtype` on `device` and fill it

@@ -194,7 +194,7 @@ def plain_greedy(params_list: Sequence[SamplingParams], num_outputs: Sequence[in
     decode step skips building SamplingMetadata (a numpy pass over every field of every
     row: ~0.1 ms a step, docs/host_path.md)."""
     for p, n in zip(params_list, num_outputs):
-        if (p.temperature >= SAMPLING_EPS or p.logprobs is not None or p.logit_bias
+        if (not p.is_greedy or p.logprobs is not None or p.logit_bias
                 or p.has_penalties or n < p.min_tokens):
             return False
     return True

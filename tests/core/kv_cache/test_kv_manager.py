@@ -17,6 +17,16 @@ def kv_specs(n: int = 2) -> dict[str, KVCacheSpec]:
     return {f"l{i}.kv": KVCacheSpec(FULL, "kv", 8, F32) for i in range(n)}
 
 
+def ids(blocks) -> list[list[int]]:
+    """Block ids per group of a KVCacheBlocks."""
+    return [[b.block_id for b in group] for group in blocks.blocks]
+
+
+def lengths(mgr, request_id: str) -> list[int]:
+    """Blocks per group in a request's block-table rows."""
+    return [len(row) for row in mgr.block_rows(request_id)]
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + 31 * i) % 50_000 for i in range(n)]
 
@@ -30,9 +40,9 @@ def test_hits_last_token_never_a_hit_and_shared_blocks():
     b = make_request("b", prompt(1024))
     blocks, hit = mgr.get_computed_blocks(b)
     assert hit == 768                                   # not 1024: the last token is computed
-    assert blocks.get_block_ids() == [a_ids[:3]]
+    assert ids(blocks) == [a_ids[:3]]
     # b's new block is a never-cached one: hashless free blocks are reused first.
-    assert mgr.allocate_slots(b, 256, blocks, hit).get_block_ids()[0] != a_ids[3:]
+    assert ids(mgr.allocate_slots(b, 256, blocks, hit))[0] != a_ids[3:]
     assert mgr.block_ids("b")[0][:3] == a_ids[:3]
     c = make_request("c", prompt(600) + [1] * 100)
     assert mgr.get_computed_blocks(c)[1] == 512
@@ -72,7 +82,7 @@ def test_hit_is_capped_by_the_shortest_group_and_lru_evicts_the_tail():
     b = make_request("b", prompt(1100))
     blocks, hit = mgr.get_computed_blocks(b)
     assert hit == 3 * 256
-    assert blocks.get_block_ids() == [a_ids[0][:3], a_ids[1][:3]]
+    assert ids(blocks) == [a_ids[0][:3], a_ids[1][:3]]
 
 
 def test_v4_sliding_groups_stay_bounded_while_full_groups_grow_by_ratio():
@@ -236,7 +246,7 @@ def test_allocation_is_atomic_across_buckets():
     assert mgr.stats.requests == 1                                # failed admission not counted
     a.append_output_token_ids([1] * 400)
     assert mgr.allocate_slots(a, 400) is None                     # a running request too
-    assert mgr.num_blocks_per_group("a") == [2, 2, 2] and mgr.check_integrity() == before
+    assert lengths(mgr, "a") == [2, 2, 2] and mgr.check_integrity() == before
     assert mgr.allocate_slots(b, 200, blocks, hit) is not None    # one logical block fits
     assert mgr.free_blocks_per_bucket == [0, 3] and mgr.usage == 1.0
     mgr.free(a)
@@ -266,7 +276,7 @@ def test_draft_and_lookahead_tokens_are_never_cached():
     req = make_request("r", prompt(250))
     blocks, hit = mgr.get_computed_blocks(req)
     assert mgr.allocate_slots(req, 250, blocks, hit, num_lookahead_tokens=10) is not None
-    assert mgr.num_blocks_per_group("r") == [2]
+    assert lengths(mgr, "r") == [2]
     req.num_computed_tokens = 250
     req.append_output_token_ids([1])
     req.spec_token_ids = [2] * 6                       # 251 + 6 drafts cross the block end
@@ -299,10 +309,9 @@ def test_stats_reset_and_preemption_resume():
     blocks, hit = mgr.get_computed_blocks(a)
     assert hit == 512                                  # its computed full blocks were kept
     assert mgr.allocate_slots(a, 1000 - hit, blocks, hit) is not None
-    stats = mgr.make_prefix_cache_stats()
+    stats = mgr.stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 2000, 512)
     assert stats.hit_rate == pytest.approx(512 / 2000)
-    assert mgr.make_prefix_cache_stats().requests == 0 and mgr.stats.requests == 2
     assert not mgr.reset_prefix_cache()                # a is running
     a.num_computed_tokens = 1000
     mgr.free(a)
@@ -318,7 +327,7 @@ def test_caching_disabled_and_api_errors():
     blocks, hit = mgr.get_computed_blocks(a)
     assert hit == 0 and blocks.num_blocks == 0
     assert mgr.allocate_slots(a, 1000, blocks, 0) is not None
-    assert mgr.num_blocks_per_group("a") == [3]        # capped at max_model_len = 600
+    assert lengths(mgr, "a") == [3]        # capped at max_model_len = 600
     with pytest.raises(ValueError, match="already holds"):
         mgr.get_computed_blocks(a)
     with pytest.raises(ValueError, match="admission only"):
@@ -354,7 +363,7 @@ def test_fast_path_still_frees_a_finished_prefill_chunk():
     mgr, cfg = make_manager(specs, num_blocks=40, enable_prefix_caching=False)
     req = make_request("r", prompt(2000))
     run_prefill(mgr, req)                                # one 2,000-token chunk
-    assert mgr.num_blocks_per_group("r") == [16, 8]      # 2,048 slots: decode fits
+    assert lengths(mgr, "r") == [16, 8]      # 2,048 slots: decode fits
     req.append_output_token_ids([1])
     assert mgr.allocate_slots(req, 1).num_blocks == 0    # nothing new to allocate ...
     w = mgr.block_ids("r")[0]

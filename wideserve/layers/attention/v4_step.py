@@ -244,12 +244,6 @@ class V4Step(StepCaches):
         return self._once(("entries", id(blocks), ratio), lambda: build_block_entries(
             blocks, ratio, self.entry_width(ratio), self.device))
 
-    def dense_bias(self, blocks: QueryBlocks, window: int, ratio: int) -> torch.Tensor:
-        """[B, Q, 1, Lk + 1 + K]: window keys, sink slot, then every entry 0..K-1."""
-        return self._once(("dense_bias", id(blocks), window, ratio), lambda: torch.cat(
-            [self.window_keys(blocks, window).bias,
-             self.block_entries(blocks, ratio).bias[:, :, None, :]], dim=-1))
-
     def padded_bias(self, blocks: QueryBlocks, window: int, extra: int) -> torch.Tensor:
         """[B, Q, 1, Lk + 1 + extra]: the window bias, then `extra` zero columns (entries
         masked per query later)."""

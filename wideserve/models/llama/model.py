@@ -26,6 +26,7 @@ from wideserve.layers.attention.registry import (
     resolve_paged_attention_backend,
     static_decode,
 )
+from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
 from wideserve.layers.linear import GemmCall, WeightPack
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_rotate_half import (RopeScaling, RotaryEmbedding, apply_rotary,
@@ -141,7 +142,7 @@ def _qwen_sliding(d: dict, all_layers: bool) -> dict:
                 sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, DeclaresGemms):
     """GQA self-attention with RoPE over the layer's paged K||V cache."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int, backend: str) -> None:
@@ -205,6 +206,12 @@ class Attention(nn.Module):
                                     (q_p.bias, k_p.bias, v_p.bias), dtype, rows),
                 self._o.gemm_call((o_p.weight,), (o_p.bias,), dtype, rows))
 
+    def gemm_shapes(self) -> list[GemmShape | AttentionShape]:
+        """q/k/v as one GEMM, o, and the paged attention itself."""
+        return [GemmShape("qkv", sum(self._split), self.q_proj.in_features),
+                GemmShape("linear", self.o_proj.out_features, self.o_proj.in_features),
+                AttentionShape(self.num_heads, self.num_kv_heads, self.head_dim)]
+
     @property
     def qkv_split(self) -> tuple[int, int, int]:
         """Widths of q, k and v in the fused projection's output."""
@@ -218,7 +225,7 @@ def _attend(attend: Callable[..., torch.Tensor], *args) -> torch.Tensor:
     return attend(*args)
 
 
-class DenseMLP(nn.Module):
+class DenseMLP(nn.Module, DeclaresGemms):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
@@ -226,6 +233,12 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
         self._gate_up, self._down = WeightPack(), WeightPack()   # layers/linear.py
+
+    def gemm_shapes(self) -> list[GemmShape | AttentionShape]:
+        """gate/up as one GEMM, then down."""
+        g, d = self.gate_proj, self.down_proj
+        return [GemmShape("qkv", 2 * g.out_features, g.in_features),
+                GemmShape("linear", d.out_features, d.in_features)]
 
     def lean_mlp(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """On the lean path a dense MLP is called as the module, hooks and all

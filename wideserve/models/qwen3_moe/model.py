@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.layers.experts import RoutedExperts
+from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
 from wideserve.layers.linear import WeightPack
 from wideserve.models.lean_decode import LeanMLP, hooked
 from wideserve.models.llama.model import (DecoderForCausalLM, DenseMLP, LlamaConfig, _common_fields,
@@ -62,13 +63,17 @@ class Qwen3MoeConfig(LlamaConfig):
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(nn.Module, DeclaresGemms):
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k = top_k
         self.renormalize = renormalize
         self._pack = WeightPack()
+
+    def gemm_shapes(self) -> list[GemmShape | AttentionShape]:
+        """The router logits, through its WeightPack (widened to fp32)."""
+        return [GemmShape("router", *self.weight.shape)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (topk_ids [T, k] int64, topk_weights [T, k] in x.dtype)."""

@@ -76,10 +76,10 @@ class RequestMetricsObserver:
         self.generation.observe(sum(lengths))
         self.max_generation.observe(max(lengths, default=0))
         m = output.metrics
-        if m is None or m.first_scheduled_time is None:
+        if m is None or m.queue_time is None:          # never scheduled
             return
         scheduled = m.first_scheduled_time
-        self.times["queue"].observe(max(0.0, scheduled - m.arrival_time))
+        self.times["queue"].observe(max(0.0, m.queue_time))
         if m.first_token_time is None or m.last_token_time is None:
             return
         decode = max(0.0, m.last_token_time - m.first_token_time)
