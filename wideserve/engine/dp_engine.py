@@ -32,7 +32,7 @@ from wideserve.parallel.devices import bind_device, rank_device
 from wideserve.parallel.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, choose_step_sync
 from wideserve.layers.ep_dispatch import EPDispatcher, make_dispatcher
 from wideserve.worker.eplb_balancer import EpGroup
-from wideserve.worker.expert_shard import routed_experts
+from wideserve.worker.expert_shard import moe_stacks, routed_experts
 from wideserve.parallel.groups import DPGroup, DPGroupError, init_dp_group
 from wideserve.worker.model_loader import load_model
 from wideserve.worker.model_runner import StepRequest
@@ -57,7 +57,8 @@ class DPStepStats:
     expert_s: float = 0.0
     ep_calls: int = 0
     ep_drain_calls: int = 0
-    num_local_experts: int = 0
+    num_local_experts: int = 0            # the widest stack's
+    num_local_experts_by_stack: dict[str, int] | None = None
 
 
 class DPEngineCore(EngineCore):
@@ -117,17 +118,19 @@ class DPEngineCore(EngineCore):
         layers = routed_experts(self.model)
         if not layers:
             raise ValueError("--enable-expert-parallel: the model has no routed experts")
-        num_local = {m.num_local_experts for _, m in layers}
-        if len(num_local) != 1:
-            raise ValueError(f"--enable-expert-parallel: MoE layers hold different numbers "
-                             f"of experts per rank ({sorted(num_local)})")
-        per_rank = num_local.pop()
+        # Each MoE stack (the target's layers, a DSpark / MTP draft's) is sharded on its own
+        # terms (worker/expert_shard.py): one dispatcher serves them all, its count header
+        # as wide as the stack with the most experts per rank (layers/ep_dispatch.py).
+        per_rank = max(m.num_local_experts for _, m in layers)
         self.dispatcher = make_dispatcher(
             self.parallel.ep_dispatcher, self.group.device_group, self.group.rank,
             self.group.world_size, per_rank, self.device)
         for _, experts in layers:
             self.dispatcher.register(experts)
         self.dp.num_local_experts = per_rank
+        self.dp.num_local_experts_by_stack = {
+            stack: layers_of[0].num_local_experts
+            for stack, layers_of in moe_stacks(self.model).items() if layers_of}
 
     # ------------------------------------------------------------------------- step
     def dp_step(self, stop: bool) -> list[EngineCoreOutput] | None:
