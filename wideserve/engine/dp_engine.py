@@ -80,6 +80,7 @@ class DPEngineCore(EngineCore):
         self.dispatcher: EPDispatcher | None = None
         self.sync: TimedStepSync | None = None
         self.group_busy = False
+        self.eplb = None                 # EngineCore's; here so a failed start can clean up
         self.dp = DPStepStats(rank=parallel.data_parallel_rank,
                               world_size=parallel.data_parallel_size)
         loaded = None
@@ -87,16 +88,22 @@ class DPEngineCore(EngineCore):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         if parallel.enable_expert_parallel and parallel.enabled:
             self.group = init_dp_group(parallel, torch.device(device))
-            redundant = config.eplb.num_redundant_experts if config.eplb else 0
-            loaded = load_model(config.load, (parallel.data_parallel_size,
-                                              parallel.data_parallel_rank, redundant))
-        super().__init__(config, loaded)
-        if self.group is not None:
-            self._install_dispatcher()
-            self.sync = TimedStepSync(*choose_step_sync(self.group, parallel.dp_sync_method))
-            self.dp.lockstep = True
-            self.dp.sync_method = self.sync.stats.method
-            self.dp.sync_calibration_us = dict(self.sync.stats.calibration_us) or None
+        try:
+            if self.group is not None:
+                redundant = config.eplb.num_redundant_experts if config.eplb else 0
+                loaded = load_model(config.load, (parallel.data_parallel_size,
+                                                  parallel.data_parallel_rank, redundant))
+            super().__init__(config, loaded)
+            if self.group is not None:
+                self._install_dispatcher()
+                self.sync = TimedStepSync(*choose_step_sync(self.group,
+                                                            parallel.dp_sync_method))
+                self.dp.lockstep = True
+                self.dp.sync_method = self.sync.stats.method
+                self.dp.sync_calibration_us = dict(self.sync.stats.calibration_us) or None
+        except BaseException:
+            self.close_group()          # a failed start leaves no group behind either
+            raise
 
     @property
     def lockstep(self) -> bool:
@@ -176,6 +183,23 @@ class DPEngineCore(EngineCore):
         self.runner.drop([DUMMY_REQUEST_ID])        # its block-table row is not kept
         return []
 
+    def close_group(self) -> None:
+        """Leave the DP group when this rank stops: the step sync's side-channel sockets
+        closed, every process group destroyed and the rendezvous store let go (rank 0: its
+        server and port), so a later engine in this process, or on these ports, starts
+        from nothing of ours. Idempotent; called by LockstepLoop.close on every exit path."""
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+        # Everything that refers to the process groups lets go of them first: a group
+        # object keeps the store, and rank 0's store its port, alive.
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+        if self.eplb is not None:
+            self.eplb.close()
+        if self.group is not None:
+            self.group.destroy()
+
     # ------------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
         stats = super().get_stats()
@@ -216,3 +240,10 @@ class LockstepLoop(EngineLoop):
                 self.stats_dirty = True
             self.emit(outputs)
             self.check_parent()
+
+    def close(self) -> None:
+        """Sockets, then the group (run_engine_process calls this on every exit path)."""
+        try:
+            self.engine.close_group()
+        finally:
+            super().close()

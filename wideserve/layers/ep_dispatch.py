@@ -75,6 +75,10 @@ class EPDispatcher(ABC):
     def finish_step(self) -> None:
         """Answer peers' remaining MoE calls until every rank is done with the step."""
 
+    def close(self) -> None:
+        """The engine stopped: let go of the process group (it holds the rendezvous store
+        and its port; engine/dp_engine.py, close_group)."""
+
 
 class AllToAllDispatcher(EPDispatcher):
     """Counts first, then rows, with `all_to_all_single` (gloo on CPU, NCCL on GPU)."""
@@ -193,6 +197,9 @@ class AllToAllDispatcher(EPDispatcher):
         meta = self._meta(0, 0, 0, torch.float32, None)
         while self._round(meta, None) is not None:
             self.stats.drain_calls += 1
+
+    def close(self) -> None:
+        self.group = None
 
 
 # Dispatcher name (ParallelConfig.ep_dispatcher) -> implementation. Every implementation takes

@@ -60,6 +60,11 @@ class EplbManager:
         for b in self.balancers.values():
             b.step(dummy)
 
+    def close(self) -> None:
+        """The engine stopped: let go of the EP process group (engine/dp_engine.py)."""
+        for b in self.balancers.values():
+            b.ep.group = None
+
     def verify_weights(self) -> None:
         for b in self.balancers.values():
             b.verify_weights()
