@@ -242,7 +242,7 @@ class LockstepLoop(EngineLoop):
             self.check_parent()
 
     def close(self) -> None:
-        """Sockets, then the group (run_engine_process calls this on every exit path)."""
+        """The group, then the sockets (run_engine_process calls this on every exit path)."""
         try:
             self.engine.close_group()
         finally:
