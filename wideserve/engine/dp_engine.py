@@ -32,6 +32,7 @@ from wideserve.parallel.devices import bind_device, rank_device
 from wideserve.parallel.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, choose_step_sync
 from wideserve.layers.ep_dispatch import EPDispatcher, make_dispatcher
 from wideserve.worker.eplb_balancer import EpGroup
+from wideserve.worker.eplb_manager import EplbManager
 from wideserve.worker.expert_shard import moe_stacks, routed_experts
 from wideserve.parallel.groups import DPGroup, DPGroupError, init_dp_group
 from wideserve.worker.model_loader import load_model
@@ -64,6 +65,11 @@ class DPStepStats:
 class DPEngineCore(EngineCore):
     """EngineCore plus the group, the EP dispatcher and the lock-step `dp_step`."""
 
+    # Class-level defaults: `shutdown` runs on a rank whose start failed part way.
+    dispatcher: EPDispatcher | None = None
+    sync: TimedStepSync | None = None
+    eplb: EplbManager | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         parallel.check()
@@ -80,7 +86,6 @@ class DPEngineCore(EngineCore):
         self.dispatcher: EPDispatcher | None = None
         self.sync: TimedStepSync | None = None
         self.group_busy = False
-        self.eplb = None                 # EngineCore's; here so a failed start can clean up
         self.dp = DPStepStats(rank=parallel.data_parallel_rank,
                               world_size=parallel.data_parallel_size)
         loaded = None
@@ -102,7 +107,7 @@ class DPEngineCore(EngineCore):
                 self.dp.sync_method = self.sync.stats.method
                 self.dp.sync_calibration_us = dict(self.sync.stats.calibration_us) or None
         except BaseException:
-            self.close_group()          # a failed start leaves no group behind either
+            self.shutdown()          # a failed start leaves no group behind either
             raise
 
     @property
@@ -183,11 +188,12 @@ class DPEngineCore(EngineCore):
         self.runner.drop([DUMMY_REQUEST_ID])        # its block-table row is not kept
         return []
 
-    def close_group(self) -> None:
+    def shutdown(self) -> None:
         """Leave the DP group when this rank stops: the step sync's side-channel sockets
         closed, every process group destroyed and the rendezvous store let go (rank 0: its
         server and port), so a later engine in this process, or on these ports, starts
-        from nothing of ours. Idempotent; called by LockstepLoop.close on every exit path."""
+        from nothing of ours. Idempotent; called by LockstepLoop.close on every exit path
+        (the agreed stop, an error) and by a start that failed after joining the group."""
         if self.sync is not None:
             self.sync.close()
             self.sync = None
@@ -199,6 +205,7 @@ class DPEngineCore(EngineCore):
             self.eplb.close()
         if self.group is not None:
             self.group.destroy()
+            self.group = None
 
     # ------------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
@@ -244,6 +251,6 @@ class LockstepLoop(EngineLoop):
     def close(self) -> None:
         """The group, then the sockets (run_engine_process calls this on every exit path)."""
         try:
-            self.engine.close_group()
+            self.engine.shutdown()
         finally:
             super().close()

@@ -77,7 +77,7 @@ class EPDispatcher(ABC):
 
     def close(self) -> None:
         """The engine stopped: let go of the process group (it holds the rendezvous store
-        and its port; engine/dp_engine.py, close_group)."""
+        and its port; engine/dp_engine.py, shutdown)."""
 
 
 class AllToAllDispatcher(EPDispatcher):
