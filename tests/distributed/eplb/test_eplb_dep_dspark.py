@@ -24,12 +24,13 @@ from ep_harness import free_port_block  # noqa: E402
 
 from wideserve import LLM, SamplingParams  # noqa: E402
 
-# window 4, plan every 5 steps, one layer moved per step: rebalances run during decode.
-# 2 redundant: the target's 8 experts -> 10 slots (5 per rank), the draft's 4 -> 6 (3).
+# window 4, plan every 5 steps, two layers moved per step (the target's 6 in 3 steps, the
+# draft's 3 in 2): several rebalances run during decode. 2 redundant: the target's 8 experts
+# -> 10 slots (5 per rank), the draft's 4 -> 6 (3). Balancedness measured every 3 steps.
 EPLB = {"window_size": 4, "step_interval": 5, "num_redundant_experts": 2,
-        "layers_per_step": 1, "log_balancedness_interval": 3}
+        "layers_per_step": 2, "log_balancedness": True, "log_balancedness_interval": 3}
 DSPARK = {"method": "dspark", "num_speculative_tokens": 4}
-MAX_NEW = 16
+MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,7 @@ def test_dep2_dspark_eplb_equals_one_process(ckpt, spec):
         assert len({p["rebalances"] for p in per}) == 1, "ranks disagree on the schedule"
         assert sum(p["bytes_sent"] for p in per) > 0, f"{role}: no weights moved"
         assert len({p["balancedness"] for p in per}) == 1 and 0 < per[0]["balancedness"] <= 1
+        assert per[0]["balancedness_steps"] > 0
     drafted = sum((r.get("spec_decode") or {}).get("num_draft_tokens", 0) for r in ranks)
     assert (drafted > 0) == spec
 
