@@ -53,3 +53,29 @@ def test_llm_kwargs_and_uneven_expert_split():
         engine_config_from_kwargs(data_parallel_size=2, data_parallel_rank=2)
     with pytest.raises(ValueError, match="do not split evenly"):
         ExpertPlacement(num_experts=6, ep_size=4, ep_rank=0)
+
+
+def test_each_moe_stack_is_sharded_on_its_own_terms():
+    """A DSpark draft's MoE (mtp.*) with its own expert count: its own slots per rank, and an
+    uneven split names the draft."""
+    import torch
+    from torch import nn
+    from wideserve.layers.experts import RoutedExperts
+    from wideserve.worker.expert_shard import moe_stacks, shard_experts
+
+    def stacks(draft_experts: int) -> nn.Module:
+        with torch.device("meta"):
+            m = nn.Module()
+            m.layers = nn.ModuleList([RoutedExperts(8, 16, 8) for _ in range(2)])
+            m.mtp = nn.ModuleList([RoutedExperts(draft_experts, 16, 8)])
+        return m
+
+    model = stacks(4)
+    placements = shard_experts(model, 2, 1, num_redundant=2)
+    assert {n: (p.num_local, p.start, p.stack) for n, p in placements.items()} == {
+        "layers.0": (5, 5, "target"), "layers.1": (5, 5, "target"), "mtp.0": (3, 3, "draft")}
+    by_stack = moe_stacks(model)
+    assert [m.gate_up_proj.shape[0] for m in by_stack["target"]] == [5, 5]
+    assert [m.gate_up_proj.shape[0] for m in by_stack["draft"]] == [3]
+    with pytest.raises(ValueError, match="the draft's 6 experts do not split evenly"):
+        shard_experts(stacks(6), 4, 0)              # the target's 8 do

@@ -31,7 +31,8 @@ from wideserve.parallel.devices import bind_device, rank_device
 from wideserve.parallel.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, choose_step_sync
 from wideserve.layers.ep_dispatch import EPDispatcher, make_dispatcher
 from wideserve.worker.eplb_balancer import EpGroup
-from wideserve.worker.expert_shard import routed_experts
+from wideserve.worker.eplb_manager import EplbManager
+from wideserve.worker.expert_shard import moe_stacks, routed_experts
 from wideserve.parallel.groups import DPGroup, DPGroupError, init_dp_group
 from wideserve.worker.model_loader import load_model
 from wideserve.worker.model_runner import StepRequest
@@ -56,11 +57,17 @@ class DPStepStats:
     expert_s: float = 0.0
     ep_calls: int = 0
     ep_drain_calls: int = 0
-    num_local_experts: int = 0
+    num_local_experts: int = 0            # the widest stack's
+    num_local_experts_by_stack: dict[str, int] | None = None
 
 
 class DPEngineCore(EngineCore):
     """EngineCore plus the group, the EP dispatcher and the lock-step `dp_step`."""
+
+    # Class-level defaults: `shutdown` runs on a rank whose start failed part way.
+    dispatcher: EPDispatcher | None = None
+    sync: TimedStepSync | None = None
+    eplb: EplbManager | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
@@ -85,16 +92,22 @@ class DPEngineCore(EngineCore):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         if parallel.enable_expert_parallel and parallel.enabled:
             self.group = init_dp_group(parallel, torch.device(device))
-            redundant = config.eplb.num_redundant_experts if config.eplb else 0
-            loaded = load_model(config.load, (parallel.data_parallel_size,
-                                              parallel.data_parallel_rank, redundant))
-        super().__init__(config, loaded)
-        if self.group is not None:
-            self._install_dispatcher()
-            self.sync = TimedStepSync(*choose_step_sync(self.group, parallel.dp_sync_method))
-            self.dp.lockstep = True
-            self.dp.sync_method = self.sync.stats.method
-            self.dp.sync_calibration_us = dict(self.sync.stats.calibration_us) or None
+        try:
+            if self.group is not None:
+                redundant = config.eplb.num_redundant_experts if config.eplb else 0
+                loaded = load_model(config.load, (parallel.data_parallel_size,
+                                                  parallel.data_parallel_rank, redundant))
+            super().__init__(config, loaded)
+            if self.group is not None:
+                self._install_dispatcher()
+                self.sync = TimedStepSync(*choose_step_sync(self.group,
+                                                            parallel.dp_sync_method))
+                self.dp.lockstep = True
+                self.dp.sync_method = self.sync.stats.method
+                self.dp.sync_calibration_us = dict(self.sync.stats.calibration_us) or None
+        except BaseException:
+            self.shutdown()          # a failed start leaves no group behind either
+            raise
 
     @property
     def lockstep(self) -> bool:
@@ -116,28 +129,19 @@ class DPEngineCore(EngineCore):
         layers = routed_experts(self.model)
         if not layers:
             raise ValueError("--enable-expert-parallel: the model has no routed experts")
-        num_local = {m.num_local_experts for _, m in layers}
-        if len(num_local) != 1:
-            raise ValueError(f"--enable-expert-parallel: MoE layers hold different numbers "
-                             f"of experts per rank ({sorted(num_local)})")
-        per_rank = num_local.pop()
+        # Each MoE stack (the target's layers, a DSpark / MTP draft's) is sharded on its own
+        # terms (worker/expert_shard.py): one dispatcher serves them all, its count header
+        # as wide as the stack with the most experts per rank (layers/ep_dispatch.py).
+        per_rank = max(m.num_local_experts for _, m in layers)
         self.dispatcher = make_dispatcher(
             self.parallel.ep_dispatcher, self.group.device_group, self.group.rank,
             self.group.world_size, per_rank, self.device)
         for _, experts in layers:
             self.dispatcher.register(experts)
         self.dp.num_local_experts = per_rank
-
-    def shutdown(self) -> None:
-        """Leave the group once the ranks agreed to stop: close the step sync's side channel
-        and destroy the process group, so a later engine in this process can join a new one
-        (torch allows one default group per process)."""
-        if self.sync is not None:
-            self.sync.close()
-            self.sync = None
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+        self.dp.num_local_experts_by_stack = {
+            stack: layers_of[0].num_local_experts
+            for stack, layers_of in moe_stacks(self.model).items() if layers_of}
 
     # ------------------------------------------------------------------------- step
     def dp_step(self, stop: bool) -> list[EngineCoreOutput] | None:
@@ -183,6 +187,25 @@ class DPEngineCore(EngineCore):
         self.runner.drop([DUMMY_REQUEST_ID])        # its block-table row is not kept
         return []
 
+    def shutdown(self) -> None:
+        """Leave the DP group when this rank stops: the step sync's side-channel sockets
+        closed, every process group destroyed and the rendezvous store let go (rank 0: its
+        server and port), so a later engine in this process, or on these ports, starts
+        from nothing of ours. Idempotent; called by LockstepLoop.close on every exit path
+        (the agreed stop, an error) and by a start that failed after joining the group."""
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+        # Everything that refers to the process groups lets go of them first: a group
+        # object keeps the store, and rank 0's store its port, alive.
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+        if self.eplb is not None:
+            self.eplb.close()
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
     # ------------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
         stats = super().get_stats()
@@ -224,3 +247,10 @@ class LockstepLoop(EngineLoop):
                 self.stats_dirty = True
             self.emit(outputs)
             self.check_parent()
+
+    def close(self) -> None:
+        """The group, then the sockets (run_engine_process calls this on every exit path)."""
+        try:
+            self.engine.shutdown()
+        finally:
+            super().close()

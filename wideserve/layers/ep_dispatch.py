@@ -1,7 +1,9 @@
 """Expert-parallel dispatch and combine (docs/distributed.md, "Expert parallelism").
 
 Physical experts are numbered globally and split evenly over the EP ranks: physical expert p
-lives on rank p // L as local slot p % L (L = experts per rank). `RoutedExperts.forward` maps
+lives on rank p // L as local slot p % L (L = that layer's experts per rank; MoE stacks with
+different expert counts, a target and its draft, share one dispatcher whose count header is
+as wide as the widest stack's L). `RoutedExperts.forward` maps
 the router's logical ids to physical ones (its `logical_to_physical`, which EPLB rewrites) and,
 with `experts.ep` set, hands the rows to a dispatcher:
 
@@ -72,6 +74,10 @@ class EPDispatcher(ABC):
     @abstractmethod
     def finish_step(self) -> None:
         """Answer peers' remaining MoE calls until every rank is done with the step."""
+
+    def close(self) -> None:
+        """The engine stopped: let go of the process group (it holds the rendezvous store
+        and its port; engine/dp_engine.py, shutdown)."""
 
 
 class AllToAllDispatcher(EPDispatcher):
@@ -164,7 +170,7 @@ class AllToAllDispatcher(EPDispatcher):
         meta[:, _HIDDEN] = hidden
         meta[:, _DTYPE] = _DTYPES.index(dtype)
         if counts is not None:
-            meta[:, _HEADER:] = counts
+            meta[:, _HEADER:_HEADER + counts.shape[1]] = counts
         return meta
 
     # ----------------------------------------------------------------------- public
@@ -173,8 +179,11 @@ class AllToAllDispatcher(EPDispatcher):
         k = phys_ids.shape[1]
         flat = phys_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.world * self.num_local)
-        counts = counts.view(self.world, self.num_local)
+        # This layer's own experts per rank (a draft stack may hold fewer than the target's;
+        # the header is as wide as the widest stack, the rest of the row stays zero).
+        per_rank = experts.num_local_experts
+        counts = torch.bincount(flat, minlength=self.world * per_rank)
+        counts = counts.view(self.world, per_rank)
         token_of = order // k
         meta = self._meta(1, experts.ep_layer, x.shape[1], x.dtype, counts)
         back = self._round(meta, x.index_select(0, token_of))
@@ -188,6 +197,9 @@ class AllToAllDispatcher(EPDispatcher):
         meta = self._meta(0, 0, 0, torch.float32, None)
         while self._round(meta, None) is not None:
             self.stats.drain_calls += 1
+
+    def close(self) -> None:
+        self.group = None
 
 
 # Dispatcher name (ParallelConfig.ep_dispatcher) -> implementation. Every implementation takes

@@ -31,9 +31,11 @@ class DPGroup:
     rank: int
     world_size: int
     device: torch.device
-    device_group: dist.ProcessGroup      # collectives on the device's tensors (EP all-to-all)
-    cpu_group: dist.ProcessGroup         # host-side control over gloo (step sync, choices)
-    store: dist.Store
+    # The groups and the store are None once destroyed: a ProcessGroup object holds the
+    # store, and the store (on rank 0) its server's port, for as long as anything refers to it.
+    device_group: dist.ProcessGroup | None   # collectives on the device's tensors (EP a2a)
+    cpu_group: dist.ProcessGroup | None      # host-side control over gloo (step sync, choices)
+    store: dist.Store | None
     timeout_s: float
     address: str                         # node 0's address, as the ranks were told
     store_generation: int = 0            # store keys of side channels built so far
@@ -46,8 +48,16 @@ class DPGroup:
         return f"g{self.store_generation}/"
 
     def destroy(self) -> None:
+        """Leave the group and let go of the rendezvous store: every process group (the
+        default one, the gloo control group) destroyed, the store client closed and, on rank
+        0, its server with it (the port freed, once nothing else holds the groups: the
+        engine drops its dispatcher's and EPLB's references too). Idempotent. A DP rank calls it
+        when it stops (engine/dp_engine.py, LockstepLoop.close), so nothing of this group is left for a
+        later group built in the same process (init_process_group refuses a second default
+        group; a live store server would still hold the port)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.device_group = self.cpu_group = self.store = None
 
 
 def backend_for(device: torch.device) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
 from wideserve.config.eplb import EplbConfig
-from wideserve.worker.expert_shard import routed_experts
+from wideserve.worker.expert_shard import routed_experts, stack_of
 from wideserve.layers.experts import RoutedExperts
 
 logger = logging.getLogger(__name__)
@@ -22,13 +22,15 @@ def moe_layers(module: nn.Module, mtp: bool | None = None) -> list[RoutedExperts
     """The routed-expert layers of a model, in module order; mtp=True/False keeps only the
     MTP block's (`mtp.*`) or only the others, None keeps all."""
     return [m for name, m in routed_experts(module)
-            if mtp is None or name.startswith("mtp.") == mtp]
+            if mtp is None or (stack_of(name) == "draft") == mtp]
 
 
-def _num_groups(model: nn.Module, config: EplbConfig) -> int:
-    if config.num_groups is not None:
-        return config.num_groups
-    return model.num_expert_groups()
+def _num_groups(model: nn.Module, config: EplbConfig, stack: str, num_experts: int) -> int:
+    """Expert groups of one stack for the hierarchical policy. A draft stack with its own
+    expert count (DSpark: 128 against the target's 384) that the groups do not divide is
+    balanced as one group (the global policy); the target's must divide (policy.py says so)."""
+    groups = config.num_groups if config.num_groups is not None else model.num_expert_groups()
+    return groups if stack == "target" or num_experts % groups == 0 else 1
 
 
 class EplbManager:
@@ -47,7 +49,8 @@ class EplbManager:
             if layers:
                 self.balancers[name] = ExpertBalancer(
                     name, layers, layers[0].num_experts, config, ep, device,
-                    num_groups=_num_groups(owner, config))
+                    num_groups=_num_groups(owner, config, name,
+                                           layers[0].num_experts))
         if ep.size == 1:
             logger.info("EPLB with one expert-parallel rank: ranks are trivially balanced; "
                         "redundant experts and rebalances still run (useful for testing)")
@@ -56,6 +59,11 @@ class EplbManager:
         """Once per engine step, on every EP rank (dummy steps too)."""
         for b in self.balancers.values():
             b.step(dummy)
+
+    def close(self) -> None:
+        """The engine stopped: let go of the EP process group (engine/dp_engine.py)."""
+        for b in self.balancers.values():
+            b.ep.group = None
 
     def verify_weights(self) -> None:
         for b in self.balancers.values():
@@ -66,10 +74,11 @@ class EplbManager:
 
 
 def _draft_layers(model: nn.Module, spec: Any) -> tuple[nn.Module | None, list[RoutedExperts]]:
-    """The MoE layers the speculative proposer runs: the target's MTP block (method mtp), a
-    draft model's (method draft_model), none otherwise."""
+    """The MoE layers the speculative proposer runs: the target's MTP block (method mtp) or
+    DSpark stages (method dspark, DeepSeek-V4.1: `mtp.*` too, with their own expert count
+    and top-k), a draft model's (method draft_model), none otherwise."""
     method = spec.config.method if spec is not None else None
-    if method == "mtp":
+    if method in ("mtp", "dspark"):
         return model, moe_layers(model, mtp=True)
     if method == "draft_model":
         draft = spec.proposer.model

@@ -1,7 +1,10 @@
 """Which routed experts a rank holds, and loading only those (docs/distributed.md).
 
 Without redundant experts, physical expert p = logical expert p, and rank r of an EP group of
-size N holds the contiguous block [r*L, (r+1)*L) with L = E / N. `shard_experts` shrinks every
+size N holds the contiguous block [r*L, (r+1)*L) with L = E / N. Each MoE stack is sharded on
+its own terms: the target's layers with their E, a draft's (DeepSeek-V4.1's DSpark stages or
+an MTP block, `mtp.*`) with its own (DSpark: 128 experts top-3 against the target's 384
+top-6), so L differs between stacks (`moe_stacks`; one EP dispatcher serves both). `shard_experts` shrinks every
 `RoutedExperts` of a model built on the meta device to its L local rows before the parameters
 are materialised; `ExpertShardFilter` then slices checkpoint tensors to those rows on their way
 into the model (fused [E, ...] tensors and their quantisation scales; per-expert tensors of
@@ -30,10 +33,12 @@ class ExpertPlacement:
     ep_size: int
     ep_rank: int
     num_redundant: int = 0       # EPLB's extra physical slots (docs/eplb.md)
+    stack: str = "target"        # "target" or "draft" (error messages)
 
     def __post_init__(self) -> None:
         if self.num_physical % self.ep_size:
-            raise ValueError(f"--enable-expert-parallel: {self.num_experts} experts"
+            raise ValueError(f"--enable-expert-parallel: the {self.stack}'s "
+                             f"{self.num_experts} experts"
                              + (f" + {self.num_redundant} redundant" if self.num_redundant
                                 else "")
                              + f" do not split evenly over data_parallel_size {self.ep_size}")
@@ -66,13 +71,28 @@ def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
 
 
+def stack_of(name: str) -> str:
+    """The MoE stack a routed-experts module belongs to: "draft" for the `mtp.*` modules
+    (an MTP block, DSpark stages), "target" otherwise."""
+    return "draft" if name.startswith(("mtp.", "model.mtp.")) else "target"
+
+
+def moe_stacks(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """{"target": [...], "draft": [...]} routed-experts modules per stack, module order."""
+    stacks: dict[str, list[nn.Module]] = {"target": [], "draft": []}
+    for name, experts in routed_experts(model):
+        stacks[stack_of(name)].append(experts)
+    return stacks
+
+
 def shard_experts(model: nn.Module, ep_size: int, ep_rank: int, num_redundant: int = 0
                   ) -> dict[str, ExpertPlacement]:
     """Shrink each RoutedExperts (parameters still on meta) to this rank's experts.
     Returns {module name: placement} for the loader."""
     placements: dict[str, ExpertPlacement] = {}
     for name, experts in routed_experts(model):
-        place = ExpertPlacement(experts.num_experts, ep_size, ep_rank, num_redundant)
+        place = ExpertPlacement(experts.num_experts, ep_size, ep_rank, num_redundant,
+                                stack_of(name))
         for pname, param in list(experts.named_parameters(recurse=False)):
             if param.dim() and param.shape[0] == experts.num_experts:
                 local = torch.empty((place.num_local, *param.shape[1:]), dtype=param.dtype,
