@@ -109,6 +109,9 @@ class RoutedExperts(nn.Module):
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
         self._packs: _ExpertPacks | _FusedPack | None = None   # derived copies of the weights
         self.kernel_choice: KernelChoice | None = None           # None: the process's table
+        # KernelConfig.batch_invariant (CausalLM.apply_kernel_config): every (token, pick) row
+        # through its expert alone, one kernel whatever the expert's row count (`_invariant`)
+        self.batch_invariant = False
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -125,6 +128,8 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, d]; topk_ids/topk_weights [T, k] (logical ids) -> [T, d]."""
+        if self.ep is None and self.batch_invariant and _fused_runs(x.device, x.dtype):
+            return self._invariant(x, topk_ids, topk_weights)
         if self.ep is None and self.resolved_impl(x.device, x.dtype) == "fused":
             return self._fused(x, topk_ids, topk_weights)
         phys = map_to_physical(topk_ids, self.logical_to_physical, self.replica_count,
@@ -143,10 +148,38 @@ class RoutedExperts(nn.Module):
     def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         """x_rows [N, d], slot_ids [N] int64 local physical experts -> [N, d]: each row
         through its expert's (unweighted) SwiGLU MLP."""
+        if self.batch_invariant and _fused_runs(x_rows.device, x_rows.dtype):
+            return self._rows_mlp(x_rows, slot_ids)
         order = torch.argsort(slot_ids, stable=True)
         counts = count_rows(slot_ids, self.num_local_experts)
         ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
         return torch.empty_like(ys).index_copy_(0, order, ys)
+
+    def _invariant(self, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+        """--batch-invariant: the expert-parallel path's arithmetic on one rank (each pick's
+        row through its expert, rounded to x.dtype, then `combine`), so one process, DEP ranks
+        and any batch mix give a token the same bits. The fused op's own weighted sum rounds
+        once over all picks, which the EP path cannot reproduce."""
+        phys = map_to_physical(ids, self.logical_to_physical, self.replica_count,
+                               self.replica_offset)                           # [T, k]
+        flat = phys.reshape(-1)
+        self.expert_load += count_rows(flat, self.expert_load.shape[0])
+        T, k = phys.shape
+        y = self._rows_mlp(x.repeat_interleave(k, dim=0), flat)
+        return combine(y.view(T, k, x.shape[1]), weights).to(x.dtype)
+
+    def _rows_mlp(self, x_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x_rows [N, d], slots [N] physical experts -> [N, d] in x's dtype: the fused op
+        with one pick of weight 1 per row (1 * y is exact; rounded once), its GEMM kernel the
+        same for every row count (the invariant plan of `_fused_pack`)."""
+        if x_rows.shape[0] == 0:
+            return x_rows.clone()
+        w13, w2, inter = self._fused_pack()
+        ones = torch.ones(x_rows.shape[0], 1, dtype=x_rows.dtype, device=x_rows.device)
+        return moe_op.fused_experts(x_rows, slots[:, None], ones, w13, w2, inter,
+                                    self.swiglu_limit,
+                                    brgemm_min_rows=self._packs.brgemm_min_rows)
 
     def weights_changed(self) -> None:
         """Call after writing the expert weights through `.data` (which the version counter
@@ -200,13 +233,14 @@ class RoutedExperts(nn.Module):
         if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
             self._packs = _FusedPack(w1, w2)
         packs = self._packs
-        threads = torch.get_num_threads()
+        threads = (torch.get_num_threads(), self.batch_invariant)
         if packs.threads != threads:
             packs.threads = threads
             packs.brgemm_min_rows = None
             if w1.dtype == torch.bfloat16:
                 choice = self.kernel_choice or default_choice()
-                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype)
+                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype,
+                                   invariant=self.batch_invariant)
                 packs.brgemm_min_rows = brgemm_min_rows(plan)
         return packs.w13, packs.w2, w2.shape[2]
 
@@ -217,7 +251,7 @@ class RoutedExperts(nn.Module):
         logical ids as they are (another implementation, an `ep` dispatcher, replicas).
         models/lean_decode.py."""
         if self.ep is not None or self.resolved_impl(device, dtype) != "fused" \
-                or self.logical_to_physical.shape[1] != 1:
+                or self.logical_to_physical.shape[1] != 1 or self.batch_invariant:
             return None
         w13, w2, inter = self._fused_pack()
         return (w13, w2, inter, self.swiglu_limit, False, self.logical_to_physical,
@@ -266,7 +300,7 @@ class _FusedPack(_DerivedPack):
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__(w1, w2)
         self.w13, self.w2 = moe_op.pack_experts(w1, w2)
-        self.threads = 0                          # the thread count the threshold is for
+        self.threads: tuple[int, bool] = (0, False)   # (threads, invariant) of the threshold
         self.brgemm_min_rows: int | None = None   # experts with this many rows: brgemm
 
 

@@ -74,6 +74,9 @@ class PagedAttentionConfig:
     cpu_kernel: bool = True          # the C++ op on the CPU (False: the buckets)
     sdpa_prefill: bool = True        # fresh prefills through SDPA where the choice measured it
     fused_kv_write: bool = True      # the op writes the step's K/V itself (False: torch write)
+    # KernelConfig.batch_invariant: never SDPA for fresh prefills (whether a request took it
+    # depended on the others in the step); the C++ op's key tiles start at fixed positions
+    batch_invariant: bool = False
 
 
 @dataclass(slots=True)
@@ -148,7 +151,8 @@ class PagedAttentionPlans:
         if key not in self._sdpa:
             self._sdpa[key] = None
             b = self.batch
-            if self.config.sdpa_prefill and window is None and len(b.seq_lens_cpu):
+            if self.config.sdpa_prefill and not self.config.batch_invariant \
+                    and window is None and len(b.seq_lens_cpu):
                 q = b.query_lens_cpu()
                 if np.array_equal(q, b.seq_lens_cpu) and q.min() > 1:
                     plan = default_choice().plan_attention(heads, kv_heads, head_dim, dtype)
