@@ -90,6 +90,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def apply_kernel_config(self, kernels: KernelConfig) -> None:
         """Set the per-module CPU-op switches from the engine's KernelConfig (the norms' and
         the weight packs' here; models with more override and call this)."""
+        self.batch_invariant = kernels.batch_invariant
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.cpu_kernel = kernels.cpu_norm
@@ -125,6 +126,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     # Whether the model runs GEMMs as F.linear / nn.Linear outside a WeightPack: under
     # --batch-invariant its steps then run inside layers/linear.py InvariantLinears.
     functional_gemms: ClassVar[bool] = True
+    batch_invariant: bool = False        # KernelConfig.batch_invariant (apply_kernel_config)
 
     # Why the MTP block is unavailable although the config asks for one (set by drop_mtp).
     mtp_unavailable: str | None = None

@@ -51,11 +51,17 @@ class V4Step:
     """Per-forward batch layout and cache access helpers (one per ForwardBatch)."""
 
     def __init__(self, batch: ForwardBatch,
-                 codecs: Mapping[str, RecordCodec] | None = None) -> None:
+                 codecs: Mapping[str, RecordCodec] | None = None,
+                 batch_invariant: bool = False) -> None:
         """codecs: cache name -> how its entries are quantised (layers/kv_quant.py). A cache
         stored as uint8 holds packed records (packed on write, unpacked on read); a float cache
-        with a codec stores the dequantised values; a cache without one stores what is written."""
+        with a codec stores the dequantised values; a cache without one stores what is written.
+        batch_invariant (KernelConfig): no choice here depends on the other requests - entry
+        widths padded to their block's own power of two, CSA always through its top-k picks
+        (v4_batched.select, v41_batched.select) - so a query's keys and reduction lengths do
+        not change with the batch mix."""
         self.batch = batch
+        self.batch_invariant = batch_invariant
         self.codecs = codecs or {}
         self.positions = batch.positions
         self.device = batch.positions.device
@@ -198,7 +204,8 @@ class V4Step:
         ratio > 0 (bucket_widths with `floor`), all of width 0 for ratio 0; each part's cost
         (fixed + width * per_entry per block) within `budget`. Shared by every layer."""
         def build() -> list[Part]:
-            widths = (bucket_widths(most_visible(blocks, ratio), floor) if ratio
+            widths = (bucket_widths(most_visible(blocks, ratio), floor, self.batch_invariant)
+                      if ratio
                       else np.zeros(blocks.num_blocks, dtype=np.int64))
             return build_parts(widths, lambda w: fixed + w * per_entry, budget, self.device)
         return self._once(("parts", id(blocks), ratio, floor, fixed, per_entry, budget), build)

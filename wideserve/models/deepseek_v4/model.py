@@ -168,7 +168,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     # ------------------------------------------------------------------ forward
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, d] after hc_head and the final norm."""
-        step = V4Step(batch, self._packed_codecs(batch))
+        step = V4Step(batch, self._packed_codecs(batch), self.batch_invariant)
         x = self.model.embed_tokens(batch.input_ids)                          # [T, d]
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.model.layers:
@@ -187,7 +187,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         if depth >= len(self.mtp):
             raise ValueError(f"MTP depth {depth} requested but the model has {len(self.mtp)} "
                              f"MTP block(s) (num_nextn_predict_layers)")
-        step = V4Step(batch, self._packed_codecs(batch))
+        step = V4Step(batch, self._packed_codecs(batch), self.batch_invariant)
         embeds = self.model.embed_tokens(next_token_ids)
         hidden, self.last_mtp_streams = self.mtp[depth].run(embeds, streams, step,
                                                             next_token_ids)

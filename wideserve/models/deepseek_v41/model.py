@@ -224,7 +224,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, d] after the final collapse and norm."""
         c = self.config
-        step = V4Step(batch, self._codecs)
+        step = V4Step(batch, self._codecs, self.batch_invariant)
         ids = batch.input_ids
         x = self.model.embed_tokens(ids)
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
@@ -249,7 +249,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                                       None if state.candidates is None
                                       else state.candidates[rows])
                     engram_at = {k: v[rows] for k, v in engram_at.items()}
-                    step = V4Step(sub, self._codecs)
+                    step = V4Step(sub, self._codecs, self.batch_invariant)
             if i in taps:   # the streams entering layer i (after its Engram)
                 features.append(layer.tap(streams, engram_at.get(i)))
             streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
