@@ -57,7 +57,8 @@ class V4Step:
         stored as uint8 holds packed records (packed on write, unpacked on read); a float cache
         with a codec stores the dequantised values; a cache without one stores what is written.
         batch_invariant (KernelConfig): no choice here depends on the other requests - entry
-        widths padded to their block's own power of two, CSA always through its top-k picks
+        widths padded to their block's own power of two, one query per block, CSA always
+        through its top-k picks
         (v4_batched.select, v41_batched.select) - so a query's keys and reduction lengths do
         not change with the batch mix."""
         self.batch = batch
@@ -156,7 +157,9 @@ class V4Step:
         LONG_QUERY new tokens in blocks of LONG_QUERY, the others one token per block."""
         def build() -> list[QueryBlocks]:
             qlens = np.diff(self.qsl)
-            long = qlens >= LONG_QUERY
+            # --batch-invariant: one query per block for prefill too, so a query's keys are
+            # the same whether its request prefills, is chunked or decodes (MTP, P/D)
+            long = qlens >= (LONG_QUERY if not self.batch_invariant else np.iinfo(np.int64).max)
             groups = []
             if not long.all():
                 tokens = (np.arange(self.num_tokens) if not long.any()
