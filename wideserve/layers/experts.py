@@ -239,8 +239,8 @@ class RoutedExperts(nn.Module):
             packs.brgemm_min_rows = None
             if w1.dtype == torch.bfloat16:
                 choice = self.kernel_choice or default_choice()
-                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype,
-                                   invariant=self.batch_invariant)
+                mode = {"invariant": True} if self.batch_invariant else {}
+                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype, **mode)
                 packs.brgemm_min_rows = brgemm_min_rows(plan)
         return packs.w13, packs.w2, w2.shape[2]
 

@@ -163,9 +163,9 @@ class WeightPack:
                                             ("torch", family != "router")) if ok)
         if set(allowed) - {"torch"}:        # something to choose (no probe otherwise)
             choice = self._choice or default_choice()
+            mode = {"invariant": True} if self.batch_invariant else {}
             plan = tuple(k or "torch" for k in choice.plan(family, w.shape[0], w.shape[1],
-                                                            w.dtype, allowed,
-                                                            self.batch_invariant))
+                                                            w.dtype, allowed, **mode))
         elif self.batch_invariant and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and self.cpu_kernel and cpu_ops_available():
             plan = ("micro",) * len(BUCKETS)    # its fp32 loop: one order for every row
