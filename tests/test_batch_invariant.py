@@ -110,3 +110,18 @@ def test_prefill_decode_over_loopback_gives_the_colocated_tokens(measured_kernel
                              enable_prefix_caching=False, kv_cache_memory=1 << 25)
     ps = prompts(4096)
     assert run_pd(p, d, ps, NEW) == run_colocated(ref, ps, NEW)
+
+
+def test_the_mode_is_a_config_field_set_by_the_llm_keyword_and_the_cli_flag():
+    import argparse
+
+    from wideserve.config import engine_config_from_kwargs
+    from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+    assert engine_config_from_kwargs().kernels.batch_invariant is False
+    cfg = engine_config_from_kwargs(batch_invariant=True, kernel_config={"cpu_argmax": False})
+    assert cfg.kernels.batch_invariant and not cfg.kernels.cpu_argmax
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--batch-invariant"])).kernels \
+        .batch_invariant
+    assert not engine_config_from_args(parser.parse_args([])).kernels.batch_invariant
