@@ -161,24 +161,32 @@ class RoutedExperts(nn.Module):
         row through its expert, rounded to x.dtype, then `combine`), so one process, DEP ranks
         and any batch mix give a token the same bits. The fused op's own weighted sum rounds
         once over all picks, which the EP path cannot reproduce."""
-        phys = map_to_physical(ids, self.logical_to_physical, self.replica_count,
-                               self.replica_offset)                           # [T, k]
-        flat = phys.reshape(-1)
-        self.expert_load += count_rows(flat, self.expert_load.shape[0])
-        T, k = phys.shape
-        y = self._rows_mlp(x.repeat_interleave(k, dim=0), flat)
+        T, k = ids.shape
+        table = self.logical_to_physical
+        if table.shape[1] == 1:         # one replica each: the op maps ids and counts load
+            y = self._rows_mlp(x.repeat_interleave(k, dim=0), ids.reshape(-1), table,
+                               self.expert_load)
+        else:
+            phys = map_to_physical(ids, table, self.replica_count, self.replica_offset)
+            flat = phys.reshape(-1)
+            self.expert_load += count_rows(flat, self.expert_load.shape[0])
+            y = self._rows_mlp(x.repeat_interleave(k, dim=0), flat)
         return combine(y.view(T, k, x.shape[1]), weights).to(x.dtype)
 
-    def _rows_mlp(self, x_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x_rows [N, d], slots [N] physical experts -> [N, d] in x's dtype: the fused op
-        with one pick of weight 1 per row (1 * y is exact; rounded once), its GEMM kernel the
-        same for every row count (the invariant plan of `_fused_pack`)."""
+    def _rows_mlp(self, x_rows: torch.Tensor, slots: torch.Tensor,
+                  expert_map: torch.Tensor | None = None,
+                  expert_load: torch.Tensor | None = None) -> torch.Tensor:
+        """x_rows [N, d], slots [N] physical experts (logical with `expert_map`) -> [N, d]
+        in x's dtype: the fused op with one pick of weight 1 per row (1 * y is exact; rounded
+        once), its GEMM kernel the same for every row count (the invariant plan of
+        `_fused_pack`)."""
         if x_rows.shape[0] == 0:
             return x_rows.clone()
         w13, w2, inter = self._fused_pack()
         ones = torch.ones(x_rows.shape[0], 1, dtype=x_rows.dtype, device=x_rows.device)
         return moe_op.fused_experts(x_rows, slots[:, None], ones, w13, w2, inter,
-                                    self.swiglu_limit,
+                                    self.swiglu_limit, expert_map=expert_map,
+                                    expert_load=expert_load,
                                     brgemm_min_rows=self._packs.brgemm_min_rows)
 
     def weights_changed(self) -> None:
