@@ -1,6 +1,7 @@
 """Engine configuration: what to load, how to cache, how to schedule."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -123,6 +124,11 @@ class KernelConfig:
     sdpa_prefill: bool = True        # PagedAttentionConfig.sdpa_prefill
     fused_kv_write: bool = True      # PagedAttentionConfig.fused_kv_write
     cpu_argmax: bool = True          # Sampler / Worker: greedy rows by the C++ argmax op
+    # --batch-invariant: every kernel reduces in an order independent of the batch (one
+    # row-invariant GEMM kernel for every token count, experts per row, fixed attention
+    # tiles), so a request's greedy output is the same whatever runs beside it
+    # (docs/cpu_kernels.md, "Batch invariance").
+    batch_invariant: bool = False
 
 
 @dataclass(slots=True)
@@ -187,8 +193,11 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     a bad one is a ValueError naming the argument. `speculative_config` takes a dict, a JSON string or a
     SpeculativeConfig (as vLLM's LLM does); `enable_eplb` with `eplb_config` (dict, JSON or
     EplbConfig) the same way; `kernel_config` a KernelConfig or a dict of its fields (the
-    engine's CPU-op switches, e.g. {"cpu_attention": False} for an A/B run)."""
+    engine's CPU-op switches, e.g. {"cpu_attention": False} for an A/B run);
+    `batch_invariant=True` sets KernelConfig.batch_invariant (vLLM's flag name)."""
     kernels = _kernels(kwargs.pop("kernel_config", None))
+    if kwargs.pop("batch_invariant", False):
+        kernels = dataclasses.replace(kernels, batch_invariant=True)
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
              "parallel": ParallelConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))

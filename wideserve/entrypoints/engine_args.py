@@ -114,6 +114,11 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
                    help="run the model eagerly; --no-enforce-eager compiles the decoder layers "
                         "(torch.compile; attention stays eager). Default: eager on the CPU "
                         "(compiling takes tens of seconds there), compiled on other devices")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="outputs that do not depend on the batch: every kernel reduces in an "
+                        "order independent of the batch size and a row's place in it, so "
+                        "greedy outputs are bit-identical across batch mixes, data-parallel "
+                        "ranks, speculation and P/D (costs speed; docs/cpu_kernels.md)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--threads", type=parse_positive_int, default=None,
                    help="torch threads per engine process (default: one per core this "
@@ -215,7 +220,8 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from wideserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+    from wideserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,
+                                  SchedulerConfig)
     from wideserve.entrypoints.parallel_args import parallel_config_from_args
     parallel = parallel_config_from_args(args)
     parallel.threads = getattr(args, "threads", None)
@@ -239,6 +245,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_transfer=getattr(args, "kv_transfer_config", None),
         eplb=_eplb_from_args(args),
         parallel=parallel,
+        kernels=KernelConfig(batch_invariant=getattr(args, "batch_invariant", False)),
     )
 
 

@@ -58,6 +58,10 @@ BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 SAMPLE_ROWS = (1, 4, 16, 64, 256, 512)
 LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "plain",
           "own": "-", "sdpa": "-"}
+# Kernels whose per-row result does not depend on the rows beside it (no M-dependent algorithm
+# or K split; tests/kernels/test_batch_invariant_kernels.py checks it over M = 1..300): the only
+# candidates of KernelConfig.batch_invariant, one kernel for every bucket (`plan(invariant=)`).
+INVARIANT_KERNELS = ("micro", "brgemm")
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
 FORMAT = 2                     # bump when the table's meaning changes
@@ -219,13 +223,18 @@ class KernelChoice:
     # -- the plan of one shape
 
     def plan(self, family: str, n: int, k: int, dtype: torch.dtype,
-             allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
-        """The kernel per bucket for a [n, k] weight of `family` ('' where none can run)."""
+             allowed: tuple[str, ...] | None = None,
+             invariant: bool = False) -> tuple[str, ...]:
+        """The kernel per bucket for a [n, k] weight of `family` ('' where none can run).
+        invariant (KernelConfig.batch_invariant): one row-invariant kernel for every bucket."""
         cands = tuple(c for c in self.runnable(family, dtype)
-                      if allowed is None or c in allowed)
+                      if (allowed is None or c in allowed)
+                      and (not invariant or c in INVARIANT_KERNELS))
         if not cands:
             return ("",) * len(BUCKETS)
         force = self.policy.force
+        if invariant:
+            return (self._invariant_pick(family, n, k, cands),) * len(BUCKETS)
         if force != "auto":
             pick = force if force in cands else cands[-1] if "torch" in cands else cands[0]
             return (pick,) * len(BUCKETS)
@@ -233,6 +242,16 @@ class KernelChoice:
             return cands * len(BUCKETS)
         entry = self.entry(family, (n, k), cands)
         return tuple(entry.kernels)
+
+    def _invariant_pick(self, family: str, n: int, k: int, cands: tuple[str, ...]) -> str:
+        """The forced kernel where it is a candidate, else the one with the least summed time
+        relative to the best per bucket (pruned: never best)."""
+        if self.policy.force in cands or len(cands) == 1:
+            return self.policy.force if self.policy.force in cands else cands[0]
+        times = self.entry(family, (n, k), cands).times_us
+        best = [min(t for t in row.values() if t is not None) for row in times]
+        return min(cands, key=lambda c: sum(float("inf") if row.get(c) is None else
+                                            row[c] / b for row, b in zip(times, best)))
 
     def plan_attention(self, heads: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype, context: bool = False) -> tuple[str, ...]:

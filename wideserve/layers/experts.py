@@ -124,6 +124,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         self.hidden, self.intermediate = hidden, intermediate
         self.weight_format: ExpertFormat | None = None   # None: dense weights in the load dtype
         self.quant_brgemm_min_rows: int | None = QUANT_BRGEMM_MIN_ROWS
+        # KernelConfig.batch_invariant (CausalLM.apply_kernel_config): every (token, pick) row
+        # through its expert alone, one kernel whatever the expert's row count (`_invariant`)
+        self.batch_invariant = False
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -147,6 +150,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, d]; topk_ids/topk_weights [T, k] (logical ids) -> [T, d]."""
+        if (self.ep is None and self.batch_invariant and self.weight_format is None
+                and _fused_runs(x.device, x.dtype)):
+            return self._invariant(x, topk_ids, topk_weights)
         if self.ep is None and self.resolved_impl(x.device, x.dtype) == "fused":
             return self._fused(x, topk_ids, topk_weights)
         phys = map_to_physical(topk_ids, self.logical_to_physical, self.replica_count,
@@ -165,6 +171,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
     def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         """x_rows [N, d], slot_ids [N] int64 local physical experts -> [N, d]: each row
         through its expert's (unweighted) SwiGLU MLP."""
+        if self.batch_invariant and _fused_runs(x_rows.device, x_rows.dtype):
+            return self._rows_mlp(x_rows, slot_ids)
         order = torch.argsort(slot_ids, stable=True)
         counts = count_rows(slot_ids, self.num_local_experts)
         ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
@@ -199,6 +207,40 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
         return (fmt.dequantize(self.gate_up_proj, self.gate_up_proj_scale, 2, dtype),
                 fmt.dequantize(self.down_proj, self.down_proj_scale, 1, dtype))
+
+    def _invariant(self, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+        """--batch-invariant: the expert-parallel path's arithmetic on one rank (each pick's
+        row through its expert, rounded to x.dtype, then `combine`), so one process, DEP ranks
+        and any batch mix give a token the same bits. The fused op's own weighted sum rounds
+        once over all picks, which the EP path cannot reproduce."""
+        T, k = ids.shape
+        table = self.logical_to_physical
+        if table.shape[1] == 1:         # one replica each: the op maps ids and counts load
+            y = self._rows_mlp(x.repeat_interleave(k, dim=0), ids.reshape(-1), table,
+                               self.expert_load)
+        else:
+            phys = map_to_physical(ids, table, self.replica_count, self.replica_offset)
+            flat = phys.reshape(-1)
+            self.expert_load += count_rows(flat, self.expert_load.shape[0])
+            y = self._rows_mlp(x.repeat_interleave(k, dim=0), flat)
+        return combine(y.view(T, k, x.shape[1]), weights).to(x.dtype)
+
+    def _rows_mlp(self, x_rows: torch.Tensor, slots: torch.Tensor,
+                  expert_map: torch.Tensor | None = None,
+                  expert_load: torch.Tensor | None = None) -> torch.Tensor:
+        """x_rows [N, d], slots [N] physical experts (logical with `expert_map`) -> [N, d]
+        in x's dtype: the fused op with one pick of weight 1 per row (1 * y is exact; rounded
+        once), its GEMM kernel the same for every row count (the invariant plan of
+        `_fused_pack`)."""
+        if x_rows.shape[0] == 0:
+            return x_rows.clone()
+        w13, w2, inter = self._fused_pack()
+        ones = torch.ones(x_rows.shape[0], 1, dtype=x_rows.dtype, device=x_rows.device)
+        return moe_op.fused_experts(x_rows, slots[:, None], ones, w13, w2, inter,
+                                    self.swiglu_limit, expert_map=expert_map,
+                                    expert_load=expert_load,
+                                    brgemm_min_rows=self._packs.brgemm_min_rows)
 
     def weights_changed(self) -> None:
         """Call after writing the expert weights through `.data` (which the version counter
@@ -254,13 +296,14 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
             self._packs = _FusedPack(w1, w2)
         packs = self._packs
-        threads = torch.get_num_threads()
+        threads = (torch.get_num_threads(), self.batch_invariant)
         if packs.threads != threads:
             packs.threads = threads
             packs.brgemm_min_rows = None
             if w1.dtype == torch.bfloat16:
                 choice = self.kernel_choice or default_choice()
-                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype)
+                mode = {"invariant": True} if self.batch_invariant else {}
+                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype, **mode)
                 packs.brgemm_min_rows = brgemm_min_rows(plan)
         return packs.w13, packs.w2, w2.shape[2]
 
@@ -271,7 +314,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         logical ids as they are (another implementation, an `ep` dispatcher, replicas).
         models/lean_decode.py."""
         if self.ep is not None or self.resolved_impl(device, dtype) != "fused" \
-                or self.logical_to_physical.shape[1] != 1:
+                or self.logical_to_physical.shape[1] != 1 or self.batch_invariant:
             return None
         w13, w2, inter = self._fused_pack()
         return (w13, w2, inter, self.swiglu_limit, False, self.logical_to_physical,
@@ -297,15 +340,17 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             return packed_mlp(xs, counts, self._packs, self.swiglu_limit)
         return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
 
-
     def _quant_linear(self, x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
                       scale: torch.Tensor, halves: int) -> torch.Tensor:
         """One grouped projection on checkpoint-format weights (sorted rows, counts [L])."""
         fmt = self.weight_format
         assert fmt is not None
         if quant_gemm.available(x.device, x.dtype):
+            # --batch-invariant: every row on the per-row dot products (None: no brgemm), whose
+            # result does not depend on how many rows the expert has
+            min_rows = None if self.batch_invariant else self.quant_brgemm_min_rows
             return quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block,
-                                             halves, self.quant_brgemm_min_rows)
+                                             halves, min_rows)
         if fmt.kind == "fp8" and _scaled_mm_runs(x.device):
             return scaled_mm_grouped_linear(x, counts, codes, scale, fmt, halves)
         return dequant_grouped_linear(x, counts, codes, scale, fmt, halves)
@@ -346,7 +391,7 @@ class _FusedPack(_DerivedPack):
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__(w1, w2)
         self.w13, self.w2 = moe_op.pack_experts(w1, w2)
-        self.threads = 0                          # the thread count the threshold is for
+        self.threads: tuple[int, bool] = (0, False)   # (threads, invariant) of the threshold
         self.brgemm_min_rows: int | None = None   # experts with this many rows: brgemm
 
 

@@ -17,16 +17,19 @@ whoever does that calls `invalidate()` (EPLB does).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from wideserve.kernels import gemm
+from wideserve.kernels.loader import cpu_ops_available
 from wideserve.kernels.choice import (BUCKETS, KernelChoice, bucket_of, default_choice,
                                       onednn_runs, packed_linear, prepack)
 
-__all__ = ["WeightPack", "GemmCall", "packed_linear", "prepack", "packing_runs",
+__all__ = ["WeightPack", "GemmCall", "InvariantLinears", "packed_linear", "prepack", "packing_runs",
            "cpu_kernel_runs", "weights_fingerprint"]
 
 # Dtypes packed at all on the CPU (bf16: fp32 GEMMs already run MKL's packed-free path well).
@@ -105,13 +108,19 @@ class WeightPack:
     holds no parameters of its own. `choice`: the kernel table (default: the process's).
     cpu_kernel: False takes the extension's kernels (micro, brgemm) off the table (A/B runs,
     tests/cuda_paths.py; the policy, KernelPolicy / WIDESERVE_GEMM, is the way to force a
-    kernel); set per model from the engine's KernelConfig (CausalLM.apply_kernel_config)."""
+    kernel); set per model from the engine's KernelConfig (CausalLM.apply_kernel_config).
+    batch_invariant (KernelConfig.batch_invariant): one row-invariant kernel (choice.
+    INVARIANT_KERNELS) for every token count, fp32 weights too (F.linear's MKL path rounds a
+    row differently at 1-5 rows than in a larger call), so a row's result never depends on
+    the rows beside it."""
 
-    __slots__ = ("_key", "_calls", "_plain", "_choice", "_out", "cpu_kernel")
+    __slots__ = ("_key", "_calls", "_plain", "_choice", "_out", "cpu_kernel", "batch_invariant")
 
-    def __init__(self, choice: KernelChoice | None = None, cpu_kernel: bool = True) -> None:
+    def __init__(self, choice: KernelChoice | None = None, cpu_kernel: bool = True,
+                 batch_invariant: bool = False) -> None:
         self._choice = choice
         self.cpu_kernel = cpu_kernel
+        self.batch_invariant = batch_invariant
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -137,7 +146,7 @@ class WeightPack:
     def _prepare(self, weights: tuple[torch.Tensor, ...],
                  biases: tuple[torch.Tensor | None, ...], family: str) -> None:
         key = (weights_fingerprint(weights + biases), family, torch.get_num_threads(),
-               self.cpu_kernel)
+               self.cpu_kernel, self.batch_invariant)
         if key == self._key:
             return
         w = weights[0].detach() if len(weights) == 1 else torch.cat([t.detach() for t in weights])
@@ -154,8 +163,12 @@ class WeightPack:
                                             ("torch", family != "router")) if ok)
         if set(allowed) - {"torch"}:        # something to choose (no probe otherwise)
             choice = self._choice or default_choice()
+            mode = {"invariant": True} if self.batch_invariant else {}
             plan = tuple(k or "torch" for k in choice.plan(family, w.shape[0], w.shape[1],
-                                                            w.dtype, allowed))
+                                                            w.dtype, allowed, **mode))
+        elif self.batch_invariant and w.device.type == "cpu" and w.dtype == torch.float32 \
+                and self.cpu_kernel and cpu_ops_available():
+            plan = ("micro",) * len(BUCKETS)    # its fp32 loop: one order for every row
         layouts: dict[str, torch.Tensor] = {}
         if "micro" in plan or "brgemm" in plan:
             layouts["panel"] = gemm.pack_linear(w)
@@ -238,3 +251,38 @@ class WeightPack:
             return None
         return gemm.route(x, packed[0], packed[2], top_k, renormalize,
                           brgemm=self.route_brgemm(x.shape[0]))
+
+
+class InvariantLinears(TorchFunctionMode):
+    """--batch-invariant for the GEMMs a model runs as `F.linear` / `nn.Linear` rather than
+    through a WeightPack of its own (DeepSeek-V4/V4.1's projections, routers and mHC mixes):
+    while active, every CPU `F.linear` in bf16 or fp32 goes through a WeightPack in invariant
+    mode (one row-invariant kernel for every row count; oneDNN's and MKL's GEMMs round a row
+    differently depending on how many rows share the call, tests/kernels/
+    test_batch_invariant_kernels.py). One pack per weight tensor, dropped with the tensor; a
+    weight made afresh each call (`w.float()` of a bf16 parameter) is packed each call."""
+
+    def __init__(self, choice: KernelChoice | None = None) -> None:
+        super().__init__()
+        self._choice = choice
+        self._packs: dict[int, tuple[weakref.ref, WeightPack]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (x.device.type == "cpu" and x.dtype == w.dtype and w.dim() == 2
+                    and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] > 0
+                    and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+                return self._pack(w).linear(x, (w,), (b,))
+        return func(*args, **kwargs)
+
+    def _pack(self, w: torch.Tensor) -> WeightPack:
+        held = self._packs.get(id(w))
+        if held is not None and held[0]() is w:
+            return held[1]
+        pack = WeightPack(self._choice, batch_invariant=True)
+        key = id(w)
+        self._packs[key] = (weakref.ref(w, lambda _, k=key: self._packs.pop(k, None)), pack)
+        return pack

@@ -24,6 +24,7 @@ from torch import nn
 
 from wideserve.kv_cache.spec import KVCacheSpec
 from wideserve.types.forward_batch import ForwardBatch
+from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.linear import WeightPack
 from wideserve.layers.norm import RMSNorm
 
@@ -89,12 +90,16 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def apply_kernel_config(self, kernels: KernelConfig) -> None:
         """Set the per-module CPU-op switches from the engine's KernelConfig (the norms' and
         the weight packs' here; models with more override and call this)."""
+        self.batch_invariant = kernels.batch_invariant
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.cpu_kernel = kernels.cpu_norm
+            if isinstance(m, RoutedExperts):
+                m.batch_invariant = kernels.batch_invariant
             for value in vars(m).values():
                 if isinstance(value, WeightPack):
                     value.cpu_kernel = kernels.cpu_gemm
+                    value.batch_invariant = kernels.batch_invariant
 
     def compile_forward(self) -> bool:
         """Switch to the compiled forward (LoadConfig.enforce_eager=False); False when the
@@ -118,6 +123,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
                          f"this model is {type(self).__name__}")
 
     # ------------------------------------------------------------------ MTP / draft
+    # Whether the model runs GEMMs as F.linear / nn.Linear outside a WeightPack: under
+    # --batch-invariant its steps then run inside layers/linear.py InvariantLinears.
+    functional_gemms: ClassVar[bool] = True
+    batch_invariant: bool = False        # KernelConfig.batch_invariant (apply_kernel_config)
+
     # Why the MTP block is unavailable although the config asks for one (set by drop_mtp).
     mtp_unavailable: str | None = None
 

@@ -77,6 +77,9 @@ class PagedAttentionConfig:
     fused_kv_write: bool = True      # the op writes the step's K/V itself (False: torch write)
     sdpa_context: bool = True        # chunked / mixed prefills through SDPA where measured
                                      # faster (layers/attention/paged_prefill.py)
+    # KernelConfig.batch_invariant: never SDPA for fresh prefills (whether a request took it
+    # depended on the others in the step); the C++ op's key tiles start at fixed positions
+    batch_invariant: bool = False
 
 
 @dataclass(slots=True)
@@ -152,7 +155,8 @@ class PagedAttentionPlans:
         if key not in self._sdpa:
             self._sdpa[key] = None
             b = self.batch
-            if self.config.sdpa_prefill and window is None and len(b.seq_lens_cpu):
+            if self.config.sdpa_prefill and not self.config.batch_invariant \
+                    and window is None and len(b.seq_lens_cpu):
                 q = b.query_lens_cpu()
                 if np.array_equal(q, b.seq_lens_cpu) and q.min() > 1:
                     plan = default_choice().plan_attention(heads, kv_heads, head_dim, dtype)

@@ -155,7 +155,7 @@ def select(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     the candidate budget instead of the context."""
     T = x.shape[0]
     K = step.entry_width(ratio)
-    dense = indexer.topk >= K and not use_candidates
+    dense = indexer.topk >= K and not use_candidates and not step.batch_invariant
     if T == 0 or (dense and not candidate_source):
         state.picks = None
         return
@@ -163,7 +163,7 @@ def select(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     q = rotate(indexer.wq_b(q_res).view(T, H, D), cis)
     q = kv_quant.fake_quant(q, "mxfp4").float()                               # [T, H, D]
     weights = indexer.weights_proj(x).float() * (D ** -0.5 * H ** -0.5)       # [T, H]
-    k = min(indexer.topk, K)
+    k = indexer.topk if step.batch_invariant else min(indexer.topk, K)
     picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
     cands = (torch.full((T + 1, min(topk_blocks, -(-K // block_size))), -1,
                         dtype=torch.int64, device=x.device) if candidate_source else None)

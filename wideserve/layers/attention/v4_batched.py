@@ -65,7 +65,7 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     this loop is its readable reference (`Indexer.use_cpu_kernel = False` forces it)."""
     T = x.shape[0]
     K = step.entry_width(indexer.ratio)
-    if T == 0 or indexer.topk >= K:
+    if T == 0 or (indexer.topk >= K and not step.batch_invariant):
         return None
     H, D, k = indexer.n_heads, indexer.head_dim, indexer.topk
     dt = compute_dtype(indexer)

@@ -173,11 +173,15 @@ def most_visible(blocks: QueryBlocks, ratio: int) -> np.ndarray:
     return np.where(blocks.q_valid, (blocks.q_pos + 1) // ratio, 0).max(axis=1)
 
 
-def bucket_widths(counts: np.ndarray, floor: int) -> np.ndarray:
+def bucket_widths(counts: np.ndarray, floor: int, own: bool = False) -> np.ndarray:
     """Padded width per block: 0 without entries; else blocks are bucketed by the power of
     two at or above their count, and a bucket's width is its largest count (at least floor).
-    So no block reads twice what it needs, and a batch of equal contexts reads no padding."""
+    So no block reads twice what it needs, and a batch of equal contexts reads no padding.
+    own (--batch-invariant): the power of two itself, a width no other block changes (a
+    softmax over more -inf columns can round differently)."""
     bucket = np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64)
+    if own:
+        return np.where(counts > 0, np.maximum(1 << bucket, floor), 0)
     widths = np.zeros_like(counts)
     for b in np.unique(bucket[counts > 0]):
         mine = (bucket == b) & (counts > 0)

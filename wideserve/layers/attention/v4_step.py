@@ -55,11 +55,18 @@ class StepCaches:
     static = False
 
     def __init__(self, batch: ForwardBatch,
-                 codecs: Mapping[str, RecordCodec] | None = None) -> None:
+                 codecs: Mapping[str, RecordCodec] | None = None,
+                 batch_invariant: bool = False) -> None:
         """codecs: cache name -> how its entries are quantised (layers/kv_quant.py). A cache
         stored as uint8 holds packed records (packed on write, unpacked on read); a float cache
-        with a codec stores the dequantised values; a cache without one stores what is written."""
+        with a codec stores the dequantised values; a cache without one stores what is written.
+        batch_invariant (KernelConfig): no choice here depends on the other requests - entry
+        widths padded to their block's own power of two, one query per block, CSA always
+        through its top-k picks
+        (v4_batched.select, v41_batched.select) - so a query's keys and reduction lengths do
+        not change with the batch mix."""
         self.batch = batch
+        self.batch_invariant = batch_invariant
         self.codecs = codecs or {}
         self.positions = batch.positions
         self.device = batch.positions.device
@@ -139,9 +146,10 @@ class V4Step(StepCaches):
     ForwardBatch)."""
 
     def __init__(self, batch: ForwardBatch,
-                 codecs: Mapping[str, RecordCodec] | None = None) -> None:
-        """codecs: as StepCaches."""
-        super().__init__(batch, codecs)
+                 codecs: Mapping[str, RecordCodec] | None = None,
+                 batch_invariant: bool = False) -> None:
+        """codecs, batch_invariant: as StepCaches."""
+        super().__init__(batch, codecs, batch_invariant)
         self.qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
         self.seq = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
         self.ctx = self.seq - np.diff(self.qsl)
@@ -218,7 +226,9 @@ class V4Step(StepCaches):
         LONG_QUERY new tokens in blocks of LONG_QUERY, the others one token per block."""
         def build() -> list[QueryBlocks]:
             qlens = np.diff(self.qsl)
-            long = qlens >= LONG_QUERY
+            # --batch-invariant: one query per block for prefill too, so a query's keys are
+            # the same whether its request prefills, is chunked or decodes (MTP, P/D)
+            long = qlens >= (LONG_QUERY if not self.batch_invariant else np.iinfo(np.int64).max)
             groups = []
             if not long.all():
                 tokens = (np.arange(self.num_tokens) if not long.any()
@@ -260,7 +270,8 @@ class V4Step(StepCaches):
         ratio > 0 (bucket_widths with `floor`), all of width 0 for ratio 0; each part's cost
         (fixed + width * per_entry per block) within `budget`. Shared by every layer."""
         def build() -> list[Part]:
-            widths = (bucket_widths(most_visible(blocks, ratio), floor) if ratio
+            widths = (bucket_widths(most_visible(blocks, ratio), floor, self.batch_invariant)
+                      if ratio
                       else np.zeros(blocks.num_blocks, dtype=np.int64))
             return build_parts(widths, lambda w: fixed + w * per_entry, budget, self.device)
         return self._once(("parts", id(blocks), ratio, floor, fixed, per_entry, budget), build)

@@ -174,13 +174,16 @@ class DeepseekV4ForCausalLM(CausalLM):
         `decode_forward` where the backend runs decode batches through the static path."""
         if self.static_decode(batch):
             return self.decode_forward(batch)
-        return self._run(V4Step(batch, self._packed_codecs(batch)), batch)
+        step = V4Step(batch, self._packed_codecs(batch), self.batch_invariant)
+        return self._run(step, batch)
 
     def static_decode(self, batch: ForwardBatch) -> bool:
         """Whether `batch` runs the capturable decode forward (host arrays only, no device
         read): a decode batch (registry's `is_decode_batch`) under a backend that sends those
         to the static path on this device."""
-        return (batch.num_tokens > 0
+        # --batch-invariant keeps decode on V4Step: the static path reads every entry the
+        # batch's widest block table holds, a reduction length set by the other requests.
+        return (batch.num_tokens > 0 and not self.batch_invariant
                 and static_decode(self.attention_backend, batch.positions.device)
                 and is_decode_batch(batch))
 
@@ -218,7 +221,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         if depth >= len(self.mtp):
             raise ValueError(f"MTP depth {depth} requested but the model has {len(self.mtp)} "
                              f"MTP block(s) (num_nextn_predict_layers)")
-        step = V4Step(batch, self._packed_codecs(batch))
+        step = V4Step(batch, self._packed_codecs(batch), self.batch_invariant)
         embeds = self.model.embed_tokens(next_token_ids)
         hidden, self.last_mtp_streams = self.mtp[depth].run(embeds, streams, step,
                                                             next_token_ids)

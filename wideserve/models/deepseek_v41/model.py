@@ -253,10 +253,13 @@ class DeepseekV41ForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, d] after the final collapse and norm. A decode batch goes to
         `decode_forward` where the backend runs decode batches through the static path."""
-        if batch.num_tokens and static_decode(self.attention_backend,
-                                              batch.positions.device) and is_decode_batch(batch):
+        # --batch-invariant keeps decode on V4Step (the static path's reduction lengths
+        # follow the batch's widest block table).
+        if (batch.num_tokens and not self.batch_invariant
+                and static_decode(self.attention_backend, batch.positions.device)
+                and is_decode_batch(batch)):
             return self.decode_forward(batch)
-        return self._run(V4Step(batch, self._codecs), batch)
+        return self._run(V4Step(batch, self._codecs, self.batch_invariant), batch)
 
     def decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` of a decode batch (every request one new token, no bounded replay) as a
@@ -319,7 +322,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                                       None if state.candidates is None
                                       else state.candidates[rows])
                     engram_at = {k: v[rows] for k, v in engram_at.items()}
-                    step = V4Step(sub, self._codecs)
+                    step = V4Step(sub, self._codecs, self.batch_invariant)
             if i in taps:   # the streams entering layer i (after its Engram)
                 features.append(layer.tap(streams, engram_at.get(i)))
             streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))

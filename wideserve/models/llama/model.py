@@ -335,6 +335,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class DecoderForCausalLM(CausalLM):
     """The causal-LM surface (wideserve.models.interface.CausalLM) shared by the families."""
 
+    functional_gemms = False     # every GEMM is in a WeightPack or the fused experts
+
     config_class: type[LlamaConfig] = LlamaConfig
 
     def __init__(self, config: LlamaConfig, attention_backend: str | None = None) -> None:
@@ -354,7 +356,8 @@ class DecoderForCausalLM(CausalLM):
             if isinstance(m, Attention):
                 m.cpu_kernel = kernels.cpu_rope
         self.model.attention_config = PagedAttentionConfig(
-            kernels.cpu_attention, kernels.sdpa_prefill, kernels.fused_kv_write)
+            kernels.cpu_attention, kernels.sdpa_prefill, kernels.fused_kv_write,
+            kernels.batch_invariant)
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config

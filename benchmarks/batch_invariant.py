@@ -1,0 +1,109 @@
+"""The cost of --batch-invariant (docs/cpu_kernels.md, "Batch invariance"): offline output
+tokens/s and TTFT of the default mode and the mode, side by side in one process, runs
+alternating (a burst of load from elsewhere hits both alike), bf16 greedy, kernels chosen by
+measurement (WIDESERVE_GEMM=auto unless set).
+
+  PYTHONPATH=. python benchmarks/batch_invariant.py [--model DIR|bundled|v41] ...
+      [--prompts 32] [--input 128] [--output 64] [--ttft-input 512] [--rounds 3]
+
+Offline: --prompts prompts of --input random tokens -> --output tokens each, all submitted
+at once; out tok/s = generated tokens / wall time. TTFT: one --ttft-input-token prompt alone,
+one output token. Per model it prints the median over --rounds of each, and the mode's ratio
+to the default (also asserting the mode's tokens equal alone and in the batch, which the
+default need not). `lscpu` model and ISA flags and the load average head the output.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("WIDESERVE_GEMM", "auto")
+
+import torch  # noqa: E402
+
+from wideserve import LLM, SamplingParams  # noqa: E402
+
+ASSETS = Path(__file__).parents[1] / "wideserve" / "assets"
+
+
+def machine() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                  if ln.startswith("Model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines()
+                  if ln.startswith("Flags")), [])
+    isa = " ".join(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f")))
+    return f"{model}; {isa}; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}"
+
+
+def model_path(name: str) -> str | None:
+    return {"bundled": None, "v41": str(ASSETS / "shakespeare-v41-tiny")}.get(name, name)
+
+
+def run(llm: LLM, prompts: list[list[int]], out: int) -> tuple[float, list]:
+    sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def bench(name: str, a: argparse.Namespace) -> None:
+    gen = torch.Generator().manual_seed(0)
+    llms = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mode in ("default", "invariant"):
+            llms[mode] = LLM(model_path(name), dtype="bfloat16", skip_tokenizer_init=True,
+                             enable_prefix_caching=False, batch_invariant=mode == "invariant",
+                             max_num_seqs=max(a.prompts, 8))
+    vocab = llms["default"].engine.vocab_size if hasattr(llms["default"].engine,
+                                                         "vocab_size") else 1000
+    vocab = min(vocab, 1000)
+    prompts = [torch.randint(2, vocab, (a.input,), generator=gen).tolist()
+               for _ in range(a.prompts)]
+    long = torch.randint(2, vocab, (a.ttft_input,), generator=gen).tolist()
+    tput: dict[str, list[float]] = {m: [] for m in llms}
+    ttft: dict[str, list[float]] = {m: [] for m in llms}
+    tokens: dict[str, list] = {}
+    for m, llm in llms.items():                        # warm: kernel timing, first calls
+        run(llm, prompts[:2], 2)
+    for _ in range(a.rounds):
+        for m, llm in llms.items():
+            dt, tokens[m] = run(llm, prompts, a.output)
+            tput[m].append(a.prompts * a.output / dt)
+            ttft[m].append(run(llm, [long], 1)[0])
+    alone = run(llms["invariant"], prompts[:1], a.output)[1][0]
+    assert alone == tokens["invariant"][0], "the mode's tokens depend on the batch"
+    med = {m: (statistics.median(tput[m]), statistics.median(ttft[m]) * 1e3) for m in llms}
+    same = sum(x == y for x, y in zip(tokens["default"], tokens["invariant"]))
+    print(f"{name}: out tok/s default {med['default'][0]:.0f}, invariant "
+          f"{med['invariant'][0]:.0f} (x{med['invariant'][0] / med['default'][0]:.2f}); "
+          f"TTFT {a.ttft_input} tok default {med['default'][1]:.1f} ms, invariant "
+          f"{med['invariant'][1]:.1f} ms (x{med['invariant'][1] / med['default'][1]:.2f}); "
+          f"greedy outputs equal to the default's: {same}/{a.prompts}", flush=True)
+    for llm in llms.values():
+        llm.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", nargs="+", default=["bundled", "v41"])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--input", type=int, default=128)
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--ttft-input", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    print(machine(), f"threads {torch.get_num_threads()}, "
+          f"WIDESERVE_GEMM={os.environ['WIDESERVE_GEMM']}", flush=True)
+    for name in a.model:
+        bench(name, a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""--batch-invariant at the kernel level: which GEMM kernels give a row the same bits whatever
+rows share its call (checked over M = 1..300 and over the row's position), that the mode
+plans one of those for every token bucket, and that greedy argmax breaks ties one way."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wideserve.kernels import gemm
+from wideserve.kernels.choice import (BUCKETS, INVARIANT_KERNELS, KernelChoice, KernelPolicy,
+                                      brgemm_runs, prepack, packed_linear)
+from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.experts import RoutedExperts
+from wideserve.layers.linear import InvariantLinears, WeightPack
+from wideserve.worker.sampler import argmax_rows
+
+needs_ops = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU ops not built")
+SHAPES = ((1000, 512), (256, 256), (40, 72))      # N not a multiple of 16 and K of 32 too
+ROWS = 300
+
+
+def _variant_rows(fn, x: torch.Tensor) -> list[int]:
+    """Row counts M at which fn(x[:M]) differs bitwise from the first M rows of fn(x), and
+    positions i at which row i alone differs from row i of fn(x) (as -i - 1). fn(x, lo):
+    rows lo.. of the input."""
+    call = fn if fn.__code__.co_argcount == 2 else (lambda a, lo: fn(a))
+    full = call(x, 0)
+    bad = [m for m in range(1, x.shape[0] + 1) if not torch.equal(call(x[:m], 0), full[:m])]
+    return bad + [-i - 1 for i in range(0, x.shape[0], 13)
+                  if not torch.equal(call(x[i:i + 1], i), full[i:i + 1])]
+
+
+def _kernels(w: torch.Tensor) -> dict:
+    n = w.shape[0]
+    panel = gemm.pack_linear(w)
+    fns = {"micro": lambda x: torch.ops.wideserve.gemm_linear(x, panel, n, None, False, False)}
+    if w.dtype == torch.bfloat16 and brgemm_runs():
+        fns["brgemm"] = lambda x: torch.ops.wideserve.gemm_linear_brgemm(x, panel, n, None,
+                                                                          False)
+    return fns
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_invariant_kernels_give_every_row_the_same_bits_for_any_row_count(shape, dtype):
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+    x = torch.randn(ROWS, shape[1], generator=g).to(dtype)
+    for name, fn in _kernels(w).items():
+        assert name in INVARIANT_KERNELS
+        assert _variant_rows(fn, x) == [], name
+
+
+@needs_ops
+def test_onednn_and_mkl_are_not_row_invariant_so_the_mode_excludes_them():
+    # Why the mode's candidates are only micro and brgemm: on this shape oneDNN's bf16 GEMM
+    # and MKL's fp32 GEMM round some rows differently with the row count.
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 512, generator=g) * 0.05
+    x = torch.randn(ROWS, 512, generator=g)
+    assert _variant_rows(lambda a: F.linear(a, w), x) != []
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = prepack(w.bfloat16())
+        assert _variant_rows(lambda a: packed_linear(a, packed), x.bfloat16()) != []
+    assert "onednn" not in INVARIANT_KERNELS and "torch" not in INVARIANT_KERNELS
+
+
+def _mixed_timer(family, kernels, shape, rows):
+    """Injected timings: micro fastest up to 16 rows, brgemm (or torch) above."""
+    fast = "micro" if rows <= 16 else ("brgemm" if "brgemm" in kernels else "torch")
+    return {k: (1.0 if k == fast else 2.0) for k in kernels}
+
+
+@needs_ops
+def test_the_mode_plans_one_invariant_kernel_for_every_bucket():
+    choice = KernelChoice(KernelPolicy(force="auto", cache_dir=None), timer=_mixed_timer)
+    default = choice.plan("linear", 256, 256, torch.bfloat16)
+    assert len(set(default)) > 1                        # the default mixes kernels by bucket
+    plan = choice.plan("linear", 256, 256, torch.bfloat16, invariant=True)
+    assert len(plan) == len(BUCKETS) and len(set(plan)) == 1 and plan[0] in INVARIANT_KERNELS
+    forced = KernelChoice(KernelPolicy(force="onednn", cache_dir=None), timer=_mixed_timer)
+    assert forced.plan("linear", 256, 256, torch.bfloat16, invariant=True)[0] \
+        in INVARIANT_KERNELS                            # a variant kernel is never forced in
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_pack_and_functional_linears_are_row_invariant_in_the_mode(dtype):
+    choice = KernelChoice(KernelPolicy(force="auto", cache_dir=None), timer=_mixed_timer)
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(1000, 512, generator=g) * 0.05).to(dtype)
+    x = torch.randn(ROWS, 512, generator=g).to(dtype)
+    pack = WeightPack(choice, batch_invariant=True)
+    assert _variant_rows(lambda a: pack.linear(a, (w,)), x) == []
+    default = WeightPack(choice)
+    if dtype == torch.bfloat16 and brgemm_runs():
+        # the default's plan switches kernel at 17 rows: those rows round differently
+        assert _variant_rows(lambda a: default.linear(a, (w,)), x) != []
+    with InvariantLinears(choice):
+        assert _variant_rows(lambda a: F.linear(a, w), x) == []
+        assert torch.equal(F.linear(x, w), pack.linear(x, (w,)))
+
+
+@needs_ops
+def test_experts_give_a_token_the_same_bits_alone_and_in_any_batch():
+    choice = KernelChoice(KernelPolicy(force="auto", cache_dir=None), timer=_mixed_timer)
+    g = torch.Generator().manual_seed(3)
+    experts = RoutedExperts(8, 256, 128)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05, generator=g)
+        experts.down_proj.normal_(0, 0.05, generator=g)
+    experts = experts.bfloat16()
+    experts.kernel_choice = choice
+    x = torch.randn(ROWS, 256, generator=g).bfloat16()
+    ids = torch.stack([torch.zeros(ROWS, dtype=torch.int64),          # expert 0: every row
+                       torch.randint(1, 8, (ROWS,), generator=g)], dim=1)
+    wts = torch.rand(ROWS, 2, generator=g).bfloat16()
+    def run(a: torch.Tensor, lo: int) -> torch.Tensor:
+        return experts(a, ids[lo:lo + a.shape[0]], wts[lo:lo + a.shape[0]])
+
+    experts.batch_invariant = True
+    with torch.no_grad():
+        assert _variant_rows(run, x) == []
+        if brgemm_runs():
+            experts.batch_invariant = False          # brgemm from 17 rows of an expert
+            assert _variant_rows(run, x) != []
+
+
+def test_greedy_argmax_breaks_ties_at_the_first_index_on_every_path():
+    x = torch.zeros(5, 300)
+    x[:, [7, 42, 299]] = 3.0
+    x[3, 1] = 3.0
+    want = torch.tensor([7, 7, 7, 1, 7])
+    assert torch.equal(argmax_rows(x), want)
+    assert torch.equal(argmax_rows(x, cpu_op=False), want)
+    assert torch.equal(argmax_rows(x[3:4]), want[3:4])       # alone or in a batch
