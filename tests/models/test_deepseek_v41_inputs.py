@@ -69,3 +69,69 @@ def test_head_dim_48_matches_the_reference(a48, quant):
             outs = _run(ws, seqs, plans, kv)
             worst = max((o - r).abs().max().item() for o, r in zip(outs, refs[quant]))
             assert worst <= (TOL if quant == "off" else TOL_QUANT), (plans, worst)
+
+
+# Layouts the reference refuses: (changes to config A, wideserve's message, the reference's
+# message, where the reference refuses: "config" or "forward").
+LAYOUTS = {
+    "ratios_short": (dict(compress_ratios=h.A["compress_ratios"][:9]),
+                     "compress_ratios has 9 entries for 10 layers",
+                     "compress_ratios must cover every active backbone layer", "config"),
+    "ratio_negative": (dict(compress_ratios=h.A["compress_ratios"][:10] + [0, -1, 0]),
+                       r"compress_ratios\[11\] = -1", "non-negative integers", "config"),
+    "ids_not_increasing": (dict(kv_source_layer_ids=[4, 2, 6]),
+                           r"kv_source_layer_ids \[4, 2, 6\] must be strictly increasing",
+                           "strictly increasing", "config"),
+    "ids_past_the_ratios": (dict(engram_layer_ids=[1, 13]),
+                            "engram_layer_ids has layer 13",
+                            "must refer to layers covered by compress_ratios", "config"),
+    "kv_source_not_indexed": (dict(index_source_layer_ids=[2, 6, 8]),
+                              "KV source layer 4 is not in index_source_layer_ids",
+                              "Every KV source must also occur", "config"),
+    "swa_source": (dict(kv_source_layer_ids=[0, 2, 4, 6],
+                        index_source_layer_ids=[0, 2, 4, 6, 8]),
+                   "SWA layer 0 cannot be a KV or index source", "SWA-only layer 0", "config"),
+    "ratio_without_source": (dict(kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 8],
+                                  candidate_source_layer_id=-1),
+                             r"compressed layer 6 \(ratio 1\) needs an earlier KV source",
+                             "Compressed layer 6 needs a preceding KV source", "config"),
+    "candidate_not_a_source": (dict(candidate_source_layer_id=8),
+                               "candidate_source_layer_id 8 must be a KV source",
+                               "must identify a Full-mode KV source", "config"),
+    "candidate_id_negative": (dict(candidate_source_layer_id=-2),
+                              "candidate_source_layer_id must be -1", "must be -1", "config"),
+    "engram_rows": (dict(engram_num_embeddings=[600]),
+                    "engram_num_embeddings needs one row count per",
+                    "one table row count per engram_layer_ids entry", "config"),
+    "engram_rows_zero": (dict(engram_num_embeddings=[600, 0]),
+                         "engram_num_embeddings has 0", "positive integer row counts",
+                         "config"),
+    # The issue's case: config B's ratio-2 stack with the candidate source at layer 1 and a
+    # second KV source (full context, same ratio) at 3. The reference's config takes it; its
+    # forward refuses (layer 3's indexer finds no candidates). wideserve took it.
+    "kv_source_after_candidates": (dict(h.B, kv_source_layer_ids=[1, 3],
+                                        index_source_layer_ids=[1, 3],
+                                        candidate_source_layer_id=1, candidate_topk_blocks=2,
+                                        candidate_block_size=2),
+                                   "KV source layer 3 comes after the candidate source 1",
+                                   "requires candidates from its source layer", "forward"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layouts_the_reference_refuses_are_refused_at_load(name):
+    from nemo_automodel.components.models.deepseek_v41.config import \
+        DeepseekV41Config as OracleConfig
+
+    from wideserve.models.deepseek_v41.config import DeepseekV41Config
+    changes, ours, theirs, where = LAYOUTS[name]
+    kw = dict(h.A, **changes)
+    with pytest.raises(ValueError, match=theirs):
+        if where == "config":
+            OracleConfig(text_config=dict(kw), vision_config={"num_hidden_layers": 0})
+        else:
+            h.oracle_logits(h.oracle_model(kw), h.random_tokens(16, seed=1))
+    with pytest.raises(ValueError, match=f"DeepSeek-V4.1 config: {ours}"):
+        DeepseekV41Config.from_dict({"text_config": kw})
+    for base in h.CONFIGS.values():      # the tested layouts themselves stay accepted
+        DeepseekV41Config.from_dict({"text_config": dict(base)})
