@@ -20,18 +20,29 @@ huge pages change speed, never contents.
 
 Huge pages are asked for by `CacheConfig.kv_huge_pages` (passed down as `zeros(...,
 huge_pages=)`); it is off by default, for the reason given at `zeros`.
+
+Host tables (V4.1's Engram tables, `layers/engram.py`'s HostTable: hundreds of GB read a few
+rows at a time at random) are allocated by `huge_page_empty`: a mapping aligned to 2 MiB and
+advised for transparent huge pages, so a gathered row costs one TLB entry per 2 MiB instead of
+per 4 KiB. Where THP is off ("never" in /sys/kernel/mm/transparent_hugepage/enabled), not
+Linux, or the advice fails, the table is ordinary memory and one log line says why.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import logging
+import math
 import mmap
 import sys
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 HUGE_PAGE = 2 << 20
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 LAZY_MIN_BYTES = 1 << 20          # smaller buffers: torch.zeros (a mapping each is not worth it)
 MADV_HUGEPAGE = 14                # <sys/mman.h> on Linux
 
@@ -104,3 +115,65 @@ def zeros(nbytes: int, device: torch.device, huge_pages: bool = False) -> torch.
     if huge_pages:
         advise_huge_pages(buf)
     return buf
+
+
+def thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The transparent-huge-page mode Linux runs in ("always", "madvise", "never"; the word
+    in brackets of `path`), or None where that file is not there (not Linux, no THP)."""
+    try:
+        with open(path) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in words if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+@functools.cache
+def _note_small_pages(what: str, reason: str) -> None:
+    logger.info("%s: 2 MiB pages not available (%s); on 4 KiB pages", what, reason)
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, what: str = "host table",
+                    thp_path: str = THP_ENABLED) -> tuple[torch.Tensor, bool]:
+    """A zeroed CPU tensor for a large host table, on 2 MiB transparent huge pages where the OS
+    allows (module docstring). Returns (tensor, whether huge pages were asked for and
+    accepted). The mapping starts on a 2 MiB boundary and is a whole number of huge pages, so
+    every row of the table lies in a huge page; the kernel backs each as it is first written.
+    Falling back logs one line per reason (`what` names the table)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mode = thp_mode(thp_path) if sys.platform.startswith("linux") else None
+    reason = ("not Linux" if not sys.platform.startswith("linux") else
+              "no transparent huge pages in this kernel" if mode is None else
+              "transparent huge pages are off (THP mode 'never')" if mode == "never" else
+              "smaller than one huge page" if nbytes < HUGE_PAGE else None)
+    if reason is None:
+        span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        raw = torch.frombuffer(mmap.mmap(-1, span + HUGE_PAGE,
+                                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                               dtype=torch.uint8)
+        start = -raw.data_ptr() % HUGE_PAGE
+        buf = raw[start:start + span]            # a view: it keeps the mapping alive
+        if advise_huge_pages(buf):
+            return buf[:nbytes].view(dtype).view(shape), True
+        reason = "madvise(MADV_HUGEPAGE) failed"
+    _note_small_pages(what, reason)
+    return torch.zeros(shape, dtype=dtype), False
+
+
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping holding `t`'s memory that are on transparent huge pages now
+    (AnonHugePages of that VMA in /proc/self/smaps; 0 where it cannot be read)."""
+    addr, found = t.data_ptr(), False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    found = lo <= addr < hi
+                elif found and head == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0

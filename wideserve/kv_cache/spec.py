@@ -35,7 +35,8 @@ class CacheKind(str, enum.Enum):
 # fp8_ds_mla: 448 FP8 nope + 64 bf16 rope (128 B) + 7 UE8M0 scales + 1 pad, for a 512-wide latent.
 # fp8_index: 128 FP8 + one fp32 scale. mxfp4_index: 64 packed bytes + 4 UE8M0 scales.
 # fp8_ue8m0 / nvfp4_ds_mla: DeepSeek-V4.1's window (528 B) and compressed (288 B) records.
-# layers/kv_quant.py packs and unpacks them (fp8_index has no codec: not executable).
+# layers/kv_quant.py packs and unpacks them (fp8_index has no codec: not executable); a width
+# that is not a multiple of the scale group has a zero-padded last group (ceil below).
 def _fp8_ds_mla_bytes(width: int, rope_dim: int) -> int:
     nope = width - rope_dim
     return nope + 2 * rope_dim + math.ceil(nope / 64) + 1
@@ -49,11 +50,11 @@ def record_bytes(fmt: str, width: int, dtype: torch.dtype, rope_dim: int) -> int
     if fmt == "fp8_index":
         return width + 4
     if fmt == "mxfp4_index":
-        return width // 2 + math.ceil(width / 32)
+        return math.ceil(width / 2) + math.ceil(width / 32)
     if fmt == "fp8_ue8m0":        # DeepSeek-V4.1 window: every channel FP8, UE8M0 per 32
         return width + math.ceil(width / 32)
     if fmt == "nvfp4_ds_mla":     # DeepSeek-V4.1 compressed entry: e2m1, E4M3 scale per 16
-        return width // 2 + math.ceil(width / 16)
+        return math.ceil(width / 2) + math.ceil(width / 16)
     raise ValueError(f"unknown KV record format {fmt!r}")
 
 

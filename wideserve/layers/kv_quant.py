@@ -11,6 +11,12 @@ Three formats, each over groups of consecutive channels of one entry:
 e2m1 rounds to the nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code. Packing: the
 low nibble holds the even channel; bit 3 is the sign (layers/quant.py, same as the weights).
 
+A width that is not a multiple of the group (a head dim of 48 in fp8's groups of 32) is
+zero-padded to whole groups before the scales are taken, as the reference's quantize_cache
+does: the last group's scale comes from its real channels only (a zero never raises an amax)
+and the padding is dropped again. Records hold the real channels' codes (ceil(D/2) bytes for
+e2m1, a zero nibble after an odd channel count) and one scale per group, ceil(D/g) of them.
+
 `fake_quant(x, fmt)` is quantise-then-dequantise (what a reader of the record sees);
 `pack(x, fmt)` -> uint8 records [..., record_bytes] and `unpack(records, fmt, width)` -> float32
 give the same values: unpack(pack(x)) == fake_quant(x) bit for bit. (Quantising a quantised
@@ -41,15 +47,23 @@ _LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 def record_bytes(fmt: str, width: int) -> int:
     """Bytes of one record of `width` channels."""
     _check(fmt, width)
-    codes = width if fmt == "fp8" else width // 2
-    return codes + width // GROUP[fmt]
+    return _code_bytes(fmt, width) + -(-width // GROUP[fmt])
+
+
+def _code_bytes(fmt: str, width: int) -> int:
+    return width if fmt == "fp8" else -(-width // 2)
 
 
 def _check(fmt: str, width: int) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown KV record format {fmt!r}; known: {FORMATS}")
-    if width % GROUP[fmt]:
-        raise ValueError(f"{fmt} records need a width divisible by {GROUP[fmt]}, got {width}")
+    if width <= 0:
+        raise ValueError(f"{fmt} records need a positive width, got {width}")
+
+
+def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [..., D] -> [..., ceil(D/g), g] float32, the last group zero-padded."""
+    return F.pad(x.float(), (0, -x.shape[-1] % g)).unflatten(-1, (-1, g))
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +100,9 @@ def _e2m1_index(normalized: torch.Tensor) -> torch.Tensor:
 
 
 def _quantise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D/g, g] as float (fp8 value or signed e2m1 level) or int
+    """x [..., D] -> (codes [..., ceil(D/g), g] as float (fp8 value or signed e2m1 level) or int
     index with sign, scales [..., D/g, 1] fp32)."""
-    g = GROUP[fmt]
-    groups = x.float().unflatten(-1, (-1, g))
+    groups = _grouped(x, GROUP[fmt])
     scale = _scales(groups, fmt)
     if fmt == "fp8":
         return (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
@@ -109,18 +122,18 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     _check(fmt, x.shape[-1])
     codes, scale = _quantise(x, fmt)
     values = codes.float() if fmt == "fp8" else _e2m1_value(codes)
-    return (values * scale).flatten(-2).to(x.dtype)
+    return (values * scale).flatten(-2)[..., :x.shape[-1]].to(x.dtype)
 
 
 def pack(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [..., D] -> uint8 records [..., record_bytes(fmt, D)]: codes, then scales."""
     _check(fmt, x.shape[-1])
     codes, scale = _quantise(x, fmt)
-    lead = x.shape[:-1]
+    lead, width = x.shape[:-1], x.shape[-1]
     if fmt == "fp8":
-        code_bytes = codes.view(torch.uint8).reshape(*lead, -1)
-    else:
-        nib = codes.reshape(*lead, -1).to(torch.uint8)
+        code_bytes = codes.view(torch.uint8).reshape(*lead, -1)[..., :width]
+    else:   # the padding's codes are 0: an odd width keeps one zero nibble
+        nib = codes.reshape(*lead, -1)[..., :2 * _code_bytes(fmt, width)].to(torch.uint8)
         code_bytes = nib[..., 0::2] | (nib[..., 1::2] << 4)
     if fmt == "nvfp4":
         scale_bytes = scale.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -133,7 +146,7 @@ def unpack(records: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
     """uint8 records [..., record_bytes] -> float32 values [..., width]."""
     _check(fmt, width)
     g = GROUP[fmt]
-    ncode = width if fmt == "fp8" else width // 2
+    ncode = _code_bytes(fmt, width)
     code_bytes, scale_bytes = records[..., :ncode], records[..., ncode:]
     if fmt == "nvfp4":
         scale = scale_bytes.contiguous().view(torch.float8_e4m3fn).float()
@@ -144,7 +157,8 @@ def unpack(records: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
     else:
         values = _e2m1_value(torch.stack([code_bytes & 0xF, code_bytes >> 4], dim=-1)
                              ).flatten(-2)
-    return (values.unflatten(-1, (-1, g)) * scale[..., None]).flatten(-2)
+    values = F.pad(values, (0, -values.shape[-1] % g))
+    return (values.unflatten(-1, (-1, g)) * scale[..., None]).flatten(-2)[..., :width]
 
 
 # ------------------------------------------------------------------ DeepSeek-V4 fp8_ds_mla

@@ -163,7 +163,9 @@ def build_model(cls: type, config: object, dtype: torch.dtype, device: torch.dev
                 # device) keep their parameters in host memory; they gather rows themselves.
                 where = ("cpu" if isinstance(module, HostResident)
                          and torch.device(device).type != "meta" else device)
+                host = isinstance(module, HostResident) and where == "cpu"
                 made[id(param)] = nn.Parameter(
+                    module.allocate_host(param.shape, target) if host else
                     torch.empty(param.shape, dtype=target, device=where), requires_grad=False)
             module._parameters[name] = made[id(param)]
     return model.eval()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wideserve.kernels import deepselect
 from wideserve.layers.attention.compressor import Compressor
 
 
@@ -43,13 +44,9 @@ def index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def keyed_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`index_topk`'s topk path (see there)."""
-    n = scores.shape[-1]
-    s = scores.float().contiguous() + 0.0               # -0.0 + 0.0 = +0.0 (IEEE)
-    bits = s.view(torch.int32).to(torch.int64)
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                    # [..., n]
-    low = (n - 1) - torch.arange(n, device=s.device)
-    return torch.topk(order * (1 << 32) + low, k, dim=-1).indices
+    """`index_topk`'s long-row path: DeepSelect (kernels/deepselect.py: a radix select in C++,
+    the keyed torch.topk described above where the op does not run), same picks and order."""
+    return deepselect.topk(scores, k)
 
 
 class IndexerScorer(nn.Module):

@@ -133,7 +133,6 @@ class DeepseekV41Config:
         return cfg
 
     def validate(self) -> None:
-        n = self.num_hidden_layers
         where = "DeepSeek-V4.1 config"
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
@@ -145,15 +144,40 @@ class DeepseekV41Config:
             raise ValueError(f"{where}: num_attention_heads must be divisible by o_groups")
         if self.n_shared_experts != 1:
             raise ValueError(f"{where}: n_shared_experts must be 1")
-        if len(self.compress_ratios) < n:
-            raise ValueError(f"{where}: compress_ratios has {len(self.compress_ratios)} "
-                             f"entries for {n} layers")
-        if not set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids):
-            raise ValueError(f"{where}: every kv_source_layer_ids entry must also be in "
-                             f"index_source_layer_ids")
+        self._validate_layout()
+        if self.engram_layers and self.engram_max_ngram_size < 2:
+            raise ValueError(f"{where}: engram_max_ngram_size must be >= 2")
+        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps <= 0:
+            raise ValueError(f"{where}: rms_norm_eps must be positive")
+
+    def _validate_layout(self) -> None:
+        """The reference's layer-layout rules (docs/deepseek_v41.md, "Layer layout": its
+        config's schedule check, and the rule its forward enforces: a KV source after the
+        candidate source has no candidates to restrict to), each refused naming the layer."""
+        n, ratios = self.num_hidden_layers, self.compress_ratios
+        where = "DeepSeek-V4.1 config"
+        if len(ratios) < n:
+            raise ValueError(f"{where}: compress_ratios has {len(ratios)} entries for {n} "
+                             f"layers (one per layer is required)")
+        bad = [i for i, r in enumerate(ratios) if type(r) is not int or r < 0]
+        if bad:
+            raise ValueError(f"{where}: compress_ratios[{bad[0]}] = {ratios[bad[0]]!r}; "
+                             f"ratios must be non-negative integers")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+            ids = getattr(self, name)
+            bad = [i for i in ids if type(i) is not int or not 0 <= i < len(ratios)]
+            if bad:
+                raise ValueError(f"{where}: {name} has layer {bad[0]!r}; layer ids must be "
+                                 f"integers in 0..{len(ratios) - 1} (covered by compress_ratios)")
+            if list(ids) != sorted(set(ids)):
+                raise ValueError(f"{where}: {name} {list(ids)} must be strictly increasing")
+        missing = sorted(set(self.kv_source_layer_ids) - set(self.index_source_layer_ids))
+        if missing:
+            raise ValueError(f"{where}: KV source layer {missing[0]} is not in "
+                             f"index_source_layer_ids; every KV source is also an index source")
         owner = None
         for i in range(n):
-            ratio = self.compress_ratio(i)
+            ratio = ratios[i]
             if ratio == 0:
                 if i in self.kv_source_layer_ids or i in self.index_source_layer_ids:
                     raise ValueError(f"{where}: SWA layer {i} cannot be a KV or index source")
@@ -164,21 +188,29 @@ class DeepseekV41Config:
                 raise ValueError(f"{where}: compressed layer {i} (ratio {ratio}) needs an "
                                  f"earlier KV source with the same compress ratio")
         c = self.candidate_source_layer_id
-        if c >= 0 and c < n and c not in self.kv_source_layer_ids:
+        if type(c) is not int or c < -1:
+            raise ValueError(f"{where}: candidate_source_layer_id must be -1 (off) or a layer "
+                             f"id, got {c!r}")
+        if c >= 0 and c not in self.kv_source_layer_ids:
             raise ValueError(f"{where}: candidate_source_layer_id {c} must be a KV source")
         if c >= 0 and (self.candidate_block_size <= 0 or self.candidate_topk_blocks <= 0):
             raise ValueError(f"{where}: candidate_block_size and candidate_topk_blocks must "
                              f"be positive")
         later = [i for i in self.index_source_layer_ids
-                 if 0 <= c < i < n and self.compress_ratio(i) != self.compress_ratio(c)]
+                 if 0 <= c < i < n and ratios[i] != ratios[c]]
         if later:
             raise ValueError(f"{where}: index source {later[0]} comes after the candidate "
                              f"source {c} but has another compress ratio; its top-k chooses "
                              f"among the candidate blocks' entries, so the ratios must match")
+        after = [i for i in self.kv_source_layer_ids if 0 <= c < i < n]
+        if after:
+            raise ValueError(f"{where}: KV source layer {after[0]} comes after the candidate "
+                             f"source {c}; layers after the candidate source restrict their "
+                             f"top-k to its candidate blocks, so no new KV source may follow it")
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ValueError(f"{where}: engram_num_embeddings needs one row count per "
                              f"engram_layer_ids entry")
-        if self.engram_layers and self.engram_max_ngram_size < 2:
-            raise ValueError(f"{where}: engram_max_ngram_size must be >= 2")
-        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps <= 0:
-            raise ValueError(f"{where}: rms_norm_eps must be positive")
+        bad = [r for r in self.engram_num_embeddings if type(r) is not int or r <= 0]
+        if bad:
+            raise ValueError(f"{where}: engram_num_embeddings has {bad[0]!r}; row counts must "
+                             f"be positive integers")
