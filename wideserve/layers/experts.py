@@ -140,12 +140,24 @@ class RoutedExperts(nn.Module):
         y = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, x.shape[1])  # token order
         return combine(y, topk_weights).to(x.dtype)
 
-    def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor,
+                    padded: bool = False) -> torch.Tensor:
         """x_rows [N, d], slot_ids [N] int64 local physical experts -> [N, d]: each row
-        through its expert's (unweighted) SwiGLU MLP."""
+        through its expert's (unweighted) SwiGLU MLP. padded: slot id num_local_experts marks
+        a padding row of a fixed-capacity exchange (layers/ep_dispatch.py); its output is
+        unspecified. Sorted last, it lies past the last segment, which "grouped_mm" skips
+        without a host read; the other implementations read the counts anyway, so they run
+        on the valid rows only (one more read)."""
+        L = self.num_local_experts
         order = torch.argsort(slot_ids, stable=True)
-        counts = count_rows(slot_ids, self.num_local_experts)
-        ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
+        counts = count_rows(slot_ids, L + 1 if padded else L)[:L]
+        xs = x_rows.index_select(0, order)
+        if padded and self.resolved_impl(xs.device, xs.dtype) != "grouped_mm":
+            valid = int(counts.sum())
+            ys = torch.zeros_like(xs)
+            ys[:valid] = self._sorted_mlp(xs[:valid], counts)
+        else:
+            ys = self._sorted_mlp(xs, counts)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
     def weights_changed(self) -> None:
