@@ -6,8 +6,12 @@ launch queue to drain. `HostReadCounter` wraps those entry points on `torch.Tens
 active and counts calls, with the call site of each:
 - `inside`: calls made within `scope()` (e.g. the model's forward, `wrap_forward`);
 - `total`: all of them.
-A read implemented by another (`__array__` -> `numpy`) counts once. The CPU cannot tell a
-device tensor from a host one, so on the CPU this counts an upper bound of what CUDA syncs on.
+`scope(name)` counts into `scoped[name]` instead (several names may be open at once). A read
+implemented by another (`__array__` -> `numpy`) counts once. The CPU cannot tell a device tensor
+from a host one, so on the CPU this counts an upper bound of what CUDA syncs on.
+
+STEP_READ_BUDGET is the most host reads a whole engine step may make (docs/host_path.md,
+"The host-read budget").
 Used by tests/engine/test_host_read_budget.py (the budgets) and benchmarks/host_reads.py (the
 table).
 """
@@ -22,6 +26,11 @@ from typing import Any, Callable
 
 import torch
 
+# The whole step's host reads (schedule -> sample -> output): the sampled token ids, read once
+# (engine/step_worker.py), since the scheduler needs them to append tokens, check stops and
+# emit outputs. Everything else a step decides is known on the host already.
+STEP_READ_BUDGET = 1
+
 READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__",
          "__index__", "nonzero")
 
@@ -32,10 +41,10 @@ class HostReadCounter:
 
     def __init__(self) -> None:
         self.total: Counter[str] = Counter()
-        self.inside: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()         # "entry file:line" of each read
         self.inside_sites: Counter[str] = Counter()  # the same, within scope()
-        self._depth = 0
+        self.scoped: dict[str, Counter[str]] = {}    # scope name -> reads within it
+        self._open: dict[str, int] = {}
         self._reading = False
         self._saved: dict[str, Any] = {}
 
@@ -49,9 +58,11 @@ class HostReadCounter:
             site = f"{name} {Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
             counter.total[name] += 1
             counter.sites[site] += 1
-            if counter._depth:
-                counter.inside[name] += 1
-                counter.inside_sites[site] += 1
+            for scope, depth in counter._open.items():
+                if depth:
+                    counter.scoped.setdefault(scope, Counter())[name] += 1
+                    if scope == "inside":
+                        counter.inside_sites[site] += 1
             counter._reading = True
             try:
                 return original(self_tensor, *args, **kwargs)
@@ -71,27 +82,35 @@ class HostReadCounter:
             setattr(torch.Tensor, name, original)
         self._saved.clear()
 
+    @property
+    def inside(self) -> Counter[str]:
+        return self.scoped.setdefault("inside", Counter())
+
     @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        self._depth += 1
+    def scope(self, name: str = "inside") -> Iterator[None]:
+        self._open[name] = self._open.get(name, 0) + 1
         try:
             yield
         finally:
-            self._depth -= 1
+            self._open[name] -= 1
 
-    def wrap_forward(self, module: torch.nn.Module) -> Callable[[], None]:
-        """Count reads inside `module.forward` (an instance attribute: the class and the
-        other instances are untouched); returns the undo."""
-        forward = module.forward
+    def reads(self, scope: str | None = None) -> int:
+        """All reads (scope None) or those within `scope`."""
+        counts = self.total if scope is None else self.scoped.get(scope, Counter())
+        return sum(counts.values())
+
+    def wrap(self, obj: object, method: str, scope: str) -> Callable[[], None]:
+        """Count reads inside `obj.method` (an instance attribute) under `scope`; returns
+        the undo."""
+        original = getattr(obj, method)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            with self.scope():
-                return forward(*args, **kwargs)
-        module.forward = counted
-        return lambda: module.__dict__.pop("forward", None)
+            with self.scope(scope):
+                return original(*args, **kwargs)
+        setattr(obj, method, counted)
+        return lambda: obj.__dict__.pop(method, None)
 
-    def forward_reads(self) -> int:
-        return sum(self.inside.values())
-
-    def step_reads(self) -> int:
-        return sum(self.total.values())
+    def wrap_forward(self, module: torch.nn.Module) -> Callable[[], None]:
+        """Count reads inside `module.forward` as "inside" (an instance attribute: the class
+        and the other instances are untouched); returns the undo."""
+        return self.wrap(module, "forward", "inside")

@@ -1,9 +1,9 @@
 """The EP dispatcher's padded path (layers/ep_dispatch.py): steps in which every rank calls
 every layer once exchange fixed-capacity buffers and read nothing from the device, with
 outputs those of the exact path (up to GEMM rounding: the CPU grouped GEMM's blocking follows
-the total row count, padding included) and expert loads equal to one process's. Steps the
-header sends down the exact path (a rank without a forward, a rank over the capacity) still
-drain; a forward that fails part-way still pairs its peers' rounds."""
+the total row count, padding included) and expert loads equal to one process's. A rank
+without a forward takes part with nothing to send; a step over the capacity takes the exact
+path (and its drain); a forward that fails part-way still pairs its peers' rounds."""
 from __future__ import annotations
 
 import torch
@@ -45,7 +45,7 @@ STEPS = [
     [(0, [0, 1]), (5, [2, 3, 6, 7])],                     # padded, one rank routes nothing
     [(8, [6, 7]), (8, [6, 7])],                           # padded at capacity, one rank idle
     [(9, list(range(E))), (2, list(range(E)))],           # over the capacity: exact
-    [(None, []), (4, list(range(E)))],                    # a rank without forward: exact
+    [(None, []), (4, list(range(E)))],                    # a rank without forward
     [(6, list(range(E))), (3, list(range(E)))],           # rank 0 fails after layer 0
 ]
 FAILS_AFTER_LAYER0 = (5, 0)                              # (step, rank)
@@ -80,8 +80,8 @@ def _run(rank: int, world: int, port: int, impl: str | None, padded: bool) -> di
                 outs.append(got)
                 if not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
                     mismatches.append((s, layer))
+            disp.finish_step()
         reads.append((disp.stats.padded_steps > padded_before, sum(c.inside.values())))
-        disp.finish_step()
     loads = [m.expert_load.tolist() for m in sharded]
     ref_loads = [m.expert_load.tolist() for m in full]
     group.destroy()
@@ -109,16 +109,16 @@ def test_padded_dispatch_is_read_free_and_matches_the_exact_path():
         assert p["mismatches"] == [] and x["mismatches"] == [], rank
         assert p["loads"] == p["ref_loads"] == x["loads"]       # EPLB counts, per slot
         assert _close(p["outs"], x["outs"])
-        # Steps 0-2 and 5 go padded and read nothing; 3 (9 tokens > 8) and 4 (a rank
-        # without forward) take the exact path, which reads the counts.
-        assert [padded for padded, _ in p["reads"]] == [True, True, True, False, False, True]
-        assert [n for padded, n in p["reads"] if padded] == [0, 0, 0, 0]
-        assert p["reads"][3][1] > 0 and (rank == 0 or p["reads"][4][1] > 0)
-        # Four padded steps of 3 layers: rank 0's finish_step made the 2 rounds it missed.
-        assert p["padded_calls"] == 4 * LAYERS
-    # Rank 0 drains rank 1's calls in step 4 (no forward) and, on the exact path only, the 2
-    # calls its failed forward of step 5 did not make.
-    assert [r["padded"]["drains"] for r in results] == [LAYERS, 0]
+        # Step 3 (9 tokens > 8) takes the exact path, which reads the counts; the others go
+        # padded and read nothing.
+        assert [padded for padded, _ in p["reads"]] == [True, True, True, False, True, True]
+        assert [n for padded, n in p["reads"] if padded] == [0] * 5
+        assert p["reads"][3][1] > 0
+        # Five padded steps of 3 layers: rank 0's finish_step made the rounds it did not
+        # (all 3 in step 4, 2 in step 5), so nothing was left to drain.
+        assert p["padded_calls"] == 5 * LAYERS and p["drains"] == 0
+    # On the exact path rank 0 drains rank 1's calls in step 4 (no forward) and the 2 calls
+    # its failed forward of step 5 did not make.
     assert [r["exact"]["drains"] for r in results] == [LAYERS + 2, 0]
 
 

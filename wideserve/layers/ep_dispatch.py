@@ -19,15 +19,15 @@ with drafts and steps larger than the padded capacity take (prefill).
 The padded path (docs/host_path.md, "Expert parallelism without host reads") reads nothing
 from the device. At its first MoE call of a step each rank tells the others, over the host
 (gloo) control group, how many tokens its forward routes (a step header: host integers, no
-device value). When every rank runs a forward of at most `max_padded_tokens` tokens, the
-step's calls exchange fixed-capacity buffers instead, as DeepEP's low-latency mode does: to
+device value). When no rank routes more than `max_padded_tokens` tokens, the step's calls
+exchange fixed-capacity buffers instead, as DeepEP's low-latency mode does: to
 each rank C = B * min(k, L) rows (B = the largest token count, rounded up to a power of two
 so the shapes are those of a few padded sizes), each with its local slot id, or L for a
 padding row. Row positions come from a scatter count and a cumsum on the device; the
 receiver sorts its rows by slot (padding last) and runs the grouped MLP, which skips the
 padding; the outputs return the same way. Every rank then makes one call per registered
-layer, in order (the forward of a step without drafts), so no header travels with the rows;
-`finish_step` makes the rounds a failed forward did not. Each expert gets the rows of the
+layer, in order (the forward of a step without drafts), so no header travels with the rows
+and nothing is left to drain; `finish_step` makes the rounds a failed forward did not. Each expert gets the rows of the
 exact path, in the same order (outputs equal up to GEMM rounding: a CPU grouped GEMM's
 blocking follows the total row count, padding included).
 
@@ -116,8 +116,8 @@ class AllToAllDispatcher(EPDispatcher):
         self.max_padded_tokens = max_padded_tokens if control_group is not None else 0
         local = torch.arange(num_local_experts, device=device)
         self._slot_pattern = local.repeat(world_size)         # [world * L]
-        # Host memory: (max T, -min T, max k, hidden, dtype code) over the ranks.
-        self._header = np.zeros(5, dtype=np.int64)
+        # Host memory: (max T, max k, hidden, dtype code) over the ranks.
+        self._header = np.zeros(4, dtype=np.int64)
         self._header_t = torch.from_numpy(self._header)
         self._step_open = False     # this step's header was exchanged
         self._padded_tokens = 0     # B of this step's padded calls (0: the exact path)
@@ -209,7 +209,7 @@ class AllToAllDispatcher(EPDispatcher):
                 topk_weights: torch.Tensor) -> torch.Tensor:
         if not self._step_open:
             self._open_step(x.shape[0], phys_ids.shape[1], x.shape[1], x.dtype)
-        if self._padded_tokens and self._next_layer < len(self.layers):
+        if self._padded_tokens:
             return self._padded_forward(experts, x, phys_ids, topk_weights)
         k = phys_ids.shape[1]
         flat = phys_ids.reshape(-1)
@@ -227,45 +227,50 @@ class AllToAllDispatcher(EPDispatcher):
 
     def finish_step(self) -> None:
         if not self._step_open:
-            self._open_step(-1, 0, 0, None)        # no forward on this rank this step
+            self._open_step(0, 0, 0, None)         # no forward on this rank this step
         if self._padded_tokens:
-            # Rounds a forward that failed part-way did not make (peers are in them).
+            # Rounds a forward that failed part-way did not make (peers are in them). Every
+            # rank made the same calls, so there is nothing to drain.
             while self._next_layer < len(self.layers):
                 self._padded_round(self.layers[self._next_layer], None, 0, 0)
-        meta = self._meta(0, 0, 0, torch.float32, None)
-        while self._round(meta, None) is not None:
-            self.stats.drain_calls += 1
+        else:
+            meta = self._meta(0, 0, 0, torch.float32, None)
+            while self._round(meta, None) is not None:
+                self.stats.drain_calls += 1
         self._step_open = False
         self._padded_tokens = 0
 
     # ------------------------------------------------------------------- padded path
     def _open_step(self, tokens: int, top_k: int, hidden: int,
                    dtype: torch.dtype | None) -> None:
-        """The step header: every rank's token count (-1: no forward) and top-k over the
-        host group; the padded path when all run a forward of at most max_padded_tokens
-        tokens. Host integers only: no device value is read."""
+        """The step header: every rank's token count and top-k (0 and 0: no forward) over
+        the host group; the padded path when no rank routes more than max_padded_tokens
+        tokens (a rank without a forward then takes part in every round with nothing to
+        send). Host integers only: no device value is read."""
         self._step_open, self._next_layer, self._padded_tokens = True, 0, 0
         if not self.max_padded_tokens:
             return
         code = 0 if dtype is None else _DTYPES.index(dtype)
-        self._header[:] = (tokens, -tokens, top_k, hidden, code)
+        self._header[:] = (tokens, top_k, hidden, code)
         try:
             dist.all_reduce(self._header_t, op=dist.ReduceOp.MAX, group=self.control_group)
         except (RuntimeError, dist.DistBackendError) as e:
             raise DPGroupError(f"EP step header failed: {e}") from e
-        most, least = int(self._header[0]), -int(self._header[1])
-        if least >= 0 and most <= self.max_padded_tokens:
+        most, top_k = int(self._header[0]), int(self._header[1])
+        if top_k and most <= self.max_padded_tokens:
             self._padded_tokens = 1 << max(most - 1, 0).bit_length()     # a power of two
-            self._top_k = int(self._header[2])
-            self._rows = (int(self._header[3]), _DTYPES[int(self._header[4])])
+            self._top_k = top_k
+            self._rows = (int(self._header[2]), _DTYPES[int(self._header[3])])
             self.stats.padded_steps += 1
 
     def _padded_forward(self, experts: nn.Module, x: torch.Tensor, phys_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> torch.Tensor:
         if experts.ep_layer != self._next_layer:
+            due = (f"layer {self._next_layer} was due" if self._next_layer < len(self.layers)
+                   else "every layer was called already")
             raise RuntimeError(f"EP padded step: MoE layer {experts.ep_layer} called where "
-                               f"layer {self._next_layer} was due (a step's forward must call "
-                               f"every registered layer once, in order)")
+                               f"{due} (a padded step's forward calls every registered layer "
+                               f"once, in order; steps with drafts must not use it)")
         T, k = phys_ids.shape
         if (x.shape[1], x.dtype) != self._rows:
             raise RuntimeError(f"EP padded step: rows of ({x.shape[1]}, {x.dtype}) where the "
