@@ -242,7 +242,8 @@ class RoutedExperts(nn.Module):
         w1, w2 = self.gate_up_proj, self.down_proj
         impl = self.resolved_impl(xs.device, xs.dtype)
         if impl == "grouped_mm":
-            return grouped_mm_mlp(xs, counts, w1, w2, self.swiglu_limit)
+            mlp = grouped_mm_mlp if xs.dtype == torch.bfloat16 else _grouped_mm_mlp_eager
+            return mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "padded":
             return padded_mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "packed":
@@ -319,15 +320,18 @@ def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: _ExpertPacks,
                       for i, (e, _) in enumerate(segments)])
 
 
-# Eager inside a compiled forward: torch._grouped_mm's shape function accepts bf16 only,
-# while the CPU kernel also runs fp32.
-@torch.compiler.disable
 def grouped_mm_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Both projections as torch._grouped_mm over the segments (no host sync)."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     gate, up = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     return torch._grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=offs)
+
+
+# Eager inside a compiled forward unless bf16: torch._grouped_mm's shape function accepts bf16
+# only, while the CPU kernel also runs fp32. In bf16 it is traced (a capturable forward,
+# docs/cuda_graphs.md).
+_grouped_mm_mlp_eager = torch.compiler.disable(grouped_mm_mlp)
 
 
 def padded_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
