@@ -1,25 +1,29 @@
-"""Host reads of the device per decode step, per model family: the "before" table of issue 28's
-sync-free decode step (docs/testing.md, "Counting host reads").
+"""Host reads of the device per decode step, per model family: the before / after table of issue
+28's sync-free decode step (docs/testing.md, "Counting host reads"; docs/host_path.md, "The
+host-read budget").
 
 On a GPU every read of a device tensor by the host (`Tensor.item`, `tolist`, `cpu`, `numpy`,
 `__array__`, `__bool__` / `__int__` / `__float__` / `__index__`, `nonzero`) waits for the
-launch queue to drain. Here, on the CPU, `HostReadCounter` wraps those entry points on
-`torch.Tensor` and counts calls:
+launch queue to drain. Here, on the CPU, `HostReadCounter` (tests/host_read_counter.py) wraps
+those entry points on `torch.Tensor` and counts calls:
 - in the decode forward: while the model's `forward` runs (wrapped on the instance);
 - in the whole step: everything `llm.generate` does per decode step (schedule, forward,
   sample, output).
 Per decode step = (count for 2 + N tokens - count for 2 tokens) / N, so prefill and startup
-cancel out. The CPU cannot tell a device tensor from a host-built metadata tensor, and the CPU
-takes its own kernels' paths, so these are upper bounds on what CUDA would sync on; they are a
-baseline to compare against, not a GPU measurement. The models are not changed.
+cancel out. `--dep2` adds DEP2 with EPLB recording (two spawned DPEngineCore ranks of tiny
+Qwen3-MoE, rank 0's reads over N decode steps), over the EP exchange's exact path (what every
+step took before) and the padded one. The CPU cannot tell a device tensor from a host-built
+metadata tensor, and the CPU takes its own kernels' paths, so these are upper bounds on what
+CUDA would sync on, not a GPU measurement. Models: tests/tiny_families.py.
 
-  PYTHONPATH=. python benchmarks/host_reads.py [--families v4,v41,qwen3moe] [--tokens 8]
+  PYTHONPATH=. python benchmarks/host_reads.py [--families v4,v41,qwen3moe,llama] [--tokens 8]
+        [--cuda-paths] [--dep2]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
+import contextlib
 import json
 import sys
 import tempfile
@@ -30,70 +34,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__",
-         "__index__", "nonzero")
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
+from host_read_counter import READS, HostReadCounter  # noqa: E402
+from tiny_families import FAMILIES, model_dir, vocab_size  # noqa: E402
 
-
-class HostReadCounter:
-    """Counts calls of the host-read entry points of torch.Tensor while active; `scope`
-    splits them into those inside a named region (e.g. the forward) and all of them."""
-
-    def __init__(self) -> None:
-        self.total: Counter[str] = Counter()
-        self.inside: Counter[str] = Counter()
-        self.sites: Counter[str] = Counter()         # "entry file:line" of each read
-        self._depth = 0
-        self._reading = False
-        self._saved: dict[str, object] = {}
-
-    def _wrap(self, name: str, original):
-        counter = self
-
-        def wrapper(self_tensor, *args, **kwargs):
-            if counter._reading:          # one read implemented by another (__array__ ->
-                return original(self_tensor, *args, **kwargs)   # numpy) counts once
-            counter.total[name] += 1
-            if counter._depth:
-                counter.inside[name] += 1
-            caller = sys._getframe(1)
-            counter.sites[f"{name} {Path(caller.f_code.co_filename).name}:"
-                          f"{caller.f_lineno}"] += 1
-            counter._reading = True
-            try:
-                return original(self_tensor, *args, **kwargs)
-            finally:
-                counter._reading = False
-        return wrapper
-
-    def __enter__(self) -> HostReadCounter:
-        for name in READS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = original
-            setattr(torch.Tensor, name, self._wrap(name, original))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
-        self._saved.clear()
-
-    @contextlib.contextmanager
-    def scope(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-
-    def wrap_forward(self, module: torch.nn.Module) -> None:
-        """Count reads inside `module.forward` (an instance attribute: the class and the
-        other instances are untouched)."""
-        forward = module.forward
-
-        def counted(*args, **kwargs):
-            with self.scope():
-                return forward(*args, **kwargs)
-        module.forward = counted
+__all__ = ["HostReadCounter", "READS", "reads_per_step", "dep2_reads", "table"]
 
 
 def _check_module():
@@ -122,9 +70,8 @@ def _force_cuda_paths(model: torch.nn.Module) -> contextlib.AbstractContextManag
 def reads_per_step(family: str, tokens: int, batch: int, tmp: Path,
                    cuda_paths: bool = False) -> dict:
     check = _check_module()
-    path = check.model_dir(family, tmp)
-    vocab = json.loads((path / "config.json").read_text())
-    vocab = (vocab.get("text_config") or vocab)["vocab_size"]
+    path = model_dir(family, tmp)
+    vocab = vocab_size(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = check.make_llm(path, "cpu", "float32", True, max(batch, 1))
@@ -134,9 +81,9 @@ def reads_per_step(family: str, tokens: int, batch: int, tmp: Path,
     with paths:
         for n in (2, 2 + tokens):
             with HostReadCounter() as c:
-                c.wrap_forward(llm.engine.model)
+                undo = c.wrap_forward(llm.engine.model)
                 check.greedy(llm, prompts, n)
-                del llm.engine.model.forward          # back to the class's forward
+                undo()                                # back to the class's forward
             counts[n] = c
     lo, hi = counts[2], counts[2 + tokens]
 
@@ -148,6 +95,53 @@ def reads_per_step(family: str, tokens: int, batch: int, tmp: Path,
                       for k in hi.sites if hi.sites[k] - lo.sites[k]},
             "forward_total": round((sum(hi.inside.values()) - sum(lo.inside.values())) / tokens, 2),
             "step_total": round((sum(hi.total.values()) - sum(lo.total.values())) / tokens, 2)}
+
+
+def _dep2_rank(rank: int, world: int, port: int, tmp: str, padded: bool, steps: int) -> dict:
+    """One DEP2 rank (DPEngineCore, EP dispatch, EPLB recording) of tiny Qwen3-MoE: reads per
+    decode step in its forward and in its step + finish_step + EPLB step (the DP sync's host
+    rows not counted). padded False: the EP exchange's exact path, what every step took
+    before the padded one (layers/ep_dispatch.py)."""
+    from test_host_read_budget import EPLB, _add, _engine_kwargs
+    from wideserve.config import engine_config_from_kwargs
+    from wideserve.engine.dp_engine import DPEngineCore
+    path = model_dir("qwen3moe", Path(tmp) / f"rank{rank}")
+    config = engine_config_from_kwargs(**_engine_kwargs(
+        path, data_parallel_size=world, data_parallel_rank=rank, data_parallel_rpc_port=port,
+        enable_expert_parallel=True, dp_sync_timeout_s=60, enable_eplb=True, eplb_config=EPLB))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        core = DPEngineCore(config)
+    if not padded:
+        core.dispatcher.max_padded_tokens = 0
+    try:
+        _add(core, path, 2, 2 + steps, seed=rank)
+        core.dp_step(False)                                   # the prefill
+        with HostReadCounter() as c:
+            undo = [c.wrap_forward(core.model)] + [
+                c.wrap(o, m, "step") for o, m in [(core, "step"), (core, "_dummy_step"),
+                                                  (core.dispatcher, "finish_step"),
+                                                  (core.eplb, "step")]]
+            for _ in range(steps):
+                core.dp_step(False)
+            for u in undo:
+                u()
+        return {"forward": c.reads("inside") / steps, "step": c.reads("step") / steps,
+                "sites": {k: v / steps for k, v in c.sites.items()}}
+    finally:
+        core.dp_step(True)
+        core.group.destroy()
+
+
+def dep2_reads(padded: bool, steps: int, tmp: Path) -> dict:
+    """Rank 0's reads per decode step under DEP2 with EPLB recording (tiny Qwen3-MoE)."""
+    from dist_utils import free_port_block, run_ranks
+    r = run_ranks(_dep2_rank, 2, (2, free_port_block(4), str(tmp), padded, steps),
+                  timeout_s=300)[0]
+    label = "padded EP exchange (after)" if padded else "exact EP exchange (before)"
+    return {"family": f"qwen3moe DEP2+EPLB, {label}", "batch": 2,
+            "forward_total": round(r["forward"], 2), "step_total": round(r["step"], 2),
+            "sites": {k: round(v, 2) for k, v in r["sites"].items()}}
 
 
 def table(rows: list[dict]) -> str:
@@ -163,16 +157,23 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--families", default="v4,v41,qwen3moe")
+    p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--tokens", type=int, default=8, help="decode steps counted")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--json", action="store_true", help="also print one JSON line per family")
     p.add_argument("--cuda-paths", action="store_true",
                    help="also count with the CUDA code paths forced on the CPU "
                         "(tests/cuda_paths.py)")
+    p.add_argument("--dep2", action="store_true",
+                   help="also count DEP2 with EPLB recording (tiny Qwen3-MoE, rank 0), over "
+                        "the exact EP exchange (before) and the padded one (after)")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        for padded in (False, True) if args.dep2 else ():
+            rows.append(dep2_reads(padded, args.tokens, Path(tmp) / f"dep2-{padded}"))
+            if args.json:
+                print(json.dumps(rows[-1]), flush=True)
         for family in args.families.split(","):
             for cuda_paths in (False, True) if args.cuda_paths else (False,):
                 try:

@@ -32,6 +32,9 @@ class LoadConfig:
     # a capturable model, off on the CPU (measured, docs/host_path.md); --enforce-eager turns
     # it off, as in vLLM; True/False force it.
     decode_capture: bool | None = None
+    # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
+    # on CUDA, never a synchronisation). False keeps only the step counts.
+    step_timing: bool = True
 
 
 @dataclass(slots=True)

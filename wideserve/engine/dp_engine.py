@@ -133,9 +133,14 @@ class DPEngineCore(EngineCore):
         # terms (worker/expert_shard.py): one dispatcher serves them all, its count header
         # as wide as the stack with the most experts per rank (layers/ep_dispatch.py).
         per_rank = max(m.num_local_experts for _, m in layers)
+        # Steps of at most max_num_seqs tokens per rank (decode) exchange fixed-capacity
+        # buffers, with no host read (layers/ep_dispatch.py); not with drafts, whose MoE calls
+        # differ between ranks.
+        padded = 0 if self.spec is not None else self.scheduler_config.max_num_seqs
         self.dispatcher = make_dispatcher(
             self.parallel.ep_dispatcher, self.group.device_group, self.group.rank,
-            self.group.world_size, per_rank, self.device)
+            self.group.world_size, per_rank, self.device, control_group=self.group.cpu_group,
+            max_padded_tokens=padded)
         for _, experts in layers:
             self.dispatcher.register(experts)
         self.dp.num_local_experts = per_rank

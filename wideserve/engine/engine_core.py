@@ -106,13 +106,6 @@ def _compile_model(model: torch.nn.Module, enforce_eager: bool | None,
     return True
 
 
-def _device_sync(device: torch.device):
-    """What the step timer calls before reading the clock: CUDA runs asynchronously."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return None
-
-
 def _eos_token_ids(loaded: LoadedModel) -> list[int]:
     ids: list[int] = []
     sources = [loaded.config_json]
@@ -189,7 +182,7 @@ class EngineCore:
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)
         self._generation_tokens = 0
-        self.timer = StepTimer(sync=_device_sync(self.device))
+        self.timer = StepTimer(self.device, enabled=config.load.step_timing)
         # Step inputs, forward, sampling and the per-request execution state.
         self.worker = Worker(self.runner, self.kv_manager, self.structured, self.spec,
                              self.vocab_size, self.eos_token_ids, self.timer,

@@ -1,7 +1,15 @@
 """Where each engine step's time goes (docs/host_path.md).
 
-On an asynchronous device (CUDA) the timer synchronises before reading the clock, so a
-phase is billed for the device work it launched (the forward is not billed to sampling).
+Off (`enabled=False`): the step counts are kept (steps, tokens, the tokens-per-step
+histogram) and nothing else: no clock read, no event, no synchronisation.
+
+On, the phases are timed on the device's clock so that a phase is billed for the device work
+it launched (the forward is not billed to sampling):
+- on the CPU (synchronous) the host clock at each mark;
+- on CUDA an event recorded on the current stream at each mark, never a synchronisation:
+  the device stamps each event when it reaches it. A step's events are read once, when the
+  next step starts or when the stats are read (`stats`), by which time the step's sampled
+  tokens have been read back, so its events have completed and the read does not wait.
 """
 from __future__ import annotations
 
@@ -9,6 +17,9 @@ import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 # Upper bounds of the tokens-per-step histogram: vLLM's vllm:iteration_tokens_total buckets.
@@ -30,34 +41,102 @@ class StepStats:
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
 
 
+class TimingEvent(Protocol):
+    """What StepTimer needs of a device event (torch.cuda.Event with enable_timing)."""
+
+    def record(self) -> None: ...
+
+    def elapsed_time(self, end: Any) -> float:        # milliseconds
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+def cuda_event_factory(device: torch.device) -> Callable[[], TimingEvent]:
+    def make() -> TimingEvent:
+        return torch.cuda.Event(enable_timing=True)
+    return make
+
+
 class StepTimer:
-    def __init__(self, sync: Callable[[], None] | None = None) -> None:
-        """sync: waits for the device's queued work (None on synchronous devices)."""
-        self.sync = sync
-        self.stats = StepStats()
+    def __init__(self, device: torch.device | None = None, enabled: bool = True,
+                 event_factory: Callable[[], TimingEvent] | None = None) -> None:
+        """device: where the forward runs (None or the CPU: the host clock); enabled: time
+        the phases (False: counts only); event_factory: the device's timing events (default
+        torch.cuda.Event on CUDA; tests pass fakes)."""
+        self.enabled = enabled
+        if event_factory is None and device is not None and device.type == "cuda":
+            event_factory = cuda_event_factory(device)
+        self._events = event_factory if enabled else None
+        self._stats = StepStats()
         self._t = 0.0
         self._current: dict[str, float] = {}
+        self._marks: list[tuple[str, TimingEvent]] = []       # this step's, on the device
+        self._pending: list[tuple[str, TimingEvent]] = []     # a finished step's, unread
+
+    @property
+    def stats(self) -> StepStats:
+        """The totals, with a finished step's device events folded in first."""
+        self._resolve()
+        return self._stats
 
     def start(self) -> None:
+        if not self.enabled:
+            return
+        if self._events is not None:
+            self._resolve()
+            self._marks = [("", self._record())]
+            return
         self._current = dict.fromkeys(PHASES, 0.0)
         self._t = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        if self.sync is not None:
-            self.sync()
+        if not self.enabled:
+            return
+        if self._events is not None:
+            self._marks.append((phase, self._record()))
+            return
         now = time.perf_counter()
         self._current[phase] += now - self._t
         self._t = now
 
     def finish(self, num_tokens: int, num_requests: int) -> None:
-        s = self.stats
+        s = self._stats
         if num_tokens == 0:
+            self._marks = []
             return      # idle polls are not steps
         s.steps += 1
         s.tokens += num_tokens
         s.requests += num_requests
         s.last_tokens = num_tokens
         s.token_histogram[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
-        s.last_seconds = self._current
-        for k, v in self._current.items():
+        if not self.enabled:
+            return
+        if self._events is not None:
+            self._pending, self._marks = self._marks, []
+            return
+        self._add(self._current)
+
+    # ---------------------------------------------------------------------- helpers
+    def _record(self) -> TimingEvent:
+        assert self._events is not None
+        event = self._events()
+        event.record()
+        return event
+
+    def _resolve(self) -> None:
+        """Fold the last finished step's events into the totals (one read per step)."""
+        if not self._pending:
+            return
+        marks, self._pending = self._pending, []
+        marks[-1][1].synchronize()         # complete already: the step read its tokens back
+        seconds = dict.fromkeys(PHASES, 0.0)
+        for (_, begin), (phase, end) in zip(marks, marks[1:]):
+            seconds[phase] += begin.elapsed_time(end) / 1e3
+        self._add(seconds)
+
+    def _add(self, seconds: dict[str, float]) -> None:
+        s = self._stats
+        s.last_seconds = seconds
+        for k, v in seconds.items():
             s.seconds[k] += v

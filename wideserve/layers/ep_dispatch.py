@@ -15,7 +15,23 @@ with `experts.ep` set, hands the rows to a dispatcher:
 
 The counts tell the receiver the local slot of every row (rows arrive slot-sorted per source),
 so no ids travel. The host reads the counts once per layer (all_to_all_single takes its splits
-as lists); weights never leave the rank that routed the token.
+as lists); weights never leave the rank that routed the token. This exact path is what steps
+with drafts and steps larger than the padded capacity take (prefill).
+
+The padded path (docs/host_path.md, "Expert parallelism without host reads") reads nothing
+from the device. At its first MoE call of a step each rank tells the others, over the host
+(gloo) control group, how many tokens its forward routes (a step header: host integers, no
+device value). When no rank routes more than `max_padded_tokens` tokens, the step's calls
+exchange fixed-capacity buffers instead, as DeepEP's low-latency mode does: to
+each rank C = B * min(k, L) rows (B = the largest token count, rounded up to a power of two
+so the shapes are those of a few padded sizes), each with its local slot id, or L for a
+padding row. Row positions come from a scatter count and a cumsum on the device; the
+receiver sorts its rows by slot (padding last) and runs the grouped MLP, which skips the
+padding; the outputs return the same way. Every rank then makes one call per registered
+layer, in order (the forward of a step without drafts), so no header travels with the rows
+and nothing is left to drain; `finish_step` makes the rounds a failed forward did not. Each expert gets the rows of the
+exact path, in the same order (outputs equal up to GEMM rounding: a CPU grouped GEMM's
+blocking follows the total row count, padding included).
 
 Every MoE call is a collective, and ranks need not make the same number of calls in a step (a
 rank that sampled nothing runs no draft forward). So every call's header carries "active" and
@@ -29,11 +45,14 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from wideserve.parallel.eplb.replicas import count_rows
 from wideserve.parallel.groups import DPGroupError
 from wideserve.layers.experts import combine
 
@@ -50,6 +69,8 @@ class EPStats:
     rows_sent: int = 0
     rows_received: int = 0
     drain_calls: int = 0         # calls answered after this rank's own step was done
+    padded_calls: int = 0        # calls over fixed-capacity buffers (no host read)
+    padded_steps: int = 0        # steps whose header chose the padded path
 
 
 class EPDispatcher(ABC):
@@ -84,15 +105,31 @@ class AllToAllDispatcher(EPDispatcher):
     """Counts first, then rows, with `all_to_all_single` (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int,
-                 num_local_experts: int, device: torch.device) -> None:
+                 num_local_experts: int, device: torch.device,
+                 control_group: dist.ProcessGroup | None = None,
+                 max_padded_tokens: int = 0) -> None:
+        """control_group: a host (gloo) group over the same ranks for the step header;
+        max_padded_tokens: the most tokens per rank a step may route over the padded path
+        (0, or no control group: every call takes the exact path). It must be 0 where a
+        step's ranks may make different MoE calls (drafts)."""
         super().__init__()
         self.group = group
         self.rank = rank
         self.world = world_size
         self.num_local = num_local_experts
         self.device = device
+        self.control_group = control_group
+        self.max_padded_tokens = max_padded_tokens if control_group is not None else 0
         local = torch.arange(num_local_experts, device=device)
         self._slot_pattern = local.repeat(world_size)         # [world * L]
+        # Host memory: (max T, max k, hidden, dtype code) over the ranks.
+        self._header = np.zeros(4, dtype=np.int64)
+        self._header_t = torch.from_numpy(self._header)
+        self._step_open = False     # this step's header was exchanged
+        self._padded_tokens = 0     # B of this step's padded calls (0: the exact path)
+        self._top_k = 0             # k of this step's padded calls (the header's)
+        self._rows = (0, torch.float32)     # (hidden, dtype) of the rows (the header's)
+        self._next_layer = 0        # the layer the next padded call must be
 
     # --------------------------------------------------------------------- exchanges
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
@@ -176,14 +213,17 @@ class AllToAllDispatcher(EPDispatcher):
     # ----------------------------------------------------------------------- public
     def forward(self, experts: nn.Module, x: torch.Tensor, phys_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        if not self._step_open:
+            self._open_step(x.shape[0], phys_ids.shape[1], x.shape[1], x.dtype)
+        if self._padded_tokens:
+            return self._padded_forward(experts, x, phys_ids, topk_weights)
         k = phys_ids.shape[1]
         flat = phys_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         # This layer's own experts per rank (a draft stack may hold fewer than the target's;
         # the header is as wide as the widest stack, the rest of the row stays zero).
         per_rank = experts.num_local_experts
-        counts = torch.bincount(flat, minlength=self.world * per_rank)
-        counts = counts.view(self.world, per_rank)
+        counts = count_rows(flat, self.world * per_rank).view(self.world, per_rank)
         token_of = order // k
         meta = self._meta(1, experts.ep_layer, x.shape[1], x.dtype, counts)
         back = self._round(meta, x.index_select(0, token_of))
@@ -194,9 +234,107 @@ class AllToAllDispatcher(EPDispatcher):
         return combine(y, topk_weights).to(x.dtype)
 
     def finish_step(self) -> None:
-        meta = self._meta(0, 0, 0, torch.float32, None)
-        while self._round(meta, None) is not None:
-            self.stats.drain_calls += 1
+        if not self._step_open:
+            self._open_step(0, 0, 0, None)         # no forward on this rank this step
+        if self._padded_tokens:
+            # Rounds a forward that failed part-way did not make (peers are in them). Every
+            # rank made the same calls, so there is nothing to drain.
+            while self._next_layer < len(self.layers):
+                self._padded_round(self.layers[self._next_layer], None, 0, 0)
+        else:
+            meta = self._meta(0, 0, 0, torch.float32, None)
+            while self._round(meta, None) is not None:
+                self.stats.drain_calls += 1
+        self._step_open = False
+        self._padded_tokens = 0
+
+    # ------------------------------------------------------------------- padded path
+    def _open_step(self, tokens: int, top_k: int, hidden: int,
+                   dtype: torch.dtype | None) -> None:
+        """The step header: every rank's token count and top-k (0 and 0: no forward) over
+        the host group; the padded path when no rank routes more than max_padded_tokens
+        tokens (a rank without a forward then takes part in every round with nothing to
+        send). Host integers only: no device value is read."""
+        self._step_open, self._next_layer, self._padded_tokens = True, 0, 0
+        if not self.max_padded_tokens:
+            return
+        code = 0 if dtype is None else _DTYPES.index(dtype)
+        self._header[:] = (tokens, top_k, hidden, code)
+        try:
+            dist.all_reduce(self._header_t, op=dist.ReduceOp.MAX, group=self.control_group)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise DPGroupError(f"EP step header failed: {e}") from e
+        most, top_k = int(self._header[0]), int(self._header[1])
+        if top_k and most <= self.max_padded_tokens:
+            self._padded_tokens = 1 << max(most - 1, 0).bit_length()     # a power of two
+            self._top_k = top_k
+            self._rows = (int(self._header[2]), _DTYPES[int(self._header[3])])
+            self.stats.padded_steps += 1
+
+    def _padded_forward(self, experts: nn.Module, x: torch.Tensor, phys_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+        if experts.ep_layer != self._next_layer:
+            due = (f"layer {self._next_layer} was due" if self._next_layer < len(self.layers)
+                   else "every layer was called already")
+            raise RuntimeError(f"EP padded step: MoE layer {experts.ep_layer} called where "
+                               f"{due} (a padded step's forward calls every registered layer "
+                               f"once, in order; steps with drafts must not use it)")
+        T, k = phys_ids.shape
+        if (x.shape[1], x.dtype) != self._rows:
+            raise RuntimeError(f"EP padded step: rows of ({x.shape[1]}, {x.dtype}) where the "
+                               f"step header announced {self._rows}")
+        if T > self._padded_tokens or k > self._top_k:
+            raise RuntimeError(f"EP padded step: {T} tokens x top-{k} in a layer, the step "
+                               f"header announced at most {self._padded_tokens} x "
+                               f"top-{self._top_k}")
+        flat = phys_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)           # by destination rank, then slot
+        L = experts.num_local_experts         # this layer's stack (a draft may hold fewer)
+        counts = count_rows(flat, self.world * L).view(self.world, L)
+        per_rank = counts.sum(1)
+        first = torch.cumsum(per_rank, 0) - per_rank        # each destination's first row
+        dest = flat.index_select(0, order) // L
+        cap = self._capacity(L)
+        # Sorted row i goes to slot (dest, i - first[dest]) of the padded send buffer.
+        pos = dest * cap + torch.arange(T * k, device=x.device) - first.index_select(0, dest)
+        slots = flat.index_select(0, order) % L
+        back = self._padded_round(experts, x.index_select(0, order // k), pos, slots)
+        self.stats.calls += 1
+        self.stats.rows_sent += T * k
+        y = torch.empty_like(back).index_copy_(0, order, back).view(*phys_ids.shape, x.shape[1])
+        return combine(y, topk_weights).to(x.dtype)
+
+    def _capacity(self, per_rank: int) -> int:
+        """Rows per destination rank for a layer of `per_rank` experts per rank: a token sends
+        at most min(k, per_rank) rows to one rank."""
+        return self._padded_tokens * min(self._top_k, per_rank)
+
+    def _padded_round(self, experts: nn.Module, rows: torch.Tensor | None,
+                      pos: torch.Tensor | int, slots: torch.Tensor | int) -> torch.Tensor:
+        """Send `rows` (sorted, [N, d]) to their positions `pos` of the padded buffers, with
+        their local `slots`; serve what arrives with this layer's experts; return the N
+        outputs. rows None: a round with nothing to send (finish_step)."""
+        hidden, dtype = self._rows
+        L = experts.num_local_experts
+        n = self.world * self._capacity(L)
+        send_x = torch.zeros(n, hidden, dtype=dtype, device=self.device)
+        send_slot = torch.full((n,), L, dtype=torch.int64, device=self.device)
+        if rows is not None:
+            send_x.index_copy_(0, pos, rows)
+            send_slot.index_copy_(0, pos, slots)
+        recv_x, recv_slot = torch.empty_like(send_x), torch.empty_like(send_slot)
+        self._a2a(recv_slot, send_slot)
+        self._a2a(recv_x, send_x)
+        start = time.perf_counter()
+        y = experts.grouped_mlp(recv_x, recv_slot, padded=True)
+        self.stats.expert_s += time.perf_counter() - start
+        back = torch.empty_like(send_x)
+        self._a2a(back, y)
+        self.stats.padded_calls += 1
+        self._next_layer += 1
+        if rows is None:
+            return back[:0]
+        return back.index_select(0, pos)
 
     def close(self) -> None:
         self.group = None
@@ -215,9 +353,12 @@ def register_dispatcher(name: str, cls: type[EPDispatcher]) -> None:
 
 
 def make_dispatcher(name: str, group: dist.ProcessGroup, rank: int, world_size: int,
-                    num_local_experts: int, device: torch.device) -> EPDispatcher:
+                    num_local_experts: int, device: torch.device, **options: Any
+                    ) -> EPDispatcher:
+    """options: implementation-specific keywords (AllToAllDispatcher: control_group,
+    max_padded_tokens)."""
     cls = EP_DISPATCHERS.get(name)
     if cls is None:
         raise ValueError(f"unknown EP dispatcher {name!r}; registered: "
                          f"{', '.join(sorted(EP_DISPATCHERS))}")
-    return cls(group, rank, world_size, num_local_experts, device)
+    return cls(group, rank, world_size, num_local_experts, device, **options)

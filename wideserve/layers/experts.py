@@ -168,14 +168,32 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         y = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, x.shape[1])  # token order
         return combine(y, topk_weights).to(x.dtype)
 
-    def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    def grouped_mlp(self, x_rows: torch.Tensor, slot_ids: torch.Tensor,
+                    padded: bool = False) -> torch.Tensor:
         """x_rows [N, d], slot_ids [N] int64 local physical experts -> [N, d]: each row
-        through its expert's (unweighted) SwiGLU MLP."""
-        if self.batch_invariant and _fused_runs(x_rows.device, x_rows.dtype):
-            return self._rows_mlp(x_rows, slot_ids)
+        through its expert's (unweighted) SwiGLU MLP. padded: slot id num_local_experts marks
+        a padding row of a fixed-capacity exchange (layers/ep_dispatch.py); its output is
+        unspecified. Sorted last, it lies past the last segment, which "grouped_mm" skips
+        without a host read; the other implementations read the counts anyway, so they run
+        on the valid rows only (one more read)."""
+        L = self.num_local_experts
+        if (self.batch_invariant and self.weight_format is None
+                and _fused_runs(x_rows.device, x_rows.dtype)):
+            if not padded:
+                return self._rows_mlp(x_rows, slot_ids)
+            ys = torch.zeros_like(x_rows)          # padding rows: unspecified, left zero
+            keep = slot_ids < L                    # the CPU only: a host-side mask is free
+            ys[keep] = self._rows_mlp(x_rows[keep], slot_ids[keep])
+            return ys
         order = torch.argsort(slot_ids, stable=True)
-        counts = count_rows(slot_ids, self.num_local_experts)
-        ys = self._sorted_mlp(x_rows.index_select(0, order), counts)
+        counts = count_rows(slot_ids, L + 1 if padded else L)[:L]
+        xs = x_rows.index_select(0, order)
+        if padded and self.resolved_impl(xs.device, xs.dtype) != "grouped_mm":
+            valid = int(counts.sum())
+            ys = torch.zeros_like(xs)
+            ys[:valid] = self._sorted_mlp(xs[:valid], counts)
+        else:
+            ys = self._sorted_mlp(xs, counts)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
     def keep_checkpoint_format(self, fmt: ExpertFormat) -> None:
@@ -331,7 +349,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             return self._quant_linear(swiglu(gate, up, self.swiglu_limit), counts, w2,
                                       self.down_proj_scale, 1)
         if impl == "grouped_mm":
-            return grouped_mm_mlp(xs, counts, w1, w2, self.swiglu_limit)
+            mlp = grouped_mm_mlp if xs.dtype == torch.bfloat16 else _grouped_mm_mlp_eager
+            return mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "padded":
             return padded_mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "packed":
@@ -432,15 +451,18 @@ def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: _ExpertPacks,
                       for i, (e, _) in enumerate(segments)])
 
 
-# Eager inside a compiled forward: torch._grouped_mm's shape function accepts bf16 only,
-# while the CPU kernel also runs fp32.
-@torch.compiler.disable
 def grouped_mm_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Both projections as torch._grouped_mm over the segments (no host sync)."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     gate, up = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     return torch._grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=offs)
+
+
+# Eager inside a compiled forward unless bf16: torch._grouped_mm's shape function accepts bf16
+# only, while the CPU kernel also runs fp32. In bf16 it is traced (a capturable forward,
+# docs/cuda_graphs.md).
+_grouped_mm_mlp_eager = torch.compiler.disable(grouped_mm_mlp)
 
 
 def padded_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -20,7 +20,9 @@ ops run under the guard; anything else was made during the forward without an op
 records a trace of every op with its tensor shapes and scalar arguments: two steps of the
 same padded size must record the same trace (what a graph replays), whatever the contexts.
 
-It runs on CPU tensors, so the CPU tests hold the CUDA decode path to all of this
+`FullgraphCapturer` holds a forward to the same discipline through torch.compile(fullgraph=True)
+(tests/models/test_decode_fullgraph.py). It runs on CPU tensors, so the CPU tests hold the
+CUDA decode path to all of this
 (tests/models/test_cuda_decode_path.py); `GuardedCapturer` applies it to the captured decode
 step of a whole engine (tests/engine/test_decode_capture.py) and, on a GPU, before the real
 capture (benchmarks/cuda_graph_check.py).
@@ -208,3 +210,36 @@ def _first_difference(a: list[tuple], b: list[tuple]) -> str:
         if x != y:
             return f"op {i}: {x} != {y}"
     return f"{len(a)} ops != {len(b)} ops"
+
+
+class FullgraphCapturer:
+    """A capturer (worker/decode_capture.py) that compiles instead of recording: per size, a
+    warm-up run, then the model's forward compiled with torch.compile(fullgraph=True) for
+    that size's static batch, which fails on any graph break (a host read, a data-dependent
+    branch or shape, an op dynamo cannot trace): the discipline a CUDA graph needs, checked
+    on any device. Replays run the compiled forward. `backend` "eager" or "aot_eager" keeps
+    the check fast (dynamo finds graph breaks whatever the backend)."""
+
+    def __init__(self, model: torch.nn.Module, backend: str = "eager") -> None:
+        self.model, self.backend = model, backend
+        self.compiled = 0
+        self.replays = 0
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        run()                                   # warm-up: lazy state is made eagerly
+        forward = torch.compile(type(self.model).forward.__get__(self.model), fullgraph=True,
+                                backend=self.backend, dynamic=False)
+
+        def replay() -> torch.Tensor:
+            self.model.forward = forward        # an instance attribute, for this run only
+            try:
+                return run()
+            finally:
+                del self.model.forward
+        replay()
+        self.compiled += 1
+
+        def counted() -> torch.Tensor:
+            self.replays += 1
+            return replay()
+        return counted

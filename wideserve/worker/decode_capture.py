@@ -16,9 +16,11 @@ docs/host_path.md ("The captured decode step") describes the design; in short:
   capturable (`decode_capturable(device)`, see `capturable`), the replay is a
   `torch.cuda.CUDAGraph` captured at startup after warm-up runs, one per size and context
   bucket (`context_buckets`: each reads the block tables narrowed to its bucket); everywhere
-  else a replay is the eager forward run over the static buffers (`EagerReplay`). The CUDA
-  capture is the only part the CPU cannot run; the CPU tests hold the forward to what it
-  needs (worker/capture_guard.py) and benchmarks/cuda_graph_check.py checks it on a GPU.
+  else a replay is the eager forward run over the static buffers (`EagerReplay`).
+  `--enforce-eager` (LoadConfig.enforce_eager) turns the captured step off. The CUDA capture
+  is the only part the CPU cannot run; the CPU tests hold the forward to what it needs
+  (worker/capture_guard.py: the capture guard and the torch.compile(fullgraph=True) check)
+  and benchmarks/cuda_graph_check.py checks it on a GPU.
 
 One staging copy suffices: a step rewrites it only after the previous step's sampled tokens
 were read back (a host sync), so the previous upload has run.
@@ -205,11 +207,12 @@ class CudaGraphCapturer:
 
 def capturable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a CUDA graph may record the model's decode forward: no host sync, no host-built
-    per-step tensor, shapes fixed by the batch size (docs/cuda_graphs.md). A model says so
-    with `CausalLM.decode_capturable(device)` (models/interface.py): the Llama family (Llama, Qwen2, Qwen3,
-    Qwen3-MoE) does on CUDA, through the static-shape decode attention and, for Qwen3-MoE,
-    the grouped_mm experts; DeepSeek-V4/V4.1 do not (their attention layouts are planned on
-    the host from the step's context lengths)."""
+    per-step tensor, shapes fixed by the batch size (docs/cuda_graphs.md). Any family: the
+    model says so with `CausalLM.decode_capturable(device)` (models/interface.py), and the
+    capturer records whatever forward declares it. Today the Llama family (Llama, Qwen2,
+    Qwen3, Qwen3-MoE without an EP dispatcher) does on CUDA; DeepSeek-V4/V4.1 declare it when
+    their decode forwards meet the rules. CPU checks of the declaration: CaptureGuard /
+    GuardedCapturer and FullgraphCapturer (worker/capture_guard.py)."""
     return bool(model.decode_capturable(device))
 
 

@@ -21,6 +21,7 @@ from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
 from wideserve.types.forward_batch import ForwardBatch
 from wideserve.layers.attention.paged_attention_batched import (PagedAttentionConfig,
                                                                 PagedAttentionPlans)
+from wideserve.layers.attention.paged_decode_static import is_decode_batch, paged_decode_static
 from wideserve.layers.attention.registry import (
     get_paged_attention_backend,
     resolve_paged_attention_backend,
@@ -191,8 +192,12 @@ class Attention(nn.Module, DeclaresGemms):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = _attend(get_paged_attention_backend(self.backend), q, k, v, batch, self.cache_name,
-                    self.scale, self.window, plans)
+        if static_decode(self.backend, q.device) and _decode_batch(batch):
+            # Shapes fixed by the batch size, device metadata only: traced and captured.
+            o = paged_decode_static(q, k, v, batch, self.cache_name, self.scale, self.window)
+        else:
+            o = _attend(get_paged_attention_backend(self.backend), q, k, v, batch,
+                        self.cache_name, self.scale, self.window, plans)
         return self._o.linear(o.reshape(t, -1), (self.o_proj.weight,),
                               (self.o_proj.bias,))                         # [T, d]
 
@@ -218,10 +223,21 @@ class Attention(nn.Module, DeclaresGemms):
         return self._split
 
 
+def _decode_batch(batch: ForwardBatch) -> bool:
+    """is_decode_batch, decided by the shapes while compiling: every request the runner
+    schedules has at least one token, so R requests of T = R tokens are one token each, and
+    the host offsets need not be read (a traced numpy read is a data-dependent branch)."""
+    if torch.compiler.is_compiling():
+        return batch.kv_write_start is None and \
+            batch.input_ids.shape[0] == batch.seq_lens.shape[0]
+    return is_decode_batch(batch)
+
+
 @torch.compiler.disable
 def _attend(attend: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    """The paged attention op, always eager: its plan is host (numpy) work over the step's
-    batch, and its shapes follow the contexts; a compiled forward is split around it."""
+    """The paged attention op, eager: its plan is host (numpy) work over the step's batch, and
+    its shapes follow the contexts; a compiled forward is split around it. (Decode batches on
+    the static path are not: `Attention.forward` calls that op directly.)"""
     return attend(*args)
 
 
@@ -300,8 +316,11 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)                 # [T, d]
         seq_lens = batch.seq_lens_cpu                          # bounds every position
-        cos, sin = self.rotary.cos_sin(                        # [T, D] fp32, shared by layers
-            batch.positions, int(seq_lens.max()) if seq_lens.size else 0)
+        # The bound picks table rows on the CPU; compiled, the rows are computed and the host
+        # copy is not read (a traced numpy read is a data-dependent value).
+        bound = None if torch.compiler.is_compiling() else \
+            int(seq_lens.max()) if seq_lens.size else 0
+        cos, sin = self.rotary.cos_sin(batch.positions, bound)   # [T, D] fp32, shared
         plans = PagedAttentionPlans(batch, config=self.attention_config)   # shared by layers
         return self._run_layers(h, cos, sin, batch, plans)
 
