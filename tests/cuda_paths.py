@@ -31,3 +31,13 @@ def force_cuda_paths(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module) ->
             if isinstance(value, WeightPack):
                 value.invalidate()
     model.set_attention_backend("static")
+
+
+def allow_batch(guard, batch) -> None:
+    """A batch built after `guard` (a CaptureGuard) was made: its tensors are the forward's
+    inputs, not tensors the forward built on the host."""
+    fields = [batch.input_ids, batch.positions, batch.query_start_loc, batch.seq_lens,
+              batch.kv_write_start, *batch.kv_caches.values(), *batch.extras.values()]
+    for view in batch.kv_groups:
+        fields += [view.block_table, view.slot_mapping, view.req_rows]
+    guard.allow(t for t in fields if t is not None)

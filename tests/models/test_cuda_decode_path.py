@@ -8,22 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_paths import force_cuda_paths
+from cuda_paths import allow_batch, force_cuda_paths
 from paged_harness import PagedHarness
 from test_paged_backends import build
 from wideserve.worker.capture_guard import CaptureGuard, CaptureViolation
 from wideserve.layers import experts
 
 CUDA = torch.device("cuda")
-
-
-def _allow_batch(guard: CaptureGuard, batch) -> None:
-    """A batch built after the guard: its tensors are the forward's inputs."""
-    fields = [batch.input_ids, batch.positions, batch.query_start_loc, batch.seq_lens,
-              batch.kv_write_start, *batch.kv_caches.values(), *batch.extras.values()]
-    for view in batch.kv_groups:
-        fields += [view.block_table, view.slot_mapping, view.req_rows]
-    guard.allow(t for t in fields if t is not None)
 
 
 def _decode_steps(model, guard_from: int, steps: int = 4, prompts=(7, 12, 3)):
@@ -43,7 +34,7 @@ def _decode_steps(model, guard_from: int, steps: int = 4, prompts=(7, 12, 3)):
         guard = guard or CaptureGuard()
 
         def guarded(batch):
-            _allow_batch(guard, batch)
+            allow_batch(guard, batch)
             with guard:
                 hidden = model.forward(batch)
             traces.append(guard.trace)

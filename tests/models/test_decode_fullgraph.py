@@ -4,8 +4,7 @@ batch size of the captured decode step compiles with torch.compile(fullgraph=Tru
 (FullgraphCapturer, worker/capture_guard.py: any graph break fails), and the engine's greedy
 outputs through the compiled replays equal its eager ones.
 
-Families: FAMILIES below; DeepSeek-V4 / V4.1 join when their decode forwards are capturable:
-add "v4" and "v41" (tests/tiny_families.py has their bundled models). bf16, the dtype a GPU
+Families: FAMILIES below (tests/tiny_families.py has their models). bf16, the dtype a GPU
 serves in: torch._grouped_mm's shape function accepts only bf16, so the fp32 experts run
 eagerly inside a compiled forward (layers/experts.py), which fullgraph refuses."""
 from __future__ import annotations
@@ -20,9 +19,17 @@ from tiny_families import model_dir, vocab_size
 from wideserve import LLM, SamplingParams
 from wideserve.worker.capture_guard import FullgraphCapturer
 
-FAMILIES = ["llama", "qwen3moe"]
+FAMILIES = ["llama", "qwen3moe", "v4", "v41"]
 SIZES = (1, 2, 4)
 MAX_LEN = 256
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_on(monkeypatch):
+    """tests/models/v41_helpers.py turns torch.compile off for the oracle in any process that
+    imports it (TORCHDYNAMO_DISABLE); these tests need it on (FullgraphCapturer refuses
+    otherwise)."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
 
 
 def _generate(llm: LLM, vocab: int) -> list[list[int]]:

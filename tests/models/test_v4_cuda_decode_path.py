@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import v4_configs as v4cfg
-from cuda_paths import force_cuda_paths
+from cuda_paths import allow_batch, force_cuda_paths
 from paged_harness import PagedHarness
 from v4_helpers import randomize_
 from wideserve.layers import experts
@@ -119,7 +119,7 @@ def _decode(model, size: int, steps: int, guard_from: int, padded: bool = True,
                 hidden = (run or model.forward)(batch)
             else:
                 guard = guard or CaptureGuard()
-                guard.allow_batch(batch)
+                allow_batch(guard, batch)
                 with guard:
                     hidden = (run or model.forward)(batch)
                 traces.append(guard.trace)
@@ -191,11 +191,9 @@ def test_decode_forward_compiles_fullgraph(family, monkeypatch) -> None:
     finds graph breaks whatever the backend; "eager" keeps it fast), once for two steps,
     with the eager logits.
 
-    In bf16 and through the undecorated body of experts.grouped_mm_mlp: layers/experts.py
-    keeps it out of compiled graphs (torch._grouped_mm's shape function takes bf16 only),
-    which is that file's choice, not the decode forward's (docs/cuda_graphs.md)."""
+    In bf16: torch._grouped_mm's shape function takes bf16 only, so layers/experts.py traces
+    grouped_mm_mlp in bf16 and keeps the fp32 experts eager (docs/cuda_graphs.md)."""
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)   # v41_helpers turns it off
-    monkeypatch.setattr(experts, "grouped_mm_mlp", experts.grouped_mm_mlp.__wrapped__)
     torch._dynamo.reset()
     graphs = []
 

@@ -30,6 +30,7 @@ capture (benchmarks/cuda_graph_check.py).
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -226,6 +227,10 @@ class FullgraphCapturer:
         self.replays = 0
 
     def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        if os.environ.get("TORCHDYNAMO_DISABLE") == "1" or torch._dynamo.config.disable:
+            # torch.compile then runs the function eagerly: the check would pass vacuously
+            raise RuntimeError("FullgraphCapturer: torch.compile is disabled in this process "
+                               "(TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)")
         run()                                   # warm-up: lazy state is made eagerly
         forward = torch.compile(type(self.model).forward.__get__(self.model), fullgraph=True,
                                 backend=self.backend, dynamic=False)

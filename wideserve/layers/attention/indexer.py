@@ -26,9 +26,11 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 SORT_BELOW = 2048    # index_topk sorts rows shorter than this (fewer ops), else uses topk
 
 
-def index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def index_topk(scores: torch.Tensor, k: int, cpu_op: bool = True) -> torch.Tensor:
     """The same indices in the same order as `stable_topk_indices` (scores without NaN); rows
-    of SORT_BELOW or more use torch.topk instead of a full sort.
+    of SORT_BELOW or more use DeepSelect (`cpu_op`, where its C++ op runs) or the keyed
+    torch.topk instead of a full sort. The static decode step (v4_static.py) passes
+    cpu_op=False: it is the path CUDA takes, which a C++ CPU op must never stand in for.
 
     Why equal: the stable descending sort orders (score, index) pairs by score, then by index.
     Each pair is mapped to one int64 key that is strictly monotone in that order: the high 32
@@ -40,6 +42,8 @@ def index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     n = scores.shape[-1]
     if n < SORT_BELOW:
         return stable_topk_indices(scores, k)
+    if not cpu_op:
+        return deepselect.keyed_topk(scores, k)
     return keyed_topk(scores, k)
 
 

@@ -235,7 +235,7 @@ def select_decode(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4De
         elif use_candidates:
             mask = _candidate_mask(state.candidates[:, None], block_size, K)
             scores = scores.masked_fill(~mask, float("-inf"))
-    idx = index_topk(scores, min(k, scores.shape[-1]))                        # [R, 1, <= k]
+    idx = index_topk(scores, min(k, scores.shape[-1]), cpu_op=False)          # [R, 1, <= k]
     ok = scores.gather(-1, idx) > float("-inf")
     if ids is not None:
         idx = ids.gather(-1, idx)

@@ -227,7 +227,7 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Decod
         return torch.bmm(weights[:, None, :], s)[:, 0]                         # [R, n]
     scores = step.score_entries(keys_name, indexer.ratio, dt, score)
     scores = scores + entry_bias(step.entry_slots(keys_name, indexer.ratio)[1])    # [R, K]
-    idx = index_topk(scores, k)
+    idx = index_topk(scores, k, cpu_op=False)
     return torch.where(idx >= step.visible(indexer.ratio)[:, None], -1, idx)
 
 

@@ -185,7 +185,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         # batch's widest block table holds, a reduction length set by the other requests.
         return (batch.num_tokens > 0 and not self.batch_invariant
                 and static_decode(self.attention_backend, batch.positions.device)
-                and is_decode_batch(batch))
+                # A compiled forward is the captured decode step's (worker/capture_guard.py),
+                # whose batches are decode batches: no check on the batch's data there.
+                and (torch.compiler.is_compiling() or is_decode_batch(batch)))
 
     def decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` of a decode batch (every request one new token, no bounded replay) as a

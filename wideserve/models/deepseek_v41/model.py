@@ -257,7 +257,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         # follow the batch's widest block table).
         if (batch.num_tokens and not self.batch_invariant
                 and static_decode(self.attention_backend, batch.positions.device)
-                and is_decode_batch(batch)):
+                # A compiled forward is the captured decode step's (worker/capture_guard.py),
+                # whose batches are decode batches: no check on the batch's data there.
+                and (torch.compiler.is_compiling() or is_decode_batch(batch))):
             return self.decode_forward(batch)
         return self._run(V4Step(batch, self._codecs, self.batch_invariant), batch)
 
