@@ -6,12 +6,15 @@ the scheduler and the connector do on the host before the pull starts.
     python benchmarks/pd/admission.py --ab main --tokens 131072 855000 [--model ...]
 
   create:   Request(...) from the prompt's Python int list (its int32 buffer, where it has one)
+  checks:   what EngineCore.add_request and the P/D consumer check over the whole prompt: the
+            id range, and the prompt digest a P/D handle is verified against (on the
+            request's int32 buffer where it has one, else on the list, as before it had one)
   lookup:   prefix-cache lookup (hashes the prompt's 256-token blocks)
   allocate: allocate_slots with num_external_tokens (sliding groups: only the window's pages)
   plan:     plan_pages + descriptor_indices (int32 numpy, null sliding pages skipped)
   naive:    the same descriptors built the obvious way: a Python loop over every page of
             every group and layer, sliding history included, int64 lists
-  admission = create + lookup + allocate + plan: the host cost of admitting the request.
+  admission = create + checks + lookup + allocate + plan: the host cost of admitting it.
 The models are built on the meta device (no weights), only for their KV cache specs.
 
 --ab REV: before/after in one run. REV's wideserve/ is exported (git archive) to a temporary
@@ -37,6 +40,7 @@ from wideserve.config import CacheConfig, SchedulerConfig
 from wideserve.kv_cache.groups import build_kv_cache_config
 from wideserve.kv_cache.kv_cache_manager import KVCacheManager
 from wideserve.disagg.layout import cdiv, descriptor_indices, group_plans, plan_pages, region_bases
+from wideserve.disagg.params import prompt_digest
 from wideserve.types.request import Request
 from wideserve.types.sampling_params import SamplingParams
 
@@ -81,6 +85,16 @@ def naive_descriptors(kv_config, rows: list[list[int]], end: int, base: np.ndarr
     return np.array(out, dtype=np.int64)
 
 
+def whole_prompt_checks(req: Request) -> str:
+    """EngineCore.add_request's id range check and the consumer's prompt digest (a handle is
+    verified against it); on the int32 buffer where the request has one (this tree)."""
+    ids = req.prompt_array() if hasattr(req, "prompt_array") else req.prompt_token_ids
+    lo, hi = (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids),
+                                                                                    max(ids))
+    assert 0 <= lo and hi < 1 << 30
+    return prompt_digest(ids)
+
+
 def measure(n: int, model: str, repeats: int, naive: bool) -> dict:
     torch.set_num_threads(1)
     specs = flash_specs() if model == "v4-flash" else qwen3_moe_specs()
@@ -90,7 +104,8 @@ def measure(n: int, model: str, repeats: int, naive: bool) -> dict:
     base = region_bases([b.num_blocks for b in kv_config.buckets
                          for _ in range(b.num_slabs)])
     prompt = [(7 * i) % 120000 + 2 for i in range(n)]
-    phases = ("create", "lookup", "allocate", "plan", "admission") + (("naive",) if naive else ())
+    phases = ("create", "checks", "lookup", "allocate", "plan", "admission") + \
+        (("naive",) if naive else ())
     times: dict[str, list[float]] = {k: [] for k in phases}
     descs = naive_descs = 0
     for rep in range(repeats):
@@ -98,6 +113,8 @@ def measure(n: int, model: str, repeats: int, naive: bool) -> dict:
         t0 = time.perf_counter()
         req = Request(f"r{rep}", prompt, SamplingParams(max_tokens=1))
         t1 = time.perf_counter()
+        whole_prompt_checks(req)
+        t1b = time.perf_counter()
         hit, num_hit = kv.get_computed_blocks(req)
         t2 = time.perf_counter()
         assert kv.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) is not None
@@ -107,7 +124,7 @@ def measure(n: int, model: str, repeats: int, naive: bool) -> dict:
         idx = descriptor_indices(groups, base, local)
         descriptor_indices(groups, base, remote)
         t4 = time.perf_counter()
-        for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+        for k, dt in zip(phases, (t1 - t0, t1b - t1, t2 - t1b, t3 - t2, t4 - t3, t4 - t0)):
             times[k].append(dt)
         descs = len(idx)
         if naive:
@@ -145,7 +162,7 @@ def ab(args: argparse.Namespace) -> None:
                          "--repeats", str(args.repeats), "--no-naive"],
                         env=env, check=True, capture_output=True, text=True).stdout
                     results.setdefault((label, n), []).append(json.loads(out.splitlines()[-1]))
-    phases = ("create", "lookup", "allocate", "plan", "admission")
+    phases = ("create", "checks", "lookup", "allocate", "plan", "admission")
     for n in args.tokens:
         rows = {}
         for label in trees:
