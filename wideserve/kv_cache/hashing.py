@@ -3,10 +3,11 @@
     hash[i] = blake2b-256(hash[i-1] or NONE_HASH, len(extra) || extra, token ids of block i)
 
 Token ids are hashed as little-endian int64 bytes (the request's int32 buffer cast once per
-call and sliced per block, types/request.py; no per-token Python work), extra keys as length-prefixed typed bytes (`encode_extra_keys`); nothing is pickled,
-so the hashes are the same in every process and on every machine (P/D and DP ranks can
-compare them). Only full blocks of `request.all_token_ids` are hashed: draft tokens
-(`request.spec_token_ids`) are unverified and never enter a hash.
+call and sliced per block, types/request.py; no per-token Python work), extra keys as
+length-prefixed typed bytes (`encode_extra_keys`); nothing is pickled, so the hashes are the
+same in every process and on every machine (P/D and DP ranks can compare them). Only full
+blocks of `request.all_token_ids` are hashed: draft tokens (`request.spec_token_ids`) are
+unverified and never enter a hash.
 
 Sliding-window groups page at a divisor of the logical block (a 128-token window uses
 128-position pages of a 256-token block). Their page k of logical block i is keyed
