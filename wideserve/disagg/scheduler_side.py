@@ -229,7 +229,7 @@ class ConnectorScheduler:
                 remote_block_ids=rows,
                 remote_num_tokens=request.num_prompt_tokens,
                 remote_layout=self.fingerprint, remote_lease=lease,
-                remote_prompt_digest=prompt_digest(request.prompt_token_ids))).to_dict()
+                remote_prompt_digest=prompt_digest(request.prompt_array()))).to_dict()
         self.kv.free(request)
         return None
 

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from wideserve.config import CacheConfig, EngineConfig
@@ -281,7 +282,17 @@ class EngineCore:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
+        # The request's int32 buffer (made once here) serves every whole-prompt check.
+        try:
+            request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
+                              arrival_time=req.arrival_time, priority=req.priority,
+                              group_id=req.group_id,
+                              kv_transfer_params=req.sampling_params.kv_transfer_params)
+        except ValueError as e:
+            raise ValueError(f"a prompt token id is outside the vocabulary "
+                             f"[0, {self.vocab_size}) ({e})") from None
+        ids = request.prompt_array()
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"prompt token id {lo if lo < 0 else hi} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
@@ -294,23 +305,19 @@ class EngineCore:
                 self.config.load.decoder_bounded_replay:
             raise ValueError("prompt_logprobs cannot be returned by a server started with "
                              "--decoder-bounded-replay (the replay skips most prompt rows)")
-        self._check_kv_transfer_params(req)
-        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                          arrival_time=req.arrival_time, priority=req.priority,
-                          group_id=req.group_id,
-                          kv_transfer_params=req.sampling_params.kv_transfer_params)
+        self._check_kv_transfer_params(req, ids)
         self.worker.add_request(req.request_id, req.sampling_params)
         if not self.structured.hold(request):       # else: scheduled once its grammar is ready
             self.scheduler.add_request(request)
 
-    def _check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
+    def _check_kv_transfer_params(self, req: EngineCoreRequest, prompt_ids: np.ndarray) -> None:
         params = req.sampling_params.kv_transfer_params
         if not params or not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
             return
         if self.kv_connector is None:
             raise ValueError("kv_transfer_params: this server runs without "
                              "--kv-transfer-config (no P/D disaggregation)")
-        problem = self.kv_connector.scheduler.validate(params, req.prompt_token_ids)
+        problem = self.kv_connector.scheduler.validate(params, prompt_ids)
         if problem is not None:
             raise ValueError(problem)
 

@@ -96,7 +96,7 @@ class GroupManager:
         if n <= 0:
             return []
         new = self.pool.get_new_blocks(n)
-        table.extend(b.block_id for b in new)
+        table.extend([b.block_id for b in new])
         return new
 
     def free(self, request_id: str) -> None:

@@ -2,11 +2,12 @@
 
     hash[i] = blake2b-256(hash[i-1] or NONE_HASH, len(extra) || extra, token ids of block i)
 
-Token ids are hashed as little-endian int64 bytes (one numpy conversion per call, not per
-token), extra keys as length-prefixed typed bytes (`encode_extra_keys`); nothing is pickled,
-so the hashes are the same in every process and on every machine (P/D and DP ranks can
-compare them). Only full blocks of `request.all_token_ids` are hashed: draft tokens
-(`request.spec_token_ids`) are unverified and never enter a hash.
+Token ids are hashed as little-endian int64 bytes (the request's int32 buffer cast once per
+call and sliced per block, types/request.py; no per-token Python work), extra keys as
+length-prefixed typed bytes (`encode_extra_keys`); nothing is pickled, so the hashes are the
+same in every process and on every machine (P/D and DP ranks can compare them). Only full
+blocks of `request.all_token_ids` are hashed: draft tokens (`request.spec_token_ids`) are
+unverified and never enter a hash.
 
 Sliding-window groups page at a divisor of the logical block (a 128-token window uses
 128-position pages of a 256-token block). Their page k of logical block i is keyed
@@ -68,18 +69,43 @@ def token_bytes(token_ids: list[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
+def _int64_bytes(token_ids: list[int] | np.ndarray) -> memoryview:
+    """The ids as one little-endian int64 byte buffer: a vectorised cast of an array (the
+    request's int32 buffer), a per-token conversion only for a Python list."""
+    arr = np.ascontiguousarray(token_ids, dtype="<i8")
+    return memoryview(arr).cast("B")
+
+
 def hash_token_blocks(token_ids: list[int] | np.ndarray, block_size: int,
                       parent: bytes | None = None,
                       extra_keys: bytes | Callable[[int], bytes] = b"") -> list[bytes]:
     """Hashes of every full block of `token_ids`, chained from `parent`. `extra_keys`: the
-    same bytes for every block, or block index (within `token_ids`) -> that block's bytes."""
+    same bytes for every block, or block index (within `token_ids`) -> that block's bytes.
+
+    Equal to chaining hash_block_tokens block by block (tests/core/kv_cache keeps that as the
+    reference); the loop only hoists what is the same for every block: one int64 buffer
+    sliced per block (no copies), the length-prefixed extra keys packed once."""
     n_full = len(token_ids) // block_size
-    raw = memoryview(token_bytes(token_ids[:n_full * block_size]))
+    if n_full == 0:
+        return []
+    raw = _int64_bytes(token_ids[:n_full * block_size])
     step = 8 * block_size
-    out = []
+    blake2b = hashlib.blake2b
+    out: list[bytes] = []
+    parent = NONE_HASH if parent is None else parent
+    if callable(extra_keys):
+        for i in range(n_full):
+            extra = extra_keys(i)
+            h = blake2b(parent + struct.pack("<I", len(extra)) + extra, digest_size=HASH_BYTES)
+            h.update(raw[i * step:(i + 1) * step])
+            parent = h.digest()
+            out.append(parent)
+        return out
+    prefix = struct.pack("<I", len(extra_keys)) + extra_keys
     for i in range(n_full):
-        extra = extra_keys(i) if callable(extra_keys) else extra_keys
-        parent = hash_block_tokens(parent, raw[i * step:(i + 1) * step], extra)
+        h = blake2b(parent + prefix, digest_size=HASH_BYTES)
+        h.update(raw[i * step:(i + 1) * step])
+        parent = h.digest()
         out.append(parent)
     return out
 
@@ -111,8 +137,9 @@ class BlockHasher:
         if n_full <= start:
             return []
         extra_keys = self.extra_keys
+        # A view of the request's int32 buffer: no Python list is sliced or converted.
         new = hash_token_blocks(
-            request.all_token_ids[start * bs:n_full * bs], bs, hashes[-1] if hashes else None,
+            request.token_array()[start * bs:n_full * bs], bs, hashes[-1] if hashes else None,
             (lambda i: extra_keys(request, start + i)) if extra_keys else b"")
         hashes.extend(new)
         return new
