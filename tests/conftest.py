@@ -120,7 +120,7 @@ def pytest_sessionfinish(session: _pytest.Session, exitstatus: int) -> None:
 import pytest  # noqa: E402
 
 # Seconds per module from `--durations` on the shared 2-core machine (serially per directory;
-# tests/{assets,bench,core,engine,executor,kernels,layers,structured_outputs,tools} and the
+# tests/{assets,bench,engine,kernels,kv_cache,layers,structured_outputs,tools,worker} and the
 # top-level modules from a 4-worker run). Only the order matters; a module not listed here
 # (under 10 s) is treated as short.
 MODULE_SECONDS: dict[str, float] = {
@@ -133,7 +133,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/spec_decode/test_spec_bundled.py": 177,
     "tests/entrypoints/openai/test_server_lifecycle.py": 175,
     "tests/models/test_deepseek_v41.py": 164,
-    "tests/distributed/test_dep_engine.py": 136,
+    "tests/parallel/test_dep_engine.py": 136,
     "tests/assets/test_bundled_model.py": 132,
     "tests/entrypoints/test_generate_cli.py": 125,
     "tests/entrypoints/openai/test_server_engine_faults.py": 114,
@@ -141,7 +141,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/entrypoints/test_info.py": 110,
     "tests/disagg/test_pd_dep.py": 110,
     "tests/assets/test_bundled_v41.py": 107,
-    "tests/distributed/eplb/test_eplb_dep.py": 103,
+    "tests/parallel/eplb/test_eplb_dep.py": 103,
     "tests/entrypoints/test_info_v41.py": 103,
     "tests/spec_decode/test_spec_sampled.py": 103,
     "tests/models/test_deepseek_v4_backends.py": 101,
@@ -151,25 +151,25 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/disagg/test_router_e2e.py": 73,
     "tests/models/test_gguf.py": 70,
     "tests/entrypoints/openai/test_anthropic_messages.py": 70,
-    "tests/distributed/test_dep_multinode.py": 67,
+    "tests/parallel/test_dep_multinode.py": 67,
     "tests/entrypoints/openai/test_server_api.py": 67,
-    "tests/distributed/test_ep_dispatch.py": 58,
+    "tests/parallel/test_ep_dispatch.py": 58,
     "tests/spec_decode/test_dspark.py": 56,
     "tests/entrypoints/openai/test_server_reliability.py": 55,
-    "tests/distributed/eplb/test_eplb_weight_moves.py": 55,
+    "tests/parallel/eplb/test_eplb_weight_moves.py": 55,
     "tests/engine/test_engine_greedy.py": 52,
-    "tests/distributed/test_dep_server.py": 49,
+    "tests/parallel/test_dep_server.py": 49,
     "tests/spec_decode/test_draft_depth.py": 39,
     "tests/entrypoints/openai/test_server_bad_inputs.py": 37,
     "tests/spec_decode/test_dspark_sampled.py": 33,
     "tests/models/test_deepseek_v4.py": 25,
     "tests/engine/test_deepseek_v41_engine.py": 25,
-    "tests/distributed/eplb/test_eplb_engine.py": 21,
-    "tests/distributed/test_dp_sync.py": 21,
+    "tests/parallel/eplb/test_eplb_engine.py": 21,
+    "tests/parallel/test_dp_sync.py": 21,
     "tests/engine/test_engine_behaviour.py": 20,
     "tests/models/test_deepseek_v4_fp8.py": 16,
-    "tests/core/kv_cache/test_kv_simulation.py": 15,
-    "tests/core/kv_cache/test_kv_hashing.py": 15,
+    "tests/kv_cache/test_kv_simulation.py": 15,
+    "tests/kv_cache/test_kv_hashing.py": 15,
     "tests/disagg/test_pd_loopback.py": 14,
     "tests/entrypoints/openai/test_engine_proc_plumbing.py": 13,
     "tests/entrypoints/openai/test_engine_client_faults.py": 12,

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests/distributed"))
+sys.path.insert(0, str(ROOT / "tests/parallel"))
 
 from dist_utils import free_port_block  # noqa: E402
 from wideserve import LLM, SamplingParams  # noqa: E402

@@ -5,7 +5,7 @@ The reference is deepseek-ai/EPLB's `eplb.py`, imported unmodified from a path y
 (`--vllm`, from an installed vllm). Both placements are scored by the same function
 (`policy.rank_loads` + `policy.balancedness`), in-sample (the window the plan was computed
 from) and held-out (a later, drifted window). Writes JSON; with `--write-test-data` also the
-small file the policy test compares against (tests/distributed/eplb/data/reference_cases.json).
+small file the policy test compares against (tests/parallel/eplb/data/reference_cases.json).
 
     python benchmarks/eplb/reference_compare.py --reference-eplb /path/to/EPLB/eplb.py \
         --out benchmarks/results/eplb_reference.json --write-test-data
@@ -27,7 +27,7 @@ from wideserve.parallel.eplb import policy
 from wideserve.parallel.eplb.synthetic import SkewedLoad, load_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
-TEST_DATA = ROOT / "tests/distributed/eplb/data/reference_cases.json"
+TEST_DATA = ROOT / "tests/parallel/eplb/data/reference_cases.json"
 # (experts, EP ranks, redundant, groups, nodes, skew, layers, tokens): the benchmarks.md
 # grid (E=128/384, EP8..64, 0/32/64 redundant, global and hierarchical with 8 ranks a node),
 # the bundled model's shape (8 experts, EP2/EP4) and a draft-like single layer.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from dist_utils import free_port_block  # noqa: E402
 
 from entrypoints.openai.oai_server_utils import RemoteServer  # noqa: E402

@@ -3,7 +3,7 @@ forward reads nothing from the device, and the whole engine step (schedule -> sa
 output) reads at most STEP_READ_BUDGET times (the sampled token ids). Per family, on the CPU
 paths and on the paths CUDA takes (tests/cuda_paths.py), single rank (with and without EPLB
 recording); DEP2 with the EP dispatcher and EPLB recording is
-tests/distributed/test_host_read_budget_dep.py, with the same helpers.
+tests/parallel/test_host_read_budget_dep.py, with the same helpers.
 
 Families: FAMILIES below. DeepSeek-V4 / V4.1 are held to it on the paths CUDA takes only (their
 decode batches through layers/attention/v4_static.py): on the CPU paths V4Step plans from the

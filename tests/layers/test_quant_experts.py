@@ -165,7 +165,7 @@ def test_routed_experts_on_packed_weights(name, dtype):
     assert packed._packs is None
 
 
-# --- the tiny DeepSeek-V4 checkpoint of tests/executor/test_loader_v4.py, FP4 and FP8 experts ---
+# --- the tiny DeepSeek-V4 checkpoint of tests/worker/test_loader_v4.py, FP4 and FP8 experts ---
 
 def _loader_v4():
     path = Path(__file__).resolve().parents[1] / "executor" / "test_loader_v4.py"

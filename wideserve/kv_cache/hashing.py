@@ -82,7 +82,7 @@ def hash_token_blocks(token_ids: list[int] | np.ndarray, block_size: int,
     """Hashes of every full block of `token_ids`, chained from `parent`. `extra_keys`: the
     same bytes for every block, or block index (within `token_ids`) -> that block's bytes.
 
-    Equal to chaining hash_block_tokens block by block (tests/core/kv_cache keeps that as the
+    Equal to chaining hash_block_tokens block by block (tests/kv_cache keeps that as the
     reference); the loop only hoists what is the same for every block: one int64 buffer
     sliced per block (no copies), the length-prefixed extra keys packed once."""
     n_full = len(token_ids) // block_size

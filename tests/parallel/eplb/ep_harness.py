@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from wideserve.parallel.eplb.replicas import map_to_physical
 from wideserve.layers.experts import swiglu
 
-# The DEP tests' helpers (tests/distributed/dist_utils.py) are one directory up.
+# The DEP tests' helpers (tests/parallel/dist_utils.py) are one directory up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import free_port, free_port_block, run_ranks  # noqa: E402
 

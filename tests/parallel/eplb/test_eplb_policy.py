@@ -1,5 +1,5 @@
 """The rebalancing policy on skewed synthetic loads, against the reference algorithm's
-balancedness on the same loads (tests/distributed/eplb/data/reference_cases.json, written by
+balancedness on the same loads (tests/parallel/eplb/data/reference_cases.json, written by
 benchmarks/eplb/reference_compare.py --write-test-data from a real run of deepseek-ai/EPLB's
 eplb.py at d52c72d)."""
 from __future__ import annotations
