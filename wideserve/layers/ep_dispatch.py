@@ -342,14 +342,17 @@ class AllToAllDispatcher(EPDispatcher):
 
 # Dispatcher name (ParallelConfig.ep_dispatcher) -> implementation. Every implementation takes
 # (group, rank, world_size, num_local_experts, device).
-EP_DISPATCHERS: dict[str, type[EPDispatcher]] = {"all_to_all": AllToAllDispatcher}
+EP_DISPATCHERS: dict[str, type[EPDispatcher]] = {}
 
 
 def register_dispatcher(name: str, cls: type[EPDispatcher]) -> None:
-    """Add an EP dispatcher implementation under `name`."""
+    """Add an EP dispatcher implementation under `name` (the built-in one too, below)."""
     if name in EP_DISPATCHERS:
         raise ValueError(f"EP dispatcher {name!r} is already registered")
     EP_DISPATCHERS[name] = cls
+
+
+register_dispatcher("all_to_all", AllToAllDispatcher)
 
 
 def make_dispatcher(name: str, group: dist.ProcessGroup, rank: int, world_size: int,
