@@ -45,6 +45,7 @@ from wideserve.kernels import gemm
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels import sdpa_context
 from wideserve.kernels.loader import CSRC, cpu_ops_available
+from wideserve.kernels.timing import clock_of, time_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -443,37 +444,6 @@ def _span(first: int, last: int) -> str:
     """Token buckets first..last as one range: "1", "2-16", "17+"."""
     lo, hi = BUCKETS[first][0], BUCKETS[last][1]
     return f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
-
-
-def clock_of(name: str) -> Callable[[], float]:
-    """The clock timings read: "cpu" the calling thread's CPU time (at one torch thread every
-    timed call runs on it, and time slices given to other processes of a shared machine do
-    not count), "wall" perf_counter, "auto" cpu where torch runs one thread."""
-    if name == "auto":
-        name = "cpu" if torch.get_num_threads() == 1 else "wall"
-    return time.thread_time if name == "cpu" else time.perf_counter
-
-
-def time_interleaved(fns: dict[str, Callable[[], object]], min_reps: int, max_reps: int,
-                     min_time_s: float, clock: str = "auto") -> dict[str, list[float]]:
-    """Seconds of each call of each fn: every round calls all fns once, starting one further
-    along each round, until `min_reps` rounds and `min_time_s` in all, or `max_reps` rounds."""
-    now = clock_of(clock)
-    for fn in fns.values():
-        fn()                                   # warm: first-call setup, caches
-    names = list(fns)
-    samples: dict[str, list[float]] = {c: [] for c in names}
-    spent, reps = 0.0, 0
-    while reps < max_reps and (reps < min_reps or spent < min_time_s):
-        for j in range(len(names)):
-            c = names[(reps + j) % len(names)]
-            t0 = now()
-            fns[c]()
-            dt = now() - t0
-            samples[c].append(dt)
-            spent += dt
-        reps += 1
-    return samples
 
 
 def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:
