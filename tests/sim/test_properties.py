@@ -123,3 +123,19 @@ def test_host_noise_from_samples():
     waits = [n.lockstep_wait(200, 10e-3, r, rng) for r in (2, 8)]
     assert 0 < waits[0] < waits[1]                           # more ranks, longer waits
     assert HostNoise([1e-3] * 10).lockstep_wait(12, 1.0, 4, rng) == 0.0   # no interruptions
+
+
+def test_the_report_reads_the_weight_bytes_of_its_layout():
+    """`simulate run` prints the weight bytes a rank reads per step (StepModel's expectation
+    for every rank's rows of one step, drafts included); more ranks print no more."""
+    from wideserve.sim.report import describe
+    m, printed = tiny_model(), []
+    for dep in (1, 4):
+        lay = Layout(dep=dep, batch=8, mtp_k=1, acceptance=(0.5,))
+        res = Simulation(m, gpu(), profile(), lay, fixed(64, 8)).run(20)
+        line = next(x for x in describe(res, m, gpu(), profile())
+                    if "weights read per rank per step" in x)
+        want = StepModel(m, gpu(), profile()).weight_bytes_per_rank(dep, dep * 8 * 2 * m.top_k)
+        assert f"{want / 1e9:,.2f} GB" in line
+        printed.append(want)
+    assert printed[1] <= printed[0]

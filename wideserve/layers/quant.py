@@ -192,11 +192,6 @@ class ExpertFormat:
         return (halves * math.ceil(rows // halves / self.block[0]),
                 math.ceil(cols / self.block[1]))
 
-    def bytes_per_value(self) -> float:
-        """Codes plus scales per weight value (whole blocks)."""
-        code = 1.0 if self.kind == "fp8" else 0.5
-        return code + 1 / (self.block[0] * self.block[1])
-
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, halves: int = 1,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """[..., rows, packed] codes, [..., Sr, Sc] scale bytes -> dense `dtype` [..., rows, cols]."""

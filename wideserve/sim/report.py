@@ -7,6 +7,7 @@ from typing import Any
 from wideserve.sim.hardware import Hardware, Profile
 from wideserve.sim.model import FORMAT_BYTES, ModelShape
 from wideserve.sim.simulator import SimResult
+from wideserve.sim.step import StepModel
 
 
 def parameters(m: ModelShape, hw: Hardware, prof: Profile) -> dict[str, Any]:
@@ -43,6 +44,12 @@ def describe(r: SimResult, m: ModelShape, hw: Hardware, prof: Profile) -> list[s
                  f"{k} {v:.3f}" for k, v in r.breakdown_ms.items()),
              f"  output tokens/s per GPU: {r.tok_s_per_gpu:,.0f}",
              f"  tokens/s per user: P50 {r.p50_user_tok_s:.1f}, P90 {r.p90_user_tok_s:.1f}"]
+    # What bounds a decode step on bandwidth: the dense copy plus the experts that receive a
+    # row, with every rank's rows of a full step (drafts included) spread evenly.
+    rows = lay.dep * lay.batch * (1 + lay.mtp_k) * m.top_k
+    gb = StepModel(m, hw, prof).weight_bytes_per_rank(lay.dep, rows) / 1e9
+    lines.append(f"  weights read per rank per step: {gb:,.2f} GB "
+                 f"({gb / max(r.step_ms, 1e-9) * 1e3:,.0f} GB/s at the simulated step)")
     if r.ttft_p50_s is not None:
         lines.append(f"  TTFT: P50 {r.ttft_p50_s:.3f} s, P90 {r.ttft_p90_s:.3f} s")
     if r.usd_per_mtok is not None:
