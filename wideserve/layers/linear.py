@@ -274,6 +274,9 @@ class InvariantLinears(TorchFunctionMode):
         self._widened: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Runs for every torch op of the step: the common case (neither) first and cheapest.
+        if func is not F.linear and func is not torch.Tensor.float:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         if func is F.linear:
             x, w = args[0], args[1]
