@@ -11,6 +11,12 @@ at once; out tok/s = generated tokens / wall time. TTFT: one --ttft-input-token 
 one output token. Per model it prints the median over --rounds of each, and the mode's ratio
 to the default (also asserting the mode's tokens equal alone and in the batch, which the
 default need not). `lscpu` model and ISA flags and the load average head the output.
+
+--parts (DeepSeek-V4/V4.1): what each part of the mode costs. Engines: the default, the
+mode, then the mode with its parts switched off one after another - "-hook" without
+InvariantLinears' torch-function mode, "-long" also with LONG_QUERY prefill blocks, "-dense"
+also with CSA dense where top-k covers every entry. A measurement patch of this process
+(the later engines are no longer invariant), not a setting.
 """
 from __future__ import annotations
 
@@ -50,6 +56,66 @@ def run(llm: LLM, prompts: list[list[int]], out: int) -> tuple[float, list]:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _switch_parts(off: set[str]) -> None:
+    """Patch V4Step so that the step of the next run has the parts in `off` switched off
+    (--parts; the set is read at each call)."""
+    from wideserve.layers.attention import registry, v41_batched, v4_batched, v4_step
+
+    def relaxed(part: str, fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            step = next(x for x in args if isinstance(x, v4_step.V4Step))
+            keep = step.batch_invariant
+            step.batch_invariant = keep and part not in off
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                step.batch_invariant = keep
+        return call
+
+    v4_step.V4Step.query_groups = relaxed("long", v4_step.V4Step.query_groups)
+    # The backend tables hold the select functions themselves (frozen records): swap them.
+    for table in (registry.ATTENTION_BACKENDS, registry.V41_ATTENTION_BACKENDS):
+        for backend in table.values():
+            if backend.select in (v4_batched.select, v41_batched.select):
+                object.__setattr__(backend, "select", relaxed("dense", backend.select))
+
+
+def bench_parts(name: str, a: argparse.Namespace) -> None:
+    off: set[str] = set()
+    _switch_parts(off)
+    variants = {"default": set(), "invariant": set(), "-hook": {"hook"},
+                "-hook-long": {"hook", "long"}, "-hook-long-dense": {"hook", "long", "dense"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llms = {m: LLM(model_path(name), dtype="bfloat16", skip_tokenizer_init=True,
+                       enable_prefix_caching=False, batch_invariant=m != "default",
+                       max_num_seqs=max(a.prompts, 8)) for m in variants}
+    for m, parts in variants.items():
+        if "hook" in parts:
+            llms[m].engine.worker.gemm_mode = None
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 1000, (a.input,), generator=gen).tolist()
+               for _ in range(a.prompts)]
+    long = torch.randint(2, 1000, (a.ttft_input,), generator=gen).tolist()
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in llms}
+    for m, llm in llms.items():
+        off.clear()
+        off.update(variants[m])
+        run(llm, prompts[:2], 2)
+    for _ in range(a.rounds):
+        for m, llm in llms.items():
+            off.clear()
+            off.update(variants[m])
+            times[m].append((run(llm, prompts, a.output)[0], run(llm, [long], 1)[0]))
+    base = [statistics.median(t[i] for t in times["default"]) for i in (0, 1)]
+    for m in llms:
+        tput, ttft = (statistics.median(t[i] for t in times[m]) for i in (0, 1))
+        print(f"{name} {m}: run {tput:.2f} s (x{tput / base[0]:.2f} the default's time), "
+              f"TTFT {ttft * 1e3:.0f} ms (x{ttft / base[1]:.2f})", flush=True)
+    for llm in llms.values():
+        llm.shutdown()
 
 
 def bench(name: str, a: argparse.Namespace) -> None:
@@ -98,11 +164,13 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--ttft-input", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--parts", action="store_true",
+                   help="V4/V4.1: the cost of each part of the mode (module docstring)")
     a = p.parse_args()
     print(machine(), f"threads {torch.get_num_threads()}, "
           f"WIDESERVE_GEMM={os.environ['WIDESERVE_GEMM']}", flush=True)
     for name in a.model:
-        bench(name, a)
+        (bench_parts if a.parts else bench)(name, a)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,26 @@ def test_greedy_argmax_breaks_ties_at_the_first_index_on_every_path():
     assert torch.equal(argmax_rows(x), want)
     assert torch.equal(argmax_rows(x, cpu_op=False), want)
     assert torch.equal(argmax_rows(x[3:4]), want[3:4])       # alone or in a batch
+
+
+@needs_ops
+def test_a_widened_parameter_is_packed_once_and_again_after_an_update(monkeypatch):
+    # mHC's `F.linear(x, self.fn.float())` on a bf16 parameter: a new fp32 tensor per call,
+    # which the mode packed again on every call of every step (issue 27's V4.1 cost).
+    choice = KernelChoice(KernelPolicy(force="auto", cache_dir=None), timer=_mixed_timer)
+    g = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter((torch.randn(24, 64, generator=g) * 0.05).bfloat16(),
+                           requires_grad=False)
+    x = torch.randn(5, 64, generator=g)
+    packs = []
+    real = gemm.pack_linear
+    monkeypatch.setattr(gemm, "pack_linear", lambda w: packs.append(w.shape) or real(w))
+    with torch.no_grad(), InvariantLinears(choice):
+        first = F.linear(x, p.float())
+        assert torch.equal(F.linear(x, p.float()), first) and len(packs) == 1
+        p.mul_(2)                                     # an in-place update: packed again
+        again = F.linear(x, p.float())
+        assert len(packs) == 2
+    with torch.no_grad():
+        ref = WeightPack(choice, batch_invariant=True).linear(x, (p.float(),))
+    assert torch.equal(again, ref)                    # the updated weight's values

@@ -259,15 +259,24 @@ class InvariantLinears(TorchFunctionMode):
     while active, every CPU `F.linear` in bf16 or fp32 goes through a WeightPack in invariant
     mode (one row-invariant kernel for every row count; oneDNN's and MKL's GEMMs round a row
     differently depending on how many rows share the call, tests/kernels/
-    test_batch_invariant_kernels.py). One pack per weight tensor, dropped with the tensor; a
-    weight made afresh each call (`w.float()` of a bf16 parameter) is packed each call."""
+    test_batch_invariant_kernels.py). One pack per weight tensor, dropped with the tensor.
+
+    A weight widened per call (`self.fn.float()` of a bf16 parameter, the mHC mixes) would be
+    a new tensor, so packed again, on every call: `Parameter.float()` under the mode returns
+    one cached fp32 copy per parameter instead (the same values), made again when the
+    parameter's version changes (an in-place update, a weight reload) or the copy was
+    written to, like WeightPack's fingerprint."""
 
     def __init__(self, choice: KernelChoice | None = None) -> None:
         super().__init__()
         self._choice = choice
         self._packs: dict[int, tuple[weakref.ref, WeightPack]] = {}
+        self._widened: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Runs for every torch op of the step: the common case (neither) first and cheapest.
+        if func is not F.linear and func is not torch.Tensor.float:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         if func is F.linear:
             x, w = args[0], args[1]
@@ -276,7 +285,22 @@ class InvariantLinears(TorchFunctionMode):
                     and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] > 0
                     and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
                 return self._pack(w).linear(x, (w,), (b,))
+        elif (func is torch.Tensor.float and len(args) == 1 and not kwargs
+              and isinstance(args[0], torch.nn.Parameter) and args[0].dtype != torch.float32
+              and not torch.is_grad_enabled()):
+            return self._widen(args[0])
         return func(*args, **kwargs)
+
+    def _widen(self, p: torch.Tensor) -> torch.Tensor:
+        held = self._widened.get(id(p))
+        if (held is not None and held[0]() is p and held[1] == tensor_version(p)
+                and held[2] == tensor_version(held[3])):
+            return held[3]
+        wide = p.detach().float()
+        key = id(p)
+        self._widened[key] = (weakref.ref(p, lambda _, k=key: self._widened.pop(k, None)),
+                              tensor_version(p), tensor_version(wide), wide)
+        return wide
 
     def _pack(self, w: torch.Tensor) -> WeightPack:
         held = self._packs.get(id(w))
