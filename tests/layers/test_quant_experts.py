@@ -168,7 +168,7 @@ def test_routed_experts_on_packed_weights(name, dtype):
 # --- the tiny DeepSeek-V4 checkpoint of tests/worker/test_loader_v4.py, FP4 and FP8 experts ---
 
 def _loader_v4():
-    path = Path(__file__).resolve().parents[1] / "executor" / "test_loader_v4.py"
+    path = Path(__file__).resolve().parents[1] / "worker" / "test_loader_v4.py"
     spec = importlib.util.spec_from_file_location("loader_v4_checkpoint", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

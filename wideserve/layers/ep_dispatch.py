@@ -337,7 +337,7 @@ class AllToAllDispatcher(EPDispatcher):
         return back.index_select(0, pos)
 
     def close(self) -> None:
-        self.group = None
+        self.group = self.control_group = None
 
 
 # Dispatcher name (ParallelConfig.ep_dispatcher) -> implementation. Every implementation takes
