@@ -90,7 +90,9 @@ def test_the_mode_plans_one_invariant_kernel_for_every_bucket():
 def test_weight_pack_and_functional_linears_are_row_invariant_in_the_mode(dtype):
     choice = KernelChoice(KernelPolicy(force="auto", cache_dir=None), timer=_mixed_timer)
     g = torch.Generator().manual_seed(2)
-    w = (torch.randn(1000, 512, generator=g) * 0.05).to(dtype)
+    # fp32 runs the micro-kernel's scalar-width loop: a narrower weight keeps it to seconds
+    n = 1000 if dtype == torch.bfloat16 else 200
+    w = (torch.randn(n, 512, generator=g) * 0.05).to(dtype)
     x = torch.randn(ROWS, 512, generator=g).to(dtype)
     pack = WeightPack(choice, batch_invariant=True)
     assert _variant_rows(lambda a: pack.linear(a, (w,)), x) == []
