@@ -126,7 +126,9 @@ def start_server(engine: str, model: Path, port: int, log: Path,
         cmd = [os.environ.get("WS_PY", "python3"), "-m",
                "wideserve.entrypoints.cli", "serve", str(model), "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level", "warning",
-               *extra]
+               # the client names the model by its path, as vLLM serves it by default
+               # (wideserve's own default is the directory's name)
+               "--served-model-name", str(model), *extra]
     else:
         vpy = os.environ.get("VLLM_PY", sys.executable)
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
