@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_families import qwen3_moe_checkpoint
 from wideserve import LLM, SamplingParams
 from wideserve.kernels import choice
 from wideserve.kernels.loader import cpu_ops_available
@@ -40,18 +41,12 @@ def measured_kernels(monkeypatch):
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory) -> str:
     """A Qwen3-MoE with the 11M model's widths (hidden 256, experts 256 wide), 2 layers."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+    return qwen3_moe_checkpoint(
+        tmp_path_factory.mktemp("qwen3_moe_bi"), torch.bfloat16, vocab_size=2048,
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-        max_position_embeddings=1024, tie_word_embeddings=False)).eval()
-    path = tmp_path_factory.mktemp("qwen3_moe_bi")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return str(path)
+        max_position_embeddings=1024, tie_word_embeddings=False)
 
 
 def prompts(vocab: int) -> list[list[int]]:

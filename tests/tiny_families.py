@@ -38,3 +38,20 @@ def model_dir(family: str, tmp: Path) -> Path:
 def vocab_size(path: Path) -> int:
     cfg = json.loads((path / "config.json").read_text())
     return (cfg.get("text_config") or cfg)["vocab_size"]
+
+
+def qwen3_moe_checkpoint(path: Path, dtype=None, **config) -> str:
+    """A random Qwen3-MoE written by transformers (real weights, seed 0) with `config`'s
+    fields, saved in `dtype` (None: fp32); returns the directory."""
+    import warnings
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).eval()
+    if dtype is not None:
+        model = model.to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(path, safe_serialization=True)
+    return str(path)

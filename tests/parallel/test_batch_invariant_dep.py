@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dist_utils import free_port_block
+from tiny_families import qwen3_moe_checkpoint
 from wideserve import LLM, SamplingParams
 from wideserve.kernels import choice
 from wideserve.kernels.loader import cpu_ops_available
@@ -20,18 +21,12 @@ pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU ops not
 
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory) -> str:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+    return qwen3_moe_checkpoint(
+        tmp_path_factory.mktemp("qwen3_moe_dep_bi"), torch.bfloat16, vocab_size=1024,
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        max_position_embeddings=512, tie_word_embeddings=False)).eval()
-    path = tmp_path_factory.mktemp("qwen3_moe_dep_bi")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return str(path)
+        max_position_embeddings=512, tie_word_embeddings=False)
 
 
 def _run(model: str, dp: int) -> list[list[int]]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dist_utils import free_port_block
+from tiny_families import qwen3_moe_checkpoint
 from wideserve import LLM, SamplingParams
 
 SHORT, LONG = 2, 10
@@ -65,18 +66,12 @@ def _check(stats: dict, dp: int) -> None:
 
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=160, hidden_size=48, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        max_position_embeddings=512, tie_word_embeddings=False)).eval()
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return qwen3_moe_checkpoint(
+        tmp_path_factory.mktemp("qwen3_moe"), vocab_size=160, hidden_size=48,
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        tie_word_embeddings=False)
 
 
 def test_dep2_qwen3_moe_chunked_prefix_preemption(qwen3_moe_dir):
