@@ -1,7 +1,8 @@
 """A DP group left behind (destroy()) leaves nothing a later group in the same process trips
 on: three groups one after the other on the same rendezvous port, each with both step syncs
 and an EP-style all-to-all, while the earlier group objects are still referenced (as a
-shut-down engine that was not collected yet holds its group)."""
+shut-down engine that was not collected yet holds its group). Rank 0 leaves each group late,
+so rank 1 first reaches the old group's store (a race CI once lost)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,6 +16,7 @@ def _rounds(rank: int, world: int, port: int) -> list:
     from wideserve.config import ParallelConfig
     from wideserve.parallel.dp_sync import GlooStepSync, RecursiveDoublingSync
     from wideserve.parallel.groups import init_dp_group
+    import time
     kept, out = [], []
     for r in range(3):
         group = init_dp_group(ParallelConfig(
@@ -28,6 +30,8 @@ def _rounds(rank: int, world: int, port: int) -> list:
         out.append((rows, y.tolist()))
         for s in syncs:
             s.close()
+        if rank == 0:
+            time.sleep(0.3)     # rank 1 reaches the next group while the old server is up
         group.destroy()
         assert not dist.is_initialized() and group.store is None
         kept.append(group)

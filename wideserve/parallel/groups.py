@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,10 +55,42 @@ class DPGroup:
         engine drops its dispatcher's and EPLB's references too). Idempotent. A DP rank calls it
         when it stops (engine/dp_engine.py, LockstepLoop.close), so nothing of this group is left for a
         later group built in the same process (init_process_group refuses a second default
-        group; a live store server would still hold the port)."""
+        group; a live store server would still hold the port).
+
+        The store is marked closed before its server goes (`_leave_store`): a peer quicker to
+        rebuild than rank 0 could otherwise reach the old server on the same port and lose it
+        halfway through joining the new group."""
+        if self.store is not None:
+            _leave_store(self.store, self.rank, self.world_size, self.timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
         self.device_group = self.cpu_group = self.store = None
+
+
+_CLOSED_KEY = "wideserve/closed"     # set by rank 0 when its store server is about to go
+_LEFT_KEY = "wideserve/left"         # how many other ranks have seen that
+_LEAVE_BOUND_S = 10.0                # the agreed stop brings every rank here within a step
+
+
+def _leave_store(store: dist.Store, rank: int, world: int, timeout_s: float) -> None:
+    """The leaving handshake: rank 0 marks its store closed and waits (bounded) until every
+    other rank has seen the mark; the others wait (bounded) for the mark and acknowledge it.
+    So a rank that joins a new group on the same port (init_dp_group) and finds the mark knows
+    it reached the old server and tries again. A gone rank 0 ends the wait at once (its
+    server is closed); a silent peer at the bound, so a rank's exit after a fault is never
+    held long."""
+    timeout_s = min(timeout_s, _LEAVE_BOUND_S)
+    try:
+        if rank == 0:
+            store.set(_CLOSED_KEY, "1")
+            deadline = time.monotonic() + timeout_s
+            while store.add(_LEFT_KEY, 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        else:
+            store.wait([_CLOSED_KEY], timedelta(seconds=timeout_s))
+            store.add(_LEFT_KEY, 1)
+    except (RuntimeError, OSError) as e:
+        logger.info("DP rank %d: leaving handshake cut short (%s)", rank, e)
 
 
 def backend_for(device: torch.device) -> str:
@@ -80,6 +113,24 @@ def local_address_towards(address: str) -> str:
         probe.close()
 
 
+def _connect_store(parallel: ParallelConfig, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store: rank 0 serves it, the others connect. A connection that finds
+    the closed mark (DPGroup.destroy) reached the server of a group on its way out on the same
+    port: dropped, and tried again until the new server answers or the timeout."""
+    rank = parallel.data_parallel_rank
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        store = dist.TCPStore(parallel.data_parallel_address, parallel.data_parallel_rpc_port,
+                              parallel.data_parallel_size, is_master=rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+        if rank == 0 or not store.check([_CLOSED_KEY]):
+            return store
+        del store
+        if time.monotonic() > deadline:
+            raise RuntimeError("only the store of a closed group answered")
+        time.sleep(0.02)
+
+
 def init_dp_group(parallel: ParallelConfig, device: torch.device) -> DPGroup:
     """Join the group of `data_parallel_size` ranks; blocks until all have joined (or the
     timeout). Sets GLOO_SOCKET_IFNAME=lo when node 0 is this machine's loopback and nothing
@@ -89,9 +140,7 @@ def init_dp_group(parallel: ParallelConfig, device: torch.device) -> DPGroup:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=parallel.dp_sync_timeout_s)
     try:
-        store = dist.TCPStore(parallel.data_parallel_address, parallel.data_parallel_rpc_port,
-                              world, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        store = _connect_store(parallel, timeout)
         backend = backend_for(device)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout)
