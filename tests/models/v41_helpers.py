@@ -127,3 +127,27 @@ def kv_quant_off():
         yield
     finally:
         oracle_attention.quantize_cache, kv_quant.fake_quant = saved
+
+
+def official_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reference state_dict (target and DSpark `mtp.*`) under the official DeepSeek names of
+    the released checkpoint (the reference's state-dict adapters' mappings), routed experts
+    split per expert into w1 / w3 [I, d] and w2 [d, I]."""
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import (
+        _dspark_released_key, _released_key)
+    out = {}
+    for name, t in state.items():
+        released = _dspark_released_key if name.startswith("mtp.") else _released_key
+        if name.endswith(".ffn.experts.gate_and_up_projs"):
+            base = released(name).removesuffix(".gate_and_up_projs")
+            inter = t.shape[2] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.w1.weight"] = t[e, :, :inter].T.contiguous()
+                out[f"{base}.{e}.w3.weight"] = t[e, :, inter:].T.contiguous()
+        elif name.endswith(".ffn.experts.down_projs"):
+            base = released(name).removesuffix(".down_projs")
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.w2.weight"] = t[e].T.contiguous()
+        else:
+            out[released(name)] = t.contiguous()
+    return out

@@ -41,7 +41,13 @@ def ckpt(tmp_path_factory):
                   if k.startswith("mtp.")})
     save_file(state, str(path / "model.safetensors"))
     prompts = [h.random_tokens(n, seed=60 + n) for n in (4, 19, 33, 12)]
-    return dict(path=str(path), target=target, prompts=prompts)
+    # The same weights under the released checkpoint's official names (`mtp.{s}.hc_attn_fn`,
+    # `mtp.{s}.ffn.experts.{e}.w1.weight`, `embed.weight`, ...).
+    official = tmp_path_factory.mktemp("v41_dspark_official")
+    for f in ("config.json", "tokenizer.json"):
+        (official / f).write_text((path / f).read_text())
+    save_file(h.official_state(state), str(official / "model.safetensors"))
+    return dict(path=str(path), official=str(official), target=target, prompts=prompts)
 
 
 def _llm(ckpt, spec, **kw) -> LLM:
@@ -97,6 +103,20 @@ def test_greedy_equal_with_and_without_dspark(ckpt, kw):
     assert _generate(stop, ckpt["prompts"]) == expected
     assert stop.engine.get_stats().spec_decode.num_draft_tokens < sd.num_draft_tokens
     _check_idle(stop)
+
+
+def test_official_names_serve_the_same_speculation(ckpt):
+    """DSpark from the released checkpoint's names: the draft loads (it used to be skipped:
+    'dspark' unavailable) and greedy outputs and draft counts equal the HF-named run's."""
+    spec = {"method": "dspark", "num_speculative_tokens": 4}
+    runs = []
+    for path in (ckpt["path"], ckpt["official"]):
+        llm = _llm({**ckpt, "path": path}, spec)
+        runs.append((_generate(llm, ckpt["prompts"][1:3]), llm.engine.get_stats().spec_decode))
+    (hf_out, hf_sd), (off_out, off_sd) = runs
+    assert off_out == hf_out
+    assert off_sd.num_drafts == hf_sd.num_drafts > 0
+    assert off_sd.num_accepted_tokens == hf_sd.num_accepted_tokens
 
 
 def test_dspark_needs_its_weights(tmp_path):

@@ -2,8 +2,10 @@
 
 config.json is either the nested layout of the reference (`model_type` "deepseek_v41", the
 text model under `text_config`, a vision tower under `vision_config`) or the same keys flat.
-Defaults are DeepSeek-V4.1-Flash. Only the text model is built; a vision tower with layers is
-refused (image inputs are not served).
+Defaults are DeepSeek-V4.1-Flash. A `vision_config` with layers (the released checkpoint's
+32-layer ViT) builds the vision tower (models/deepseek_v41/vision.py); an absent one, or
+`num_hidden_layers` 0, or `--limit-mm-per-prompt image=0` (`without_vision`), builds the text
+model alone.
 
 Layer modes (per layer i < num_hidden_layers, from compress_ratios / kv_source_layer_ids /
 index_source_layer_ids):
@@ -17,7 +19,7 @@ restrict their top-k to (the two-level indexer).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"
@@ -25,6 +27,49 @@ SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"
 
 def _flash_ratios() -> list[int]:
     return [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
+
+
+@dataclass(slots=True)
+class DeepseekV41VisionConfig:
+    """The reference's DeepseekV41VisionConfig (its defaults are the released ViT's)."""
+    num_hidden_layers: int = 32
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024
+    min_pixels: int = 295936
+    max_wh_ratio: float | None = None
+
+    @classmethod
+    def from_dict(cls, src: dict[str, Any]) -> DeepseekV41VisionConfig:
+        names = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in src.items() if k in names})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        where = "DeepSeek-V4.1 config: vision_config"
+        for name in ("hidden_size", "num_attention_heads", "intermediate_size", "patch_size",
+                     "downsample_ratio", "max_image_tokens", "min_pixels"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
+        if type(self.num_hidden_layers) is not int or self.num_hidden_layers < 0:
+            raise ValueError(f"{where}.num_hidden_layers must be a non-negative integer")
+        if self.hidden_size % self.num_attention_heads or \
+                self.hidden_size // self.num_attention_heads % 4:
+            raise ValueError(f"{where}: hidden_size / num_attention_heads must be an integer "
+                             f"divisible by 4 (2D RoPE)")
+        if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(f"{where}.rope_theta must be finite and positive")
+        if self.max_image_tokens < 4:
+            raise ValueError(f"{where}.max_image_tokens must be at least 4")
+        if self.max_wh_ratio is not None and (not math.isfinite(self.max_wh_ratio)
+                                              or self.max_wh_ratio < 1):
+            raise ValueError(f"{where}.max_wh_ratio must be null or at least 1")
 
 
 @dataclass(slots=True)
@@ -88,6 +133,9 @@ class DeepseekV41Config:
     eos_token_id: int | list[int] | None = 1
     pad_token_id: int | None = 2
     quantization_config: dict[str, Any] | None = None
+    # The vision tower (None: text model alone) and the placeholder id of image positions.
+    vision: DeepseekV41VisionConfig | None = None
+    image_token_id: int = 129264
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
@@ -112,20 +160,31 @@ class DeepseekV41Config:
     def engram_layers(self) -> list[int]:
         return [i for i in self.engram_layer_ids if i < self.num_hidden_layers]
 
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None and self.vision.num_hidden_layers > 0
+
+    def without_vision(self) -> DeepseekV41Config:
+        """The text model alone (--limit-mm-per-prompt image=0): no vision tower is built and
+        the checkpoint's vision tensors are skipped."""
+        return replace(self, vision=None)
+
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_dict(cls, config_json: dict[str, Any]) -> DeepseekV41Config:
         src = dict(config_json)
         text = src.pop("text_config", None)
-        vision = src.pop("vision_config", None) or {}
-        if isinstance(vision, dict) and int(vision.get("num_hidden_layers", 0) or 0) > 0:
-            raise ValueError("DeepSeek-V4.1 config: vision_config.num_hidden_layers > 0; "
-                             "wideserve serves the text model only (set it to 0)")
+        vision = src.pop("vision_config", None)
+        if vision is not None and not isinstance(vision, dict):
+            raise ValueError(f"DeepSeek-V4.1 config: vision_config must be an object, got "
+                             f"{type(vision).__name__}")
         if isinstance(text, dict):
             src = {**src, **text}
         names = {f.name for f in fields(cls)}
-        known = {k: v for k, v in src.items() if k in names and k != "extra"}
+        known = {k: v for k, v in src.items() if k in names and k not in ("extra", "vision")}
         cfg = cls(**known)
+        if vision:
+            cfg.vision = DeepseekV41VisionConfig.from_dict(vision)
         cfg.torch_dtype = config_json.get("torch_dtype") or config_json.get("dtype") \
             or (text or {}).get("dtype")
         cfg.extra = {k: v for k, v in src.items() if k not in names}

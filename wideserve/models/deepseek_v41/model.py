@@ -38,6 +38,7 @@ from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
 from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
 from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
+from wideserve.models.deepseek_v41.vision import VisionRouter, add_vision_tower
 from wideserve.models.interface import CausalLM
 
 # auto / fp8: the reference's records, packed (FP8 window, NVFP4 entries, MXFP4 keys);
@@ -46,6 +47,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "bf16", "raw")
 ENGRAM_TOKENS = "model.engram.tokens"
 # DSpark context: per position, the tap layers' pre-attention streams averaged over streams.
 DSPARK_FEATURES = "model.dspark.features"
+# Image inputs of a step (ForwardBatch.extras): the rows [K] int64 of image-span positions and
+# their embeddings [K, d] (vision.span_embeddings), which replace the token embeddings there.
+IMAGE_ROWS = "model.image.rows"
+IMAGE_EMBEDS = "model.image.embeds"
 
 
 def rotary_tables(c: DeepseekV41Config) -> tuple[RotaryTable, RotaryTable]:
@@ -76,24 +81,41 @@ class DeepseekV41Block(nn.Module):
         hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         self.attn_hc = SinglePassHC(*hc)
         self.ffn_hc = SinglePassHC(*hc)
+        # Image positions (their id is image_token_id) skip Engram and route with bias_vl.
+        self.image_token_id = c.image_token_id if c.has_vision else None
+        if c.has_vision:
+            self.ffn.gate = VisionRouter(c.n_routed_experts, c.hidden_size,
+                                         c.num_experts_per_tok, c.scoring_func,
+                                         c.routed_scaling_factor,
+                                         image_token_id=c.image_token_id)
         if layer in c.engram_layers:
             hash_heads = (c.engram_max_ngram_size - 1) * c.engram_n_heads
             rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
             self.engram = Engram(c.hidden_size, c.hc_mult, rows, c.engram_head_dim,
                                  hash_heads, c.rms_norm_eps)
 
-    def tap(self, streams: torch.Tensor, engram_rows: torch.Tensor | None) -> torch.Tensor:
+    def tap(self, streams: torch.Tensor, engram_rows: torch.Tensor | None,
+            input_ids: torch.Tensor) -> torch.Tensor:
         """DSpark's feature of this layer: the streams entering attention, averaged [T, d]."""
         if engram_rows is not None:
-            streams = self.engram(streams, engram_rows)
+            streams = self._engram(streams, engram_rows, input_ids)
         return streams.float().mean(dim=1)
+
+    def _engram(self, streams: torch.Tensor, rows: torch.Tensor,
+                input_ids: torch.Tensor | None) -> torch.Tensor:
+        """Engram's update, which image positions do not take (the reference zeroes their
+        gate)."""
+        out = self.engram(streams, rows)
+        if self.image_token_id is None:
+            return out
+        return torch.where((input_ids == self.image_token_id)[:, None, None], streams, out)
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step | V4DecodeStep,
                 state: CSA2State, input_ids: torch.Tensor,
                 engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre)."""
         if engram_rows is not None:
-            streams = self.engram(streams, engram_rows)
+            streams = self._engram(streams, engram_rows, input_ids)
         attn_pre, post, comb = self.attn_hc.coefficients(streams)
         y = self.attn(self.attn_norm(collapse(streams, pre)), step, state)
         streams = expand(y, streams, post, comb)
@@ -112,6 +134,8 @@ class DeepseekV41Model(nn.Module):
         self.layers = nn.ModuleList(DeepseekV41Block(c, i, main_rope, compress_rope)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.has_vision:     # model.vision, model.aligner, model.image_{start,end,newline}
+            add_vision_tower(self, c.vision, c.hidden_size)
 
 
 class DeepseekV41ForCausalLM(CausalLM):
@@ -202,7 +226,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     def _engram_rows(self, step: V4Step, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """Row ids [T, hash_heads] per Engram layer, from each token's n-gram (this step's
         tokens and the cached token history)."""
-        hasher = self._ensure_hasher()
+        hasher, c = self._ensure_hasher(), self.config
         step.write_window_rows(ENGRAM_TOKENS, input_ids.float()[:, None])
         flat, view = step.flat_cache(ENGRAM_TOKENS)
         T, dev = input_ids.shape[0], input_ids.device
@@ -220,6 +244,8 @@ class DeepseekV41ForCausalLM(CausalLM):
             tok = torch.where(torch.from_numpy(in_step).to(dev), input_ids[rows],
                               flat[slots, 0].long())
             blocked = blocked | ~torch.from_numpy(in_step | cached).to(dev)
+            if c.has_vision:     # n-grams stop at an image position, as at a pad
+                blocked = blocked | (tok == c.image_token_id)
             grams.append(torch.where(blocked, hasher.pad_id, tmap[tok.clamp(0, len(tmap) - 1)]))
         grams = torch.stack(grams, dim=1)                                     # [T, N]
         return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
@@ -234,10 +260,14 @@ class DeepseekV41ForCausalLM(CausalLM):
         tmap = self._device_token_map(input_ids.device)
         grams = [tmap[input_ids.clamp(0, len(tmap) - 1)]]
         blocked = torch.zeros_like(input_ids, dtype=torch.bool)
+        # (an image row's own Engram update is dropped: only earlier image positions block)
+        image = self.config.image_token_id if self.config.has_vision else None
         for s in range(1, hasher.max_ngram):
             p = step.positions - s
             tok = flat[step.slots(ENGRAM_TOKENS, p.clamp(min=0)), 0].long()
             blocked = blocked | (p < 0)
+            if image is not None:
+                blocked = blocked | (tok == image)
             grams.append(torch.where(blocked, hasher.pad_id, tmap[tok.clamp(0, len(tmap) - 1)]))
         grams = torch.stack(grams, dim=1)                                     # [R, N]
         return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
@@ -297,6 +327,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         c = self.config
         ids = batch.input_ids
         x = self.model.embed_tokens(ids)
+        if IMAGE_ROWS in batch.extras:
+            x = x.index_copy(0, batch.extras[IMAGE_ROWS], batch.extras[IMAGE_EMBEDS].to(x.dtype))
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0].fill_(1.0)         # (an op: `= 1` lifts a host scalar tensor)
@@ -326,7 +358,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                     engram_at = {k: v[rows] for k, v in engram_at.items()}
                     step = V4Step(sub, self._codecs, self.batch_invariant)
             if i in taps:   # the streams entering layer i (after its Engram)
-                features.append(layer.tap(streams, engram_at.get(i)))
+                features.append(layer.tap(streams, engram_at.get(i), ids))
             streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
         if features:
             step.write_window_rows(DSPARK_FEATURES, torch.cat(features, dim=-1))
@@ -426,12 +458,11 @@ class DeepseekV41ForCausalLM(CausalLM):
         parts: dict[str, int] = {}
         fp8_tables: dict[str, torch.Tensor] = {}    # an FP8 Engram table until its scale
         for raw, tensor in weights:
-            if raw.startswith("mtp.") and len(self.mtp):
-                loaded |= load_stage_weights(targets, [(raw, tensor)])
-                continue
-            name = official_to_reference(raw)
+            name = official_to_reference(raw, self.config.has_vision)
             if name is None:
                 continue
+            if name.startswith("mtp.") and not len(self.mtp):
+                continue             # (the model was built without its DSpark stages)
             if name.endswith(_TABLE) and tensor.dtype == torch.float8_e4m3fn:
                 fp8_tables[name] = tensor
                 continue
@@ -489,23 +520,34 @@ class DeepseekV41ForCausalLM(CausalLM):
 
 
 # ------------------------------------------------------------------ checkpoint names
-_IGNORED = re.compile(r"(^|\.)(bias_vl|tid2eid)$|^(model\.)?(vision|aligner)\.|"
-                      r"^(model\.)?image_(start|end|newline)$")
+_ROUTING_ONLY = re.compile(r"(^|\.)tid2eid$")
+_VISION = re.compile(r"(^|\.)bias_vl$|^(model\.)?(vision|aligner)\.|"
+                     r"^(model\.)?image_(start|end|newline)$")
 _TABLE = ".engram.embed.weight"
 _HC = re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
+_MTP = re.compile(r"^(model\.)?mtp\.(\d+)\.")
 _SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def official_to_reference(name: str) -> str | None:
+def official_to_reference(name: str, vision: bool = False) -> str | None:
     """An official DeepSeek-V4.1 tensor name -> the reference's state_dict name (reference
-    names pass through); None for tensors wideserve does not use (vision, vision routing
-    bias, DSpark `mtp.*` weights)."""
-    if _IGNORED.search(name) or name.startswith(("mtp.", "model.mtp.")):
+    names pass through). DSpark's `mtp.{s}.*` map as a block's names do, under `mtp.{s}.`.
+    None for tensors wideserve does not use: hash-routing tables, and the vision tower and
+    the gates' `bias_vl` of a model built without vision (`vision` False)."""
+    if _ROUTING_ONLY.search(name) or (not vision and _VISION.search(name)):
         return None
+    m = _MTP.match(name)
+    if m:
+        if name.endswith(".bias_vl"):       # the draft never sees an image position
+            return None
+        inner = official_to_reference(f"layers.{m[2]}.{name[m.end():]}")
+        return inner and f"mtp.{m[2]}." + inner.removeprefix(f"model.layers.{m[2]}.")
     top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
            "norm.weight": "model.norm.weight"}
     if name in top:
         return top[name]
+    if name.startswith(("vision.", "aligner.", "image_")):
+        return "model." + name
     if not name.startswith("layers."):
         return name
     m = _HC.match(name)
@@ -518,11 +560,6 @@ def official_to_reference(name: str) -> str | None:
     if name.endswith(".ffn.gate.bias"):
         name = name.removesuffix(".bias") + ".e_score_correction_bias"
     return "model." + name
-
-
-def load_stage_weights(targets, weights):   # noqa: ANN001, ANN201 - see deepseek_v41_dspark
-    from wideserve.models.deepseek_v41.dspark import load_stage_weights as load
-    return load(targets, weights)
 
 
 def decoder_replay_rows(batch: ForwardBatch, window: int, lo: np.ndarray
