@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.config.eplb import EplbConfig
+from wideserve.config.multimodal import MultiModalLimits
 from wideserve.config.speculative import SpeculativeConfig
 
 
@@ -35,6 +36,9 @@ class LoadConfig:
     # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
     # on CUDA, never a synchronisation). False keeps only the step counts.
     step_timing: bool = True
+    # --limit-mm-per-prompt: the most images per prompt; image=0 builds the text model alone
+    # (a vision-language checkpoint's vision tower is neither allocated nor read).
+    limit_mm_per_prompt: MultiModalLimits = field(default_factory=MultiModalLimits)
 
 
 @dataclass(slots=True)
@@ -206,6 +210,8 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
     kv_transfer = KVTransferConfig.parse(kwargs.pop("kv_transfer_config", None))
     eplb = _eplb(kwargs.pop("enable_eplb", False), kwargs.pop("eplb_config", None))
+    parts["load"].limit_mm_per_prompt = MultiModalLimits.parse(  # type: ignore[attr-defined]
+        kwargs.pop("limit_mm_per_prompt", None), "limit_mm_per_prompt")
     for key, value in kwargs.items():
         owner = next((p for p in parts.values() if key in p.__dataclass_fields__), None)
         if owner is None:

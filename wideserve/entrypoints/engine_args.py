@@ -76,6 +76,16 @@ def _eplb_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _mm_limits(text: str) -> Any:
+    """vLLM's forms: 'image=0' or '{"image": 0}'."""
+    from wideserve.config.multimodal import MultiModalLimits
+    try:
+        return MultiModalLimits.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--limit-mm-per-prompt: ")) \
+            from None
+
+
 def one_line_error(self: argparse.ArgumentParser, message: str) -> None:
     """argparse's error() prints the whole usage block first; a bad flag is one line."""
     self.exit(2, f"{self.prog}: error: {message}\n")
@@ -165,6 +175,10 @@ def _add_schedule_and_cache_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_feature_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
+                   help="most images per prompt, as image=N or JSON '{\"image\": N}' "
+                        "(default 999); image=0 loads a vision-language checkpoint's text "
+                        "model alone, without its vision tower")
     g.add_argument("--decoder-bounded-replay", action="store_true",
                    help="DeepSeek-V4.1 only, approximate (off by default): layers after the "
                         "last KV source run only on each prefill chunk's last sliding-window "
@@ -229,7 +243,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
                         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
-                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", False)),
+                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", False),
+                        limit_mm_per_prompt=_mm_or_default(args)),
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=_KV_DTYPES[args.kv_cache_dtype],  # type: ignore[arg-type]
@@ -247,6 +262,11 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         parallel=parallel,
         kernels=KernelConfig(batch_invariant=getattr(args, "batch_invariant", False)),
     )
+
+
+def _mm_or_default(args: argparse.Namespace) -> Any:
+    from wideserve.config.multimodal import MultiModalLimits
+    return getattr(args, "limit_mm_per_prompt", None) or MultiModalLimits()
 
 
 def _eplb_from_args(args: argparse.Namespace) -> Any:

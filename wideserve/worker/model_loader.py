@@ -313,7 +313,10 @@ def load_model(load: LoadConfig, expert_parallel: tuple[int, ...] | None = None,
         if expert_parallel is not None:
             from wideserve.worker.expert_shard import shard_experts
             placements.update(shard_experts(meta_model, *expert_parallel))
-    model = build_model(cls, cls.config_class.from_dict(config_json), dtype, device, reshape)
+    config = cls.config_class.from_dict(config_json)
+    if load.limit_mm_per_prompt.text_only and hasattr(config, "without_vision"):
+        config = config.without_vision()      # --limit-mm-per-prompt image=0
+    model = build_model(cls, config, dtype, device, reshape)
     if load.load_format == "dummy":
         check_filled(model, init_dummy_weights(model, load.seed), f"dummy weights for {path}")
         if placements:

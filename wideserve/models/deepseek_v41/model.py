@@ -505,8 +505,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         c = self.config
         total = routed = tables = 0
         for name, p in self.named_parameters():
-            if name.startswith("mtp."):
-                continue
+            if name.startswith("mtp.") or _VISION.search(name.removeprefix("model.")):
+                continue             # (the vision tower: vision_param_count)
             total += p.numel()
             if ".experts." in name:
                 routed += p.numel()
@@ -517,6 +517,11 @@ class DeepseekV41ForCausalLM(CausalLM):
         active = (total - routed - tables + routed * c.num_experts_per_tok // c.n_routed_experts
                   + gathered)
         return total, active
+
+    def vision_param_count(self) -> int:
+        """Parameters of the vision tower (0 without one); they run once per image."""
+        return sum(p.numel() for n, p in self.named_parameters()
+                   if _VISION.search(n.removeprefix("model.")))
 
 
 # ------------------------------------------------------------------ checkpoint names

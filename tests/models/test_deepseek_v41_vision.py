@@ -1,0 +1,174 @@
+"""DeepSeek-V4.1 with its vision tower against the reference (nemo-automodel 0.7.0, fp32) on a
+tiny random config (2 vision layers; text config C: Engram at layer 0, so the image positions'
+Engram masking is exercised; random `bias_vl`, so image positions route differently):
+- preprocessing: the same patches and grid as the reference's processor;
+- the image span's embeddings (ViT, aligner, delimiters) equal the reference's;
+- logits of a prompt holding an image, one-shot and with the image split across prefill
+  chunks, equal the reference's (KV quantisers off, |dlogit| <= 1e-4);
+- official names load the same tower; `--limit-mm-per-prompt image=0` builds the text model
+  alone (no vision parameter allocated, the vision tensors skipped) with the text logits."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import v41_helpers as h
+from paged_harness import PagedHarness
+from safetensors.torch import save_file
+
+from wideserve.config import LoadConfig
+from wideserve.config.multimodal import MultiModalLimits
+from wideserve.models.deepseek_v41.model import IMAGE_EMBEDS, IMAGE_ROWS
+from wideserve.models.deepseek_v41.vision import prepare_image, span_embeddings, span_types
+from wideserve.worker.model_loader import load_model
+
+TOL = 1e-4
+IMAGE_ID = h.VOCAB - 2
+VISION = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
+              patch_size=4, downsample_ratio=2, max_image_tokens=64, min_pixels=256)
+
+
+def _image(seed: int, width: int, height: int):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def _save(state: dict, kw: dict, path):
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+              "text_config": dict(kw), "vision_config": dict(VISION),
+              "image_token_id": IMAGE_ID, "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config))
+    h.tokenizer(kw["vocab_size"]).backend_tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from nemo_automodel.components.models.deepseek_v41.processing import _preprocess_image
+    kw = dict(h.CONFIGS["C"])
+    cfg = DeepseekV41Config(text_config=dict(kw), vision_config=dict(VISION),
+                            image_token_id=IMAGE_ID)
+    be = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
+                       experts="torch", dispatcher="torch", enable_hf_state_dict_adapter=False)
+    torch.manual_seed(5)
+    m = DeepseekV41ForCausalLM(cfg, backend=be, tokenizer=h.tokenizer(kw["vocab_size"]))
+    m.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in [*m.named_parameters(), *m.named_buffers()]:
+            if name.endswith(("sinks_param.weight", ".base", "e_score_correction_bias",
+                              "bias_vl")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("embed.weight") and ".engram." in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.startswith(("model.vision.", "model.aligner.")) and p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    m.eval()
+    image = _image(1, 22, 13)                      # padded to a 5 x 3 patch... grid
+    patches, grid = _preprocess_image(image, cfg.vision_config)
+    types = [-1] * 9 + [int(t) for t in span_types(prepare_image(image, _ws_vision()).grid)] \
+        + [-1] * 6
+    seq = h.random_tokens(len(types), seed=7)
+    seq = [IMAGE_ID if t >= 0 else tok for tok, t in zip(seq, types)]
+    with torch.no_grad(), h.kv_quant_off():
+        logits = m(torch.tensor([seq]), pixel_values=patches,
+                   image_grid_hws=torch.tensor([[grid.vit_height, grid.vit_width]]),
+                   vision_token_types=torch.tensor([types])).logits[0].float()
+        text_seq = h.random_tokens(20, seed=8)
+        text_logits = h.oracle_logits(m, text_seq)
+        span = m.model._image_embeddings(
+            torch.tensor([seq]), patches, torch.tensor([[grid.vit_height, grid.vit_width]]),
+            torch.tensor([types]))[0, torch.tensor(types) >= 0]
+    state = m.state_dict()
+    path = _save(state, kw, tmp_path_factory.mktemp("v41_vision"))
+    return dict(m=m, kw=kw, path=path, image=image, patches=patches, grid=grid, seq=seq,
+                types=types, logits=logits, text_seq=text_seq, text_logits=text_logits,
+                span=span, state=state, tmp=tmp_path_factory)
+
+
+def _ws_vision():
+    from wideserve.models.deepseek_v41.config import DeepseekV41VisionConfig
+    return DeepseekV41VisionConfig.from_dict(VISION)
+
+
+def _load(path, **kw):
+    return load_model(LoadConfig(model=str(path), dtype="float32", **kw)).model
+
+
+def _logits(ws, seq: list[int], types: list[int], chunks: list[int], embeds: torch.Tensor):
+    """Prefill `seq` in chunks of the given sizes, each chunk's image rows taking their
+    span embeddings through ForwardBatch.extras."""
+    hr = PagedHarness(ws, max_reqs=1, max_len=len(seq) + 4, specs=ws.kv_cache_specs("raw"))
+    image_pos = np.flatnonzero(np.asarray(types) >= 0)
+    out, start = [], 0
+    for n in chunks:
+        in_chunk = image_pos[(image_pos >= start) & (image_pos < start + n)]
+
+        def fn(b, in_chunk=in_chunk, start=start):
+            if len(in_chunk):
+                b.extras[IMAGE_ROWS] = torch.from_numpy(in_chunk - start)
+                b.extras[IMAGE_EMBEDS] = embeds[in_chunk - image_pos[0]]
+            return ws.compute_logits(ws.forward(b))
+        out.append(hr.run([0], [seq[start:start + n]], fn))
+        start += n
+    return torch.cat(out)
+
+
+def test_preprocessing_equals_the_reference(oracle):
+    prepared = prepare_image(oracle["image"], _ws_vision())
+    g = oracle["grid"]
+    assert (prepared.grid.vit_height, prepared.grid.vit_width) == (g.vit_height, g.vit_width)
+    assert (prepared.grid.llm_height, prepared.grid.llm_width) == (g.llm_height, g.llm_width)
+    assert torch.equal(prepared.patches, oracle["patches"])
+    assert prepared.grid.span_length == sum(t >= 0 for t in oracle["types"])
+
+
+def test_span_embeddings_equal_the_reference(oracle):
+    ws = _load(oracle["path"])
+    got = span_embeddings(ws.model, prepare_image(oracle["image"], _ws_vision()))
+    assert oracle["span"].std() > 0.1
+    assert (got - oracle["span"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("chunks", [[None], [12, 7, None]], ids=["oneshot", "chunked"])
+def test_logits_with_an_image_equal_the_reference(oracle, chunks):
+    ws = _load(oracle["path"])
+    seq = oracle["seq"]
+    chunks = [n or len(seq) - sum(c for c in chunks if c) for n in chunks]
+    embeds = span_embeddings(ws.model, prepare_image(oracle["image"], _ws_vision()))
+    with h.kv_quant_off():
+        got = _logits(ws, seq, oracle["types"], chunks, embeds)
+    ref = oracle["logits"]
+    assert (got - ref).abs().max().item() <= TOL
+    # The image changes the text after it (a real check, not an ignored span).
+    with h.kv_quant_off():
+        plain = _logits(ws, seq, [-1] * len(seq), [len(seq)], embeds)
+    assert (plain[-1] - ref[-1]).abs().max().item() > 1e-2
+
+
+def test_official_names_and_text_only_limit(oracle):
+    official = _save(h.official_state(oracle["state"]), oracle["kw"], oracle["tmp"].mktemp("o"))
+    ws = _load(official)
+    assert "model.vision.blocks.1.attn.wqkv.weight" in dict(ws.named_parameters())
+    got = span_embeddings(ws.model, prepare_image(oracle["image"], _ws_vision()))
+    assert (got - oracle["span"]).abs().max().item() <= 1e-5
+    text = _load(oracle["path"], limit_mm_per_prompt=MultiModalLimits(image=0))
+    names = [n for n, _ in text.named_parameters()] + [n for n, _ in text.named_buffers()]
+    assert not [n for n in names if "vision" in n or "aligner" in n or "image_" in n
+                or n.endswith("bias_vl")]
+    assert text.vision_param_count() == 0 < ws.vision_param_count()
+    seq = oracle["text_seq"]
+    with h.kv_quant_off():
+        got = PagedHarness(text, max_reqs=1, max_len=len(seq) + 4,
+                           specs=text.kv_cache_specs("raw")).step([0], [seq])
+    assert (got - oracle["text_logits"]).abs().max().item() <= TOL
