@@ -74,3 +74,32 @@ def test_cli_bad_size_is_one_line_naming_the_flag(capsys) -> None:
     ("~/hf/Qwen3-0.6B", "Qwen3-0.6B")])
 def test_default_served_model_name(model, name: str) -> None:
     assert default_model_name(model) == name
+
+
+@pytest.mark.parametrize("value", ["image=0", '{"image": 0}', " image = 0 "])
+def test_limit_mm_per_prompt_takes_vllms_forms(value) -> None:
+    config = engine_config_from_args(_serve_args(["--limit-mm-per-prompt", value]))
+    assert config.load.limit_mm_per_prompt.image == 0
+    assert config.load.limit_mm_per_prompt.text_only
+    default = engine_config_from_args(_serve_args([])).load.limit_mm_per_prompt
+    assert default.image == 999 and not default.text_only
+    assert engine_config_from_kwargs(limit_mm_per_prompt={"image": 2}).load \
+        .limit_mm_per_prompt.image == 2
+
+
+@pytest.mark.parametrize("value, message", [
+    ("image=-1", "image must be a non-negative integer"),
+    ("image=two", "image must be a non-negative integer"),
+    ('{"image": 1.5}', "image must be a non-negative integer"),
+    ("video=1", "unknown modality 'video'"),
+    ("{image: 0}", "is not valid JSON"),
+    ("[0]", "expected image=N"),
+])
+def test_bad_limit_mm_per_prompt_is_one_line_naming_the_flag(capsys, value, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _serve_args(["--limit-mm-per-prompt", value])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert "argument --limit-mm-per-prompt" in err and message in err
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        engine_config_from_kwargs(limit_mm_per_prompt={"image": -1})

@@ -11,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = ROOT / "tests" / "data" / "deepseek-v41-flash"
+FLASH_VISION = ROOT / "tests" / "data" / "deepseek-v41-flash-vision"
 
 
 def test_config_file_is_the_reference_default():
@@ -37,3 +38,23 @@ def test_info_prints_890_bytes_per_token_and_window_bytes_apart():
     assert "34 more caches read other layers' records" in out
     assert "attention layers 21-39: CSA(1) reads layer 20" in out
     assert "(16.79B) active per token" in out
+
+
+def test_the_real_config_with_its_vision_tower_loads():
+    """The released config (tests/data/deepseek-v41-flash-vision: the same text model and the
+    reference's default 32-layer ViT) used to be refused ("wideserve serves the text model
+    only"); now it builds, with the tower counted apart from the text model."""
+    import os
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+
+    from wideserve.entrypoints.info import describe_model
+    config = json.loads((FLASH_VISION / "config.json").read_text())
+    ref = DeepseekV41Config()
+    assert config["image_token_id"] == ref.image_token_id
+    for key, value in config["vision_config"].items():
+        assert value == getattr(ref.vision_config, key), key
+    out = describe_model(str(FLASH_VISION))
+    assert "(16.79B) active per token" in out         # the text model's, as without vision
+    # 32 blocks of 12.85M, patch embedding, final norm, aligner, the three delimiters
+    assert "vision tower: 485,268,480 (485.27M)" in out
