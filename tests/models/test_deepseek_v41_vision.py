@@ -4,7 +4,8 @@ Engram masking is exercised; random `bias_vl`, so image positions route differen
 - preprocessing: the same patches and grid as the reference's processor;
 - the image span's embeddings (ViT, aligner, delimiters) equal the reference's;
 - logits of a prompt holding an image, one-shot and with the image split across prefill
-  chunks, equal the reference's (KV quantisers off, |dlogit| <= 1e-4);
+  chunks, equal the reference's (KV quantisers off, |dlogit| <= 1e-4); the same ids without
+  the image are text (image_token_id included), as in the reference;
 - official names load the same tower; `--limit-mm-per-prompt image=0` builds the text model
   alone (no vision parameter allocated, the vision tensors skipped) with the text logits."""
 from __future__ import annotations
@@ -84,6 +85,7 @@ def oracle(tmp_path_factory):
         logits = m(torch.tensor([seq]), pixel_values=patches,
                    image_grid_hws=torch.tensor([[grid.vit_height, grid.vit_width]]),
                    vision_token_types=torch.tensor([types])).logits[0].float()
+        plain_logits = h.oracle_logits(m, seq)     # the same ids as text, no image
         text_seq = h.random_tokens(20, seed=8)
         text_logits = h.oracle_logits(m, text_seq)
         span = m.model._image_embeddings(
@@ -92,7 +94,7 @@ def oracle(tmp_path_factory):
     state = m.state_dict()
     path = _save(state, kw, tmp_path_factory.mktemp("v41_vision"))
     return dict(m=m, kw=kw, path=path, image=image, patches=patches, grid=grid, seq=seq,
-                types=types, logits=logits, text_seq=text_seq, text_logits=text_logits,
+                types=types, logits=logits, plain_logits=plain_logits, text_seq=text_seq, text_logits=text_logits,
                 span=span, state=state, tmp=tmp_path_factory)
 
 
@@ -150,9 +152,11 @@ def test_logits_with_an_image_equal_the_reference(oracle, chunks):
         got = _logits(ws, seq, oracle["types"], chunks, embeds)
     ref = oracle["logits"]
     assert (got - ref).abs().max().item() <= TOL
-    # The image changes the text after it (a real check, not an ignored span).
+    # The same ids without the image are text, image_token_id included (the reference marks
+    # spans, not ids): the text logits, and the image really changes the text after it.
     with h.kv_quant_off():
         plain = _logits(ws, seq, [-1] * len(seq), [len(seq)], embeds)
+    assert (plain - oracle["plain_logits"]).abs().max().item() <= TOL
     assert (plain[-1] - ref[-1]).abs().max().item() > 1e-2
 
 

@@ -38,7 +38,7 @@ from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
 from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
 from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
-from wideserve.models.deepseek_v41.vision import VisionRouter, add_vision_tower
+from wideserve.models.deepseek_v41.vision import IMAGE_POSITION, VisionRouter, add_vision_tower
 from wideserve.models.interface import CausalLM
 
 # auto / fp8: the reference's records, packed (FP8 window, NVFP4 entries, MXFP4 keys);
@@ -49,6 +49,9 @@ ENGRAM_TOKENS = "model.engram.tokens"
 DSPARK_FEATURES = "model.dspark.features"
 # Image inputs of a step (ForwardBatch.extras): the rows [K] int64 of image-span positions and
 # their embeddings [K, d] (vision.span_embeddings), which replace the token embeddings there.
+# Past the embedding those rows carry the id IMAGE_POSITION (vision.py), so that the router,
+# Engram and the Engram token cache know them, and a text token that happens to equal
+# image_token_id stays text (as in the reference, which marks spans, not ids).
 IMAGE_ROWS = "model.image.rows"
 IMAGE_EMBEDS = "model.image.embeds"
 
@@ -81,13 +84,12 @@ class DeepseekV41Block(nn.Module):
         hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         self.attn_hc = SinglePassHC(*hc)
         self.ffn_hc = SinglePassHC(*hc)
-        # Image positions (their id is image_token_id) skip Engram and route with bias_vl.
-        self.image_token_id = c.image_token_id if c.has_vision else None
+        # Image positions (id IMAGE_POSITION) skip Engram and route with bias_vl.
+        self.has_vision = c.has_vision
         if c.has_vision:
             self.ffn.gate = VisionRouter(c.n_routed_experts, c.hidden_size,
                                          c.num_experts_per_tok, c.scoring_func,
-                                         c.routed_scaling_factor,
-                                         image_token_id=c.image_token_id)
+                                         c.routed_scaling_factor)
         if layer in c.engram_layers:
             hash_heads = (c.engram_max_ngram_size - 1) * c.engram_n_heads
             rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
@@ -106,9 +108,9 @@ class DeepseekV41Block(nn.Module):
         """Engram's update, which image positions do not take (the reference zeroes their
         gate)."""
         out = self.engram(streams, rows)
-        if self.image_token_id is None:
+        if not self.has_vision:
             return out
-        return torch.where((input_ids == self.image_token_id)[:, None, None], streams, out)
+        return torch.where((input_ids == IMAGE_POSITION)[:, None, None], streams, out)
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step | V4DecodeStep,
                 state: CSA2State, input_ids: torch.Tensor,
@@ -245,7 +247,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                               flat[slots, 0].long())
             blocked = blocked | ~torch.from_numpy(in_step | cached).to(dev)
             if c.has_vision:     # n-grams stop at an image position, as at a pad
-                blocked = blocked | (tok == c.image_token_id)
+                blocked = blocked | (tok == IMAGE_POSITION)
             grams.append(torch.where(blocked, hasher.pad_id, tmap[tok.clamp(0, len(tmap) - 1)]))
         grams = torch.stack(grams, dim=1)                                     # [T, N]
         return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
@@ -261,7 +263,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         grams = [tmap[input_ids.clamp(0, len(tmap) - 1)]]
         blocked = torch.zeros_like(input_ids, dtype=torch.bool)
         # (an image row's own Engram update is dropped: only earlier image positions block)
-        image = self.config.image_token_id if self.config.has_vision else None
+        image = IMAGE_POSITION if self.config.has_vision else None
         for s in range(1, hasher.max_ngram):
             p = step.positions - s
             tok = flat[step.slots(ENGRAM_TOKENS, p.clamp(min=0)), 0].long()
@@ -328,7 +330,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         ids = batch.input_ids
         x = self.model.embed_tokens(ids)
         if IMAGE_ROWS in batch.extras:
-            x = x.index_copy(0, batch.extras[IMAGE_ROWS], batch.extras[IMAGE_EMBEDS].to(x.dtype))
+            rows = batch.extras[IMAGE_ROWS]
+            x = x.index_copy(0, rows, batch.extras[IMAGE_EMBEDS].to(x.dtype))
+            ids = ids.index_fill(0, rows, IMAGE_POSITION)
         streams = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros(ids.shape[0], c.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0].fill_(1.0)         # (an op: `= 1` lifts a host scalar tensor)

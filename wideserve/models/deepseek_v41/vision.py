@@ -11,9 +11,9 @@ vector and projects it to the text width (w2(gelu(w1(.))))
 An image occupies a span of prompt positions, all holding the checkpoint's `image_token_id`:
 START, then per aligned row its cells followed by NEWLINE, then END. START / NEWLINE / END take
 the learned `image_start` / `image_newline` / `image_end` vectors, the cells the aligner's
-outputs. In the text model image positions route their experts with the gate's `bias_vl` in
-place of the score-correction bias, and Engram neither reads them in n-grams nor updates
-them (model.py).
+outputs. In the text model the rows given as image rows (not every `image_token_id`: the
+reference marks spans) route their experts with the gate's `bias_vl` in place of the
+score-correction bias, and Engram neither reads them in n-grams nor updates them (model.py).
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ from wideserve.layers.moe import TopKRouter
 from wideserve.models.deepseek_v41.config import DeepseekV41VisionConfig
 
 IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = range(4)
+# The id an image row carries inside the text model (no token has it): set where the step's
+# image embeddings replace the token embeddings (model.py, IMAGE_ROWS).
+IMAGE_POSITION = -1
 
 
 class VisionRMSNorm(nn.Module):
@@ -146,19 +149,18 @@ class VisionAligner(nn.Module):
 
 
 class VisionRouter(TopKRouter):
-    """The V4.1 gate of a model with images: rows holding `image_token_id` select their
+    """The V4.1 gate of a model with images: image rows (id IMAGE_POSITION) select their
     experts with `bias_vl` in place of `e_score_correction_bias` (selection only; the weights
     are the scores of the picks, as for text)."""
 
-    def __init__(self, *args, image_token_id: int, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.image_token_id = image_token_id
         self.register_buffer("bias_vl", torch.zeros(self.weight.shape[0], dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(x)
-        image = (input_ids == self.image_token_id)[:, None]
+        image = (input_ids == IMAGE_POSITION)[:, None]
         bias = torch.where(image, self.bias_vl, self.e_score_correction_bias)
         return self.finish(s, torch.topk(s + bias, self.top_k, dim=-1).indices)
 
