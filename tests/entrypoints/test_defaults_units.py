@@ -85,6 +85,12 @@ def test_limit_mm_per_prompt_takes_vllms_forms(value) -> None:
     assert default.image == 999 and not default.text_only
     assert engine_config_from_kwargs(limit_mm_per_prompt={"image": 2}).load \
         .limit_mm_per_prompt.image == 2
+    # `serve` hands the config to the engine process as JSON (serving/engine_client.py).
+    import msgspec
+
+    from wideserve.config import EngineConfig
+    again = msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig)
+    assert again.load.limit_mm_per_prompt == config.load.limit_mm_per_prompt
 
 
 @pytest.mark.parametrize("value, message", [
