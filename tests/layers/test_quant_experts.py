@@ -1,4 +1,4 @@
-"""Routed experts kept in their checkpoint format (FP8 block-scaled, MXFP4): the C++ grouped GEMM
+"""Routed experts kept in their checkpoint format (FP8 block-scaled, MXFP4, NVFP4): the C++ grouped GEMM
 that dequantises per tile (csrc/quant_gemm.cpp) and its torch fallbacks against dequantise-then-
 matmul in fp32; RoutedExperts on packed weights against the same experts dequantised; the loader
 keeping a tiny FP4 / FP8 DeepSeek-V4 checkpoint's experts packed (checkpoint bytes, resident
@@ -22,7 +22,9 @@ from wideserve.worker.model_loader import load_model
 
 FORMATS = {"fp8": quant.expert_format("fp8", (128, 128)),
            "fp8_small": quant.expert_format("fp8", (16, 32)),
-           "mxfp4": quant.expert_format("fp4")}
+           "fp8_f32": quant.expert_format("fp8", (128, 128), scale_dtype="fp32"),
+           "mxfp4": quant.expert_format("fp4"),
+           "nvfp4": quant.expert_format("nvfp4")}
 
 
 def _random(fmt: quant.ExpertFormat, L: int, R: int, K: int, halves: int, seed: int):
@@ -32,9 +34,11 @@ def _random(fmt: quant.ExpertFormat, L: int, R: int, K: int, halves: int, seed: 
 
 
 def _reference(x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-               fmt: quant.ExpertFormat, halves: int) -> torch.Tensor:
-    """Dequantise every expert to fp32, then one matmul per expert's rows, in fp32."""
-    w = fmt.dequantize(codes, scale, halves, torch.float32)
+               fmt: quant.ExpertFormat, halves: int, glob: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Dequantise every expert to x's dtype (as the dequantise-at-load path holds it; exact
+    in bf16 but for NVFP4), then one matmul per expert's rows, in fp32."""
+    w = fmt.dequantize(codes, scale, halves, x.dtype, glob).float()
     out, start = torch.zeros(x.shape[0], codes.shape[1]), 0
     for e, n in enumerate(counts.tolist()):
         out[start:start + n] = x[start:start + n].float() @ w[e].t()
@@ -53,6 +57,10 @@ CASES = [
     ("fp8", 3, 256, 384, [5, 0, 70], 2),
     ("fp8", 2, 200, 131, [1, 19], 1),
     ("fp8_small", 3, 72, 77, [9, 0, 300], 2),
+    ("fp8_f32", 3, 200, 200, [4, 0, 40], 2),
+    ("nvfp4", 3, 64, 256, [0, 1, 0], 2),
+    ("nvfp4", 4, 40, 96, [1, 0, 3, 7], 1),
+    ("nvfp4", 3, 90, 336, [0, 257, 5], 2),
 ]
 
 
@@ -67,13 +75,13 @@ def kernels():
 def test_op_matches_dequantise_then_matmul(case, path, dtype):
     name, L, R, K, rows, halves = case
     fmt = FORMATS[name]
-    codes, scale = _random(fmt, L, R, K, halves, seed=L * R + K)
+    codes, scale, glob = _random(fmt, L, R, K, halves, seed=L * R + K)
     counts = torch.tensor(rows)
     x = torch.randn(int(counts.sum()), K, generator=torch.Generator().manual_seed(1)).to(dtype)
-    want = _reference(x, counts, codes, scale, fmt, halves)
+    want = _reference(x, counts, codes, scale, fmt, halves, glob)
     got = quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block, halves,
                                     brgemm_min_rows=4 if path == "brgemm" else None,
-                                    portable=path == "portable")
+                                    portable=path == "portable", global_scale=glob)
     assert got.dtype == dtype and got.shape == (x.shape[0], R)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -83,7 +91,7 @@ def test_op_matches_dequantise_then_matmul(case, path, dtype):
 
 def test_op_refuses_mismatched_inputs():
     fmt = FORMATS["mxfp4"]
-    codes, scale = _random(fmt, 2, 32, 64, 1, seed=0)
+    codes, scale, _ = _random(fmt, 2, 32, 64, 1, seed=0)
     x = torch.randn(3, 64)
     with pytest.raises(RuntimeError, match="counts sum"):
         quant_gemm.grouped_linear(x, torch.tensor([1, 1]), codes, scale, 1, fmt.block, 1)
@@ -93,23 +101,46 @@ def test_op_refuses_mismatched_inputs():
     with pytest.raises(RuntimeError, match="scale"):
         quant_gemm.grouped_linear(x, torch.tensor([1, 2]), codes, scale[:, :, :1], 1,
                                   fmt.block, 1)
+    nv = FORMATS["nvfp4"]
+    codes, scale, glob = _random(nv, 2, 32, 64, 1, seed=0)
+    with pytest.raises(RuntimeError, match="NVFP4 needs global_scale"):
+        quant_gemm.grouped_linear(x, torch.tensor([1, 2]), codes, scale, 2, nv.block, 1)
+    with pytest.raises(RuntimeError, match="global_scale must be"):
+        quant_gemm.grouped_linear(x, torch.tensor([1, 2]), codes, scale, 2, nv.block, 1,
+                                  global_scale=glob[:1])
 
 
-@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_nvfp4_dequantises_as_modelopt_writes_it():
+    """Code x E4M3 block scale x fp32 global scale; a round trip within FP4 precision."""
+    dense = torch.randn(2, 48, 64) * torch.tensor([0.01, 30.0])[:, None, None]
+    codes, scale, glob = quant.quantize_nvfp4(dense)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 48, 32)
+    assert scale.dtype == torch.float8_e4m3fn and scale.shape == (2, 48, 4)
+    assert glob.shape == (2,)
+    back = quant.dequantize_nvfp4(codes, scale, glob, 16, torch.float32)
+    by_hand = quant.unpack_fp4_e2m1(codes) * scale.float().repeat_interleave(16, -1) \
+        * glob[:, None, None]
+    assert torch.equal(back, by_hand)
+    for i in range(2):       # e2m1 steps are at most 1/3 of a value up to the block's amax
+        assert (back[i] - dense[i]).abs().max() <= dense[i].abs().max() / 3
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_f32", "mxfp4", "nvfp4"])
 def test_torch_fallback_matches_reference(name):
     fmt = FORMATS[name]
-    codes, scale = _random(fmt, 3, 256, 128, 2, seed=4)
+    codes, scale, glob = _random(fmt, 3, 256, 128, 2, seed=4)
     counts = torch.tensor([3, 0, 9])
     x = torch.randn(12, 128)
-    torch.testing.assert_close(quant.dequant_grouped_linear(x, counts, codes, scale, fmt, 2),
-                               _reference(x, counts, codes, scale, fmt, 2))
+    torch.testing.assert_close(
+        quant.dequant_grouped_linear(x, counts, codes, scale, fmt, 2, glob),
+        _reference(x, counts, codes, scale, fmt, 2, glob))
 
 
 def test_scaled_mm_path_is_close():
     """The CUDA FP8 path's maths (torch._scaled_mm row-wise also runs on the CPU): FP8
     activations per row and K block, so close to, not equal to, the dequantised product."""
     fmt = FORMATS["fp8"]
-    codes, scale = _random(fmt, 3, 256, 512, 2, seed=5)
+    codes, scale, _ = _random(fmt, 3, 256, 512, 2, seed=5)
     counts = torch.tensor([5, 0, 20])
     x = torch.randn(25, 512).to(torch.bfloat16)
     want = _reference(x, counts, codes, scale, fmt, 2)
@@ -122,7 +153,7 @@ def test_fp8_gate_up_keeps_separate_scale_grids():
     fmt = FORMATS["fp8"]
     dense = torch.randn(1, 192, 256)
     dense[:, 96:] *= 1000                          # up rows far larger than gate rows
-    codes, scale = fmt.quantize(dense, halves=2)
+    codes, scale, _ = fmt.quantize(dense, halves=2)
     assert scale.shape == (1, 2, 2)
     back = fmt.dequantize(codes, scale, 2, torch.float32)
     for rows in (slice(0, 96), slice(96, 192)):     # each half within its own block's precision
@@ -131,7 +162,7 @@ def test_fp8_gate_up_keeps_separate_scale_grids():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["fp8_small", "mxfp4"])
+@pytest.mark.parametrize("name", ["fp8_small", "mxfp4", "nvfp4"])
 def test_routed_experts_on_packed_weights(name, dtype):
     """RoutedExperts holding codes + scales computes what the same experts dequantised do, and
     holds no dense copy."""
@@ -140,12 +171,13 @@ def test_routed_experts_on_packed_weights(name, dtype):
     packed = RoutedExperts(E, d, inter, swiglu_limit=7.0)
     packed.keep_checkpoint_format(fmt)
     g = torch.Generator().manual_seed(3)
-    w13, s13 = fmt.quantize(torch.randn(E, 2 * inter, d, generator=g) / d ** 0.5, halves=2)
-    w2, s2 = fmt.quantize(torch.randn(E, d, inter, generator=g) / inter ** 0.5)
+    w13, s13, g13 = fmt.quantize(torch.randn(E, 2 * inter, d, generator=g) / d ** 0.5, halves=2)
+    w2, s2, g2 = fmt.quantize(torch.randn(E, d, inter, generator=g) / inter ** 0.5)
+    values = {"gate_up_proj": w13, "gate_up_proj_scale": s13, "gate_up_proj_global": g13,
+              "down_proj": w2, "down_proj_scale": s2, "down_proj_global": g2}
     with torch.no_grad():
-        for p, v in ((packed.gate_up_proj, w13), (packed.gate_up_proj_scale, s13),
-                     (packed.down_proj, w2), (packed.down_proj_scale, s2)):
-            p.copy_(v)
+        for n, p in packed.named_parameters():
+            p.copy_(values[n])
     x = torch.randn(T, d, generator=g).to(dtype)
     ids = torch.randint(0, E - 1, (T, k), generator=g)     # expert E-1 gets no rows
     weights = torch.rand(T, k, generator=g).to(dtype)
@@ -161,7 +193,8 @@ def test_routed_experts_on_packed_weights(name, dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     assert packed.expert_load.tolist() == counts.tolist()
-    assert all(p.dtype == torch.uint8 for p in packed.parameters())
+    assert all(p.dtype == torch.uint8 or n.endswith("_global")
+               for n, p in packed.named_parameters())
     assert packed._packs is None
 
 
