@@ -303,6 +303,10 @@ def _greedy(model, after_step=None, steps: int = 12) -> list[list[int]]:
 def test_eplb_rebalance_with_packed_experts_keeps_greedy(checkpoint):
     """EPLB with redundant slots on checkpoint-format experts: the replicas get the codes and
     the scales, a rebalance moves both, and the greedy tokens stay those without EPLB."""
+    _check_eplb(checkpoint)
+
+
+def _check_eplb(checkpoint: Path) -> None:
     from wideserve.config.eplb import EplbConfig
     from wideserve.worker.eplb_balancer import EpGroup, ExpertBalancer
     load = LoadConfig(model=str(checkpoint), dtype="float32")
@@ -326,6 +330,10 @@ def test_eplb_rebalance_with_packed_experts_keeps_greedy(checkpoint):
 def test_expert_parallel_ranks_load_their_packed_experts(checkpoint):
     """Under expert parallelism each rank's slots hold the codes and scales of its experts
     (the shard filter slices the scale stacks with the codes), redundant slots included."""
+    _check_ep_shards(checkpoint)
+
+
+def _check_ep_shards(checkpoint: Path) -> None:
     from wideserve.worker.expert_shard import ExpertPlacement
     load = LoadConfig(model=str(checkpoint), dtype="bfloat16")
     full = dict(_named_experts(load_model(load).model))
@@ -335,9 +343,150 @@ def test_expert_parallel_ranks_load_their_packed_experts(checkpoint):
             ref = full[name]
             slots = ExpertPlacement(ref.num_experts, 2, rank, 2).slot_experts
             assert m.weight_format == ref.weight_format and len(slots) == m.num_local_experts
-            for leaf in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+            leaves = [n for n, _ in m.named_parameters()]
+            assert len(leaves) == (6 if m.weight_format.has_global else 4)
+            for leaf in leaves:
                 assert torch.equal(getattr(m, leaf), getattr(ref, leaf)[slots]), (name, leaf)
 
 
 def _named_experts(model) -> list[tuple[str, RoutedExperts]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
+
+
+# --- per-expert checkpoints of other families: V4.1's official names (MXFP4), Qwen3-MoE FP8
+# (fp32 `weight_scale_inv` per 128 x 128 block, as HF / vLLM write them) and ModelOpt NVFP4 ---
+
+def _qwen3_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Qwen3 FP8: one fp32 scale amax / 448 per 128 x 128 block (the tiny experts are one
+    block), not a power of two."""
+    assert max(w.shape) <= 128
+    s = (w.abs().max() / quant.FP8_E4M3_MAX).reshape(1, 1)
+    return {"weight": (w / s).to(torch.float8_e4m3fn), "weight_scale_inv": s}
+
+
+def _modelopt_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, s, g = quant.quantize_nvfp4(w)
+    return {"weight": q, "weight_scale": s, "weight_scale_2": g, "input_scale": torch.ones(())}
+
+
+def _deepseek_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, s = quant.quantize_fp4(w)
+    return {"weight": q, "scale": s}
+
+
+# family -> (config of a tiny model, per-expert name, quantiser, config.json additions)
+_QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+          "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96,
+          "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+          "norm_topk_prob": True, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+          "tie_word_embeddings": False, "torch_dtype": "float32"}
+_HF_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_DS_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
+FAMILIES = {
+    "qwen3_fp8": (_QWEN3, lambda p, e, k: f"{p}.{e}.{_HF_PROJ[k]}", _qwen3_fp8,
+                  {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                           "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128]}}),
+    "qwen3_nvfp4": (_QWEN3, lambda p, e, k: f"{p}.{e}.{_HF_PROJ[k]}", _modelopt_nvfp4,
+                    {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                             "group_size": 16}}),
+    # official V4.1 names: `layers.{i}.ffn.experts.{e}.w1.weight` + `.scale` (UE8M0 per 32)
+    "v41_mxfp4": (None, lambda p, e, k: f"{p.removeprefix('model.')}.{e}.{_DS_PROJ[k]}",
+                  _deepseek_mxfp4, {}),
+}
+
+
+def _v41_config() -> dict:
+    sys_path = Path(__file__).resolve().parents[1] / "models"
+    spec = importlib.util.spec_from_file_location("v41_helpers_q", sys_path / "v41_helpers.py")
+    h = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h)
+    return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+            "text_config": dict(h.B, num_nextn_predict_layers=0),
+            "vision_config": {"num_hidden_layers": 0}, "torch_dtype": "float32",
+            "max_position_embeddings": 4096}
+
+
+def _write_family(root: Path, family: str) -> Path:
+    """A random model of the family (dummy weights, fp32) saved with its routed experts per
+    expert in the family's quantised format; everything else dense."""
+    from safetensors.torch import save_file
+    config, name_of, quantise, extra = FAMILIES[family]
+    config = {**(config or _v41_config()), **extra}
+    (root / "cfg").mkdir(parents=True)
+    (root / "cfg" / "config.json").write_text(json.dumps(config))
+    state = load_model(LoadConfig(model=str(root / "cfg"), load_format="dummy", seed=5,
+                                  dtype="float32")).model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for n, t in state.items():
+        prefix, _, leaf = n.rpartition(".")
+        if leaf == "gate_up_proj" and prefix.endswith(".experts"):
+            half = t.shape[1] // 2
+            parts = {"gate": t[:, :half], "up": t[:, half:]}
+        elif leaf == "down_proj" and prefix.endswith(".experts"):
+            parts = {"down": t}
+        else:
+            out[n] = t.contiguous()
+            continue
+        for kind, stack in parts.items():
+            for e in range(stack.shape[0]):
+                for suffix, v in quantise(stack[e]).items():
+                    out[f"{name_of(prefix, e, kind)}.{suffix}"] = v.contiguous()
+    path = root / "ckpt"
+    path.mkdir()
+    save_file(out, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, _write_family(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _per_expert_bytes(root: Path) -> int:
+    """The checkpoint's expert weight bytes: codes, scales and global scales (not ModelOpt's
+    activation `input_scale`, which weight-only serving does not use)."""
+    from safetensors import safe_open
+    total = 0
+    with safe_open(root / "model.safetensors", framework="pt") as h:
+        for n in h.keys():
+            if ".experts." in n and not n.endswith(".input_scale"):
+                t = h.get_tensor(n)
+                total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_expert_checkpoints_stay_packed_and_greedy_is_unchanged(family_checkpoint, dtype):
+    family, root = family_checkpoint
+    load = LoadConfig(model=str(root), dtype=dtype)
+    packed = load_model(load).model
+    dense = load_model(load, packed_experts=False).model
+    # the dequantised experts on the reference implementation (per-expert matmuls); the fused
+    # bf16 op rounds its weighted sum once over all picks, which flips this random V4.1's
+    # argmax on its own (0.12 in the logits against "loop", as much as against packed)
+    for m in _expert_modules(dense):
+        m.impl = "loop"
+    experts = _expert_modules(packed)
+    want = {"qwen3_fp8": ("fp8", "fp32"), "qwen3_nvfp4": ("nvfp4", "e4m3"),
+            "v41_mxfp4": ("mxfp4", "ue8m0")}[family]
+    assert experts and all((m.weight_format.kind, m.weight_format.scale_dtype) == want
+                           for m in experts)
+    assert all(m.weight_format is None for m in _expert_modules(dense))
+    assert _expert_bytes(packed) == _per_expert_bytes(root)
+    for m, ref in zip(experts, _expert_modules(dense)):
+        for got, exp in zip(m.dense_weights(ref.gate_up_proj.dtype),
+                            (ref.gate_up_proj, ref.down_proj)):
+            assert torch.equal(got, exp)
+    assert _greedy(packed) == _greedy(dense)
+    assert _expert_bytes(packed) == _per_expert_bytes(root)
+    assert all(m._packs is None for m in experts)
+
+
+def test_per_expert_packed_experts_move_and_shard_with_their_scales(family_checkpoint):
+    """EPLB rebalances and expert-parallel shards carry codes, scales and NVFP4 global scales
+    together (V4.1's official prefixes have no `model.`: the shard filter still finds them)."""
+    _check_eplb(family_checkpoint[1])
+    _check_ep_shards(family_checkpoint[1])
