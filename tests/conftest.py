@@ -149,6 +149,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/kernels/test_batch_invariant_kernels.py": 25,
     "tests/parallel/test_host_read_budget_dep.py": 20,
     "tests/parallel/test_dp_group_lifecycle.py": 15,
+    "tests/layers/test_quant_experts.py": 30,
     "tests/entrypoints/test_info_v41.py": 103,
     "tests/spec_decode/test_spec_sampled.py": 103,
     "tests/models/test_deepseek_v4_backends.py": 101,
