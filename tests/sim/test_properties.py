@@ -95,7 +95,7 @@ def test_simulation_conserves_users_and_tokens():
     sim = Simulation(tiny_model(), gpu(), profile([0.0, 1e-4]), lay, fixed(512, 16))
     for i in range(60):
         sim.step(i)
-        users = sum(len(r) for r in sim.running) + len(sim.pending)
+        users = sum(len(r) for r in sim.running) + len(sim.pending) + len(sim.loading)
         assert users == lay.dep * lay.batch          # closed loop: one request per user
     res = sim._result(60, {"step": sim.now})
     assert res.tok_s_per_gpu > 0 and res.ttft_p50_s is not None

@@ -9,7 +9,9 @@ What is measured (all with the thread count given, one rank):
   dense_forward(B) = forward(B) - the experts' share predicted from that table (all local).
 - host jitter: durations of a fixed small host task, minus their median (scheduling noise).
 - collectives: torch.distributed gloo all_reduce (16 bytes) at 2 and 4 ranks, and
-  all_to_all_single at several sizes at 2 ranks -> alpha (latency) and bytes/s (fit).
+  all_to_all_single at several sizes at 2 ranks -> alpha (latency) and bytes/s (fit); and
+  the lock-step meeting: ranks alternating a fixed piece of host work with a tiny
+  all_to_all, the mean seconds per exchange vs the work between (_lockstep_meetings).
 - memory bandwidth (a large copy) and fp32 matmul FLOP/s.
 """
 from __future__ import annotations
@@ -175,11 +177,51 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], q: An
         x = torch.zeros(n // 4 * world, dtype=torch.float32)
         y = torch.empty_like(x)
         a2a.append(_median_time(lambda: dist.all_to_all_single(y, x), 20))
+    meet = _lockstep_meetings(world, tiny, tiny_out)
     dist.destroy_process_group()
     if rank == 0:
-        q.put({"allreduce_s": statistics.median(ar), "allreduce_mean_s": statistics.mean(ar),
+        q.put({"meeting": meet,
+               "allreduce_s": statistics.median(ar), "allreduce_mean_s": statistics.mean(ar),
                "alltoall_s": a2a, "alltoall_small_mean_s": statistics.mean(a2a_small),
                "alltoall_small_median_s": statistics.median(a2a_small)})
+
+
+MEETING_SEGMENTS_S = (1e-4, 5e-4, 2e-3)       # host work between two collectives
+
+
+def _lockstep_meetings(world: int, send: Any, recv: Any, meetings: int = 150
+                       ) -> dict[str, list[float]]:
+    """Lock-step ranks: a fixed piece of host work (1-thread matmuls) then a tiny
+    all_to_all, repeated, as a DEP forward alternates compute and exchanges. Per segment
+    length, the mean seconds a rank spends inside the collective (averaged over the ranks):
+    the gloo call itself plus waiting for the slowest peer's preemptions and for the OS to
+    wake the blocked rank - what one exchange costs a forward on this machine under its
+    current load. Means, not medians: the step time is a sum, so rare long waits count."""
+    import torch
+    import torch.distributed as dist
+    a = torch.randn(96, 96)
+    start = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    unit = torch.tensor([(time.perf_counter() - start) / 50], dtype=torch.float64)
+    dist.all_reduce(unit, op=dist.ReduceOp.MIN)        # the same work on every rank
+    seg_s, wait_s = [], []
+    for seg in MEETING_SEGMENTS_S:
+        n = max(1, round(seg / float(unit)))
+        work = wait = 0.0
+        for _ in range(meetings):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                a @ a
+            t1 = time.perf_counter()
+            dist.all_to_all_single(recv, send)
+            work += t1 - t0
+            wait += time.perf_counter() - t1
+        tot = torch.tensor([work / meetings, wait / meetings], dtype=torch.float64)
+        dist.all_reduce(tot)
+        seg_s.append(float(tot[0]) / world)
+        wait_s.append(float(tot[1]) / world)
+    return {"segment_s": seg_s, "s": wait_s}
 
 
 def measure_collectives(world: int, sizes: list[int]) -> dict[str, Any]:
@@ -257,7 +299,9 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
                      "alltoall": {**fit, "alpha_s": c0["alltoall_small_median_s"] / (w0 - 1),
                                   "ranks": w0, "sizes": sizes, "s": c0["alltoall_s"],
                                   "alpha_mean_s": c0["alltoall_small_mean_s"] / (w0 - 1),
-                                  "alpha_median_s": c0["alltoall_small_median_s"] / (w0 - 1)}},
+                                  "alpha_median_s": c0["alltoall_small_median_s"] / (w0 - 1)},
+                     # mean seconds per exchange of lock-step ranks vs host work between
+                     "meeting": {w: c["meeting"] for w, c in coll.items()}},
         ops={"expert": experts, "dense_forward": dense, "engine_rows": engine},
         mem_bytes_per_s=mem, flops_fp32=flops,
         sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

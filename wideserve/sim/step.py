@@ -165,14 +165,25 @@ class StepModel:
 
     def _lockstep_wait(self, n: int, tokens: list[int], expert: np.ndarray,
                        s: StepInputs) -> float:
-        """On a measured machine the forward runs on the host: host noise hits every segment
-        between two all-to-alls and the ranks wait for the slowest at each (noise.py). On a
-        GPU the forward is device work (a captured graph): no host noise inside it."""
+        """On a measured machine the forward runs on the host: each exchange waits for the
+        slowest peer's preemptions and for the OS to wake the blocked rank. The step makes
+        3 exchanges per MoE layer (counts, rows, outputs: layers/ep_dispatch.py) plus one per
+        step (the padded path's step header or the exact path's closing round). With a
+        measured meeting table at n ranks (calibrate.py, _lockstep_meetings) each exchange
+        costs the table's mean at this step's host work between exchanges, less the latency
+        a2a_s already books; without one, waits are drawn from the host noise (noise.py). On
+        a GPU the forward is device work (a captured graph): no host noise inside it."""
         if not self.measured or n <= 1 or not s.noise:
             return 0.0
-        points = 3 * (self.m.moe_layers + (self.m.draft_layers if s.drafts else 0))
-        seg = (self.dense_s(max(tokens)) + float(expert.max())) / max(points, 1)
-        return self.noise.lockstep_wait(points, seg, n, self.rng)
+        layers = self.m.moe_layers + (self.m.draft_layers if s.drafts else 0)
+        points = 3 * layers + 1
+        seg = (self.dense_s(max(tokens)) + float(expert.max())) / points
+        table = (self.p.collectives.get("meeting") or {}).get(str(n))
+        if table:
+            meet = interp(table["segment_s"], table["s"], seg)
+            alpha = self.p.collectives["alltoall"]["alpha_s"] * (n - 1)
+            return points * meet - 3 * layers * min(alpha, meet)
+        return self.noise.lockstep_wait(points - 1, seg, n, self.rng)
 
     def _drafts_s(self, s: StepInputs, n: int) -> np.ndarray:
         m, k = self.m, s.drafts
