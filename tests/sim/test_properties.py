@@ -149,13 +149,14 @@ def test_measured_meetings_set_the_lockstep_wait():
     prof = profile()
     prof.ops = {"dense_forward": {"tokens": [1.0, 64.0], "s": [0.02, 0.02]},
                 "expert": {"rows": [1.0, 64.0], "s": [1e-4, 1e-4]}}
-    prof.collectives["meeting"] = {"2": {"segment_s": [1e-4, 1e-2], "s": [1e-3, 2e-3]}}
+    prof.collectives["meeting"] = {"2": {"segment_cpu_s": [1e-4, 1e-2], "s": [1e-3, 2e-3]}}
+    prof.host["cpu_share"] = 0.5        # the forward's wall time, half of it on the CPU
     sm = StepModel(tiny_model(), prof.as_hardware(), prof)
     m = sm.m
     points = 3 * m.moe_layers + 1
     rows = np.zeros((m.moe_layers, 2))
     expert = sm.experts_s(rows, m.experts / 2, m.expert_params_each(), m.expert_format)
-    seg = (0.02 + float(expert.max())) / points
+    seg = 0.5 * (0.02 + float(expert.max())) / points
     meet = interp([1e-4, 1e-2], [1e-3, 2e-3], seg)
     st = sm.step(StepInputs(2, [4, 4], [64.0, 64.0], rank_rows=rows, overlap_host=False,
                             noise=True))

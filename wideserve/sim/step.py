@@ -170,7 +170,8 @@ class StepModel:
         3 exchanges per MoE layer (counts, rows, outputs: layers/ep_dispatch.py) plus one per
         step (the padded path's step header or the exact path's closing round). With a
         measured meeting table at n ranks (calibrate.py, _lockstep_meetings) each exchange
-        costs the table's mean at this step's host work between exchanges, less the latency
+        costs the table's mean at this step's host work between exchanges (in CPU seconds:
+        the measured forward's wall time x the CPU share the engine got), less the latency
         a2a_s already books; without one, waits are drawn from the host noise (noise.py). On
         a GPU the forward is device work (a captured graph): no host noise inside it."""
         if not self.measured or n <= 1 or not s.noise:
@@ -180,7 +181,10 @@ class StepModel:
         seg = (self.dense_s(max(tokens)) + float(expert.max())) / points
         table = (self.p.collectives.get("meeting") or {}).get(str(n))
         if table:
-            meet = interp(table["segment_s"], table["s"], seg)
+            # the table's axis is the CPU seconds of work between exchanges; the measured
+            # forward is wall time, of which the engine got `cpu_share` on the CPU
+            seg *= self.p.host.get("cpu_share", 1.0)
+            meet = interp(table["segment_cpu_s"], table["s"], seg)
             alpha = self.p.collectives["alltoall"]["alpha_s"] * (n - 1)
             return points * meet - 3 * layers * min(alpha, meet)
         return self.noise.lockstep_wait(points - 1, seg, n, self.rng)
