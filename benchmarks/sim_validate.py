@@ -225,6 +225,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/sim_validate.json")
     ap.add_argument("--parts", nargs="+", default=["dep2", "pd", "mtp", "eplb"],
                     choices=("dep2", "pd", "mtp", "eplb"))
+    ap.add_argument("--repredict", action="store_true",
+                    help="DEP2: predict the saved rounds again from their saved profiles "
+                         "(the current model; measurements unchanged)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="calibrate-then-measure rounds of DEP2 and P/D (median and spread)")
     args = ap.parse_args()
@@ -254,7 +257,7 @@ def main() -> None:
                          "error": r["predicted"] / r["measured"] - 1})
     dep = pd = None
     if "dep2" in args.parts:
-        dep = dep_rounds(args, args.rounds)
+        dep = repredict_dep(args) if args.repredict else dep_rounds(args, args.rounds)
         rows.insert(0, summary_row(f"DEP2 decode step, {args.per_rank} req/rank (ms)",
                                    [(r["predicted"], r["measured"]) for r in dep
                                     if "failed" not in r]))
@@ -300,6 +303,29 @@ def summary_row(quantity: str, pairs: list[tuple[float, float]]) -> dict:
     return {"quantity": quantity, "predicted": pred, "measured": meas,
             "error": float(np.median(errs)), "round_errors": errs,
             "rounds": len(pairs), "pairs": pairs}
+
+
+def repredict_dep(args: argparse.Namespace) -> list[dict]:
+    """The saved DEP2 rounds predicted again from each round's own saved profile (the
+    calibration of that minute; the jitter samples are cut to 50 in the file)."""
+    from dep_scaling import CONFIG
+
+    from wideserve.sim.calibrate import temp_model_dir
+    from wideserve.sim.hardware import Profile
+    model_dir = temp_model_dir(CONFIG)
+    out = []
+    for r in json.loads(Path(args.out).read_text())["dep2_rounds"]:
+        if "failed" in r:
+            out.append(r)
+            continue
+        algo = "rd" if r["run"].get("sync", {}).get("method") == "rd" else "ring"
+        pred = predict_dep(Profile.from_dict(r["profile"]), model_dir, 2, args.per_rank,
+                           args.prompt_len + args.output_len / 2, algo)
+        out.append({**r, "predicted": pred["step_ms"], "prediction": pred,
+                    "previous_prediction_ms": r["predicted"]})
+        print(f"DEP2 round {r['round']}: predicted {pred['step_ms']:.1f} ms (was "
+              f"{r['predicted']:.1f})  measured {r['measured']:.1f} ms", flush=True)
+    return out
 
 
 def dep_rounds(args: argparse.Namespace, rounds: int) -> list[dict]:
