@@ -179,6 +179,7 @@ class EngineCore:
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
         self._enable_decode_capture()
+        self.runner.enable_small_batch(config.load.small_batch_decode)
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)

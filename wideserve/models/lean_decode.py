@@ -80,13 +80,32 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
         return None          # norm_applies also covers compiling and the extension build
     if h.dtype not in rotary.KERNEL_DTYPES or h.dtype not in pab.KERNEL_DTYPES:
         return None
+    # The small-batch decode path (worker/small_batch.py) reuses the batch's tensors step to
+    # step: the plan, made of them and the weights, is kept while no module gained a hook.
+    cache = batch.plan_cache
+    if cache is not None:
+        kept = cache.get("lean")
+        if kept is not None and kept[0] is model and kept[1] is h.dtype \
+                and not any(hooked(*mods) for mods in kept[3]):
+            return kept[2]
     out = []
     for layer in model.layers:
         lean = _plan_layer(layer, h.dtype, h.shape[0], batch, plans)
         if lean is None:
             return None
         out.append(lean)
+    if cache is not None:
+        cache["lean"] = (model, h.dtype, out, [_plan_modules(layer) for layer in model.layers])
     return out
+
+
+def _plan_modules(layer: Any) -> tuple[nn.Module, ...]:
+    """The modules whose hooks `_plan_layer` checks."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return tuple(m for m in (layer, attn, layer.input_layernorm, layer.post_attention_layernorm,
+                             attn.q_norm, attn.k_norm, attn.q_proj, attn.k_proj, attn.v_proj,
+                             attn.o_proj, mlp, getattr(mlp, "gate", None),
+                             getattr(mlp, "experts", None)) if isinstance(m, nn.Module))
 
 
 def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,
