@@ -85,8 +85,7 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
     cache = batch.plan_cache
     if cache is not None:
         kept = cache.get("lean")
-        if kept is not None and kept[0] is model and kept[1] is h.dtype \
-                and not any(hooked(*mods) for mods in kept[3]):
+        if kept is not None and kept[0] is model and kept[1] is h.dtype and not any(kept[3]):
             return kept[2]
     out = []
     for layer in model.layers:
@@ -95,17 +94,21 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
             return None
         out.append(lean)
     if cache is not None:
-        cache["lean"] = (model, h.dtype, out, [_plan_modules(layer) for layer in model.layers])
+        cache["lean"] = (model, h.dtype, out,
+                         tuple(d for layer in model.layers for d in _hook_dicts(layer)))
     return out
 
 
-def _plan_modules(layer: Any) -> tuple[nn.Module, ...]:
-    """The modules whose hooks `_plan_layer` checks."""
+def _hook_dicts(layer: Any) -> list[dict]:
+    """The hook dicts of the modules `_plan_layer` checks (registering a hook adds to the
+    module's dict, so a kept plan checks them all with one `any`)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return tuple(m for m in (layer, attn, layer.input_layernorm, layer.post_attention_layernorm,
-                             attn.q_norm, attn.k_norm, attn.q_proj, attn.k_proj, attn.v_proj,
-                             attn.o_proj, mlp, getattr(mlp, "gate", None),
-                             getattr(mlp, "experts", None)) if isinstance(m, nn.Module))
+    mods = (layer, attn, layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
+            attn.k_norm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp,
+            getattr(mlp, "gate", None), getattr(mlp, "experts", None))
+    return [d for m in mods if isinstance(m, nn.Module)
+            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                      m._backward_pre_hooks)]
 
 
 def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,
