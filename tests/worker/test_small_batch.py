@@ -94,6 +94,20 @@ def test_preemption_equal_to_the_standard_path(tmp_path: Path) -> None:
     assert runs[4] == runs[0] and small_steps > 0
 
 
+def test_cuda_like_copies(tmp_path: Path) -> None:
+    """Separate device copies of the inputs and block tables, uploaded each step as on CUDA:
+    every field the model reads is uploaded (V4: ratio-1 and compressed groups)."""
+    from wideserve.worker.block_tables import BlockTables
+    path = model_dir("v4", tmp_path)
+    base = _scenario(_llm(path, 0), vocab_size(path))
+    llm = _llm(path, 0)
+    runner = llm.engine.runner
+    runner.tables = BlockTables(len(runner.groups), torch.device("cpu"), separate_copy=True)
+    runner.small = SmallBatchDecode(runner.groups, runner.cache_group, runner.kv_caches,
+                                    runner.tables, runner.device, separate_copy=True)
+    assert _scenario(llm, vocab_size(path)) == base and runner.small.steps >= 8
+
+
 def _count_plans(monkeypatch) -> list[int]:
     calls: list[int] = []
     plan = lean_decode._plan_layer

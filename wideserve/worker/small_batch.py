@@ -64,7 +64,10 @@ class SmallBatchDecode:
 
     def __init__(self, groups: Sequence[GroupLayout], cache_group: dict[str, int],
                  kv_caches: dict[str, torch.Tensor], tables: BlockTables,
-                 device: torch.device, max_size: int = DEFAULT_MAX_SIZE) -> None:
+                 device: torch.device, max_size: int = DEFAULT_MAX_SIZE,
+                 separate_copy: bool = False) -> None:
+        """separate_copy: device buffers uploaded each step even on the CPU (what CUDA
+        does; lets the CPU tests exercise that path)."""
         if max_size < 1:
             raise ValueError(f"small_batch_decode must be >= 1 to enable the path, got "
                              f"{max_size}")
@@ -72,7 +75,7 @@ class SmallBatchDecode:
         self.tables, self.device, self.max_size = tables, device, max_size
         self.slot_groups = [g for g, lay in enumerate(self.groups) if lay.compress_ratio == 1]
         self._slot_layout = [(g, self.groups[g].block_size) for g in self.slot_groups]
-        self.inputs = StaticDecodeInputs(max_size, self.slot_groups, device)
+        self.inputs = StaticDecodeInputs(max_size, self.slot_groups, device, separate_copy)
         host, dev = self.inputs.host, self.inputs.dev
         self._ids, self._pos = host["input_ids"], host["positions"]
         self._lens, self._rows = host["seq_lens"], host["req_rows"]
