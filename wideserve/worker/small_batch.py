@@ -17,8 +17,9 @@ here instead of `ModelRunner.build_batch`:
   to step, what a model derives from them and from its weights alone can be kept: the batch
   carries `plan_cache`, one dict per batch size, which the Llama family's lean forward
   (models/lean_decode.py) fills once and reuses. The dicts are emptied whenever a block table
-  is reallocated (a new tensor the old plan does not point at) and by `invalidate` (the
-  engine calls it when the kernel configuration changes).
+  is reallocated (a new tensor the old plan does not point at) and by `invalidate`, for a
+  caller that changes the model's weights or kernel switches after startup (the engine sets
+  both once, before the first step; EPLB's expert moves run the module path, never a plan).
 
 Greedy outputs are the standard path's, bitwise: the same ops run with the same arguments
 (tests/worker/test_small_batch.py, every family). LoadConfig.small_batch_decode sets the
