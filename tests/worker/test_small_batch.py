@@ -155,3 +155,5 @@ def test_config_switch(tmp_path: Path) -> None:
     assert _llm(path, 2).engine.runner.small.max_size == 2
     with pytest.raises(ValueError, match="small_batch_decode"):
         _llm(path, -1)
+    # EPLB rewrites expert slots while serving, under a kept plan: the path is off
+    assert _llm(model_dir("qwen3moe", tmp_path), 4, enable_eplb=True).engine.runner.small is None

@@ -179,7 +179,9 @@ class EngineCore:
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
         self._enable_decode_capture()
-        self.runner.enable_small_batch(config.load.small_batch_decode)
+        # Off with EPLB: moved experts would be rewritten under a kept plan's packed weights.
+        self.runner.enable_small_batch(
+            0 if self.eplb is not None else config.load.small_batch_decode)
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)

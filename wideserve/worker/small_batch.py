@@ -19,7 +19,8 @@ here instead of `ModelRunner.build_batch`:
   (models/lean_decode.py) fills once and reuses. The dicts are emptied whenever a block table
   is reallocated (a new tensor the old plan does not point at) and by `invalidate`, for a
   caller that changes the model's weights or kernel switches after startup (the engine sets
-  both once, before the first step; EPLB's expert moves run the module path, never a plan).
+  both once, before the first step, and leaves the path off with EPLB, whose expert moves
+  rewrite weights while serving).
 
 Greedy outputs are the standard path's, bitwise: the same ops run with the same arguments
 (tests/worker/test_small_batch.py, every family). LoadConfig.small_batch_decode sets the
