@@ -33,6 +33,10 @@ class LoadConfig:
     # a capturable model, off on the CPU (measured, docs/host_path.md); --enforce-eager turns
     # it off, as in vLLM; True/False force it.
     decode_capture: bool | None = None
+    # The small-batch decode path (worker/small_batch.py, docs/host_path.md): decode steps of
+    # up to this many requests over preallocated inputs with the model's plan kept across
+    # steps. 0 turns it off (A/B runs).
+    small_batch_decode: int = 4
     # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
     # on CUDA, never a synchronisation). False keeps only the step counts.
     step_timing: bool = True

@@ -73,6 +73,10 @@ class ForwardBatch:
     # state hold nothing below it, even in a later chunk of the replay); with kv_write_start.
     kv_replay_start: np.ndarray | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set by the small-batch decode path (worker/small_batch.py) only: a dict that lives as
+    # long as this batch's tensors are reused step to step, where a model may keep what it
+    # derives from them and its weights (models/lean_decode.py). None: plan every step.
+    plan_cache: dict | None = None
 
     @property
     def num_tokens(self) -> int:

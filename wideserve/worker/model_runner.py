@@ -8,6 +8,8 @@ non-blocking on CUDA), and nothing in here reads a device value back.
 
 Decode steps can instead go through the captured decode step (decode_capture.py, enabled by
 `enable_decode_capture`): padded to a capture size, metadata in static buffers, replayed.
+Small decode steps that are not captured take the small-batch path (small_batch.py, enabled
+by `enable_small_batch`): exact-size views of static buffers, the model's plan kept.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from wideserve.utils.device import to_device
 from wideserve.worker.block_tables import BlockTables
 from wideserve.worker.decode_capture import CapturedDecode, Capturer
+from wideserve.worker.small_batch import SmallBatchDecode
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
 
@@ -72,6 +75,7 @@ class ModelRunner:
         self.device = device
         self.tables = tables if tables is not None else BlockTables(len(groups), device)
         self.captured: CapturedDecode | None = None     # enable_decode_capture()
+        self.small: SmallBatchDecode | None = None      # enable_small_batch()
 
     def enable_decode_capture(self, sizes: list[int] | tuple[int, ...], max_model_len: int,
                               capturer: Capturer | None = None) -> CapturedDecode:
@@ -83,6 +87,15 @@ class ModelRunner:
             cap.capture(max_model_len)
         self.captured = cap
         return cap
+
+    def enable_small_batch(self, max_size: int) -> SmallBatchDecode | None:
+        """Decode steps of up to max_size requests take the small-batch path (0: off). Not
+        with drafts: the proposers move a step's batch on in place (spec_decode/proposer.py)."""
+        if max_size < 0:
+            raise ValueError(f"small_batch_decode must be >= 0 (0: off), got {max_size}")
+        self.small = None if max_size == 0 or self.with_drafts else SmallBatchDecode(
+            self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size)
+        return self.small
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished or preempted requests (their block-table rows are freed). A
@@ -154,9 +167,13 @@ class ModelRunner:
         its own drafts back without a host sync)."""
         n = None if self.captured is None or input_ids is not None else \
             self.captured.padded_size(reqs)
+        small = self.small
         if n is not None:
             step = self.captured.run(reqs, n)
             hidden, batch = step.hidden, step.batch
+        elif small is not None and input_ids is None and small.applies(reqs):
+            batch = small.batch(reqs)
+            hidden = self.model.forward(batch)
         else:
             batch = self.build_batch(reqs)
             if input_ids is not None:
