@@ -31,6 +31,7 @@ import bisect
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,6 +59,24 @@ class StepRequest(Protocol):
     prompt_logits: bool
     num_spec: int
     is_new: bool
+
+
+class StepSync(Protocol):
+    """Peers whose forwards must agree on a step before it runs: under DEP the EP dispatcher
+    (layers/ep_dispatch.py), whose MoE calls are collectives over fixed-capacity buffers. Its
+    host collective runs here, before the forward, so the forward holds none and a graph can
+    record it (docs/cuda_graphs.md)."""
+
+    def begin_step(self, tokens: int) -> int:
+        """Tell the peers how many tokens this rank's forward routes (host integers). Returns
+        the size every rank's forward is padded to (0: none, the forward is not padded)."""
+
+    def fixed_step(self, size: int) -> AbstractContextManager[None]:
+        """A forward of `size` rows that every rank runs at once with no step header (the
+        capture at startup: every rank captures the same sizes in the same order)."""
+
+    def forward_done(self) -> None:
+        """The forward ran to its end (a graph replay runs no Python to say so)."""
 
 
 class GroupLayout(Protocol):
@@ -228,9 +247,10 @@ class CapturedDecode:
     def __init__(self, model: torch.nn.Module, groups: Sequence[GroupLayout],
                  cache_group: dict[str, int], kv_caches: dict[str, torch.Tensor],
                  tables: BlockTables, device: torch.device, sizes: Sequence[int],
-                 capturer: Capturer | None = None) -> None:
+                 capturer: Capturer | None = None, step_sync: StepSync | None = None) -> None:
         """capturer None: CUDA graphs where the device is CUDA and the model is capturable,
-        else EagerReplay."""
+        else EagerReplay. step_sync: the peers a forward must agree with (DEP); the capture
+        runs each size under its `fixed_step`, in the same order on every rank."""
         self.model, self.groups, self.cache_group = model, list(groups), cache_group
         self.kv_caches, self.tables, self.device = kv_caches, tables, device
         self.sizes = tuple(sorted(sizes))
@@ -241,6 +261,8 @@ class CapturedDecode:
                             "buffers", type(model).__name__)
             capturer = CudaGraphCapturer(device) if graphs else EagerReplay()
         self.capturer = capturer
+        self.step_sync = step_sync
+        self._capturing = False
         self.slot_groups = [g for g, lay in enumerate(self.groups) if lay.compress_ratio == 1]
         self.inputs = StaticDecodeInputs(self.sizes[-1], self.slot_groups, device)
         self.pad_row = tables.reserve_row()      # all null blocks, never assigned a request
@@ -269,11 +291,15 @@ class CapturedDecode:
             return
         self.reserve_tables(max_model_len)
         self.buckets = context_buckets(max_model_len)
-        for n in reversed(self.sizes):
-            for ctx in reversed(self.buckets):
-                self._stage_padding(0, n)
-                self.inputs.upload(n)
-                self._replays[n, ctx] = self.capturer.capture(self._forward_over(n, ctx))
+        self._capturing = True
+        try:
+            for n in reversed(self.sizes):
+                for ctx in reversed(self.buckets):
+                    self._stage_padding(0, n)
+                    self.inputs.upload(n)
+                    self._replays[n, ctx] = self.capturer.capture(self._forward_over(n, ctx))
+        finally:
+            self._capturing = False
         self._tables = self._current_tables()
 
     # ------------------------------------------------------------------------- a step
@@ -337,7 +363,12 @@ class CapturedDecode:
     def _forward_over(self, n: int, context: int | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             # A fresh batch object per call: a model may keep per-step state in batch.extras.
-            return self.model.forward(self._batch(n, context))
+            if self.step_sync is None or not self._capturing:
+                return self.model.forward(self._batch(n, context))
+            # Capture: every rank runs this size now. A replay's step was agreed before it
+            # (ModelRunner.forward: begin_step), so it runs the forward alone.
+            with self.step_sync.fixed_step(n):
+                return self.model.forward(self._batch(n, context))
         return run
 
     def _current_tables(self) -> list[torch.Tensor]:

@@ -284,12 +284,13 @@ class DeepseekV41ForCausalLM(CausalLM):
 
     def decode_capturable(self, device: torch.device) -> bool:
         """On CUDA, when the backend sends decode batches to the static path, every
-        routed-expert layer runs "grouped_mm" without an expert-parallel dispatcher, and
+        routed-expert layer runs "grouped_mm" with no expert-parallel dispatcher or a
+        capturable one (models/qwen3_moe/model.py's rule), and
         there is no Engram layer: its table lives in host memory and is gathered by row ids
         the device computes, which the host must read (layers/engram.py, `HostTable`)."""
         return (device.type == "cuda" and not self.config.engram_layers
                 and static_decode(self.attention_backend, device)
-                and all(m.ep is None
+                and all((m.ep is None or m.ep.capturable)
                         and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
                         for m in self.model.modules() if isinstance(m, RoutedExperts)))
 
