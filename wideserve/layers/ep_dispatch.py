@@ -85,6 +85,12 @@ class PaddedSteps:
             raise ValueError(f"PaddedSteps.sizes must be ascending positive sizes: {self.sizes}")
 
 
+def _clock() -> float:
+    """The host clock for the stats; 0 while torch.compile traces (a compiled or captured
+    forward runs no Python per replay, and dynamo cannot trace the clock)."""
+    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
+
+
 @dataclass
 class EPStats:
     calls: int = 0
@@ -177,12 +183,12 @@ class AllToAllDispatcher(EPDispatcher):
     # --------------------------------------------------------------------- exchanges
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
              in_splits: list[int] | None = None) -> None:
-        start = time.perf_counter()
+        start = _clock()
         try:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         except (RuntimeError, dist.DistBackendError) as e:
             raise DPGroupError(f"EP all-to-all failed: {e}") from e
-        self.stats.a2a_s += time.perf_counter() - start
+        self.stats.a2a_s += _clock() - start
 
     def _exchange_meta(self, meta: torch.Tensor) -> torch.Tensor:
         """meta [world, H + L] int64, row r for rank r -> what each rank sent us."""
@@ -395,9 +401,9 @@ class AllToAllDispatcher(EPDispatcher):
         recv_x, recv_slot = torch.empty_like(send_x), torch.empty_like(send_slot)
         self._a2a(recv_slot, send_slot)
         self._a2a(recv_x, send_x)
-        start = time.perf_counter()
+        start = _clock()
         y = experts.grouped_mlp(recv_x, recv_slot, padded=True)
-        self.stats.expert_s += time.perf_counter() - start
+        self.stats.expert_s += _clock() - start
         back = torch.empty_like(send_x)
         self._a2a(back, y)
         self.stats.padded_calls += 1

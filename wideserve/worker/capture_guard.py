@@ -73,6 +73,10 @@ def _ptr(t: torch.Tensor) -> int:
 def _signature(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype)
+    if isinstance(x, torch.ScriptObject):
+        # A collective's process group: a new wrapper object per call, so its type, not its
+        # address (repr), is what two steps must agree on.
+        return ("ScriptObject", x._type().qualified_name())
     return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
 
 
