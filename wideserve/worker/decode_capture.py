@@ -59,6 +59,21 @@ class StepRequest(Protocol):
     prompt_logits: bool
     num_spec: int
     is_new: bool
+    context: Sequence[int]
+
+
+class DecodeStaging(Protocol):
+    """A model's host-computed decode inputs (CausalLM.decode_staging): DeepSeek-V4.1's
+    Engram rows, gathered from a host table by ids hashed on the host (layers/engram.py)."""
+
+    def stage(self, tokens: Sequence[int], positions: Sequence[int],
+              contexts: Sequence[Sequence[int]], n: int) -> None:
+        """Rows [:len(tokens)] for the requests' new tokens at their positions after their
+        contexts, rows up to n for the padding (token 0 at position 0), written into static
+        device buffers (uploaded without blocking)."""
+
+    def inputs(self, n: int) -> dict[str, torch.Tensor]:
+        """The first n rows of those buffers, as the batch's extras."""
 
 
 class StepSync(Protocol):
@@ -263,6 +278,8 @@ class CapturedDecode:
         self.capturer = capturer
         self.step_sync = step_sync
         self._capturing = False
+        # Inputs the model computes on the host before a replay (None: it needs none).
+        self.staging: DecodeStaging | None = model.decode_staging(self.sizes[-1], device)
         self.slot_groups = [g for g, lay in enumerate(self.groups) if lay.compress_ratio == 1]
         self.inputs = StaticDecodeInputs(self.sizes[-1], self.slot_groups, device)
         self.pad_row = tables.reserve_row()      # all null blocks, never assigned a request
@@ -296,6 +313,8 @@ class CapturedDecode:
             for n in reversed(self.sizes):
                 for ctx in reversed(self.buckets):
                     self._stage_padding(0, n)
+                    if self.staging is not None:
+                        self.staging.stage([], [], [], n)
                     self.inputs.upload(n)
                     self._replays[n, ctx] = self.capturer.capture(self._forward_over(n, ctx))
         finally:
@@ -329,6 +348,9 @@ class CapturedDecode:
             bs = self.groups[g].block_size
             host[f"slots{g}"][:r] = self.tables.host(g)[rows, pos // bs] * bs + pos % bs
         self._stage_padding(r, n)
+        if self.staging is not None:
+            self.staging.stage([q.token_ids[0] for q in reqs], pos,
+                               [q.context for q in reqs], n)
 
     # ---------------------------------------------------------------------- helpers
     def _stage_padding(self, lo: int, hi: int) -> None:
@@ -392,4 +414,5 @@ class CapturedDecode:
             query_start_loc=dev["query_start_loc"][:n + 1], seq_lens=dev["seq_lens"][:n],
             query_start_loc_cpu=host["query_start_loc"][:n + 1],
             seq_lens_cpu=host["seq_lens"][:n], kv_caches=self.kv_caches, kv_groups=views,
-            cache_group=self.cache_group)
+            cache_group=self.cache_group,
+            extras={} if self.staging is None else self.staging.inputs(n))

@@ -39,6 +39,9 @@ class StepRequest:
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
     replay_start: int = 0         # with kv_write_start: where this request's replay began
     is_new: bool = False          # first step of the request (or of its resumption)
+    # The request's tokens (Request.all_token_ids, not copied): a captured decode step's
+    # host-staged inputs read the few before `start` (Engram n-grams; decode_capture.py).
+    context: Sequence[int] = ()
 
 
 @dataclass(slots=True)
