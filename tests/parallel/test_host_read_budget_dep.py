@@ -117,8 +117,10 @@ def _capture_rank(rank: int, world: int, port: int, family: str, tmp: str) -> di
                                        FullgraphCapturer(core.model)]
         for cap in capturers:
             if cap is not None:
-                # Two sizes (CI time): rank 1's one request pads to 2, rank 0's three to 4.
-                core.runner.enable_decode_capture((2, 4), 256, capturer=cap)
+                # Few sizes (CI time): rank 1's one request pads to 2 alone, rank 0's three
+                # to 4; the compile at 4 only.
+                sizes = (2, 4) if isinstance(cap, GuardedCapturer) else (4,)
+                core.runner.enable_decode_capture(sizes, 256, capturer=cap)
                 calls.append([])
                 run, seen = core.runner.captured.run, calls[-1]
                 core.runner.captured.run = lambda reqs, n, run=run, seen=seen: (
@@ -149,8 +151,8 @@ def test_dep2_decode_step_is_capturable(tmp_path):
         assert r["capturable"], rank
         assert guarded == eager and compiled == eager and len(eager) == (3 if rank == 0 else 1)
         assert r["replays"] == [len(c) for c in r["calls"]] and min(r["replays"]) > 0, rank
-        assert r["compiled"] == 2, rank
+        assert r["compiled"] == 1, rank
         # The step headers ran, every one outside the forward (a graph cannot hold one).
         assert r["headers"] and not any(r["headers"]), rank
     # Rank 1 (one request: size 2 alone) replays at rank 0's size (three requests: 4).
-    assert all((1, 4) in c for c in results[1]["calls"])
+    assert (1, 4) in results[1]["calls"][0]
