@@ -203,7 +203,7 @@ class Worker:
                            write_start, end >= num_tokens, want_prompt,
                            len(s.spec_token_ids),
                            self.kv_manager.replay_start(rid) if write_start else 0,
-                           s.is_new_or_resumed)
+                           s.is_new_or_resumed, all_ids)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
                              hidden: torch.Tensor) -> None:

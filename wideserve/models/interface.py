@@ -111,6 +111,13 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         host-built per-step tensor, shapes fixed by the batch size (docs/cuda_graphs.md)."""
         return False
 
+    def decode_staging(self, max_rows: int, device: torch.device) -> Any:
+        """Host-computed inputs of a captured decode step (worker/decode_capture.py's
+        DecodeStaging: written before each replay into static device buffers the forward
+        reads from batch.extras), or None when the forward needs none (every model but
+        DeepSeek-V4.1 with Engram layers, layers/engram.py)."""
+        return None
+
     @property
     def replay_depth(self) -> int | None:
         """Windowed layers a prefix hit must rebuild in bounded-replay mode; None: every KV

@@ -21,7 +21,7 @@ import torch
 
 from wideserve.utils.device import to_device
 from wideserve.worker.block_tables import BlockTables
-from wideserve.worker.decode_capture import CapturedDecode, Capturer
+from wideserve.worker.decode_capture import CapturedDecode, Capturer, StepSync
 from wideserve.worker.small_batch import SmallBatchDecode
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
@@ -42,6 +42,9 @@ class StepRequest:
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
     replay_start: int = 0         # with kv_write_start: where this request's replay began
     is_new: bool = False          # first step of the request (or of its resumption)
+    # The request's tokens (Request.all_token_ids, not copied): a captured decode step's
+    # host-staged inputs read the few before `start` (Engram n-grams; decode_capture.py).
+    context: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -76,13 +79,15 @@ class ModelRunner:
         self.tables = tables if tables is not None else BlockTables(len(groups), device)
         self.captured: CapturedDecode | None = None     # enable_decode_capture()
         self.small: SmallBatchDecode | None = None      # enable_small_batch()
+        # DEP's EP dispatcher (engine/dp_engine.py): the step header before every forward.
+        self.step_sync: StepSync | None = None
 
     def enable_decode_capture(self, sizes: list[int] | tuple[int, ...], max_model_len: int,
                               capturer: Capturer | None = None) -> CapturedDecode:
         """Decode steps of up to max(sizes) requests run padded over static buffers (CUDA
         graphs where the model is capturable, captured here); other steps stay eager."""
         cap = CapturedDecode(self.model, self.groups, self.cache_group, self.kv_caches,
-                             self.tables, self.device, sizes, capturer)
+                             self.tables, self.device, sizes, capturer, self.step_sync)
         with torch.inference_mode():
             cap.capture(max_model_len)
         self.captured = cap
@@ -168,6 +173,8 @@ class ModelRunner:
         n = None if self.captured is None or input_ids is not None else \
             self.captured.padded_size(reqs)
         small = self.small
+        if self.step_sync is not None:
+            n = self._agree(reqs, n)
         if n is not None:
             step = self.captured.run(reqs, n)
             hidden, batch = step.hidden, step.batch
@@ -179,6 +186,8 @@ class ModelRunner:
             if input_ids is not None:
                 batch.input_ids = input_ids
             hidden = self.model.forward(batch)
+        if self.step_sync is not None:
+            self.step_sync.forward_done()
         qsl = batch.query_start_loc_cpu
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = None
@@ -200,6 +209,17 @@ class ModelRunner:
                 if r.prompt_logits:
                     prompt_hidden[i] = hidden[int(qsl[i]):int(qsl[i + 1])]
         return ForwardOutput(logits, sample_rows, prompt_hidden, batch)
+
+    def _agree(self, reqs: list[StepRequest], n: int | None) -> int | None:
+        """The step header (DEP) before the forward, from what the host knows: this rank's
+        tokens (its capture size for a captured decode step). Returns the size to replay at,
+        every rank's agreed one, or None to run eagerly (a step too large to pad, or a size
+        not captured)."""
+        assert self.step_sync is not None
+        tokens = n if n is not None else sum([len(r.token_ids) for r in reqs])
+        size = self.step_sync.begin_step(tokens)
+        return size if n is not None and self.captured is not None \
+            and size in self.captured.sizes else None
 
 
 def _with_draft_rows(ends: np.ndarray, num_spec: list[int]) -> np.ndarray:

@@ -103,7 +103,7 @@ def draft_block(stages: nn.ModuleList, c: DeepseekV41Config, embeds: torch.Tenso
     q_pos = anchor_pos[:, None] + torch.arange(Q, device=embeds.device)
     streams = embeds[:, :, None, :].expand(-1, -1, c.hc_mult, -1).contiguous()
     pre = torch.zeros(B, Q, c.hc_mult, dtype=torch.float32, device=embeds.device)
-    pre[..., 0] = 1
+    pre[..., 0].fill_(1.0)       # (an op: `= 1` lifts a host scalar tensor, docs/cuda_graphs.md)
     context = stages[0].main_norm(stages[0].main_proj(features))
     for stage in stages:
         streams, pre = stage(streams, pre, context, q_pos, ctx_pos, ctx_valid)

@@ -30,7 +30,7 @@ from wideserve.layers.attention.registry import resolve_v41_attention_backend, s
 from wideserve.layers.attention.v4_static import V4DecodeStep
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.experts import RoutedExperts
-from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
+from wideserve.layers.engram import Engram, EngramStaging, NgramHasher, compressed_token_map
 from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
@@ -45,6 +45,8 @@ from wideserve.models.interface import CausalLM
 # bf16 / raw: the same quantised values stored as bf16 / the model dtype (exact, more bytes).
 KV_CACHE_DTYPES = ("auto", "fp8", "bf16", "raw")
 ENGRAM_TOKENS = "model.engram.tokens"
+# ForwardBatch.extras: a captured decode step's Engram rows, staged on the host (decode_staging).
+ENGRAM_STAGED = "model.engram.staged"
 # DSpark context: per position, the tap layers' pre-attention streams averaged over streams.
 DSPARK_FEATURES = "model.dspark.features"
 # Image inputs of a step (ForwardBatch.extras): the rows [K] int64 of image-span positions and
@@ -155,6 +157,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                                  dtype=torch.float32)
         self._hasher: NgramHasher | None = None
         self._token_map: torch.Tensor | None = None
+        self._token_map_host: np.ndarray | None = None
         self._codecs = self._record_codecs()
         # Decoder bounded replay (approximate; off by default): layers after the last KV
         # source run only on each request's last `sliding_window` rows of the step.
@@ -209,6 +212,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                              f"config says engram_compressed_vocab_size="
                              f"{c.engram_compressed_vocab_size} (the hashes depend on it)")
         self._token_map = torch.tensor(token_map, dtype=torch.int64)
+        self._token_map_host = np.asarray(token_map, dtype=np.int64)    # decode_staging's
         self._hasher = NgramHasher(c.engram_layers,
                                    [c.engram_num_embeddings[c.engram_layer_ids.index(i)]
                                     for i in c.engram_layers],
@@ -274,6 +278,26 @@ class DeepseekV41ForCausalLM(CausalLM):
         grams = torch.stack(grams, dim=1)                                     # [R, N]
         return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
 
+    def decode_staging(self, max_rows: int, device: torch.device) -> EngramStaging | None:
+        """The captured decode step's Engram rows, staged on the host before each replay
+        (layers/engram.py, EngramStaging; worker/decode_capture.py): the captured forward
+        then reads no host table. None without Engram layers."""
+        c = self.config
+        if not c.engram_layers:
+            return None
+        hasher = self._ensure_hasher()
+        assert self._token_map_host is not None
+        tables = [self.model.layers[i].engram.embed for i in c.engram_layers]
+        return EngramStaging(ENGRAM_STAGED, hasher, self._token_map_host, tables, max_rows,
+                             device)
+
+    def _engram_staged(self, step: V4DecodeStep, input_ids: torch.Tensor,
+                       staged: torch.Tensor) -> list[torch.Tensor]:
+        """`_engram_rows_decode` with the rows staged [R, layers, heads, dim]: the token
+        cache is still written (later prefill and eager steps read the history there)."""
+        step.write_window_rows(ENGRAM_TOKENS, input_ids.float()[:, None])
+        return list(staged.unbind(1))
+
     def _device_token_map(self, device: torch.device) -> torch.Tensor:
         """The Engram token map on `device`, copied once (a per-step copy from the host is
         what a captured graph must not contain)."""
@@ -316,12 +340,12 @@ class DeepseekV41ForCausalLM(CausalLM):
 
     def decode_capturable(self, device: torch.device) -> bool:
         """On CUDA, when the backend sends decode batches to the static path, every
-        routed-expert layer runs "grouped_mm" without an expert-parallel dispatcher, and
-        there is no Engram layer: its table lives in host memory and is gathered by row ids
-        the device computes, which the host must read (layers/engram.py, `HostTable`)."""
-        return (device.type == "cuda" and not self.config.engram_layers
-                and static_decode(self.attention_backend, device)
-                and all(m.ep is None
+        routed-expert layer runs "grouped_mm" with no expert-parallel dispatcher or a
+        capturable one (models/qwen3_moe/model.py's rule). Engram layers read their host
+        table only through the rows the captured step stages before the replay
+        (`decode_staging`; docs/cuda_graphs.md)."""
+        return (device.type == "cuda" and static_decode(self.attention_backend, device)
+                and all((m.ep is None or m.ep.capturable)
                         and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
                         for m in self.model.modules() if isinstance(m, RoutedExperts)))
 
@@ -338,7 +362,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         pre[:, 0].fill_(1.0)         # (an op: `= 1` lifts a host scalar tensor)
         rows = []
         if c.engram_layers:
-            rows = (self._engram_rows_decode(step, ids) if step.static
+            staged = batch.extras.get(ENGRAM_STAGED) if step.static else None
+            rows = (self._engram_staged(step, ids, staged) if staged is not None
+                    else self._engram_rows_decode(step, ids) if step.static
                     else self._engram_rows(step, ids))
         engram_at = {layer: r for layer, r in zip(c.engram_layers, rows)}
         state = CSA2State()

@@ -150,9 +150,11 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     def decode_capturable(self, device: torch.device) -> bool:
         """The dense decoder's condition, and every routed-expert layer on "grouped_mm" (no
-        host sync: layers/experts.py) without an expert-parallel dispatcher."""
+        host sync: layers/experts.py), with no expert-parallel dispatcher or one whose decode
+        exchange is capturable (the padded one: layers/ep_dispatch.py)."""
         return super().decode_capturable(device) and all(
-            m.ep is None and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
+            (m.ep is None or m.ep.capturable)
+            and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
             for m in self.modules() if isinstance(m, RoutedExperts))
 
     def param_counts(self) -> tuple[int, int]:
