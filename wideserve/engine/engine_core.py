@@ -194,10 +194,17 @@ class EngineCore:
                              cpu_argmax=config.kernels.cpu_argmax,
                              batch_invariant=config.kernels.batch_invariant)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
-        if self.warm_up_at_start and self.memory_report is None:
+        if self.warm_up_at_start and self.memory_report is None and self._first_use_work():
             self._warm_up()
 
     # ------------------------------------------------------------------------- setup
+    def _first_use_work(self) -> bool:
+        """Whether a first forward does work a later one does not: packing bf16 weights for
+        the CPU kernels and timing them (kernels/choice.py). Elsewhere (fp32, an accelerator)
+        a warm-up step would only add its own time to every start (~0.3 s of CPU on the
+        bundled model; the test suite starts hundreds of engines)."""
+        return self.device.type == "cpu" and self.loaded.dtype == torch.bfloat16
+
     def _warm_up(self) -> None:
         """A throwaway prefill + decode (worker/memory_profile.py run_warm_up), so the first
         request's step packs no weights and times no kernels: that first-use work took
