@@ -195,6 +195,7 @@ def attention_ctx(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
 
 
 def main() -> None:
+    global STAT, CLOCK, RETIMES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(MODELS), default="653m")
     ap.add_argument("--threads", type=int, default=1)
@@ -210,7 +211,6 @@ def main() -> None:
                          "first timing is timed again with the best, up to this many times, "
                          "all samples pooled")
     args = ap.parse_args()
-    global STAT, CLOCK, RETIMES
     CLOCK, RETIMES = args.clock, args.retimes
     STAT = statistics.median if args.stat == "median" else min
     torch.set_num_threads(args.threads)
