@@ -69,6 +69,7 @@ class DPEngineCore(EngineCore):
     dispatcher: EPDispatcher | None = None
     sync: TimedStepSync | None = None
     eplb: EplbManager | None = None
+    warm_up_at_start = False    # its forward needs the group and dispatcher, set up after
 
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,9 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 class EngineCore:
     lockstep = False        # DEP ranks (engine/dp_engine.py) run steps in lock-step
+    # A start-up warm-up step (`_warm_up`); off for data-parallel ranks, whose forward can
+    # need their peers (expert parallelism) before the group is set up.
+    warm_up_at_start = True
     # The engine process's loop for it (engine/engine_proc.py LoopEngine); DPEngineCore's own.
     loop_class: type[EngineLoop] = EngineLoop
 
@@ -193,8 +197,30 @@ class EngineCore:
                              cpu_argmax=config.kernels.cpu_argmax,
                              batch_invariant=config.kernels.batch_invariant)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
+        if self.warm_up_at_start and self.memory_report is None and self._first_use_work():
+            self._warm_up()
 
     # ------------------------------------------------------------------------- setup
+    def _first_use_work(self) -> bool:
+        """Whether a first forward does work a later one does not: packing bf16 weights for
+        the CPU kernels and timing them (kernels/choice.py). Elsewhere (fp32, an accelerator)
+        a warm-up step would only add its own time to every start (~0.3 s of CPU on the
+        bundled model; the test suite starts hundreds of engines)."""
+        return self.device.type == "cpu" and self.loaded.dtype == torch.bfloat16
+
+    def _warm_up(self) -> None:
+        """A throwaway prefill + decode (worker/memory_profile.py run_warm_up), so the first
+        request's step packs no weights and times no kernels: that first-use work took
+        longer than the front end's stall timeout on a loaded machine and got a server
+        killed at its first request. (A maximal memory-profile step, where one ran, did the
+        same already.)"""
+        t = time.perf_counter()
+        memory_profile.run_warm_up(self.model, self._kv_specs(), self.config.cache,
+                                   self.scheduler_config, self.max_model_len, self.device)
+        _zero_expert_load(self.model)      # the warm-up's routing is not real load
+        logger.info("warm-up step (packed weights, kernel plans) in %.2f s",
+                    time.perf_counter() - t)
+
     def _ep_group(self) -> EpGroup:
         """The expert-parallel group EPLB balances over: one process here."""
         return EpGroup()
@@ -220,11 +246,16 @@ class EngineCore:
         text = cfg.get("text_config") or {}     # nested (multimodal) configs, e.g. V4.1
         return int(cfg.get("hidden_size") or text.get("hidden_size") or cfg["n_embd"])
 
+    def _kv_specs(self) -> dict:
+        kv_dtype = self.config.cache.kv_cache_dtype
+        specs = self.model.kv_cache_specs(kv_dtype)
+        if self.spec is not None:
+            specs = {**specs, **self.spec.kv_cache_specs(kv_dtype)}
+        return specs
+
     def _build_kv_cache(self) -> tuple[KVCacheConfig, KVCacheManager]:
         cache, sched = self.config.cache, self.scheduler_config
-        specs = self.model.kv_cache_specs(cache.kv_cache_dtype)
-        if self.spec is not None:
-            specs = {**specs, **self.spec.kv_cache_specs(cache.kv_cache_dtype)}
+        specs = self._kv_specs()
         unsupported = sorted({s.record_format for s in split_shared(specs)[0].values()
                               if s.record_format != "raw" and s.record_format not in SPEC_FORMATS})
         if unsupported:
