@@ -194,8 +194,7 @@ class EngineCore:
         # Step inputs, forward, sampling and the per-request execution state.
         self.worker = Worker(self.runner, self.kv_manager, self.structured, self.spec,
                              self.vocab_size, self.eos_token_ids, self.timer,
-                             cpu_argmax=config.kernels.cpu_argmax,
-                             batch_invariant=config.kernels.batch_invariant)
+                             cpu_argmax=config.kernels.cpu_argmax)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
         if self.warm_up_at_start and self.memory_report is None and self._first_use_work():
             self._warm_up()

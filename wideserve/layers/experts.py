@@ -40,7 +40,7 @@ owning their experts and calls `grouped_mlp` there.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -340,6 +340,16 @@ class RoutedExperts(nn.Module, DeclaresGemms):
                 plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype, **mode)
                 packs.brgemm_min_rows = brgemm_min_rows(plan)
         return packs.w13, packs.w2, w2.shape[2]
+
+    def invariant_fn(self, device: torch.device, dtype: torch.dtype
+                     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """--batch-invariant: the function `forward` runs for an input on `device` in `dtype`
+        (x, logical ids, weights) -> [T, d], where it is the mode's per-row path; None
+        otherwise (models/lean_decode.py: the lean decode path in the mode)."""
+        if (self.ep is None and self.batch_invariant and self.weight_format is None
+                and _fused_runs(device, dtype)):
+            return self._invariant
+        return None
 
     def fused_op_args(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
         """The fused op's arguments after the rows as `forward` would pass them for an input

@@ -25,7 +25,7 @@ from torch import nn
 from wideserve.kv_cache.spec import KVCacheSpec
 from wideserve.types.forward_batch import ForwardBatch
 from wideserve.layers.experts import RoutedExperts
-from wideserve.layers.linear import WeightPack
+from wideserve.layers.linear import FunctionalLinear, WeightPack, use_invariant_linears
 from wideserve.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -91,13 +91,15 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         """Set the per-module CPU-op switches from the engine's KernelConfig (the norms' and
         the weight packs' here; models with more override and call this)."""
         self.batch_invariant = kernels.batch_invariant
+        if self.functional_gemms:       # plain nn.Linear modules: invariant ones in the mode
+            use_invariant_linears(self, kernels.batch_invariant)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.cpu_kernel = kernels.cpu_norm
             if isinstance(m, RoutedExperts):
                 m.batch_invariant = kernels.batch_invariant
             for value in vars(m).values():
-                if isinstance(value, WeightPack):
+                if isinstance(value, (WeightPack, FunctionalLinear)):
                     value.cpu_kernel = kernels.cpu_gemm
                     value.batch_invariant = kernels.batch_invariant
 
@@ -130,8 +132,9 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
                          f"this model is {type(self).__name__}")
 
     # ------------------------------------------------------------------ MTP / draft
-    # Whether the model runs GEMMs as F.linear / nn.Linear outside a WeightPack: under
-    # --batch-invariant its steps then run inside layers/linear.py InvariantLinears.
+    # Whether the model runs GEMMs as plain nn.Linear modules outside a WeightPack: under
+    # --batch-invariant apply_kernel_config makes them layers/linear.py InvariantLinears
+    # (functional GEMM sites hold a FunctionalLinear, which it switches like a WeightPack).
     functional_gemms: ClassVar[bool] = True
     batch_invariant: bool = False        # KernelConfig.batch_invariant (apply_kernel_config)
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from wideserve.models.deepseek_v41.attention import DeepseekV41Attention
+from wideserve.layers.linear import FunctionalLinear
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable
@@ -40,6 +41,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, rank)
         self.head = nn.Linear(rank, vocab, bias=False)
+        self.target_logits = FunctionalLinear()   # states @ the target's LM head^T, fp32
 
 
 class ConfidenceHead(nn.Module):
@@ -116,7 +118,7 @@ def draft_head(stages: nn.ModuleList, states: torch.Tensor, previous: torch.Tens
     confidence logits [...] fp32)."""
     last = stages[-1]
     emb = last.markov_head.embed(previous)
-    logits = torch.nn.functional.linear(states.float(), lm_head.weight.float())
+    logits = last.markov_head.target_logits(states.float(), lm_head.weight, widen_weight=True)
     logits = logits + last.markov_head.head(emb).float()
     conf = last.confidence_head.proj(torch.cat([states.float(), emb.float()], -1))
     return logits, conf.squeeze(-1)

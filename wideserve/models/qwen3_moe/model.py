@@ -111,7 +111,8 @@ class SparseMoeBlock(nn.Module):
             return None
         router = gate._pack.gemm_pack((gate.weight,), (None,), dtype)
         args = experts.fused_op_args(device, dtype)
-        if router is None or args is None:
+        invariant = experts.invariant_fn(device, dtype)     # --batch-invariant's expert path
+        if router is None or (args is None and invariant is None):
             return None
         packed, _, num_experts = router
         top_k, renormalize = gate.top_k, gate.renormalize
@@ -121,6 +122,8 @@ class SparseMoeBlock(nn.Module):
         def mlp(x: torch.Tensor) -> torch.Tensor:
             ids, weights = ops.moe_route(x, packed, num_experts, top_k, renormalize, False,
                                          brgemm(x.shape[0]))
+            if invariant is not None:
+                return invariant(x, ids, weights)
             return ops.moe_fused_experts(x, ids, weights, *args)
         return mlp
 
