@@ -165,10 +165,12 @@ def _add_schedule_and_cache_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_feature_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--decoder-bounded-replay", action="store_true",
-                   help="DeepSeek-V4.1 only, approximate (off by default): layers after the "
-                        "last KV source run only on each prefill chunk's last sliding-window "
-                        "rows; faster long prefills, outputs may differ; no prompt logprobs "
+    g.add_argument("--decoder-bounded-replay", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="DeepSeek-V4.1: the last KV source and the layers after it run only "
+                        "on the rows whose results are read (exact; faster long prefills). "
+                        "Default: on for V4.1, where it applies; --no-decoder-bounded-replay "
+                        "turns it off; the flag on another model is an error "
                         "(docs/deepseek_v41.md)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "mtp", '
@@ -229,7 +231,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
                         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
-                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", False)),
+                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", None)),
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=_KV_DTYPES[args.kv_cache_dtype],  # type: ignore[arg-type]
