@@ -89,6 +89,7 @@ class DeepseekV41Block(nn.Module):
         return streams.float().mean(dim=1)
 
     def write_shared_kv(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
+                        input_ids: torch.Tensor,
                         engram_rows: torch.Tensor | None) -> torch.Tensor:
         """A KV source's entries for every row of the step, before the decoder bounded
         replay cuts its queries (models/deepseek_v41/replay.py) -> the streams after Engram
@@ -335,7 +336,7 @@ class DeepseekV41ForCausalLM(CausalLM):
             stage = None if replay is None else replay.stages.get(i)
             if stage is not None:
                 if layer.attn.mode == FULL:     # the last KV source: entries for every row
-                    streams = layer.write_shared_kv(streams, pre, step, engram)
+                    streams = layer.write_shared_kv(streams, pre, step, ids, engram)
                     engram, write_entries = None, False
                 rows = stage.rows
                 streams, pre, ids = streams[rows], pre[rows], ids[rows]
