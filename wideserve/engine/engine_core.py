@@ -137,7 +137,8 @@ class EngineCore:
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
         self.model.apply_kernel_config(config.kernels)       # the per-engine CPU-op switches
-        if config.load.decoder_bounded_replay:
+        replay = config.load.decoder_bounded_replay
+        if replay or (replay is None and self.model.supports_decoder_bounded_replay):
             self.model.enable_decoder_bounded_replay()
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
@@ -338,10 +339,6 @@ class EngineCore:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {n} prompt tokens and asks for {max_tokens} more")
-        if req.sampling_params.prompt_logprobs is not None and \
-                self.config.load.decoder_bounded_replay:
-            raise ValueError("prompt_logprobs cannot be returned by a server started with "
-                             "--decoder-bounded-replay (the replay skips most prompt rows)")
         self._check_kv_transfer_params(req, ids)
         self.worker.add_request(req.request_id, req.sampling_params)
         if not self.structured.hold(request):       # else: scheduled once its grammar is ready

@@ -126,6 +126,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         group (the engine's default)."""
         return None
 
+    @property
+    def supports_decoder_bounded_replay(self) -> bool:
+        """Whether `enable_decoder_bounded_replay` applies (the engine turns it on then)."""
+        return False
+
     def enable_decoder_bounded_replay(self) -> None:
         """--decoder-bounded-replay (DeepSeek-V4.1 only)."""
         raise ValueError(f"--decoder-bounded-replay applies to DeepSeek-V4.1 models only; "

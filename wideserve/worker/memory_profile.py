@@ -128,8 +128,11 @@ def _throwaway(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConf
         r = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
         if manager.allocate_slots(r, n) is None:
             raise RuntimeError("memory profiling: the dummy KV cache is too small")
+        # prompt_logits: every row through every layer (a prompt-logprobs step's peak; the
+        # V4.1 decoder bounded replay would run its last layers on fewer rows otherwise).
         reqs.append(StepRequest(r.request_id, r.prompt_token_ids, 0,
-                                manager.block_ids(r.request_id), is_new=True))
+                                manager.block_ids(r.request_id), prompt_logits=True,
+                                is_new=True))
     layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in kv_config.groups]
     return ModelRunner(model, layouts, kv_config.cache_group, caches, device), reqs
 

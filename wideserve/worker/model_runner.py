@@ -150,7 +150,14 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
             kv_write_start=write_start, kv_write_start_cpu=write_start_cpu,
-            kv_replay_start=replay_start)
+            kv_replay_start=replay_start, num_output_rows_cpu=self._output_rows(reqs, qlens))
+
+    def _output_rows(self, reqs: list[StepRequest], qlens: np.ndarray) -> np.ndarray:
+        """[R] rows of each request whose hidden states `forward` reads: all of them for
+        prompt logprobs, the sampled row (and the drafts' with_drafts), none otherwise."""
+        spec = self.with_drafts
+        return np.array([q if r.prompt_logits else (r.num_spec + 1 if spec else 1) if r.sample
+                         else 0 for r, q in zip(reqs, qlens.tolist())], dtype=np.int64)
 
     def _group_view(self, g: int, layout: GroupLayout, rows: np.ndarray, rows_t: torch.Tensor,
                     token_rows: np.ndarray, positions: np.ndarray) -> KVGroupView:

@@ -13,8 +13,6 @@ DeepSeek names (`layers.{i}.attn.wq_a.weight`, `embed.weight`, `hc_attn_fn`, per
 """
 from __future__ import annotations
 
-import dataclasses
-import re
 from pathlib import Path
 from typing import Iterable
 
@@ -38,6 +36,9 @@ from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
 from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
 from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
+from wideserve.models.deepseek_v41.names import (ENGRAM_TABLE, VISION_NAMES,
+                                                 official_to_reference)
+from wideserve.models.deepseek_v41.replay import plan_decoder_replay
 from wideserve.models.deepseek_v41.vision import IMAGE_POSITION, VisionRouter, add_vision_tower
 from wideserve.models.interface import CausalLM
 
@@ -114,14 +115,26 @@ class DeepseekV41Block(nn.Module):
             return out
         return torch.where((input_ids == IMAGE_POSITION)[:, None, None], streams, out)
 
+    def write_shared_kv(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
+                        input_ids: torch.Tensor,
+                        engram_rows: torch.Tensor | None) -> torch.Tensor:
+        """A KV source's entries for every row of the step, before the decoder bounded
+        replay cuts its queries (models/deepseek_v41/replay.py) -> the streams after Engram
+        (pass engram_rows=None to `forward` then)."""
+        if engram_rows is not None:
+            streams = self._engram(streams, engram_rows, input_ids)
+        self.attn.write_entries(self.attn_norm(collapse(streams, pre)), step)
+        return streams
+
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step | V4DecodeStep,
-                state: CSA2State, input_ids: torch.Tensor,
-                engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre)."""
+                state: CSA2State, input_ids: torch.Tensor, engram_rows: torch.Tensor | None,
+                write_entries: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre).
+        write_entries=False: `write_shared_kv` ran for this step."""
         if engram_rows is not None:
             streams = self._engram(streams, engram_rows, input_ids)
         attn_pre, post, comb = self.attn_hc.coefficients(streams)
-        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state)
+        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state, write_entries)
         streams = expand(y, streams, post, comb)
         ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
         y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), input_ids)
@@ -159,8 +172,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         self._token_map: torch.Tensor | None = None
         self._token_map_host: np.ndarray | None = None
         self._codecs = self._record_codecs()
-        # Decoder bounded replay (approximate; off by default): layers after the last KV
-        # source run only on each request's last `sliding_window` rows of the step.
+        # Decoder bounded replay (exact; the engine turns it on unless told not to): the last
+        # KV source and the layers after it run only on the rows whose results are read
+        # (models/deepseek_v41/replay.py).
         self.decoder_replay = False
         # DSpark drafter stages (`mtp.*`, models/deepseek_v41/dspark.py); dropped when the
         # checkpoint has none (drop_mtp).
@@ -171,9 +185,13 @@ class DeepseekV41ForCausalLM(CausalLM):
             from wideserve.models.deepseek_v41.dspark import build_stages, dspark_rope
             self.mtp = build_stages(config, dspark_rope(config))
 
+    @property
+    def supports_decoder_bounded_replay(self) -> bool:
+        return bool(self.config.kv_source_layer_ids)
+
     def enable_decoder_bounded_replay(self) -> None:
-        """--decoder-bounded-replay: layers after the last KV source run only on each
-        request's last `sliding_window` rows of a step (approximate; docs/deepseek_v41.md)."""
+        """--decoder-bounded-replay: the last KV source and the layers after it run only on
+        the rows whose results are read (exact; docs/deepseek_v41.md)."""
         if not self.config.kv_source_layer_ids:
             raise ValueError("--decoder-bounded-replay: this DeepSeek-V4.1 config has no KV "
                              "source layers, so there is no decoder to bound")
@@ -371,33 +389,37 @@ class DeepseekV41ForCausalLM(CausalLM):
         taps = (set(c.dspark_target_layer_ids) if DSPARK_FEATURES in batch.kv_caches
                 else set())
         features = []
-        kept = None
-        # A decode row never has more new rows than the window: nothing for the replay.
-        replay_from = (max(c.kv_source_layer_ids, default=-1) + 1
-                       if self.decoder_replay and not step.static else -1)
+        replay = None
+        if self.decoder_replay and not step.static:   # (a decode row has nothing to skip)
+            replay = plan_decoder_replay(batch, step.token_req, step.token_pos, step.lo,
+                                         c.sliding_window, max(c.kv_source_layer_ids),
+                                         c.num_hidden_layers)
         for i, layer in enumerate(self.model.layers):
-            if i == replay_from:
-                kept = decoder_replay_rows(batch, c.sliding_window, step.lo)
-                if kept is not None:
-                    rows, sub = kept
-                    streams, pre, ids = streams[rows], pre[rows], ids[rows]
-                    features = [f[rows] for f in features]   # DSpark taps before it
-                    state = CSA2State(None if state.picks is None else state.picks[rows],
-                                      None if state.candidates is None
-                                      else state.candidates[rows])
-                    engram_at = {k: v[rows] for k, v in engram_at.items()}
-                    step = V4Step(sub, self._codecs, self.batch_invariant)
+            engram, write_entries = engram_at.get(i), True
+            stage = None if replay is None else replay.stages.get(i)
+            if stage is not None:
+                if layer.attn.mode == FULL:     # the last KV source: entries for every row
+                    streams = layer.write_shared_kv(streams, pre, step, ids, engram)
+                    engram, write_entries = None, False
+                rows = stage.rows
+                streams, pre, ids = streams[rows], pre[rows], ids[rows]
+                features = [f[rows] for f in features]      # DSpark taps before it
+                state = CSA2State(None if state.picks is None else state.picks[rows],
+                                  None if state.candidates is None else state.candidates[rows])
+                engram = None if engram is None else engram[rows]
+                engram_at = {k: v[rows] for k, v in engram_at.items() if k > i}
+                step = V4Step(stage.batch, self._codecs, self.batch_invariant)
             if i in taps:   # the streams entering layer i (after its Engram)
-                features.append(layer.tap(streams, engram_at.get(i), ids))
-            streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
+                features.append(layer.tap(streams, engram, ids))
+            streams, pre = layer(streams, pre, step, state, ids, engram, write_entries)
         if features:
             step.write_window_rows(DSPARK_FEATURES, torch.cat(features, dim=-1))
         hidden = self.model.norm(collapse(streams, pre))
-        if kept is None:
+        if replay is None:
             return hidden
-        # Rows the replay skipped have no output (only each request's last rows are used).
+        # Rows whose results nobody reads have no output (replay.py).
         full = hidden.new_zeros(batch.num_tokens, hidden.shape[-1])
-        return full.index_copy_(0, kept[0], hidden)
+        return full.index_copy_(0, replay.exact_rows, hidden.index_select(0, replay.exact_at))
 
     def dspark_draft(self, ids: torch.Tensor, features: torch.Tensor, anchor_pos: torch.Tensor,
                      ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
@@ -493,7 +515,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                 continue
             if name.startswith("mtp.") and not len(self.mtp):
                 continue             # (the model was built without its DSpark stages)
-            if name.endswith(_TABLE) and tensor.dtype == torch.float8_e4m3fn:
+            if name.endswith(ENGRAM_TABLE) and tensor.dtype == torch.float8_e4m3fn:
                 fp8_tables[name] = tensor
                 continue
             if name.endswith(".engram.embed.scale"):
@@ -527,7 +549,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     def keeps_quantised(self, name: str) -> bool:
         """Checkpoint tensors the reader passes on as stored, with their `.scale`: Engram
         tables stay FP8 in host memory (HostTable.load_fp8); only gathered rows dequantise."""
-        return name.endswith(_TABLE)
+        return name.endswith(ENGRAM_TABLE)
 
     def param_counts(self) -> tuple[int, int]:
         """(total, active per token): routed experts count at k/E; an Engram table (in host
@@ -535,7 +557,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         c = self.config
         total = routed = tables = 0
         for name, p in self.named_parameters():
-            if name.startswith("mtp.") or _VISION.search(name.removeprefix("model.")):
+            if name.startswith("mtp.") or VISION_NAMES.search(name.removeprefix("model.")):
                 continue             # (the vision tower: vision_param_count)
             total += p.numel()
             if ".experts." in name:
@@ -551,77 +573,4 @@ class DeepseekV41ForCausalLM(CausalLM):
     def vision_param_count(self) -> int:
         """Parameters of the vision tower (0 without one); they run once per image."""
         return sum(p.numel() for n, p in self.named_parameters()
-                   if _VISION.search(n.removeprefix("model.")))
-
-
-# ------------------------------------------------------------------ checkpoint names
-_ROUTING_ONLY = re.compile(r"(^|\.)tid2eid$")
-_VISION = re.compile(r"(^|\.)bias_vl$|^(model\.)?(vision|aligner)\.|"
-                     r"^(model\.)?image_(start|end|newline)$")
-_TABLE = ".engram.embed.weight"
-_HC = re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
-_MTP = re.compile(r"^(model\.)?mtp\.(\d+)\.")
-_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def official_to_reference(name: str, vision: bool = False) -> str | None:
-    """An official DeepSeek-V4.1 tensor name -> the reference's state_dict name (reference
-    names pass through). DSpark's `mtp.{s}.*` map as a block's names do, under `mtp.{s}.`.
-    None for tensors wideserve does not use: hash-routing tables, and the vision tower and
-    the gates' `bias_vl` of a model built without vision (`vision` False)."""
-    if _ROUTING_ONLY.search(name) or (not vision and _VISION.search(name)):
-        return None
-    m = _MTP.match(name)
-    if m:
-        if name.endswith(".bias_vl"):       # the draft never sees an image position
-            return None
-        inner = official_to_reference(f"layers.{m[2]}.{name[m.end():]}")
-        return inner and f"mtp.{m[2]}." + inner.removeprefix(f"model.layers.{m[2]}.")
-    top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-           "norm.weight": "model.norm.weight"}
-    if name in top:
-        return top[name]
-    if name.startswith(("vision.", "aligner.", "image_")):
-        return "model." + name
-    if not name.startswith("layers."):
-        return name
-    m = _HC.match(name)
-    if m:
-        return f"model.layers.{m[1]}.{m[2]}_hc.{m[3]}"
-    if name.endswith(".attn.attn_sink"):
-        name = name.removesuffix(".attn_sink") + ".sinks_param.weight"
-    name = re.sub(r"\.ffn\.shared_experts\.(w[123])\.",
-                  lambda g: f".ffn.shared_experts.{_SHARED[g[1]]}.", name)
-    if name.endswith(".ffn.gate.bias"):
-        name = name.removesuffix(".bias") + ".e_score_correction_bias"
-    return "model." + name
-
-
-def decoder_replay_rows(batch: ForwardBatch, window: int, lo: np.ndarray
-                        ) -> tuple[torch.Tensor, ForwardBatch] | None:
-    """The decoder bounded replay's sub-batch: each request keeps its last `window` new rows.
-    Layers after the last KV source write no shared KV, and future steps read their windows
-    only back to seq - window + 1, so only those rows matter later; the kept rows' windows are
-    clamped at the first kept row (kv_replay_start), the approximation (docs/deepseek_v41.md).
-    lo [R]: the full step's first readable positions (V4Step.lo: a prefix-cache replay's
-    start), which stay in force. None when no request has more than `window` new rows."""
-    qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
-    qlen = np.diff(qsl)
-    if not (qlen > window).any():
-        return None
-    skip = np.maximum(qlen - window, 0)
-    new_len = qlen - skip
-    rows_np = np.concatenate([np.arange(a + k, b) for a, b, k in zip(qsl[:-1], qsl[1:], skip)])
-    rows = torch.from_numpy(rows_np).to(batch.input_ids.device)
-    new_qsl = np.concatenate([[0], np.cumsum(new_len)])
-    seq = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
-    ctx = seq - new_len
-    views = [dataclasses.replace(v, slot_mapping=None if v.slot_mapping is None
-                                 else v.slot_mapping[rows]) for v in batch.kv_groups]
-    sub = ForwardBatch(
-        input_ids=batch.input_ids[rows], positions=batch.positions[rows],
-        query_start_loc=torch.from_numpy(new_qsl).to(batch.query_start_loc.device),
-        seq_lens=batch.seq_lens, query_start_loc_cpu=new_qsl, seq_lens_cpu=seq,
-        kv_caches=batch.kv_caches, kv_groups=views, cache_group=batch.cache_group,
-        kv_replay_start=np.where(skip > 0, np.maximum(ctx, lo), lo), extras=batch.extras)
-    return rows, sub
+                   if VISION_NAMES.search(n.removeprefix("model.")))
