@@ -132,15 +132,26 @@ def dspark_rope(config: DeepseekV41Config) -> RotaryTable:
 
 def load_stage_weights(targets: dict[str, torch.Tensor],
                        weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """`mtp.*` tensors in the reference's naming into `targets`; other names are skipped."""
+    """`mtp.*` tensors in the reference's naming into `targets`; other names are skipped.
+    Per-expert tensors (the official checkpoint's `experts.{e}.w1/w2/w3`, when the loader does
+    not stack them) go into their expert's slice; the stack counts as loaded once every
+    slice is in."""
     loaded: set[str] = set()
+    parts: dict[str, int] = {}
     for raw, tensor in weights:
         if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
             continue
-        name, tensor, _ = _expert_layout(raw, tensor)
+        name, tensor, part = _expert_layout(raw, tensor)
         target = targets.get(name)
-        if target is None or tuple(target.shape) != tuple(tensor.shape):
+        dst = None if target is None else (
+            target.data if part is None else target.data[part[0]][part[1]])
+        if dst is None or tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"DSpark: cannot place weight {raw!r} {tuple(tensor.shape)}")
-        target.data.copy_(tensor)
-        loaded.add(name)
+        dst.copy_(tensor)
+        if part is None:
+            loaded.add(name)
+        else:
+            parts[name] = parts.get(name, 0) + 1
+            if parts[name] == target.shape[0] * part[2]:
+                loaded.add(name)
     return loaded
