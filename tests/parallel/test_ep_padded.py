@@ -62,9 +62,13 @@ def _run(rank: int, world: int, port: int, impl: str | None, padded: bool) -> di
     full, sharded = _layers(None, rank, impl), _layers(E // world, rank, impl)
     disp = AllToAllDispatcher(group.device_group, rank, world, E // world, torch.device("cpu"),
                               control_group=group.cpu_group,
-                              padded=PaddedSteps(SIZES, K, D, torch.float32) if padded else None)
+                              padded=PaddedSteps(SIZES, K, D, torch.float32, num_layers=LAYERS)
+                              if padded else None)
     for m in sharded:
         disp.register(m)
+    # A draft stack's layer, registered after the target's and never called without
+    # speculation: a rank without a forward must still make only the target's rounds.
+    disp.register(_layers(E // world, rank, impl)[0])
     outs, mismatches, reads, sizes = [], [], [], []
     for s, step in enumerate(STEPS):
         tokens, allowed = step[rank]

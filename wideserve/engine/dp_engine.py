@@ -33,7 +33,7 @@ from wideserve.layers.ep_dispatch import EPDispatcher, PaddedSteps, make_dispatc
 from wideserve.worker.decode_capture import capture_sizes
 from wideserve.worker.eplb_balancer import EpGroup
 from wideserve.worker.eplb_manager import EplbManager
-from wideserve.worker.expert_shard import moe_stacks, routed_experts
+from wideserve.worker.expert_shard import moe_stacks, routed_experts, stack_of
 from wideserve.parallel.groups import DPGroup, DPGroupError, init_dp_group
 from wideserve.worker.model_loader import load_model
 from wideserve.worker.model_runner import StepRequest
@@ -145,9 +145,13 @@ class DPEngineCore(EngineCore):
         # exchanged by the runner before the forward (layers/ep_dispatch.py); not with
         # drafts, whose MoE calls differ between ranks.
         seqs = self.scheduler_config.max_num_seqs
+        # Module order puts the target's layers first (expert_shard.routed_experts); without
+        # speculation a forward calls exactly those.
+        target = [m for name, m in layers if stack_of(name) == "target"]
+        assert [m for _, m in layers[:len(target)]] == target, "target MoE layers come first"
         padded = None if self.spec is not None else PaddedSteps(
             capture_sizes(seqs, max_size=seqs), int(self.model.config.num_experts_per_tok),
-            max(m.hidden for _, m in layers), self.loaded.dtype)
+            max(m.hidden for _, m in layers), self.loaded.dtype, num_layers=len(target))
         self.dispatcher = make_dispatcher(
             self.parallel.ep_dispatcher, self.group.device_group, self.group.rank,
             self.group.world_size, per_rank, self.device, control_group=self.group.cpu_group,

@@ -73,12 +73,17 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 class PaddedSteps:
     """The padded path's shape (module docstring): `sizes` the tokens per rank a padded step
     may be padded to, ascending (the decode capture sizes: a step of at most sizes[-1] tokens
-    on every rank goes padded), and the rows every MoE call routes: top-k, width, dtype."""
+    on every rank goes padded), the rows every MoE call routes: top-k, width, dtype, and
+    `num_layers`: the MoE calls a padded step's forward makes, the first registered layers
+    (the target's; a draft stack registered after them is not called without speculation,
+    and a rank with no forward makes exactly this many rounds). None: every registered
+    layer."""
 
     sizes: tuple[int, ...]
     top_k: int
     hidden: int
     dtype: torch.dtype
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
@@ -292,7 +297,7 @@ class AllToAllDispatcher(EPDispatcher):
         if self._padded_tokens:
             # Rounds a forward that failed part-way did not make (peers are in them). Every
             # rank made the same calls, so there is nothing to drain.
-            while self._next_layer < len(self.layers):
+            while self._next_layer < self._step_layers:
                 self._padded_round(self.layers[self._next_layer], None, 0, 0)
         else:
             meta = self._meta(0, 0, 0, torch.float32, None)
@@ -341,12 +346,19 @@ class AllToAllDispatcher(EPDispatcher):
 
     def forward_done(self) -> None:
         if self._padded_tokens:
-            self._next_layer = len(self.layers)
+            self._next_layer = self._step_layers
+
+    @property
+    def _step_layers(self) -> int:
+        """The MoE calls of a padded step's forward (PaddedSteps.num_layers)."""
+        assert self.padded is not None
+        n = self.padded.num_layers
+        return len(self.layers) if n is None else n
 
     def _padded_forward(self, experts: nn.Module, x: torch.Tensor, phys_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> torch.Tensor:
         if experts.ep_layer != self._next_layer:
-            due = (f"layer {self._next_layer} was due" if self._next_layer < len(self.layers)
+            due = (f"layer {self._next_layer} was due" if self._next_layer < self._step_layers
                    else "every layer was called already")
             raise RuntimeError(f"EP padded step: MoE layer {experts.ep_layer} called where "
                                f"{due} (a padded step's forward calls every registered layer "
