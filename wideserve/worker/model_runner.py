@@ -20,6 +20,7 @@ import torch
 from wideserve.utils.device import to_device
 from wideserve.worker.block_tables import BlockTables
 from wideserve.worker.decode_capture import CapturedDecode, Capturer
+from wideserve.worker.images import StepImages, image_extras
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
 
@@ -39,6 +40,7 @@ class StepRequest:
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
     replay_start: int = 0         # with kv_write_start: where this request's replay began
     is_new: bool = False          # first step of the request (or of its resumption)
+    images: StepImages | None = None   # rows at image positions, their embeddings (images.py)
 
 
 @dataclass(slots=True)
@@ -126,13 +128,16 @@ class ModelRunner:
             write_start_cpu = np.array([r.kv_write_start for r in reqs], dtype=np.int64)
             write_start = to_device(write_start_cpu.copy(), dev)
             replay_start = np.array([r.replay_start for r in reqs], dtype=np.int64)
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=to_device(input_ids, dev), positions=to_device(positions, dev),
             query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
             kv_write_start=write_start, kv_write_start_cpu=write_start_cpu,
             kv_replay_start=replay_start)
+        if any([r.images is not None for r in reqs]):
+            batch.extras.update(image_extras([r.images for r in reqs], qsl, dev))
+        return batch
 
     def _group_view(self, g: int, layout: GroupLayout, rows: np.ndarray, rows_t: torch.Tensor,
                     token_rows: np.ndarray, positions: np.ndarray) -> KVGroupView:
@@ -152,8 +157,8 @@ class ModelRunner:
                 input_ids: torch.Tensor | None = None) -> ForwardOutput:
         """input_ids [T] on the device replaces the requests' token ids (a proposer feeding
         its own drafts back without a host sync)."""
-        n = None if self.captured is None or input_ids is not None else \
-            self.captured.padded_size(reqs)
+        n = None if self.captured is None or input_ids is not None \
+            or any([r.images is not None for r in reqs]) else self.captured.padded_size(reqs)
         if n is not None:
             step = self.captured.run(reqs, n)
             hidden, batch = step.hidden, step.batch
