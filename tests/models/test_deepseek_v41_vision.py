@@ -259,3 +259,28 @@ def test_prefix_cache_keys_the_image(oracle):
     assert other.cached["b"] == offset // 8 * 8 < offset
     assert same.cached["c"] == (len(seq) - 1) // 8 * 8 > offset + 30
     assert same["c"] == cold["a"] != other["b"]
+
+
+@pytest.mark.parametrize("steps", [2, 5], ids=["mid-span", "decoding"])
+def test_preempted_image_request_recomputes_the_same_tokens(oracle, steps):
+    """Preempted (by recompute, the scheduler's own path) inside the span during chunked
+    prefill (the embeddings are kept: one tower run) or while decoding (they were dropped
+    when the prefill passed the span: the tower runs again); the reference's tokens."""
+    from wideserve.engine.scheduler import _StepPlan
+    want = _oracle_greedy(oracle, 4)
+    seq, offset = oracle["seq"], oracle["types"].index(0)
+    with h.kv_quant_off():
+        core = _engine(oracle["path"], max_num_batched_tokens=8, enable_prefix_caching=False)
+        core.add_request(_image_request("a", seq, offset, oracle["image"], 4))
+        out = []
+        for _ in range(steps):
+            out += [t for o in core.step() for t in o.new_token_ids]
+        request = core.scheduler.requests["a"]
+        assert (request.num_computed_tokens < offset + 10) == (steps == 2)
+        core.scheduler._preempt(request, _StepPlan(0))
+        while core.has_unfinished_requests():
+            out += [t for o in core.step() for t in o.new_token_ids]
+    assert core.get_stats().num_preemptions == 1
+    assert out == want
+    assert core.worker.images.encoded == (1 if steps == 2 else 2)
+    assert len(core.worker.images) == 0
