@@ -113,7 +113,8 @@ def _dep2_rank(rank: int, world: int, port: int, tmp: str, padded: bool, steps: 
         warnings.simplefilter("ignore")
         core = DPEngineCore(config)
     if not padded:
-        core.dispatcher.max_padded_tokens = 0
+        core.dispatcher.padded = None
+        core.runner.step_sync = None
     try:
         _add(core, path, 2, 2 + steps, seed=rank)
         core.dp_step(False)                                   # the prefill

@@ -7,10 +7,12 @@ C++ paged op vs SDPA, and a prefill chunk after a cached context on the C++ op v
 the gathered context (family attention_ctx).
 
   PYTHONPATH=. python benchmarks/kernel_choice.py [--model 653m|11m] [--threads 1]
-      [--repeats 7] [--tokens 2048] [--stat median|min]
+      [--repeats 7] [--tokens 2048] [--stat median|min] [--retimes 3]
 
 Timings on a shared machine are noisy: every candidate of a bucket is timed in alternation,
-`--repeats` rounds, and the medians (or, on a heavily loaded machine, the minima) compared.
+`--repeats` rounds, and the medians (or, on a heavily loaded machine, the minima) compared;
+a bucket whose chosen kernel looks more than 10% behind is timed again with the best (up to
+`--retimes` times, samples pooled), so that a miss is one that holds, not one timing's noise.
 """
 from __future__ import annotations
 
@@ -43,19 +45,46 @@ STAT = statistics.median     # --stat min: the best of the rounds (a heavily sha
                              # kernel's own time)
 
 
+GOAL = 1.10                  # the chosen kernel within 10% of the best candidate
+RETIMES = 3                  # --retimes: a bucket that misses GOAL is timed this many more times
+
+
+def _samples(fns: dict[str, object], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call of each fn: `repeats` alternating rounds in a rotating order (load
+    from elsewhere hits all alike), on the policy's clock (CLOCK: the thread's CPU time at
+    one thread) - the same method as the choice's own timing."""
+    return ch.time_interleaved(fns, repeats, repeats, 0.0, CLOCK)
+
+
 def _median_times(fns: dict[str, object], repeats: int) -> dict[str, float]:
-    """us per call of each fn: `repeats` alternating rounds in a rotating order (load from
-    elsewhere hits all alike), on the policy's clock (CLOCK: the thread's CPU time at one
-    thread), reduced by STAT - the same method as the choice's own timing."""
-    samples = ch.time_interleaved(fns, repeats, repeats, 0.0, CLOCK)
-    return {k: STAT(v) * 1e6 for k, v in samples.items()}
+    """us per call of each fn (`_samples` reduced by STAT)."""
+    return {k: STAT(v) * 1e6 for k, v in _samples(fns, repeats).items()}
+
+
+def _verified(fns: dict[str, object], chosen: str, cands: list[str],
+              repeats: int) -> tuple[dict[str, float], str, int]:
+    """(us per call, best candidate, extra timings) of one bucket. Where the first timing
+    puts the chosen kernel more than GOAL behind the best, the two are timed together again,
+    up to RETIMES more times, and every timing's samples pooled: a miss must hold over all of
+    them (two kernels within a few % of each other swap places from one timing to the next on
+    a shared machine; the goal itself is not relaxed)."""
+    pooled = _samples(fns, repeats)
+    retimes = 0
+    while True:
+        t = {k: STAT(v) * 1e6 for k, v in pooled.items()}
+        best = min(cands, key=t.get)
+        if t[chosen] <= GOAL * t[best] or retimes == RETIMES:
+            return t, best, retimes
+        retimes += 1
+        for k, v in _samples({c: fns[c] for c in {chosen, best}}, repeats).items():
+            pooled[k].extend(v)
 
 
 def verify(kc: ch.KernelChoice, model: str, repeats: int) -> list[str]:
     lines = ["| GEMM (N x K) | rows | chosen | chosen us | best candidate (us) | "
              "chosen / best | F.linear us | F.linear / chosen |",
              "|---|---|---|---|---|---|---|---|"]
-    worst = 0.0
+    worst, misses, retimed = 0.0, 0, 0
     for label, family, n, k in shapes(model):
         cands = kc.runnable(family, torch.bfloat16)
         plan = kc.plan(family, n, k, torch.bfloat16)
@@ -64,15 +93,19 @@ def verify(kc: ch.KernelChoice, model: str, repeats: int) -> list[str]:
             fns = {c: ch.candidate(family, c, (ncols, k), rows) for c in cands}
             if family in ("linear", "qkv", "router") and "torch" not in fns:
                 fns["torch"] = ch.candidate("linear", "torch", (ncols, k), rows)
-            t = _median_times(fns, repeats)
-            best = min((c for c in cands), key=t.get)
+            t, best, extra = _verified(fns, plan[i], list(cands), repeats)
             ratio = t[plan[i]] / t[best]
             worst = max(worst, ratio)
+            misses += ratio > GOAL
+            retimed += extra > 0
             tl = f"{t['torch']:.0f} | {t['torch'] / t[plan[i]]:.2f}x" if "torch" in t \
                 else "- | -"
             lines.append(f"| {label} {n}x{k} | {ch.bucket_label(i)} ({rows}) | {plan[i]} | "
                          f"{t[plan[i]]:.0f} | {best} {t[best]:.0f} | {ratio:.2f} | {tl} |")
-    lines.append(f"\nworst chosen / best: {worst:.2f}")
+    buckets = len(shapes(model)) * len(ch.SAMPLE_ROWS)
+    lines.append(f"\nworst chosen / best: {worst:.2f}; within {GOAL - 1:.0%} of the best at "
+                 f"{buckets - misses} / {buckets} buckets ({retimed} re-timed after a first "
+                 f"timing over {GOAL - 1:.0%}, up to {RETIMES} more times)")
     return lines
 
 
@@ -162,6 +195,7 @@ def attention_ctx(model: str, kc: ch.KernelChoice, repeats: int) -> list[str]:
 
 
 def main() -> None:
+    global STAT, CLOCK, RETIMES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(MODELS), default="653m")
     ap.add_argument("--threads", type=int, default=1)
@@ -172,9 +206,12 @@ def main() -> None:
     ap.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
                     help="what a call's time is: the thread's CPU time (auto at 1 thread: "
                          "other processes' time slices not counted) or wall time")
+    ap.add_argument("--retimes", type=int, default=RETIMES,
+                    help="a bucket whose chosen kernel is over 10%% behind the best in the "
+                         "first timing is timed again with the best, up to this many times, "
+                         "all samples pooled")
     args = ap.parse_args()
-    global STAT, CLOCK
-    CLOCK = args.clock
+    CLOCK, RETIMES = args.clock, args.retimes
     STAT = statistics.median if args.stat == "median" else min
     torch.set_num_threads(args.threads)
     loader.build()

@@ -1,7 +1,7 @@
 """Routed experts kept in checkpoint format (BENCHMARKS.md, "Quantised experts").
 
-1. GEMM: one V4.1-Flash expert's projections (gate/up 4608 x 5120, down 5120 x 2304) on MXFP4
-   and FP8 (128 x 128) weights, x [M, K] bf16 for M in --rows: the C++ op that dequantises per
+1. GEMM: one V4.1-Flash expert's projections (gate/up 4608 x 5120, down 5120 x 2304) on MXFP4,
+   FP8 (128 x 128; UE8M0 scales as DeepSeek, fp32 as Qwen3 FP8) and NVFP4 (ModelOpt) weights, x [M, K] bf16 for M in --rows: the C++ op that dequantises per
    tile inside the kernel (`quant_grouped_linear`: dot products, and brgemm from
    QUANT_BRGEMM_MIN_ROWS rows; both forced too) against dequantise-then-GEMM (the whole
    weight to bf16 in torch, then F.linear: what a per-call dequantising path costs), and the
@@ -14,6 +14,7 @@
    fused kernel's packed copy).
 
   PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/quant_experts.py [--json out.json]
+      [--formats mxfp4 fp8 fp8_f32 nvfp4] [--memory-only]
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from wideserve.worker.model_loader import _parameters_on_meta
 
 HIDDEN, INTER = 5120, 2304          # V4.1-Flash (tests/data/deepseek-v41-flash/config.json)
 PROJECTIONS = {"gate_up": (2 * INTER, HIDDEN, 2), "down": (HIDDEN, INTER, 1)}
+FORMATS = {"mxfp4": expert_format("fp4"), "fp8": expert_format("fp8", (128, 128)),
+           "fp8_f32": expert_format("fp8", (128, 128), scale_dtype="fp32"),
+           "nvfp4": expert_format("nvfp4")}
 
 
 def _rss() -> int:
@@ -49,26 +53,28 @@ def _codes(fmt: ExpertFormat, L: int, rows: int, cols: int, halves: int, seed: i
     g = torch.Generator().manual_seed(seed)
     parts = [fmt.quantize(torch.randn(1, rows, cols, generator=g) / math.sqrt(cols), halves)
              for _ in range(L)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    glob = None if parts[0][2] is None else torch.cat([p[2] for p in parts])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), glob
 
 
 def gemm(fmt: ExpertFormat, proj: str, m: int, rounds: int) -> dict[str, float]:
     rows, cols, halves = PROJECTIONS[proj]
-    codes, scale = _codes(fmt, 1, rows, cols, halves, seed=1)
+    codes, scale, glob = _codes(fmt, 1, rows, cols, halves, seed=1)
+    g0 = None if glob is None else glob[0]
     x = torch.randn(m, cols).to(torch.bfloat16)
     counts = torch.tensor([m])
 
     def kernel(big: int | None) -> torch.Tensor:
         return quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block, halves,
-                                         big)
+                                         big, global_scale=glob)
 
-    dense = fmt.dequantize(codes[0], scale[0], halves, torch.bfloat16)   # the old resident copy
+    dense = fmt.dequantize(codes[0], scale[0], halves, torch.bfloat16, g0)   # the old copy
     ways = {
         "in-kernel": lambda: kernel(QUANT_BRGEMM_MIN_ROWS),
         "in-kernel dots": lambda: kernel(None),
         "in-kernel brgemm": lambda: kernel(1),
         "dequant+GEMM": lambda: F.linear(x, fmt.dequantize(codes[0], scale[0], halves,
-                                                           torch.bfloat16)),
+                                                           torch.bfloat16, g0)),
         "bf16 resident": lambda: F.linear(x, dense),
     }
     want = ways["dequant+GEMM"]().float()
@@ -92,10 +98,17 @@ def memory(fmt: ExpertFormat, experts: int) -> dict[str, float]:
                                                 requires_grad=False))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():               # dummy weights: random codes (no FP8 NaN code), scales
-        for p in (layer.gate_up_proj, layer.down_proj):         # 2^-7 .. 2^-4
+        for p in (layer.gate_up_proj, layer.down_proj):         # 2^-7 .. 2^-4 (E4M3: 2^-6..)
             p.copy_(torch.randint(0, 256, p.shape, generator=g, dtype=torch.uint8) & 0xFE)
         for p in (layer.gate_up_proj_scale, layer.down_proj_scale):
-            p.copy_(torch.randint(120, 124, p.shape, generator=g, dtype=torch.uint8))
+            if p.dtype == torch.float32:
+                p.copy_(torch.rand(p.shape, generator=g) * 2 ** -5)
+            else:
+                lo = 0x08 if fmt.scale_dtype == "e4m3" else 120
+                p.copy_(torch.randint(lo, lo + 4, p.shape, generator=g, dtype=torch.uint8))
+        for name, p in layer.named_parameters():
+            if name.endswith("_global"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
     layer.expert_load.zero_()
     x = torch.randn(64, HIDDEN).to(torch.bfloat16)
     k = min(6, experts)                 # V4.1-Flash routes 6 of 384
@@ -105,8 +118,12 @@ def memory(fmt: ExpertFormat, experts: int) -> dict[str, float]:
     params = sum(p.numel() * p.element_size() for p in layer.parameters())
     values = experts * 3 * HIDDEN * INTER
     # The checkpoint's tensors per expert: w1, w3 [I, d] and w2 [d, I] codes, each with its
-    # own scale grid (worker/weights.py reads exactly these).
-    per = lambda r, c: r * fmt.packed_cols(c) + math.prod(fmt.scale_shape(r, c))  # noqa: E731
+    # own scale grid (and NVFP4 global scale; worker/weights.py reads exactly these).
+    scale_bytes = 4 if fmt.scale_dtype == "fp32" else 1
+
+    def per(r: int, c: int) -> int:
+        return (r * fmt.packed_cols(c) + math.prod(fmt.scale_shape(r, c)) * scale_bytes
+                + 4 * fmt.has_global)
     checkpoint = experts * (2 * per(INTER, HIDDEN) + per(HIDDEN, INTER))
     return {"experts": experts, "values": values, "checkpoint_bytes": checkpoint,
             "param_bytes": params, "rss_growth_bytes": _rss() - before,
@@ -120,15 +137,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--memory-only", action="store_true")
     args = ap.parse_args()
     build()
-    formats = {"mxfp4": expert_format("fp4"), "fp8": expert_format("fp8", (128, 128))}
+    formats = {name: FORMATS[name] for name in args.formats}
     result: dict = {"threads": torch.get_num_threads(), "gemm": [], "memory": {}}
     print(f"threads {torch.get_num_threads()}; times in ms (median of {args.rounds})")
     print("| format | projection | M | in-kernel | dots only | brgemm only | dequant+GEMM | "
           "speed-up | bf16 resident (no dequant) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, fmt in formats.items():
+    for name, fmt in formats.items() if not args.memory_only else ():
         for proj in PROJECTIONS:
             for m in args.rows:
                 t = gemm(fmt, proj, m, args.rounds)
@@ -138,6 +157,7 @@ def main() -> None:
                       f"{t['dequant+GEMM']:.2f} | {t['dequant+GEMM'] / t['in-kernel']:.1f}x | "
                       f"{t['bf16 resident']:.2f} |",
                       flush=True)
+    memory(next(iter(formats.values())), 1)     # one-time process costs (op, thread pool)
     for name, fmt in formats.items():
         mem = memory(fmt, args.experts)
         result["memory"][name] = mem

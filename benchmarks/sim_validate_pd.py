@@ -148,7 +148,8 @@ def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
             meas = bench(url, w)
             out.append({"round": k, "load_1min": load, "predicted": pred, "measured": meas,
                         "profile_pd": prof.pd, "host": {x: prof.host[x] for x in
-                                                        ("base_s", "per_request_s")}})
+                                                        ("base_s", "per_request_s")},
+                        "engine_rows": prof.ops["engine_rows"]})
             print(f"P/D round {k}: load {load:.1f}  tok/s pred {pred['output_tok_s']:.1f} "
                   f"meas {meas['output_tok_s']:.1f}  TTFT p50 pred "
                   f"{1e3 * pred['ttft_p50_s']:.0f} ms meas {1e3 * meas['ttft_p50_s']:.0f} ms",

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from tiny_families import qwen3_moe_checkpoint
 from wideserve import LLM, SamplingParams
@@ -60,6 +62,22 @@ def generate(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+class PlainLinears(TorchFunctionMode):
+    """Records the weight shapes of the `F.linear` calls made while active. In the mode
+    none may run: every GEMM of a weight goes through an invariant kernel chosen at load
+    (WeightPack, InvariantLinear, FunctionalLinear), and F.linear's oneDNN / MKL GEMMs round
+    a row differently with the rows beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is F.linear:
+            self.shapes.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def alone_and_batched(model: str | None, vocab: int, **kw) -> tuple[list, list]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -67,7 +85,11 @@ def alone_and_batched(model: str | None, vocab: int, **kw) -> tuple[list, list]:
                   enable_prefix_caching=False, batch_invariant=True, **kw)
     try:
         ps = prompts(vocab)
-        return [generate(llm, [p])[0] for p in ps], generate(llm, ps)
+        alone = [generate(llm, [p])[0] for p in ps]
+        with PlainLinears() as plain:
+            batched = generate(llm, ps)
+        assert plain.shapes == [], f"F.linear ran in the mode on weights {plain.shapes}"
+        return alone, batched
     finally:
         llm.shutdown()
 

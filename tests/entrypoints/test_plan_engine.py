@@ -112,3 +112,37 @@ def test_cli_plan_refusals(capsys) -> None:
         cli_main(["info", "--plan", "--num-redundant-experts", "-1"])
     assert e.value.code == 2
     assert "--num-redundant-experts: must be >= 0" in capsys.readouterr().err
+
+
+def _quant_families():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "layers" / "test_quant_experts.py"
+    spec = importlib.util.spec_from_file_location("quant_experts_families", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("family,fmt", [("v41_mxfp4", "fp4"), ("qwen3_nvfp4", "nvfp4"),
+                                        ("qwen3_fp8", "fp8")])
+def test_experts_counted_as_stored_match_the_loader(family: str, fmt: str,
+                                                    tmp_path: Path) -> None:
+    """The plan counts routed experts in the checkpoint's format (as `info --plan` does for a
+    config naming it, or V4.1's released MXFP4); the loader holds a rank's packed experts,
+    EPLB replicas included, in the same bytes: within 5%, whole rank and experts alone."""
+    from wideserve.entrypoints.info import _expert_format
+    from wideserve.layers.experts import RoutedExperts
+    path = _quant_families()._write_family(tmp_path, family)
+    config = read_config(path)
+    assert _expert_format(config) == (fmt, family.startswith("v41"))
+    dense = weight_bytes(_meta(path))
+    w = dense.with_experts_as(fmt)
+    for ranks, redundant in ((1, 0), (2, 2)):
+        loaded = load_model(LoadConfig(model=str(path), dtype="bfloat16"),
+                            (ranks, 0, redundant)).model
+        experts = sum(p.numel() * p.element_size() for m in loaded.modules()
+                      if isinstance(m, RoutedExperts) for p in m.parameters())
+        assert w.per_rank(ranks, True, redundant) == pytest.approx(_device_bytes(loaded),
+                                                                   rel=0.05)
+        assert w.per_rank(ranks, True, redundant) - w.rest == pytest.approx(experts, rel=0.05)
+    assert w.experts < 0.6 * dense.experts          # not the dequantised bf16 size

@@ -20,8 +20,8 @@ def test_packed_experts_on_cuda_match_the_cpu(kind: str, tol: float) -> None:
     layer = RoutedExperts(E, d, inter, swiglu_limit=7.0)
     layer.keep_checkpoint_format(fmt)
     g = torch.Generator().manual_seed(0)
-    w13, s13 = fmt.quantize(torch.randn(E, 2 * inter, d, generator=g) / d ** 0.5, halves=2)
-    w2, s2 = fmt.quantize(torch.randn(E, d, inter, generator=g) / inter ** 0.5)
+    w13, s13, _ = fmt.quantize(torch.randn(E, 2 * inter, d, generator=g) / d ** 0.5, halves=2)
+    w2, s2, _ = fmt.quantize(torch.randn(E, d, inter, generator=g) / inter ** 0.5)
     with torch.no_grad():
         for p, v in ((layer.gate_up_proj, w13), (layer.gate_up_proj_scale, s13),
                      (layer.down_proj, w2), (layer.down_proj_scale, s2)):

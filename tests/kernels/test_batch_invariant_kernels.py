@@ -12,7 +12,8 @@ from wideserve.kernels.choice import (BUCKETS, INVARIANT_KERNELS, KernelChoice, 
                                       brgemm_runs, prepack, packed_linear)
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.experts import RoutedExperts
-from wideserve.layers.linear import InvariantLinears, WeightPack
+from wideserve.layers.linear import (FunctionalLinear, InvariantLinear, WeightPack,
+                                     use_invariant_linears)
 from wideserve.worker.sampler import argmax_rows
 
 needs_ops = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU ops not built")
@@ -100,9 +101,19 @@ def test_weight_pack_and_functional_linears_are_row_invariant_in_the_mode(dtype)
     if dtype == torch.bfloat16 and brgemm_runs():
         # the default's plan switches kernel at 17 rows: those rows round differently
         assert _variant_rows(lambda a: default.linear(a, (w,)), x) != []
-    with InvariantLinears(choice):
-        assert _variant_rows(lambda a: F.linear(a, w), x) == []
-        assert torch.equal(F.linear(x, w), pack.linear(x, (w,)))
+    # A model's plain nn.Linear, made invariant at load (CausalLM.apply_kernel_config)
+    lin = torch.nn.Linear(512, n, bias=False, dtype=dtype)
+    lin.weight.data = w
+    use_invariant_linears(lin, True, choice)
+    assert type(lin) is InvariantLinear and lin.weight is not None
+    site = FunctionalLinear(choice)                # a functional F.linear site
+    site.batch_invariant = True
+    full = pack.linear(x, (w,))                      # row-invariant (above): any M agrees
+    with torch.no_grad():
+        for m in (1, 5, 17, ROWS):
+            assert torch.equal(lin(x[:m]), full[:m]) and torch.equal(site(x[:m], w), full[:m])
+    use_invariant_linears(lin, False)              # and back: the plain module
+    assert type(lin) is torch.nn.Linear and not hasattr(lin, "_pack")
 
 
 @needs_ops
@@ -142,8 +153,8 @@ def test_greedy_argmax_breaks_ties_at_the_first_index_on_every_path():
 
 @needs_ops
 def test_a_widened_parameter_is_packed_once_and_again_after_an_update(monkeypatch):
-    # mHC's `F.linear(x, self.fn.float())` on a bf16 parameter: a new fp32 tensor per call,
-    # which the mode packed again on every call of every step (issue 27's V4.1 cost).
+    # mHC's x @ fn.float()^T on a bf16 parameter: a new fp32 tensor per call, which the
+    # mode once packed again on every call of every step (issue 27's V4.1 cost).
     choice = KernelChoice(KernelPolicy(force="auto", cache_dir=None), timer=_mixed_timer)
     g = torch.Generator().manual_seed(4)
     p = torch.nn.Parameter((torch.randn(24, 64, generator=g) * 0.05).bfloat16(),
@@ -152,11 +163,13 @@ def test_a_widened_parameter_is_packed_once_and_again_after_an_update(monkeypatc
     packs = []
     real = gemm.pack_linear
     monkeypatch.setattr(gemm, "pack_linear", lambda w: packs.append(w.shape) or real(w))
-    with torch.no_grad(), InvariantLinears(choice):
-        first = F.linear(x, p.float())
-        assert torch.equal(F.linear(x, p.float()), first) and len(packs) == 1
+    site = FunctionalLinear(choice)
+    site.batch_invariant = True
+    with torch.no_grad():
+        first = site(x, p, widen_weight=True)
+        assert torch.equal(site(x, p, widen_weight=True), first) and len(packs) == 1
         p.mul_(2)                                     # an in-place update: packed again
-        again = F.linear(x, p.float())
+        again = site(x, p, widen_weight=True)
         assert len(packs) == 2
     with torch.no_grad():
         ref = WeightPack(choice, batch_invariant=True).linear(x, (p.float(),))

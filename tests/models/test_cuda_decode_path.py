@@ -5,6 +5,8 @@ backend; the CPU paths, the host-planned attention and the syncing experts fail 
 guard. And `decode_capturable` says so on CUDA only where it holds (docs/cuda_graphs.md)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -107,7 +109,9 @@ def test_decode_capturable(monkeypatch) -> None:
     moe = build("qwen3-moe", None)
     assert moe.decode_capturable(CUDA)
     layer = next(m for m in moe.modules() if isinstance(m, experts.RoutedExperts))
-    layer.ep = object()
+    layer.ep = SimpleNamespace(capturable=False)     # a dispatcher whose exchange syncs
     assert not moe.decode_capturable(CUDA)
+    layer.ep = SimpleNamespace(capturable=True)      # the padded one (layers/ep_dispatch.py)
+    assert moe.decode_capturable(CUDA)
     layer.ep, layer.impl, layer._resolved = None, "padded", {}
     assert not moe.decode_capturable(CUDA)

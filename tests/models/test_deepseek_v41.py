@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import re
 
+import numpy as np
 import pytest
 import torch
 import v41_helpers as h
@@ -227,32 +228,121 @@ def test_dummy_weights_from_the_config(oracle):
     assert torch.isfinite(out).all() and out.std() > 0.1
 
 
-def test_decoder_bounded_replay(oracle):
-    """Off by default. On, it changes nothing while no request has more than `window` new
-    rows in a step (decode, short chunks); a long chunk runs the layers after the last KV
-    source on its last `window` rows only: the last row's logits are approximate, the cache
-    the later steps read is the same as without it for the sources."""
-    _, _, ws, seqs, refs = oracle("A", "off")
-    assert ws.decoder_replay is False
-    W = ws.config.sliding_window
-    short = [W - 1, W, 3] + [1] * (len(seqs[0]) - 2 * W - 2)
-    runs = {}
+def _replay_run(ws, seqs, plan, on: bool) -> list[torch.Tensor]:
+    """plan: steps of (tokens of request 0, of request 1, rows read of each: None = every
+    row). -> per step, the logits of the rows read (the last `need` of each request)."""
+    ws.decoder_replay = on
+    hr, done, outs = _harness(ws, seqs, "raw"), [0, 0], []
+    try:
+        for n0, n1, need in plan:
+            toks = [seqs[r][done[r]:done[r] + n] for r, n in enumerate((n0, n1))]
+            need_rows = np.array([len(t) if k is None else k for t, k in zip(toks, need)])
+
+            def fn(batch, need_rows=need_rows):
+                batch.num_output_rows_cpu = need_rows
+                return ws.compute_logits(ws.forward(batch))
+            logits = hr.run([0, 1], toks, fn)
+            ends = np.cumsum([len(t) for t in toks])
+            outs.append(torch.cat([logits[e - k:e] for e, k in zip(ends, need_rows)]))
+            done = [d + len(t) for d, t in zip(done, toks)]
+    finally:
+        ws.decoder_replay = False
+    return outs
+
+
+# Config A (layers 6-9 from the last KV source on, window 8: 8 + 3 * 7 = 29 rows at layer 6):
+# a 33-row prefill beside a 25-row chunk read whole (prompt logprobs), then a chunk read by
+# nobody, then both decode. Config C: a ratio-2 last source (compressor state), 3 layers.
+REPLAY_PLANS = {"A": [(33, 25, (1, None)), (4, 4, (0, 1)), (1, 1, (1, 1)), (1, 0, (1, 0))],
+                "C": [(30, 20, (1, 0)), (1, 3, (1, 1)), (1, 0, (1, 0))]}
+
+
+def _refs_of(refs, plan) -> list[torch.Tensor]:
+    done, out = [0, 0], []
+    for n0, n1, need in plan:
+        rows = []
+        for r, n in enumerate((n0, n1)):
+            k = n if need[r] is None else need[r]
+            rows.append(refs[r][done[r] + n - k:done[r] + n])
+            done[r] += n
+        out.append(torch.cat(rows))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REPLAY_PLANS))
+def test_decoder_bounded_replay_is_exact(oracle, monkeypatch, name):
+    """The decoder bounded replay (models/deepseek_v41/replay.py) runs the last KV source and
+    the layers after it on fewer rows of a long step (here down to 29 of 33 at the source and
+    8 at the last layer) and changes nothing that is read: the sampled rows, every row of a
+    request read whole, and the windows the next chunk and the decode steps read equal the
+    reference (1e-4) and the full run (1e-5), in fp32 with the quantisers off."""
+    from wideserve.models.deepseek_v41 import model as v41_model
+    _, _, ws, seqs, refs = oracle(name, "off")
+    plan, stages = REPLAY_PLANS[name], []
+
+    def record(*args, **kw):
+        replay = v41_model.plan_decoder_replay.__wrapped__(*args, **kw)
+        stages.append(None if replay is None else
+                      {i: s.batch.num_tokens for i, s in replay.stages.items()})
+        return replay
+    record.__wrapped__ = v41_model.plan_decoder_replay
+    monkeypatch.setattr(v41_model, "plan_decoder_replay", record)
+    with h.kv_quant_off():
+        full = _replay_run(ws, seqs, plan, False)
+        got = _replay_run(ws, seqs, plan, True)
+    # Rows per stage of the first step (request 0's, then request 1's kept rows).
+    assert stages[0] == ({6: 29 + 25, 7: 22 + 25, 8: 15 + 25, 9: 8 + 25} if name == "A" else
+                         {4: 22 + 20, 5: 15 + 15, 6: 8 + 8})
+    for a, b, ref in zip(got, full, _refs_of(refs, plan)):
+        assert (a - ref).abs().max().item() <= TOL
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_decoder_bounded_replay_in_a_prefix_replay(oracle):
+    """A prefix-cache hit in replay mode (positions 10..49 recomputed to rebuild windows,
+    entries cached below 50) with the decoder replay cutting rows (29 of 50 at the source of
+    config D): the last row equals the run without the decoder replay (1e-5) and, 35 = 5 layers
+    x 7 rows past the replay start, the reference."""
+    _, _, ws, seqs, refs = oracle("D", "off")
+    out = {}
     with h.kv_quant_off():
         for on in (False, True):
             ws.decoder_replay = on
             try:
-                hr, done, rows = _harness(ws, seqs[:1], "raw"), 0, []
-                for n in short:
-                    rows.append(hr.step([0], [seqs[0][done:done + n]]))
-                    done += n
-                long = _harness(ws, seqs[:1], "raw").step([0], seqs[:1])
+                hr = _harness(ws, seqs[:1], "raw")
+
+                def fn(batch):
+                    batch.num_output_rows_cpu = np.array([1])
+                    return ws.compute_logits(ws.forward(batch))[-1]
+                hr.run([0], [seqs[0]], fn)
+                hr.seq_lens[0] = 10
+                out[on] = hr.run([0], [seqs[0][10:]], fn, kv_write_start=[50])
             finally:
                 ws.decoder_replay = False
-            runs[on] = (torch.cat(rows), long)
-    assert torch.equal(runs[True][0], runs[False][0])
-    assert (runs[False][1] - refs[0]).abs().max().item() <= TOL
-    last = (runs[True][1][-1] - refs[0][-1]).abs().max().item()
-    assert 0 < last < 1.0
+    assert (out[True] - out[False]).abs().max().item() <= 1e-5
+    assert (out[True] - refs[0][-1]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("approx", ["one row fewer", "source on every row"])
+def test_decoder_bounded_replay_approximations_differ(oracle, monkeypatch, approx):
+    """The rows are the fewest that are exact: starting each layer one row later, or running
+    the source on every row and the layers after it on the last `window` rows (the replay
+    before it was exact), moves the sampled logits by far more than TOL."""
+    from wideserve.models.deepseek_v41 import replay
+    _, _, ws, seqs, refs = oracle("A", "off")
+    exact = replay.replay_starts
+    W, L = ws.config.sliding_window, ws.config.num_hidden_layers
+
+    def later(ctx, seq, need, window, layer, num_layers):
+        if approx == "one row fewer":
+            return np.minimum(exact(ctx, seq, need, window, layer, num_layers) + 1,
+                              seq - np.maximum(need, 1))
+        return ctx if layer == 6 else np.maximum(ctx, seq - W)
+    monkeypatch.setattr(replay, "replay_starts", later)
+    plan = REPLAY_PLANS["A"][:1]
+    with h.kv_quant_off():
+        got = _replay_run(ws, seqs, plan, True)[0]
+    assert L == 10 and (got[0] - refs[0][32]).abs().max().item() > 100 * TOL
 
 
 def test_config_rejects_candidates_across_ratios():

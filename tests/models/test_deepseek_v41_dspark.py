@@ -80,3 +80,30 @@ def test_draft_logits_and_confidence_equal_the_reference(drafts):
     assert d["logits"].std() > 0.3
     assert (logits - d["logits"]).abs().max().item() <= TOL
     assert (conf - d["conf"]).abs().max().item() <= TOL
+
+
+def test_per_expert_stage_weights_load_into_their_slices(drafts):
+    """The official checkpoint's one w1/w3/w2 per expert (what the loader hands over when it
+    does not stack them) fill the same stacks as the reference's stacked tensors."""
+    ws, ref = drafts["ws"], drafts["ref"]
+    per_expert = []
+    for name, t in ref.state_dict().items():
+        p = name.removesuffix(".gate_and_up_projs")
+        if p != name:                                   # [E, d, 2I] -> w1 / w3 [I, d] each
+            half = t.shape[2] // 2
+            for e in range(t.shape[0]):
+                per_expert += [(f"{p}.{e}.w1.weight", t[e, :, :half].T.contiguous()),
+                               (f"{p}.{e}.w3.weight", t[e, :, half:].T.contiguous())]
+        elif name.endswith(".down_projs"):              # [E, I, d] -> w2 [d, I] each
+            p = name.removesuffix(".down_projs")
+            per_expert += [(f"{p}.{e}.w2.weight", t[e].T.contiguous()) for e in range(t.shape[0])]
+        else:
+            per_expert.append((name, t))
+    assert any(n.endswith(".0.w1.weight") for n, _ in per_expert)
+    fresh = torch.nn.Module()
+    fresh.mtp = build_stages(ws.config, dspark_rope(ws.config))
+    with torch.no_grad():
+        loaded = load_stage_weights(fresh.state_dict(keep_vars=True), per_expert)
+    assert loaded == {n for n in ws.state_dict() if not n.startswith("rope")}
+    for name, t in ws.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name

@@ -53,6 +53,7 @@ def test_optional_capabilities_default_to_unsupported() -> None:
     assert not m.supports_mtp and not m.supports_dspark and m.num_mtp_blocks == 0
     assert m.mtp_kv_cache_specs() == {} and m.mtp_param_counts() == (0, 0)
     assert m.mtp_unavailable is None and m.replay_depth is None
+    assert not m.supports_decoder_bounded_replay
     assert not m.compile_forward() and not m.decode_capturable(torch.device("cpu"))
     assert not m.keeps_quantised("x.weight") and m.num_expert_groups() == 1
     with pytest.raises(ValueError, match="applies to DeepSeek-V4.1 models only; this model "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -221,9 +222,10 @@ def test_decode_forward_compiles_fullgraph(family, monkeypatch) -> None:
 
 
 def test_decode_capturable(monkeypatch) -> None:
-    """True on CUDA for the default backend with grouped_mm experts; False on the CPU, for
-    the reference backend, for experts that sync, under an expert-parallel dispatcher and
-    (V4.1) with an Engram layer (its table is gathered on the host)."""
+    """True on CUDA for the default backend with grouped_mm experts, also under a capturable
+    expert-parallel dispatcher and (V4.1) with an Engram layer (its rows staged before the
+    replay); False on the CPU, for the reference backend, for experts that sync and under a
+    dispatcher that is not capturable."""
     monkeypatch.setattr(experts, "_grouped_mm_runs", lambda *a: True)
     v4 = v4_model()
     assert v4.decode_capturable(CUDA) and not v4.decode_capturable(torch.device("cpu"))
@@ -231,11 +233,14 @@ def test_decode_capturable(monkeypatch) -> None:
     assert not v4.decode_capturable(CUDA)
     v4.set_attention_backend("static")
     layer = next(m for m in v4.modules() if isinstance(m, experts.RoutedExperts))
-    layer.ep = object()
+    layer.ep = SimpleNamespace(capturable=False)     # a dispatcher whose exchange syncs
     assert not v4.decode_capturable(CUDA)
+    layer.ep = SimpleNamespace(capturable=True)      # the padded one (layers/ep_dispatch.py)
+    assert v4.decode_capturable(CUDA)
     layer.ep, layer.impl, layer._resolved = None, "padded", {}
     assert not v4.decode_capturable(CUDA)
-    assert not v41_model().decode_capturable(CUDA)           # Engram at layer 0
+    # Engram at layer 0: capturable, its rows staged on the host before each replay.
+    assert v41_model().decode_capturable(CUDA)
     no_engram = dict(V41, engram_layer_ids=[], engram_num_embeddings=[])
     v41 = DeepseekV41ForCausalLM(DeepseekV41Config.from_dict({"text_config": no_engram}))
     assert v41.decode_capturable(CUDA) and not v41.decode_capturable(torch.device("cpu"))

@@ -11,7 +11,7 @@ import torch
 from dist_utils import free_port, run_ranks
 
 E, D, INTER, K, LAYERS = 8, 16, 16, 2, 3
-MAX_PADDED = 8
+SIZES = (1, 2, 4, 8)          # the padded sizes (the decode capture sizes in an engine)
 
 
 def _layers(num_local: int | None, rank: int, impl: str | None):
@@ -53,7 +53,7 @@ FAILS_AFTER_LAYER0 = (5, 0)                              # (step, rank)
 
 def _run(rank: int, world: int, port: int, impl: str | None, padded: bool) -> dict:
     from wideserve.config import ParallelConfig
-    from wideserve.layers.ep_dispatch import AllToAllDispatcher
+    from wideserve.layers.ep_dispatch import AllToAllDispatcher, PaddedSteps
     from wideserve.parallel.groups import init_dp_group
     from host_read_counter import HostReadCounter
     group = init_dp_group(ParallelConfig(
@@ -62,14 +62,16 @@ def _run(rank: int, world: int, port: int, impl: str | None, padded: bool) -> di
     full, sharded = _layers(None, rank, impl), _layers(E // world, rank, impl)
     disp = AllToAllDispatcher(group.device_group, rank, world, E // world, torch.device("cpu"),
                               control_group=group.cpu_group,
-                              max_padded_tokens=MAX_PADDED if padded else 0)
+                              padded=PaddedSteps(SIZES, K, D, torch.float32) if padded else None)
     for m in sharded:
         disp.register(m)
-    outs, mismatches, reads = [], [], []
+    outs, mismatches, reads, sizes = [], [], [], []
     for s, step in enumerate(STEPS):
         tokens, allowed = step[rank]
         padded_before = disp.stats.padded_steps
         with HostReadCounter() as c, c.scope():
+            if tokens is not None:     # the runner's step header, before the forward
+                sizes.append(disp.begin_step(tokens))
             for layer in range(LAYERS if tokens is not None else 0):
                 if (s, rank) == FAILS_AFTER_LAYER0 and layer == 1:
                     break
@@ -84,9 +86,16 @@ def _run(rank: int, world: int, port: int, impl: str | None, padded: bool) -> di
         reads.append((disp.stats.padded_steps > padded_before, sum(c.inside.values())))
     loads = [m.expert_load.tolist() for m in sharded]
     ref_loads = [m.expert_load.tolist() for m in full]
+    refused = None
+    if padded:      # a padded forward without its step header: refused before any collective
+        x, ids, w = _routing(2, list(range(E)), seed=1)
+        try:
+            sharded[0](x, ids, w)
+        except RuntimeError as e:
+            refused = str(e)
     group.destroy()
     return dict(outs=[o.tolist() for o in outs], mismatches=mismatches, loads=loads, ref_loads=ref_loads,
-                reads=reads, padded_calls=disp.stats.padded_calls,
+                reads=reads, sizes=sizes, refused=refused, padded_calls=disp.stats.padded_calls,
                 drains=disp.stats.drain_calls)
 
 
@@ -107,6 +116,10 @@ def test_padded_dispatch_is_read_free_and_matches_the_exact_path():
     for rank, r in enumerate(results):
         p, x = r["padded"], r["exact"]
         assert p["mismatches"] == [] and x["mismatches"] == [], rank
+        # Each step padded to the smallest size holding every rank's tokens (0: exact).
+        assert p["sizes"] == [[4, 8, 8, 0, 8], [4, 8, 8, 0, 4, 8]][rank]
+        assert x["sizes"] == [[0] * 5, [0] * 6][rank]
+        assert "begin_step" in p["refused"] and x["refused"] is None
         assert p["loads"] == p["ref_loads"] == x["loads"]       # EPLB counts, per slot
         assert _close(p["outs"], x["outs"])
         # Step 3 (9 tokens > 8) takes the exact path, which reads the counts; the others go

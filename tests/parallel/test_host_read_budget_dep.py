@@ -64,3 +64,95 @@ def test_decode_step_reads_dep2_with_eplb(family, tmp_path):
         assert r["padded_steps"] >= COUNTED_STEPS
         assert r["padded_calls"] == r["padded_steps"] * r["layers"]
     assert results[0]["busy"] and results[1]["dummy"] > 0
+
+
+def _run_until_idle(core, outs: dict) -> None:
+    """dp_step until no rank has work (every rank sees the same rows: same step count)."""
+    while True:
+        for o in core.dp_step(False):
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not core.group_busy:
+            return
+
+
+def _capture_rank(rank: int, world: int, port: int, family: str, tmp: str) -> dict:
+    """A DEP2 rank on the CUDA paths, bf16: eager greedy, then the decode step captured
+    (every rank at once: the captures exchange rows) by GuardedCapturer and then by
+    FullgraphCapturer, the same prompts again through each one's replays."""
+    import torch
+    from cuda_paths import force_cuda_paths
+    from wideserve.config import engine_config_from_kwargs
+    from wideserve.engine.dp_engine import DPEngineCore
+    from wideserve.layers import experts
+    from wideserve.worker.capture_guard import FullgraphCapturer, GuardedCapturer
+    path = model_dir(family, Path(tmp) / f"rank{rank}")
+    config = engine_config_from_kwargs(**_engine_kwargs(
+        path, data_parallel_size=world, data_parallel_rank=rank, data_parallel_rpc_port=port,
+        enable_expert_parallel=True, dp_sync_timeout_s=60, enable_prefix_caching=False)
+        | dict(dtype="bfloat16"))     # torch._grouped_mm traces in bf16 (test_decode_fullgraph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        core = DPEngineCore(config)
+    patch = pytest.MonkeyPatch()
+    try:
+        force_cuda_paths(patch, core.model)
+        patch.setattr(experts, "_grouped_mm_runs", lambda *a: True)   # as on CUDA
+        patch.delenv("TORCHDYNAMO_DISABLE", raising=False)            # (v41_helpers sets it)
+        capturable = core.model.decode_capturable(torch.device("cuda"))
+        # Which all_reduce calls (the EP step header's, the DP sync's) ran inside a forward.
+        inside, headers = [False], []
+        forward, all_reduce = type(core.model).forward, torch.distributed.all_reduce
+
+        def tracked(self, batch):
+            inside[0] = True
+            try:
+                return forward(self, batch)
+            finally:
+                inside[0] = False
+        patch.setattr(type(core.model), "forward", tracked)     # what FullgraphCapturer compiles
+        patch.setattr(torch.distributed, "all_reduce",
+                      lambda *a, **k: (headers.append(inside[0]), all_reduce(*a, **k))[1])
+        # Rank 0 three requests, rank 1 one: rank 1 replays padded to rank 0's size.
+        outs, calls, capturers = [], [], [None, GuardedCapturer(),
+                                       FullgraphCapturer(core.model)]
+        for cap in capturers:
+            if cap is not None:
+                # Few sizes (CI time): rank 1's one request pads to 2 alone, rank 0's three
+                # to 4; the compile at 4 only.
+                sizes = (2, 4) if isinstance(cap, GuardedCapturer) else (4,)
+                core.runner.enable_decode_capture(sizes, 256, capturer=cap)
+                calls.append([])
+                run, seen = core.runner.captured.run, calls[-1]
+                core.runner.captured.run = lambda reqs, n, run=run, seen=seen: (
+                    seen.append((len(reqs), n)), run(reqs, n))[1]
+            outs.append({})
+            _add(core, path, 3 if rank == 0 else 1, 3, seed=rank)
+            _run_until_idle(core, outs[-1])
+        return dict(outs=[sorted(o.values()) for o in outs], capturable=capturable,
+                    calls=calls, replays=[c.replays for c in capturers[1:]], headers=headers,
+                    compiled=capturers[2].compiled)
+    finally:
+        patch.undo()
+        core.dp_step(True)
+        core.group.destroy()
+
+
+def test_dep2_decode_step_is_capturable(tmp_path):
+    """DEP2 with the EP dispatcher in the decode step (docs/cuda_graphs.md): the model says
+    it is capturable on CUDA; every size is captured on both ranks at once through the
+    capture machinery (worker/capture_guard.py) with the padded exchange inside: the
+    guard's replays read nothing, build nothing on the host and record the capture's
+    trace, the fullgraph compile has no graph break; every step header runs outside the
+    forward; a rank with fewer requests replays at its peer's size; greedy equals eager."""
+    results = run_ranks(_capture_rank, 2, (2, free_port_block(4), "qwen3moe", str(tmp_path)),
+                        timeout_s=240)
+    for rank, r in enumerate(results):
+        eager, guarded, compiled = r["outs"]
+        assert r["capturable"], rank
+        assert guarded == eager and compiled == eager and len(eager) == (3 if rank == 0 else 1)
+        assert r["replays"] == [len(c) for c in r["calls"]] and min(r["replays"]) > 0, rank
+        assert r["compiled"] == 1, rank
+        # The step headers ran, every one outside the forward (a graph cannot hold one).
+        assert r["headers"] and not any(r["headers"]), rank
+    # Rank 1 (one request: size 2 alone) replays at rank 0's size (three requests: 4).
+    assert (1, 4) in results[1]["calls"][0]

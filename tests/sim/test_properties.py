@@ -95,7 +95,7 @@ def test_simulation_conserves_users_and_tokens():
     sim = Simulation(tiny_model(), gpu(), profile([0.0, 1e-4]), lay, fixed(512, 16))
     for i in range(60):
         sim.step(i)
-        users = sum(len(r) for r in sim.running) + len(sim.pending)
+        users = sum(len(r) for r in sim.running) + len(sim.pending) + len(sim.loading)
         assert users == lay.dep * lay.batch          # closed loop: one request per user
     res = sim._result(60, {"step": sim.now})
     assert res.tok_s_per_gpu > 0 and res.ttft_p50_s is not None
@@ -139,3 +139,30 @@ def test_the_report_reads_the_weight_bytes_of_its_layout():
         assert f"{want / 1e9:,.2f} GB" in line
         printed.append(want)
     assert printed[1] <= printed[0]
+
+
+def test_measured_meetings_set_the_lockstep_wait():
+    """On a calibrated machine each exchange of the forward (3 per MoE layer + 1 per step,
+    layers/ep_dispatch.py) costs the measured meeting time at the step's host work between
+    exchanges, less the all-to-all latency already booked; ranks without a table at that
+    count fall back to the noise model; one rank never waits."""
+    prof = profile()
+    prof.ops = {"dense_forward": {"tokens": [1.0, 64.0], "s": [0.02, 0.02]},
+                "expert": {"rows": [1.0, 64.0], "s": [1e-4, 1e-4]}}
+    prof.collectives["meeting"] = {"2": {"segment_cpu_s": [1e-4, 1e-2], "s": [1e-3, 2e-3]}}
+    prof.host["cpu_share"] = 0.5        # the forward's wall time, half of it on the CPU
+    sm = StepModel(tiny_model(), prof.as_hardware(), prof)
+    m = sm.m
+    points = 3 * m.moe_layers + 1
+    rows = np.zeros((m.moe_layers, 2))
+    expert = sm.experts_s(rows, m.experts / 2, m.expert_params_each(), m.expert_format)
+    seg = 0.5 * (0.02 + float(expert.max())) / points
+    meet = interp([1e-4, 1e-2], [1e-3, 2e-3], seg)
+    st = sm.step(StepInputs(2, [4, 4], [64.0, 64.0], rank_rows=rows, overlap_host=False,
+                            noise=True))
+    assert st.parts["lockstep_wait"] == pytest.approx(points * meet
+                                                      - 3 * m.moe_layers * 1e-5)
+    one = sm.step(StepInputs(1, [4], [64.0], overlap_host=False, noise=True))
+    assert one.parts["lockstep_wait"] == 0.0
+    four = sm.step(StepInputs(4, [4] * 4, [64.0] * 4, overlap_host=False, noise=True))
+    assert four.parts["lockstep_wait"] == 0.0      # no table at 4 ranks, noise-free profile

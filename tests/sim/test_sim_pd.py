@@ -70,10 +70,30 @@ def test_prefill_batches_a_burst_within_the_token_budget():
                                    prefill_batch_tokens=budget))
         sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay,
                          itertools.islice(fixed(200, 5), 2), steady=False)
-        link = transfer_s(sim.m, sim.hw, lay.pd, 200)
         # FIFO: 0.10 then 0.20; batched (400 tokens fit): both end with the 400-token batch,
         # whose measured cost is the table at 400 tokens (0.20, extrapolated)
-        assert sorted(x.ready - link for x in sim.pending) == pytest.approx(expect)
+        assert sorted(x.ready for x in sim.pending) == pytest.approx(expect)
+
+
+def test_kv_load_starts_at_admission_and_the_request_decodes_from_the_next_step():
+    """The engine admits a KV load in one step's schedule, transfers during that step and
+    decodes the request from the next step on (disagg/connector.py): the first token comes
+    one whole decode step later than it would if the admitting step decoded it."""
+    sim = Simulation(tiny_model(), _measured().as_hardware(), _measured(), Layout(
+        dep=1, batch=1, overlap_host=False, jitter=False,
+        pd=PDSettings(prefill_instances=1, prefill_ranks=1)),
+        itertools.islice(fixed(200, 5), 1), steady=False)
+    (req,) = sim.pending
+    link = transfer_s(sim.m, sim.hw, sim.lay.pd, 200)
+    assert req.ready == pytest.approx(0.10)          # reached decode when its prefill ended
+    sim.now = req.ready
+    sim.step(0)                                      # admits it: transfer starts, no token
+    assert req.first is None and sim.loading == [req]
+    assert req.loaded == pytest.approx(0.10 + link)
+    admitted_step_end = sim.now
+    sim.now = max(sim.now, req.loaded)
+    sim.step(1)                                      # its first decode step
+    assert req.first == pytest.approx(sim.now) and req.first > admitted_step_end
 
 
 def test_admission_cost_is_measured_per_load_and_the_cap_spreads_it():
@@ -90,6 +110,7 @@ def test_admission_cost_is_measured_per_load_and_the_cap_spreads_it():
         itertools.islice(fixed(200, 5), 4), steady=False)
     sim.now = 10.0                      # every KV has arrived: the cap admits one per step
     assert sim._admit() == [pytest.approx(0.02)] and len(sim.pending) == 3
+    assert len(sim.loading) == 1
 
 
 def test_eplb_schedule_fits_the_run_and_warns_when_it_cannot():

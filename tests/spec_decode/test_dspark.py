@@ -124,3 +124,38 @@ def test_dspark_needs_its_weights(tmp_path):
     path = h.save_checkpoint(h.oracle_model(kw), kw, tmp_path)
     with pytest.raises(ValueError, match="'dspark' is unavailable"):
         _llm({"path": str(path)}, {"method": "dspark", "num_speculative_tokens": 2})
+
+
+def test_draft_step_is_capturable_at_fixed_k(ckpt, monkeypatch):
+    """The draft step (DSparkProposer.draft) on the code paths CUDA takes, at fixed k
+    (docs/cuda_graphs.md): every call after the first runs under CaptureGuard (no host read,
+    no tensor built on the host, no CPU-only op), drafts [B, k] whatever each request wants,
+    and two calls of one B record the same trace; greedy stays the target's. (fp32: the
+    fullgraph compile would stop at the fp32 experts' eager island, layers/experts.py.)"""
+    from cuda_paths import force_cuda_paths
+    from wideserve.worker.capture_guard import CaptureGuard
+    expected = _generate(_llm(ckpt, None), ckpt["prompts"])
+    llm = _llm(ckpt, {"method": "dspark", "num_speculative_tokens": 3})
+    force_cuda_paths(monkeypatch, llm.engine.model)
+    proposer = llm.engine.spec.proposer
+    draft, guard, traces, shapes = proposer.draft, None, {}, []
+
+    def guarded(batch, req_idx, anchor, tokens):
+        nonlocal guard
+        if guard is None:                        # warm-up: lazy state is made eagerly
+            guard = CaptureGuard()
+            return draft(batch, req_idx, anchor, tokens)
+        guard.allow([req_idx, anchor, tokens, *batch.kv_caches.values(),
+                     *(v.block_table for v in batch.kv_groups),
+                     *(v.req_rows for v in batch.kv_groups if v.req_rows is not None)])
+        with guard:
+            out = draft(batch, req_idx, anchor, tokens)
+        traces.setdefault(anchor.shape[0], []).append(guard.trace)
+        shapes.append(tuple(out.shape))
+        return out
+    monkeypatch.setattr(proposer, "draft", guarded)
+    assert _generate(llm, ckpt["prompts"]) == expected
+    assert shapes and all(k == 3 for _, k in shapes)
+    assert any(len(t) > 1 for t in traces.values())
+    for same_b in traces.values():
+        assert all(t == same_b[0] for t in same_b)

@@ -67,3 +67,26 @@ def test_guard_allows_and_traces(guard) -> None:
             fn(x)
         assert guard.trace, name
     assert torch.equal(count_rows(torch.tensor([2, 0, 2, 3]), 5), torch.tensor([1, 0, 2, 1, 0]))
+
+
+def test_guard_refuses_host_tables_when_asked() -> None:
+    """host_tables=False (GuardedCapturer's): a read of a HostResident module's table (the
+    Engram host table, even through a byte view) is a violation; the same forward passes a
+    default guard, and rows staged into an ordinary buffer pass both."""
+    from wideserve.layers.engram import HostTable
+    table = HostTable(8, 4)
+    table.huge_pages = False
+    table.weight.data.copy_(torch.arange(32, dtype=torch.float32).view(8, 4))
+    ids = torch.tensor([[1, 5], [0, 7]])
+    staged = table.gather(ids).clone()
+    with CaptureGuard():
+        table.gather(ids)
+    guard = CaptureGuard(host_tables=False)
+    with pytest.raises(CaptureViolation, match="host-resident table"):
+        with guard:
+            table.gather(ids)
+    with pytest.raises(CaptureViolation, match="host-resident table"):
+        with guard:
+            table.weight.view(torch.uint8).index_select(0, ids.reshape(-1))
+    with guard:
+        staged.flatten(-2) * 2

@@ -20,10 +20,10 @@ class LoadConfig:
     seed: int = 0
     device: str = "cpu"
     tokenizer: str | None = None             # defaults to the model directory
-    # DeepSeek-V4.1 only, approximate: layers after the last KV source run on each
-    # request's last `sliding_window` rows of a step (docs/deepseek_v41.md). Prompt logprobs
-    # cannot be computed with it (the skipped rows have no output).
-    decoder_bounded_replay: bool = False
+    # DeepSeek-V4.1's decoder bounded replay (exact; docs/deepseek_v41.md): the last KV
+    # source and the layers after it run only on the rows whose results are read. None: on
+    # where the model supports it; True: required (an error on other models); False: off.
+    decoder_bounded_replay: bool | None = None
     # Run the forward eagerly (True) or compiled (False: torch.compile of the decoder layers,
     # the attention op left eager; docs/cpu_kernels.md). None = the device's default: eager on
     # the CPU, where compiling costs tens of seconds against a 2-5 s start; compiled elsewhere.
@@ -33,6 +33,10 @@ class LoadConfig:
     # a capturable model, off on the CPU (measured, docs/host_path.md); --enforce-eager turns
     # it off, as in vLLM; True/False force it.
     decode_capture: bool | None = None
+    # The small-batch decode path (worker/small_batch.py, docs/host_path.md): decode steps of
+    # up to this many requests over preallocated inputs with the model's plan kept across
+    # steps. 0 turns it off (A/B runs).
+    small_batch_decode: int = 4
     # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
     # on CUDA, never a synchronisation). False keeps only the step counts.
     step_timing: bool = True

@@ -29,7 +29,8 @@ from wideserve.engine.engine_proc import EngineLoop
 from wideserve.types.sched_output import EngineCoreOutput, SchedulerOutput
 from wideserve.parallel.devices import bind_device, rank_device
 from wideserve.parallel.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, choose_step_sync
-from wideserve.layers.ep_dispatch import EPDispatcher, make_dispatcher
+from wideserve.layers.ep_dispatch import EPDispatcher, PaddedSteps, make_dispatcher
+from wideserve.worker.decode_capture import capture_sizes
 from wideserve.worker.eplb_balancer import EpGroup
 from wideserve.worker.eplb_manager import EplbManager
 from wideserve.worker.expert_shard import moe_stacks, routed_experts
@@ -68,6 +69,7 @@ class DPEngineCore(EngineCore):
     dispatcher: EPDispatcher | None = None
     sync: TimedStepSync | None = None
     eplb: EplbManager | None = None
+    warm_up_at_start = False    # its forward needs the group and dispatcher, set up after
 
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
@@ -97,9 +99,8 @@ class DPEngineCore(EngineCore):
                 redundant = config.eplb.num_redundant_experts if config.eplb else 0
                 loaded = load_model(config.load, (parallel.data_parallel_size,
                                                   parallel.data_parallel_rank, redundant))
-            super().__init__(config, loaded)
+            super().__init__(config, loaded)     # installs the dispatcher (before capture)
             if self.group is not None:
-                self._install_dispatcher()
                 self.sync = TimedStepSync(*choose_step_sync(self.group,
                                                             parallel.dp_sync_method))
                 self.dp.lockstep = True
@@ -124,6 +125,12 @@ class DPEngineCore(EngineCore):
         nodes = self.parallel.data_parallel_size // self.parallel.local_size
         return EpGroup(self.group.rank, self.group.world_size, self.group.device_group, nodes)
 
+    def _enable_decode_capture(self) -> None:
+        """The dispatcher first: a captured decode graph records its EP exchange."""
+        if self.group is not None:
+            self._install_dispatcher()
+        super()._enable_decode_capture()
+
     def _install_dispatcher(self) -> None:
         assert self.group is not None
         layers = routed_experts(self.model)
@@ -134,15 +141,21 @@ class DPEngineCore(EngineCore):
         # as wide as the stack with the most experts per rank (layers/ep_dispatch.py).
         per_rank = max(m.num_local_experts for _, m in layers)
         # Steps of at most max_num_seqs tokens per rank (decode) exchange fixed-capacity
-        # buffers, with no host read (layers/ep_dispatch.py); not with drafts, whose MoE calls
-        # differ between ranks.
-        padded = 0 if self.spec is not None else self.scheduler_config.max_num_seqs
+        # buffers, padded to a decode capture size, with no host read and the step header
+        # exchanged by the runner before the forward (layers/ep_dispatch.py); not with
+        # drafts, whose MoE calls differ between ranks.
+        seqs = self.scheduler_config.max_num_seqs
+        padded = None if self.spec is not None else PaddedSteps(
+            capture_sizes(seqs, max_size=seqs), int(self.model.config.num_experts_per_tok),
+            max(m.hidden for _, m in layers), self.loaded.dtype)
         self.dispatcher = make_dispatcher(
             self.parallel.ep_dispatcher, self.group.device_group, self.group.rank,
             self.group.world_size, per_rank, self.device, control_group=self.group.cpu_group,
-            max_padded_tokens=padded)
+            padded=padded)
         for _, experts in layers:
             self.dispatcher.register(experts)
+        if self.dispatcher.capturable:
+            self.runner.step_sync = self.dispatcher
         self.dp.num_local_experts = per_rank
         self.dp.num_local_experts_by_stack = {
             stack: layers_of[0].num_local_experts

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,9 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 class EngineCore:
     lockstep = False        # DEP ranks (engine/dp_engine.py) run steps in lock-step
+    # A start-up warm-up step (`_warm_up`); off for data-parallel ranks, whose forward can
+    # need their peers (expert parallelism) before the group is set up.
+    warm_up_at_start = True
     # The engine process's loop for it (engine/engine_proc.py LoopEngine); DPEngineCore's own.
     loop_class: type[EngineLoop] = EngineLoop
 
@@ -138,7 +142,8 @@ class EngineCore:
         self.loaded = loaded or load_model(config.load)
         self.model = self.loaded.model.eval()
         self.model.apply_kernel_config(config.kernels)       # the per-engine CPU-op switches
-        if config.load.decoder_bounded_replay:
+        replay = config.load.decoder_bounded_replay
+        if replay or (replay is None and self.model.supports_decoder_bounded_replay):
             self.model.enable_decoder_bounded_replay()
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
@@ -184,6 +189,9 @@ class EngineCore:
         if self.spec is not None:
             self.spec.bind(self.runner, self.kv_config, self.kv_caches)
         self._enable_decode_capture()
+        # Off with EPLB: moved experts would be rewritten under a kept plan's packed weights.
+        self.runner.enable_small_batch(
+            0 if self.eplb is not None else config.load.small_batch_decode)
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)
@@ -192,11 +200,32 @@ class EngineCore:
         # Step inputs, forward, sampling and the per-request execution state.
         self.worker = Worker(self.runner, self.kv_manager, self.structured, self.spec,
                              self.vocab_size, self.eos_token_ids, self.timer,
-                             cpu_argmax=config.kernels.cpu_argmax,
-                             batch_invariant=config.kernels.batch_invariant)
+                             cpu_argmax=config.kernels.cpu_argmax)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
+        if self.warm_up_at_start and self.memory_report is None and self._first_use_work():
+            self._warm_up()
 
     # ------------------------------------------------------------------------- setup
+    def _first_use_work(self) -> bool:
+        """Whether a first forward does work a later one does not: packing bf16 weights for
+        the CPU kernels and timing them (kernels/choice.py). Elsewhere (fp32, an accelerator)
+        a warm-up step would only add its own time to every start (~0.3 s of CPU on the
+        bundled model; the test suite starts hundreds of engines)."""
+        return self.device.type == "cpu" and self.loaded.dtype == torch.bfloat16
+
+    def _warm_up(self) -> None:
+        """A throwaway prefill + decode (worker/memory_profile.py run_warm_up), so the first
+        request's step packs no weights and times no kernels: that first-use work took
+        longer than the front end's stall timeout on a loaded machine and got a server
+        killed at its first request. (A maximal memory-profile step, where one ran, did the
+        same already.)"""
+        t = time.perf_counter()
+        memory_profile.run_warm_up(self.model, self._kv_specs(), self.config.cache,
+                                   self.scheduler_config, self.max_model_len, self.device)
+        _zero_expert_load(self.model)      # the warm-up's routing is not real load
+        logger.info("warm-up step (packed weights, kernel plans) in %.2f s",
+                    time.perf_counter() - t)
+
     def _ep_group(self) -> EpGroup:
         """The expert-parallel group EPLB balances over: one process here."""
         return EpGroup()
@@ -222,11 +251,16 @@ class EngineCore:
         text = cfg.get("text_config") or {}     # nested (multimodal) configs, e.g. V4.1
         return int(cfg.get("hidden_size") or text.get("hidden_size") or cfg["n_embd"])
 
+    def _kv_specs(self) -> dict:
+        kv_dtype = self.config.cache.kv_cache_dtype
+        specs = self.model.kv_cache_specs(kv_dtype)
+        if self.spec is not None:
+            specs = {**specs, **self.spec.kv_cache_specs(kv_dtype)}
+        return specs
+
     def _build_kv_cache(self) -> tuple[KVCacheConfig, KVCacheManager]:
         cache, sched = self.config.cache, self.scheduler_config
-        specs = self.model.kv_cache_specs(cache.kv_cache_dtype)
-        if self.spec is not None:
-            specs = {**specs, **self.spec.kv_cache_specs(cache.kv_cache_dtype)}
+        specs = self._kv_specs()
         unsupported = sorted({s.record_format for s in split_shared(specs)[0].values()
                               if s.record_format != "raw" and s.record_format not in SPEC_FORMATS})
         if unsupported:
@@ -301,9 +335,13 @@ class EngineCore:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        # The request's int32 buffer (made once here) serves every whole-prompt check.
+        # The request's int32 buffer (made once here) serves every whole-prompt check. A list
+        # prompt is taken as it is (nothing mutates a prompt): one O(n) copy fewer at admission.
+        prompt = req.prompt_token_ids
         try:
-            request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
+            request = Request(req.request_id,
+                              prompt if type(prompt) is list else list(prompt),
+                              req.sampling_params,
                               arrival_time=req.arrival_time, priority=req.priority,
                               group_id=req.group_id,
                               kv_transfer_params=req.sampling_params.kv_transfer_params,
@@ -323,10 +361,6 @@ class EngineCore:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {n} prompt tokens and asks for {max_tokens} more")
-        if req.sampling_params.prompt_logprobs is not None and \
-                self.config.load.decoder_bounded_replay:
-            raise ValueError("prompt_logprobs cannot be returned by a server started with "
-                             "--decoder-bounded-replay (the replay skips most prompt rows)")
         self._check_kv_transfer_params(req, ids)
         self.worker.add_request(req.request_id, req.sampling_params)
         if not self.structured.hold(request):       # else: scheduled once its grammar is ready

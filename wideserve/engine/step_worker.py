@@ -26,7 +26,6 @@ import torch
 from wideserve.types.messages import StepLogprobs, TokenLogprobs
 from wideserve.types.sched_output import ScheduledRequest, SchedulerOutput
 from wideserve.engine.step_timer import StepTimer
-from wideserve.layers.linear import InvariantLinears
 from wideserve.worker.images import ImageEmbeddings
 from wideserve.worker.model_runner import ModelRunner, StepRequest
 from wideserve.worker.penalties import PenaltyTracker
@@ -51,12 +50,10 @@ class Worker:
                  structured: StructuredOutputManager, spec: SpecDecoder | None,
                  vocab_size: int, eos_token_ids: list[int], timer: StepTimer,
                  prompt_logprobs_slice_bytes: int = PROMPT_LOGPROBS_SLICE_BYTES,
-                 cpu_argmax: bool = True, batch_invariant: bool = False) -> None:
+                 cpu_argmax: bool = True) -> None:
         """kv_manager: read for each request's block-table rows and replay start; structured:
         the engine's grammar state (masks for sampling, accepted tokens); cpu_argmax:
-        KernelConfig.cpu_argmax (greedy rows by the C++ argmax op on the CPU);
-        batch_invariant: KernelConfig.batch_invariant - a step of a model whose GEMMs are
-        not all in WeightPacks (CausalLM.functional_gemms) runs under InvariantLinears."""
+        KernelConfig.cpu_argmax (greedy rows by the C++ argmax op on the CPU)."""
         self.runner = runner
         self.model = runner.model
         self.device = runner.device
@@ -69,8 +66,6 @@ class Worker:
         self.prompt_logprobs_slice_bytes = prompt_logprobs_slice_bytes
         self.cpu_argmax = cpu_argmax
         self.sampler = Sampler(cpu_argmax)
-        self.gemm_mode = InvariantLinears() if batch_invariant and getattr(
-            self.model, "functional_gemms", True) else None
         self.penalties = PenaltyTracker(vocab_size, self.device)   # counts kept per request
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs: dict[str, TokenLogprobs] = {}
@@ -108,13 +103,6 @@ class Worker:
     # -------------------------------------------------------------------------- step
     def execute(self, sched_out: SchedulerOutput
                 ) -> tuple[Sampled, dict[str, StepLogprobs] | None]:
-        if self.gemm_mode is None:
-            return self._execute(sched_out)
-        with self.gemm_mode:
-            return self._execute(sched_out)
-
-    def _execute(self, sched_out: SchedulerOutput
-                 ) -> tuple[Sampled, dict[str, StepLogprobs] | None]:
         timer = self.timer
         reqs = [self._step_request(s) for s in sched_out.scheduled]
         timer.mark("prepare")
@@ -208,7 +196,7 @@ class Worker:
                            write_start, end >= num_tokens, want_prompt,
                            len(s.spec_token_ids),
                            self.kv_manager.replay_start(rid) if write_start else 0,
-                           s.is_new_or_resumed,
+                           s.is_new_or_resumed, all_ids,
                            self.images.for_step(r, start, end) if r.images else None)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,

@@ -179,10 +179,12 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
                    help="most images per prompt, as image=N or JSON '{\"image\": N}' "
                         "(default 999); image=0 loads a vision-language checkpoint's text "
                         "model alone, without its vision tower")
-    g.add_argument("--decoder-bounded-replay", action="store_true",
-                   help="DeepSeek-V4.1 only, approximate (off by default): layers after the "
-                        "last KV source run only on each prefill chunk's last sliding-window "
-                        "rows; faster long prefills, outputs may differ; no prompt logprobs "
+    g.add_argument("--decoder-bounded-replay", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="DeepSeek-V4.1: the last KV source and the layers after it run only "
+                        "on the rows whose results are read (exact; faster long prefills). "
+                        "Default: on for V4.1, where it applies; --no-decoder-bounded-replay "
+                        "turns it off; the flag on another model is an error "
                         "(docs/deepseek_v41.md)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "mtp", '
@@ -243,7 +245,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),
                         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
-                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", False),
+                        decoder_bounded_replay=getattr(args, "decoder_bounded_replay", None),
                         limit_mm_per_prompt=_mm_or_default(args)),
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,

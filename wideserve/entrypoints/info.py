@@ -302,7 +302,7 @@ def _plan(model, specs: dict, config_json: dict, plan: dict, wdtype, kv_cache_dt
     per_token, bounded = engine_kv_sizes(specs, inputs.max_num_seqs, tokens)
     inputs.reserve = activation_reserve(activation_shape(model.config), tokens,
                                         inputs.max_num_seqs, wdtype.itemsize)
-    inputs.checkpoint_experts = _expert_format(config_json)
+    inputs.checkpoint_experts, inputs.format_assumed = _expert_format(config_json)
     if inputs.checkpoint_experts in CHECKPOINT_EXPERT_BYTES and keeps_expert_format(config_json):
         inputs.experts_kept, inputs.dense_experts = True, w.experts
         w = w.with_experts_as(inputs.checkpoint_experts)
@@ -324,11 +324,26 @@ def _draft_specs(model, kv_cache_dtype: str) -> dict:
     raise ValueError("--speculative: this model has no drafter (MTP / DSpark blocks)")
 
 
-def _expert_format(config_json: dict) -> str | None:
+# Routed-expert formats of released checkpoints whose config.json names none: DeepSeek-V4.1's
+# experts are MXFP4 (e2m1 + UE8M0 per 32) as V4's (docs/sizing.md).
+RELEASED_EXPERT_FORMAT = {"deepseek_v41": "fp4"}
+
+
+def _expert_format(config_json: dict) -> tuple[str | None, bool]:
+    """(the checkpoint's routed-expert format, whether it is the family's released format
+    assumed because config.json names none): `expert_dtype`, ModelOpt NVFP4, or a block-wise
+    FP8 checkpoint without FP4 experts (HF / vLLM FP8, DeepSeek "FP8 mixed" bases)."""
     text = config_json.get("text_config") or {}
     qc = config_json.get("quantization_config") or text.get("quantization_config") or {}
     fmt = config_json.get("expert_dtype") or text.get("expert_dtype") or qc.get("expert_dtype")
-    return str(fmt).lower() if fmt else None
+    if fmt:
+        return str(fmt).lower(), False
+    if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") == "NVFP4":
+        return "nvfp4", False
+    if qc.get("quant_method") == "fp8":
+        return "fp8", False
+    released = RELEASED_EXPERT_FORMAT.get(config_json.get("model_type"))
+    return released, released is not None
 
 
 def _quant_note(config_json: dict) -> str:

@@ -2,8 +2,9 @@
 
 The model is built on the meta device (no weights read), so a 284B checkpoint directory that
 holds only its config can be sized. Per rank: the weights as wideserve holds them (routed
-experts in the checkpoint's FP8 / FP4 format where config.json names it and the loader keeps
-them so, worker/weights.py `keeps_expert_format`; other FP8 weights dequantised to the load
+experts in the checkpoint's FP8 / FP4 / NVFP4 format where config.json names it, or naming
+none, the family's released format (V4.1: MXFP4), as the loader keeps them,
+worker/weights.py `keeps_expert_format`; other FP8 weights dequantised to the load
 dtype; V4.1's Engram tables stay FP8 in host memory), split into the target and
 its drafter (MTP / DSpark blocks), the routed experts split over the ranks under expert
 parallelism plus EPLB's redundant replicas, the KV cache as the engine lays it out
@@ -28,9 +29,12 @@ GIB = 1 << 30
 # keeps_quantised): 1 + 1/32 bytes per value.
 FP8_WITH_SCALES = 1 + 1 / 32
 # Checkpoint formats of routed experts, bytes per weight value with their scales
-# (docs/deepseek_v4.md): FP8 e4m3 with one scale per 128x128 block; MXFP4 (two e2m1 codes per
-# byte) with one UE8M0 scale per 32 values.
-CHECKPOINT_EXPERT_BYTES = {"fp8": 1 + 1 / (128 * 128), "fp4": 0.5 + 1 / 32}
+# (docs/deepseek_v4.md, layers/quant.py ExpertFormat): FP8 e4m3 with one scale per 128x128
+# block (UE8M0; HF FP8's fp32 scales add 3 B per block, 0.0002 B/value); MXFP4 (two e2m1
+# codes per byte) with one UE8M0 scale per 32 values; NVFP4 with one E4M3 scale per 16 (and an
+# fp32 global per expert projection, negligible).
+CHECKPOINT_EXPERT_BYTES = {"fp8": 1 + 1 / (128 * 128), "fp4": 0.5 + 1 / 32,
+                           "nvfp4": 0.5 + 1 / 16}
 DEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_PREFIXES = ("mtp.", "model.mtp.")
 
@@ -112,6 +116,7 @@ class PlanInputs:
     num_redundant_experts: int = 0   # EPLB replicas per MoE layer, over all ranks
     reserve: int = 0                 # activation + decode-graph reserve per rank (estimate)
     checkpoint_experts: str | None = None   # the checkpoint's expert format, if config says
+    format_assumed: bool = False     # config.json names none: the family's released format
     experts_kept: bool = False       # the weights hold the experts in that format (loader)
     dense_experts: float = 0.0       # all routed experts' bytes if dequantised to the load dtype
 
@@ -233,8 +238,10 @@ def _breakdown_lines(w: WeightBytes, p: PlanInputs, dtype: str) -> list[str]:
                      f"{' (replicas apart)' if p.num_redundant_experts else ''}")
     if w.expert_values and p.experts_kept:
         fmt = p.checkpoint_experts.upper()
+        assumed = (" (config.json names no expert format: the released checkpoint's)"
+                   if p.format_assumed else "")
         lines.append(f"    routed experts per rank: {_gib(w.experts * share)} as {fmt} with "
-                     f"scales, kept in the checkpoint's format "
+                     f"scales, kept in the checkpoint's format{assumed} "
                      f"({_gib(p.dense_experts * share)} if dequantised to {dtype})")
     elif w.expert_values:
         fmts = [p.checkpoint_experts] if p.checkpoint_experts in CHECKPOINT_EXPERT_BYTES \

@@ -15,6 +15,13 @@ rows a step needs are gathered and copied to the device.
 Token history: the hash at p needs the tokens at p-N+1 .. p, which may belong to earlier
 steps; the model keeps them in a small per-position sliding-window cache ("engram_tokens"), so
 chunked prefill, decode, prefix caching and preemption see the same n-grams as one full pass.
+
+A captured decode step (worker/decode_capture.py) cannot gather from host memory by row ids
+the device computes: on CUDA that is a device-to-host read inside the forward. There the
+rows are staged before the replay instead (`EngramStaging`): hashed on the host from token
+ids the host already has (each request's tokens; the sampled ids are the step's one read),
+gathered from the host table and copied into a static device buffer, which is all the
+captured forward reads of Engram.
 """
 from __future__ import annotations
 
@@ -200,6 +207,57 @@ class HostTable(HostResident, nn.Module):
         return rows.view(*ids.shape, -1).to(ids.device, non_blocking=True)
 
 
+class EngramStaging:
+    """The Engram rows of a captured decode step of up to `max_rows` rows, per Engram layer,
+    staged before the replay into one static buffer [max_rows, layers, hash_heads, dim]
+    (fp32: a dequantised FP8 row's dtype, exact for bf16 / fp16 tables). On CUDA a pinned
+    host copy uploaded with non_blocking (one copy suffices: the next step writes it only
+    after this step's sampled tokens were read back), on the CPU the buffer itself."""
+
+    def __init__(self, key: str, hasher: NgramHasher, token_map: np.ndarray,
+                 tables: Sequence[HostTable], max_rows: int, device: torch.device) -> None:
+        """key: the ForwardBatch.extras name the model reads the rows under."""
+        self.key, self.hasher, self.token_map = key, hasher, token_map
+        self.tables = list(tables)
+        heads, dim = hasher.n_heads * (hasher.max_ngram - 1), tables[0].weight.shape[1]
+        shape = (max_rows, len(self.tables), heads, dim)
+        self.host = torch.zeros(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+        self.dev = self.host if device.type == "cpu" else \
+            torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def grams(self, tokens: Sequence[int], positions: Sequence[int],
+              contexts: Sequence[Sequence[int]], n: int) -> np.ndarray:
+        """[n, N] normalised ids of the n-gram ending at each row's new token (tokens[r] at
+        positions[r], after contexts[r][:positions[r]]), the decode path's rule: positions
+        below 0 are the pad id; rows past len(tokens) are padding (token 0 at position 0)."""
+        N = self.hasher.max_ngram
+        raw = np.full((n, N), -1, dtype=np.int64)          # -1: before the request's start
+        raw[:, 0] = 0
+        for r, (tok, p, ctx) in enumerate(zip(tokens, positions, contexts)):
+            if len(ctx) < p:
+                raise ValueError(f"Engram staging: row {r} at position {p} came with "
+                                 f"{len(ctx)} tokens of history (StepRequest.context)")
+            raw[r, 0] = tok
+            lo = max(p - N + 1, 0)
+            raw[r, 1:1 + p - lo] = ctx[lo:p][::-1]
+        mapped = self.token_map[np.clip(raw, 0, len(self.token_map) - 1)]
+        return np.where(raw < 0, self.hasher.pad_id, mapped)
+
+    def stage(self, tokens: Sequence[int], positions: Sequence[int],
+              contexts: Sequence[Sequence[int]], n: int) -> None:
+        """Hash, gather and upload rows [:n] (see `grams`)."""
+        grams = torch.from_numpy(self.grams(tokens, positions, contexts, n))
+        for i, table in enumerate(self.tables):
+            self.host[:n, i] = table.gather(self.hasher(grams, i))
+        if self.dev is not self.host:
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+
+    def inputs(self, n: int) -> dict[str, torch.Tensor]:
+        """The batch's extras: the first n rows' staged rows, [n, layers, hash_heads, dim]
+        on the device (a view: the same address every step)."""
+        return {self.key: self.dev[:n]}
+
+
 class Engram(nn.Module):
     """Names (the reference's): embed.weight (HostTable), wkv, q_weight, k_weight."""
 
@@ -215,8 +273,11 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.empty(hc_mult, hidden))
 
     def forward(self, streams: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
-        """streams [T, n, d], row_ids [T, hash_heads] -> streams [T, n, d]."""
-        rows = self.embed.gather(row_ids).flatten(-2).to(streams.dtype)
+        """streams [T, n, d], row_ids [T, hash_heads] -> streams [T, n, d]. row_ids may
+        instead be the rows already gathered, [T, hash_heads, dim] floating point (a
+        captured decode step's, EngramStaging)."""
+        rows = row_ids if row_ids.is_floating_point() else self.embed.gather(row_ids)
+        rows = rows.flatten(-2).to(streams.dtype)
         key, value = self.wkv(rows).split((self.hc_mult * self.hidden, self.hidden), dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden))            # [T, n, d]
         h = streams.float()

@@ -19,19 +19,24 @@ as lists); weights never leave the rank that routed the token. This exact path i
 with drafts and steps larger than the padded capacity take (prefill).
 
 The padded path (docs/host_path.md, "Expert parallelism without host reads") reads nothing
-from the device. At its first MoE call of a step each rank tells the others, over the host
-(gloo) control group, how many tokens its forward routes (a step header: host integers, no
-device value). When no rank routes more than `max_padded_tokens` tokens, the step's calls
-exchange fixed-capacity buffers instead, as DeepEP's low-latency mode does: to
-each rank C = B * min(k, L) rows (B = the largest token count, rounded up to a power of two
-so the shapes are those of a few padded sizes), each with its local slot id, or L for a
-padding row. Row positions come from a scatter count and a cumsum on the device; the
-receiver sorts its rows by slot (padding last) and runs the grouped MLP, which skips the
-padding; the outputs return the same way. Every rank then makes one call per registered
-layer, in order (the forward of a step without drafts), so no header travels with the rows
-and nothing is left to drain; `finish_step` makes the rounds a failed forward did not. Each expert gets the rows of the
-exact path, in the same order (outputs equal up to GEMM rounding: a CPU grouped GEMM's
-blocking follows the total row count, padding included).
+from the device and makes no host collective inside the forward, so a CUDA graph can record
+it (docs/cuda_graphs.md). Before a step's forward the runner exchanges the step header
+(`begin_step`: how many tokens each rank's forward routes, host integers over the gloo
+control group, no device value). When no rank routes more than the largest padded size, the
+step's calls exchange fixed-capacity buffers instead, as DeepEP's low-latency mode does: to
+each rank C = B * min(k, L) rows (B = the smallest padded size, `PaddedSteps.sizes`, that
+holds every rank's tokens: the decode capture sizes, so a captured graph of size B replays
+with the exchange it recorded), each with its local slot id, or L for a padding row. k, the
+rows' width and dtype are the model's (`PaddedSteps`), fixed for the run. Row positions come
+from a scatter count and a cumsum on the device; the receiver sorts its rows by slot (padding
+last) and runs the grouped MLP, which skips the padding; the outputs return the same way.
+Every rank then makes one call per registered layer, in order (the forward of a step without
+drafts), so no header travels with the rows and nothing is left to drain; `finish_step`
+makes the rounds a failed forward did not. A captured graph is recorded at a fixed size on
+every rank at once (`fixed_step`, no header), and a replay, which runs no Python, is reported
+by `forward_done`. Each expert gets the rows of the exact path, in the same order (outputs
+equal up to GEMM rounding: a CPU grouped GEMM's blocking follows the total row count, padding
+included).
 
 Every MoE call is a collective, and ranks need not make the same number of calls in a step (a
 rank that sampled nothing runs no draft forward). So every call's header carries "active" and
@@ -42,8 +47,11 @@ experts of the layer their source named.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +67,28 @@ from wideserve.layers.experts import combine
 _ACTIVE, _LAYER, _HIDDEN, _DTYPE = 0, 1, 2, 3
 _HEADER = 4
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@dataclass(frozen=True)
+class PaddedSteps:
+    """The padded path's shape (module docstring): `sizes` the tokens per rank a padded step
+    may be padded to, ascending (the decode capture sizes: a step of at most sizes[-1] tokens
+    on every rank goes padded), and the rows every MoE call routes: top-k, width, dtype."""
+
+    sizes: tuple[int, ...]
+    top_k: int
+    hidden: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"PaddedSteps.sizes must be ascending positive sizes: {self.sizes}")
+
+
+def _clock() -> float:
+    """The host clock for the stats; 0 while torch.compile traces (a compiled or captured
+    forward runs no Python per replay, and dynamo cannot trace the clock)."""
+    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
 
 
 @dataclass
@@ -96,6 +126,27 @@ class EPDispatcher(ABC):
     def finish_step(self) -> None:
         """Answer peers' remaining MoE calls until every rank is done with the step."""
 
+    # The step header out of the forward (worker/decode_capture.py's StepSync): a dispatcher
+    # without a padded path exchanges nothing before the forward and is not capturable.
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode forward's MoE calls make no host read and no host collective (a
+        CUDA graph can record them), given the runner calls `begin_step` first."""
+        return False
+
+    def begin_step(self, tokens: int) -> int:
+        """Before the forward: agree with the peers on the step; `tokens` this rank's forward
+        routes. Returns the size every rank's forward is padded to (0: not padded)."""
+        return 0
+
+    @contextmanager
+    def fixed_step(self, size: int) -> Iterator[None]:
+        """A forward of `size` tokens run on every rank at once without a header (capture)."""
+        yield
+
+    def forward_done(self) -> None:
+        """The step's forward ran to its end (a CUDA graph replay runs no Python)."""
+
     def close(self) -> None:
         """The engine stopped: let go of the process group (it holds the rendezvous store
         and its port; engine/dp_engine.py, shutdown)."""
@@ -107,11 +158,11 @@ class AllToAllDispatcher(EPDispatcher):
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int,
                  num_local_experts: int, device: torch.device,
                  control_group: dist.ProcessGroup | None = None,
-                 max_padded_tokens: int = 0) -> None:
+                 padded: PaddedSteps | None = None) -> None:
         """control_group: a host (gloo) group over the same ranks for the step header;
-        max_padded_tokens: the most tokens per rank a step may route over the padded path
-        (0, or no control group: every call takes the exact path). It must be 0 where a
-        step's ranks may make different MoE calls (drafts)."""
+        padded: the padded path's sizes and rows (None, or no control group: every call
+        takes the exact path). It must be None where a step's ranks may make different MoE
+        calls (drafts)."""
         super().__init__()
         self.group = group
         self.rank = rank
@@ -119,27 +170,25 @@ class AllToAllDispatcher(EPDispatcher):
         self.num_local = num_local_experts
         self.device = device
         self.control_group = control_group
-        self.max_padded_tokens = max_padded_tokens if control_group is not None else 0
+        self.padded = padded if control_group is not None else None
         local = torch.arange(num_local_experts, device=device)
         self._slot_pattern = local.repeat(world_size)         # [world * L]
-        # Host memory: (max T, max k, hidden, dtype code) over the ranks.
-        self._header = np.zeros(4, dtype=np.int64)
+        # Host memory: the most tokens a rank's forward routes this step, over the ranks.
+        self._header = np.zeros(1, dtype=np.int64)
         self._header_t = torch.from_numpy(self._header)
-        self._step_open = False     # this step's header was exchanged
+        self._step_open = False     # this step's header was exchanged (or it needs none)
         self._padded_tokens = 0     # B of this step's padded calls (0: the exact path)
-        self._top_k = 0             # k of this step's padded calls (the header's)
-        self._rows = (0, torch.float32)     # (hidden, dtype) of the rows (the header's)
         self._next_layer = 0        # the layer the next padded call must be
 
     # --------------------------------------------------------------------- exchanges
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
              in_splits: list[int] | None = None) -> None:
-        start = time.perf_counter()
+        start = _clock()
         try:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         except (RuntimeError, dist.DistBackendError) as e:
             raise DPGroupError(f"EP all-to-all failed: {e}") from e
-        self.stats.a2a_s += time.perf_counter() - start
+        self.stats.a2a_s += _clock() - start
 
     def _exchange_meta(self, meta: torch.Tensor) -> torch.Tensor:
         """meta [world, H + L] int64, row r for rank r -> what each rank sent us."""
@@ -214,7 +263,11 @@ class AllToAllDispatcher(EPDispatcher):
     def forward(self, experts: nn.Module, x: torch.Tensor, phys_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         if not self._step_open:
-            self._open_step(x.shape[0], phys_ids.shape[1], x.shape[1], x.dtype)
+            if self.padded is not None:
+                # The peers may be in the header's collective, and a graph cannot hold one.
+                raise RuntimeError("EP dispatch: the step header must be exchanged before "
+                                   "the forward (begin_step; worker/model_runner.py)")
+            self._step_open = True
         if self._padded_tokens:
             return self._padded_forward(experts, x, phys_ids, topk_weights)
         k = phys_ids.shape[1]
@@ -235,7 +288,7 @@ class AllToAllDispatcher(EPDispatcher):
 
     def finish_step(self) -> None:
         if not self._step_open:
-            self._open_step(0, 0, 0, None)         # no forward on this rank this step
+            self.begin_step(0)                     # no forward on this rank this step
         if self._padded_tokens:
             # Rounds a forward that failed part-way did not make (peers are in them). Every
             # rank made the same calls, so there is nothing to drain.
@@ -249,27 +302,46 @@ class AllToAllDispatcher(EPDispatcher):
         self._padded_tokens = 0
 
     # ------------------------------------------------------------------- padded path
-    def _open_step(self, tokens: int, top_k: int, hidden: int,
-                   dtype: torch.dtype | None) -> None:
-        """The step header: every rank's token count and top-k (0 and 0: no forward) over
-        the host group; the padded path when no rank routes more than max_padded_tokens
-        tokens (a rank without a forward then takes part in every round with nothing to
-        send). Host integers only: no device value is read."""
+    @property
+    def capturable(self) -> bool:
+        return self.padded is not None
+
+    def begin_step(self, tokens: int) -> int:
+        """The step header: every rank's token count (0: no forward) over the host group;
+        the padded path at the smallest padded size holding them all when there is one (a
+        rank without a forward then takes part in every round with nothing to send). Host
+        integers only: no device value is read. Returns B, or 0 for the exact path."""
+        if self._step_open:
+            raise RuntimeError("EP dispatch: begin_step twice in one step (finish_step ends one)")
         self._step_open, self._next_layer, self._padded_tokens = True, 0, 0
-        if not self.max_padded_tokens:
-            return
-        code = 0 if dtype is None else _DTYPES.index(dtype)
-        self._header[:] = (tokens, top_k, hidden, code)
+        if self.padded is None:
+            return 0
+        self._header[0] = tokens
         try:
             dist.all_reduce(self._header_t, op=dist.ReduceOp.MAX, group=self.control_group)
         except (RuntimeError, dist.DistBackendError) as e:
             raise DPGroupError(f"EP step header failed: {e}") from e
-        most, top_k = int(self._header[0]), int(self._header[1])
-        if top_k and most <= self.max_padded_tokens:
-            self._padded_tokens = 1 << max(most - 1, 0).bit_length()     # a power of two
-            self._top_k = top_k
-            self._rows = (int(self._header[2]), _DTYPES[int(self._header[3])])
+        most, sizes = int(self._header[0]), self.padded.sizes
+        if 0 < most <= sizes[-1]:
+            self._padded_tokens = sizes[bisect.bisect_left(sizes, most)]
             self.stats.padded_steps += 1
+        return self._padded_tokens
+
+    @contextmanager
+    def fixed_step(self, size: int) -> Iterator[None]:
+        """Every rank runs a forward of `size` tokens now (capture at startup, in the same
+        order everywhere): the padded path at B = size, with no header."""
+        if self.padded is None or self._step_open:
+            raise RuntimeError("EP dispatch: fixed_step needs the padded path, between steps")
+        self._step_open, self._next_layer, self._padded_tokens = True, 0, size
+        try:
+            yield
+        finally:
+            self._step_open, self._padded_tokens = False, 0
+
+    def forward_done(self) -> None:
+        if self._padded_tokens:
+            self._next_layer = len(self.layers)
 
     def _padded_forward(self, experts: nn.Module, x: torch.Tensor, phys_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> torch.Tensor:
@@ -280,13 +352,15 @@ class AllToAllDispatcher(EPDispatcher):
                                f"{due} (a padded step's forward calls every registered layer "
                                f"once, in order; steps with drafts must not use it)")
         T, k = phys_ids.shape
-        if (x.shape[1], x.dtype) != self._rows:
+        spec = self.padded
+        assert spec is not None
+        if (x.shape[1], x.dtype) != (spec.hidden, spec.dtype):
             raise RuntimeError(f"EP padded step: rows of ({x.shape[1]}, {x.dtype}) where the "
-                               f"step header announced {self._rows}")
-        if T > self._padded_tokens or k > self._top_k:
+                               f"padded path expects ({spec.hidden}, {spec.dtype})")
+        if T > self._padded_tokens or k > spec.top_k:
             raise RuntimeError(f"EP padded step: {T} tokens x top-{k} in a layer, the step "
                                f"header announced at most {self._padded_tokens} x "
-                               f"top-{self._top_k}")
+                               f"top-{spec.top_k}")
         flat = phys_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)           # by destination rank, then slot
         L = experts.num_local_experts         # this layer's stack (a draft may hold fewer)
@@ -307,14 +381,16 @@ class AllToAllDispatcher(EPDispatcher):
     def _capacity(self, per_rank: int) -> int:
         """Rows per destination rank for a layer of `per_rank` experts per rank: a token sends
         at most min(k, per_rank) rows to one rank."""
-        return self._padded_tokens * min(self._top_k, per_rank)
+        assert self.padded is not None
+        return self._padded_tokens * min(self.padded.top_k, per_rank)
 
     def _padded_round(self, experts: nn.Module, rows: torch.Tensor | None,
                       pos: torch.Tensor | int, slots: torch.Tensor | int) -> torch.Tensor:
         """Send `rows` (sorted, [N, d]) to their positions `pos` of the padded buffers, with
         their local `slots`; serve what arrives with this layer's experts; return the N
         outputs. rows None: a round with nothing to send (finish_step)."""
-        hidden, dtype = self._rows
+        assert self.padded is not None
+        hidden, dtype = self.padded.hidden, self.padded.dtype
         L = experts.num_local_experts
         n = self.world * self._capacity(L)
         send_x = torch.zeros(n, hidden, dtype=dtype, device=self.device)
@@ -325,9 +401,9 @@ class AllToAllDispatcher(EPDispatcher):
         recv_x, recv_slot = torch.empty_like(send_x), torch.empty_like(send_slot)
         self._a2a(recv_slot, send_slot)
         self._a2a(recv_x, send_x)
-        start = time.perf_counter()
+        start = _clock()
         y = experts.grouped_mlp(recv_x, recv_slot, padded=True)
-        self.stats.expert_s += time.perf_counter() - start
+        self.stats.expert_s += _clock() - start
         back = torch.empty_like(send_x)
         self._a2a(back, y)
         self.stats.padded_calls += 1
@@ -359,7 +435,7 @@ def make_dispatcher(name: str, group: dist.ProcessGroup, rank: int, world_size: 
                     num_local_experts: int, device: torch.device, **options: Any
                     ) -> EPDispatcher:
     """options: implementation-specific keywords (AllToAllDispatcher: control_group,
-    max_padded_tokens)."""
+    padded)."""
     cls = EP_DISPATCHERS.get(name)
     if cls is None:
         raise ValueError(f"unknown EP dispatcher {name!r}; registered: "

@@ -28,7 +28,8 @@ per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "R
 - "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
   reference the others are tested against.
 - "quant": experts kept in the checkpoint's format (`keep_checkpoint_format`: FP8 block-scaled
-  or MXFP4 codes with their UE8M0 scales, layers/quant.py ExpertFormat; no dense copy exists).
+  codes with UE8M0 or fp32 scales, MXFP4 codes with UE8M0 scales, NVFP4 codes with E4M3 scales
+  and fp32 global scales; layers/quant.py ExpertFormat; no dense copy exists).
   Rows are sorted as above and both projections run as grouped GEMMs that dequantise a tile of
   each expert's weight inside the kernel (kernels/quant_gemm.py, C++ on the CPU); elsewhere
   (CUDA, no compiler) FP8 goes through torch._scaled_mm where the device has it, else each
@@ -39,7 +40,7 @@ owning their experts and calls `grouped_mlp` there.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -198,21 +199,29 @@ class RoutedExperts(nn.Module, DeclaresGemms):
 
     def keep_checkpoint_format(self, fmt: ExpertFormat) -> None:
         """Hold the weights as the checkpoint stores them: gate_up_proj / down_proj become uint8
-        codes [L, 2I, packed(d)] / [L, d, packed(I)] with UE8M0 scale bytes gate_up_proj_scale /
-        down_proj_scale (ExpertFormat). Call before the parameters are filled (on meta in the
-        loader, so no dense copy is ever allocated); they are then uninitialised."""
+        codes [L, 2I, packed(d)] / [L, d, packed(I)] with scales gate_up_proj_scale /
+        down_proj_scale as stored and, for NVFP4, fp32 global scales gate_up_proj_global [L, 2]
+        / down_proj_global [L, 1] (ExpertFormat). Every one of them has the physical slots as
+        dim 0, so expert sharding and EPLB moves carry them together. Call before the
+        parameters are filled (on meta in the loader, so no dense copy is ever allocated);
+        they are then uninitialised."""
         L, device = self.num_local_experts, self.down_proj.device
-        if fmt.kind == "mxfp4" and (self.hidden % 2 or self.intermediate % 2):
-            raise ValueError("MXFP4 experts need even hidden and intermediate sizes")
+        if fmt.kind != "fp8" and (self.hidden % 2 or self.intermediate % 2):
+            raise ValueError(f"{fmt.kind.upper()} experts need even hidden and intermediate "
+                             "sizes")
         two_i, d, inter = 2 * self.intermediate, self.hidden, self.intermediate
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(L, *shape, dtype=torch.uint8, device=device),
+        def param(*shape: int, dtype: torch.dtype = torch.uint8) -> nn.Parameter:
+            return nn.Parameter(torch.empty(L, *shape, dtype=dtype, device=device),
                                 requires_grad=False)
+        sdt = fmt.scale_torch_dtype
         self.gate_up_proj = param(two_i, fmt.packed_cols(d))
-        self.gate_up_proj_scale = param(*fmt.scale_shape(two_i, d, halves=2))
+        self.gate_up_proj_scale = param(*fmt.scale_shape(two_i, d, halves=2), dtype=sdt)
         self.down_proj = param(d, fmt.packed_cols(inter))
-        self.down_proj_scale = param(*fmt.scale_shape(d, inter))
+        self.down_proj_scale = param(*fmt.scale_shape(d, inter), dtype=sdt)
+        if fmt.has_global:
+            self.gate_up_proj_global = param(2, dtype=torch.float32)
+            self.down_proj_global = param(1, dtype=torch.float32)
         self.weight_format = fmt
         self._packs = None
         self._resolved.clear()
@@ -223,8 +232,15 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         fmt = self.weight_format
         if fmt is None:
             return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
-        return (fmt.dequantize(self.gate_up_proj, self.gate_up_proj_scale, 2, dtype),
-                fmt.dequantize(self.down_proj, self.down_proj_scale, 1, dtype))
+        return (fmt.dequantize(self.gate_up_proj, self.gate_up_proj_scale, 2, dtype,
+                               self._global("gate_up_proj")),
+                fmt.dequantize(self.down_proj, self.down_proj_scale, 1, dtype,
+                               self._global("down_proj")))
+
+    def _global(self, leaf: str) -> torch.Tensor | None:
+        """The NVFP4 global scales of a projection [L, halves], None for other formats."""
+        fmt = self.weight_format
+        return getattr(self, f"{leaf}_global") if fmt is not None and fmt.has_global else None
 
     def _invariant(self, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
@@ -325,6 +341,16 @@ class RoutedExperts(nn.Module, DeclaresGemms):
                 packs.brgemm_min_rows = brgemm_min_rows(plan)
         return packs.w13, packs.w2, w2.shape[2]
 
+    def invariant_fn(self, device: torch.device, dtype: torch.dtype
+                     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """--batch-invariant: the function `forward` runs for an input on `device` in `dtype`
+        (x, logical ids, weights) -> [T, d], where it is the mode's per-row path; None
+        otherwise (models/lean_decode.py: the lean decode path in the mode)."""
+        if (self.ep is None and self.batch_invariant and self.weight_format is None
+                and _fused_runs(device, dtype)):
+            return self._invariant
+        return None
+
     def fused_op_args(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
         """The fused op's arguments after the rows as `forward` would pass them for an input
         on `device` in `dtype` (w13, w2, intermediate, swiglu limit, portable, expert map,
@@ -345,9 +371,10 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         w1, w2 = self.gate_up_proj, self.down_proj
         impl = self.resolved_impl(xs.device, xs.dtype)
         if impl == "quant":
-            gate, up = self._quant_linear(xs, counts, w1, self.gate_up_proj_scale, 2).chunk(2, -1)
+            gate, up = self._quant_linear(xs, counts, w1, self.gate_up_proj_scale, 2,
+                                          self._global("gate_up_proj")).chunk(2, -1)
             return self._quant_linear(swiglu(gate, up, self.swiglu_limit), counts, w2,
-                                      self.down_proj_scale, 1)
+                                      self.down_proj_scale, 1, self._global("down_proj"))
         if impl == "grouped_mm":
             mlp = grouped_mm_mlp if xs.dtype == torch.bfloat16 else _grouped_mm_mlp_eager
             return mlp(xs, counts, w1, w2, self.swiglu_limit)
@@ -360,7 +387,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
 
     def _quant_linear(self, x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
-                      scale: torch.Tensor, halves: int) -> torch.Tensor:
+                      scale: torch.Tensor, halves: int,
+                      global_scale: torch.Tensor | None) -> torch.Tensor:
         """One grouped projection on checkpoint-format weights (sorted rows, counts [L])."""
         fmt = self.weight_format
         assert fmt is not None
@@ -369,10 +397,10 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             # result does not depend on how many rows the expert has
             min_rows = None if self.batch_invariant else self.quant_brgemm_min_rows
             return quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block,
-                                             halves, min_rows)
+                                             halves, min_rows, global_scale=global_scale)
         if fmt.kind == "fp8" and _scaled_mm_runs(x.device):
             return scaled_mm_grouped_linear(x, counts, codes, scale, fmt, halves)
-        return dequant_grouped_linear(x, counts, codes, scale, fmt, halves)
+        return dequant_grouped_linear(x, counts, codes, scale, fmt, halves, global_scale)
 
 
 @torch.compiler.disable      # a device query: never traced

@@ -17,19 +17,19 @@ whoever does that calls `invalidate()` (EPLB does).
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from wideserve.kernels import gemm
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.kernels.choice import (BUCKETS, KernelChoice, bucket_of, default_choice,
                                       onednn_runs, packed_linear, prepack)
 
-__all__ = ["WeightPack", "GemmCall", "InvariantLinears", "packed_linear", "prepack", "packing_runs",
+__all__ = ["WeightPack", "GemmCall", "InvariantLinear", "FunctionalLinear", "use_invariant_linears",
+           "packed_linear", "prepack", "packing_runs",
            "cpu_kernel_runs", "weights_fingerprint"]
 
 # Dtypes packed at all on the CPU (bf16: fp32 GEMMs already run MKL's packed-free path well).
@@ -253,60 +253,79 @@ class WeightPack:
                           brgemm=self.route_brgemm(x.shape[0]))
 
 
-class InvariantLinears(TorchFunctionMode):
-    """--batch-invariant for the GEMMs a model runs as `F.linear` / `nn.Linear` rather than
-    through a WeightPack of its own (DeepSeek-V4/V4.1's projections, routers and mHC mixes):
-    while active, every CPU `F.linear` in bf16 or fp32 goes through a WeightPack in invariant
-    mode (one row-invariant kernel for every row count; oneDNN's and MKL's GEMMs round a row
-    differently depending on how many rows share the call, tests/kernels/
-    test_batch_invariant_kernels.py). One pack per weight tensor, dropped with the tensor.
+def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether an invariant WeightPack runs `x @ w^T` (what F.linear would): a CPU input of
+    the weight's dtype (bf16 or fp32), outside autograd (the packed kernels have no
+    backward)."""
+    return (x.device.type == "cpu" and x.dtype == w.dtype and w.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] > 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
-    A weight widened per call (`self.fn.float()` of a bf16 parameter, the mHC mixes) would be
-    a new tensor, so packed again, on every call: `Parameter.float()` under the mode returns
-    one cached fp32 copy per parameter instead (the same values), made again when the
-    parameter's version changes (an in-place update, a weight reload) or the copy was
-    written to, like WeightPack's fingerprint."""
+
+class InvariantLinear(nn.Linear):
+    """An `nn.Linear` under --batch-invariant (KernelConfig.batch_invariant) in a model whose
+    projections are plain modules (DeepSeek-V4/V4.1): its forward runs through a WeightPack
+    in invariant mode (one row-invariant kernel for every row count; oneDNN's and MKL's
+    GEMMs round a row differently depending on how many rows share the call, tests/kernels/
+    test_batch_invariant_kernels.py). Made from an nn.Linear in place by
+    `use_invariant_linears`, chosen once at load: the module keeps its parameters, names,
+    hooks and every reference to it (a class swap, as torch.nn.utils.parametrize does)."""
+
+    _pack: WeightPack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _packable(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        return self._pack.linear(x, (self.weight,), (self.bias,))
+
+
+def use_invariant_linears(model: nn.Module, on: bool,
+                          choice: KernelChoice | None = None) -> None:
+    """Turn every plain `nn.Linear` of `model` into an InvariantLinear (on) or back (off);
+    CausalLM.apply_kernel_config calls it with KernelConfig.batch_invariant."""
+    for m in model.modules():
+        if on and type(m) is nn.Linear:
+            m.__class__ = InvariantLinear
+            m._pack = WeightPack(choice, batch_invariant=True)
+        elif not on and type(m) is InvariantLinear:
+            m.__class__ = nn.Linear
+            del m._pack
+
+
+class FunctionalLinear:
+    """The GEMM of a functional call site: a module's product with a weight it does not
+    hold as an nn.Linear, often widened to fp32 per call (mHC's mixes `x @ fn.float()^T`,
+    an fp32 router, DSpark's draft logits over the target's LM head). `F.linear` by default;
+    under --batch-invariant (`batch_invariant`, set by CausalLM.apply_kernel_config like a
+    WeightPack's) through a WeightPack in invariant mode, where the fp32 copy of a bf16
+    weight is made once per version of the weight (a copy per call would be a new tensor,
+    so packed again on every call), like WeightPack's fingerprint. One weight per site."""
+
+    __slots__ = ("batch_invariant", "cpu_kernel", "_choice", "_pack", "_wide")
 
     def __init__(self, choice: KernelChoice | None = None) -> None:
-        super().__init__()
-        self._choice = choice
-        self._packs: dict[int, tuple[weakref.ref, WeightPack]] = {}
-        self._widened: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+        self._choice = choice           # the kernel table (default: the process's)
+        self.batch_invariant = False
+        self.cpu_kernel = True
+        self._pack: WeightPack | None = None
+        self._wide: tuple[tuple, torch.Tensor] | None = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        # Runs for every torch op of the step: the common case (neither) first and cheapest.
-        if func is not F.linear and func is not torch.Tensor.float:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (x.device.type == "cpu" and x.dtype == w.dtype and w.dim() == 2
-                    and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] > 0
-                    and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-                return self._pack(w).linear(x, (w,), (b,))
-        elif (func is torch.Tensor.float and len(args) == 1 and not kwargs
-              and isinstance(args[0], torch.nn.Parameter) and args[0].dtype != torch.float32
-              and not torch.is_grad_enabled()):
-            return self._widen(args[0])
-        return func(*args, **kwargs)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 widen_weight: bool = False) -> torch.Tensor:
+        """x [..., in] @ weight^T; widen_weight: against `weight.float()` (x fp32)."""
+        if not self.batch_invariant or torch.compiler.is_compiling():
+            return F.linear(x, weight.float() if widen_weight else weight)
+        w = self._widened(weight) if widen_weight and weight.dtype != torch.float32 else weight
+        if not _packable(x, w):
+            return F.linear(x, w)
+        if self._pack is None or self._pack.cpu_kernel != self.cpu_kernel:
+            self._pack = WeightPack(self._choice, self.cpu_kernel, batch_invariant=True)
+        return self._pack.linear(x, (w,))
 
-    def _widen(self, p: torch.Tensor) -> torch.Tensor:
-        held = self._widened.get(id(p))
-        if (held is not None and held[0]() is p and held[1] == tensor_version(p)
-                and held[2] == tensor_version(held[3])):
-            return held[3]
-        wide = p.detach().float()
-        key = id(p)
-        self._widened[key] = (weakref.ref(p, lambda _, k=key: self._widened.pop(k, None)),
-                              tensor_version(p), tensor_version(wide), wide)
-        return wide
-
-    def _pack(self, w: torch.Tensor) -> WeightPack:
-        held = self._packs.get(id(w))
-        if held is not None and held[0]() is w:
-            return held[1]
-        pack = WeightPack(self._choice, batch_invariant=True)
-        key = id(w)
-        self._packs[key] = (weakref.ref(w, lambda _, k=key: self._packs.pop(k, None)), pack)
-        return pack
+    def _widened(self, p: torch.Tensor) -> torch.Tensor:
+        key = weights_fingerprint((p,))
+        if self._wide is None or self._wide[0] != key:
+            self._wide = (key, p.detach().float())
+            if self._pack is not None:     # a new copy may reuse the old one's address
+                self._pack.invalidate()
+        return self._wide[1]

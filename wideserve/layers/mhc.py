@@ -12,8 +12,9 @@ All parameters are fp32; the maths runs in fp32 and results are cast back to X's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from wideserve.layers.linear import FunctionalLinear
 
 
 def _flat_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,11 +46,12 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, hc_mult * hidden, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self.mix = FunctionalLinear()     # x @ fn^T in fp32 (invariant under the mode)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, n, d] -> post [T, n] fp32, comb [T, n, n] fp32, collapsed [T, d] (x.dtype)."""
         n = self.n
-        mixes = F.linear(_flat_rms(x, self.norm_eps), self.fn.float())        # [T, (2+n)n]
+        mixes = self.mix(_flat_rms(x, self.norm_eps), self.fn, widen_weight=True)  # [T, (2+n)n]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -79,9 +81,10 @@ class HyperHead(nn.Module):
         self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden, dtype=torch.float32))
         self.hc_base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+        self.mix = FunctionalLinear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, n, d] -> [T, d] (x.dtype)."""
-        mixes = F.linear(_flat_rms(x, self.norm_eps), self.hc_fn.float())     # [T, n]
+        mixes = self.mix(_flat_rms(x, self.norm_eps), self.hc_fn, widen_weight=True)  # [T, n]
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

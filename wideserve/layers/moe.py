@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.layers.experts import RoutedExperts, swiglu
+from wideserve.layers.linear import FunctionalLinear
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -35,9 +36,11 @@ class _RouterBase(nn.Module):
         self.scoring_func = scoring_func
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.logits = FunctionalLinear()          # fp32 x @ weight^T (invariant in the mode)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return router_scores(F.linear(x.float(), self.weight.float()), self.scoring_func)
+        return router_scores(self.logits(x.float(), self.weight, widen_weight=True),
+                             self.scoring_func)
 
     def finish(self, scores: torch.Tensor, ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

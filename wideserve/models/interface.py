@@ -25,7 +25,7 @@ from torch import nn
 from wideserve.kv_cache.spec import KVCacheSpec
 from wideserve.types.forward_batch import ForwardBatch
 from wideserve.layers.experts import RoutedExperts
-from wideserve.layers.linear import WeightPack
+from wideserve.layers.linear import FunctionalLinear, WeightPack, use_invariant_linears
 from wideserve.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -92,13 +92,15 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         """Set the per-module CPU-op switches from the engine's KernelConfig (the norms' and
         the weight packs' here; models with more override and call this)."""
         self.batch_invariant = kernels.batch_invariant
+        if self.functional_gemms:       # plain nn.Linear modules: invariant ones in the mode
+            use_invariant_linears(self, kernels.batch_invariant)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.cpu_kernel = kernels.cpu_norm
             if isinstance(m, RoutedExperts):
                 m.batch_invariant = kernels.batch_invariant
             for value in vars(m).values():
-                if isinstance(value, WeightPack):
+                if isinstance(value, (WeightPack, FunctionalLinear)):
                     value.cpu_kernel = kernels.cpu_gemm
                     value.batch_invariant = kernels.batch_invariant
 
@@ -112,11 +114,23 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         host-built per-step tensor, shapes fixed by the batch size (docs/cuda_graphs.md)."""
         return False
 
+    def decode_staging(self, max_rows: int, device: torch.device) -> Any:
+        """Host-computed inputs of a captured decode step (worker/decode_capture.py's
+        DecodeStaging: written before each replay into static device buffers the forward
+        reads from batch.extras), or None when the forward needs none (every model but
+        DeepSeek-V4.1 with Engram layers, layers/engram.py)."""
+        return None
+
     @property
     def replay_depth(self) -> int | None:
         """Windowed layers a prefix hit must rebuild in bounded-replay mode; None: every KV
         group (the engine's default)."""
         return None
+
+    @property
+    def supports_decoder_bounded_replay(self) -> bool:
+        """Whether `enable_decoder_bounded_replay` applies (the engine turns it on then)."""
+        return False
 
     def enable_decoder_bounded_replay(self) -> None:
         """--decoder-bounded-replay (DeepSeek-V4.1 only)."""
@@ -135,8 +149,9 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         raise NotImplementedError(f"{type(self).__name__} takes no images")
 
     # ------------------------------------------------------------------ MTP / draft
-    # Whether the model runs GEMMs as F.linear / nn.Linear outside a WeightPack: under
-    # --batch-invariant its steps then run inside layers/linear.py InvariantLinears.
+    # Whether the model runs GEMMs as plain nn.Linear modules outside a WeightPack: under
+    # --batch-invariant apply_kernel_config makes them layers/linear.py InvariantLinears
+    # (functional GEMM sites hold a FunctionalLinear, which it switches like a WeightPack).
     functional_gemms: ClassVar[bool] = True
     batch_invariant: bool = False        # KernelConfig.batch_invariant (apply_kernel_config)
 

@@ -80,13 +80,35 @@ def plan_layers(model: Any, h: torch.Tensor, batch: ForwardBatch,
         return None          # norm_applies also covers compiling and the extension build
     if h.dtype not in rotary.KERNEL_DTYPES or h.dtype not in pab.KERNEL_DTYPES:
         return None
+    # The small-batch decode path (worker/small_batch.py) reuses the batch's tensors step to
+    # step: the plan, made of them and the weights, is kept while no module gained a hook.
+    cache = batch.plan_cache
+    if cache is not None:
+        kept = cache.get("lean")
+        if kept is not None and kept[0] is model and kept[1] is h.dtype and not any(kept[3]):
+            return kept[2]
     out = []
     for layer in model.layers:
         lean = _plan_layer(layer, h.dtype, h.shape[0], batch, plans)
         if lean is None:
             return None
         out.append(lean)
+    if cache is not None:
+        cache["lean"] = (model, h.dtype, out,
+                         tuple(d for layer in model.layers for d in _hook_dicts(layer)))
     return out
+
+
+def _hook_dicts(layer: Any) -> list[dict]:
+    """The hook dicts of the modules `_plan_layer` checks (registering a hook adds to the
+    module's dict, so a kept plan checks them all with one `any`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mods = (layer, attn, layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
+            attn.k_norm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp,
+            getattr(mlp, "gate", None), getattr(mlp, "experts", None))
+    return [d for m in mods if isinstance(m, nn.Module)
+            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                      m._backward_pre_hooks)]
 
 
 def _plan_layer(layer: Any, dtype: torch.dtype, rows: int, batch: ForwardBatch,

@@ -9,7 +9,9 @@ What is measured (all with the thread count given, one rank):
   dense_forward(B) = forward(B) - the experts' share predicted from that table (all local).
 - host jitter: durations of a fixed small host task, minus their median (scheduling noise).
 - collectives: torch.distributed gloo all_reduce (16 bytes) at 2 and 4 ranks, and
-  all_to_all_single at several sizes at 2 ranks -> alpha (latency) and bytes/s (fit).
+  all_to_all_single at several sizes at 2 ranks -> alpha (latency) and bytes/s (fit); and
+  the lock-step meeting: ranks alternating a fixed piece of host work with a tiny
+  all_to_all, the mean seconds per exchange vs the work between (_lockstep_meetings).
 - memory bandwidth (a large copy) and fp32 matmul FLOP/s.
 """
 from __future__ import annotations
@@ -112,11 +114,14 @@ def _generate(llm: Any, rng: np.random.Generator, batch: int, prompt_len: int,
               max_tokens: int, clock: list[float] | None = None) -> dict[str, float]:
     """Step-timer totals (and expert seconds) of one generate call."""
     from wideserve import SamplingParams
-    before = step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    def totals() -> dict[str, float]:
+        return step_totals(llm) | {"experts": clock[0] if clock else 0.0,
+                                   "cpu": time.process_time(), "wall": time.perf_counter()}
+    before = totals()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
                   for _ in range(batch)], sp, use_tqdm=False)
-    after = step_totals(llm) | {"experts": clock[0] if clock else 0.0}
+    after = totals()
     return {k: after[k] - before[k] for k in after}
 
 
@@ -148,6 +153,13 @@ def host_fit(rows: list[dict[str, float]]) -> tuple[float, float]:
     return float(max(icpt, 0.0)), float(max(slope, 0.0))
 
 
+def cpu_share(rows: list[dict[str, float]]) -> float:
+    """CPU seconds the in-process engine (one thread) got per wall second of its decode steps:
+    the share of a core the machine's load left it while the steps were measured."""
+    cpu, wall = sum(r.get("cpu", 0.0) for r in rows), sum(r.get("wall", 0.0) for r in rows)
+    return min(cpu / wall, 1.0) if cpu > 0 and wall > 0 else 1.0
+
+
 def measure_jitter(samples: int = 3000) -> list[float]:
     a = np.random.default_rng(0).random(40_000)
     ts = []
@@ -161,7 +173,12 @@ def measure_jitter(samples: int = 3000) -> list[float]:
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], q: Any) -> None:
     import torch
     import torch.distributed as dist
+
+    from wideserve.utils.threads import apply_engine_plan
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Placed as the engine places its DEP ranks (one per core when they fit, OMP_NUM_THREADS
+    # threads each): where a blocked rank waits to be woken is part of what is measured.
+    apply_engine_plan(None, rank, world)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -175,11 +192,58 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], q: An
         x = torch.zeros(n // 4 * world, dtype=torch.float32)
         y = torch.empty_like(x)
         a2a.append(_median_time(lambda: dist.all_to_all_single(y, x), 20))
+    meet = _lockstep_meetings(world, tiny, tiny_out)
     dist.destroy_process_group()
     if rank == 0:
-        q.put({"allreduce_s": statistics.median(ar), "allreduce_mean_s": statistics.mean(ar),
+        q.put({"meeting": meet,
+               "allreduce_s": statistics.median(ar), "allreduce_mean_s": statistics.mean(ar),
                "alltoall_s": a2a, "alltoall_small_mean_s": statistics.mean(a2a_small),
                "alltoall_small_median_s": statistics.median(a2a_small)})
+
+
+# CPU seconds of host work between two collectives: around a DEP forward's (a few ms of
+# forward over 3 exchanges per MoE layer), where the wait changes regime on a loaded machine
+# (short work finishes within the slice a woken rank is given; longer work gets preempted).
+MEETING_SEGMENTS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3)
+
+
+def _lockstep_meetings(world: int, send: Any, recv: Any, meetings: int = 200
+                       ) -> dict[str, list[float]]:
+    """Lock-step ranks: a fixed piece of host work (1-thread matmuls) then a tiny
+    all_to_all, repeated, as a DEP forward alternates compute and exchanges. Per amount of
+    work (CPU seconds, thread_time: what the work costs, however long the OS took to run
+    it), the mean wall seconds a rank spends inside the collective (averaged over the
+    ranks): the gloo call itself plus waiting for the slowest peer's preemptions and for the
+    OS to wake the blocked rank - what one exchange costs a forward on this machine under
+    its current load. Means, not medians: the step time is a sum, so rare long waits
+    count."""
+    import torch
+    import torch.distributed as dist
+    a = torch.randn(96, 96)
+    start = time.thread_time()
+    for _ in range(200):
+        a @ a
+    unit = torch.tensor([(time.thread_time() - start) / 200], dtype=torch.float64)
+    dist.all_reduce(unit, op=dist.ReduceOp.MIN)        # the same work on every rank
+    cpu_s, wall_s, wait_s = [], [], []
+    for seg in MEETING_SEGMENTS_S:
+        n = max(1, round(seg / float(unit)))
+        cpu = work = wait = 0.0
+        for _ in range(meetings):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(n):
+                a @ a
+            c1, t1 = time.thread_time(), time.perf_counter()
+            dist.all_to_all_single(recv, send)
+            cpu += c1 - c0
+            work += t1 - t0
+            wait += time.perf_counter() - t1
+        tot = torch.tensor([cpu, work, wait], dtype=torch.float64) / meetings
+        dist.all_reduce(tot)
+        cpu_s.append(float(tot[0]) / world)
+        wall_s.append(float(tot[1]) / world)
+        wait_s.append(float(tot[2]) / world)
+    return {"segment_cpu_s": cpu_s, "segment_wall_s": wall_s, "s": wait_s}
 
 
 def measure_collectives(world: int, sizes: list[int]) -> dict[str, Any]:
@@ -247,7 +311,8 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     return Profile(
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                 f"{threads} thread(s), load {os.getloadavg()[0]:.2f}",
-        host={"base_s": base, "per_request_s": per_req, "per_token_s": 0.0, "jitter_s": jit},
+        host={"base_s": base, "per_request_s": per_req, "per_token_s": 0.0, "jitter_s": jit,
+              "cpu_share": cpu_share(engine)},
         collectives={"allreduce_s": {w: c["allreduce_s"] for w, c in coll.items()},
                      # a ring all-reduce of a tiny message: 2(n-1) latencies
                      "allreduce_alpha_s": c0["allreduce_s"] / (2 * (w0 - 1)),
@@ -257,7 +322,10 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
                      "alltoall": {**fit, "alpha_s": c0["alltoall_small_median_s"] / (w0 - 1),
                                   "ranks": w0, "sizes": sizes, "s": c0["alltoall_s"],
                                   "alpha_mean_s": c0["alltoall_small_mean_s"] / (w0 - 1),
-                                  "alpha_median_s": c0["alltoall_small_median_s"] / (w0 - 1)}},
+                                  "alpha_median_s": c0["alltoall_small_median_s"] / (w0 - 1)},
+                     # mean seconds per exchange of lock-step ranks vs the CPU seconds
+                     # of host work between
+                     "meeting": {w: c["meeting"] for w, c in coll.items()}},
         ops={"expert": experts, "dense_forward": dense, "engine_rows": engine},
         mem_bytes_per_s=mem, flops_fp32=flops,
         sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -5,8 +5,8 @@ Users: `batch` per decode rank, each sending its next request when the last one 
 (a closed loop at fixed concurrency, the way the recipe measures "N requests per GPU"). The
 run starts in steady state: every slot holds a request part-way through its output. Under
 P/D a new request is prefilled on the prefill instance that frees first, its KV crosses the
-fabric (pd.py), and the decode rank admits at most `max_kv_loads_per_step` arrived requests
-per step, each costing host time (the admission copy). Colocated, a new prompt is prefilled
+fabric (pd.py) after the decode rank admits it (at most `max_kv_loads_per_step` per step,
+each costing host time), and it decodes from the step after the one that admitted it. Colocated, a new prompt is prefilled
 inside the next decode step of its rank. Speculation: with k drafts and conditional
 per-position acceptance a_1..a_k, a step emits 1 + sum_i prod_{j<=i} a_j tokens per request
 in expectation.
@@ -58,7 +58,9 @@ class _Req:
     remaining: float
     context: float
     arrival: float
-    ready: float = 0.0          # KV arrived at the decode rank (P/D)
+    ready: float = 0.0          # the request reached the decode server (P/D: prefill done)
+    xfer: float = 0.0           # its KV transfer's seconds, from the step that admits it
+    loaded: float = 0.0         # when that transfer completes
     first: float | None = None
     done_tokens: float = 0.0
     new_tokens: int = 0         # prompt tokens still to prefill (colocated)
@@ -95,6 +97,7 @@ class Simulation:
         self.prefill_free = [0.0] * layout.pd.prefill_instances
         self.prefill_batch: list[dict | None] = [None] * layout.pd.prefill_instances
         self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
+        self.loading: list[_Req] = []       # admitted, KV in flight (P/D)
         self.exhausted = False
         self.max_loads = 0          # most KV loads one rank admitted in one step
         if steady:
@@ -163,11 +166,23 @@ class Simulation:
         end = b["start"] + cost(b["members"])
         self.prefill_free[i] = end
         for r, n, c in b["members"]:
-            r.ready = end + transfer_s(self.m, self.hw, pd, n + c)
+            r.ready, r.xfer = end, transfer_s(self.m, self.hw, pd, n + c)
 
     def _admit(self) -> list[float]:
-        """Move arrived KV into the decode ranks; returns each rank's admission host seconds
-        (the measured per-load cost at each request's context)."""
+        """The decode engine's KV loads (engine/engine_core.py, disagg/connector.py): at a
+        step's start, loads finished during earlier steps reach the scheduler (finish_step)
+        and their requests join the batch; then the scheduler admits waiting requests (at most
+        `max_kv_loads_per_step` per rank), allocating their blocks, and the step starts their
+        transfers (start_step), which run while the step computes. A request admitted at step
+        N therefore decodes its first token at step N + 1 at the earliest. Returns each rank's
+        admission host seconds (the measured per-load cost at each request's context)."""
+        keep_loading = []
+        for req in self.loading:
+            if req.loaded <= self.now:
+                self.running[req.rank].append(req)
+            else:
+                keep_loading.append(req)
+        self.loading = keep_loading
         cap = self.lay.pd.max_kv_loads_per_step
         loads, cost = [0] * self.lay.dep, [0.0] * self.lay.dep
         keep = []
@@ -176,7 +191,8 @@ class Simulation:
             if req.ready <= self.now and (cap is None or loads[r] < cap):
                 loads[r] += 1
                 cost[r] += admission_s(self.sm.p, self.hw, req.context)
-                self.running[r].append(req)
+                req.loaded = self.now + req.xfer
+                self.loading.append(req)
             else:
                 keep.append(req)
         self.pending = keep
@@ -243,9 +259,10 @@ class Simulation:
         an idle decode rank waits for the next KV to arrive."""
         parts: dict[str, float] = {}
         steps = 0
-        while steps < max_steps and (any(self.running) or self.pending):
-            if not any(self.running):
-                self.now = max(self.now, min(x.ready for x in self.pending))
+        while steps < max_steps and (any(self.running) or self.pending or self.loading):
+            if not any(self.running):       # idle: on to the next arrival or finished load
+                self.now = max(self.now, min([x.ready for x in self.pending]
+                                             + [x.loaded for x in self.loading]))
             for k, v in self.step(steps).items():
                 parts[k] = parts.get(k, 0.0) + v
             steps += 1

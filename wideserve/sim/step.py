@@ -154,9 +154,13 @@ class StepModel:
         a2a = self.a2a_s(n, max(tokens) * m.top_k, m.moe_layers)
         parts_r = []
         wait = self._lockstep_wait(n, tokens, expert, s)
+        # With a measured meeting table the host phase is another stretch between two
+        # meetings (the DP sync wakes it): its preemptions are in the table's waits, not
+        # drawn again (the engine's DEP2 host phase measured 0.25 ms where draws gave 4-10).
+        jitter = [] if self._meeting_table(n, s) else s.jitter
         for r in range(n):
             parts_r.append({
-                "host": self.host_s(s.requests[r], tokens[r]) + (s.jitter[r] if s.jitter else 0),
+                "host": self.host_s(s.requests[r], tokens[r]) + (jitter[r] if jitter else 0),
                 "dense": self.dense_s(tokens[r]),
                 "attention": self.attention_s(s.requests[r], s.context[r], q),
                 "moe": float(expert[r]), "all_to_all": a2a, "lockstep_wait": wait,
@@ -165,14 +169,35 @@ class StepModel:
 
     def _lockstep_wait(self, n: int, tokens: list[int], expert: np.ndarray,
                        s: StepInputs) -> float:
-        """On a measured machine the forward runs on the host: host noise hits every segment
-        between two all-to-alls and the ranks wait for the slowest at each (noise.py). On a
-        GPU the forward is device work (a captured graph): no host noise inside it."""
+        """On a measured machine the forward runs on the host: each exchange waits for the
+        slowest peer's preemptions and for the OS to wake the blocked rank. The step makes
+        3 exchanges per MoE layer (counts, rows, outputs: layers/ep_dispatch.py) plus one per
+        step (the padded path's step header or the exact path's closing round). With a
+        measured meeting table at n ranks (calibrate.py, _lockstep_meetings) each exchange
+        costs the table's mean at this step's host work between exchanges (in CPU seconds:
+        the measured forward's wall time x the CPU share the engine got), less the latency
+        a2a_s already books; without one, waits are drawn from the host noise (noise.py). On
+        a GPU the forward is device work (a captured graph): no host noise inside it."""
         if not self.measured or n <= 1 or not s.noise:
             return 0.0
-        points = 3 * (self.m.moe_layers + (self.m.draft_layers if s.drafts else 0))
-        seg = (self.dense_s(max(tokens)) + float(expert.max())) / max(points, 1)
-        return self.noise.lockstep_wait(points, seg, n, self.rng)
+        layers = self.m.moe_layers + (self.m.draft_layers if s.drafts else 0)
+        points = 3 * layers + 1
+        seg = (self.dense_s(max(tokens)) + float(expert.max())) / points
+        table = self._meeting_table(n, s)
+        if table:
+            # the table's axis is the CPU seconds of work between exchanges; the measured
+            # forward is wall time, of which the engine got `cpu_share` on the CPU
+            seg *= self.p.host.get("cpu_share", 1.0)
+            meet = interp(table["segment_cpu_s"], table["s"], seg)
+            alpha = self.p.collectives["alltoall"]["alpha_s"] * (n - 1)
+            return points * meet - 3 * layers * min(alpha, meet)
+        return self.noise.lockstep_wait(points - 1, seg, n, self.rng)
+
+    def _meeting_table(self, n: int, s: StepInputs) -> dict | None:
+        """The calibrated lock-step meeting table at n ranks (a measured machine only)."""
+        if not self.measured or n <= 1 or not s.noise:
+            return None
+        return (self.p.collectives.get("meeting") or {}).get(str(n))
 
     def _drafts_s(self, s: StepInputs, n: int) -> np.ndarray:
         m, k = self.m, s.drafts

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from wideserve.models.interface import CausalLM
+from wideserve.types.forward_batch import ForwardBatch
+from wideserve.utils.device import to_device
 from wideserve.spec_decode.proposer import ProposeInput, Proposer
 
 
@@ -39,6 +41,7 @@ class DSparkProposer(Proposer):
             raise ValueError(f"speculative_config.num_speculative_tokens={num_tokens} exceeds "
                              f"the DSpark block size {block}")
         self.model = model
+        self.k = num_tokens          # drafts per step: the draft step's fixed width
         self.threshold = threshold
         self.accept_prob: list[float] = []     # confidence of each drafted slot (metrics)
 
@@ -47,40 +50,47 @@ class DSparkProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, inp: ProposeInput) -> list[list[int]]:
-        from wideserve.models.deepseek_v41.model import DSPARK_FEATURES
-        model, batch, c = self.model, inp.batch, self.model.config
         out: list[list[int]] = [[] for _ in inp.step_reqs]
         want = np.nonzero((inp.num_drafts > 0) & (inp.next_tokens() >= 0))[0]
         if want.size == 0:
             return out
-        dev = batch.input_ids.device
-        W, Q = c.sliding_window, c.dspark_block_size
+        dev = inp.batch.input_ids.device
         anchor = np.array([inp.step_reqs[i].start for i in want]) + inp.num_valid[want]
-        ctx_pos = anchor[:, None] - W + np.arange(W)                         # [B, W]
+        drafts = self.draft(inp.batch, to_device(want.astype(np.int64), dev),
+                            to_device(anchor.astype(np.int64), dev),
+                            to_device(inp.next_tokens()[want].astype(np.int64), dev))
+        table = drafts.tolist()                         # the draft step's one host read
+        for row, i in enumerate(want.tolist()):
+            toks = table[row][:int(inp.num_drafts[i])]
+            out[i] = toks[:toks.index(-1)] if -1 in toks else toks
+        return out
+
+    def draft(self, batch: ForwardBatch, req_idx: torch.Tensor, anchor: torch.Tensor,
+              tokens: torch.Tensor) -> torch.Tensor:
+        """The draft step on the device at fixed k (num_speculative_tokens): the requests at
+        step indices req_idx [B] with their newest tokens [B] at positions anchor [B] ->
+        drafts [B, k] (-1 after an early stop). Capturable (docs/cuda_graphs.md): shapes fixed
+        by B and k, no host read and no tensor built on the host; a request wanting fewer
+        drafts keeps the first ones (slot j depends only on the slots before it)."""
+        from wideserve.models.deepseek_v41.model import DSPARK_FEATURES
+        model, c = self.model, self.model.config
+        W, Q, B, dev = c.sliding_window, c.dspark_block_size, anchor.shape[0], anchor.device
+        ctx_pos = anchor[:, None] - W + torch.arange(W, device=dev)                # [B, W]
         valid = ctx_pos >= 0
         view = batch.kv_groups[batch.cache_group[DSPARK_FEATURES]]
-        req = np.broadcast_to(want[:, None], ctx_pos.shape)
-        slots = view.entry_slots(torch.from_numpy(np.ascontiguousarray(req)).to(dev),
-                                 torch.from_numpy(np.maximum(ctx_pos, 0)).to(dev))
+        slots = view.entry_slots(req_idx[:, None].expand(-1, W), ctx_pos.clamp(min=0))
         cache = batch.kv_caches[DSPARK_FEATURES]
-        feats = cache.view(-1, cache.shape[-1])[slots.flatten()].view(*ctx_pos.shape, -1)
-        valid_t = torch.from_numpy(valid).to(dev)
-        feats = torch.where(valid_t[..., None], feats, 0).to(model.dtype)
-        tokens = torch.from_numpy(inp.next_tokens()[want]).to(dev)
-        ids = torch.full((len(want), Q), c.dspark_noise_token_id, dtype=torch.int64,
-                         device=dev)
-        ids[:, 0] = tokens
-        states = model.dspark_draft(ids, feats, torch.from_numpy(anchor).to(dev),
-                                    torch.from_numpy(ctx_pos).to(dev), valid_t)
-        prev, drafts, alive = tokens, [], torch.ones(len(want), dtype=torch.bool, device=dev)
-        for j in range(int(inp.num_drafts[want].max())):
+        feats = cache.view(-1, cache.shape[-1]).index_select(0, slots.flatten())
+        feats = torch.where(valid[..., None], feats.view(B, W, -1), 0).to(model.dtype)
+        noise = torch.full((B, Q - 1), c.dspark_noise_token_id, dtype=torch.int64, device=dev)
+        ids = torch.cat([tokens[:, None], noise], dim=1)
+        states = model.dspark_draft(ids, feats, anchor, ctx_pos, valid)
+        prev, drafts = tokens, []
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        for j in range(self.k):
             logits, conf = model.dspark_head(states[:, j], prev)
             prev = logits.argmax(dim=-1)
             if self.threshold is not None:
                 alive = alive & (torch.sigmoid(conf) >= self.threshold)
             drafts.append(torch.where(alive, prev, -1))
-        table = torch.stack(drafts, dim=1).tolist()
-        for row, i in enumerate(want.tolist()):
-            toks = table[row][:int(inp.num_drafts[i])]
-            out[i] = toks[:toks.index(-1)] if -1 in toks else toks
-        return out
+        return torch.stack(drafts, dim=1)

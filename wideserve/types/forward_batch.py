@@ -72,7 +72,16 @@ class ForwardBatch:
     # [R] host array: where each request's bounded replay began (its window and compressor
     # state hold nothing below it, even in a later chunk of the replay); with kv_write_start.
     kv_replay_start: np.ndarray | None = None
+    # [R] host array: how many of each request's last rows the caller reads the hidden states
+    # of (0: none, a chunk that does not sample; 1: the sampled row; drafts + 1; every row for
+    # prompt logprobs). None: every row. A model may leave the other rows' outputs unset
+    # where that saves work (DeepSeek-V4.1's decoder bounded replay).
+    num_output_rows_cpu: np.ndarray | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set by the small-batch decode path (worker/small_batch.py) only: a dict that lives as
+    # long as this batch's tensors are reused step to step, where a model may keep what it
+    # derives from them and its weights (models/lean_decode.py). None: plan every step.
+    plan_cache: dict | None = None
 
     @property
     def num_tokens(self) -> int:

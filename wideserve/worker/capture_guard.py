@@ -10,7 +10,10 @@ reading the same addresses. A forward breaks that where it
 - feeds the device a tensor built on the host during the forward (from numpy, from a list):
   a graph bakes in the first step's copy and replays it for ever;
 - calls a CPU-only op (the C++ extension's `wideserve::` ops, oneDNN's `mkldnn::`), which
-  means a CPU path ran where the CUDA path was meant to.
+  means a CPU path ran where the CUDA path was meant to;
+- with `host_tables=False`, reads a table kept in host memory (a `HostResident` module's,
+  layers/engram.py): on CUDA its rows are gathered by ids the host must read, so a
+  captured step stages those rows before the replay (decode_capture.py, DecodeStaging).
 
 `CaptureGuard` raises `CaptureViolation` on the first of these while it is active: a
 TorchFunctionMode sees the read-backs (Tensor methods), a TorchDispatchMode sees every op.
@@ -39,6 +42,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from wideserve.layers.engram import HostResident
 
 aten = torch.ops.aten
 
@@ -73,6 +78,10 @@ def _ptr(t: torch.Tensor) -> int:
 def _signature(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype)
+    if isinstance(x, torch.ScriptObject):
+        # A collective's process group: a new wrapper object per call, so its type, not its
+        # address (repr), is what two steps must agree on.
+        return ("ScriptObject", x._type().qualified_name())
     return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
 
 
@@ -123,11 +132,16 @@ class CaptureGuard:
     Tensors alive when the guard is made count as the forward's inputs (make it after the
     warm-up, as capture does); `allow` adds tensors made later (an eager step's batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_tables: bool = True) -> None:
+        """host_tables False: reading a HostResident module's tensors is a violation."""
         self._known = _Storages()
+        self._host_only = _Storages()
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor):     # (isinstance trips lazy proxies)
                 self._known.add(obj)
+            elif not host_tables and issubclass(type(obj), HostResident):
+                for t in (*obj.parameters(), *obj.buffers()):
+                    self._host_only.add(t)
         self._made = _Storages()
         self.trace: list[tuple] = []
         self._modes: list[Any] = []
@@ -165,6 +179,9 @@ class CaptureGuard:
                 for i in tree_flatten(args[1])[0]):
             raise CaptureViolation(f"{name} with a boolean mask: a data-dependent shape")
         for x in leaves:
+            if isinstance(x, torch.Tensor) and x in self._host_only:
+                raise CaptureViolation(f"{name} reads a host-resident table {tuple(x.shape)}: "
+                                       f"on CUDA by row ids read back from the device")
             if isinstance(x, torch.Tensor) and x not in self._made and x not in self._known:
                 raise CaptureViolation(
                     f"{name} reads a tensor {tuple(x.shape)} {x.dtype} built during the forward "
@@ -177,7 +194,8 @@ class GuardedCapturer:
     warm-up run, then the run under one CaptureGuard (made after the first warm-up, as a
     graph's inputs exist by then) whose trace is kept; every replay runs the forward again
     under the guard and must record the same trace: the kernels a graph would replay.
-    `replays` counts them."""
+    `replays` counts them. A captured step stages what it reads of host-resident tables
+    before the replay, so the guard here refuses any read of one (`host_tables=False`)."""
 
     def __init__(self) -> None:
         self.guard: CaptureGuard | None = None
@@ -187,7 +205,7 @@ class GuardedCapturer:
     def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         run()                                   # warm-up: lazy state (packed weights...) is made
         if self.guard is None:
-            self.guard = CaptureGuard()
+            self.guard = CaptureGuard(host_tables=False)
         guard = self.guard
         with guard:
             out = run()

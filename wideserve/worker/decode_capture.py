@@ -31,6 +31,7 @@ import bisect
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,6 +59,39 @@ class StepRequest(Protocol):
     prompt_logits: bool
     num_spec: int
     is_new: bool
+    context: Sequence[int]
+
+
+class DecodeStaging(Protocol):
+    """A model's host-computed decode inputs (CausalLM.decode_staging): DeepSeek-V4.1's
+    Engram rows, gathered from a host table by ids hashed on the host (layers/engram.py)."""
+
+    def stage(self, tokens: Sequence[int], positions: Sequence[int],
+              contexts: Sequence[Sequence[int]], n: int) -> None:
+        """Rows [:len(tokens)] for the requests' new tokens at their positions after their
+        contexts, rows up to n for the padding (token 0 at position 0), written into static
+        device buffers (uploaded without blocking)."""
+
+    def inputs(self, n: int) -> dict[str, torch.Tensor]:
+        """The first n rows of those buffers, as the batch's extras."""
+
+
+class StepSync(Protocol):
+    """Peers whose forwards must agree on a step before it runs: under DEP the EP dispatcher
+    (layers/ep_dispatch.py), whose MoE calls are collectives over fixed-capacity buffers. Its
+    host collective runs here, before the forward, so the forward holds none and a graph can
+    record it (docs/cuda_graphs.md)."""
+
+    def begin_step(self, tokens: int) -> int:
+        """Tell the peers how many tokens this rank's forward routes (host integers). Returns
+        the size every rank's forward is padded to (0: none, the forward is not padded)."""
+
+    def fixed_step(self, size: int) -> AbstractContextManager[None]:
+        """A forward of `size` rows that every rank runs at once with no step header (the
+        capture at startup: every rank captures the same sizes in the same order)."""
+
+    def forward_done(self) -> None:
+        """The forward ran to its end (a graph replay runs no Python to say so)."""
 
 
 class GroupLayout(Protocol):
@@ -228,9 +262,10 @@ class CapturedDecode:
     def __init__(self, model: torch.nn.Module, groups: Sequence[GroupLayout],
                  cache_group: dict[str, int], kv_caches: dict[str, torch.Tensor],
                  tables: BlockTables, device: torch.device, sizes: Sequence[int],
-                 capturer: Capturer | None = None) -> None:
+                 capturer: Capturer | None = None, step_sync: StepSync | None = None) -> None:
         """capturer None: CUDA graphs where the device is CUDA and the model is capturable,
-        else EagerReplay."""
+        else EagerReplay. step_sync: the peers a forward must agree with (DEP); the capture
+        runs each size under its `fixed_step`, in the same order on every rank."""
         self.model, self.groups, self.cache_group = model, list(groups), cache_group
         self.kv_caches, self.tables, self.device = kv_caches, tables, device
         self.sizes = tuple(sorted(sizes))
@@ -241,6 +276,10 @@ class CapturedDecode:
                             "buffers", type(model).__name__)
             capturer = CudaGraphCapturer(device) if graphs else EagerReplay()
         self.capturer = capturer
+        self.step_sync = step_sync
+        self._capturing = False
+        # Inputs the model computes on the host before a replay (None: it needs none).
+        self.staging: DecodeStaging | None = model.decode_staging(self.sizes[-1], device)
         self.slot_groups = [g for g, lay in enumerate(self.groups) if lay.compress_ratio == 1]
         self.inputs = StaticDecodeInputs(self.sizes[-1], self.slot_groups, device)
         self.pad_row = tables.reserve_row()      # all null blocks, never assigned a request
@@ -269,11 +308,17 @@ class CapturedDecode:
             return
         self.reserve_tables(max_model_len)
         self.buckets = context_buckets(max_model_len)
-        for n in reversed(self.sizes):
-            for ctx in reversed(self.buckets):
-                self._stage_padding(0, n)
-                self.inputs.upload(n)
-                self._replays[n, ctx] = self.capturer.capture(self._forward_over(n, ctx))
+        self._capturing = True
+        try:
+            for n in reversed(self.sizes):
+                for ctx in reversed(self.buckets):
+                    self._stage_padding(0, n)
+                    if self.staging is not None:
+                        self.staging.stage([], [], [], n)
+                    self.inputs.upload(n)
+                    self._replays[n, ctx] = self.capturer.capture(self._forward_over(n, ctx))
+        finally:
+            self._capturing = False
         self._tables = self._current_tables()
 
     # ------------------------------------------------------------------------- a step
@@ -303,6 +348,9 @@ class CapturedDecode:
             bs = self.groups[g].block_size
             host[f"slots{g}"][:r] = self.tables.host(g)[rows, pos // bs] * bs + pos % bs
         self._stage_padding(r, n)
+        if self.staging is not None:
+            self.staging.stage([q.token_ids[0] for q in reqs], pos,
+                               [q.context for q in reqs], n)
 
     # ---------------------------------------------------------------------- helpers
     def _stage_padding(self, lo: int, hi: int) -> None:
@@ -337,7 +385,12 @@ class CapturedDecode:
     def _forward_over(self, n: int, context: int | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             # A fresh batch object per call: a model may keep per-step state in batch.extras.
-            return self.model.forward(self._batch(n, context))
+            if self.step_sync is None or not self._capturing:
+                return self.model.forward(self._batch(n, context))
+            # Capture: every rank runs this size now. A replay's step was agreed before it
+            # (ModelRunner.forward: begin_step), so it runs the forward alone.
+            with self.step_sync.fixed_step(n):
+                return self.model.forward(self._batch(n, context))
         return run
 
     def _current_tables(self) -> list[torch.Tensor]:
@@ -361,4 +414,5 @@ class CapturedDecode:
             query_start_loc=dev["query_start_loc"][:n + 1], seq_lens=dev["seq_lens"][:n],
             query_start_loc_cpu=host["query_start_loc"][:n + 1],
             seq_lens_cpu=host["seq_lens"][:n], kv_caches=self.kv_caches, kv_groups=views,
-            cache_group=self.cache_group)
+            cache_group=self.cache_group,
+            extras={} if self.staging is None else self.staging.inputs(n))

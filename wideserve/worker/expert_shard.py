@@ -116,7 +116,9 @@ class ExpertShardFilter:
         self.renamed: dict[str, str] = {}         # new name -> checkpoint name (for errors)
 
     def _placement(self, prefix: str) -> ExpertPlacement | None:
-        return self.placements.get(prefix) or self.placements.get(prefix.removeprefix("model."))
+        # checkpoint prefixes with or without the model's `model.` (V4.1's official names)
+        return (self.placements.get(prefix) or self.placements.get(prefix.removeprefix("model."))
+                or self.placements.get("model." + prefix))
 
     def __call__(self, tensors: Iterator[tuple[str, torch.Tensor]]
                  ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -86,6 +86,35 @@ def run_dummy_step(model: Any, specs: dict, cache: CacheConfig, sched: Scheduler
                    max_model_len: int, device: torch.device) -> int:
     """One maximal step on a throwaway KV cache sized for exactly it; returns the tokens."""
     lengths = dummy_lengths(sched, max_model_len)
+    runner, reqs = _throwaway(model, specs, cache, sched, max_model_len, device, lengths)
+    runner.forward(reqs)
+    return sum(lengths)
+
+
+# The start-up warm-up's prompt: a few tokens (a prefill of several rows, then one decode row).
+WARM_UP_TOKENS = 8
+
+
+def run_warm_up(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
+                max_model_len: int, device: torch.device) -> None:
+    """A short prefill and one decode step on a throwaway KV cache, so that what a model
+    makes at its first forward (the kernels' packed weight copies, kernel timings of shapes
+    no layer declared) is made at start-up, inside the engine's ready deadline, and not in
+    the first request's step, where it once outlasted the front end's stall timeout (a 653M
+    model's packing took 10-12 s at load 14 on 2 vCPUs)."""
+    n = min(WARM_UP_TOKENS, max(1, max_model_len - 1))
+    runner, reqs = _throwaway(model, specs, cache, sched, max_model_len, device, [n + 1])
+    prompt = reqs[0]
+    runner.forward([dataclasses.replace(prompt, token_ids=prompt.token_ids[:n])])
+    runner.forward([dataclasses.replace(prompt, token_ids=prompt.token_ids[n:], start=n,
+                                        is_new=False)])
+
+
+def _throwaway(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
+               max_model_len: int, device: torch.device,
+               lengths: list[int]) -> tuple[ModelRunner, list[StepRequest]]:
+    """A runner on a KV cache with pages for exactly `lengths`' requests, and those
+    requests (token 0 repeated) as one fresh prefill step."""
     tmp = dataclasses.replace(cache, enable_prefix_caching=False, num_blocks_override=2,
                               kv_cache_memory=None)
     kv_config = build_kv_cache_config(specs, tmp, sched, device=device)
@@ -99,11 +128,13 @@ def run_dummy_step(model: Any, specs: dict, cache: CacheConfig, sched: Scheduler
         r = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
         if manager.allocate_slots(r, n) is None:
             raise RuntimeError("memory profiling: the dummy KV cache is too small")
+        # prompt_logits: every row through every layer (a prompt-logprobs step's peak; the
+        # V4.1 decoder bounded replay would run its last layers on fewer rows otherwise).
         reqs.append(StepRequest(r.request_id, r.prompt_token_ids, 0,
-                                manager.block_ids(r.request_id), is_new=True))
+                                manager.block_ids(r.request_id), prompt_logits=True,
+                                is_new=True))
     layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in kv_config.groups]
-    ModelRunner(model, layouts, kv_config.cache_group, caches, device).forward(reqs)
-    return sum(lengths)
+    return ModelRunner(model, layouts, kv_config.cache_group, caches, device), reqs
 
 
 def profile_kv_budget(probe: DeviceMemory, utilization: float, run_step: Any) -> MemoryProfile:

@@ -234,13 +234,21 @@ def packed_expert_names(model: nn.Module) -> frozenset[str]:
                      for leaf in ("gate_up_proj", "down_proj"))
 
 
+def packed_expert_format(model: nn.Module):  # -> layers.quant.ExpertFormat | None
+    """The checkpoint format the model's routed experts are held in (None: dense)."""
+    from wideserve.layers.experts import RoutedExperts
+    return next((m.weight_format for m in model.modules()
+                 if isinstance(m, RoutedExperts) and m.weight_format is not None), None)
+
+
 def load_checkpoint(model: CausalLM, model_dir: Path, config_json: dict, dtype: torch.dtype,
                     tensor_filter: TensorFilter | None = None, progress: bool = True) -> None:
     """Stream the checkpoint into `model`. Unknown tensor names are the model's to reject
     (its `load_weights` raises for a name it cannot place); the error then names the file."""
     reader = CheckpointReader(model_dir, config_json, dtype,
                               keep_quantised=model.keeps_quantised,
-                              packed_experts=packed_expert_names(model))
+                              packed_experts=packed_expert_names(model),
+                              packed_format=packed_expert_format(model))
     yielded: list[str] = []
     try:
         with torch.no_grad():

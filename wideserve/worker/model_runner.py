@@ -8,6 +8,8 @@ non-blocking on CUDA), and nothing in here reads a device value back.
 
 Decode steps can instead go through the captured decode step (decode_capture.py, enabled by
 `enable_decode_capture`): padded to a capture size, metadata in static buffers, replayed.
+Small decode steps that are not captured take the small-batch path (small_batch.py, enabled
+by `enable_small_batch`): exact-size views of static buffers, the model's plan kept.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import torch
 
 from wideserve.utils.device import to_device
 from wideserve.worker.block_tables import BlockTables
-from wideserve.worker.decode_capture import CapturedDecode, Capturer
+from wideserve.worker.decode_capture import CapturedDecode, Capturer, StepSync
 from wideserve.worker.images import StepImages, image_extras
+from wideserve.worker.small_batch import SmallBatchDecode
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
 
@@ -40,6 +43,9 @@ class StepRequest:
     num_spec: int = 0             # draft tokens ending token_ids: logits for each + the last
     replay_start: int = 0         # with kv_write_start: where this request's replay began
     is_new: bool = False          # first step of the request (or of its resumption)
+    # The request's tokens (Request.all_token_ids, not copied): a captured decode step's
+    # host-staged inputs read the few before `start` (Engram n-grams; decode_capture.py).
+    context: Sequence[int] = ()
     images: StepImages | None = None   # rows at image positions, their embeddings (images.py)
 
 
@@ -74,17 +80,29 @@ class ModelRunner:
         self.device = device
         self.tables = tables if tables is not None else BlockTables(len(groups), device)
         self.captured: CapturedDecode | None = None     # enable_decode_capture()
+        self.small: SmallBatchDecode | None = None      # enable_small_batch()
+        # DEP's EP dispatcher (engine/dp_engine.py): the step header before every forward.
+        self.step_sync: StepSync | None = None
 
     def enable_decode_capture(self, sizes: list[int] | tuple[int, ...], max_model_len: int,
                               capturer: Capturer | None = None) -> CapturedDecode:
         """Decode steps of up to max(sizes) requests run padded over static buffers (CUDA
         graphs where the model is capturable, captured here); other steps stay eager."""
         cap = CapturedDecode(self.model, self.groups, self.cache_group, self.kv_caches,
-                             self.tables, self.device, sizes, capturer)
+                             self.tables, self.device, sizes, capturer, self.step_sync)
         with torch.inference_mode():
             cap.capture(max_model_len)
         self.captured = cap
         return cap
+
+    def enable_small_batch(self, max_size: int) -> SmallBatchDecode | None:
+        """Decode steps of up to max_size requests take the small-batch path (0: off). Not
+        with drafts: the proposers move a step's batch on in place (spec_decode/proposer.py)."""
+        if max_size < 0:
+            raise ValueError(f"small_batch_decode must be >= 0 (0: off), got {max_size}")
+        self.small = None if max_size == 0 or self.with_drafts else SmallBatchDecode(
+            self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size)
+        return self.small
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished or preempted requests (their block-table rows are freed). A
@@ -134,10 +152,17 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
             kv_write_start=write_start, kv_write_start_cpu=write_start_cpu,
-            kv_replay_start=replay_start)
+            kv_replay_start=replay_start, num_output_rows_cpu=self._output_rows(reqs, qlens))
         if any([r.images is not None for r in reqs]):
             batch.extras.update(image_extras([r.images for r in reqs], qsl, dev))
         return batch
+
+    def _output_rows(self, reqs: list[StepRequest], qlens: np.ndarray) -> np.ndarray:
+        """[R] rows of each request whose hidden states `forward` reads: all of them for
+        prompt logprobs, the sampled row (and the drafts' with_drafts), none otherwise."""
+        spec = self.with_drafts
+        return np.array([q if r.prompt_logits else (r.num_spec + 1 if spec else 1) if r.sample
+                         else 0 for r, q in zip(reqs, qlens.tolist())], dtype=np.int64)
 
     def _group_view(self, g: int, layout: GroupLayout, rows: np.ndarray, rows_t: torch.Tensor,
                     token_rows: np.ndarray, positions: np.ndarray) -> KVGroupView:
@@ -157,16 +182,25 @@ class ModelRunner:
                 input_ids: torch.Tensor | None = None) -> ForwardOutput:
         """input_ids [T] on the device replaces the requests' token ids (a proposer feeding
         its own drafts back without a host sync)."""
-        n = None if self.captured is None or input_ids is not None \
-            or any([r.images is not None for r in reqs]) else self.captured.padded_size(reqs)
+        # A step with image rows carries their embeddings in extras: the plain path only.
+        plain = input_ids is not None or any([r.images is not None for r in reqs])
+        n = None if self.captured is None or plain else self.captured.padded_size(reqs)
+        small = None if plain else self.small
+        if self.step_sync is not None:
+            n = self._agree(reqs, n)
         if n is not None:
             step = self.captured.run(reqs, n)
             hidden, batch = step.hidden, step.batch
+        elif small is not None and small.applies(reqs):
+            batch = small.batch(reqs)
+            hidden = self.model.forward(batch)
         else:
             batch = self.build_batch(reqs)
             if input_ids is not None:
                 batch.input_ids = input_ids
             hidden = self.model.forward(batch)
+        if self.step_sync is not None:
+            self.step_sync.forward_done()
         qsl = batch.query_start_loc_cpu
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = None
@@ -188,6 +222,17 @@ class ModelRunner:
                 if r.prompt_logits:
                     prompt_hidden[i] = hidden[int(qsl[i]):int(qsl[i + 1])]
         return ForwardOutput(logits, sample_rows, prompt_hidden, batch)
+
+    def _agree(self, reqs: list[StepRequest], n: int | None) -> int | None:
+        """The step header (DEP) before the forward, from what the host knows: this rank's
+        tokens (its capture size for a captured decode step). Returns the size to replay at,
+        every rank's agreed one, or None to run eagerly (a step too large to pad, or a size
+        not captured)."""
+        assert self.step_sync is not None
+        tokens = n if n is not None else sum([len(r.token_ids) for r in reqs])
+        size = self.step_sync.begin_step(tokens)
+        return size if n is not None and self.captured is not None \
+            and size in self.captured.sizes else None
 
 
 def _with_draft_rows(ends: np.ndarray, num_spec: list[int]) -> np.ndarray:

@@ -35,8 +35,8 @@ def _routing(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def _quantised(ckpt: tuple[torch.Tensor, torch.Tensor], fmt: ExpertFormat
                ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(codes and scales: gate_up, its scale, down, its scale; the dequantised checkpoint)."""
-    w13, s13 = fmt.quantize(ckpt[0], halves=2)
-    w2, s2 = fmt.quantize(ckpt[1])
+    w13, s13, _ = fmt.quantize(ckpt[0], halves=2)
+    w2, s2, _ = fmt.quantize(ckpt[1])
     return [w13, s13, w2, s2], (fmt.dequantize(w13, s13, 2, torch.float32),
                                 fmt.dequantize(w2, s2, 1, torch.float32))
 

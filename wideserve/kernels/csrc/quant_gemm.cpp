@@ -1,21 +1,28 @@
 // Grouped expert GEMMs on weights kept in their checkpoint format (docs/cpu_kernels.md,
 // "Quantised experts"; formats in wideserve/layers/quant.py):
 //
-//   quant_grouped_linear(x [N, K], counts [L], w [L, R, Kb] uint8, scale [L, Sr, Sc] uint8,
-//                        fmt, block_rows, block_cols, halves, brgemm_min_rows?, portable)
+//   quant_grouped_linear(x [N, K], counts [L], w [L, R, Kb] uint8, scale [L, Sr, Sc],
+//                        fmt, block_rows, block_cols, halves, brgemm_min_rows?, portable,
+//                        global_scale? [L, halves] fp32)
 //     -> out [N, R] = x_e @ dequant(W_e)^T for the rows x_e of each expert e (rows sorted by
 //        expert, counts[e] of them), accumulated in fp32, rounded once to x's dtype.
 //
 // fmt 0: FP8 e4m3 codes (Kb = K) with one UE8M0 scale per block_rows x block_cols tile;
 // fmt 1: MXFP4, two e2m1 codes per byte, low nibble first (Kb = K / 2), one UE8M0 scale per
-// block_cols values of a row (block_rows = 1). `halves` = 2 for a gate/up stack whose gate and
+// block_cols values of a row (block_rows = 1); fmt 2: NVFP4, e2m1 codes as MXFP4 with one
+// FP8-E4M3 scale byte per block_cols values (16) and a per-tensor fp32 global scale per
+// expert and half (`global_scale`): w = code * scale * global. Scales are uint8 (UE8M0 for
+// fmt 0 / 1, E4M3 for fmt 2) or fp32 multipliers as stored (HF `weight_scale_inv` of FP8
+// checkpoints that are not powers of two, e.g. Qwen3 FP8). `halves` = 2 for a gate/up stack whose gate and
 // up halves each have their own scale grid, one after the other (a layout of the checkpoint's
 // bytes: w1 and w3 are separate tensors there).
 //
 // No dequantised copy of a weight is ever kept: each work item (expert, tile of output rows)
 // dequantises its rows into a small buffer that stays in L1/L2 and runs the dot products on
-// it. The dequantisation is exact (e4m3 or e2m1 times a power of two fits bf16 and fp32), so
-// results equal a matmul on the dequantised weight up to the order of the fp32 sums.
+// it. The dequantisation is the torch reference's (layers/quant.py): code times scale in
+// fp32 (exact for UE8M0 and E4M3 scales), times the global / fp32 scale (one fp32 rounding),
+// rounded to bf16 to nearest even (exact for FP8 / MXFP4 with UE8M0 scales), so results
+// equal a matmul on the dequantised weight up to the order of the fp32 sums.
 //   - few rows (bf16, AVX512-BF16): one weight row at a time into a bf16 buffer, `vdpbf16ps`
 //     dot products with up to 4 input rows per pass;
 //   - at least `brgemm_min_rows` rows (bf16, brgemm available: AMX where present): the
@@ -34,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -48,9 +56,10 @@ constexpr int64_t kBigTile = 32;      // weight rows per brgemm A tile
 constexpr int64_t kBigK = 512;        // K values per brgemm call (A tile: 32 x 512 bf16)
 
 struct Format {
-  int64_t kind;                       // 0 FP8 e4m3 block-scaled, 1 MXFP4
+  int64_t kind;                       // 0 FP8 e4m3 block-scaled, 1 MXFP4, 2 NVFP4
   int64_t bm, bn, halves;
   int64_t rows, cols, row_bytes, srows, scols;
+  bool fp32_scale;                    // scales are fp32 multipliers (else one byte each)
   // The scale-grid row of weight row n: with halves == 2 the gate rows use the first grid,
   // the up rows the second.
   int64_t scale_row(int64_t n) const {
@@ -60,6 +69,7 @@ struct Format {
     }
     return n / bm;
   }
+  int64_t half_of(int64_t n) const { return halves == 2 && n >= rows / 2 ? 1 : 0; }
 };
 
 std::array<float, 256> ue8m0_table() {
@@ -88,19 +98,36 @@ constexpr std::array<float, 16> kE2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0
 const std::array<float, 256> kScale = ue8m0_table();
 const std::array<float, 256> kE4M3 = e4m3_table();
 
+// The multiplier of scale entry i of a scale row (srow: the row's first byte).
+inline float scale_at(const Format& f, const uint8_t* srow, int64_t i) {
+  if (f.fp32_scale) {
+    float v;
+    std::memcpy(&v, srow + 4 * i, 4);
+    return v;
+  }
+  return f.kind == 2 ? kE4M3[srow[i]] : kScale[srow[i]];
+}
+
+inline const uint8_t* scale_row_ptr(const Format& f, const uint8_t* s, int64_t n) {
+  return s + f.scale_row(n) * f.scols * (f.fp32_scale ? 4 : 1);
+}
+
 // ------------------------------------------------------------------ dequantising one row
 
 // Values [k0, k1) of weight row n of one expert as fp32 into dst (k1 - k0 of them; k0 and
 // the length are multiples of 16, k1 <= K; the caller zero-fills the padding past K).
-void dequant_row_f32(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
-                     int64_t k0, int64_t k1, float* dst) {
+// g: the expert's global scales [halves] (NVFP4) or null.
+void dequant_row_f32(const Format& f, const uint8_t* w, const uint8_t* s, const float* g,
+                     int64_t n, int64_t k0, int64_t k1, float* dst) {
   const uint8_t* row = w + n * f.row_bytes;
-  const uint8_t* srow = s + f.scale_row(n) * f.scols;
+  const uint8_t* srow = scale_row_ptr(f, s, n);
+  const bool scaled = g != nullptr;
+  const float global = scaled ? g[f.half_of(n)] : 1.0f;
   int64_t k = k0;
 #ifdef __AVX512F__
   // 16 values at a time share one scale when the scale block is a multiple of 16 wide
   for (; f.bn % 16 == 0 && k + 16 <= k1; k += 16) {
-    const __m512 scale = _mm512_set1_ps(kScale[srow[k / f.bn]]);
+    const __m512 scale = _mm512_set1_ps(scale_at(f, srow, k / f.bn));
     __m512 v;
     if (f.kind == 0) {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(
@@ -123,25 +150,31 @@ void dequant_row_f32(const Format& f, const uint8_t* w, const uint8_t* s, int64_
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
       v = _mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1.data()));
     }
-    _mm512_storeu_ps(dst + (k - k0), _mm512_mul_ps(v, scale));
+    __m512 out = _mm512_mul_ps(v, scale);
+    if (scaled) out = _mm512_mul_ps(out, _mm512_set1_ps(global));
+    _mm512_storeu_ps(dst + (k - k0), out);
   }
 #endif
   for (; k < k1; ++k) {
-    const float scale = kScale[srow[k / f.bn]];
+    const float scale = scale_at(f, srow, k / f.bn);
     const float v = f.kind == 0 ? kE4M3[row[k]]
                                 : kE2M1[(row[k / 2] >> (4 * (k & 1))) & 0xF];
-    dst[k - k0] = v * scale;
+    float out = v * scale;
+    if (scaled) out = out * global;
+    dst[k - k0] = out;
   }
 }
 
-// The same as bf16 (exact: a truncation of the fp32 value, which bf16 represents).
-void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
-                              int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst);
+// The same as bf16, rounded to nearest even as torch's .to(bfloat16) rounds (exact, i.e. a
+// truncation, where the fp32 value is a bf16 value: FP8 / MXFP4 with UE8M0 scales).
+void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s,
+                              const float* g, int64_t n, int64_t k0, int64_t k1, float* tmp,
+                              at::BFloat16* dst);
 
-void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
-                      int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst) {
+void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, const float* g,
+                      int64_t n, int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst) {
 #ifdef __AVX512F__
-  if (f.kind == 1 && f.bn % 32 == 0 && k0 % 32 == 0) {
+  if (f.kind == 1 && !f.fp32_scale && f.bn % 32 == 0 && k0 % 32 == 0) {
     // MXFP4 straight to bf16, 32 values (16 bytes, one scale) per step: the e2m1 table times
     // the scale, truncated to bf16 (exact), looked up by code with one 16-bit permute.
     const uint8_t* row = w + n * f.row_bytes;
@@ -159,28 +192,33 @@ void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, int64
           _mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
       _mm512_storeu_si512(dst + (k - k0), _mm512_permutexvar_epi16(codes, lut));
     }
-    if (k < k1) dequant_row_bf16_generic(f, w, s, n, k, k1, tmp, dst + (k - k0));
+    if (k < k1) dequant_row_bf16_generic(f, w, s, g, n, k, k1, tmp, dst + (k - k0));
     return;
   }
 #endif
-  dequant_row_bf16_generic(f, w, s, n, k0, k1, tmp, dst);
+  dequant_row_bf16_generic(f, w, s, g, n, k0, k1, tmp, dst);
 }
 
-void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s, int64_t n,
-                              int64_t k0, int64_t k1, float* tmp, at::BFloat16* dst) {
-  dequant_row_f32(f, w, s, n, k0, k1, tmp);
+void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s,
+                              const float* g, int64_t n, int64_t k0, int64_t k1, float* tmp,
+                              at::BFloat16* dst) {
+  dequant_row_f32(f, w, s, g, n, k0, k1, tmp);
   const int64_t len = k1 - k0;
   int64_t k = 0;
 #ifdef __AVX512F__
+  // round to nearest even: bits + 0x7FFF + lsb of the kept half (a quiet NaN stays NaN)
   for (; k + 16 <= len; k += 16) {
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(tmp + k)), 16);
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(tmp + k));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i bits = _mm512_srli_epi32(
+        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm512_cvtepi32_epi16(bits));
   }
 #endif
   for (; k < len; ++k) {
     uint32_t bits;
     std::memcpy(&bits, tmp + k, 4);
-    const uint16_t top = uint16_t(bits >> 16);
+    const uint16_t top = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
     std::memcpy(dst + k, &top, 2);
   }
 }
@@ -192,8 +230,10 @@ struct Job {
   int64_t kp;                         // K padded to kChunk
   const uint8_t* w;                   // [L, R, row_bytes]
   const uint8_t* s;                   // [L, Sr, Sc]
+  const float* g;                     // [L, halves] global scales, or null
   const std::vector<int64_t>& offsets;
   int64_t expert_w, expert_s;         // bytes per expert
+  const float* global(int64_t e) const { return g ? g + e * f.halves : nullptr; }
 };
 
 // Portable / fp32: rows [r0, r1) of x (fp32, [N, kp]) times weight rows [n0, n1) of expert e.
@@ -203,8 +243,13 @@ void tile_f32(const Job& j, const float* x, int64_t e, int64_t n0, int64_t n1, T
   const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1], R = j.f.rows;
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
+  // A bf16 caller's weight is the bf16 one (as a dequantise-at-load path holds it): rounded
+  // where the format's values are not all bf16 values (NVFP4, fp32 scales).
+  const bool round = std::is_same_v<T, at::BFloat16> && (j.g != nullptr || j.f.fp32_scale);
   for (int64_t n = n0; n < n1; ++n) {
-    dequant_row_f32(j.f, w, s, n, 0, j.f.cols, wrow.data());
+    dequant_row_f32(j.f, w, s, j.global(e), n, 0, j.f.cols, wrow.data());
+    if (round)
+      for (int64_t k = 0; k < j.f.cols; ++k) wrow[k] = float(at::BFloat16(wrow[k]));
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = x + r * j.kp;
       float part[16] = {};
@@ -227,7 +272,7 @@ void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
   for (int64_t n = n0; n < n1; ++n) {
-    dequant_row_bf16(j.f, w, s, n, 0, j.f.cols, tmp.data(), wrow.data());
+    dequant_row_bf16(j.f, w, s, j.global(e), n, 0, j.f.cols, tmp.data(), wrow.data());
     for (int64_t r = r0; r < r1; r += 4) {
       const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
@@ -259,7 +304,8 @@ void tile_brgemm(const Job& j, const at::BFloat16* xt, int64_t mp, int64_t e, in
     const int64_t kc = std::min(kBigK, j.kp - k0), valid = std::min(j.f.cols, k0 + kc) - k0;
     for (int64_t n = n0; n < n1; ++n) {
       at::BFloat16* dst = a.data() + (n - n0) * kc;
-      if (valid > 0) dequant_row_bf16(j.f, w, s, n, k0, k0 + valid, tmp.data(), dst);
+      if (valid > 0)
+        dequant_row_bf16(j.f, w, s, j.global(e), n, k0, k0 + valid, tmp.data(), dst);
       std::memset(static_cast<void*>(dst + std::max<int64_t>(valid, 0)), 0,
                   (kc - std::max<int64_t>(valid, 0)) * sizeof(at::BFloat16));
     }
@@ -290,15 +336,20 @@ bool brgemm_runs() {
 
 Format check_format(const at::Tensor& w, const at::Tensor& scale, int64_t k, int64_t fmt,
                     int64_t bm, int64_t bn, int64_t halves) {
-  TORCH_CHECK(fmt == 0 || fmt == 1, "quant_grouped_linear: fmt must be 0 (FP8) or 1 (MXFP4)");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2,
+              "quant_grouped_linear: fmt must be 0 (FP8), 1 (MXFP4) or 2 (NVFP4)");
   TORCH_CHECK(halves == 1 || halves == 2, "quant_grouped_linear: halves must be 1 or 2");
   TORCH_CHECK(bm > 0 && bn > 0 && (fmt == 0 || bm == 1),
               "quant_grouped_linear: bad scale block ", bm, " x ", bn);
   TORCH_CHECK(w.dim() == 3 && w.element_size() == 1 && w.is_contiguous(),
               "quant_grouped_linear: w must be contiguous 1-byte codes [L, R, Kb]");
-  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kByte && scale.is_contiguous(),
-              "quant_grouped_linear: scale must be contiguous uint8 (UE8M0) [L, Sr, Sc]");
-  Format f{fmt, bm, bn, halves, w.size(1), k, w.size(2), scale.size(1), scale.size(2)};
+  const bool fp32_scale = scale.scalar_type() == at::kFloat;
+  TORCH_CHECK(scale.dim() == 3 && (scale.scalar_type() == at::kByte || fp32_scale) &&
+                  scale.is_contiguous(),
+              "quant_grouped_linear: scale must be contiguous uint8 (UE8M0 / E4M3 bytes) or "
+              "float32 [L, Sr, Sc]");
+  Format f{fmt, bm, bn, halves, w.size(1), k, w.size(2), scale.size(1), scale.size(2),
+           fp32_scale};
   TORCH_CHECK(f.row_bytes == (fmt == 0 ? k : (k + 1) / 2) && (fmt == 0 || k % 2 == 0),
               "quant_grouped_linear: w ", w.sizes(), " does not hold K = ", k, " values");
   TORCH_CHECK(f.rows % halves == 0, "quant_grouped_linear: R must split into halves");
@@ -313,7 +364,8 @@ Format check_format(const at::Tensor& w, const at::Tensor& scale, int64_t k, int
 at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts,
                                 const at::Tensor& w_in, const at::Tensor& scale, int64_t fmt,
                                 int64_t block_rows, int64_t block_cols, int64_t halves,
-                                std::optional<int64_t> brgemm_min_rows, bool portable) {
+                                std::optional<int64_t> brgemm_min_rows, bool portable,
+                                const std::optional<at::Tensor>& global_scale) {
   TORCH_CHECK(x_in.dim() == 2, "quant_grouped_linear: x must be [N, K]");
   const auto dtype = x_in.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
@@ -323,6 +375,15 @@ at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts
   const int64_t experts = w.size(0), n_rows = x_in.size(0);
   TORCH_CHECK(counts.dim() == 1 && counts.size(0) == experts,
               "quant_grouped_linear: counts must be [", experts, "]");
+  at::Tensor gs;
+  if (global_scale.has_value()) {
+    gs = *global_scale;
+    TORCH_CHECK(gs.scalar_type() == at::kFloat && gs.is_contiguous() && gs.dim() == 2 &&
+                    gs.size(0) == experts && gs.size(1) == halves,
+                "quant_grouped_linear: global_scale must be contiguous float32 [", experts,
+                ", ", halves, "]");
+  }
+  TORCH_CHECK(fmt != 2 || gs.defined(), "quant_grouped_linear: NVFP4 needs global_scale");
   const at::Tensor cnt = counts.to(at::kLong).contiguous();
   std::vector<int64_t> offsets(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) {
@@ -335,8 +396,10 @@ at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts
   at::Tensor out = at::empty({n_rows, f.rows}, x_in.options());
   if (n_rows == 0 || f.rows == 0) return out;
   const int64_t kp = (f.cols + kChunk - 1) / kChunk * kChunk;
-  const Job job{f, kp, w.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), offsets,
-                f.rows * f.row_bytes, f.srows * f.scols};
+  const Job job{f, kp, w.data_ptr<uint8_t>(),
+                static_cast<const uint8_t*>(scale.data_ptr()),
+                gs.defined() ? gs.data_ptr<float>() : nullptr, offsets,
+                f.rows * f.row_bytes, f.srows * f.scols * scale.element_size()};
   if (f.cols == 0) return out.zero_();
   std::vector<int64_t> active;
   for (int64_t e = 0; e < experts; ++e)
@@ -419,7 +482,7 @@ at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("quant_grouped_linear(Tensor x, Tensor counts, Tensor w, Tensor scale, int fmt, "
         "int block_rows, int block_cols, int halves, int? brgemm_min_rows=None, "
-        "bool portable=False) -> Tensor");
+        "bool portable=False, Tensor? global_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wideserve, CPU, m) {

@@ -163,42 +163,41 @@ def select(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     q = rotate(indexer.wq_b(q_res).view(T, H, D), cis)
     q = kv_quant.fake_quant(q, "mxfp4").float()                               # [T, H, D]
     weights = indexer.weights_proj(x).float() * (D ** -0.5 * H ** -0.5)       # [T, H]
-    with step.no_gemms():      # no weight GEMM below (V4Step.no_gemms)
-        k = indexer.topk if step.batch_invariant else min(indexer.topk, K)
-        picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
-        cands = (torch.full((T + 1, min(topk_blocks, -(-K // block_size))), -1,
-                            dtype=torch.int64, device=x.device) if candidate_source else None)
-        width = state.candidates.shape[1] * block_size if use_candidates else K
-        restricted = width < K
-        for blocks in step.query_groups():
-            Q = blocks.block_q
-            ent = step.block_entries(blocks, ratio)
-            per_block = Q * width * (D + 3 * H) if restricted else K * (D + 3 * Q * H)
-            for a, b in _chunks(blocks.num_blocks, per_block):
-                qb, wb = _rows(q, blocks, a, b), _rows(weights, blocks, a, b)
-                ids = None
-                if restricted:
-                    ids = _candidate_entries(_rows(state.candidates, blocks, a, b), block_size,
-                                             ent.visible[a:b])                    # [C, Q, n*bs]
-                    scores = _candidate_scores(step, keys_name, ratio, blocks.block_req[a:b],
-                                               qb, wb, ids)
-                else:
-                    scores = _entry_scores(step, keys_name, ratio, blocks, a, b, qb, wb)
-                    scores = scores + ent.bias[a:b]                               # [C, Q, K]
-                    if candidate_source:
-                        _store(cands, blocks, a, b, _candidate_blocks(
-                            scores, ent.visible[a:b], topk_blocks, block_size))
-                    elif use_candidates:
-                        mask = _candidate_mask(_rows(state.candidates, blocks, a, b), block_size, K)
-                        scores = scores.masked_fill(~mask, float("-inf"))
-                idx = index_topk(scores, min(k, scores.shape[-1]))                # [C, Q, <= k]
-                ok = scores.gather(-1, idx) > float("-inf")
-                if ids is not None:
-                    idx = ids.gather(-1, idx)
-                got = torch.where(ok, idx, -1)
-                _store(picks, blocks, a, b, F.pad(got, (0, k - got.shape[-1]), value=-1))
-        if candidate_source:
-            state.candidates = cands[:T]
+    k = indexer.topk if step.batch_invariant else min(indexer.topk, K)
+    picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
+    cands = (torch.full((T + 1, min(topk_blocks, -(-K // block_size))), -1,
+                        dtype=torch.int64, device=x.device) if candidate_source else None)
+    width = state.candidates.shape[1] * block_size if use_candidates else K
+    restricted = width < K
+    for blocks in step.query_groups():
+        Q = blocks.block_q
+        ent = step.block_entries(blocks, ratio)
+        per_block = Q * width * (D + 3 * H) if restricted else K * (D + 3 * Q * H)
+        for a, b in _chunks(blocks.num_blocks, per_block):
+            qb, wb = _rows(q, blocks, a, b), _rows(weights, blocks, a, b)
+            ids = None
+            if restricted:
+                ids = _candidate_entries(_rows(state.candidates, blocks, a, b), block_size,
+                                         ent.visible[a:b])                    # [C, Q, n*bs]
+                scores = _candidate_scores(step, keys_name, ratio, blocks.block_req[a:b],
+                                           qb, wb, ids)
+            else:
+                scores = _entry_scores(step, keys_name, ratio, blocks, a, b, qb, wb)
+                scores = scores + ent.bias[a:b]                               # [C, Q, K]
+                if candidate_source:
+                    _store(cands, blocks, a, b, _candidate_blocks(
+                        scores, ent.visible[a:b], topk_blocks, block_size))
+                elif use_candidates:
+                    mask = _candidate_mask(_rows(state.candidates, blocks, a, b), block_size, K)
+                    scores = scores.masked_fill(~mask, float("-inf"))
+            idx = index_topk(scores, min(k, scores.shape[-1]))                # [C, Q, <= k]
+            ok = scores.gather(-1, idx) > float("-inf")
+            if ids is not None:
+                idx = ids.gather(-1, idx)
+            got = torch.where(ok, idx, -1)
+            _store(picks, blocks, a, b, F.pad(got, (0, k - got.shape[-1]), value=-1))
+    if candidate_source:
+        state.candidates = cands[:T]
     state.picks = None if dense else picks[:T]
 
 

@@ -71,32 +71,31 @@ def select(indexer: Indexer, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
     dt = compute_dtype(indexer)
     q = rotate(indexer.q_b_proj(q_res).view(T, H, D), cis).to(dt)    # [T, H_I, D_I]
     weights = indexer.scorer.weights_proj(x).float() * H ** -0.5              # [T, H_I]
-    with step.no_gemms():      # no weight GEMM below (V4Step.no_gemms)
-        flat, view = step.flat_cache(keys_name)
-        if indexer.use_cpu_kernel and indexer_op.supports(dt, flat):
-            # Scored in place in the paged cache, one pass per token (csrc/v4_indexer.cpp).
-            return indexer_op.indexer_topk(q, weights * D ** -0.5, flat, view.block_table,
-                                           step.token_rows(view), step.token_visible(indexer.ratio),
-                                           view.entries_per_block, k)
-        picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
-        for blocks in step.query_groups():
-            Q = blocks.block_q
-            for part in step.entry_parts(blocks, indexer.ratio, k, 0, D + 3 * Q * H,
-                                         CHUNK_ELEMENTS):
-                if not part.width:
-                    continue                                # no entries yet: nothing to pick
-                P = part.num_blocks
-                keys = step.gather_part_entries(keys_name, blocks, part, indexer.ratio, dt)
-                scores = torch.bmm(part_rows(q, blocks, part).flatten(1, 2), keys.transpose(1, 2))
-                scores = torch.relu(scores.float()) * D ** -0.5                   # [P, Q*H_I, N]
-                # Weighted sum over heads as one batched matmul: [P*Q, 1, H_I] @ [P*Q, H_I, N].
-                w = part_rows(weights, blocks, part).reshape(P * Q, 1, H)
-                scores = torch.bmm(w, scores.view(P * Q, H, part.width)).view(P, Q, part.width)
-                scores = scores + step.part_entry_bias(blocks, part, indexer.ratio)
-                idx = index_topk(scores, k)                                       # [P, Q, k]
-                visible = part.take(step.block_visible(blocks, indexer.ratio))
-                part_store(picks, blocks, part, torch.where(idx >= visible[..., None], -1, idx))
-        return picks[:T]
+    flat, view = step.flat_cache(keys_name)
+    if indexer.use_cpu_kernel and indexer_op.supports(dt, flat):
+        # Scored in place in the paged cache, one pass per token (csrc/v4_indexer.cpp).
+        return indexer_op.indexer_topk(q, weights * D ** -0.5, flat, view.block_table,
+                                       step.token_rows(view), step.token_visible(indexer.ratio),
+                                       view.entries_per_block, k)
+    picks = torch.full((T + 1, k), -1, dtype=torch.int64, device=x.device)
+    for blocks in step.query_groups():
+        Q = blocks.block_q
+        for part in step.entry_parts(blocks, indexer.ratio, k, 0, D + 3 * Q * H,
+                                     CHUNK_ELEMENTS):
+            if not part.width:
+                continue                                # no entries yet: nothing to pick
+            P = part.num_blocks
+            keys = step.gather_part_entries(keys_name, blocks, part, indexer.ratio, dt)
+            scores = torch.bmm(part_rows(q, blocks, part).flatten(1, 2), keys.transpose(1, 2))
+            scores = torch.relu(scores.float()) * D ** -0.5                   # [P, Q*H_I, N]
+            # Weighted sum over heads as one batched matmul: [P*Q, 1, H_I] @ [P*Q, H_I, N].
+            w = part_rows(weights, blocks, part).reshape(P * Q, 1, H)
+            scores = torch.bmm(w, scores.view(P * Q, H, part.width)).view(P, Q, part.width)
+            scores = scores + step.part_entry_bias(blocks, part, indexer.ratio)
+            idx = index_topk(scores, k)                                       # [P, Q, k]
+            visible = part.take(step.block_visible(blocks, indexer.ratio))
+            part_store(picks, blocks, part, torch.where(idx >= visible[..., None], -1, idx))
+    return picks[:T]
 
 
 def compute_dtype(layer: V4AttentionParams | Indexer) -> torch.dtype:
@@ -111,9 +110,8 @@ def compute_dtype(layer: V4AttentionParams | Indexer) -> torch.dtype:
 def attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,
            picks: torch.Tensor | None) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (this step's latents) -> attention output [T, H, D] in
-    compute_dtype(attn). No GEMM of a weight in here (V4Step.no_gemms)."""
-    with step.no_gemms():
-        return _attend(attn, q, kv, step, picks)
+    compute_dtype(attn)."""
+    return _attend(attn, q, kv, step, picks)
 
 
 def _attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4Step,

@@ -18,7 +18,6 @@ Glossary
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
@@ -77,16 +76,6 @@ class StepCaches:
         self.device = batch.positions.device
         self._memo: dict[tuple, Any] = {}
 
-    def no_gemms(self) -> contextlib.AbstractContextManager:
-        """Enter around attention work that runs no `F.linear` / `nn.Linear` (cache reads
-        and writes, the attention products, top-k). Under --batch-invariant the step runs
-        inside engine/step_worker.py's InvariantLinears, a TorchFunctionMode whose Python hook
-        runs for every torch op (~20% of a V4.1 step in this code's thousands of small ops);
-        in here the ops skip it. Nothing in the default mode."""
-        if self.batch_invariant and not torch.compiler.is_compiling():
-            return torch._C.DisableTorchFunction()
-        return contextlib.nullcontext()
-
     def _once(self, key: tuple, build: Callable[[], Any]) -> Any:
         """The step's value for `key`, built on first use (shared by all layers)."""
         if key not in self._memo:
@@ -118,18 +107,17 @@ class StepCaches:
     def _read(self, name: str, flat: torch.Tensor, slots: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `slots` of cache `name` as `dtype` values [N, width] (unpacked records)."""
-        with self.no_gemms():
-            if flat.dtype == torch.uint8:
-                if self.batch_invariant and slots.numel() >= DEDUP_READ_ROWS:
-                    # The mode's one-query prefill blocks read each record once per query that
-                    # sees it (up to the window, 128x): unpack each distinct record once (the
-                    # codec is per row, so the values are the same bits), then fan out.
-                    uniq, inverse = torch.unique(slots, return_inverse=True)
-                    if 2 * uniq.numel() <= slots.numel():
-                        return self.codecs[name].unpack(flat.index_select(0, uniq)).to(
-                            dtype).index_select(0, inverse)
-                return self.codecs[name].unpack(flat.index_select(0, slots)).to(dtype)
-            return flat.index_select(0, slots).to(dtype)
+        if flat.dtype == torch.uint8:
+            if self.batch_invariant and slots.numel() >= DEDUP_READ_ROWS:
+                # The mode's one-query prefill blocks read each record once per query that
+                # sees it (up to the window, 128x): unpack each distinct record once (the
+                # codec is per row, so the values are the same bits), then fan out.
+                uniq, inverse = torch.unique(slots, return_inverse=True)
+                if 2 * uniq.numel() <= slots.numel():
+                    return self.codecs[name].unpack(flat.index_select(0, uniq)).to(
+                        dtype).index_select(0, inverse)
+            return self.codecs[name].unpack(flat.index_select(0, slots)).to(dtype)
+        return flat.index_select(0, slots).to(dtype)
 
     def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows `slots` [N] of cache `name` as fp32 values [N, width] (unpacked records), as
@@ -142,10 +130,9 @@ class StepCaches:
         codec = self.codecs.get(name)
         if codec is None:
             return rows.to(flat.dtype)
-        with self.no_gemms():
-            if flat.dtype == torch.uint8:
-                return codec.pack(rows)
-            return codec.fake_quant(rows).to(flat.dtype)
+        if flat.dtype == torch.uint8:
+            return codec.pack(rows)
+        return codec.fake_quant(rows).to(flat.dtype)
 
     def write_window_rows(self, name: str, rows: torch.Tensor) -> None:
         """Write one row per new token through the group's slot mapping (every new token has

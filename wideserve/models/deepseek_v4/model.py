@@ -197,10 +197,10 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def decode_capturable(self, device: torch.device) -> bool:
         """On CUDA, when the attention backend sends decode batches to the static path and
-        every routed-expert layer runs "grouped_mm" (no host sync) without an expert-parallel
-        dispatcher (models/qwen3_moe/model.py's rule)."""
+        every routed-expert layer runs "grouped_mm" (no host sync) with no expert-parallel
+        dispatcher or a capturable one (models/qwen3_moe/model.py's rule)."""
         return (device.type == "cuda" and static_decode(self.attention_backend, device)
-                and all(m.ep is None
+                and all((m.ep is None or m.ep.capturable)
                         and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
                         for m in self.model.modules() if isinstance(m, RoutedExperts)))
 

@@ -151,8 +151,10 @@ class DeepseekV41Attention(nn.Module):
     def sinks(self) -> torch.Tensor:
         return self.sinks_param.weight
 
-    def forward(self, x: torch.Tensor, step: StepCaches, state: CSA2State) -> torch.Tensor:
-        """x [T, d] (after attn_norm) -> [T, d]."""
+    def forward(self, x: torch.Tensor, step: StepCaches, state: CSA2State,
+                write_entries: bool = True) -> torch.Tensor:
+        """x [T, d] (after attn_norm) -> [T, d]. write_entries=False: a KV source whose
+        entries this step already wrote (`write_entries`; the decoder bounded replay)."""
         if step.static:     # a decode batch on the capturable path (v4_static.py)
             select, attend = select_decode, v4_static.attend
         else:
@@ -167,8 +169,8 @@ class DeepseekV41Attention(nn.Module):
         raw = rotate(self.kv_norm(self.wkv(x)), cis)
         step.write_window_rows(self.prefix + "window", raw)
         kv = kv_quant.fake_quant(raw, "fp8")
-        if self.mode == FULL:
-            self._write_entries(x, step)
+        if self.mode == FULL and write_entries:
+            self.write_entries(x, step)
         if self.mode in (FULL, REINDEX):
             select(self.indexer, x, q_res, step, self.keys_name, cis, self.ratio, state,
                    self.candidate_source, self.use_candidates, self.topk_blocks,
@@ -206,7 +208,9 @@ class DeepseekV41Attention(nn.Module):
         out = rotate(out.reshape(B * Q, self.num_heads, -1), cis(q_pos, inverse=True))
         return self._project_out(out).view(B, Q, -1)
 
-    def _write_entries(self, x: torch.Tensor, step: StepCaches) -> None:
+    def write_entries(self, x: torch.Tensor, step: StepCaches) -> None:
+        """A KV source's compressed entries and indexer keys completing in the step, from x
+        [T, d] (after attn_norm) alone."""
         latent, plan = self.compressor.latents(x, step, self.prefix + "compressor_state")
         if step.static:     # every row's target entry; `where`: the entry's slot or scratch
             cis, where = step.entry_cis(self.rope, self.ratio), self.ratio

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 
 from wideserve.layers.mhc import HyperConnection, sinkhorn
 
@@ -21,7 +20,7 @@ class SinglePassHC(HyperConnection):
         """x [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
         n = self.n
         flat = x.flatten(1).float()
-        mixes = F.linear(flat, self.fn.float()) * torch.rsqrt(
+        mixes = self.mix(flat, self.fn, widen_weight=True) * torch.rsqrt(
             flat.square().mean(-1, keepdim=True) + self.norm_eps)
         s = self.scale.float()
         scales = torch.cat([s[0].expand(n), s[1].expand(n), s[2].expand(n * n)])

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from wideserve.models.deepseek_v41.attention import DeepseekV41Attention
+from wideserve.layers.linear import FunctionalLinear
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable
@@ -40,6 +41,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, rank)
         self.head = nn.Linear(rank, vocab, bias=False)
+        self.target_logits = FunctionalLinear()   # states @ the target's LM head^T, fp32
 
 
 class ConfidenceHead(nn.Module):
@@ -103,7 +105,7 @@ def draft_block(stages: nn.ModuleList, c: DeepseekV41Config, embeds: torch.Tenso
     q_pos = anchor_pos[:, None] + torch.arange(Q, device=embeds.device)
     streams = embeds[:, :, None, :].expand(-1, -1, c.hc_mult, -1).contiguous()
     pre = torch.zeros(B, Q, c.hc_mult, dtype=torch.float32, device=embeds.device)
-    pre[..., 0] = 1
+    pre[..., 0].fill_(1.0)       # (an op: `= 1` lifts a host scalar tensor, docs/cuda_graphs.md)
     context = stages[0].main_norm(stages[0].main_proj(features))
     for stage in stages:
         streams, pre = stage(streams, pre, context, q_pos, ctx_pos, ctx_valid)
@@ -116,7 +118,7 @@ def draft_head(stages: nn.ModuleList, states: torch.Tensor, previous: torch.Tens
     confidence logits [...] fp32)."""
     last = stages[-1]
     emb = last.markov_head.embed(previous)
-    logits = torch.nn.functional.linear(states.float(), lm_head.weight.float())
+    logits = last.markov_head.target_logits(states.float(), lm_head.weight, widen_weight=True)
     logits = logits + last.markov_head.head(emb).float()
     conf = last.confidence_head.proj(torch.cat([states.float(), emb.float()], -1))
     return logits, conf.squeeze(-1)
@@ -130,15 +132,26 @@ def dspark_rope(config: DeepseekV41Config) -> RotaryTable:
 
 def load_stage_weights(targets: dict[str, torch.Tensor],
                        weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """`mtp.*` tensors in the reference's naming into `targets`; other names are skipped."""
+    """`mtp.*` tensors in the reference's naming into `targets`; other names are skipped.
+    Per-expert tensors (the official checkpoint's `experts.{e}.w1/w2/w3`, when the loader does
+    not stack them) go into their expert's slice; the stack counts as loaded once every
+    slice is in."""
     loaded: set[str] = set()
+    parts: dict[str, int] = {}
     for raw, tensor in weights:
         if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
             continue
-        name, tensor, _ = _expert_layout(raw, tensor)
+        name, tensor, part = _expert_layout(raw, tensor)
         target = targets.get(name)
-        if target is None or tuple(target.shape) != tuple(tensor.shape):
+        dst = None if target is None else (
+            target.data if part is None else target.data[part[0]][part[1]])
+        if dst is None or tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"DSpark: cannot place weight {raw!r} {tuple(tensor.shape)}")
-        target.data.copy_(tensor)
-        loaded.add(name)
+        dst.copy_(tensor)
+        if part is None:
+            loaded.add(name)
+        else:
+            parts[name] = parts.get(name, 0) + 1
+            if parts[name] == target.shape[0] * part[2]:
+                loaded.add(name)
     return loaded

@@ -13,8 +13,6 @@ DeepSeek names (`layers.{i}.attn.wq_a.weight`, `embed.weight`, `hc_attn_fn`, per
 """
 from __future__ import annotations
 
-import dataclasses
-import re
 from pathlib import Path
 from typing import Iterable
 
@@ -31,7 +29,7 @@ from wideserve.layers.attention.registry import resolve_v41_attention_backend, s
 from wideserve.layers.attention.v4_static import V4DecodeStep
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.experts import RoutedExperts
-from wideserve.layers.engram import Engram, NgramHasher, compressed_token_map
+from wideserve.layers.engram import Engram, EngramStaging, NgramHasher, compressed_token_map
 from wideserve.layers.kv_quant import RecordCodec
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
@@ -39,6 +37,9 @@ from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
 from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
 from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
+from wideserve.models.deepseek_v41.names import (ENGRAM_TABLE, VISION_NAMES,
+                                                 official_to_reference)
+from wideserve.models.deepseek_v41.replay import plan_decoder_replay
 from wideserve.models.deepseek_v41.vision import (IMAGE_POSITION, VisionRouter, add_vision_tower,
                                                  prepared_from_input, span_embeddings)
 from wideserve.models.interface import CausalLM
@@ -47,6 +48,8 @@ from wideserve.models.interface import CausalLM
 # bf16 / raw: the same quantised values stored as bf16 / the model dtype (exact, more bytes).
 KV_CACHE_DTYPES = ("auto", "fp8", "bf16", "raw")
 ENGRAM_TOKENS = "model.engram.tokens"
+# ForwardBatch.extras: a captured decode step's Engram rows, staged on the host (decode_staging).
+ENGRAM_STAGED = "model.engram.staged"
 # DSpark context: per position, the tap layers' pre-attention streams averaged over streams.
 DSPARK_FEATURES = "model.dspark.features"
 # Image inputs of a step (ForwardBatch.extras): the rows [K] int64 of image-span positions and
@@ -114,14 +117,26 @@ class DeepseekV41Block(nn.Module):
             return out
         return torch.where((input_ids == IMAGE_POSITION)[:, None, None], streams, out)
 
+    def write_shared_kv(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step,
+                        input_ids: torch.Tensor,
+                        engram_rows: torch.Tensor | None) -> torch.Tensor:
+        """A KV source's entries for every row of the step, before the decoder bounded
+        replay cuts its queries (models/deepseek_v41/replay.py) -> the streams after Engram
+        (pass engram_rows=None to `forward` then)."""
+        if engram_rows is not None:
+            streams = self._engram(streams, engram_rows, input_ids)
+        self.attn.write_entries(self.attn_norm(collapse(streams, pre)), step)
+        return streams
+
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, step: V4Step | V4DecodeStep,
-                state: CSA2State, input_ids: torch.Tensor,
-                engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre)."""
+                state: CSA2State, input_ids: torch.Tensor, engram_rows: torch.Tensor | None,
+                write_entries: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, n, d], pre [T, n] (the previous site's) -> (streams, this FFN's pre).
+        write_entries=False: `write_shared_kv` ran for this step."""
         if engram_rows is not None:
             streams = self._engram(streams, engram_rows, input_ids)
         attn_pre, post, comb = self.attn_hc.coefficients(streams)
-        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state)
+        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state, write_entries)
         streams = expand(y, streams, post, comb)
         ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
         y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), input_ids)
@@ -157,9 +172,11 @@ class DeepseekV41ForCausalLM(CausalLM):
                                  dtype=torch.float32)
         self._hasher: NgramHasher | None = None
         self._token_map: torch.Tensor | None = None
+        self._token_map_host: np.ndarray | None = None
         self._codecs = self._record_codecs()
-        # Decoder bounded replay (approximate; off by default): layers after the last KV
-        # source run only on each request's last `sliding_window` rows of the step.
+        # Decoder bounded replay (exact; the engine turns it on unless told not to): the last
+        # KV source and the layers after it run only on the rows whose results are read
+        # (models/deepseek_v41/replay.py).
         self.decoder_replay = False
         # DSpark drafter stages (`mtp.*`, models/deepseek_v41/dspark.py); dropped when the
         # checkpoint has none (drop_mtp).
@@ -170,9 +187,13 @@ class DeepseekV41ForCausalLM(CausalLM):
             from wideserve.models.deepseek_v41.dspark import build_stages, dspark_rope
             self.mtp = build_stages(config, dspark_rope(config))
 
+    @property
+    def supports_decoder_bounded_replay(self) -> bool:
+        return bool(self.config.kv_source_layer_ids)
+
     def enable_decoder_bounded_replay(self) -> None:
-        """--decoder-bounded-replay: layers after the last KV source run only on each
-        request's last `sliding_window` rows of a step (approximate; docs/deepseek_v41.md)."""
+        """--decoder-bounded-replay: the last KV source and the layers after it run only on
+        the rows whose results are read (exact; docs/deepseek_v41.md)."""
         if not self.config.kv_source_layer_ids:
             raise ValueError("--decoder-bounded-replay: this DeepSeek-V4.1 config has no KV "
                              "source layers, so there is no decoder to bound")
@@ -211,6 +232,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                              f"config says engram_compressed_vocab_size="
                              f"{c.engram_compressed_vocab_size} (the hashes depend on it)")
         self._token_map = torch.tensor(token_map, dtype=torch.int64)
+        self._token_map_host = np.asarray(token_map, dtype=np.int64)    # decode_staging's
         self._hasher = NgramHasher(c.engram_layers,
                                    [c.engram_num_embeddings[c.engram_layer_ids.index(i)]
                                     for i in c.engram_layers],
@@ -276,6 +298,26 @@ class DeepseekV41ForCausalLM(CausalLM):
         grams = torch.stack(grams, dim=1)                                     # [R, N]
         return [hasher(grams, i) for i in range(len(self.config.engram_layers))]
 
+    def decode_staging(self, max_rows: int, device: torch.device) -> EngramStaging | None:
+        """The captured decode step's Engram rows, staged on the host before each replay
+        (layers/engram.py, EngramStaging; worker/decode_capture.py): the captured forward
+        then reads no host table. None without Engram layers."""
+        c = self.config
+        if not c.engram_layers:
+            return None
+        hasher = self._ensure_hasher()
+        assert self._token_map_host is not None
+        tables = [self.model.layers[i].engram.embed for i in c.engram_layers]
+        return EngramStaging(ENGRAM_STAGED, hasher, self._token_map_host, tables, max_rows,
+                             device)
+
+    def _engram_staged(self, step: V4DecodeStep, input_ids: torch.Tensor,
+                       staged: torch.Tensor) -> list[torch.Tensor]:
+        """`_engram_rows_decode` with the rows staged [R, layers, heads, dim]: the token
+        cache is still written (later prefill and eager steps read the history there)."""
+        step.write_window_rows(ENGRAM_TOKENS, input_ids.float()[:, None])
+        return list(staged.unbind(1))
+
     def _device_token_map(self, device: torch.device) -> torch.Tensor:
         """The Engram token map on `device`, copied once (a per-step copy from the host is
         what a captured graph must not contain)."""
@@ -318,12 +360,12 @@ class DeepseekV41ForCausalLM(CausalLM):
 
     def decode_capturable(self, device: torch.device) -> bool:
         """On CUDA, when the backend sends decode batches to the static path, every
-        routed-expert layer runs "grouped_mm" without an expert-parallel dispatcher, and
-        there is no Engram layer: its table lives in host memory and is gathered by row ids
-        the device computes, which the host must read (layers/engram.py, `HostTable`)."""
-        return (device.type == "cuda" and not self.config.engram_layers
-                and static_decode(self.attention_backend, device)
-                and all(m.ep is None
+        routed-expert layer runs "grouped_mm" with no expert-parallel dispatcher or a
+        capturable one (models/qwen3_moe/model.py's rule). Engram layers read their host
+        table only through the rows the captured step stages before the replay
+        (`decode_staging`; docs/cuda_graphs.md)."""
+        return (device.type == "cuda" and static_decode(self.attention_backend, device)
+                and all((m.ep is None or m.ep.capturable)
                         and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
                         for m in self.model.modules() if isinstance(m, RoutedExperts)))
 
@@ -340,40 +382,46 @@ class DeepseekV41ForCausalLM(CausalLM):
         pre[:, 0].fill_(1.0)         # (an op: `= 1` lifts a host scalar tensor)
         rows = []
         if c.engram_layers:
-            rows = (self._engram_rows_decode(step, ids) if step.static
+            staged = batch.extras.get(ENGRAM_STAGED) if step.static else None
+            rows = (self._engram_staged(step, ids, staged) if staged is not None
+                    else self._engram_rows_decode(step, ids) if step.static
                     else self._engram_rows(step, ids))
         engram_at = {layer: r for layer, r in zip(c.engram_layers, rows)}
         state = CSA2State()
         taps = (set(c.dspark_target_layer_ids) if DSPARK_FEATURES in batch.kv_caches
                 else set())
         features = []
-        kept = None
-        # A decode row never has more new rows than the window: nothing for the replay.
-        replay_from = (max(c.kv_source_layer_ids, default=-1) + 1
-                       if self.decoder_replay and not step.static else -1)
+        replay = None
+        if self.decoder_replay and not step.static:   # (a decode row has nothing to skip)
+            replay = plan_decoder_replay(batch, step.token_req, step.token_pos, step.lo,
+                                         c.sliding_window, max(c.kv_source_layer_ids),
+                                         c.num_hidden_layers)
         for i, layer in enumerate(self.model.layers):
-            if i == replay_from:
-                kept = decoder_replay_rows(batch, c.sliding_window, step.lo)
-                if kept is not None:
-                    rows, sub = kept
-                    streams, pre, ids = streams[rows], pre[rows], ids[rows]
-                    features = [f[rows] for f in features]   # DSpark taps before it
-                    state = CSA2State(None if state.picks is None else state.picks[rows],
-                                      None if state.candidates is None
-                                      else state.candidates[rows])
-                    engram_at = {k: v[rows] for k, v in engram_at.items()}
-                    step = V4Step(sub, self._codecs, self.batch_invariant)
+            engram, write_entries = engram_at.get(i), True
+            stage = None if replay is None else replay.stages.get(i)
+            if stage is not None:
+                if layer.attn.mode == FULL:     # the last KV source: entries for every row
+                    streams = layer.write_shared_kv(streams, pre, step, ids, engram)
+                    engram, write_entries = None, False
+                rows = stage.rows
+                streams, pre, ids = streams[rows], pre[rows], ids[rows]
+                features = [f[rows] for f in features]      # DSpark taps before it
+                state = CSA2State(None if state.picks is None else state.picks[rows],
+                                  None if state.candidates is None else state.candidates[rows])
+                engram = None if engram is None else engram[rows]
+                engram_at = {k: v[rows] for k, v in engram_at.items() if k > i}
+                step = V4Step(stage.batch, self._codecs, self.batch_invariant)
             if i in taps:   # the streams entering layer i (after its Engram)
-                features.append(layer.tap(streams, engram_at.get(i), ids))
-            streams, pre = layer(streams, pre, step, state, ids, engram_at.get(i))
+                features.append(layer.tap(streams, engram, ids))
+            streams, pre = layer(streams, pre, step, state, ids, engram, write_entries)
         if features:
             step.write_window_rows(DSPARK_FEATURES, torch.cat(features, dim=-1))
         hidden = self.model.norm(collapse(streams, pre))
-        if kept is None:
+        if replay is None:
             return hidden
-        # Rows the replay skipped have no output (only each request's last rows are used).
+        # Rows whose results nobody reads have no output (replay.py).
         full = hidden.new_zeros(batch.num_tokens, hidden.shape[-1])
-        return full.index_copy_(0, kept[0], hidden)
+        return full.index_copy_(0, replay.exact_rows, hidden.index_select(0, replay.exact_at))
 
     def dspark_draft(self, ids: torch.Tensor, features: torch.Tensor, anchor_pos: torch.Tensor,
                      ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
@@ -469,7 +517,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                 continue
             if name.startswith("mtp.") and not len(self.mtp):
                 continue             # (the model was built without its DSpark stages)
-            if name.endswith(_TABLE) and tensor.dtype == torch.float8_e4m3fn:
+            if name.endswith(ENGRAM_TABLE) and tensor.dtype == torch.float8_e4m3fn:
                 fp8_tables[name] = tensor
                 continue
             if name.endswith(".engram.embed.scale"):
@@ -503,7 +551,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     def keeps_quantised(self, name: str) -> bool:
         """Checkpoint tensors the reader passes on as stored, with their `.scale`: Engram
         tables stay FP8 in host memory (HostTable.load_fp8); only gathered rows dequantise."""
-        return name.endswith(_TABLE)
+        return name.endswith(ENGRAM_TABLE)
 
     def param_counts(self) -> tuple[int, int]:
         """(total, active per token): routed experts count at k/E; an Engram table (in host
@@ -511,7 +559,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         c = self.config
         total = routed = tables = 0
         for name, p in self.named_parameters():
-            if name.startswith("mtp.") or _VISION.search(name.removeprefix("model.")):
+            if name.startswith("mtp.") or VISION_NAMES.search(name.removeprefix("model.")):
                 continue             # (the vision tower: vision_param_count)
             total += p.numel()
             if ".experts." in name:
@@ -534,77 +582,4 @@ class DeepseekV41ForCausalLM(CausalLM):
     def vision_param_count(self) -> int:
         """Parameters of the vision tower (0 without one); they run once per image."""
         return sum(p.numel() for n, p in self.named_parameters()
-                   if _VISION.search(n.removeprefix("model.")))
-
-
-# ------------------------------------------------------------------ checkpoint names
-_ROUTING_ONLY = re.compile(r"(^|\.)tid2eid$")
-_VISION = re.compile(r"(^|\.)bias_vl$|^(model\.)?(vision|aligner)\.|"
-                     r"^(model\.)?image_(start|end|newline)$")
-_TABLE = ".engram.embed.weight"
-_HC = re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
-_MTP = re.compile(r"^(model\.)?mtp\.(\d+)\.")
-_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def official_to_reference(name: str, vision: bool = False) -> str | None:
-    """An official DeepSeek-V4.1 tensor name -> the reference's state_dict name (reference
-    names pass through). DSpark's `mtp.{s}.*` map as a block's names do, under `mtp.{s}.`.
-    None for tensors wideserve does not use: hash-routing tables, and the vision tower and
-    the gates' `bias_vl` of a model built without vision (`vision` False)."""
-    if _ROUTING_ONLY.search(name) or (not vision and _VISION.search(name)):
-        return None
-    m = _MTP.match(name)
-    if m:
-        if name.endswith(".bias_vl"):       # the draft never sees an image position
-            return None
-        inner = official_to_reference(f"layers.{m[2]}.{name[m.end():]}")
-        return inner and f"mtp.{m[2]}." + inner.removeprefix(f"model.layers.{m[2]}.")
-    top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-           "norm.weight": "model.norm.weight"}
-    if name in top:
-        return top[name]
-    if name.startswith(("vision.", "aligner.", "image_")):
-        return "model." + name
-    if not name.startswith("layers."):
-        return name
-    m = _HC.match(name)
-    if m:
-        return f"model.layers.{m[1]}.{m[2]}_hc.{m[3]}"
-    if name.endswith(".attn.attn_sink"):
-        name = name.removesuffix(".attn_sink") + ".sinks_param.weight"
-    name = re.sub(r"\.ffn\.shared_experts\.(w[123])\.",
-                  lambda g: f".ffn.shared_experts.{_SHARED[g[1]]}.", name)
-    if name.endswith(".ffn.gate.bias"):
-        name = name.removesuffix(".bias") + ".e_score_correction_bias"
-    return "model." + name
-
-
-def decoder_replay_rows(batch: ForwardBatch, window: int, lo: np.ndarray
-                        ) -> tuple[torch.Tensor, ForwardBatch] | None:
-    """The decoder bounded replay's sub-batch: each request keeps its last `window` new rows.
-    Layers after the last KV source write no shared KV, and future steps read their windows
-    only back to seq - window + 1, so only those rows matter later; the kept rows' windows are
-    clamped at the first kept row (kv_replay_start), the approximation (docs/deepseek_v41.md).
-    lo [R]: the full step's first readable positions (V4Step.lo: a prefix-cache replay's
-    start), which stay in force. None when no request has more than `window` new rows."""
-    qsl = np.asarray(batch.query_start_loc_cpu, dtype=np.int64)
-    qlen = np.diff(qsl)
-    if not (qlen > window).any():
-        return None
-    skip = np.maximum(qlen - window, 0)
-    new_len = qlen - skip
-    rows_np = np.concatenate([np.arange(a + k, b) for a, b, k in zip(qsl[:-1], qsl[1:], skip)])
-    rows = torch.from_numpy(rows_np).to(batch.input_ids.device)
-    new_qsl = np.concatenate([[0], np.cumsum(new_len)])
-    seq = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
-    ctx = seq - new_len
-    views = [dataclasses.replace(v, slot_mapping=None if v.slot_mapping is None
-                                 else v.slot_mapping[rows]) for v in batch.kv_groups]
-    sub = ForwardBatch(
-        input_ids=batch.input_ids[rows], positions=batch.positions[rows],
-        query_start_loc=torch.from_numpy(new_qsl).to(batch.query_start_loc.device),
-        seq_lens=batch.seq_lens, query_start_loc_cpu=new_qsl, seq_lens_cpu=seq,
-        kv_caches=batch.kv_caches, kv_groups=views, cache_group=batch.cache_group,
-        kv_replay_start=np.where(skip > 0, np.maximum(ctx, lo), lo), extras=batch.extras)
-    return rows, sub
+                   if VISION_NAMES.search(n.removeprefix("model.")))

@@ -111,7 +111,8 @@ class SparseMoeBlock(nn.Module):
             return None
         router = gate._pack.gemm_pack((gate.weight,), (None,), dtype)
         args = experts.fused_op_args(device, dtype)
-        if router is None or args is None:
+        invariant = experts.invariant_fn(device, dtype)     # --batch-invariant's expert path
+        if router is None or (args is None and invariant is None):
             return None
         packed, _, num_experts = router
         top_k, renormalize = gate.top_k, gate.renormalize
@@ -121,6 +122,8 @@ class SparseMoeBlock(nn.Module):
         def mlp(x: torch.Tensor) -> torch.Tensor:
             ids, weights = ops.moe_route(x, packed, num_experts, top_k, renormalize, False,
                                          brgemm(x.shape[0]))
+            if invariant is not None:
+                return invariant(x, ids, weights)
             return ops.moe_fused_experts(x, ids, weights, *args)
         return mlp
 
@@ -150,9 +153,11 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     def decode_capturable(self, device: torch.device) -> bool:
         """The dense decoder's condition, and every routed-expert layer on "grouped_mm" (no
-        host sync: layers/experts.py) without an expert-parallel dispatcher."""
+        host sync: layers/experts.py), with no expert-parallel dispatcher or one whose decode
+        exchange is capturable (the padded one: layers/ep_dispatch.py)."""
         return super().decode_capturable(device) and all(
-            m.ep is None and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
+            (m.ep is None or m.ep.capturable)
+            and m.resolved_impl(device, m.down_proj.dtype) == "grouped_mm"
             for m in self.modules() if isinstance(m, RoutedExperts))
 
     def param_counts(self) -> tuple[int, int]:

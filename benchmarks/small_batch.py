@@ -1,0 +1,132 @@
+"""Single-user decode speed: the small-batch decode path against the standard path
+(docs/host_path.md, "The small-batch decode path").
+
+One engine per model; requests run one at a time (a single user; `--batch N` runs N at once)
+and alternate between the two paths on the same engine, weights and KV cache (the path is
+switched by setting `runner.small`, what LoadConfig.small_batch_decode=0 leaves None), the
+order flipped every round so drift in the machine's load falls on both. Per request: decode
+tokens/s = (output tokens - 1) / (time from the first to the last token). Reported per path:
+the mean over requests and the P90 figure, 1 / (90th percentile time per output token): the
+speed 90% of requests reach. Greedy outputs of the two paths are compared too.
+
+  PYTHONPATH=. python benchmarks/small_batch.py [--models v4,v41,qwen3moe,11m] [--rounds 8]
+        [--tokens 64] [--batch 1] [--threads 1]
+
+Models: v4 / v41 the bundled tiny checkpoints, qwen3moe the tiny random config of
+tests/tiny_families.py (dummy weights), 11m /work/venvs/hostpath-models/qwen3moe-11m (or
+--model-11m PATH). All in bf16 (the CPU's serving dtype).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from tiny_families import model_dir, vocab_size  # noqa: E402
+from wideserve import LLM, SamplingParams  # noqa: E402
+from wideserve.types.messages import EngineCoreRequest  # noqa: E402
+
+MODEL_11M = "/work/venvs/hostpath-models/qwen3moe-11m"
+
+
+def _load(name: str, tmp: Path, path_11m: str) -> tuple[LLM, int]:
+    dummy = name == "qwen3moe"
+    path = Path(path_11m) if name == "11m" else model_dir(name, tmp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(str(path), dtype="bfloat16", load_format="dummy" if dummy else "auto",
+                  max_model_len=512, kv_cache_memory=1 << 28, max_num_seqs=16,
+                  skip_tokenizer_init=True)
+    return llm, vocab_size(path)
+
+
+def _run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str
+         ) -> tuple[list[float], list[list[int]]]:
+    """The prompts at once; per request its decode seconds per token, and its tokens."""
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for i, p in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        engine.add_request(EngineCoreRequest(rid, p, sp))
+        got[rid] = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                got[out.request_id] += out.new_token_ids
+    tpot = [(last[r] - first[r]) / (len(got[r]) - 1) for r in got]
+    return tpot, list(got.values())
+
+
+def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
+    llm, vocab = _load(name, tmp, args.model_11m)
+    runner = llm.engine.runner
+    small = runner.small
+    if small is None:
+        raise SystemExit(f"{name}: the small-batch path is off for this engine")
+    gen = np.random.default_rng(0)
+    tpot: dict[str, list[float]] = {"small": [], "standard": []}
+    same = True
+    _run(llm, [gen.integers(2, vocab, 32).tolist()] * args.batch, 8, "warm")  # first-use costs
+    for rnd in range(args.rounds):
+        prompts = [gen.integers(2, vocab, args.prompt).tolist() for _ in range(args.batch)]
+        order = ("small", "standard") if rnd % 2 == 0 else ("standard", "small")
+        outs = {}
+        for path in order:
+            runner.small = small if path == "small" else None
+            t, outs[path] = _run(llm, prompts, args.tokens, f"{path}{rnd}")
+            tpot[path] += t
+        same &= outs["small"] == outs["standard"]
+    runner.small = small
+
+    def summary(ts: list[float]) -> dict:
+        return {"mean": statistics.fmean(1 / t for t in ts),
+                "p90": 1 / float(np.percentile(ts, 90))}
+    res = {p: summary(ts) for p, ts in tpot.items()}
+    res["same"] = same
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="v4,v41,qwen3moe,11m")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model-11m", default=MODEL_11M)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"batch {args.batch}, {args.rounds} rounds x {args.tokens} tokens per path, "
+          f"{args.threads} thread(s)")
+    print("| model | standard mean / P90 tok/s | small-batch mean / P90 tok/s | "
+          "mean ratio | P90 ratio | greedy equal |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            r = bench_model(name, args, Path(tmp))
+            s, b = r["standard"], r["small"]
+            print(f"| {name} | {s['mean']:.1f} / {s['p90']:.1f} | {b['mean']:.1f} / "
+                  f"{b['p90']:.1f} | {b['mean'] / s['mean']:.2f}x | "
+                  f"{b['p90'] / s['p90']:.2f}x | {r['same']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

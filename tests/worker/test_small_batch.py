@@ -1,0 +1,159 @@
+"""The small-batch decode path (worker/small_batch.py): decode steps of 1-4 requests over
+preallocated inputs, the lean forward's plan kept across steps. Greedy outputs equal the
+standard path's (LoadConfig.small_batch_decode=0) on every family while the batch grows and
+shrinks, requests are aborted and preempted."""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_families import FAMILIES, model_dir, vocab_size  # noqa: E402
+from wideserve import LLM, SamplingParams  # noqa: E402
+from wideserve.models import lean_decode  # noqa: E402
+from wideserve.types.messages import EngineCoreRequest  # noqa: E402
+from wideserve.worker.small_batch import SmallBatchDecode  # noqa: E402
+
+
+def _llm(path: Path, small: int, dtype: str = "float32", **kw) -> LLM:
+    args = dict(dtype=dtype, load_format="dummy", max_model_len=256,
+                kv_cache_memory=1 << 26, skip_tokenizer_init=True, max_num_seqs=8,
+                small_batch_decode=small, seed=0)
+    args.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LLM(str(path), **args)
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _scenario(llm: LLM, vocab: int) -> dict[str, list[int]]:
+    """One user, then a batch that grows to five (past the path's four) and shrinks, an abort
+    mid-decode and a late arrival; the tokens each request received."""
+    engine = llm.engine
+    got: dict[str, list[int]] = {}
+
+    def add(rid: str, n: int, max_tokens: int) -> None:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(EngineCoreRequest(rid, _prompt(vocab, n, len(got) + 7), sp))
+        got[rid] = []
+
+    def steps(k: int) -> None:
+        for _ in range(k):
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+
+    add("a", 9, 14)
+    steps(4)
+    for rid, n, m in (("b", 5, 9), ("c", 20, 5), ("d", 3, 7), ("e", 11, 6)):
+        add(rid, n, m)
+    steps(3)
+    engine.abort_requests(["b"])
+    steps(2)
+    add("f", 6, 5)
+    while engine.has_unfinished_requests():
+        steps(1)
+    assert engine.kv_manager.usage == 0.0
+    engine.check_integrity()
+    return got
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equal_to_the_standard_path(family: str, tmp_path: Path) -> None:
+    path = model_dir(family, tmp_path)
+    vocab = vocab_size(path)
+    runs = {}
+    for small in (0, 4):
+        llm = _llm(path, small)
+        runs[small] = _scenario(llm, vocab)
+        path_obj = llm.engine.runner.small
+        if small:
+            assert isinstance(path_obj, SmallBatchDecode) and path_obj.steps >= 8
+        else:
+            assert path_obj is None
+    assert runs[4] == runs[0]
+    assert len(runs[4]["a"]) == 14 and 0 < len(runs[4]["b"]) < 9
+
+
+def test_preemption_equal_to_the_standard_path(tmp_path: Path) -> None:
+    """A pool too small for every request: preempted requests resume (their first step
+    again a prefill) and the outputs do not change."""
+    path = model_dir("qwen3moe", tmp_path)
+    runs, small_steps = {}, 0
+    for small in (0, 4):
+        llm = _llm(path, small, block_size=16, num_blocks_override=5)
+        runs[small] = _scenario(llm, vocab_size(path))
+        assert llm.engine.get_stats().num_preemptions > 0
+        small_steps = llm.engine.runner.small.steps if small else small_steps
+    assert runs[4] == runs[0] and small_steps > 0
+
+
+def test_cuda_like_copies(tmp_path: Path) -> None:
+    """Separate device copies of the inputs and block tables, uploaded each step as on CUDA:
+    every field the model reads is uploaded (V4: ratio-1 and compressed groups)."""
+    from wideserve.worker.block_tables import BlockTables
+    path = model_dir("v4", tmp_path)
+    base = _scenario(_llm(path, 0), vocab_size(path))
+    llm = _llm(path, 0)
+    runner = llm.engine.runner
+    runner.tables = BlockTables(len(runner.groups), torch.device("cpu"), separate_copy=True)
+    runner.small = SmallBatchDecode(runner.groups, runner.cache_group, runner.kv_caches,
+                                    runner.tables, runner.device, separate_copy=True)
+    assert _scenario(llm, vocab_size(path)) == base and runner.small.steps >= 8
+
+
+def _count_plans(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    plan = lean_decode._plan_layer
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return plan(*args, **kw)
+    monkeypatch.setattr(lean_decode, "_plan_layer", counted)
+    return calls
+
+
+def test_lean_plan_kept_and_dropped(tmp_path: Path, monkeypatch) -> None:
+    """bf16 Qwen3-MoE (the lean forward): a single user's decode steps plan the layers once;
+    a block table reallocated or a hook registered later makes the next step plan again (the
+    hook runs); outputs stay the standard path's."""
+    path = model_dir("qwen3moe", tmp_path)
+    vocab = vocab_size(path)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = [{"prompt_token_ids": _prompt(vocab, 10, 1)}]
+    base = _llm(path, 0, dtype="bfloat16").generate(prompt, sp, use_tqdm=False)
+    llm = _llm(path, 4, dtype="bfloat16")
+    calls = _count_plans(monkeypatch)
+    out = llm.generate(prompt, sp, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+    layers = len(llm.engine.model.model.layers)
+    # the prefill plans for itself; the 11 decode steps share one plan
+    assert len(calls) == 2 * layers, len(calls)
+    calls.clear()
+    small = llm.engine.runner.small
+    small.tables.reserve(32, [64] * len(small.groups))        # new table tensors
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == \
+        base[0].outputs[0].token_ids
+    assert len(calls) == 2 * layers
+    calls.clear()
+    seen = []
+    llm.engine.model.model.layers[0].self_attn.register_forward_hook(
+        lambda *a: seen.append(1))
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == \
+        base[0].outputs[0].token_ids
+    assert len(seen) == 12          # the module path ran every step, hook and all
+
+
+def test_config_switch(tmp_path: Path) -> None:
+    path = model_dir("llama", tmp_path)
+    assert _llm(path, 2).engine.runner.small.max_size == 2
+    with pytest.raises(ValueError, match="small_batch_decode"):
+        _llm(path, -1)
+    # EPLB rewrites expert slots while serving, under a kept plan: the path is off
+    assert _llm(model_dir("qwen3moe", tmp_path), 4, enable_eplb=True).engine.runner.small is None
