@@ -183,6 +183,8 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/disagg/test_pd_loopback.py": 14,
     "tests/entrypoints/openai/test_engine_proc_plumbing.py": 13,
     "tests/entrypoints/openai/test_engine_client_faults.py": 12,
+    "tests/models/test_deepseek_v41_vision.py": 12,
+    "tests/entrypoints/openai/test_server_images.py": 11,
     "tests/bench/test_throughput.py": 11,
 }
 

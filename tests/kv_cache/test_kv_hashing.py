@@ -119,3 +119,30 @@ def test_hashing_is_cheap():
     elapsed = time.perf_counter() - t0
     assert len(req.block_hashes) == 1000
     assert elapsed < 1.0, f"hashing 256k tokens took {elapsed:.3f} s"
+
+
+def test_image_digests_key_the_blocks_holding_the_span():
+    """Two prompts with the same ids (the image span all placeholder ids) and different
+    images share the blocks before the span only; the same image: every block; a text
+    prompt's hashes are the plain chain."""
+    from wideserve.types.multimodal import ImageInput, image_digest
+    from wideserve.types.request import Request
+    from wideserve.types.sampling_params import SamplingParams
+
+    def image(content: bytes) -> ImageInput:
+        grid = [8, 8, 2, 2, 1, 1]
+        return ImageInput(10, 5, grid, content, image_digest(grid, content))
+
+    ids = list(range(1, 10)) + [99] * 5 + list(range(20, 38))       # 32 ids, span [10, 15)
+    hasher = BlockHasher(8)
+
+    def hashes(images):
+        r = Request("r", ids, SamplingParams(max_tokens=1), images=images)
+        hasher(r)
+        return r.block_hashes
+    a, b, a2 = hashes([image(b"a" * 8)]), hashes([image(b"b" * 8)]), hashes([image(b"a" * 8)])
+    text = hashes(None)
+    assert a == a2 and len(a) == 4
+    assert a[0] == b[0] == text[0]          # block 0 ([0, 8)) holds no image row
+    assert all(x != y for x, y in zip(a[1:], b[1:]))   # blocks 1.. hold it or follow it
+    assert text == reference_chain(ids, 8)

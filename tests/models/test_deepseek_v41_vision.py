@@ -176,3 +176,111 @@ def test_official_names_and_text_only_limit(oracle):
         got = PagedHarness(text, max_reqs=1, max_len=len(seq) + 4,
                            specs=text.kv_cache_specs("raw")).step([0], [seq])
     assert (got - oracle["text_logits"]).abs().max().item() <= TOL
+
+
+# ------------------------------------------------------------------ served through the engine
+def _oracle_greedy(oracle, n: int) -> list[int]:
+    """The reference's greedy continuation of the prompt holding the image (text after it)."""
+    m, g = oracle["m"], oracle["grid"]
+    seq, types, out = list(oracle["seq"]), list(oracle["types"]), []
+    with torch.no_grad(), h.kv_quant_off():
+        for _ in range(n):
+            logits = m(torch.tensor([seq]), pixel_values=oracle["patches"],
+                       image_grid_hws=torch.tensor([[g.vit_height, g.vit_width]]),
+                       vision_token_types=torch.tensor([types])).logits[0, -1]
+            out.append(int(logits.argmax()))
+            seq.append(out[-1])
+            types.append(-1)
+    return out
+
+
+def _engine(path, **kw):
+    from wideserve.config import engine_config_from_kwargs
+    from wideserve.engine.engine_core import EngineCore
+    return EngineCore(engine_config_from_kwargs(
+        model=str(path), dtype="float32", max_num_seqs=4, kv_cache_memory=64 << 20,
+        kv_cache_dtype="bf16", **kw))      # (h.kv_quant_off leaves fp8 KV records rounded)
+
+
+def _image_request(rid: str, seq: list[int], offset: int, image, n: int):
+    from wideserve.models.deepseek_v41.vision import image_input
+    from wideserve.types.messages import EngineCoreRequest
+    from wideserve.types.sampling_params import SamplingParams
+    return EngineCoreRequest(rid, list(seq), SamplingParams(temperature=0.0, max_tokens=n,
+                                                            ignore_eos=True),
+                             images=[image_input(prepare_image(image, _ws_vision()), offset)])
+
+
+class _Tokens(dict):
+    cached: dict[str, int]
+
+
+def _run(core, *reqs) -> _Tokens:
+    """Each request's tokens; `.cached`: its prefix-cache hit."""
+    for r in reqs:
+        core.add_request(r)
+    out = _Tokens({r.request_id: [] for r in reqs})
+    out.cached = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                out.cached[o.request_id] = o.num_cached_tokens
+    core.check_integrity()
+    return out
+
+
+def test_engine_greedy_with_an_image_equals_the_reference(oracle):
+    """EngineCore with an image request (the encoder run by the worker, IMAGE_ROWS /
+    IMAGE_EMBEDS per step): one-shot and with prefill chunks cutting the span, the reference's
+    greedy tokens; the tower runs once per request; the image changes the tokens."""
+    want = _oracle_greedy(oracle, 4)
+    seq, offset = oracle["seq"], oracle["types"].index(0)
+    with h.kv_quant_off():
+        for kw in ({}, {"max_num_batched_tokens": 8}):
+            core = _engine(oracle["path"], enable_prefix_caching=False, **kw)
+            got = _run(core, _image_request("a", seq, offset, oracle["image"], 4))
+            assert got["a"] == want, kw
+            assert core.worker.images.encoded == 1 and len(core.worker.images) == 0
+        other = _run(core, _image_request("b", seq, offset, _image(2, 22, 13), 4))
+    assert other["b"] != want
+
+
+def test_prefix_cache_keys_the_image(oracle):
+    """Same text, different image: no KV shared from the first block holding the span; the
+    same image: shared past it, with the tokens of a cold run."""
+    seq, offset = oracle["seq"], oracle["types"].index(0)
+    seq = seq + h.random_tokens(24, seed=9)     # full blocks after the span
+    with h.kv_quant_off():
+        core = _engine(oracle["path"], block_size=8, enable_prefix_caching=True)
+        cold = _run(core, _image_request("a", seq, offset, oracle["image"], 3))
+        other = _run(core, _image_request("b", seq, offset, _image(2, 22, 13), 3))
+        same = _run(core, _image_request("c", seq, offset, oracle["image"], 3))
+    assert other.cached["b"] == offset // 8 * 8 < offset
+    assert same.cached["c"] == (len(seq) - 1) // 8 * 8 > offset + 30
+    assert same["c"] == cold["a"] != other["b"]
+
+
+@pytest.mark.parametrize("steps", [2, 5], ids=["mid-span", "decoding"])
+def test_preempted_image_request_recomputes_the_same_tokens(oracle, steps):
+    """Preempted (by recompute, the scheduler's own path) inside the span during chunked
+    prefill (the embeddings are kept: one tower run) or while decoding (they were dropped
+    when the prefill passed the span: the tower runs again); the reference's tokens."""
+    from wideserve.engine.scheduler import _StepPlan
+    want = _oracle_greedy(oracle, 4)
+    seq, offset = oracle["seq"], oracle["types"].index(0)
+    with h.kv_quant_off():
+        core = _engine(oracle["path"], max_num_batched_tokens=8, enable_prefix_caching=False)
+        core.add_request(_image_request("a", seq, offset, oracle["image"], 4))
+        out = []
+        for _ in range(steps):
+            out += [t for o in core.step() for t in o.new_token_ids]
+        request = core.scheduler.requests["a"]
+        assert (request.num_computed_tokens < offset + 10) == (steps == 2)
+        core.scheduler._preempt(request, _StepPlan(0))
+        while core.has_unfinished_requests():
+            out += [t for o in core.step() for t in o.new_token_ids]
+    assert core.get_stats().num_preemptions == 1
+    assert out == want
+    assert core.worker.images.encoded == (1 if steps == 2 else 2)
+    assert len(core.worker.images) == 0

@@ -26,6 +26,7 @@ from wideserve.kv_cache.spec import split_shared
 from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.kv_quant import SPEC_FORMATS
 from wideserve.types.messages import EngineCoreRequest, StepLogprobs
+from wideserve.types.multimodal import ImageInput, check_images
 from wideserve.types.sched_output import EngineCoreOutput, SchedulerOutput
 from wideserve.engine.scheduler import Scheduler
 from wideserve.engine.step_faults import poisons_device, step_error_message
@@ -62,6 +63,10 @@ class ModelInfo:
     dtype: str
     kv_block_size: int | None = None         # positions per logical (prefix-hash) block
     kernels: list[str] = field(default_factory=list)   # the startup block's kernel lines
+    # Image inputs (docs/deepseek_v41.md, "Images"): the placeholder id and the vision config
+    # the front end preprocesses with; None for a model that takes no images.
+    image_token_id: int | None = None
+    vision_config: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -305,9 +310,23 @@ class EngineCore:
             num_active_params=active, kv_capacity_tokens=self.kv_config.capacity_tokens,
             eos_token_ids=list(self.eos_token_ids), dtype=str(self.loaded.dtype).split(".")[-1],
             kv_block_size=self.kv_config.block_size,
-            kernels=kernel_summary(self.model, self.loaded.dtype, self.device.type))
+            kernels=kernel_summary(self.model, self.loaded.dtype, self.device.type),
+            image_token_id=self.model.image_token_id,
+            vision_config=(dataclasses.asdict(self.model.config.vision)
+                           if self.model.image_token_id is not None else None))
 
     # ---------------------------------------------------------------------- requests
+    def _check_images(self, images: list[ImageInput], prompt_len: int) -> None:
+        """The model takes images, at most --limit-mm-per-prompt of them, on image spans."""
+        if self.model.image_token_id is None:
+            raise ValueError("this model takes no image inputs (no vision tower, or served "
+                             "with --limit-mm-per-prompt image=0)")
+        limit = self.config.load.limit_mm_per_prompt.image
+        if len(images) > limit:
+            raise ValueError(f"the prompt has {len(images)} images; at most {limit} per "
+                             f"prompt (--limit-mm-per-prompt)")
+        check_images(images, prompt_len)
+
     def add_request(self, req: EngineCoreRequest) -> None:
         self._check_usable()
         if req.request_id in self.scheduler.requests:
@@ -325,7 +344,8 @@ class EngineCore:
                               req.sampling_params,
                               arrival_time=req.arrival_time, priority=req.priority,
                               group_id=req.group_id,
-                              kv_transfer_params=req.sampling_params.kv_transfer_params)
+                              kv_transfer_params=req.sampling_params.kv_transfer_params,
+                              images=req.images or None)
         except ValueError as e:
             raise ValueError(f"a prompt token id is outside the vocabulary "
                              f"[0, {self.vocab_size}) ({e})") from None
@@ -334,6 +354,8 @@ class EngineCore:
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"prompt token id {lo if lo < 0 else hi} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
+        if req.images:
+            self._check_images(req.images, n)
         max_tokens = req.sampling_params.max_tokens or 1
         if n + max_tokens > self.max_model_len:
             raise ValueError(

@@ -15,6 +15,7 @@ finished or preempted request is dropped through `drop` at the start of the next
   penalties         per-request penalty counts (worker/penalties.py)
   runner.tables     block-table rows (worker/block_tables.py)
   spec              the speculative decoder's pending drafts (spec_decode/decoder.py)
+  images            image requests' span embeddings until their prefill passes the images
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from wideserve.types.messages import StepLogprobs, TokenLogprobs
 from wideserve.types.sched_output import ScheduledRequest, SchedulerOutput
 from wideserve.engine.step_timer import StepTimer
+from wideserve.worker.images import ImageEmbeddings
 from wideserve.worker.model_runner import ModelRunner, StepRequest
 from wideserve.worker.penalties import PenaltyTracker
 from wideserve.worker.sampler import (Sampler, argmax_rows, build_sampling_metadata,
@@ -69,6 +71,7 @@ class Worker:
         self.prompt_logprobs: dict[str, TokenLogprobs] = {}
         self.prompt_lp_sent: set[str] = set()
         self.prompt_tokens = 0          # prompt tokens computed (stats)
+        self.images = ImageEmbeddings(self.model)   # image requests' span embeddings
 
     # ---------------------------------------------------------------------- requests
     def add_request(self, request_id: str, params: SamplingParams) -> None:
@@ -83,6 +86,8 @@ class Worker:
             self.generators.pop(rid, None)
             self.prompt_logprobs.pop(rid, None)
             self.prompt_lp_sent.discard(rid)
+        if self.images:
+            self.images.drop(finished)
         self.penalties.drop(finished)
         if self.spec is not None and finished:
             self.spec.drop(finished)
@@ -191,7 +196,8 @@ class Worker:
                            write_start, end >= num_tokens, want_prompt,
                            len(s.spec_token_ids),
                            self.kv_manager.replay_start(rid) if write_start else 0,
-                           s.is_new_or_resumed, all_ids)
+                           s.is_new_or_resumed, all_ids,
+                           self.images.for_step(r, start, end) if r.images else None)
 
     def _add_prompt_logprobs(self, step: StepRequest, request: Request,
                              hidden: torch.Tensor) -> None:

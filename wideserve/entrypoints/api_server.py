@@ -43,6 +43,7 @@ from wideserve.serving.anthropic import serving as anthropic_serving
 from wideserve.serving.anthropic.convert import error_body as anthropic_error_body
 from wideserve.serving.openai import serving_chat, serving_completions, serving_responses
 from wideserve.serving.openai.serving_chat import chat_options
+from wideserve.serving.openai.images import ImageSupport
 from wideserve.serving.openai.async_engine import AsyncEngine
 from wideserve.serving.openai.server_metrics import ServerMetrics, cache_config_info
 from wideserve.serving.openai.supervision import ExitOnEngineDeath
@@ -393,7 +394,9 @@ def _serving_context(args: Any, config: EngineConfig, client: EngineClient,
                           metrics, chat_options(args),
                           request_limits=request_limits_from_args(args),
                           kv_secret=kv.consumer_secret() if kv else None,
-                          kv_peer_auth=peer_auth_for(kv) if kv else None)
+                          kv_peer_auth=peer_auth_for(kv) if kv else None,
+                          images=ImageSupport.from_info(
+                              info, config.load.limit_mm_per_prompt.image))
 
 
 def _uvicorn_server(args: Any, app: FastAPI, ctx: ServingContext) -> _Server:

@@ -137,9 +137,30 @@ class BlockHasher:
         if n_full <= start:
             return []
         extra_keys = self.extra_keys
+        if request.images:
+            extra_keys = _with_image_keys(extra_keys, bs)
         # A view of the request's int32 buffer: no Python list is sliced or converted.
         new = hash_token_blocks(
             request.token_array()[start * bs:n_full * bs], bs, hashes[-1] if hashes else None,
             (lambda i: extra_keys(request, start + i)) if extra_keys else b"")
         hashes.extend(new)
         return new
+
+
+def image_block_keys(request: Request, index: int, block_size: int) -> bytes:
+    """The extra key of logical block `index` of a request with images: the offset and
+    digest of every image span overlapping the block (the block's token ids are the same
+    image_token_id for any image), empty for a block without image rows."""
+    lo, hi = index * block_size, (index + 1) * block_size
+    keys: list[int | bytes] = []
+    for im in request.images or ():
+        if im.offset < hi and im.offset + im.length > lo:
+            keys += [im.offset, im.digest]
+    return encode_extra_keys(*keys)
+
+
+def _with_image_keys(extra_keys: ExtraKeysFn | None, block_size: int) -> ExtraKeysFn:
+    def keys(request: Request, index: int) -> bytes:
+        own = extra_keys(request, index) if extra_keys is not None else b""
+        return own + image_block_keys(request, index, block_size)
+    return keys

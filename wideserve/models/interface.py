@@ -30,6 +30,7 @@ from wideserve.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from wideserve.config import KernelConfig
+    from wideserve.types.multimodal import ImageInput
 
 
 class CausalLM(nn.Module, metaclass=ABCMeta):
@@ -135,6 +136,17 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         """--decoder-bounded-replay (DeepSeek-V4.1 only)."""
         raise ValueError(f"--decoder-bounded-replay applies to DeepSeek-V4.1 models only; "
                          f"this model is {type(self).__name__}")
+
+    # ------------------------------------------------------------------ images
+    @property
+    def image_token_id(self) -> int | None:
+        """The placeholder id of image positions when the model takes images (a vision
+        tower was built), else None (worker/images.py, serving/openai/images.py)."""
+        return None
+
+    def embed_image(self, image: ImageInput) -> torch.Tensor:
+        """One image span's embeddings [image.length, d] (models with image_token_id)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no images")
 
     # ------------------------------------------------------------------ MTP / draft
     # Whether the model runs GEMMs as plain nn.Linear modules outside a WeightPack: under

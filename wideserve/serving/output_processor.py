@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wideserve.types.messages import EngineCoreRequest, StepLogprobs, TokenLogprobs
+from wideserve.types.multimodal import ImageInput
 from wideserve.types.sched_output import EngineCoreOutput, RequestEventType
 from wideserve.text.detokenizer import FinalDetokenizer, IncrementalDetokenizer, make_detokenizer
 from wideserve.types.outputs import (CompletionOutput, PromptLogprobs, RequestMetrics,
@@ -84,8 +85,8 @@ class OutputProcessor:
     # ----------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
-                    priority: int = 0, group_id: str | None = None
-                    ) -> list[EngineCoreRequest]:
+                    priority: int = 0, group_id: str | None = None,
+                    images: list[ImageInput] | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the engine-core requests to submit (one per child).
         `group_id`: the client request it is part of (several prompts of one HTTP request);
         default its own id. Every child carries it, for fair admission across groups."""
@@ -105,7 +106,8 @@ class OutputProcessor:
             self._child_parent[cid] = request_id
             core_requests.append(EngineCoreRequest(cid, list(prompt_token_ids), child_params,
                                                    arrival, priority,
-                                                   group_id=group_id or request_id))
+                                                   group_id=group_id or request_id,
+                                                   images=images))
         self._parents[request_id] = parent
         return core_requests
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from wideserve.types.multimodal import ImageInput
 from wideserve.types.sampling_params import SamplingParams
 
 
@@ -17,6 +18,8 @@ class EngineCoreRequest:
     # The client request this sequence belongs to (prompts x n of one HTTP request share
     # it); admission is fair across groups (engine/request_queue.py). None: its own group.
     group_id: str | None = None
+    # Image spans of the prompt, in order (types/multimodal.py); None: a text prompt.
+    images: list[ImageInput] | None = None
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from wideserve.types.multimodal import ImageInput
     from wideserve.types.sampling_params import SamplingParams
 
 
@@ -58,6 +59,9 @@ class Request:
     group_id: str | None = None              # the client request it belongs to (None: itself)
     # P/D disaggregation (disagg/params.py): what the router asked of this request.
     kv_transfer_params: dict[str, Any] | None = None
+    # Image spans of the prompt, in order (types/multimodal.py): their rows take the vision
+    # tower's embeddings (worker/images.py) and their digests key the prefix cache.
+    images: "list[ImageInput] | None" = None
     # all_token_ids as int32 in buf[:num_tokens]; capacity beyond it for output tokens.
     _token_buf: np.ndarray = field(init=False, repr=False)
     _buf_len: int = field(init=False, repr=False, default=0)

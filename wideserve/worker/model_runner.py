@@ -22,6 +22,7 @@ import torch
 from wideserve.utils.device import to_device
 from wideserve.worker.block_tables import BlockTables
 from wideserve.worker.decode_capture import CapturedDecode, Capturer, StepSync
+from wideserve.worker.images import StepImages, image_extras
 from wideserve.worker.small_batch import SmallBatchDecode
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 
@@ -45,6 +46,7 @@ class StepRequest:
     # The request's tokens (Request.all_token_ids, not copied): a captured decode step's
     # host-staged inputs read the few before `start` (Engram n-grams; decode_capture.py).
     context: Sequence[int] = ()
+    images: StepImages | None = None   # rows at image positions, their embeddings (images.py)
 
 
 @dataclass(slots=True)
@@ -144,13 +146,16 @@ class ModelRunner:
             write_start_cpu = np.array([r.kv_write_start for r in reqs], dtype=np.int64)
             write_start = to_device(write_start_cpu.copy(), dev)
             replay_start = np.array([r.replay_start for r in reqs], dtype=np.int64)
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=to_device(input_ids, dev), positions=to_device(positions, dev),
             query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             kv_caches=self.kv_caches, kv_groups=views, cache_group=self.cache_group,
             kv_write_start=write_start, kv_write_start_cpu=write_start_cpu,
             kv_replay_start=replay_start, num_output_rows_cpu=self._output_rows(reqs, qlens))
+        if any([r.images is not None for r in reqs]):
+            batch.extras.update(image_extras([r.images for r in reqs], qsl, dev))
+        return batch
 
     def _output_rows(self, reqs: list[StepRequest], qlens: np.ndarray) -> np.ndarray:
         """[R] rows of each request whose hidden states `forward` reads: all of them for
@@ -177,15 +182,16 @@ class ModelRunner:
                 input_ids: torch.Tensor | None = None) -> ForwardOutput:
         """input_ids [T] on the device replaces the requests' token ids (a proposer feeding
         its own drafts back without a host sync)."""
-        n = None if self.captured is None or input_ids is not None else \
-            self.captured.padded_size(reqs)
-        small = self.small
+        # A step with image rows carries their embeddings in extras: the plain path only.
+        plain = input_ids is not None or any([r.images is not None for r in reqs])
+        n = None if self.captured is None or plain else self.captured.padded_size(reqs)
+        small = None if plain else self.small
         if self.step_sync is not None:
             n = self._agree(reqs, n)
         if n is not None:
             step = self.captured.run(reqs, n)
             hidden, batch = step.hidden, step.batch
-        elif small is not None and input_ids is None and small.applies(reqs):
+        elif small is not None and small.applies(reqs):
             batch = small.batch(reqs)
             hidden = self.model.forward(batch)
         else:

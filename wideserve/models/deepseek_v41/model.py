@@ -22,6 +22,7 @@ from torch import nn
 
 from wideserve.kv_cache.spec import CacheKind, KVCacheSpec, SharedKVSpec
 from wideserve.types.forward_batch import ForwardBatch
+from wideserve.types.multimodal import ImageInput
 from wideserve.models.deepseek_v41.attention import CSA2State, DeepseekV41Attention
 from wideserve.layers.attention.paged_decode_static import is_decode_batch
 from wideserve.layers.attention.registry import resolve_v41_attention_backend, static_decode
@@ -39,7 +40,8 @@ from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
 from wideserve.models.deepseek_v41.names import (ENGRAM_TABLE, VISION_NAMES,
                                                  official_to_reference)
 from wideserve.models.deepseek_v41.replay import plan_decoder_replay
-from wideserve.models.deepseek_v41.vision import IMAGE_POSITION, VisionRouter, add_vision_tower
+from wideserve.models.deepseek_v41.vision import (IMAGE_POSITION, VisionRouter, add_vision_tower,
+                                                 prepared_from_input, span_embeddings)
 from wideserve.models.interface import CausalLM
 
 # auto / fp8: the reference's records, packed (FP8 window, NVFP4 entries, MXFP4 keys);
@@ -569,6 +571,13 @@ class DeepseekV41ForCausalLM(CausalLM):
         active = (total - routed - tables + routed * c.num_experts_per_tok // c.n_routed_experts
                   + gathered)
         return total, active
+
+    @property
+    def image_token_id(self) -> int | None:
+        return self.config.image_token_id if self.config.has_vision else None
+
+    def embed_image(self, image: ImageInput) -> torch.Tensor:
+        return span_embeddings(self.model, prepared_from_input(image))
 
     def vision_param_count(self) -> int:
         """Parameters of the vision tower (0 without one); they run once per image."""

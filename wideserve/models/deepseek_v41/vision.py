@@ -28,6 +28,7 @@ from torch import nn
 
 from wideserve.layers.moe import TopKRouter
 from wideserve.models.deepseek_v41.config import DeepseekV41VisionConfig
+from wideserve.types.multimodal import ImageInput, image_digest
 
 IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = range(4)
 # The id an image row carries inside the text model (no token has it): set where the step's
@@ -274,6 +275,26 @@ def prepare_image(image, v: DeepseekV41VisionConfig) -> PreparedImage:  # noqa: 
     patches = (pixels.reshape(3, grid.vit_height, p, grid.vit_width, p).permute(1, 3, 0, 2, 4)
                .reshape(grid.vit_height * grid.vit_width, 3, p, p))
     return PreparedImage(patches, grid)
+
+
+def image_input(image: PreparedImage, offset: int) -> ImageInput:
+    """A prepared image as the engine takes it (types/multimodal.py), its span at `offset`."""
+    g = image.grid
+    grid = [g.height, g.width, g.vit_height, g.vit_width, g.llm_height, g.llm_width]
+    patches = image.patches.contiguous().view(torch.int16).numpy().tobytes()
+    return ImageInput(offset, g.span_length, grid, patches, image_digest(grid, patches))
+
+
+def prepared_from_input(image: ImageInput) -> PreparedImage:
+    """The engine's ImageInput back into the tower's input (patches bf16 [n, 3, p, p])."""
+    grid = ImageGrid(*image.grid)
+    n = grid.vit_height * grid.vit_width
+    if image.length != grid.span_length or n == 0 or len(image.patches) % (6 * n):
+        raise ValueError(f"an image's patches do not match its {grid.vit_height} x "
+                         f"{grid.vit_width} grid")
+    p = math.isqrt(len(image.patches) // (6 * n))
+    raw = torch.frombuffer(bytearray(image.patches), dtype=torch.int16)
+    return PreparedImage(raw.view(torch.bfloat16).view(n, 3, p, p), grid)
 
 
 def span_types(grid: ImageGrid) -> list[int]:

@@ -20,6 +20,7 @@ from wideserve.serving.engine_client import EngineCoreClient, EngineDeadError
 from wideserve.serving.output_processor import CompletionDelta, OutputProcessor, child_request_id
 from wideserve.serving.openai.server_metrics import ServerMetrics
 from wideserve.types.outputs import RequestOutput
+from wideserve.types.multimodal import ImageInput
 from wideserve.types.sampling_params import SamplingParams
 from wideserve.text.tokenizer import Tokenizer
 
@@ -109,7 +110,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
                        arrival_time: float | None = None,
-                       group_id: str | None = None) -> AsyncIterator[StreamItem]:
+                       group_id: str | None = None,
+                       images: list[ImageInput] | None = None) -> AsyncIterator[StreamItem]:
         """Yield merged StreamItems until the request finishes; raises EngineDeadError if the
         engine dies, RequestFailed if the engine rejects it, ValueError for a bad request.
         `group_id`: the client request this is part of (fair admission across them)."""
@@ -119,7 +121,8 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids,
                                                    params, arrival_time=arrival,
-                                                   priority=priority, group_id=group_id)
+                                                   priority=priority, group_id=group_id,
+                                                   images=images)
         stream = _Stream(arrival)
         self._streams[request_id] = stream
         for i, req in enumerate(core_requests):

@@ -189,6 +189,22 @@ class RefusalContentPart(LenientModel):
     refusal: str
 
 
+class ImageUrl(LenientModel):
+    url: str
+    detail: str | None = None        # OpenAI's; the model's processor decides the size
+
+
+class ImageUrlContentPart(LenientModel):
+    """An image (serving/openai/images.py): a base64 `data:` URL; the server fetches none."""
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+# Where an image part sits in the rendered prompt: the reference processor's placeholder
+# (expanded to the image's span after tokenising, serving/openai/images.py).
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+
 class FunctionCall(LenientModel):
     _ECHOED = frozenset({"parsed_arguments"})
     name: str
@@ -211,7 +227,7 @@ _MESSAGE_ECHOES = frozenset({"refusal", "annotations", "audio", "parsed", "cache
 class ChatMessage(LenientModel):
     _ECHOED = _MESSAGE_ECHOES
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | Annotated[list[TextContentPart | RefusalContentPart],
+    content: str | Annotated[list[TextContentPart | RefusalContentPart | ImageUrlContentPart],
                              Field(min_length=1)] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -244,8 +260,20 @@ class ChatMessage(LenientModel):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
 
+    def images(self) -> list[ImageUrlContentPart]:
+        if not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if isinstance(p, ImageUrlContentPart)]
+
+    def template_text(self) -> str:
+        """The text with each image part as IMAGE_PLACEHOLDER, in order."""
+        if not isinstance(self.content, list):
+            return self.text()
+        return "".join(p.text if isinstance(p, TextContentPart) else IMAGE_PLACEHOLDER
+                       for p in self.content if not isinstance(p, RefusalContentPart))
+
     def to_template_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": self.template_text()}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:

@@ -218,6 +218,9 @@ class ServingContext:
     prep: PrepPool | None = None
     kv_secret: bytes | None = None      # P/D consumer: checks kv_transfer_params (disagg/)
     kv_peer_auth: PeerAuth | None = None    # P/D producer: who may ask for a KV handle
+    # Image inputs: an images.ImageSupport (None: the model takes none; images.py imports this
+    # module, hence Any).
+    images: Any = None
 
     def __post_init__(self) -> None:
         if self.pool is None:

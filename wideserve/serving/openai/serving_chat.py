@@ -23,6 +23,7 @@ from wideserve.serving.openai.serving import (SSE_DONE, ApiError, ChatOptions, S
                                               chat_logprobs, final_item, now_s, serve_request, sse,
                                               stream_error_event, usage_dict)
 from wideserve.serving.openai.input_prep import INLINE_CHARS
+from wideserve.serving.openai.images import expand_images, prepare_chat_images
 from wideserve.serving.openai.legacy_functions import legacy_delta, legacy_message
 from wideserve.serving.openai.logprobs_format import prompt_logprobs_json
 from wideserve.serving.openai.truncation import encode_keep_last, resolve_keep
@@ -31,6 +32,7 @@ from wideserve.serving.openai.tool_parsers import (ToolCallStream, ToolParser, c
                                                    get_tool_parser)
 from wideserve.serving.openai.tool_parsers.json_formats import NamedCallParser, RequiredCallsParser
 from wideserve.serving.openai.tools import ToolSetup, resolve_tools
+from wideserve.types.multimodal import ImageInput
 from wideserve.types.sampling_params import SamplingParams
 from wideserve.types.structured_params import StructuredOutputsParams
 
@@ -53,6 +55,7 @@ class _Call:
     tools: ToolSetup
     tool_parser: Callable[[], ToolParser] | None   # set when calls are read out of the text
     reasoning: Callable[[], ReasoningParser] | None   # None: no reasoning parser
+    images: list[ImageInput] | None = None   # the prompt's image spans (images.py)
 
 
 def render_prompt(ctx: ServingContext, messages: list[ChatMessage],
@@ -149,7 +152,14 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     else:
         setup, constraint, prompt = await ctx.off_loop(_checked_and_rendered, ctx, req)
     keep = resolve_keep(ctx, req.truncate_prompt_tokens)
-    if keep is None:
+    prepared = await _images(ctx, req)
+    images = None
+    if prepared:
+        if keep is not None:
+            raise ApiError(400, "truncate_prompt_tokens: not available with image inputs (a "
+                                "cut could split an image)", param="truncate_prompt_tokens")
+        ids, images = await expand_images(ctx, prompt, prepared, req.add_special_tokens)
+    elif keep is None:
         ids = await ctx.encode(prompt, req.add_special_tokens, "messages")
     else:
         ids = (await encode_keep_last(ctx, [prompt], req.add_special_tokens, keep,
@@ -172,9 +182,16 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     echo_prefix = last.text() if req.echo and last.role == "assistant" else ""
     ctx.check_alive()
     call = _Call(random_id("chatcmpl"), now_s(), req, prompt, ids, params, num_logprobs,
-                 echo_prefix, setup, parser, reasoning)
+                 echo_prefix, setup, parser, reasoning, images)
     ctx.log_request(call.request_id, len(ids), req.user, prompt)
     return call
+
+
+async def _images(ctx: ServingContext, req: ChatCompletionRequest) -> list[Any]:
+    """The request's images decoded and preprocessed (off the event loop), or []."""
+    if not any(isinstance(m.content, list) and m.images() for m in req.messages):
+        return []
+    return await ctx.off_loop(prepare_chat_images, ctx.images, req.messages)
 
 
 class ChoiceOutput:
@@ -243,7 +260,7 @@ def _finish(reason: str | None, called_tools: bool) -> str | None:
 
 def _stream_of(ctx: ServingContext, call: _Call) -> AsyncIterator[StreamItem]:
     return ctx.engine.generate(call.request_id, call.prompt, call.token_ids, call.params,
-                               call.req.priority)
+                               call.req.priority, images=call.images)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
