@@ -29,36 +29,19 @@ largest batch taken here (0: off, for A/B runs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
-from wideserve.worker.decode_capture import StaticDecodeInputs
+# The runner's request and layout, as the captured step reads them (a superset of ours).
+from wideserve.worker.decode_capture import GroupLayout, StaticDecodeInputs, StepRequest
 
 if TYPE_CHECKING:
     from wideserve.worker.block_tables import BlockTables
 
 # Largest batch the path takes by default (the recipe's "batch 1-4").
 DEFAULT_MAX_SIZE = 4
-
-
-class StepRequest(Protocol):
-    """What the path reads of a request's share of a step (model_runner.StepRequest)."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int
-    block_ids: Sequence[Sequence[int]]
-    kv_write_start: int
-    prompt_logits: bool
-    num_spec: int
-    is_new: bool
-
-
-class GroupLayout(Protocol):
-    block_size: int
-    compress_ratio: int
 
 
 class SmallBatchDecode:

@@ -65,3 +65,25 @@ def expert_layout(name: str, tensor: torch.Tensor
     half = tensor.shape[0]
     rows = slice(0, half) if w == "w1" else slice(half, 2 * half)
     return f"{m['p']}.gate_up_proj", tensor, (e, rows, 2)
+
+
+def place_weight(targets: dict[str, torch.Tensor], name: str, raw: str, tensor: torch.Tensor,
+                 parts: dict[str, int], owner: str) -> str | None:
+    """Copy one checkpoint tensor (`name` in the reference's naming, `raw` as the checkpoint
+    has it, for messages) into its target, an expert's slice of a stack for per-expert tensors. Returns
+    the target's name once it is complete (a stack: when every slice is in; `parts` counts
+    them across calls), else None."""
+    name, tensor, part = expert_layout(name, tensor)
+    target = targets.get(name)
+    dst = None if target is None else (
+        target.data if part is None else target.data[part[0]][part[1]])
+    if dst is None or tuple(dst.shape) != tuple(tensor.shape):
+        if dst is None:
+            raise ValueError(f"{owner}: unknown weight {raw!r}")
+        raise ValueError(f"{owner}: weight {raw!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(dst.shape)}")
+    dst.copy_(tensor)
+    if part is None:
+        return name
+    parts[name] = parts.get(name, 0) + 1
+    return name if parts[name] == target.shape[0] * part[2] else None

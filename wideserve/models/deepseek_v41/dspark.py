@@ -30,7 +30,7 @@ from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
-from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
+from wideserve.models.deepseek_v41.common import place_weight
 from wideserve.models.deepseek_v41.config import DeepseekV41Config
 
 
@@ -141,17 +141,7 @@ def load_stage_weights(targets: dict[str, torch.Tensor],
     for raw, tensor in weights:
         if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
             continue
-        name, tensor, part = _expert_layout(raw, tensor)
-        target = targets.get(name)
-        dst = None if target is None else (
-            target.data if part is None else target.data[part[0]][part[1]])
-        if dst is None or tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"DSpark: cannot place weight {raw!r} {tuple(tensor.shape)}")
-        dst.copy_(tensor)
-        if part is None:
-            loaded.add(name)
-        else:
-            parts[name] = parts.get(name, 0) + 1
-            if parts[name] == target.shape[0] * part[2]:
-                loaded.add(name)
+        done = place_weight(targets, raw, raw, tensor, parts, "DSpark")
+        if done is not None:
+            loaded.add(done)
     return loaded

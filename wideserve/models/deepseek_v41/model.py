@@ -35,7 +35,7 @@ from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
-from wideserve.models.deepseek_v41.common import expert_layout as _expert_layout
+from wideserve.models.deepseek_v41.common import place_weight
 from wideserve.models.deepseek_v41.config import FULL, SWA, DeepseekV41Config
 from wideserve.models.deepseek_v41.names import (ENGRAM_TABLE, VISION_NAMES,
                                                  official_to_reference)
@@ -528,21 +528,9 @@ class DeepseekV41ForCausalLM(CausalLM):
                     fp8_tables.pop(table), tensor)
                 loaded.add(table)
                 continue
-            name, tensor, part = _expert_layout(name, tensor)
-            target = targets.get(name)
-            if target is None:
-                raise ValueError(f"DeepSeek-V4.1: unknown weight {raw!r}")
-            dst = target.data if part is None else target.data[part[0]][part[1]]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"DeepSeek-V4.1: weight {raw!r} has shape "
-                                 f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            if part is None:
-                loaded.add(name)
-            else:
-                parts[name] = parts.get(name, 0) + 1
-                if parts[name] == target.shape[0] * part[2]:
-                    loaded.add(name)
+            done = place_weight(targets, name, raw, tensor, parts, "DeepSeek-V4.1")
+            if done is not None:
+                loaded.add(done)
         if fp8_tables:
             raise ValueError(f"DeepSeek-V4.1: FP8 Engram table {next(iter(fp8_tables))!r} has "
                              f"no .scale companion")
