@@ -284,3 +284,16 @@ def test_preempted_image_request_recomputes_the_same_tokens(oracle, steps):
     assert out == want
     assert core.worker.images.encoded == (1 if steps == 2 else 2)
     assert len(core.worker.images) == 0
+
+
+def test_a_decompression_bomb_is_a_value_error(monkeypatch):
+    """An image PIL refuses as too large to decode is the request's error (a 400 in chat),
+    not a crash of the server."""
+    import io
+    from PIL import Image
+    from wideserve.models.deepseek_v41.vision import decode_image
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 100)).save(buf, "PNG")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)       # 10,000 px > 2 x the limit
+    with pytest.raises(ValueError, match="cannot be decoded"):
+        decode_image(buf.getvalue())

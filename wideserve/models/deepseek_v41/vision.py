@@ -251,12 +251,13 @@ def plan_image_grid(width: int, height: int, v: DeepseekV41VisionConfig) -> Imag
 
 def decode_image(data: bytes):   # noqa: ANN201 - a PIL image; PIL is imported lazily
     """Encoded image bytes (PNG, JPEG, ...) -> an RGB PIL image; ValueError when they are not
-    an image PIL reads."""
+    an image PIL reads, or one so large PIL refuses it as a decompression bomb (more than
+    twice Image.MAX_IMAGE_PIXELS)."""
     from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"the image data cannot be decoded ({exc})") from exc
 
 
