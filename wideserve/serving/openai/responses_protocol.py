@@ -245,14 +245,16 @@ def output_items(message: dict[str, Any], include: list[str] | None,
         if "reasoning.encrypted_content" in (include or []):
             item["encrypted_content"] = encrypted_reasoning(message["reasoning_content"])
         items.append(item)
-    if message.get("content"):
-        part: dict[str, Any] = {"type": "output_text", "text": message["content"],
+    calls = message.get("tool_calls") or []
+    # The assistant's message, even an empty one when the turn produced no text, reasoning or
+    # call (an end-of-sequence first): a turn always answers with an output item.
+    if message.get("content") or not (calls or items):
+        part: dict[str, Any] = {"type": "output_text", "text": message.get("content") or "",
                                 "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprobs
         items.append({"type": "message", "id": rid("msg"), "status": "completed",
                       "role": "assistant", "content": [part]})
-    calls = message.get("tool_calls") or []
     for call in calls[:max_calls] if max_calls is not None else calls:
         items.append({"type": "function_call", "id": rid("fc"), "call_id": call["id"],
                       "name": call["function"]["name"],

@@ -16,6 +16,11 @@ def sse_event(type_: str, payload: dict[str, Any]) -> str:
     return f"event: {type_}\ndata: {msgspec.json.encode(payload).decode()}\n\n"
 
 
+def _empty_message() -> dict[str, Any]:
+    return {"type": "message", "id": rid("msg"), "status": "in_progress", "role": "assistant",
+            "content": [{"type": "output_text", "text": "", "annotations": []}]}
+
+
 class Events:
     """Stream events with their sequence numbers and the output items built so far."""
 
@@ -42,7 +47,9 @@ class Events:
         return out
 
     def close_all(self) -> list[str]:
-        out = []
+        # A turn that produced nothing visible (e.g. an end-of-sequence first) still answers
+        # with an assistant message, empty, as output_items does for the whole response.
+        out = [] if self.items else self.add(_empty_message(), "message")
         for idx, item in enumerate(self.items):
             if item["type"] == "message":
                 text = item["content"][0]["text"]
