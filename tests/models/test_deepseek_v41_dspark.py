@@ -8,10 +8,25 @@ import torch
 import v41_helpers as h
 
 from wideserve.models.deepseek_v41.config import DeepseekV41Config
-from wideserve.models.deepseek_v41.dspark import (build_stages, draft_block, draft_head,
-                                                  dspark_rope, load_stage_weights)
+from wideserve.models.deepseek_v41.common import place_weight
+from wideserve.models.deepseek_v41.dspark import build_stages, draft_block, draft_head, dspark_rope
 
 TOL = 1e-4
+
+
+def load_stage_weights(targets: dict, weights) -> set[str]:   # noqa: ANN001
+    """`mtp.*` tensors in the reference's naming into a bare stage module's `targets`, through
+    the model's own placement (common.place_weight, which DeepseekV41ForCausalLM.load_weights
+    uses for every tensor, DSpark's included); other names are skipped."""
+    loaded: set[str] = set()
+    parts: dict[str, int] = {}
+    for raw, tensor in weights:
+        if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
+            continue
+        done = place_weight(targets, raw, raw, tensor, parts, "DSpark")
+        if done is not None:
+            loaded.add(done)
+    return loaded
 
 
 @pytest.fixture(scope="module")

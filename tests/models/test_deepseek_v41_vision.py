@@ -22,13 +22,20 @@ from safetensors.torch import save_file
 from wideserve.config import LoadConfig
 from wideserve.config.multimodal import MultiModalLimits
 from wideserve.models.deepseek_v41.model import IMAGE_EMBEDS, IMAGE_ROWS
-from wideserve.models.deepseek_v41.vision import prepare_image, span_embeddings, span_types
+from wideserve.models.deepseek_v41.vision import (IMAGE, IMAGE_END, IMAGE_NEWLINE, IMAGE_START,
+                                                 prepare_image, span_embeddings)
 from wideserve.worker.model_loader import load_model
 
 TOL = 1e-4
 IMAGE_ID = h.VOCAB - 2
 VISION = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
               patch_size=4, downsample_ratio=2, max_image_tokens=64, min_pixels=256)
+
+
+def span_types(grid) -> list[int]:   # noqa: ANN001 - vision.ImageGrid
+    """The reference's per-position types of an image span (START, IMAGE.., NEWLINE, END)."""
+    return ([IMAGE_START] + ([IMAGE] * grid.llm_width + [IMAGE_NEWLINE]) * grid.llm_height
+            + [IMAGE_END])
 
 
 def _image(seed: int, width: int, height: int):

@@ -265,7 +265,7 @@ def describe_model(model_dir: str | None, kv_cache_dtype: str = "auto",
         mtp_total, mtp_active = model.mtp_param_counts()
         lines.append(f"MTP blocks:   {_count(mtp_total)} total, {_count(mtp_active)} active "
                      "per token (embedding and lm_head shared)")
-    vision = getattr(model, "vision_param_count", lambda: 0)()
+    vision = model.vision_param_count()
     if vision:
         lines.append(f"vision tower: {_count(vision)} (once per image; not in the counts above)")
     lines.append("")

@@ -251,13 +251,6 @@ class ExpertFormat:
         return (halves * math.ceil(rows // halves / self.block[0]),
                 math.ceil(cols / self.block[1]))
 
-    def bytes_per_value(self, rows: int, cols: int, halves: int = 1) -> float:
-        """Resident bytes per weight value of one expert's [rows, cols] projection."""
-        sr, sc = self.scale_shape(rows, cols, halves)
-        scale = 4 if self.scale_dtype == "fp32" else 1
-        total = rows * self.packed_cols(cols) + sr * sc * scale + 4 * halves * self.has_global
-        return total / (rows * cols)
-
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, halves: int = 1,
                    dtype: torch.dtype = torch.bfloat16,
                    global_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -171,6 +171,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         """(total, active per token) of the MTP block(s)."""
         return 0, 0
 
+    def vision_param_count(self) -> int:
+        """Parameters of a vision tower (0 without one); they run once per image."""
+        return 0
+
     def dspark_kv_cache_specs(self, kv_cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
         """The DSpark drafter's context cache (supports_dspark models)."""
         raise NotImplementedError(f"{type(self).__name__} has no DSpark drafter")

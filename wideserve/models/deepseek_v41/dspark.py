@@ -19,7 +19,6 @@ are the target's.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -30,7 +29,6 @@ from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable
 from wideserve.models.deepseek_v41.common import SinglePassHC, collapse, expand
-from wideserve.models.deepseek_v41.common import place_weight
 from wideserve.models.deepseek_v41.config import DeepseekV41Config
 
 
@@ -128,20 +126,3 @@ def dspark_rope(config: DeepseekV41Config) -> RotaryTable:
     """DSpark stages are ratio-0 layers: plain RoPE at rope_theta."""
     return RotaryTable({"rope_type": "default", "rope_theta": config.rope_theta},
                        config.qk_rope_head_dim)
-
-
-def load_stage_weights(targets: dict[str, torch.Tensor],
-                       weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """`mtp.*` tensors in the reference's naming into `targets`; other names are skipped.
-    Per-expert tensors (the official checkpoint's `experts.{e}.w1/w2/w3`, when the loader does
-    not stack them) go into their expert's slice; the stack counts as loaded once every
-    slice is in."""
-    loaded: set[str] = set()
-    parts: dict[str, int] = {}
-    for raw, tensor in weights:
-        if not raw.startswith("mtp.") or raw.endswith("bias_vl"):
-            continue
-        done = place_weight(targets, raw, raw, tensor, parts, "DSpark")
-        if done is not None:
-            loaded.add(done)
-    return loaded

@@ -296,9 +296,3 @@ def prepared_from_input(image: ImageInput) -> PreparedImage:
     p = math.isqrt(len(image.patches) // (6 * n))
     raw = torch.frombuffer(bytearray(image.patches), dtype=torch.int16)
     return PreparedImage(raw.view(torch.bfloat16).view(n, 3, p, p), grid)
-
-
-def span_types(grid: ImageGrid) -> list[int]:
-    """The reference's per-position types of an image span (START, IMAGE.., NEWLINE, END)."""
-    return ([IMAGE_START] + ([IMAGE] * grid.llm_width + [IMAGE_NEWLINE]) * grid.llm_height
-            + [IMAGE_END])
