@@ -102,6 +102,26 @@ def save_checkpoint(m, kw: dict, path: Path) -> Path:
     return path
 
 
+def save_dspark_checkpoint(kw: dict, path: Path, target_seed: int = 8, draft_seed: int = 9):
+    """A random target (oracle_model(kw)) with a random DSpark drafter (two anchors and the
+    confidence head), saved as one checkpoint: the target's state plus the drafter's `mtp.*`
+    tensors. Returns (path, target, state)."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+    target = oracle_model(kw, seed=target_seed)
+    be = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
+                       experts="torch", dispatcher="torch", enable_hf_state_dict_adapter=False)
+    torch.manual_seed(draft_seed)
+    draft = DeepseekV41DSparkModel(target.config.text_config, be, num_anchors=2,
+                                   enable_confidence_head=True)
+    save_checkpoint(target, kw, path)
+    state = {k: v.contiguous() for k, v in target.state_dict().items()}
+    state.update({k: v.contiguous() for k, v in draft.state_dict().items()
+                  if k.startswith("mtp.")})
+    save_file(state, str(path / "model.safetensors"))
+    return path, target, state
+
+
 def ws_model(path: Path):
     from wideserve.config import LoadConfig
     from wideserve.worker.model_loader import load_model

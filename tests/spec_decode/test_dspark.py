@@ -26,20 +26,8 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
     kw = h.CONFIGS["A"]
-    target = h.oracle_model(kw, seed=8)
-    be = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
-                       experts="torch", dispatcher="torch", enable_hf_state_dict_adapter=False)
-    torch.manual_seed(9)
-    draft = DeepseekV41DSparkModel(target.config.text_config, be, num_anchors=2,
-                                   enable_confidence_head=True)
-    path = h.save_checkpoint(target, kw, tmp_path_factory.mktemp("v41_dspark"))
-    state = {k: v.contiguous() for k, v in target.state_dict().items()}
-    state.update({k: v.contiguous() for k, v in draft.state_dict().items()
-                  if k.startswith("mtp.")})
-    save_file(state, str(path / "model.safetensors"))
+    path, target, state = h.save_dspark_checkpoint(kw, tmp_path_factory.mktemp("v41_dspark"))
     prompts = [h.random_tokens(n, seed=60 + n) for n in (4, 19, 33, 12)]
     # The same weights under the released checkpoint's official names (`mtp.{s}.hc_attn_fn`,
     # `mtp.{s}.ffn.experts.{e}.w1.weight`, `embed.weight`, ...).

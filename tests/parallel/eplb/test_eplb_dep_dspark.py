@@ -15,8 +15,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
 import v41_helpers as h  # noqa: E402
@@ -36,20 +34,8 @@ MAX_NEW = 20
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> dict:
     """Config B's target (8 experts, top-2) with a DSpark drafter of 4 experts, top-3."""
-    from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
     kw = dict(h.CONFIGS["B"], dspark_n_routed_experts=4, dspark_num_experts_per_tok=3)
-    target = h.oracle_model(kw, seed=8)
-    be = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
-                       experts="torch", dispatcher="torch", enable_hf_state_dict_adapter=False)
-    torch.manual_seed(9)
-    draft = DeepseekV41DSparkModel(target.config.text_config, be, num_anchors=2,
-                                   enable_confidence_head=True)
-    path = h.save_checkpoint(target, kw, tmp_path_factory.mktemp("v41_dspark_ep"))
-    state = {k: v.contiguous() for k, v in target.state_dict().items()}
-    state.update({k: v.contiguous() for k, v in draft.state_dict().items()
-                  if k.startswith("mtp.")})
-    save_file(state, str(path / "model.safetensors"))
+    path, _, _ = h.save_dspark_checkpoint(kw, tmp_path_factory.mktemp("v41_dspark_ep"))
     prompts = [h.random_tokens(n, seed=70 + n) for n in (5, 21, 34, 13, 9, 27)]
     return dict(path=str(path), prompts=prompts)
 
