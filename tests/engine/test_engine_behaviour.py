@@ -78,10 +78,12 @@ def test_abort_frees_blocks(llm):
     core.step()
     core.step()
     assert core.kv_manager.usage > 0
+    # What a DP front end asks a rank when a request never finishes (dp_offline._whereabouts).
+    assert sorted(core.request_ids()) == [f"abort-{i}" for i in range(len(PROMPTS))]
     core.abort_requests([f"abort-{i}" for i in range(len(PROMPTS))])
     finished = [o for o in core.step() if o.finish_reason == "abort"]
     assert {o.request_id for o in finished} == {f"abort-{i}" for i in range(len(PROMPTS))}
-    assert core.kv_manager.usage == 0.0
+    assert core.kv_manager.usage == 0.0 and core.request_ids() == []
 
 
 def test_n_and_logprobs(llm):

@@ -401,6 +401,11 @@ class EngineCore:
             self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
         return failed
 
+    def request_ids(self) -> list[str]:
+        """Every request this engine still owes an answer: the scheduler's and those held
+        for their grammar (a front end that waits on a request no rank knows names it)."""
+        return [*self.scheduler.requests, *self.structured.pending_ids]
+
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
         if self.eplb is not None:

@@ -73,7 +73,7 @@ OutputMessage = Union[Ready, Outputs, UtilityResult, EngineDead]
 
 # Engine methods the front end may call by name; anything else is refused, so the socket is
 # not a general RPC channel.
-UTILITY_METHODS = frozenset({"get_stats", "check_integrity", "model_info"})
+UTILITY_METHODS = frozenset({"get_stats", "check_integrity", "model_info", "request_ids"})
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -81,10 +81,30 @@ class SyncDPEngine:
             self._dump_rank_stacks()
             raise EngineDeadError(f"no output from the data-parallel engines in "
                                   f"{self.step_timeout_s:.0f} s with requests unfinished ("
-                                  f"{stall_report(self.client.clients, time.monotonic())})"
-                                  ) from None
+                                  f"{stall_report(self.client.clients, time.monotonic())}; "
+                                  f"{await self._whereabouts()})") from None
         if self.client.dead_reason is not None and not self._outputs:
             raise EngineDeadError(self.client.dead_reason)
+
+    async def _whereabouts(self, limit: int = 8) -> str:
+        """Which unfinished requests their rank still holds: one it does not know was lost
+        between this client and the rank, or ended there without its final output."""
+        async def held(client: Any) -> set[str] | None:
+            try:
+                return set(await client.call_utility("request_ids", 5.0))
+            except Exception:  # noqa: BLE001 - a diagnostic: an unanswered rank says so
+                return None
+        known = await asyncio.gather(*(held(c) for c in self.client.clients))
+        parts = []
+        for rid in sorted(self._unfinished)[:limit]:
+            rank = self.client.rank_of(rid)
+            ids = known[rank] if rank is not None else None
+            where = ("owner unknown" if rank is None else
+                     f"rank {rank} did not answer" if ids is None else
+                     f"rank {rank} {'holds it' if rid in ids else 'does not know it'}")
+            parts.append(f"request {rid!r}: {where}")
+        more = len(self._unfinished) - limit
+        return "; ".join(parts) + (f"; {more} more" if more > 0 else "")
 
     def _dump_rank_stacks(self) -> None:
         """Ask this node's ranks to print their Python stacks to stderr (DPEngineCore

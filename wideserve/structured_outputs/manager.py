@@ -159,6 +159,11 @@ class StructuredOutputManager:
         self.failed.setdefault(request_id, why)
 
     @property
+    def pending_ids(self) -> list[str]:
+        """Requests held while their grammar compiles, or failed and not yet reported."""
+        return [*self._pending, *self.failed]
+
+    @property
     def has_pending(self) -> bool:
         return bool(self._pending) or bool(self.failed)
 
