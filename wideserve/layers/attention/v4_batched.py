@@ -184,7 +184,7 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
         # bf16 in fp32 (`_bmm`).
         part_store(out, blocks, part, _softmax_attend(
             qb, keys, bias, attn.sinks.float(), attn.head_dim ** -0.5, Lk, own,
-            wide=step.batch.plan_cache is not None))
+            step.batch.plan_cache is not None))
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, wide: bool) -> torch.Tensor:

@@ -114,4 +114,4 @@ class DeepseekV4Attention(nn.Module):
         grouped = out.reshape(T, g, self.num_heads * self.head_dim // g)     # [T, g, H*D/g]
         # one bmm over the g blocks of o_a's rows (small-M GEMMs in a small-batch step)
         low = grouped_linear(self.o_a_proj, grouped.transpose(0, 1), g)        # [g, T, o_lora]
-        return self.o_b_proj(low.transpose(0, 1).reshape(T, -1))             # [T, g*o_lora]
+        return self.o_b_proj(low.transpose(0, 1).reshape(T, g * low.shape[-1]))  # [T, g*o_lora]
