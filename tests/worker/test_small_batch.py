@@ -157,6 +157,12 @@ def test_config_switch(tmp_path: Path) -> None:
         _llm(path, -1)
     # EPLB rewrites expert slots while serving, under a kept plan: the path is off
     assert _llm(model_dir("qwen3moe", tmp_path), 4, enable_eplb=True).engine.runner.small is None
+    # small-M GEMMs only when asked for: by default the DeepSeek linears stay nn.Linear
+    llm = _llm(model_dir("v4", tmp_path), 4)
+    assert not llm.engine.runner.small.linears
+    assert all(type(m) is torch.nn.Linear for m in llm.engine.model.modules()
+               if isinstance(m, torch.nn.Linear))
+    assert _llm(model_dir("v4", tmp_path), 4, small_batch_gemms=True).engine.runner.small.linears
 
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
@@ -164,12 +170,14 @@ def test_small_m_gemms_trained_bf16(family: str, tmp_path: Path) -> None:
     """The bundled trained DeepSeek-V4 / V4.1 in bf16 (the CPU's serving dtype): in a small
     step their plain linears run the kernel table's small-M GEMMs (layers/small_m.py) and the
     grouped o_a projection its per-group GEMMs; greedy outputs equal the standard path's
-    (F.linear / bmm) through the scripted scenario."""
+    (F.linear / bmm) through the scripted scenario (LoadConfig.small_batch_gemms; off by
+    default: on a near tie the ulp they differ by can flip a greedy token, docs/host_path.md)."""
     path = model_dir(family, tmp_path)
     vocab = vocab_size(path)
     runs = {}
     for small in (0, 4):
-        llm = _llm(path, small, dtype="bfloat16", load_format="auto")
+        llm = _llm(path, small, dtype="bfloat16", load_format="auto",
+                   small_batch_gemms=bool(small))
         runs[small] = _scenario(llm, vocab)
         linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
         if not small:

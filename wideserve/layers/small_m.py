@@ -15,7 +15,8 @@ table does not pack (fp32, another device, autograd, no rows), they are plain `F
 
 Rounding: the same kernel the table runs for that many rows everywhere else; against the
 standard path's oneDNN GEMM it differs in ~1 value in 10^4-10^5 by one bf16 ulp (the
-batch-size dependence docs/cpu_kernels.md documents for the default mode); fp32 unchanged.
+batch-size dependence docs/cpu_kernels.md documents for the default mode), enough to flip a
+greedy token on a near tie; fp32 unchanged. Hence opt-in: LoadConfig.small_batch_gemms.
 """
 from __future__ import annotations
 

@@ -95,14 +95,15 @@ class ModelRunner:
         self.captured = cap
         return cap
 
-    def enable_small_batch(self, max_size: int) -> SmallBatchDecode | None:
+    def enable_small_batch(self, max_size: int, gemms: bool = False) -> SmallBatchDecode | None:
         """Decode steps of up to max_size requests take the small-batch path (0: off). Not
-        with drafts: the proposers move a step's batch on in place (spec_decode/proposer.py)."""
+        with drafts: the proposers move a step's batch on in place (spec_decode/proposer.py).
+        gemms: small-M GEMMs for the model's plain linears there (LoadConfig.small_batch_gemms)."""
         if max_size < 0:
             raise ValueError(f"small_batch_decode must be >= 0 (0: off), got {max_size}")
         self.small = None if max_size == 0 or self.with_drafts else SmallBatchDecode(
             self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size,
-            model=self.model)
+            model=self.model if gemms else None)
         return self.small
 
     def drop(self, request_ids: Iterable[str]) -> None:

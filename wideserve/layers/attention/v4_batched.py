@@ -180,42 +180,27 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                 keys = torch.cat([keys, rows[:, 0]], dim=1)
             own = (rows, chosen)
         bias = step.part_bias(blocks, part, attn.window, ratio, k)
-        # A small-batch step (worker/small_batch.py: its batch keeps a plan cache) multiplies
-        # bf16 in fp32 (`_bmm`).
-        part_store(out, blocks, part, _softmax_attend(
-            qb, keys, bias, attn.sinks.float(), attn.head_dim ** -0.5, Lk, own,
-            step.batch.plan_cache is not None))
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor, wide: bool) -> torch.Tensor:
-    """torch.bmm(a, b) in a's dtype. wide: bf16 operands multiplied in fp32 and the result
-    rounded to bf16 (what the bf16 bmm computes, up to its summation order: one bf16 ulp
-    on rare values), without oneDNN's per-shape kernel set-up, ~50-80 us a call at decode
-    sizes where the key count changes every step (the small-batch path)."""
-    if wide and a.dtype == torch.bfloat16:
-        return torch.bmm(a.float(), b.float()).to(a.dtype)
-    return torch.bmm(a, b)
+        part_store(out, blocks, part, _softmax_attend(qb, keys, bias, attn.sinks.float(),
+                                                       attn.head_dim ** -0.5, Lk, own))
 
 
 def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
                     sinks: torch.Tensor, scale: float, sink_slot: int,
-                    own: tuple[torch.Tensor, torch.Tensor] | None,
-                    wide: bool = False) -> torch.Tensor:
+                    own: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """qb [C, Q*H, D], keys = values [C, N, D], bias [C, Q, 1, >= N] (0 / -inf), sinks [H];
     own: per-query entries [C, Q, k, D] and whether each was picked [C, Q, k] (when Q == 1
     they are already the last k keys, only their mask applies) -> [C, Q, H, D].
 
     The products run in qb's dtype; scores, masks, sinks and the softmax in fp32, the
     probabilities go back to qb's dtype for p.v. The sink slot's key is a zero row whose score
-    is replaced by the sink logit: it enlarges the denominator and adds nothing to the output.
-    wide: the products as `_bmm` runs them."""
+    is replaced by the sink logit: it enlarges the denominator and adds nothing to the output."""
     C, N, D = keys.shape
     Q = bias.shape[1]
     H = qb.shape[1] // Q
     if Q == 1 and qb.dtype == torch.float32:   # bias [C, 1, N] broadcasts over heads: fused
         scores = torch.baddbmm(bias[:, 0, :, :N], qb, keys.transpose(1, 2), alpha=scale)
     else:
-        scores = _bmm(qb, keys.transpose(1, 2), wide).float().view(C, Q, H, N) * scale
+        scores = torch.bmm(qb, keys.transpose(1, 2)).float().view(C, Q, H, N) * scale
         scores = scores + bias[..., :N]
     scores = scores.view(C, Q, H, N)
     scores[..., sink_slot] = sinks
@@ -228,7 +213,7 @@ def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
             extra = torch.matmul(qb.view(C, Q, H, D), rows.transpose(-1, -2)).float() * scale
             scores = torch.cat([scores, extra.masked_fill(hidden, float("-inf"))], dim=-1)
     probs = torch.softmax(scores, dim=-1).to(qb.dtype)                       # [C, Q, H, N(+k)]
-    out = _bmm(probs[..., :N].reshape(C, Q * H, N), keys, wide).view(C, Q, H, D)
+    out = torch.bmm(probs[..., :N].reshape(C, Q * H, N), keys).view(C, Q, H, D)
     if own is not None and Q > 1:
         out = out + torch.matmul(probs[..., N:], own[0])
     return out
