@@ -3,14 +3,16 @@
 
 One engine per model; requests run one at a time (a single user; `--batch N` runs N at once)
 and alternate between the two paths on the same engine, weights and KV cache (the path is
-switched by setting `runner.small`, what LoadConfig.small_batch_decode=0 leaves None), the
-order flipped every round so drift in the machine's load falls on both. Per request: decode
+switched by setting `runner.small`, what LoadConfig.small_batch_decode=0 leaves None; the
+DeepSeek models' linears, swapped to SmallMLinear at start-up, are then plain F.linear, as
+with the path off), the order flipped every round so drift in the machine's load falls on
+both. Per request: decode
 tokens/s = (output tokens - 1) / (time from the first to the last token). Reported per path:
 the mean over requests and the P90 figure, 1 / (90th percentile time per output token): the
 speed 90% of requests reach. Greedy outputs of the two paths are compared too.
 
   PYTHONPATH=. python benchmarks/small_batch.py [--models v4,v41,qwen3moe,11m] [--rounds 8]
-        [--tokens 64] [--batch 1] [--threads 1]
+        [--tokens 64] [--batch 1] [--threads 1] [--gemms on|off]
 
 Models: v4 / v41 the bundled tiny checkpoints, qwen3moe the tiny random config of
 tests/tiny_families.py (dummy weights), 11m /work/venvs/hostpath-models/qwen3moe-11m (or
@@ -39,14 +41,14 @@ from wideserve.types.messages import EngineCoreRequest  # noqa: E402
 MODEL_11M = "/work/venvs/hostpath-models/qwen3moe-11m"
 
 
-def _load(name: str, tmp: Path, path_11m: str) -> tuple[LLM, int]:
+def _load(name: str, tmp: Path, path_11m: str, gemms: bool) -> tuple[LLM, int]:
     dummy = name == "qwen3moe"
     path = Path(path_11m) if name == "11m" else model_dir(name, tmp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(str(path), dtype="bfloat16", load_format="dummy" if dummy else "auto",
                   max_model_len=512, kv_cache_memory=1 << 28, max_num_seqs=16,
-                  skip_tokenizer_init=True)
+                  skip_tokenizer_init=True, small_batch_gemms=gemms)
     return llm, vocab_size(path)
 
 
@@ -75,7 +77,7 @@ def _run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str
 
 
 def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
-    llm, vocab = _load(name, tmp, args.model_11m)
+    llm, vocab = _load(name, tmp, args.model_11m, args.gemms == "on")
     runner = llm.engine.runner
     small = runner.small
     if small is None:
@@ -112,10 +114,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model-11m", default=MODEL_11M)
+    ap.add_argument("--gemms", choices=("on", "off"), default="on",
+                    help="LoadConfig.small_batch_gemms (small-M GEMMs for DeepSeek's linears)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {args.rounds} rounds x {args.tokens} tokens per path, "
-          f"{args.threads} thread(s)")
+          f"{args.threads} thread(s), small-M GEMMs {args.gemms}")
     print("| model | standard mean / P90 tok/s | small-batch mean / P90 tok/s | "
           "mean ratio | P90 ratio | greedy equal |")
     print("|---|---|---|---|---|---|")

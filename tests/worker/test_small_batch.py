@@ -157,3 +157,73 @@ def test_config_switch(tmp_path: Path) -> None:
         _llm(path, -1)
     # EPLB rewrites expert slots while serving, under a kept plan: the path is off
     assert _llm(model_dir("qwen3moe", tmp_path), 4, enable_eplb=True).engine.runner.small is None
+    # small-M GEMMs only when asked for: by default the DeepSeek linears stay nn.Linear
+    llm = _llm(model_dir("v4", tmp_path), 4)
+    assert not llm.engine.runner.small.linears
+    assert all(type(m) is torch.nn.Linear for m in llm.engine.model.modules()
+               if isinstance(m, torch.nn.Linear))
+    assert _llm(model_dir("v4", tmp_path), 4, small_batch_gemms=True).engine.runner.small.linears
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_small_m_gemms_trained_bf16(family: str, tmp_path: Path) -> None:
+    """The bundled trained DeepSeek-V4 / V4.1 in bf16 (the CPU's serving dtype): in a small
+    step their plain linears run the kernel table's small-M GEMMs (layers/small_m.py) and the
+    grouped o_a projection its per-group GEMMs; greedy outputs equal the standard path's
+    (F.linear / bmm) through the scripted scenario (LoadConfig.small_batch_gemms; off by
+    default: on a near tie the ulp they differ by can flip a greedy token, docs/host_path.md)."""
+    path = model_dir(family, tmp_path)
+    vocab = vocab_size(path)
+    runs = {}
+    for small in (0, 4):
+        llm = _llm(path, small, dtype="bfloat16", load_format="auto",
+                   small_batch_gemms=bool(small))
+        runs[small] = _scenario(llm, vocab)
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
+        if not small:
+            assert all(type(m) is torch.nn.Linear for m in linears)
+            continue
+        path_obj = llm.engine.runner.small
+        assert path_obj.linears and len(path_obj.linears) == len(linears)
+        ran = [m for m in path_obj.linears if 1 in m._small_calls]
+        # the main model's bf16 linears (not the unused MTP / DSpark blocks) ran packed
+        # GEMMs; V4.1's fp32 compressor projections F.linear
+        kept = [m._small_calls[1] for m in ran if m.weight.dtype == torch.bfloat16]
+        assert len(kept) >= 30 and all(c is not None and c.kernel != "torch" for c in kept)
+        assert all(m._small_calls[1] is None for m in ran if m.weight.dtype == torch.float32)
+        assert any(m._small_groups for m in path_obj.linears)     # the grouped o_a
+    assert runs[4] == runs[0]
+
+
+def test_small_m_linear_scope(tmp_path: Path) -> None:
+    """A SmallMLinear is F.linear outside a small step (bitwise), the table's packed GEMM
+    inside one for bf16 (close to F.linear), F.linear for fp32 even inside; grouped_linear
+    likewise against the bmm; forget() picks up rewritten weights."""
+    from wideserve.layers.small_m import GemmScope, grouped_linear, use_small_m_linears
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False),
+                                torch.nn.Linear(64, 32)).to(torch.bfloat16)
+    scope = GemmScope()
+    lin, biased = use_small_m_linears(model, scope)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    g = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, lin.weight)
+    ref_b = torch.nn.functional.linear(x, biased.weight, biased.bias)
+    ref_g = torch.bmm(g, lin.weight.view(2, 48, 64).transpose(1, 2))
+    with torch.inference_mode():
+        assert torch.equal(lin(x), ref) and torch.equal(grouped_linear(lin, g, 2), ref_g)
+        scope.on = True
+        assert torch.allclose(lin(x).float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert torch.allclose(biased(x).float(), ref_b.float(), atol=2e-2, rtol=2e-2)
+        assert torch.allclose(grouped_linear(lin, g, 2).float(), ref_g.float(), atol=2e-2,
+                              rtol=2e-2)
+        assert lin._small_calls[3] is not None and lin._small_groups[(2, 3)] is not None
+        lin.weight.data.mul_(2)      # kept GEMMs hold the old packed copy until forget()
+        lin.forget()
+        assert torch.allclose(lin(x).float(), 2 * ref.float(), atol=4e-2, rtol=2e-2)
+        wide = torch.nn.Linear(64, 8).float()
+        use_small_m_linears(wide, scope)
+        xf = x.float()
+        assert torch.equal(wide(xf), torch.nn.functional.linear(xf, wide.weight, wide.bias))
+    use_small_m_linears(model, None)
+    assert type(model[0]) is torch.nn.Linear and lin(x).dtype == torch.bfloat16

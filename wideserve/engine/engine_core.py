@@ -191,7 +191,8 @@ class EngineCore:
         self._enable_decode_capture()
         # Off with EPLB: moved experts would be rewritten under a kept plan's packed weights.
         self.runner.enable_small_batch(
-            0 if self.eplb is not None else config.load.small_batch_decode)
+            0 if self.eplb is not None else config.load.small_batch_decode,
+            config.load.small_batch_gemms)
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)

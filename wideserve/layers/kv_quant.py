@@ -61,18 +61,24 @@ def _check(fmt: str, width: int) -> None:
         raise ValueError(f"{fmt} records need a positive width, got {width}")
 
 
+def _pad_last(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x zero-padded on its last axis to a multiple of g (x itself when it is one: F.pad
+    copies even when it adds nothing, and these run on every cache read and write)."""
+    extra = -x.shape[-1] % g
+    return F.pad(x, (0, extra)) if extra else x
+
+
 def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
     """x [..., D] -> [..., ceil(D/g), g] float32, the last group zero-padded."""
-    return F.pad(x.float(), (0, -x.shape[-1] % g)).unflatten(-1, (-1, g))
+    return _pad_last(x.float(), g).unflatten(-1, (-1, g))
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Positive normal fp32 -> the smallest power of two >= x, by exponent arithmetic (no log
-    rounding): bump the exponent when any mantissa bit is set."""
+    rounding): bump the exponent when any mantissa bit is set - adding 0x7FFFFF to the bits
+    carries into the exponent exactly then (sign bit 0, exponent below 255)."""
     bits = x.contiguous().view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
+    return (((bits + 0x7FFFFF) >> 23) << 23).view(torch.float32)
 
 
 def _scales(groups: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -157,7 +163,7 @@ def unpack(records: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
     else:
         values = _e2m1_value(torch.stack([code_bytes & 0xF, code_bytes >> 4], dim=-1)
                              ).flatten(-2)
-    values = F.pad(values, (0, -values.shape[-1] % g))
+    values = _pad_last(values, g)
     return (values.unflatten(-1, (-1, g)) * scale[..., None]).flatten(-2)[..., :width]
 
 
@@ -174,7 +180,7 @@ def _ds_mla_quantise(x: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torc
     """Non-rotary channels in groups of 64 (the last one may be short) -> (FP8 codes
     [..., nope], power-of-two scales [..., ceil(nope/64), 1])."""
     nope = _ds_mla_split(x.shape[-1], rope_dim)
-    groups = F.pad(x[..., :nope].float(), (0, -nope % 64)).unflatten(-1, (-1, 64))
+    groups = _pad_last(x[..., :nope].float(), 64).unflatten(-1, (-1, 64))
     scale = _pow2_ceil(groups.abs().amax(-1, keepdim=True).clamp_min(1e-4) * (1 / 448))
     codes = (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     return codes.flatten(-2)[..., :nope], scale
@@ -182,7 +188,7 @@ def _ds_mla_quantise(x: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torc
 
 def _ds_mla_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     nope = codes.shape[-1]
-    grouped = F.pad(codes.float(), (0, -nope % 64)).unflatten(-1, (-1, 64))
+    grouped = _pad_last(codes.float(), 64).unflatten(-1, (-1, 64))
     return (grouped * scale).flatten(-2)[..., :nope]
 
 

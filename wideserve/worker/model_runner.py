@@ -95,13 +95,15 @@ class ModelRunner:
         self.captured = cap
         return cap
 
-    def enable_small_batch(self, max_size: int) -> SmallBatchDecode | None:
+    def enable_small_batch(self, max_size: int, gemms: bool = False) -> SmallBatchDecode | None:
         """Decode steps of up to max_size requests take the small-batch path (0: off). Not
-        with drafts: the proposers move a step's batch on in place (spec_decode/proposer.py)."""
+        with drafts: the proposers move a step's batch on in place (spec_decode/proposer.py).
+        gemms: small-M GEMMs for the model's plain linears there (LoadConfig.small_batch_gemms)."""
         if max_size < 0:
             raise ValueError(f"small_batch_decode must be >= 0 (0: off), got {max_size}")
         self.small = None if max_size == 0 or self.with_drafts else SmallBatchDecode(
-            self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size)
+            self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size,
+            model=self.model if gemms else None)
         return self.small
 
     def drop(self, request_ids: Iterable[str]) -> None:
@@ -186,6 +188,7 @@ class ModelRunner:
         plain = input_ids is not None or any([r.images is not None for r in reqs])
         n = None if self.captured is None or plain else self.captured.padded_size(reqs)
         small = None if plain else self.small
+        small_step = False
         if self.step_sync is not None:
             n = self._agree(reqs, n)
         if n is not None:
@@ -193,7 +196,9 @@ class ModelRunner:
             hidden, batch = step.hidden, step.batch
         elif small is not None and small.applies(reqs):
             batch = small.batch(reqs)
-            hidden = self.model.forward(batch)
+            small_step = True
+            with small.kernels():
+                hidden = self.model.forward(batch)
         else:
             batch = self.build_batch(reqs)
             if input_ids is not None:
@@ -215,7 +220,11 @@ class ModelRunner:
                 if self.with_drafts:
                     idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
                 sampled = hidden.index_select(0, to_device(idx, hidden.device))
-            logits = self.model.compute_logits(sampled)
+            if small_step:
+                with small.kernels():
+                    logits = self.model.compute_logits(sampled)
+            else:
+                logits = self.model.compute_logits(sampled)
         prompt_hidden: dict[int, torch.Tensor] = {}
         if any([r.prompt_logits for r in reqs]):
             for i, r in enumerate(reqs):

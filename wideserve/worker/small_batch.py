@@ -21,23 +21,34 @@ here instead of `ModelRunner.build_batch`:
   caller that changes the model's weights or kernel switches after startup (the engine sets
   both once, before the first step, and leaves the path off with EPLB, whose expert moves
   rewrite weights while serving).
+- **Small-M GEMMs for plain linears** (LoadConfig.small_batch_gemms, off by default). A
+  model whose projections are plain `nn.Linear` modules (DeepSeek-V4 / V4.1) runs them, in a
+  small step only (`kernels`), through the kernel table's small-M GEMM kept per row count
+  instead of oneDNN's F.linear, ~20x cheaper at one row (layers/small_m.py).
 
-Greedy outputs are the standard path's, bitwise: the same ops run with the same arguments
-(tests/worker/test_small_batch.py, every family). LoadConfig.small_batch_decode sets the
+Greedy outputs are the standard path's: the same ops with the same arguments, bitwise
+(tests/worker/test_small_batch.py, every family). The small-M GEMMs are the exception, which
+is why they are opt-in: in bf16 they round like the kernel table's small-M kernel, one bf16
+ulp off oneDNN on ~1 value in 10^4-10^5 (fp32 unchanged), and on a near tie that flips a
+greedy token (the test's scripted user on the bundled V4 / V4.1 stays equal; 1 of 12 random
+prompts over 48 tokens did not, docs/host_path.md). LoadConfig.small_batch_decode sets the
 largest batch taken here (0: off, for A/B runs).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
+from wideserve.layers.small_m import GemmScope, SmallMLinear, use_small_m_linears
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 # The runner's request and layout, as the captured step reads them (a superset of ours).
 from wideserve.worker.decode_capture import GroupLayout, StaticDecodeInputs, StepRequest
 
 if TYPE_CHECKING:
+    from wideserve.models.interface import CausalLM
     from wideserve.worker.block_tables import BlockTables
 
 # Largest batch the path takes by default (the recipe's "batch 1-4").
@@ -50,9 +61,11 @@ class SmallBatchDecode:
     def __init__(self, groups: Sequence[GroupLayout], cache_group: dict[str, int],
                  kv_caches: dict[str, torch.Tensor], tables: BlockTables,
                  device: torch.device, max_size: int = DEFAULT_MAX_SIZE,
-                 separate_copy: bool = False) -> None:
+                 separate_copy: bool = False, model: CausalLM | None = None) -> None:
         """separate_copy: device buffers uploaded each step even on the CPU (what CUDA
-        does; lets the CPU tests exercise that path)."""
+        does; lets the CPU tests exercise that path). model: the model whose plain linears
+        run small-M GEMMs in small steps (when it has such: `functional_gemms`, and not
+        under --batch-invariant, whose InvariantLinears keep one kernel for every M)."""
         if max_size < 1:
             raise ValueError(f"small_batch_decode must be >= 1 to enable the path, got "
                              f"{max_size}")
@@ -71,6 +84,19 @@ class SmallBatchDecode:
         self._group_views: list[list[KVGroupView] | None] = [None] * max_size
         self._tables: list[torch.Tensor] = []     # the device tables the views point at
         self.steps = 0                            # steps taken here (stats, tests)
+        self.scope = GemmScope()
+        self.linears: list[SmallMLinear] = []
+        if model is not None and model.functional_gemms and not model.batch_invariant:
+            self.linears = use_small_m_linears(model, self.scope)
+
+    @contextmanager
+    def kernels(self) -> Iterator[None]:
+        """The small step's model calls (forward, logits): plain linears run small-M GEMMs."""
+        self.scope.on = True
+        try:
+            yield
+        finally:
+            self.scope.on = False
 
     @staticmethod
     def _size_views(dev: dict, host: dict, r: int) -> tuple:
@@ -90,9 +116,11 @@ class SmallBatchDecode:
         return True
 
     def invalidate(self) -> None:
-        """Forget every kept plan (the next step of each size plans again)."""
+        """Forget every kept plan and small-M GEMM (the next step of each size plans again)."""
         for plans in self._plans:
             plans.clear()
+        for m in self.linears:
+            m.forget()
 
     def batch(self, reqs: Sequence[StepRequest]) -> ForwardBatch:
         """The step's batch: its rows written into the static buffers, the kept views."""

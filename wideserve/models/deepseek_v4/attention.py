@@ -26,6 +26,7 @@ from wideserve.layers.attention.v4_step import StepCaches, V4Step
 from wideserve.layers.attention.compressor import Compressor
 from wideserve.layers.attention.indexer import Indexer
 from wideserve.layers.norm import RMSNorm, rms_norm
+from wideserve.layers.small_m import grouped_linear
 from wideserve.layers.rope_interleaved import RotaryTable, rotate
 from wideserve.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 
@@ -111,6 +112,6 @@ class DeepseekV4Attention(nn.Module):
         T = out.shape[0]
         g = self.o_groups
         grouped = out.reshape(T, g, self.num_heads * self.head_dim // g)     # [T, g, H*D/g]
-        w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])               # [g, o_lora, H*D/g]
-        low = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2))           # [g, T, o_lora]
-        return self.o_b_proj(low.transpose(0, 1).reshape(T, g * w.shape[1]))  # [T, g*o_lora]
+        # one bmm over the g blocks of o_a's rows (small-M GEMMs in a small-batch step)
+        low = grouped_linear(self.o_a_proj, grouped.transpose(0, 1), g)        # [g, T, o_lora]
+        return self.o_b_proj(low.transpose(0, 1).reshape(T, g * low.shape[-1]))  # [T, g*o_lora]

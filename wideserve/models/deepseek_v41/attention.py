@@ -31,6 +31,7 @@ from wideserve.layers.attention import v4_static
 from wideserve.layers.attention.v41_batched import CSA2State, select_decode
 from wideserve.layers.attention.v4_step import StepCaches, V4Step
 from wideserve.layers.norm import RMSNorm
+from wideserve.layers.small_m import grouped_linear
 from wideserve.layers.rope_interleaved import RotaryTable, rope_cis, rotate
 from wideserve.models.deepseek_v41.config import FULL, REINDEX, SWA, DeepseekV41Config
 
@@ -226,6 +227,6 @@ class DeepseekV41Attention(nn.Module):
         """[T, H, D] -> grouped wo_a (one block per head group) -> wo_b -> [T, d]."""
         T, g = out.shape[0], self.o_groups
         grouped = out.reshape(T, g, -1).transpose(0, 1)                       # [g, T, H*D/g]
-        w = self.wo_a.weight.view(g, -1, grouped.shape[-1])                   # [g, r_o, H*D/g]
-        low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1)           # [T, g, r_o]
+        # one bmm over the g blocks of wo_a's rows (small-M GEMMs in a small-batch step)
+        low = grouped_linear(self.wo_a, grouped, g).transpose(0, 1)            # [T, g, r_o]
         return self.wo_b(low.reshape(T, -1))
