@@ -8,15 +8,18 @@
 - Anthropic Messages (the real `anthropic` SDK): a base64 image block gives chat's output,
   count_tokens counts the span; url sources and bad images are 400s;
 - /v1/completions takes no images: a 400 pointing to chat;
+- P/D: router (in-process) -> this server as the prefill instance -> a decode instance over
+  NIXL: a chat image gives the one-server greedy tokens, the image rows' KV pulled;
 - a remote URL, bad base64, bytes that are no image, and two images over the limit are 400s
   with a message naming the cause (ValueErrors offline); text-only chat is unaffected.
 (A model without a vision tower refusing images: test_server_bad_inputs.py; P/D with an
-image: tests/disagg/test_pd_loopback.py.)"""
+image on two engine cores, no tower run on decode: tests/disagg/test_pd_loopback.py.)"""
 from __future__ import annotations
 
 import base64
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -71,25 +74,42 @@ def _serve(path, role: str, *extra: str) -> RemoteServer:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The one server of every test here; also the prefill instance of the P/D test (a
-    producer serves plain requests as any server does)."""
+def stack(tmp_path_factory):
+    """The one server of every test here, which is also the prefill instance of the P/D test
+    (a producer serves plain requests as any server does), the decode instance, and the
+    in-process LLM: the servers start side by side while the LLM loads."""
+    from wideserve.serving.llm import LLM
     path = _model(tmp_path_factory.mktemp("v41_images"))
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(2) as pool:
         for k, v in PD_ENV.items():
             mp.setenv(k, v)
-        srv = _serve(path, "kv_producer")
+        futures = [pool.submit(_serve, path, "kv_producer"),
+                   pool.submit(_serve, path, "kv_consumer", "--enable-debug-endpoints")]
+        try:
+            llm = LLM(str(path), load_format="dummy", dtype="float32", kv_cache_dtype="bf16",
+                      max_model_len=256, kv_cache_memory=64 << 20,
+                      limit_mm_per_prompt={"image": 1})
+            servers = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().close()
+            raise
     try:
-        yield srv, path
+        yield servers[0], path, servers[1], llm
     finally:
-        srv.close()
+        for srv in servers:
+            srv.close()
 
 
 @pytest.fixture(scope="module")
-def llm(server):
-    from wideserve.serving.llm import LLM
-    return LLM(str(server[1]), load_format="dummy", dtype="float32", kv_cache_dtype="bf16",
-               max_model_len=256, kv_cache_memory=64 << 20, limit_mm_per_prompt={"image": 1})
+def server(stack):
+    return stack[0], stack[1]
+
+
+@pytest.fixture(scope="module")
+def llm(stack):
+    return stack[3]
 
 
 def _chat(srv, content, **kw) -> httpx.Response:
@@ -266,40 +286,34 @@ def test_completions_refuse_images(server, field):
     assert "/v1/chat/completions" in r.json()["error"]["message"]
 
 
-def test_pd_router_serves_an_image_chat_as_one_server(server, monkeypatch):
+def test_pd_router_serves_an_image_chat_as_one_server(stack):
     """router -> prefill (the module's server) -> decode (a consumer over NIXL), the
     router in-process: a chat request holding an image gives the one-server greedy tokens,
     decoded with the KV pulled from the prefill instance (every position but the last)."""
     import asyncio
     from wideserve.serving.openai.pd_router import RouterConfig, build_app
-    srv, path = server
+    srv, _, decode, _ = stack
     want, one = _server_tokens(srv)
-    for k, v in PD_ENV.items():
-        monkeypatch.setenv(k, v)
-    decode = _serve(path, "kv_consumer", "--enable-debug-endpoints")
-    try:
-        app = build_app(RouterConfig([srv.url], [decode.url], max_request_bytes=1 << 24,
-                                     body_read_timeout_s=30.0, kv_secret=KV_SECRET.encode()))
+    app = build_app(RouterConfig([srv.url], [decode.url], max_request_bytes=1 << 24,
+                                 body_read_timeout_s=30.0, kv_secret=KV_SECRET.encode()))
 
-        async def go() -> httpx.Response:
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                             base_url="http://router", timeout=120) as c:
-                    return await c.post("/v1/chat/completions", json={
-                        "messages": [{"role": "user",
-                                      "content": _content(_image(_url(_png(1))))}],
-                        "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
-                        "logprobs": True, "return_tokens_as_token_ids": True})
-            finally:
-                await app.state.router.client.aclose()
-        r = asyncio.run(go())
-        assert r.status_code == 200, r.text
-        got = [int(t["token"].split(":")[1])
-               for t in r.json()["choices"][0]["logprobs"]["content"]]
-        assert got == want
-        assert r.json()["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
-        kv = httpx.get(decode.url + "/debug/stats", timeout=30).json()["stats"]["kv_transfer"]
-        assert kv["loads_done"] == 1 and kv["loads_failed"] == 0
-        assert kv["tokens_loaded"] == one["usage"]["prompt_tokens"] - 1
-    finally:
-        decode.close()
+    async def go() -> httpx.Response:
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://router", timeout=120) as c:
+                return await c.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user",
+                                  "content": _content(_image(_url(_png(1))))}],
+                    "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                    "logprobs": True, "return_tokens_as_token_ids": True})
+        finally:
+            await app.state.router.client.aclose()
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    got = [int(t["token"].split(":")[1])
+           for t in r.json()["choices"][0]["logprobs"]["content"]]
+    assert got == want
+    assert r.json()["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    kv = httpx.get(decode.url + "/debug/stats", timeout=30).json()["stats"]["kv_transfer"]
+    assert kv["loads_done"] == 1 and kv["loads_failed"] == 0
+    assert kv["tokens_loaded"] == one["usage"]["prompt_tokens"] - 1
