@@ -232,8 +232,8 @@ def _b64_block(data: bytes, media: str = "image/png") -> dict:
 
 def test_anthropic_image_blocks_equal_chat(server):
     """The real anthropic SDK: a base64 image block between text blocks is chat's image_url
-    part (same prompt tokens, same greedy text); count_tokens counts the image's span; an
-    image in a tool_result is served too."""
+    part (same prompt tokens, same greedy text, streamed or not); count_tokens counts the
+    image's span; an image in a tool_result is served too."""
     srv = server[0]
     _, chat = _server_tokens(srv)
     client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
@@ -244,6 +244,9 @@ def test_anthropic_image_blocks_equal_chat(server):
     msg = client.messages.create(model=model, max_tokens=3, messages=messages,
                                  extra_body={"temperature": 0.0})
     assert msg.content[0].text == chat["choices"][0]["message"]["content"]
+    with client.messages.stream(model=model, max_tokens=3, messages=messages,
+                                extra_body={"temperature": 0.0}) as stream:
+        assert "".join(stream.text_stream) == msg.content[0].text
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == \
         chat["usage"]["prompt_tokens"]
     assert client.messages.count_tokens(model=model, messages=messages).input_tokens == \
