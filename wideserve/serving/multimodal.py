@@ -154,7 +154,8 @@ def chat_message_images(message: Mapping[str, Any], index: int
         if kind == "text":
             text.append(str(part.get("text", "")))
         elif kind == "image_url":
-            url = (part.get("image_url") or {}).get("url", "")
+            url = part.get("image_url")
+            url = url.get("url", "") if isinstance(url, Mapping) else url
             try:
                 images.append(decode_image(data_url_bytes(str(url))))
             except ValueError as e:
