@@ -159,6 +159,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/engine/test_decode_capture.py": 75,
     "tests/disagg/test_router_e2e.py": 73,
     "tests/models/test_gguf.py": 70,
+    "tests/entrypoints/openai/test_server_images.py": 70,
     "tests/entrypoints/openai/test_anthropic_messages.py": 70,
     "tests/parallel/test_dep_multinode.py": 67,
     "tests/entrypoints/openai/test_server_api.py": 67,

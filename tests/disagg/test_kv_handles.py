@@ -138,6 +138,23 @@ def test_handle_is_refused_unsigned_for_another_prompt_or_secret():
     assert "not signed" in handle_problem(secret, h, prompt)
 
 
+def test_handle_of_an_image_prompt_is_bound_to_its_images():
+    """The ids of an image span are all image_token_id: the digest covers each image's
+    offset, length and content digest, so another image (or none, or the image elsewhere)
+    is another prompt; a prompt without images keeps the ids-only digest."""
+    from wideserve.types.multimodal import ImageInput
+    secret, prompt = b"k" * 32, [5, 9, 9, 9, 6]
+    image = ImageInput(1, 3, [8, 8, 2, 2, 1, 1], b"", b"a" * 16)
+    h = _handle(secret, prompt)
+    h.remote_prompt_digest = prompt_digest(prompt, [image])
+    sign_handle(secret, h)
+    assert handle_problem(secret, h, prompt, [image]) is None
+    for other in ([ImageInput(1, 3, image.grid, b"", b"b" * 16)], None,
+                  [ImageInput(2, 3, image.grid, b"", image.digest)]):
+        assert "for a different prompt" in handle_problem(secret, h, prompt, other)
+    assert prompt_digest(prompt, []) == prompt_digest(prompt)
+
+
 # ------------------------------------------------------------------ the attack on engines
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

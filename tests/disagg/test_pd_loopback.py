@@ -148,3 +148,58 @@ def test_bundled_v4_mtp_acceptance_after_handoff_equals_colocated():
     assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens_per_pos) == \
         (want.num_drafts, want.num_draft_tokens, want.num_accepted_tokens_per_pos)
     settle(p, d, ref)
+
+
+def test_v41_image_prompt_pd_equals_colocated_without_the_encoder_on_decode(tmp_path):
+    """A V4.1 prompt holding an image (tiny random config with a 2-layer vision tower): the
+    prefill side runs the tower, the decode side pulls the KV of the image rows and computes
+    only the last (text) prompt token, so it never runs the tower; greedy tokens equal the
+    colocated engine's. The handle is bound to the image (its digest is in the signed prompt
+    digest): the same token ids with another image, or with no image, are refused."""
+    from models import v41_helpers as h
+    from wideserve.models.deepseek_v41.config import DeepseekV41VisionConfig
+    from wideserve.models.deepseek_v41.vision import image_input, prepare_image
+    from wideserve.types.messages import EngineCoreRequest
+    from pd_harness import drain, greedy
+    from PIL import Image
+    import numpy as np
+    vision = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                  intermediate_size=48, patch_size=4, downsample_ratio=2, max_image_tokens=64,
+                  min_pixels=256)
+    image_id = h.VOCAB - 2
+    path = write_config(tmp_path / "v41_vision", {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+        "text_config": dict(h.B), "vision_config": vision, "image_token_id": image_id,
+        "torch_dtype": "float32", "max_position_embeddings": 4096})
+    p, d, ref = make_engines(path, load_format="dummy", kv_cache_dtype="bf16", block_size=8,
+                             kv_cache_memory=1 << 25, max_model_len=256)
+
+    def image(seed: int):
+        pixels = np.random.default_rng(seed).integers(0, 256, (13, 22, 3), dtype=np.uint8)
+        inp = prepare_image(Image.fromarray(pixels, "RGB"),
+                            DeepseekV41VisionConfig.from_dict(vision))
+        return image_input(inp, 3)
+
+    a, b = image(1), image(2)
+    ids = [5, 6, 7] + [image_id] * a.length + _prompts(200, [20], seed=8)[0]
+    assert a.length == b.length
+
+    def request(rid, kv=None, images=(a,), n=MAX_NEW):
+        return EngineCoreRequest(rid, list(ids), greedy(n, kv), images=list(images) or None)
+
+    ref.add_request(request("ref"))
+    want = drain(ref, {"ref"})["ref"]["tokens"]
+    p.add_request(request("p", {"do_remote_decode": True}, n=1))
+    handle = drain(p, {"p"})["p"]["params"]
+    assert handle and handle["do_remote_prefill"] and p.worker.images.encoded == 1
+    for images in ((b,), ()):
+        with pytest.raises(ValueError, match="issued for a different prompt"):
+            d.add_request(request("d-bad", handle, images))
+    d.add_request(request("d", handle))
+    got = drain(d, {"d"}, others=(p,))["d"]
+    assert got["finish"] == "length" and got["tokens"] == want
+    assert d.kv_connector.scheduler.stats.tokens_loaded == len(ids) - 1
+    assert d.worker.images.encoded == 0
+    ref.add_request(request("ref-b", images=(b,)))
+    assert drain(ref, {"ref-b"})["ref-b"]["tokens"] != want     # the image matters
+    settle(p, d, ref)

@@ -7,7 +7,8 @@
   unchanged to the decode instance (`do_remote_prefill: true`).
 
 A handle is signed by the producer (`remote_mac`: HMAC-SHA256 with the shared KV secret over
-every field, the lease id and a digest of the prompt's token ids included): a decode instance
+every field, the lease id and a digest of the prompt's token ids and image digests included):
+a decode instance
 admits only a handle whose signature verifies and whose prompt digest is its own prompt's, so
 a client can neither forge one nor name blocks the producer did not export for that prompt
 (docs/disaggregation.md, "Threat model").
@@ -20,12 +21,15 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from wideserve.disagg.leases import LeaseRef
+
+if TYPE_CHECKING:
+    from wideserve.types.multimodal import ImageInput
 
 HANDLE_TAG = b"wideserve-kv-handle-v1"     # domain separation from the side channel's MACs
 
@@ -60,8 +64,15 @@ class RemoteKV(msgspec.Struct, kw_only=True):
             raise ValueError(f"kv_transfer_params: {e}") from None
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+def prompt_digest(token_ids: Sequence[int], images: Sequence[ImageInput] | None = None
+                  ) -> str:
+    """Of the prompt's token ids and, for a prompt holding images, each image's offset and
+    content digest: the ids of an image span are all image_token_id, so without the images
+    a handle minted for one image would admit another image's prompt (whose KV differs)."""
+    h = hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for im in images or ():
+        h.update(b"image:%d:%d:" % (im.offset, im.length) + im.digest)
+    return h.hexdigest()
 
 
 def handle_mac(secret: bytes, r: RemoteKV) -> str:
@@ -77,9 +88,10 @@ def sign_handle(secret: bytes, r: RemoteKV) -> RemoteKV:
     return r
 
 
-def handle_problem(secret: bytes, r: RemoteKV, token_ids: Sequence[int]) -> str | None:
-    """Why a decode instance must refuse the handle `r` for a prompt of `token_ids` (None:
-    it was minted by a holder of the KV secret for exactly this prompt)."""
+def handle_problem(secret: bytes, r: RemoteKV, token_ids: Sequence[int],
+                   images: Sequence[ImageInput] | None = None) -> str | None:
+    """Why a decode instance must refuse the handle `r` for a prompt of `token_ids` and
+    `images` (None: it was minted by a holder of the KV secret for exactly this prompt)."""
     if not r.remote_mac:
         return ("kv_transfer_params: the handle is not signed; only a prefill instance with "
                 "this server's KV secret mints handles (clients may not send them)")
@@ -87,13 +99,14 @@ def handle_problem(secret: bytes, r: RemoteKV, token_ids: Sequence[int]) -> str 
         return ("kv_transfer_params: the handle's signature does not verify (forged or "
                 "altered, or minted with another KV secret)")
     if not hmac.compare_digest(r.remote_prompt_digest.encode(),
-                               prompt_digest(token_ids).encode()):
+                               prompt_digest(token_ids, images).encode()):
         return "kv_transfer_params: the handle was issued for a different prompt"
     return None
 
 
 def client_handle_problem(secret: bytes | None, params: dict[str, Any] | None,
-                          token_ids: Sequence[int]) -> str | None:
+                          token_ids: Sequence[int],
+                          images: Sequence[ImageInput] | None = None) -> str | None:
     """The API server's check of a request's handle before the request starts (a stream's
     400 cannot come later): it must verify with the KV secret for this prompt. None when
     there is no handle, or no secret (not a consumer: the engine then says why)."""
@@ -104,7 +117,7 @@ def client_handle_problem(secret: bytes | None, params: dict[str, Any] | None,
         remote = RemoteKV.from_dict(params)
     except ValueError as e:
         return str(e)
-    return handle_problem(secret, remote, token_ids)
+    return handle_problem(secret, remote, token_ids, images)
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -39,6 +39,7 @@ QUARANTINE_KEY = "kv-quarantine:"
 
 if TYPE_CHECKING:
     from wideserve.kv_cache.kv_cache_manager import KVCacheManager
+    from wideserve.types.multimodal import ImageInput
     from wideserve.types.request import Request
 
 
@@ -97,8 +98,8 @@ class ConnectorScheduler:
         self.kv = kv
 
     # ------------------------------------------------------------------ validation
-    def validate(self, params: dict[str, Any] | None,
-                 prompt_token_ids: Sequence[int]) -> str | None:
+    def validate(self, params: dict[str, Any] | None, prompt_token_ids: Sequence[int],
+                 images: Sequence[ImageInput] | None = None) -> str | None:
         """Why a request's kv_transfer_params cannot be served here (None: fine). A handle is
         admitted only when the producer's signature over it verifies for this very prompt
         (params.handle_problem): it names exactly the blocks exported for this prompt."""
@@ -118,7 +119,7 @@ class ConnectorScheduler:
             if remote.remote_num_tokens != num_prompt_tokens:
                 return f"kv_transfer_params: the prefill computed {remote.remote_num_tokens} " \
                        f"tokens but the prompt has {num_prompt_tokens}"
-            problem = handle_problem(self.secret, remote, prompt_token_ids)
+            problem = handle_problem(self.secret, remote, prompt_token_ids, images)
             if problem is not None:
                 self.stats.handles_refused += 1
                 return problem
@@ -229,7 +230,8 @@ class ConnectorScheduler:
                 remote_block_ids=rows,
                 remote_num_tokens=request.num_prompt_tokens,
                 remote_layout=self.fingerprint, remote_lease=lease,
-                remote_prompt_digest=prompt_digest(request.prompt_array()))).to_dict()
+                remote_prompt_digest=prompt_digest(request.prompt_array(),
+                                                   request.images))).to_dict()
         self.kv.free(request)
         return None
 

@@ -374,7 +374,7 @@ class EngineCore:
         if self.kv_connector is None:
             raise ValueError("kv_transfer_params: this server runs without "
                              "--kv-transfer-config (no P/D disaggregation)")
-        problem = self.kv_connector.scheduler.validate(params, prompt_ids)
+        problem = self.kv_connector.scheduler.validate(params, prompt_ids, req.images)
         if problem is not None:
             raise ValueError(problem)
 

@@ -2,6 +2,13 @@
 
 The engine core runs in-process; this class tokenises, drives steps until every request is
 done, and returns RequestOutputs in the order of the prompts.
+
+Images (a model with a vision tower, docs/deepseek_v41.md "Images") come as vLLM takes them:
+`generate({"prompt": ..., "multi_modal_data": {"image": PIL image or list}})` with one
+`<｜deepseek_image｜>` placeholder in the text (or one image_token_id in `prompt_token_ids`)
+per image, and `chat` messages with `image_url` (base64 data: URL) or `image_pil` parts. Both
+expand the placeholders as the server does (serving/multimodal.py), so the same input gives
+the server's tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +22,11 @@ from tqdm.auto import tqdm
 
 from wideserve.config import EngineConfig, engine_config_from_kwargs
 from wideserve.engine.engine_core import EngineCore
+from wideserve.serving.multimodal import (NO_IMAGES, ImageSupport, chat_message_images,
+                                          expand_pieces, multi_modal_images, prepare_pil,
+                                          split_prompt, split_token_ids)
 from wideserve.serving.output_processor import OutputProcessor
+from wideserve.types.multimodal import ImageInput
 from wideserve.utils.extras import require_kv_connector
 from wideserve.types.outputs import RequestOutput
 from wideserve.types.sampling_params import SamplingParams
@@ -24,6 +35,8 @@ from wideserve.text.tokenizer import Tokenizer
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 Message = Mapping[str, Any]
+# (prompt text, token ids, image spans): what one prompt becomes.
+Tokenized = tuple[Union[str, None], list[int], Union[list[ImageInput], None]]
 logger = logging.getLogger(__name__)
 
 
@@ -72,6 +85,8 @@ class LLM:
             _set_threads(config.parallel.threads)
             self.engine = EngineCore(config)
             model_path = self.engine.loaded.path
+        self._config = config
+        self._images: ImageSupport | None | bool = False     # False: not looked up yet
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else \
             load_tokenizer(model_path, config.load.tokenizer)
@@ -97,8 +112,8 @@ class LLM:
                  ) -> list[RequestOutput]:
         prompt_list = self._as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
-        pairs = [self._tokenize(p) for p in prompt_list]
-        return self._run(pairs, params, use_tqdm, priority)
+        items = [self._tokenize(p) for p in prompt_list]
+        return self._run(items, params, use_tqdm, priority)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -108,13 +123,17 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) \
             else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(
-            list(c), add_generation_prompt=add_generation_prompt, tools=tools,
-            chat_template=chat_template) for c in conversations]
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        # The template already holds the special tokens (bos included).
-        pairs = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-        return self._run(pairs, params, use_tqdm, None)
+        items = []
+        for conversation in conversations:
+            rendered = [chat_message_images(m, i) for i, m in enumerate(conversation)]
+            prompt = tokenizer.apply_chat_template(
+                [m for m, _ in rendered], add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template=chat_template)
+            images = [im for _, ims in rendered for im in ims]
+            # The template already holds the special tokens (bos included).
+            items.append(self._with_images(prompt, None, images, add_special_tokens=False))
+        params = self._params_per_prompt(sampling_params, len(items))
+        return self._run(items, params, use_tqdm, None)
 
     # -------------------------------------------------------------------------- helpers
     @staticmethod
@@ -136,26 +155,63 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
         return list(sp)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> Tokenized:
         if isinstance(prompt, str):
-            return prompt, self.get_tokenizer().encode(prompt)
+            return prompt, self.get_tokenizer().encode(prompt), None
         if isinstance(prompt, Mapping):
+            if "multi_modal_data" in prompt:
+                images = multi_modal_images(prompt["multi_modal_data"])
+                token_ids = prompt.get("prompt_token_ids")
+                if token_ids is None and "prompt" not in prompt:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                return self._with_images(prompt.get("prompt"), token_ids, images,
+                                         add_special_tokens=True)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]], None
             if "prompt" in prompt:
-                return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
+                return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"]), None
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, [int(t) for t in prompt]
+        return None, [int(t) for t in prompt], None
 
-    def _run(self, pairs: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+    def _image_support(self) -> ImageSupport | None:
+        if self._images is False:
+            self._images = ImageSupport.from_info(self.engine.model_info,
+                                                  self._config.load.limit_mm_per_prompt.image)
+        return self._images      # type: ignore[return-value]
+
+    def _with_images(self, text: str | None, token_ids: Sequence[int] | None,
+                     images: list[Any], add_special_tokens: bool) -> Tokenized:
+        """A prompt and its images: each placeholder (the text's IMAGE_PLACEHOLDER, or one
+        image_token_id in `token_ids`) expanded to its image's span, as the server does."""
+        if not images:
+            ids = list(token_ids) if token_ids is not None else \
+                self.get_tokenizer().encode(text or "", add_special_tokens=add_special_tokens)
+            return text, [int(t) for t in ids], None
+        support = self._image_support()
+        if support is None:
+            raise ValueError(NO_IMAGES)
+        support.check_count(len(images))
+        if token_ids is not None:
+            pieces = split_token_ids(token_ids, len(images), support.token_id)
+        else:
+            tokenizer = self.get_tokenizer()
+            pieces = [tokenizer.encode(p, add_special_tokens=add_special_tokens and i == 0)
+                      if p or i == 0 else []
+                      for i, p in enumerate(split_prompt(text or "", len(images)))]
+        prepared = [prepare_pil(im, support) for im in images]
+        ids, spans = expand_pieces(pieces, prepared, support.token_id)
+        return text, ids, spans
+
+    def _run(self, items: list[Tokenized], params: list[SamplingParams],
              use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
         ids = []
         added = []
         try:
-            for i, ((text, token_ids), sp) in enumerate(zip(pairs, params)):
+            for i, ((text, token_ids, images), sp) in enumerate(zip(items, params)):
                 rid = str(next(self._ids))
                 core_reqs = self.processor.add_request(
-                    rid, text, token_ids, sp, priority=priority[i] if priority else 0)
+                    rid, text, token_ids, sp, priority=priority[i] if priority else 0,
+                    images=images)
                 ids.append(rid)
                 for req in core_reqs:
                     self.engine.add_request(req)

@@ -14,6 +14,9 @@ import hashlib
 from dataclasses import dataclass
 
 DIGEST_BYTES = 16
+# Where an image sits in a rendered prompt (chat templates, LLM.generate's text prompts): the
+# reference processor's placeholder, expanded to the image's span after tokenising.
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
 
 @dataclass(slots=True)

@@ -200,7 +200,7 @@ def test_count_tokens_matches_usage(client):
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": ""}}]}]},
-     400, "invalid_request_error", "'image' blocks are not supported"),
+     400, "invalid_request_error", "takes no image inputs"),
     ({"max_tokens": 5, "messages": ASK, "tools": [
         {"type": "web_search_20250305", "name": "web_search"}]},
      400, "invalid_request_error", "server tools"),

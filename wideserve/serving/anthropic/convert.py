@@ -6,6 +6,8 @@ parsers): one implementation of prompts and outputs, two wire formats.
 
     system (string or text blocks)     -> a system message
     user text / tool_result blocks     -> tool messages (one per result), then a user message
+    image blocks (base64 source)       -> image_url parts (data: URLs) where they were, in
+                                          the user message or the tool_result's tool message
     assistant text / thinking / tool_use -> one assistant message (content,
                                           reasoning_content, tool_calls)
     a final assistant message          -> a prefill the model continues
@@ -22,9 +24,9 @@ import logging
 import uuid
 from typing import Any
 
-from wideserve.serving.anthropic.protocol import (Message, MessagesRequest, TextBlock,
-                                                  ThinkingBlock, ToolResultBlock, ToolUseBlock,
-                                                  _Prompt)
+from wideserve.serving.anthropic.protocol import (ImageBlock, Message, MessagesRequest,
+                                                  TextBlock, ThinkingBlock, ToolResultBlock,
+                                                  ToolUseBlock, _Prompt)
 
 logger = logging.getLogger("wideserve.server")
 
@@ -45,19 +47,44 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+def _parts(blocks: list[Any], prefix: str = "") -> list[dict[str, Any]]:
+    """Text and image blocks as chat content parts, in order: text blocks in a row joined
+    by newlines (as a text-only message joins them), each image an image_url part."""
+    parts: list[dict[str, Any]] = []
+    text = prefix
+    joined = False
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            text += ("\n" if joined else "") + block.text
+            joined = True
+        elif isinstance(block, ImageBlock):
+            if text:
+                parts.append({"type": "text", "text": text})
+            parts.append({"type": "image_url", "image_url": {"url": block.source.data_url()}})
+            text, joined = "", False
+    if text:
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _tool_message(block: ToolResultBlock) -> dict[str, Any]:
+    content: Any = block.text()
+    if block.has_images():
+        assert isinstance(block.content, list)
+        content = _parts(block.content, "Error: " if block.is_error else "")
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
+
+
 def _user_messages(msg: Message) -> list[dict[str, Any]]:
     if isinstance(msg.content, str):
         return [{"role": "user", "content": msg.content}]
-    out: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for block in msg.content:
-        if isinstance(block, ToolResultBlock):
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                        "content": block.text()})
-        elif isinstance(block, TextBlock):
-            texts.append(block.text)
-    if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    out: list[dict[str, Any]] = [_tool_message(b) for b in msg.content
+                                 if isinstance(b, ToolResultBlock)]
+    blocks = [b for b in msg.content if isinstance(b, (TextBlock, ImageBlock))]
+    if any(isinstance(b, ImageBlock) for b in blocks):
+        out.append({"role": "user", "content": _parts(blocks)})
+    elif blocks:
+        out.append({"role": "user", "content": "\n".join(b.text for b in blocks)})
     return out
 
 

@@ -3,8 +3,10 @@
 Parsed as strictly as the OpenAI requests (protocol.py beside the OpenAI server): JSON types
 must match and unknown fields are a 400 naming them, except the fields Anthropic clients send
 that mean nothing here (prompt-caching hints, service tier, citations), which are accepted
-and ignored. Content that this text-only server cannot take (images, documents, Anthropic's
-own server tools) is refused with a message naming it, never silently dropped.
+and ignored. Image blocks with a base64 source are served like chat's image_url parts (on a
+model with a vision tower, docs/deepseek_v41.md "Images"); content this server cannot take
+(url and file image sources, documents, Anthropic's own server tools) is refused with a
+message naming it, never silently dropped.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from wideserve.serving.openai.protocol import INT32_MAX, Int
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-_UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "server_tool_use",
+_UNSUPPORTED_BLOCKS = ("document", "search_result", "server_tool_use",
                        "web_search_tool_result", "container_upload")
 
 
@@ -37,10 +39,27 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
+class Base64ImageSource(BaseModel):
+    model_config = _CONFIG
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+    def data_url(self) -> str:
+        """As chat's image_url part carries it (serving/openai/images.py decodes it)."""
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: Base64ImageSource
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1)]
-    content: str | list[TextBlock] | None = None
+    content: str | list[Annotated[Union[TextBlock, ImageBlock],
+                                  Field(discriminator="type")]] | None = None
     is_error: bool | None = None
 
     def text(self) -> str:
@@ -49,9 +68,13 @@ class ToolResultBlock(_Block):
         elif isinstance(self.content, str):
             body = self.content
         else:
-            body = "\n".join(b.text for b in self.content)
+            body = "\n".join(b.text for b in self.content if isinstance(b, TextBlock))
         # The flag has no field in the chat template: it travels in the text.
         return f"Error: {body}" if self.is_error else body
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(b, ImageBlock)
+                                                      for b in self.content)
 
 
 class ThinkingBlock(_Block):
@@ -65,8 +88,8 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-                               RedactedThinkingBlock], Field(discriminator="type")]
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock,
+                               ThinkingBlock, RedactedThinkingBlock], Field(discriminator="type")]
 
 
 def _refuse_unsupported_blocks(content: Any, where: str) -> None:
@@ -76,9 +99,16 @@ def _refuse_unsupported_blocks(content: Any, where: str) -> None:
         return
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        source = block.get("source") if kind == "image" else None
+        if isinstance(source, dict) and source.get("type") in ("url", "file"):
+            what = ("url image sources are not supported (this server does not fetch URLs)"
+                    if source["type"] == "url" else
+                    "file image sources (the Files API) are not supported")
+            raise ValueError(f"{where}.{j}.source: {what}; send the image as a base64 source "
+                             f"({{'type': 'base64', 'media_type': 'image/png', 'data': ...}})")
         if kind in _UNSUPPORTED_BLOCKS:
             raise ValueError(f"{where}.{j}.type: {kind!r} blocks are not supported "
-                             f"by this text-only server")
+                             f"by this server")
         if kind == "tool_result" and isinstance(block.get("content"), list):
             _refuse_unsupported_blocks(block["content"], f"{where}.{j}.content")
 
@@ -102,8 +132,9 @@ class Message(BaseModel):
             if self.role == "user" and kinds & {"tool_use", "thinking", "redacted_thinking"}:
                 raise ValueError("content: tool_use and thinking blocks belong to assistant "
                                  "messages")
-            if self.role == "assistant" and "tool_result" in kinds:
-                raise ValueError("content: tool_result blocks belong to user messages")
+            if self.role == "assistant" and kinds & {"tool_result", "image"}:
+                raise ValueError("content: tool_result and image blocks belong to user "
+                                 "messages")
         return self
 
 

@@ -29,6 +29,7 @@ from wideserve.serving.anthropic import convert
 from wideserve.serving.anthropic.protocol import CountTokensRequest, MessagesRequest
 from wideserve.serving.openai import serving_chat
 from wideserve.serving.openai.async_engine import RequestFailed
+from wideserve.serving.openai.images import expand_images
 from wideserve.serving.openai.protocol import ChatCompletionRequest
 from wideserve.serving.openai.serving import (ApiError, ServingContext, as_api_error,
                                               collect_or_disconnect, final_item, parse_body,
@@ -79,6 +80,10 @@ async def count_message_tokens(ctx: ServingContext, body: bytes) -> dict[str, in
                                           chat.chat_template_kwargs)
 
     prompt = await ctx.within_deadline(ctx.off_loop(render))
+    prepared = await serving_chat.chat_images(ctx, chat)
+    if prepared:            # each image counts its span's positions, as /v1/messages does
+        ids, _ = await expand_images(ctx, prompt, prepared, False)
+        return {"input_tokens": len(ids)}
     return {"input_tokens": len(await ctx.encode(prompt, False, "messages"))}
 
 
@@ -99,7 +104,7 @@ async def create_message(ctx: ServingContext, body: bytes, raw: Request) -> Resp
 
 def _generate(ctx: ServingContext, call: Any) -> AsyncIterator[Any]:
     return ctx.engine.generate(call.request_id, call.prompt, call.token_ids, call.params,
-                               call.req.priority)
+                               call.req.priority, images=call.images)
 
 
 def _message(req: MessagesRequest, message_id: str) -> dict[str, Any]:

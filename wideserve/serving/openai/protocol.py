@@ -23,6 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from wideserve.serving.openai.lenient import LenientModel
 
 from wideserve.serving.openai.validation import integral, integral_list, integral_lists
+from wideserve.types.multimodal import IMAGE_PLACEHOLDER
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -198,11 +199,6 @@ class ImageUrlContentPart(LenientModel):
     """An image (serving/openai/images.py): a base64 `data:` URL; the server fetches none."""
     type: Literal["image_url"]
     image_url: ImageUrl
-
-
-# Where an image part sits in the rendered prompt: the reference processor's placeholder
-# (expanded to the image's span after tokenising, serving/openai/images.py).
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
 
 class FunctionCall(LenientModel):

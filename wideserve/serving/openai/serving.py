@@ -33,6 +33,7 @@ from wideserve.serving.openai.logprobs_format import chat_logprobs, completion_l
 from wideserve.serving.openai.server_metrics import ServerMetrics
 from wideserve.serving.openai.validation import clip, param_of, validation_error_to_param_message
 from wideserve.types.sampling_params import SamplingParams
+from wideserve.types.multimodal import ImageInput
 from wideserve.text.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -359,9 +360,11 @@ class ServingContext:
         if why:
             raise ApiError(403, why, param="kv_transfer_params", code="kv_peer_unauthenticated")
 
-    def check_kv_handle(self, params: SamplingParams, ids: list[int]) -> None:
-        """A KV handle is admitted only as its producer signed it, for this prompt."""
-        why = client_handle_problem(self.kv_secret, params.kv_transfer_params, ids)
+    def check_kv_handle(self, params: SamplingParams, ids: list[int],
+                        images: list[ImageInput] | None = None) -> None:
+        """A KV handle is admitted only as its producer signed it, for this prompt (its
+        token ids and images)."""
+        why = client_handle_problem(self.kv_secret, params.kv_transfer_params, ids, images)
         if why is not None:
             raise ApiError(400, why, param="kv_transfer_params")
 

@@ -152,7 +152,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     else:
         setup, constraint, prompt = await ctx.off_loop(_checked_and_rendered, ctx, req)
     keep = resolve_keep(ctx, req.truncate_prompt_tokens)
-    prepared = await _images(ctx, req)
+    prepared = await chat_images(ctx, req)
     images = None
     if prepared:
         if keep is not None:
@@ -168,7 +168,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, num_logprobs)
     params.prompt_logprobs = req.prompt_logprobs
-    ctx.check_kv_handle(params, ids)
+    ctx.check_kv_handle(params, ids, images)
     params.structured_outputs = constraint
     params.logit_bias = ctx.logit_bias(req.logit_bias)
     parser = _tool_parser(ctx, setup)
@@ -187,7 +187,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> _Call:
     return call
 
 
-async def _images(ctx: ServingContext, req: ChatCompletionRequest) -> list[Any]:
+async def chat_images(ctx: ServingContext, req: ChatCompletionRequest) -> list[Any]:
     """The request's images decoded and preprocessed (off the event loop), or []."""
     if not any(isinstance(m.content, list) and m.images() for m in req.messages):
         return []

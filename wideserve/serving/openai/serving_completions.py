@@ -2,6 +2,11 @@
 
 A list of prompts becomes one engine request per prompt (each fanned out to n choices);
 choice indices are prompt_index * n + sample_index, as OpenAI numbers them.
+
+Text and token prompts only, as in vLLM (whose /v1/completions takes no media): a request
+carrying images in a field other servers use (`multi_modal_data`, `media_urls`, ...) is a
+400 pointing to chat, never a completion of the text with the image silently dropped
+(docs/deepseek_v41.md, "Images").
 """
 from __future__ import annotations
 
@@ -63,7 +68,22 @@ async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[st
     return out
 
 
+# Where other servers or vLLM's closed proposals put media on a completions request.
+MEDIA_FIELDS = ("multi_modal_data", "media_urls", "image_url", "image_urls", "images",
+                "image_data", "multimodal_data")
+
+
+def check_no_media(req: CompletionRequest) -> None:
+    extra = req.model_extra or {}
+    field = next((f for f in MEDIA_FIELDS if f in extra), None)
+    if field is not None:
+        raise ApiError(400, f"{field}: /v1/completions takes no images (as in vLLM); send "
+                            f"them to /v1/chat/completions as image_url content parts (or "
+                            f"offline: LLM.generate's multi_modal_data)", param=field)
+
+
 async def prepare(ctx: ServingContext, req: CompletionRequest) -> _Call:
+    check_no_media(req)
     ctx.check_model(req.model)
     ctx.check_priority(req.priority)
     ctx.check_sequences(num_prompts(req.prompt), req.n)
