@@ -60,8 +60,17 @@ class RemoteKV(msgspec.Struct, kw_only=True):
             raise ValueError(f"kv_transfer_params: {e}") from None
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> str:
+    """SHA-256 of the ids as little-endian int32 bytes: the engine's int32 prompt buffer is
+    hashed in place (no int64 copy). Ids outside int32 (refused by every engine anyway) are
+    hashed as int64 bytes, which no int32 prompt's digest equals."""
+    arr = np.asarray(token_ids)
+    if arr.dtype != np.int32 or arr.dtype.byteorder == ">":
+        arr = np.asarray(token_ids, dtype=np.int64)
+        if arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+            return hashlib.sha256(b"int64" + arr.astype("<i8").tobytes()).hexdigest()
+        arr = arr.astype("<i4")
+    return hashlib.sha256(np.ascontiguousarray(arr)).hexdigest()
 
 
 def handle_mac(secret: bytes, r: RemoteKV) -> str:
