@@ -36,12 +36,11 @@ processes a batch in), and draft and lookahead positions never enter a hash.
 Hashing is lazy, so no single step hashes a long prompt whole: a lookup hashes the prompt's
 blocks only as far as a hit can reach (a growing group's hit ends at its first miss, so a new
 prompt hashes one batch of blocks, not the prompt), and publishing hashes the blocks computed
-since: a chunked prefill hashes each chunk's blocks in its step. Where no sliding group
-caches (replay mode, or no sliding group), an `allocate_slots` call publishes at most
-PUBLISH_BLOCKS_PER_CALL logical blocks, so a P/D load of 855K tokens publishes over ~50 steps
-instead of in one; in keep mode with sliding groups everything computed is published at
-once (a sliding page must be published before it leaves its window). `free` (and
-`trim_to_window`) publish everything computed.
+since: a chunked prefill hashes each chunk's blocks in its step. An `allocate_slots` call
+publishes at most PUBLISH_BLOCKS_PER_CALL logical blocks, so a P/D load of 855K tokens
+publishes over ~50 steps instead of in one, except that in keep mode a sliding page this call
+frees (it left its window) is published first, with every block before it (a page freed
+unpublished is lost to later hits). `free` (and `trim_to_window`) publish all computed.
 
 Prefix window modes (CacheConfig.prefix_window_mode):
 - "keep": sliding groups publish the pages before each logical boundary; a hit at P needs
@@ -134,10 +133,6 @@ class KVCacheManager:
         self.mode = mode
         self.replay_tokens = replay_tokens or 0
         self.block_hasher = BlockHasher(self.block_size, extra_keys)
-        # Publishing may lag only where no sliding group caches: a lagging sliding page could
-        # leave its window (and be freed) before it was published, losing a later hit.
-        self._publish_cap = PUBLISH_BLOCKS_PER_CALL if mode == "replay" or not any(
-            g.is_sliding for g in kv_config.groups) else None
         self.pools = [BlockPool(b.num_blocks) for b in kv_config.buckets]
         self.managers: list[GroupManager] = [
             make_manager(g, self.pools[g.bucket_id], self.block_size,
@@ -305,11 +300,12 @@ class KVCacheManager:
                                  f"match the hit blocks given (expected {expected})")
         elif admission and num_new_computed_tokens:
             raise ValueError("num_new_computed_tokens > 0 needs new_computed_blocks")
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
         if st is not None and min(request.num_computed_tokens, request.num_tokens) \
                 >= st.next_cache_at:
             # Before freeing out-of-window pages, so the ones a hit can use keep their hash.
-            self._cache_computed(request, self._publish_cap)
-        total_computed = request.num_computed_tokens + num_new_computed_tokens
+            self._cache_computed(request, PUBLISH_BLOCKS_PER_CALL,
+                                 self._publish_before_skip(rid, total_computed))
         # Where the next query will be: sliding pages wholly before its window stay null.
         query_at = total_computed + num_external_tokens
         num_slots = min(query_at + num_new_tokens + num_lookahead_tokens,
@@ -351,22 +347,31 @@ class KVCacheManager:
         s.hits += computed
         s.replayed += max(0, hit_tokens - computed)
 
-    def _cache_computed(self, request: Request, max_blocks: int | None = None) -> None:
+    def _cache_computed(self, request: Request, max_blocks: int | None = None,
+                        need: int = 0) -> None:
         """Publish the request's computed full logical blocks, hashing them first: all of
-        them, or at most `max_blocks` past those published before."""
+        them, or at most `max_blocks` past those published before, but at least `need`."""
         if not self.enable_caching:
             return
         rid = request.request_id
         done = self._published.get(rid, 0)
         limit = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if max_blocks is not None:
-            limit = min(limit, done + max_blocks)
+            limit = min(limit, max(done + max_blocks, need))
         if limit <= done:
             return
         self.block_hasher(request, limit)
         for m in self.managers:
             m.cache_blocks(request, limit * self.block_size)
         self._published[rid] = limit
+
+    def _publish_before_skip(self, rid: str, total_computed: int) -> int:
+        """Keep mode: the logical blocks whose sliding pages this call frees must be published
+        first (a page freed unpublished is lost to later hits)."""
+        if self.mode != "keep":
+            return 0
+        return max((sw.logical_blocks_to_publish_before_skip(rid, total_computed)
+                    for sw in self._sliding), default=0)
 
     def trim_to_window(self, request: Request, query_at: int) -> None:
         """Free the sliding pages no query at `query_at` or later reads, publishing computed
