@@ -23,6 +23,7 @@ the scheduler and the connector do on the host before the pull starts.
             of one step (allocate_slots) over the next 64 steps, and their sum.
   step_max = max(admission, done_max): the most this request adds to any one step.
   frontend: the front end's encode of the message (another process; not on a step).
+Times are the thread's CPU time (--clock wall: wall time).
 The models are built on the meta device (no weights), only for their KV cache specs.
 
 --ab REV: before/after in one run. REV's wideserve/ is exported (git archive) to a temporary
@@ -56,6 +57,10 @@ from wideserve.types.request import Request
 from wideserve.types.sampling_params import SamplingParams
 
 DONE_STEPS = 64
+# The thread's CPU time: on a shared, loaded machine wall time adds whatever the OS gave other
+# processes meanwhile (tens of ms at a time), which is no cost of this code. --clock wall: the
+# wall clock instead.
+clock = time.thread_time
 REPLAY_TOKENS = 2541        # --window-mode replay: V4.1-Flash's exact replay (docs/kv_cache.md)
 
 
@@ -129,28 +134,28 @@ def measure(n: int, model: str, repeats: int, naive: bool, window_mode: str = "k
     for rep in range(repeats):
         kv = KVCacheManager(kv_config, cache, n + 16 + DONE_STEPS,
                             replay_tokens=REPLAY_TOKENS if window_mode == "replay" else None)
-        tf = time.perf_counter()
+        tf = clock()
         data = encoder.encode(ipc.AddRequests(requests=[to_wire(EngineCoreRequest(
             f"r{rep}", prompt, SamplingParams(max_tokens=1)))]))
-        t0 = time.perf_counter()
+        t0 = clock()
         core = ipc.decode_requests(decoder.decode(data))[0][0]
-        td = time.perf_counter()
+        td = clock()
         ids = core.prompt_token_ids
         # EngineCore.add_request of each tree: the array form where it has one, else a list.
         ids = as_array(ids) if as_array is not None else ids if type(ids) is list else list(ids)
         req = Request(core.request_id, ids, core.sampling_params)
-        t1 = time.perf_counter()
+        t1 = clock()
         whole_prompt_checks(req)
-        t1b = time.perf_counter()
+        t1b = clock()
         hit, num_hit = kv.get_computed_blocks(req)
-        t2 = time.perf_counter()
+        t2 = clock()
         assert kv.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) is not None
-        t3 = time.perf_counter()
+        t3 = clock()
         rows = kv.block_ids(req.request_id)
         local, remote = plan_pages(groups, rows, rows, 0, n - 1)
         idx = descriptor_indices(groups, base, local)
         descriptor_indices(groups, base, remote)
-        t4 = time.perf_counter()
+        t4 = clock()
         done = load_done_steps(kv, req, n)
         for k, dt in zip(phases, (t0 - tf, td - t0, t1 - td, t1b - t1, t2 - t1b, t3 - t2,
                                   t4 - t3, t4 - t0, max(done), sum(done),
@@ -161,10 +166,10 @@ def measure(n: int, model: str, repeats: int, naive: bool, window_mode: str = "k
             # The naive build needs every page (no clipping): give sliding groups full rows.
             full_rows = [r if not g.is_sliding else list(range(1, cdiv(n - 1, g.block_size) + 1))
                          for g, r in zip(kv_config.groups, rows)]
-            t5 = time.perf_counter()
+            t5 = clock()
             naive_descs = len(naive_descriptors(kv_config, full_rows, n - 1, base))
             naive_descriptors(kv_config, full_rows, n - 1, base)    # local and remote sides
-            times["naive"].append(time.perf_counter() - t5)
+            times["naive"].append(clock() - t5)
         kv.free(req)
     return {"model": model, "window_mode": window_mode, "tokens": n,
             "groups": len(kv_config.groups),
@@ -177,9 +182,9 @@ def load_done_steps(kv: KVCacheManager, req: Request, n: int) -> list[float]:
     req.num_computed_tokens = n - 1
     out = []
     for _ in range(DONE_STEPS):
-        t = time.perf_counter()
+        t = clock()
         assert kv.allocate_slots(req, 1) is not None
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
         req.append_output_token_ids([5])
         req.num_computed_tokens += 1
     return out
@@ -204,7 +209,7 @@ def ab(args: argparse.Namespace) -> None:
                     out = subprocess.run(
                         [sys.executable, __file__, "--tokens", str(n), "--model", args.model,
                          "--repeats", str(args.repeats), "--no-naive",
-                         "--window-mode", args.window_mode],
+                         "--window-mode", args.window_mode, "--clock", args.clock],
                         env=env, check=True, capture_output=True, text=True).stdout
                     results.setdefault((label, n), []).append(json.loads(out.splitlines()[-1]))
     phases = ("frontend", "decode", "create", "checks", "lookup", "allocate", "plan",
@@ -228,11 +233,15 @@ def main() -> None:
     ap.add_argument("--model", choices=("v4-flash", "qwen3-moe"), default="v4-flash")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-naive", action="store_true", help="skip the naive descriptor build")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="thread CPU time (default) or wall time")
     ap.add_argument("--window-mode", choices=("keep", "replay"), default="keep",
                     help="CacheConfig.prefix_window_mode (replay: sliding groups uncached)")
     ap.add_argument("--ab", metavar="REV", help="before/after against git revision REV")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: processes per tree and size")
     args = ap.parse_args()
+    global clock
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.ab:
         ab(args)
         return
