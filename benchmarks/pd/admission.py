@@ -23,6 +23,8 @@ the scheduler and the connector do on the host before the pull starts.
             of one step (allocate_slots) over the next 64 steps, and their sum.
   step_max = max(admission, done_max): the most this request adds to any one step.
   frontend: the front end's encode of the message (another process; not on a step).
+--colocated: a request prefilled on this engine instead (no digest, no plan; allocate = the
+  first 2,048-token chunk's slots; done_* = its later prefill steps and 64 decode steps).
 Times are the thread's CPU time (--clock wall: wall time).
 The models are built on the meta device (no weights), only for their KV cache specs.
 
@@ -57,6 +59,7 @@ from wideserve.types.request import Request
 from wideserve.types.sampling_params import SamplingParams
 
 DONE_STEPS = 64
+CHUNK = 2048                # --colocated: the scheduler's default token budget per step
 # The thread's CPU time: on a shared, loaded machine wall time adds whatever the OS gave other
 # processes meanwhile (tens of ms at a time), which is no cost of this code. --clock wall: the
 # wall clock instead.
@@ -104,17 +107,18 @@ def naive_descriptors(kv_config, rows: list[list[int]], end: int, base: np.ndarr
     return np.array(out, dtype=np.int64)
 
 
-def whole_prompt_checks(req: Request) -> str:
+def whole_prompt_checks(req: Request, digest: bool = True) -> str | None:
     """EngineCore.add_request's id range check and the consumer's prompt digest (a handle is
     verified against it); on the int32 buffer where the request has one (this tree)."""
     ids = req.prompt_array() if hasattr(req, "prompt_array") else req.prompt_token_ids
     lo, hi = (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids),
                                                                                     max(ids))
     assert 0 <= lo and hi < 1 << 30
-    return prompt_digest(ids)
+    return prompt_digest(ids) if digest else None
 
 
-def measure(n: int, model: str, repeats: int, naive: bool, window_mode: str = "keep") -> dict:
+def measure(n: int, model: str, repeats: int, naive: bool, window_mode: str = "keep",
+            colocated: bool = False) -> dict:
     torch.set_num_threads(1)
     specs = flash_specs() if model == "v4-flash" else qwen3_moe_specs()
     cache = CacheConfig(block_size=256, num_blocks_override=cdiv(n, 256) * 4 + 64,
@@ -145,18 +149,25 @@ def measure(n: int, model: str, repeats: int, naive: bool, window_mode: str = "k
         ids = as_array(ids) if as_array is not None else ids if type(ids) is list else list(ids)
         req = Request(core.request_id, ids, core.sampling_params)
         t1 = clock()
-        whole_prompt_checks(req)
+        whole_prompt_checks(req, digest=not colocated)
         t1b = clock()
         hit, num_hit = kv.get_computed_blocks(req)
         t2 = clock()
-        assert kv.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) is not None
-        t3 = clock()
-        rows = kv.block_ids(req.request_id)
-        local, remote = plan_pages(groups, rows, rows, 0, n - 1)
-        idx = descriptor_indices(groups, base, local)
-        descriptor_indices(groups, base, remote)
-        t4 = clock()
-        done = load_done_steps(kv, req, n)
+        if colocated:       # prefilled here: the first chunk's slots, no transfer plan
+            assert kv.allocate_slots(req, CHUNK, hit, num_hit) is not None
+            t3 = t4 = clock()
+            idx = []
+            done = chunk_steps(kv, req, n)
+        else:
+            assert kv.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) \
+                is not None
+            t3 = clock()
+            rows = kv.block_ids(req.request_id)
+            local, remote = plan_pages(groups, rows, rows, 0, n - 1)
+            idx = descriptor_indices(groups, base, local)
+            descriptor_indices(groups, base, remote)
+            t4 = clock()
+            done = load_done_steps(kv, req, n)
         for k, dt in zip(phases, (t0 - tf, td - t0, t1 - td, t1b - t1, t2 - t1b, t3 - t2,
                                   t4 - t3, t4 - t0, max(done), sum(done),
                                   max(t4 - t0, max(done)))):
@@ -171,10 +182,26 @@ def measure(n: int, model: str, repeats: int, naive: bool, window_mode: str = "k
             naive_descriptors(kv_config, full_rows, n - 1, base)    # local and remote sides
             times["naive"].append(clock() - t5)
         kv.free(req)
-    return {"model": model, "window_mode": window_mode, "tokens": n,
+    return {"model": model, "window_mode": window_mode, "colocated": colocated, "tokens": n,
             "groups": len(kv_config.groups),
             "descriptors": descs, **({"naive_descriptors": naive_descs} if naive else {}),
             **{f"{k}_ms": round(float(np.median(v)) * 1e3, 2) for k, v in times.items()}}
+
+
+def chunk_steps(kv: KVCacheManager, req: Request, n: int) -> list[float]:
+    """--colocated: every later prefill step's allocate_slots (CHUNK tokens each), timed on
+    its own, then DONE_STEPS decode steps."""
+    out = []
+    req.num_computed_tokens = CHUNK
+    while req.num_computed_tokens < n + DONE_STEPS:
+        step = min(CHUNK, n - req.num_computed_tokens) if req.num_computed_tokens < n else 1
+        t = clock()
+        assert kv.allocate_slots(req, step) is not None
+        out.append(clock() - t)
+        if req.num_computed_tokens >= n:
+            req.append_output_token_ids([5])
+        req.num_computed_tokens += step
+    return out
 
 
 def load_done_steps(kv: KVCacheManager, req: Request, n: int) -> list[float]:
@@ -209,7 +236,8 @@ def ab(args: argparse.Namespace) -> None:
                     out = subprocess.run(
                         [sys.executable, __file__, "--tokens", str(n), "--model", args.model,
                          "--repeats", str(args.repeats), "--no-naive",
-                         "--window-mode", args.window_mode, "--clock", args.clock],
+                         "--window-mode", args.window_mode, "--clock", args.clock]
+                        + (["--colocated"] if args.colocated else []),
                         env=env, check=True, capture_output=True, text=True).stdout
                     results.setdefault((label, n), []).append(json.loads(out.splitlines()[-1]))
     phases = ("frontend", "decode", "create", "checks", "lookup", "allocate", "plan",
@@ -220,6 +248,7 @@ def ab(args: argparse.Namespace) -> None:
             runs = results[(label, n)]
             rows[label] = {k: float(np.median([r[f"{k}_ms"] for r in runs])) for k in phases}
             print(json.dumps({"model": args.model, "window_mode": args.window_mode,
+                              "colocated": args.colocated,
                               "tokens": n, "tree": label,
                               **{f"{k}_ms": round(v, 2) for k, v in rows[label].items()}}))
         before, after = rows.values()
@@ -235,6 +264,9 @@ def main() -> None:
     ap.add_argument("--no-naive", action="store_true", help="skip the naive descriptor build")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="thread CPU time (default) or wall time")
+    ap.add_argument("--colocated", action="store_true",
+                    help="a request prefilled on this engine: no digest, no transfer plan; "
+                         "after = its later 2,048-token prefill steps and 64 decode steps")
     ap.add_argument("--window-mode", choices=("keep", "replay"), default="keep",
                     help="CacheConfig.prefix_window_mode (replay: sliding groups uncached)")
     ap.add_argument("--ab", metavar="REV", help="before/after against git revision REV")
@@ -246,8 +278,9 @@ def main() -> None:
         ab(args)
         return
     for n in args.tokens:
-        print(json.dumps(measure(n, args.model, args.repeats, not args.no_naive,
-                                 args.window_mode)))
+        print(json.dumps(measure(n, args.model, args.repeats,
+                                 not args.no_naive and not args.colocated, args.window_mode,
+                                 args.colocated)))
 
 
 if __name__ == "__main__":
