@@ -11,11 +11,13 @@ import struct
 
 import numpy as np
 import pytest
-from kv_testing import make_manager, make_request, v4_specs
+from kv_testing import make_manager, make_request, run_prefill, v4_specs
 
 from wideserve.kv_cache.block_pool import BlockPool
 from wideserve.kv_cache.hashing import BlockHasher, hash_token_blocks
-from wideserve.types.request import Request, token_ids_to_int32
+from wideserve.kv_cache.kv_cache_manager import LOOKUP_HASH_BATCH, PUBLISH_BLOCKS_PER_CALL
+from wideserve.types.request import (Request, TokenIds, prompt_token_array, token_ids_to_bytes,
+                                     token_ids_to_int32)
 from wideserve.types.sampling_params import SamplingParams
 
 
@@ -106,15 +108,59 @@ def test_token_buffer_follows_appends_and_growth():
         req.token_array()[0] = 1                # read-only: hashes are taken from it
 
 
-def test_token_buffer_refuses_ids_outside_int32_and_detects_bypassed_appends():
+def test_token_buffer_refuses_ids_outside_int32_and_has_no_second_copy():
     with pytest.raises(ValueError, match="int32"):
         Request("r", [1, 2**31], SamplingParams())
     with pytest.raises(ValueError, match="int32"):
         token_ids_to_int32(np.array([-2**31 - 1], dtype=np.int64))
     req = Request("r", [1, 2, 3], SamplingParams())
-    req.all_token_ids.append(4)                 # not through append_output_token_ids
-    with pytest.raises(RuntimeError, match="outside append_output_token_ids"):
-        BlockHasher(2)(req)
+    with pytest.raises(ValueError, match="int32"):
+        req.append_output_token_ids([2**31])
+    # all_token_ids IS the buffer: an append by any route is what the hashes read.
+    req.all_token_ids.append(4)
+    assert req.token_array().tolist() == [1, 2, 3, 4] and BlockHasher(2)(req) == \
+        old_hash_token_blocks([1, 2, 3, 4], 2)
+    with pytest.raises(TypeError, match="frozen"):
+        req.prompt_token_ids.append(5)          # a prompt never changes
+
+
+# ------------------------------------------------------------- TokenIds, the wire form
+def test_token_ids_read_like_the_list_they_replace():
+    rng = np.random.default_rng(3)
+    ref = rng.integers(0, 2**31 - 1, 300).tolist()
+    ids = TokenIds(ref[:100])
+    ids.extend(ref[100:250])
+    for t in ref[250:]:
+        ids.append(t)
+    assert len(ids) == len(ref) and ids == ref and list(ids) == ref and ids.tolist() == ref
+    for i in (0, 1, 299, -1, -300):
+        assert ids[i] == ref[i] and type(ids[i]) is int
+    for sl in (slice(0, 10), slice(5, 5), slice(290, 400), slice(-7, None), slice(None, 3)):
+        assert ids[sl] == ref[sl] and type(ids[sl]) is list
+    with pytest.raises(IndexError):
+        ids[300]
+    assert ref[7] in ids and -1 not in ids and sum(ids) == sum(ref)
+    assert ids + [1] == ref + [1] and [1] + ids == [1] + ref
+    assert np.asarray(ids, dtype=np.int64).tolist() == ref and repr(ids) == repr(ref)
+    assert ids != ref[:-1] and ids == TokenIds(np.array(ref, dtype=np.int32))
+
+
+def test_a_prompt_sent_as_bytes_is_read_in_place_and_never_written():
+    prompt = [(37 * i) % 50_000 for i in range(1000)]
+    wire = token_ids_to_bytes(prompt)
+    assert isinstance(wire, bytes) and len(wire) == 4 * len(prompt)
+    arr = prompt_token_array(wire)
+    req = Request("r", arr, SamplingParams())
+    # No copy at admission: the prompt and all_token_ids read the received bytes.
+    assert np.shares_memory(req.prompt_array(), arr) and np.shares_memory(req.token_array(), arr)
+    req.append_output_token_ids([7, 8])
+    assert req.all_token_ids == prompt + [7, 8] and req.prompt_token_ids == prompt
+    assert bytes(wire) == np.array(prompt, dtype="<i4").tobytes()    # the bytes untouched
+    # What the engine must refuse itself stays a list; bytes that are not int32 are an error.
+    for bad in ([], [1, 2**31], [-2**31 - 1], ["a"]):
+        assert token_ids_to_bytes(bad) is bad
+    with pytest.raises(ValueError, match="multiple of 4"):
+        prompt_token_array(b"\x01\x00\x00")
 
 
 # --------------------------------------------------------------------- bulk pops
@@ -160,7 +206,8 @@ def test_long_admission_gets_the_right_block_counts_per_group():
     mgr, cfg = make_manager(v4_specs(), num_blocks=400)
     req = make_request("r", [(13 * i) % 9000 for i in range(n)])
     hit, num_hit = mgr.get_computed_blocks(req)
-    assert num_hit == 0 and len(req.block_hashes) == n // 256
+    # Lazy lookup: a new prompt hashes one batch of blocks (the first one misses), not all 20.
+    assert num_hit == 0 and len(req.block_hashes) == LOOKUP_HASH_BATCH < n // 256
     free_before = mgr.free_blocks_per_bucket
     assert mgr.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) is not None
     taken = [a - b for a, b in zip(free_before, mgr.free_blocks_per_bucket)]
@@ -180,3 +227,113 @@ def test_long_admission_gets_the_right_block_counts_per_group():
     mgr.free(req)
     assert mgr.free_blocks_per_bucket == free_before
     mgr.check_integrity()
+
+
+# ------------------------------------------------------------------- lazy hashing
+def full_specs():
+    import torch
+    from kv_testing import FULL
+    from wideserve.kv_cache.spec import KVCacheSpec
+    return {f"l{i}": KVCacheSpec(FULL, "kv", 64, torch.bfloat16) for i in range(2)}
+
+
+def test_lookup_hashes_only_as_far_as_a_hit_can_reach():
+    """A lookup stops hashing at the first block the cache does not hold (a chain hash: no
+    later block can hit); the hit and the hashes it made equal the full chain's."""
+    bs, n = 16, 16 * 100 + 3
+    mgr, _ = make_manager(full_specs(), num_blocks=400, block_size=bs)
+    shared = [(7 * i) % 997 for i in range(n)]
+    first = make_request("a", shared)
+    run_prefill(mgr, first, chunk=64)
+    mgr.free(first)
+    chain = old_hash_token_blocks(shared, bs)
+    for hit_blocks in (0, 1, 30, 100):
+        req = make_request(f"b{hit_blocks}", shared[:hit_blocks * bs] + [5000] * (n - hit_blocks * bs))
+        _, num_hit = mgr.get_computed_blocks(req)
+        hashed = len(req.block_hashes)
+        assert num_hit == min(hit_blocks, (n - 1) // bs) * bs
+        assert req.block_hashes == chain[:hashed] if hit_blocks == 100 else \
+            req.block_hashes[:hit_blocks] == chain[:hit_blocks]
+        # Bounded by twice the hit plus one batch, not the prompt's 100 blocks.
+        assert hashed <= min(2 * hit_blocks + LOOKUP_HASH_BATCH, n // bs)
+        assert hit_blocks == 100 or hashed < n // bs
+    mgr.check_integrity()
+
+
+@pytest.mark.parametrize("specs, mode", [(full_specs, "keep"), (v4_specs, "replay"),
+                                         (v4_specs, "keep")])
+def test_a_long_load_publishes_a_bounded_number_of_blocks_per_call(specs, mode):
+    """A P/D-style admission whose KV arrives whole: its blocks are hashed and published at
+    most PUBLISH_BLOCKS_PER_CALL per allocate_slots call (a decode step), the same chain as
+    hashing it whole; in the end every block is published, so the same prompt hits in full."""
+    bs, blocks = 256, 3 * PUBLISH_BLOCKS_PER_CALL + 5
+    n = bs * blocks + 9
+    replay = 600 if mode == "replay" else None
+    mgr, _ = make_manager(specs(), num_blocks=4 * blocks + 64, mode=mode, replay_tokens=replay)
+    prompt = [(11 * i) % 30_000 for i in range(n)]
+    req = make_request("r", prompt)
+    hit, num_hit = mgr.get_computed_blocks(req)
+    assert len(req.block_hashes) == LOOKUP_HASH_BATCH
+    assert mgr.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) is not None
+    req.num_computed_tokens = n - 1                       # the load arrived
+    calls = 0
+    while len(req.block_hashes) < blocks:
+        before = len(req.block_hashes)
+        assert mgr.allocate_slots(req, 1) is not None     # one decode step each
+        req.append_output_token_ids([1])
+        req.num_computed_tokens += 1
+        calls += 1
+        assert len(req.block_hashes) - before <= PUBLISH_BLOCKS_PER_CALL
+    assert calls == math.ceil(blocks / PUBLISH_BLOCKS_PER_CALL)
+    assert req.block_hashes == old_hash_token_blocks(prompt, bs)
+    other = make_request("again", prompt)
+    _, num_hit = mgr.get_computed_blocks(other)
+    full_hit = blocks * bs
+    # V4 in keep mode: a load leaves only the last window's sliding pages, which do not
+    # reach back to a logical boundary here, so no boundary has its window (as before).
+    expect = full_hit - replay if mode == "replay" else full_hit if specs is full_specs else 0
+    assert num_hit == expect
+    mgr.free(req)
+    mgr.check_integrity()
+
+
+def full_and_window_specs():
+    import torch
+    from kv_testing import FULL, SLIDING
+    from wideserve.kv_cache.spec import KVCacheSpec
+    return {"l0.kv": KVCacheSpec(FULL, "kv", 64, torch.bfloat16),
+            "l1.win": KVCacheSpec(SLIDING, "window", 64, torch.bfloat16, window=128)}
+
+
+@pytest.mark.parametrize("tail", [1, 126, 127])
+def test_keep_mode_publishing_lags_without_losing_a_sliding_hit(monkeypatch, tail):
+    """Keep mode, a growing and a 128-token sliding group: the lagging publication gives a
+    later request the hit that publishing all at once gives. With a tail of 126-127 tokens
+    past the last boundary, the window page that hit needs leaves the window in the first
+    steps after the load, before the capped publication reaches it: it is published first."""
+    import wideserve.kv_cache.kv_cache_manager as kvm
+    bs, blocks = 256, 3 * PUBLISH_BLOCKS_PER_CALL + 5
+    n = bs * blocks + tail
+    prompt = [(17 * i) % 30_000 for i in range(n)]
+    hits = {}
+    for cap in (PUBLISH_BLOCKS_PER_CALL, 10**9):
+        monkeypatch.setattr(kvm, "PUBLISH_BLOCKS_PER_CALL", cap)
+        mgr, _ = make_manager(full_and_window_specs(), num_blocks=4 * blocks + 64)
+        req = make_request("r", prompt)
+        hit, num_hit = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, 0, hit, num_hit, num_external_tokens=n - 1) is not None
+        req.num_computed_tokens = n - 1
+        seen = []
+        for step in range(1, 41):
+            assert mgr.allocate_slots(req, 1) is not None
+            req.append_output_token_ids([3])
+            req.num_computed_tokens += 1
+            if step in (1, 5, 40):                        # a later request's hit, meanwhile
+                probe = make_request(f"p{step}", req.all_token_ids.tolist() + [9])
+                seen.append(mgr.get_computed_blocks(probe)[1])
+        hits[cap] = seen
+        mgr.free(req)
+        mgr.check_integrity()
+    # While lagging a hit may come a few steps later, never smaller once caught up.
+    assert hits[10**9] == [blocks * bs] * 3
+    assert hits[PUBLISH_BLOCKS_PER_CALL][1:] == hits[10**9][1:]

@@ -64,12 +64,21 @@ class RemoteKV(msgspec.Struct, kw_only=True):
             raise ValueError(f"kv_transfer_params: {e}") from None
 
 
-def prompt_digest(token_ids: Sequence[int], images: Sequence[ImageInput] | None = None
-                  ) -> str:
-    """Of the prompt's token ids and, for a prompt holding images, each image's offset and
-    content digest: the ids of an image span are all image_token_id, so without the images
-    a handle minted for one image would admit another image's prompt (whose KV differs)."""
-    h = hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes())
+def prompt_digest(token_ids: Sequence[int] | np.ndarray,
+                  images: Sequence[ImageInput] | None = None) -> str:
+    """SHA-256 of the ids as little-endian int32 bytes (the engine's int32 prompt buffer is
+    hashed in place, no int64 copy) and, for a prompt holding images, each image's offset,
+    length and content digest: the ids of an image span are all image_token_id, so without
+    the images a handle minted for one image would admit another image's prompt (whose KV
+    differs). Ids outside int32 (refused by every engine anyway) are hashed as int64 bytes,
+    which no int32 prompt's digest equals."""
+    arr = np.asarray(token_ids)
+    if arr.dtype != np.int32 or arr.dtype.byteorder == ">":
+        arr = np.asarray(token_ids, dtype=np.int64)
+        if arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+            return hashlib.sha256(b"int64" + arr.astype("<i8").tobytes()).hexdigest()
+        arr = arr.astype("<i4")
+    h = hashlib.sha256(np.ascontiguousarray(arr))
     for im in images or ():
         h.update(b"image:%d:%d:" % (im.offset, im.length) + im.digest)
     return h.hexdigest()

@@ -42,7 +42,7 @@ from wideserve.worker.model_runner import GroupLayout, ModelRunner
 from wideserve.engine.step_worker import Worker
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.kernel_table import kernel_summary
-from wideserve.types.request import Request, RequestStatus
+from wideserve.types.request import Request, RequestStatus, prompt_token_array
 from wideserve.spec_decode.decoder import SpecDecoder
 from wideserve.structured_outputs.manager import StructuredOutputManager
 from wideserve.spec_decode.acceptance_metrics import SpecDecodeStats
@@ -333,16 +333,14 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             # Before any per-request state is set: the live request keeps its own.
             raise DuplicateRequestError(f"request_id {req.request_id!r} is already in use")
-        n = len(req.prompt_token_ids)
+        # The prompt's int32 buffer serves every whole-prompt check; one that came as int32
+        # bytes (engine IPC) is read in place, no per-token work (docs/host_path.md).
+        prompt = prompt_token_array(req.prompt_token_ids)
+        n = len(prompt)
         if n == 0:
             raise ValueError("the prompt is empty")
-        # The request's int32 buffer (made once here) serves every whole-prompt check. A list
-        # prompt is taken as it is (nothing mutates a prompt): one O(n) copy fewer at admission.
-        prompt = req.prompt_token_ids
         try:
-            request = Request(req.request_id,
-                              prompt if type(prompt) is list else list(prompt),
-                              req.sampling_params,
+            request = Request(req.request_id, prompt, req.sampling_params,
                               arrival_time=req.arrival_time, priority=req.priority,
                               group_id=req.group_id,
                               kv_transfer_params=req.sampling_params.kv_transfer_params,

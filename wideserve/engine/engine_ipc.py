@@ -13,12 +13,14 @@ every `heartbeat_s` while idle, always carrying a fresh stats snapshot.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Union
 
 import msgspec
 
 from wideserve.types.messages import EngineCoreRequest, StepLogprobs
+from wideserve.types.request import token_ids_to_bytes
 from wideserve.types.sched_output import EngineCoreOutput
 
 
@@ -84,6 +86,15 @@ def _enc_hook(obj: Any) -> Any:
     if hasattr(obj, "__dataclass_fields__") or hasattr(obj, "__struct_fields__"):
         return msgspec.to_builtins(obj, enc_hook=_enc_hook)
     raise NotImplementedError(f"cannot send {type(obj).__name__} to the engine peer")
+
+
+def to_wire(request: EngineCoreRequest) -> EngineCoreRequest:
+    """The request as sent: its prompt as int32 bytes, which the engine reads in place
+    (a long prompt's ids as a msgpack array cost the engine a Python int each to decode)."""
+    if not isinstance(request.prompt_token_ids, list):
+        return request
+    return dataclasses.replace(request,
+                               prompt_token_ids=token_ids_to_bytes(request.prompt_token_ids))
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

@@ -200,6 +200,21 @@ class SlidingWindowManager(GroupManager):
     def first_needed_page(self, query_at: int) -> int:
         return max(0, query_at - self.window + 1) // self.block_size
 
+    def logical_blocks_to_publish_before_skip(self, request_id: str,
+                                              num_computed_tokens: int) -> int:
+        """Logical blocks that must be published before `remove_skipped_blocks(request_id,
+        num_computed_tokens)`: every live page it would free that a hit reads (`publishes`)
+        lies below them (0: it frees none)."""
+        table = self.req_tables.get(request_id)
+        if not table:
+            return 0
+        first_kept = min(max(0, num_computed_tokens - self.window + 1) // self.block_size,
+                         len(table))
+        for j in range(first_kept - 1, self.num_skipped.get(request_id, 0) - 1, -1):
+            if table[j] and self.publishes(j):
+                return j // self.pages_per_logical + 1
+        return 0
+
     def _null_fill(self, request_id: str, table: list[int], num_pages: int) -> None:
         super()._null_fill(request_id, table, num_pages)
         self.num_skipped[request_id] = max(self.num_skipped.get(request_id, 0), num_pages)

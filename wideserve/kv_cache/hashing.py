@@ -128,12 +128,15 @@ class BlockHasher:
         self.block_size = block_size
         self.extra_keys = extra_keys
 
-    def __call__(self, request: Request) -> list[bytes]:
-        """Append the hashes of newly full blocks; return them."""
+    def __call__(self, request: Request, limit: int | None = None) -> list[bytes]:
+        """Append the hashes of newly full blocks, up to `limit` blocks in all (None: every
+        full block); return them."""
         hashes = request.block_hashes
         bs = self.block_size
         start = len(hashes)
         n_full = len(request.all_token_ids) // bs
+        if limit is not None:
+            n_full = min(n_full, limit)
         if n_full <= start:
             return []
         extra_keys = self.extra_keys

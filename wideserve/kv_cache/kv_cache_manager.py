@@ -33,6 +33,15 @@ counts it), and the per-step host cost of a decode step is a few comparisons. Bl
 and by `free`: a block is never shared before its KV is written (whatever order the model
 processes a batch in), and draft and lookahead positions never enter a hash.
 
+Hashing is lazy, so no single step hashes a long prompt whole: a lookup hashes the prompt's
+blocks only as far as a hit can reach (a growing group's hit ends at its first miss, so a new
+prompt hashes one batch of blocks, not the prompt), and publishing hashes the blocks computed
+since: a chunked prefill hashes each chunk's blocks in its step. An `allocate_slots` call
+publishes at most PUBLISH_BLOCKS_PER_CALL logical blocks, so a P/D load of 855K tokens
+publishes over ~50 steps instead of in one, except that in keep mode a sliding page this call
+frees (it left its window) is published first, with every block before it (a page freed
+unpublished is lost to later hits). `free` (and `trim_to_window`) publish all computed.
+
 Prefix window modes (CacheConfig.prefix_window_mode):
 - "keep": sliding groups publish the pages before each logical boundary; a hit at P needs
   them in every sliding group (hybrid fixed point: the growing groups bound P from the left,
@@ -86,6 +95,11 @@ class PrefixCacheStats:
 
 
 _NEVER = 1 << 62
+# Logical blocks a lookup hashes before its first check for a miss; doubled each round.
+LOOKUP_HASH_BATCH = 8
+# Logical blocks an allocate_slots call hashes and publishes at most (64 x 256 tokens: eight
+# 2,048-token prefill chunks, so an ordinary chunked prefill never lags behind).
+PUBLISH_BLOCKS_PER_CALL = 64
 
 
 @dataclass(slots=True)
@@ -134,6 +148,8 @@ class KVCacheManager:
         self._quarantined: set[str] = set()
         self._write_start: dict[str, int] = {}
         self._replay_start: dict[str, int] = {}    # where a bounded replay began (S)
+        # Logical blocks of each request published (or hit) so far: publishing resumes there.
+        self._published: dict[str, int] = {}
         self._state: dict[str, _RequestState] = {}
         self.stats = PrefixCacheStats()             # since start (engine stats, metrics)
 
@@ -146,15 +162,35 @@ class KVCacheManager:
         # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return empty, 0
-        self.block_hasher(request)
         # Never the last token: its logits must be computed.
-        num_logical = min((request.num_tokens - 1) // self.block_size,
-                          len(request.block_hashes))
+        num_logical = (request.num_tokens - 1) // self.block_size
+        if self._full:
+            self._hash_while_hits(request, num_logical)
+        else:
+            self.block_hasher(request)      # sliding only: a hit may lie past a miss
+        num_logical = min(num_logical, len(request.block_hashes))
         if num_logical <= 0:
             return empty, 0
         if self.mode == "keep":
             return self._find_keep(request.block_hashes, num_logical)
         return self._find_replay(request.block_hashes, num_logical)
+
+    def _hash_while_hits(self, request: Request, limit: int) -> None:
+        """Hash the request's first `limit` logical blocks only as far as the first growing
+        group holds them: past its first miss no block can be a hit (a chain hash). Batches
+        double from LOOKUP_HASH_BATCH, so a hit of h blocks hashes fewer than 2h + 8."""
+        probe = self._full[0]
+        get, gid = probe.pool.get_cached_block, probe.group_id
+        hashes = request.block_hashes
+        i, batch = 0, LOOKUP_HASH_BATCH
+        while True:
+            for i in range(i, min(len(hashes), limit)):
+                if get(hashes[i], gid) is None:
+                    return
+            i = min(len(hashes), limit)
+            if i >= limit or not self.block_hasher(request, min(limit, i + batch)):
+                return
+            batch *= 2
 
     def _find_keep(self, hashes: list[bytes], num_logical: int) -> tuple[KVCacheBlocks, int]:
         k = num_logical
@@ -264,11 +300,12 @@ class KVCacheManager:
                                  f"match the hit blocks given (expected {expected})")
         elif admission and num_new_computed_tokens:
             raise ValueError("num_new_computed_tokens > 0 needs new_computed_blocks")
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
         if st is not None and min(request.num_computed_tokens, request.num_tokens) \
                 >= st.next_cache_at:
             # Before freeing out-of-window pages, so the ones a hit can use keep their hash.
-            self._cache_computed(request)
-        total_computed = request.num_computed_tokens + num_new_computed_tokens
+            self._cache_computed(request, PUBLISH_BLOCKS_PER_CALL,
+                                 self._publish_before_skip(rid, total_computed))
         # Where the next query will be: sliding pages wholly before its window stay null.
         query_at = total_computed + num_external_tokens
         num_slots = min(query_at + num_new_tokens + num_lookahead_tokens,
@@ -287,10 +324,11 @@ class KVCacheManager:
             self._admit(request, hits, num_new_computed_tokens)
         new = KVCacheBlocks([m.allocate_new_blocks(rid, num_slots, query_at)
                              for m in self.managers])
+        # Publishing may lag (PUBLISH_BLOCKS_PER_CALL): the next call resumes where it stopped.
         self._state[rid] = _RequestState(
             capacity=min(m.num_slots(rid) for m in self.managers),
-            next_cache_at=(min(total_computed, request.num_tokens) // self.block_size + 1)
-            * self.block_size if self.enable_caching else _NEVER,
+            next_cache_at=(self._published.get(rid, 0) + 1) * self.block_size
+            if self.enable_caching else _NEVER,
             skip_limit=min((sw.lazy_skip_limit(rid) for sw in self._sliding), default=_NEVER))
         return new
 
@@ -299,6 +337,7 @@ class KVCacheManager:
         rid = request.request_id
         self._requests.add(rid)
         hit_tokens = self._hit_tokens(hits) if hits else 0
+        self._published[rid] = hit_tokens // self.block_size
         if hit_tokens > computed:
             self._write_start[rid] = hit_tokens
             self._replay_start[rid] = computed
@@ -308,13 +347,31 @@ class KVCacheManager:
         s.hits += computed
         s.replayed += max(0, hit_tokens - computed)
 
-    def _cache_computed(self, request: Request) -> None:
+    def _cache_computed(self, request: Request, max_blocks: int | None = None,
+                        need: int = 0) -> None:
+        """Publish the request's computed full logical blocks, hashing them first: all of
+        them, or at most `max_blocks` past those published before, but at least `need`."""
         if not self.enable_caching:
             return
-        self.block_hasher(request)
-        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        rid = request.request_id
+        done = self._published.get(rid, 0)
+        limit = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max(done + max_blocks, need))
+        if limit <= done:
+            return
+        self.block_hasher(request, limit)
         for m in self.managers:
-            m.cache_blocks(request, num_tokens)
+            m.cache_blocks(request, limit * self.block_size)
+        self._published[rid] = limit
+
+    def _publish_before_skip(self, rid: str, total_computed: int) -> int:
+        """Keep mode: the logical blocks whose sliding pages this call frees must be published
+        first (a page freed unpublished is lost to later hits)."""
+        if self.mode != "keep":
+            return 0
+        return max((sw.logical_blocks_to_publish_before_skip(rid, total_computed)
+                    for sw in self._sliding), default=0)
 
     def trim_to_window(self, request: Request, query_at: int) -> None:
         """Free the sliding pages no query at `query_at` or later reads, publishing computed
@@ -338,6 +395,7 @@ class KVCacheManager:
             m.free(rid)
         self._requests.discard(rid)
         self._state.pop(rid, None)
+        self._published.pop(rid, None)
 
     def quarantine(self, request_id: str, key: str) -> None:
         """Keep a request's blocks held under `key`, unpublished, instead of freeing them: a
@@ -347,6 +405,7 @@ class KVCacheManager:
         self._write_start.pop(request_id, None)
         self._replay_start.pop(request_id, None)
         self._state.pop(request_id, None)
+        self._published.pop(request_id, None)
         if request_id not in self._requests:
             return
         for m in self.managers:

@@ -357,7 +357,7 @@ class EngineCoreClient:
                 await asyncio.sleep(0.02)
 
     async def add_requests(self, requests: list[Any]) -> None:
-        await self._send(ipc.AddRequests(requests=requests))
+        await self._send(ipc.AddRequests(requests=[ipc.to_wire(r) for r in requests]))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive:

@@ -11,7 +11,9 @@ from wideserve.types.sampling_params import SamplingParams
 @dataclass(slots=True)
 class EngineCoreRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    # A list, or over engine IPC little-endian int32 bytes (types/request.token_ids_to_bytes):
+    # the engine reads those in place, no Python int per token.
+    prompt_token_ids: list[int] | bytes
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from wideserve.engine.engine_proc import EngineLoop
 from wideserve.engine.errors import DuplicateRequestError
+from wideserve.types.request import prompt_token_array
 from wideserve.types.sched_output import EngineCoreOutput
 
 VOCAB = 1000
@@ -27,9 +28,10 @@ class FakeEngineCore:
     def add_request(self, req) -> None:
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request_id {req.request_id!r} is already in use")
-        if len(req.prompt_token_ids) >= self.model_info["max_model_len"]:
+        prompt = prompt_token_array(req.prompt_token_ids)    # int32 bytes on the wire
+        if len(prompt) >= self.model_info["max_model_len"]:
             raise ValueError("prompt exceeds the maximum context length")
-        self.requests[req.request_id] = (list(req.prompt_token_ids),
+        self.requests[req.request_id] = ([int(t) for t in prompt],
                                          req.sampling_params.max_tokens or 16)
 
     def abort_requests(self, ids: list[str]) -> None:
