@@ -103,6 +103,7 @@ struct Scratch {
   std::vector<float> q, m, l, acc, s;
   std::vector<at::BFloat16> qb;     // bf16 queries for avx512_bf16 dot products
   std::vector<at::BFloat16> qpack, stage_k;   // AMX: packed queries, staged keys
+  std::vector<at::BFloat16> stage_p, stage_v; // AMX: weights, packed values
   std::vector<float> stage_c;                 // AMX: score tiles as stored
   std::vector<const void*> kp, next_kp;   // this tile's entries, the next tile's
   bool amx_tiles = false;           // this thread holds AMX tiles (amx_begin), until the end
@@ -191,6 +192,19 @@ void amx_pack_queries(const at::BFloat16* q, int64_t rows, int64_t head_rows, in
 void amx_begin();                   // load the tile configuration (this thread)
 void amx_end();                     // release the tiles
 void amx_scores(const AmxScores& a, int64_t j0);
+// acc[r] += sum over the tile's n keys of s[r * kTile + j] * v_j, every row of the item, the
+// weights rounded to bf16 (as SDPA's flash kernels round them), the sums in fp32.
+struct AmxValues {
+  const at::BFloat16* const* keys;  // the tile's entries
+  int64_t n, width, kv_heads, dim, rows, head_rows;
+  int64_t voff;                     // elements to an entry's V half
+  const float* s;
+  float* acc;
+  at::BFloat16* stage_p;            // 512 elements
+  at::BFloat16* stage_v;            // 2048
+  float* stage_c;                   // 4 * 256
+};
+void amx_values(const AmxValues& a);
 
 // The AVX512 loop for these dtypes (bf16 or fp32 queries and cache), or nullptr where this
 // build has no AVX512 (then the portable loop runs).

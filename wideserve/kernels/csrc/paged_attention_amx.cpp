@@ -117,6 +117,89 @@ void block_scores(const AmxScores& a, int64_t cb, const char* const* base, const
   if constexpr (NG > 3) _tile_stored(3, a.stage_c + 768, 64);
 }
 
+// The V rows of keys j0..j0+31 of head `voff` (elements into an entry) as B tiles: for each
+// 32 columns from c0, two tiles of 16 key pairs x 16 columns, a pair of keys per 32-bit
+// element: `lo` columns c0 + {0-3, 8-11, 16-19, 24-27}, `hi` the others (unpacklo/hi_epi16
+// order, undone by unpermute). Keys past n are zero.
+inline void pack_values(const at::BFloat16* const* keys, int64_t n, int64_t j0, int64_t voff,
+                        int64_t cols, at::BFloat16* out) {
+  for (int64_t pair = 0; pair < 16; ++pair) {
+    const int64_t j = j0 + 2 * pair;
+    const at::BFloat16* x = j < n ? keys[j] + voff : nullptr;
+    const at::BFloat16* y = j + 1 < n ? keys[j + 1] + voff : nullptr;
+    for (int64_t c = 0; c < cols; c += 32) {
+      __m512i vx = x ? _mm512_loadu_si512(x + c) : _mm512_setzero_si512();
+      __m512i vy = y ? _mm512_loadu_si512(y + c) : _mm512_setzero_si512();
+      at::BFloat16* t = out + c / 32 * 1024 + pair * 32;
+      _mm512_storeu_si512(t, _mm512_unpacklo_epi16(vx, vy));
+      _mm512_storeu_si512(t + 512, _mm512_unpackhi_epi16(vx, vy));
+    }
+  }
+}
+
+// acc[c0 .. c0 + 32) += the lo/hi tiles' row (see pack_values), columns back in order.
+inline void add_unpermuted(const float* lo, const float* hi, float* acc) {
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11,
+                                          10, 9, 8);
+  __m512 l = _mm512_loadu_ps(lo), h = _mm512_loadu_ps(hi);
+  _mm512_storeu_ps(acc, _mm512_add_ps(_mm512_loadu_ps(acc), _mm512_permutex2var_ps(l, first, h)));
+  _mm512_storeu_ps(acc + 16, _mm512_add_ps(_mm512_loadu_ps(acc + 16),
+                                           _mm512_permutex2var_ps(l, second, h)));
+}
+
+// One row block's P.V over NC/2 groups of 32 columns from c0 (NC C tiles: lo/hi pairs).
+template <int NC>
+void block_values(const AmxValues& a, int64_t r0, int64_t c0) {
+  const int64_t r1 = std::min(a.rows, r0 + 16);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NC > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t j0 = 0; j0 < a.n; j0 += 32) {
+    for (int64_t h = r0 / a.head_rows; h <= (r1 - 1) / a.head_rows; ++h) {
+      // A: this head's rows' weights of keys j0..j0+31 as bf16, the block's other rows zero
+      for (int64_t c = 0; c < 16; ++c) {
+        const int64_t r = r0 + c;
+        __m512i v = _mm512_setzero_si512();
+        if (r < r1 && r / a.head_rows == h) {
+          const float* p = a.s + r * kTile + j0;
+          const int64_t left = a.n - j0;   // keys of this chunk in the tile
+          const __mmask16 m0 = left >= 16 ? 0xFFFF : (1u << left) - 1;
+          const __mmask16 m1 = left >= 32 ? 0xFFFF : (1u << std::max<int64_t>(0, left - 16)) - 1;
+          v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, p + 16),
+                                           _mm512_maskz_loadu_ps(m0, p));
+        }
+        _mm512_storeu_si512(a.stage_p + c * 32, v);
+      }
+      pack_values(a.keys, a.n, j0, a.voff + h * a.dim + c0, NC * 16, a.stage_v);
+      _tile_loadd(4, a.stage_p, 64);
+      _tile_loadd(5, a.stage_v, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, a.stage_v + 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      if constexpr (NC > 2) {
+        _tile_loadd(5, a.stage_v + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, a.stage_v + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+  }
+  _tile_stored(0, a.stage_c, 64);
+  _tile_stored(1, a.stage_c + 256, 64);
+  if constexpr (NC > 2) {
+    _tile_stored(2, a.stage_c + 512, 64);
+    _tile_stored(3, a.stage_c + 768, 64);
+  }
+  for (int64_t c = 0; c < r1 - r0; ++c)
+    for (int64_t g = 0; g < NC / 2; ++g)
+      add_unpermuted(a.stage_c + 512 * g + 16 * c, a.stage_c + 512 * g + 256 + 16 * c,
+                     a.acc + (r0 + c) * a.dim + c0 + 32 * g);
+}
+
 }  // namespace
 
 bool amx_ready() {
@@ -199,6 +282,14 @@ void amx_scores(const AmxScores& a, int64_t j0) {
   }
 }
 
+void amx_values(const AmxValues& a) {
+  for (int64_t r0 = 0; r0 < a.rows; r0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= a.dim; c0 += 64) block_values<4>(a, r0, c0);
+    if (c0 < a.dim) block_values<2>(a, r0, c0);     // dim % 64 == 32
+  }
+}
+
 }  // namespace wideserve_paged
 
 #pragma GCC pop_options
@@ -212,6 +303,7 @@ void amx_pack_queries(const at::BFloat16*, int64_t, int64_t, int64_t, at::BFloat
 void amx_begin() {}
 void amx_end() {}
 void amx_scores(const AmxScores&, int64_t) {}
+void amx_values(const AmxValues&) {}
 }  // namespace wideserve_paged
 
 #endif

@@ -66,36 +66,21 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 // Blocks are scattered over the pool, so the hardware prefetcher loses the stream at every
 // block edge and a new block's first lines arrive at DRAM latency. The entries of the next
 // tile (this item's, and the next item's first when this item ends within a tile) are
-// requested into L2 while this tile is worked on, spread line by line over all of its work
-// (every KV head's scores and value products): a core has few line-fill buffers, and a burst
-// of prefetches stalls the loop until they drain, while an even trickle keeps them all busy
-// behind the arithmetic. (Per-key prefetches of whole entries a few keys ahead came too late
-// and cost more than they saved; shares issued during the first head's scores only left the
-// other heads' work with no requests in flight: docs/cpu_kernels.md.)
+// requested into L2 while this tile is scored: a share of them after each batch of
+// keys, so that the requests do not stall the loop in one burst when the miss queues fill.
+// (Per-key prefetches of whole entries a few keys ahead came too late and cost more than they
+// saved; spreading them line by line over every head's scores and value products as well
+// cost more than it won back in overlap: docs/cpu_kernels.md.)
 struct Prefetch {
   const char* const* entries = nullptr;
-  int64_t n = 0, entry_bytes = 0;
-  int64_t lines = 0, done = 0;          // lines of the n entries, lines requested so far
-  int64_t entry = 0, offset = 0;        // the next line to request
-  int64_t progress = 0;                 // work units of the tile done
-  float per_unit = 0.0f;                // lines due per unit (no division in the loops)
-  Prefetch() = default;
-  Prefetch(const char* const* e, int64_t count, int64_t bytes, int64_t work_units)
-      : entries(e), n(count), entry_bytes(bytes), lines(count * ((bytes + 63) / 64)),
-        per_unit(static_cast<float>(lines) / static_cast<float>(std::max<int64_t>(1, work_units))) {}
+  int64_t n = 0, done = 0, entry_bytes = 0;
   void upto(int64_t k) {
-    for (k = std::min(k, lines); done < k; ++done) {
-      _mm_prefetch(entries[entry] + offset, _MM_HINT_T1);
-      offset += 64;
-      if (offset >= entry_bytes) offset = 0, ++entry;
-    }
+    for (k = std::min(k, n); done < k; ++done)
+      for (int64_t b = 0; b < entry_bytes; b += 64)
+        _mm_prefetch(entries[done] + b, _MM_HINT_T1);
   }
-  // `u` more units of the tile's work are done: request the lines due by now.
-  void advance(int64_t u) {
-    progress += u;
-    upto(static_cast<int64_t>(static_cast<float>(progress) * per_unit) + 1);
-  }
-  void finish() { upto(lines); }
+  // The share due once `keys` of a pass over `total` keys are done.
+  void share(int64_t keys, int64_t total) { upto(total > 0 ? (keys * n + total - 1) / total : n); }
 };
 
 // One step of a q.k dot product: fp32 FMAs over 16 converted elements (D % 16 == 0), or, with
@@ -165,7 +150,7 @@ void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp
       alignas(64) float sums[16];
       _mm512_store_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
       for (int r = 0; r < NR; ++r) std::memcpy(s + r * kTile + j, sums + r * KB, KB * 4);
-      if (pf != nullptr) pf->advance(KB);
+      if (pf != nullptr) pf->share(j + KB - ja, jb - ja);
     }
   }
   for (; j < jb; ++j) {
@@ -176,7 +161,6 @@ void scores(const typename Dot<CT, kBf16>::QT* q, int64_t D, const CT* const* kp
       for (int r = 0; r < NR; ++r) acc[r] = Dt::fma(acc[r], Dt::load_q(q + r * D + d), kv);
     }
     for (int r = 0; r < NR; ++r) s[r * kTile + j] = _mm512_reduce_add_ps(acc[r]) * scale;
-    if (pf != nullptr) pf->advance(1);
   }
 }
 
@@ -209,7 +193,7 @@ inline void unsplit_columns(float* acc, int64_t D) {
 // pairs, see load32_split; NV = 1: in order).
 template <int NR, int NV, typename CT>
 void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
-                  int64_t D, int64_t c0, Prefetch* pf) {
+                  int64_t D, int64_t c0) {
   __m512 a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + c0 + v * 16);
@@ -225,21 +209,17 @@ void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, 
       __m512 pj = _mm512_set1_ps(s[r * kTile + j]);
       for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
     }
-    if (pf != nullptr && (j & 7) == 7) pf->advance(8);
   }
-  if (pf != nullptr) pf->advance(n & 7);
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + c0 + v * 16, a[r][v]);
 }
 
-// (The tile's prefetch advances with the first column chunk: n units per row group.)
 template <int NR, typename CT>
 void accumulate_rows(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
-                     int64_t D, Prefetch* pf) {
+                     int64_t D) {
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64, pf = nullptr)
-    accumulate_v<NR, 4, CT>(s, kp, voff, n, acc, D, c, pf);
-  for (; c < D; c += 16, pf = nullptr) accumulate_v<NR, 1, CT>(s, kp, voff, n, acc, D, c, pf);
+  for (; c + 64 <= D; c += 64) accumulate_v<NR, 4, CT>(s, kp, voff, n, acc, D, c);
+  for (; c < D; c += 16) accumulate_v<NR, 1, CT>(s, kp, voff, n, acc, D, c);
 }
 
 // Dispatch a row count 1..4 to a template (rows are handled four at a time).
@@ -267,7 +247,7 @@ void row_groups(const Problem& p, const Span& s, F f) {
 // without a prefetch running ahead).
 template <typename CT>
 Prefetch next_entries(const Problem& p, const Item& it, const Item* next, const Span& s,
-                      int64_t k1, int64_t tile_keys, Scratch& w, int64_t entry_bytes) {
+                      int64_t k1, Scratch& w, int64_t entry_bytes) {
   const CT** kp = reinterpret_cast<const CT**>(w.next_kp.data());
   int64_t n = 0;
   if (k1 < s.hi) {
@@ -281,10 +261,7 @@ Prefetch next_entries(const Problem& p, const Item& it, const Item* next, const 
     entry_ptrs<CT>(p, *next, ns.lo, n1, kp + n);
     n += n1 - ns.lo;
   }
-  // Work units: every row group's pass over the tile's n keys, for scores and for values.
-  int64_t groups = p.kv_heads * ((s.head_rows + 3) / 4);
-  return Prefetch(reinterpret_cast<const char* const*>(kp), n, entry_bytes,
-                  2 * groups * tile_keys);
+  return Prefetch{reinterpret_cast<const char* const*>(kp), n, 0, entry_bytes};
 }
 
 // An item's tiles scored on AMX (paged_attention_amx.cpp); the thread's tiles are taken at
@@ -298,6 +275,8 @@ struct AmxItem {
     if (w.qpack.size() < packed) w.qpack.resize(packed);
     if (w.stage_k.size() < staged) w.stage_k.resize(staged);
     w.stage_c.resize(4 * 256);
+    w.stage_p.resize(512);
+    w.stage_v.resize(2048);
     amx_pack_queries(w.qb.data(), s.rows, s.head_rows, p.dim, w.qpack.data());
     if (!w.amx_tiles) {
       amx_begin();
@@ -311,11 +290,18 @@ struct AmxItem {
     AmxScores a{reinterpret_cast<const at::BFloat16* const*>(kp), n, p.width, p.kv_heads,
                 p.dim, s.rows, s.head_rows, w.qpack.data(), p.scale, w.s.data(),
                 w.stage_k.data(), w.stage_c.data()};
-    const int64_t groups = p.kv_heads * ((s.head_rows + 3) / 4);
     for (int64_t j0 = 0; j0 < n; j0 += 64) {
       amx_scores(a, j0);
-      ahead.advance(groups * std::min<int64_t>(64, n - j0));
+      ahead.share(std::min<int64_t>(j0 + 64, n), n);
     }
+  }
+  // The tile's value products into the item's fp32 accumulators (in column order).
+  void values(const Problem& p, const Span& s, const void* const* kp, int64_t n,
+              Scratch& w) const {
+    AmxValues a{reinterpret_cast<const at::BFloat16* const*>(kp), n, p.width, p.kv_heads,
+                p.dim, s.rows, s.head_rows, p.kv_heads * p.dim, w.s.data(), w.acc.data(),
+                w.stage_p.data(), w.stage_v.data(), w.stage_c.data()};
+    amx_values(a);
   }
 };
 
@@ -338,7 +324,7 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
   for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
     int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
     entry_ptrs<CT>(p, it, k0, k1, kp);
-    Prefetch ahead = next_entries<CT>(p, it, next, s, k1, n, w, entry_bytes);
+    Prefetch ahead = next_entries<CT>(p, it, next, s, k1, w, entry_bytes);
     if (amx.on)
       amx.scores(p, s, reinterpret_cast<const void* const*>(kp), n, w, ahead);
     else row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
@@ -348,7 +334,7 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       row_range(p, it, s, r0 + nr - 1, k0, k1, &a1, &b1);
       int64_t ja = a0 - k0, jb = std::max(b1 - k0, ja);
       float* srow = w.s.data() + r0 * kTile;
-      Prefetch* pf = &ahead;
+      Prefetch* pf = r0 == 0 ? &ahead : nullptr;
       by_rows(nr, [&](auto c) {
         constexpr int NR = decltype(c)::value;
 #if defined(__AVX512BF16__)
@@ -364,6 +350,7 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
         scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow, pf);
       });
     });
+    ahead.upto(ahead.n);              // what the score pass left (few keys, empty rows)
     bool any = false;
     for (int64_t r = 0; r < s.rows; ++r) {
       int64_t a, b;
@@ -371,17 +358,19 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       any |= softmax_update(w.s.data() + r * kTile, n, a - k0, b - k0, &w.m[r], &w.l[r],
                             w.acc.data() + r * D, D, exp_span_avx512);
     }
-    if (any)
+    if (any && amx.on)
+      amx.values(p, s, reinterpret_cast<const void* const*>(kp), n, w);
+    else if (any)
       row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
         by_rows(nr, [&](auto c) {
           accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
-                                                  w.acc.data() + r0 * D, D, &ahead);
+                                                  w.acc.data() + r0 * D, D);
         });
       });
-    ahead.finish();                   // what the passes left (masked keys, empty rows)
   }
-  if constexpr (std::is_same_v<CT, at::BFloat16>)
-    for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
+  if constexpr (std::is_same_v<CT, at::BFloat16>)   // (AMX sums keep the column order)
+    if (!amx.on)
+      for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
   store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
 }
 
