@@ -3,7 +3,7 @@
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py batched|kernel
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py op [--small-pages]
   OMP_NUM_THREADS=N PYTHONPATH=. python benchmarks/paged_attention_kernel.py fused --threads N [--huge]
-  OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py roofline [--threads N] [--no-amx]
+  OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py roofline [--threads N] [--huge]
 
 batched|kernel: the batched backend with the C++ op (`kernel`) or the torch buckets
 (`batched`), 8 layers of cache (DRAM-sized), random block placement, one torch thread; wall
@@ -33,7 +33,7 @@ layers' caches (~100 MB of KV read per pass, as between two layers of a decode s
 the experts' weights evict it), "hot" points every request at the same 5 blocks (320 KB, in
 L2: the op's arithmetic alone), and "read" a one-thread `sum` over 256 MiB, whose rate gives the time
 to read one call's KV at the core's streaming bandwidth. `--threads N`: wall time instead;
-`--no-amx`: the AVX512 score products where AMX would run.
+`--huge`: the caches on 2 MiB pages (CacheConfig.kv_huge_pages).
 A/B of two trees: run this file with PYTHONPATH set to each (the op comes from that tree).
 """
 import sys, time, numpy as np, torch
@@ -164,12 +164,18 @@ def bench_roofline(R=64, H=16, KVH=4, D=64, layers=8, bs=64, rounds=7):
     lens = rng.integers(128, 257, R) + 1
     mb = int(-(-lens.max() // bs))
     pool = R * mb + 1
-    caches = [torch.randn(pool, bs, 2 * KVH * D).to(torch.bfloat16) for _ in range(layers)]
+    shape = (pool, bs, 2 * KVH * D)
+    if "--huge" in sys.argv:                    # the KV pool on 2 MiB pages
+        from wideserve.kv_cache import host_memory
+        caches = [host_memory.zeros(int(np.prod(shape)) * 2, torch.device("cpu"), True)
+                  .view(torch.bfloat16).view(shape) for _ in range(layers)]
+        for c in caches: c.normal_()
+    else:
+        caches = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
     table = engine_table(R, lens, 128, bs, pool)
     qsl, sl = torch.arange(R + 1), torch.from_numpy(lens)
     q = torch.randn(R, H, D).to(torch.bfloat16)
-    kw = {"amx": False} if "--no-amx" in sys.argv else {}
-    op = lambda *a: torch.ops.wideserve.paged_attention(*a, **kw)
+    op = torch.ops.wideserve.paged_attention
     big = torch.ones(64 << 20)
     clock = time.thread_time if threads == 1 else time.perf_counter
     def cold():

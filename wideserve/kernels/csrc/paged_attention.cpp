@@ -22,13 +22,6 @@
 #include <torch/library.h>
 
 namespace wideserve_paged {
-
-// A thread's AMX tiles are taken at its first AMX item and given back with its scratch, when
-// its share of the op ends (configuring them costs too much to do per item).
-Scratch::~Scratch() {
-  if (amx_tiles) amx_end();
-}
-
 namespace {
 
 // x[j] <- exp(x[j] - max), max = max(*mx, x[0..n)) written back to *mx; returns the sum.
@@ -175,7 +168,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
                            const at::Tensor& block_table,
                            const std::optional<at::Tensor>& req_rows_in,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           double scale, int64_t window, bool portable, bool amx) {
+                           double scale, int64_t window, bool portable) {
   TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D]");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(),
               "paged_attention: cache must be a contiguous [blocks, block_size, width]");
@@ -223,7 +216,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
             block_table.data_ptr<int64_t>(), block_table.stride(0),
             req_rows.defined() ? req_rows.data_ptr<int64_t>() : nullptr,
             qsl.data_ptr<int64_t>(), lp, heads, kv_heads, heads / kv_heads, dim, width,
-            block_size, cache.size(0), window, static_cast<float>(scale), amx};
+            block_size, cache.size(0), window, static_cast<float>(scale)};
   run(p, make_items(p, num_reqs), q.scalar_type() == at::kBFloat16,
       cache.scalar_type() == at::kBFloat16, portable);
   return out;
@@ -235,7 +228,7 @@ at::Tensor paged_attention_write(const at::Tensor& q, const at::Tensor& k_in,
                                  const std::optional<at::Tensor>& req_rows,
                                  const at::Tensor& query_start_loc,
                                  const at::Tensor& seq_lens, double scale, int64_t window,
-                                 bool portable, bool amx) {
+                                 bool portable) {
   TORCH_CHECK(k_in.dim() == 3 && v_in.sizes() == k_in.sizes() &&
                   k_in.scalar_type() == v_in.scalar_type(),
               "paged_attention_write: k and v must be [T, Hkv, D] of one dtype");
@@ -258,7 +251,7 @@ at::Tensor paged_attention_write(const at::Tensor& q, const at::Tensor& k_in,
   else if (cb) write_entries<float, at::BFloat16>(k, v, slots, cache);
   else write_entries<float, float>(k, v, slots, cache);
   return paged_attention(q, cache, block_table, req_rows, query_start_loc, seq_lens, scale,
-                         window, portable, amx);
+                         window, portable);
 }
 
 }  // namespace
@@ -267,15 +260,13 @@ at::Tensor paged_attention_write(const at::Tensor& q, const at::Tensor& k_in,
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_table, Tensor? req_rows, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int window, "
-        "bool portable=False, bool amx=True) -> Tensor");
+        "bool portable=False) -> Tensor");
   m.def("paged_attention_write(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor? req_rows, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale, int window, bool portable=False, bool amx=True) -> Tensor");
+        "Tensor seq_lens, float scale, int window, bool portable=False) -> Tensor");
   // Whether this build has the AVX512 path (else `portable` changes nothing).
   m.def("paged_attention_has_avx512() -> bool",
         [] { return wideserve_paged::avx512_attend(false, false) != nullptr; });
-  // Whether bf16 calls (head dims that are multiples of 32) score on AMX tiles here.
-  m.def("paged_attention_has_amx() -> bool", [] { return wideserve_paged::amx_ready(); });
 }
 
 TORCH_LIBRARY_IMPL(wideserve, CPU, m) {

@@ -45,7 +45,6 @@ struct Problem {
   const int64_t* seq_lens;
   int64_t heads, kv_heads, groups, dim, width, block_size, num_blocks, window;
   float scale;
-  bool amx;                         // the scores on AMX tiles where they can run
 };
 
 inline float to_f32(float x) { return x; }
@@ -102,16 +101,10 @@ void entry_ptrs(const Problem& p, const Item& it, int64_t k0, int64_t k1, const 
 struct Scratch {
   std::vector<float> q, m, l, acc, s;
   std::vector<at::BFloat16> qb;     // bf16 queries for avx512_bf16 dot products
-  std::vector<at::BFloat16> qpack, stage_k;   // AMX: packed queries, staged keys
-  std::vector<at::BFloat16> stage_p, stage_v; // AMX: weights, packed values
-  std::vector<float> stage_c;                 // AMX: score tiles as stored
   std::vector<const void*> kp, next_kp;   // this tile's entries, the next tile's
-  bool amx_tiles = false;           // this thread holds AMX tiles (amx_begin), until the end
   Scratch(int64_t rows, int64_t dim)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), s(rows * kTile), qb(rows * dim),
         kp(kTile), next_kp(2 * kTile) {}
-  Scratch(const Scratch&) = delete;
-  ~Scratch();
 };
 
 template <typename QT>
@@ -172,39 +165,6 @@ bool softmax_update(float* srow, int64_t n, int64_t a, int64_t b, float* m, floa
 
 // One work item's attention, by one implementation.
 using AttendFn = void (*)(const Problem&, const Item& it, const Item* next, Scratch&);
-
-// The AMX score products (paged_attention_amx.cpp). One call scores every row of an item
-// against keys [j0, j0 + 64) of a tile (clipped to n), written to s[row * kTile + key].
-struct AmxScores {
-  const at::BFloat16* const* keys;  // the tile's entries
-  int64_t n, width, kv_heads, dim;  // keys in the tile, entry elements, KV heads, head dim
-  int64_t rows, head_rows;          // the item's rows, rows per KV head
-  const at::BFloat16* qpack;        // the item's queries, amx_pack_queries
-  float scale;
-  float* s;
-  at::BFloat16* stage_k;            // 4 * 16 * kv_heads * dim elements
-  float* stage_c;                   // 4 * 256
-};
-bool amx_ready();                   // the CPU has AMX-BF16 and the OS lets us use it
-int64_t amx_packed_elements(int64_t rows, int64_t head_rows, int64_t dim);
-void amx_pack_queries(const at::BFloat16* q, int64_t rows, int64_t head_rows, int64_t dim,
-                      at::BFloat16* out);
-void amx_begin();                   // load the tile configuration (this thread)
-void amx_end();                     // release the tiles
-void amx_scores(const AmxScores& a, int64_t j0);
-// acc[r] += sum over the tile's n keys of s[r * kTile + j] * v_j, every row of the item, the
-// weights rounded to bf16 (as SDPA's flash kernels round them), the sums in fp32.
-struct AmxValues {
-  const at::BFloat16* const* keys;  // the tile's entries
-  int64_t n, width, kv_heads, dim, rows, head_rows;
-  int64_t voff;                     // elements to an entry's V half
-  const float* s;
-  float* acc;
-  at::BFloat16* stage_p;            // 512 elements
-  at::BFloat16* stage_v;            // 2048
-  float* stage_c;                   // 4 * 256
-};
-void amx_values(const AmxValues& a);
 
 // The AVX512 loop for these dtypes (bf16 or fp32 queries and cache), or nullptr where this
 // build has no AVX512 (then the portable loop runs).

@@ -66,11 +66,10 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 // Blocks are scattered over the pool, so the hardware prefetcher loses the stream at every
 // block edge and a new block's first lines arrive at DRAM latency. The entries of the next
 // tile (this item's, and the next item's first when this item ends within a tile) are
-// requested into L2 while this tile is scored: a share of them after each batch of
-// keys, so that the requests do not stall the loop in one burst when the miss queues fill.
-// (Per-key prefetches of whole entries a few keys ahead came too late and cost more than they
-// saved; spreading them line by line over every head's scores and value products as well
-// cost more than it won back in overlap: docs/cpu_kernels.md.)
+// requested into L2 while this tile is scored: a share of them after each batch of keys, so
+// that the requests do not stall the loop in one burst when the miss queues fill. (Per-key
+// prefetches of whole entries a few keys ahead, the earlier scheme, came too late and cost
+// more than they saved: docs/cpu_kernels.md.)
 struct Prefetch {
   const char* const* entries = nullptr;
   int64_t n = 0, done = 0, entry_bytes = 0;
@@ -264,47 +263,6 @@ Prefetch next_entries(const Problem& p, const Item& it, const Item* next, const 
   return Prefetch{reinterpret_cast<const char* const*>(kp), n, 0, entry_bytes};
 }
 
-// An item's tiles scored on AMX (paged_attention_amx.cpp); the thread's tiles are taken at
-// its first such item and given back with its scratch (Scratch::~Scratch).
-struct AmxItem {
-  bool on = false;
-  // Packs the item's bf16 queries, and takes the tiles if this thread does not hold them.
-  void start(const Problem& p, const Span& s, Scratch& w) {
-    const size_t packed = amx_packed_elements(s.rows, s.head_rows, p.dim);
-    const size_t staged = 4 * 16 * p.kv_heads * p.dim;
-    if (w.qpack.size() < packed) w.qpack.resize(packed);
-    if (w.stage_k.size() < staged) w.stage_k.resize(staged);
-    w.stage_c.resize(4 * 256);
-    w.stage_p.resize(512);
-    w.stage_v.resize(2048);
-    amx_pack_queries(w.qb.data(), s.rows, s.head_rows, p.dim, w.qpack.data());
-    if (!w.amx_tiles) {
-      amx_begin();
-      w.amx_tiles = true;
-    }
-    on = true;
-  }
-  // The tile's scores, 64 keys per call, the prefetch advancing as the other pass would.
-  void scores(const Problem& p, const Span& s, const void* const* kp, int64_t n, Scratch& w,
-              Prefetch& ahead) const {
-    AmxScores a{reinterpret_cast<const at::BFloat16* const*>(kp), n, p.width, p.kv_heads,
-                p.dim, s.rows, s.head_rows, w.qpack.data(), p.scale, w.s.data(),
-                w.stage_k.data(), w.stage_c.data()};
-    for (int64_t j0 = 0; j0 < n; j0 += 64) {
-      amx_scores(a, j0);
-      ahead.share(std::min<int64_t>(j0 + 64, n), n);
-    }
-  }
-  // The tile's value products into the item's fp32 accumulators (in column order).
-  void values(const Problem& p, const Span& s, const void* const* kp, int64_t n,
-              Scratch& w) const {
-    AmxValues a{reinterpret_cast<const at::BFloat16* const*>(kp), n, p.width, p.kv_heads,
-                p.dim, s.rows, s.head_rows, p.kv_heads * p.dim, w.s.data(), w.acc.data(),
-                w.stage_p.data(), w.stage_v.data(), w.stage_c.data()};
-    amx_values(a);
-  }
-};
-
 template <typename QT, typename CT>
 void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& w) {
   Span s = span_of(p, it);
@@ -318,16 +276,11 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
   if (bf16_dots)
     for (int64_t i = 0; i < s.rows * D; ++i) w.qb[i] = at::BFloat16(w.q[i]);
 #endif
-  AmxItem amx;
-  if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<CT, QT>)
-    if (p.amx && D % 32 == 0 && amx_ready()) amx.start(p, s, w);
   for (int64_t k0 = s.lo; k0 < s.hi; k0 += kTile) {
     int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
     entry_ptrs<CT>(p, it, k0, k1, kp);
     Prefetch ahead = next_entries<CT>(p, it, next, s, k1, w, entry_bytes);
-    if (amx.on)
-      amx.scores(p, s, reinterpret_cast<const void* const*>(kp), n, w, ahead);
-    else row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
+    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
       // Keys any of these rows sees: the first row's window start to the last row's query.
       int64_t a0, b0, a1, b1;
       row_range(p, it, s, r0, k0, k1, &a0, &b0);
@@ -358,19 +311,16 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       any |= softmax_update(w.s.data() + r * kTile, n, a - k0, b - k0, &w.m[r], &w.l[r],
                             w.acc.data() + r * D, D, exp_span_avx512);
     }
-    if (any && amx.on)
-      amx.values(p, s, reinterpret_cast<const void* const*>(kp), n, w);
-    else if (any)
-      row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
-        by_rows(nr, [&](auto c) {
-          accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
-                                                  w.acc.data() + r0 * D, D);
-        });
+    if (!any) continue;
+    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
+      by_rows(nr, [&](auto c) {
+        accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
+                                                w.acc.data() + r0 * D, D);
       });
+    });
   }
-  if constexpr (std::is_same_v<CT, at::BFloat16>)   // (AMX sums keep the column order)
-    if (!amx.on)
-      for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
+  if constexpr (std::is_same_v<CT, at::BFloat16>)
+    for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
   store_outputs<QT>(p, it, s, w.acc.data(), w.l.data());
 }
 

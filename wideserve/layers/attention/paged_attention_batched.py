@@ -341,12 +341,11 @@ def cpu_kernel_applies(q: torch.Tensor, cache: torch.Tensor, enabled: bool = Tru
 def paged_attention_kernel(q: torch.Tensor, cache: torch.Tensor, view: KVGroupView,
                            batch: ForwardBatch, scale: float, window: int | None,
                            portable: bool = False, k: torch.Tensor | None = None,
-                           v: torch.Tensor | None = None, amx: bool = True) -> torch.Tensor:
+                           v: torch.Tensor | None = None) -> torch.Tensor:
     """The C++ op over every request of the step ([T, H, D], q's dtype). Without k/v this
     step's entries must already be in the cache; with k/v [T, Hkv, D] the op first writes
     every token's entry at the view's slot mapping (one call, no torch.cat/index_copy_).
-    portable: force its plain C++ loop (no AVX512); amx=False: the AVX512 score and value
-    products where the AMX tiles would run (A/B runs, tests)."""
+    portable: force its plain C++ loop (no AVX512)."""
     if view.block_size != cache.shape[1]:
         raise ValueError(f"block size {view.block_size} != cache entries per block "
                          f"{cache.shape[1]} (paged attention needs compress_ratio 1)")
@@ -354,10 +353,10 @@ def paged_attention_kernel(q: torch.Tensor, cache: torch.Tensor, view: KVGroupVi
     if k is None:
         return torch.ops.wideserve.paged_attention(
             q, cache, view.block_table, view.req_rows, batch.query_start_loc, batch.seq_lens,
-            scale, w, portable, amx)
+            scale, w, portable)
     return torch.ops.wideserve.paged_attention_write(
         q, k, v, cache, view.slot_mapping, view.block_table, view.req_rows,
-        batch.query_start_loc, batch.seq_lens, scale, w, portable, amx)
+        batch.query_start_loc, batch.seq_lens, scale, w, portable)
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
