@@ -3,6 +3,7 @@
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py batched|kernel
   OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py op [--small-pages]
   OMP_NUM_THREADS=N PYTHONPATH=. python benchmarks/paged_attention_kernel.py fused --threads N [--huge]
+  OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/paged_attention_kernel.py roofline [--threads N] [--huge]
 
 batched|kernel: the batched backend with the C++ op (`kernel`) or the torch buckets
 (`batched`), 8 layers of cache (DRAM-sized), random block placement, one torch thread; wall
@@ -24,12 +25,22 @@ over the batch): "write+op" = torch.cat + index_copy_ of the step's entries then
 the op alone over blocks drawn at random from the pool; --huge: the pool on huge pages
 (host_memory.zeros(huge_pages=True), CacheConfig.kv_huge_pages in the engine). ms per call, the median of rounds:
 thread CPU time at one thread, wall time at more (thread CPU time misses the other threads).
+
+roofline: the op on the 653M Qwen3-MoE's decode shape (64 requests, 16 q / 4 KV heads, head
+dim 64, bf16, block 64, contexts 129-257 as in the 128 -> 128 offline run), one torch thread,
+thread CPU ms per layer call (median of rounds) in three forms, alternating: "cold" cycles 8
+layers' caches (~100 MB of KV read per pass, as between two layers of a decode step, where
+the experts' weights evict it), "hot" points every request at the same 5 blocks (320 KB, in
+L2: the op's arithmetic alone), and "read" a one-thread `sum` over 256 MiB, whose rate gives the time
+to read one call's KV at the core's streaming bandwidth. `--threads N`: wall time instead;
+`--huge`: the caches on 2 MiB pages (CacheConfig.kv_huge_pages).
+A/B of two trees: run this file with PYTHONPATH set to each (the op comes from that tree).
 """
 import sys, time, numpy as np, torch
 threads = int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else 1
 torch.set_num_threads(threads)
 variant = sys.argv[1]
-if variant in ("kernel", "op", "fused"):
+if variant in ("kernel", "op", "fused", "roofline"):
     from wideserve.kernels.loader import build
     build()
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
@@ -148,8 +159,50 @@ def bench_fused(R=64, H=4, KVH=2, D=64, layers=4, pool=8192, bs=64, rounds=9):
         ms = float(np.median(ts)) * 1e3
         print(f"{name:8s} threads={threads}{' huge' if huge else ''} R={R} H={H}/{KVH} D={D} ctx~{int(lens.mean())}: "
               f"{ms:6.3f} ms/call {unit} ({kv / ms / 1e6:5.1f} GB/s of KV)", flush=True)
+def bench_roofline(R=64, H=16, KVH=4, D=64, layers=8, bs=64, rounds=7):
+    rng = np.random.default_rng(0)
+    lens = rng.integers(128, 257, R) + 1
+    mb = int(-(-lens.max() // bs))
+    pool = R * mb + 1
+    shape = (pool, bs, 2 * KVH * D)
+    if "--huge" in sys.argv:                    # the KV pool on 2 MiB pages
+        from wideserve.kv_cache import host_memory
+        caches = [host_memory.zeros(int(np.prod(shape)) * 2, torch.device("cpu"), True)
+                  .view(torch.bfloat16).view(shape) for _ in range(layers)]
+        for c in caches: c.normal_()
+    else:
+        caches = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
+    table = engine_table(R, lens, 128, bs, pool)
+    qsl, sl = torch.arange(R + 1), torch.from_numpy(lens)
+    q = torch.randn(R, H, D).to(torch.bfloat16)
+    op = torch.ops.wideserve.paged_attention
+    big = torch.ones(64 << 20)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    def cold():
+        for c in caches: op(q, c, table, None, qsl, sl, D ** -0.5, 0, False)
+    same = torch.arange(mb).repeat(R, 1)        # every request reads the same few blocks
+    def hot():
+        for _ in caches: op(q, caches[0], same, None, qsl, sl, D ** -0.5, 0, False)
+    res = {}
+    for _ in range(rounds):
+        for name, fn, per in (("cold", cold, layers), ("hot", hot, layers), ("read", big.sum, 1)):
+            t0, n = clock(), 0
+            while clock() - t0 < 0.3:
+                fn(); n += per
+            res.setdefault(name, []).append((clock() - t0) / n)
+    kv = float(lens.sum()) * 2 * KVH * D * 2
+    read_ms = kv / (big.nbytes / float(np.median(res["read"]))) * 1e3
+    for name in ("cold", "hot"):
+        ms = float(np.median(res[name])) * 1e3
+        print(f"{name:4s} threads={threads} R={R} H={H}/{KVH} D={D} ctx~{int(lens.mean())}: "
+              f"{ms:6.3f} ms/call ({kv / ms / 1e6:5.1f} GB/s of KV, {ms / read_ms:4.2f}x the "
+              f"read time)", flush=True)
+    print(f"read: {big.nbytes / float(np.median(res['read'])) / 1e9:5.1f} GB/s -> {kv / 1e6:.1f} "
+          f"MB of KV in {read_ms:6.3f} ms", flush=True)
 if variant == "fused":
     bench_fused()
+elif variant == "roofline":
+    bench_roofline()
 elif variant == "op":
     small = "--small-pages" in sys.argv
     for args in [(64, 4, 2, 64, 192, 1), (64, 16, 4, 64, 192, 1), (8, 4, 2, 64, 2048, 1), (64, 4, 2, 64, 192, 4)]:
