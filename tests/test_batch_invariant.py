@@ -165,20 +165,39 @@ def test_whole_chunked_and_prefix_hit_prefills_give_the_same_bits(which, measure
     assert hit[:2] == whole[:2] and forked_hit[:2] == forked_cold[:2]
 
 
-def test_mtp_k3_gives_the_tokens_of_decoding_without_speculation(measured_kernels):
+def test_mtp_k3_gives_the_bits_of_decoding_without_speculation(measured_kernels):
+    # greedy tokens and their logprobs (verification runs 4 positions at once)
     outs = []
     for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            llm = LLM(None, dtype="bfloat16", skip_tokenizer_init=True, batch_invariant=True,
-                      enable_prefix_caching=False, speculative_config=spec)
+        llm = _mode_llm(None, enable_prefix_caching=False, speculative_config=spec)
         try:
-            outs.append(generate(llm, prompts(4096)))
+            outs.append(_bits(llm, prompts(4096), new=NEW))
             stats = llm.engine.get_stats() if spec else {}
         finally:
             llm.shutdown()
     assert stats.spec_decode.num_drafts > 0
     assert outs[1] == outs[0], [i for i, (a, b) in enumerate(zip(*outs)) if a != b]
+
+
+def test_preemption_and_ngram_speculation_keep_the_bits(measured_kernels, qwen3_moe_dir):
+    # Qwen3-MoE: a pool of 5 blocks for 9 requests (recompute after preemption, chunks cut by
+    # the pool) and n-gram drafts (2 prompts repeat themselves) give the tokens and logprobs
+    # of a roomy engine without speculation.
+    g = torch.Generator().manual_seed(3)
+    batch = prompts(2048) + [torch.randint(2, 2048, (6,), generator=g).tolist() * 8
+                             for _ in range(2)]
+    runs, stats = [], []
+    for kw in ({}, dict(max_num_batched_tokens=64, num_blocks_override=5, max_num_seqs=16),
+               dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})):
+        llm = _mode_llm(qwen3_moe_dir, enable_prefix_caching=False, **kw)
+        try:
+            runs.append(_bits(llm, batch, new=24))
+            stats.append(llm.engine.get_stats())
+        finally:
+            llm.shutdown()
+    assert stats[1].num_preemptions > 0 and stats[2].spec_decode.num_drafts > 0
+    for got in runs[1:]:
+        assert got == runs[0], [i for i, (a, b) in enumerate(zip(got, runs[0])) if a != b]
 
 
 def test_prefill_decode_over_loopback_gives_the_colocated_tokens(measured_kernels):
