@@ -179,17 +179,20 @@ def test_mtp_k3_gives_the_bits_of_decoding_without_speculation(measured_kernels)
     assert outs[1] == outs[0], [i for i, (a, b) in enumerate(zip(*outs)) if a != b]
 
 
-def test_preemption_and_ngram_speculation_keep_the_bits(measured_kernels, qwen3_moe_dir):
-    # Qwen3-MoE: a pool of 5 blocks for 9 requests (recompute after preemption, chunks cut by
-    # the pool) and n-gram drafts (2 prompts repeat themselves) give the tokens and logprobs
-    # of a roomy engine without speculation.
+@pytest.mark.parametrize("which", ["qwen3_moe", "v4"])
+def test_preemption_and_ngram_speculation_keep_the_bits(which, measured_kernels, request):
+    # A pool of 5 blocks for 9 requests (recompute after preemption, chunks cut by the pool)
+    # and n-gram drafts (2 prompts repeat themselves) give the tokens and logprobs of a roomy
+    # engine without speculation. (V4 failed before lane_aligned: a chunk of 47 rows put the
+    # mHC sigmoid of rows 32-46 on ATen's scalar tail, 1 ulp from the whole prefill's.)
+    model, vocab = _model(which, request)
     g = torch.Generator().manual_seed(3)
-    batch = prompts(2048) + [torch.randint(2, 2048, (6,), generator=g).tolist() * 8
-                             for _ in range(2)]
+    batch = prompts(vocab) + [torch.randint(2, vocab, (6,), generator=g).tolist() * 8
+                              for _ in range(2)]
     runs, stats = [], []
     for kw in ({}, dict(max_num_batched_tokens=64, num_blocks_override=5, max_num_seqs=16),
                dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})):
-        llm = _mode_llm(qwen3_moe_dir, enable_prefix_caching=False, **kw)
+        llm = _mode_llm(model, enable_prefix_caching=False, **kw)
         try:
             runs.append(_bits(llm, batch, new=24))
             stats.append(llm.engine.get_stats())
@@ -244,3 +247,16 @@ def test_the_engine_kernel_config_reaches_the_gqa_attention_config():
         assert got == dict(cpu_kernel=kernels.cpu_attention, sdpa_prefill=kernels.sdpa_prefill,
                            fused_kv_write=kernels.fused_kv_write, sdpa_context=True,
                            batch_invariant=kernels.batch_invariant), (kernels, got)
+
+
+def test_lane_aligned_elementwise_gives_a_row_the_same_bits_at_any_row_count():
+    # mHC's sigmoid over [T, n] and the router's softplus over [T, E]: ATen's scalar tail of
+    # a flat buffer rounds exp differently from its vector code; padded rows never reach it.
+    from wideserve.layers.linear import lane_aligned
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(200, 4, generator=g) * 4
+    for fn in (torch.sigmoid, F.softplus):
+        full = lane_aligned(fn, z, True)
+        assert torch.allclose(full, fn(z), rtol=1e-6, atol=0)
+        assert [m for m in range(1, 201)
+                if not torch.equal(lane_aligned(fn, z[:m], True), full[:m])] == []
