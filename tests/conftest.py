@@ -146,7 +146,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/parallel/test_host_read_budget_dep.py": 55,
     "tests/models/test_decode_fullgraph.py": 50,
     "tests/models/test_v4_cuda_decode_path.py": 25,
-    "tests/test_batch_invariant.py": 25,
+    "tests/test_batch_invariant.py": 55,
     "tests/kernels/test_batch_invariant_kernels.py": 25,
     "tests/engine/test_v4_decode_capture.py": 25,
     "tests/parallel/test_dp_group_lifecycle.py": 15,

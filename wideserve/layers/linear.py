@@ -292,6 +292,26 @@ def use_invariant_linears(model: nn.Module, on: bool,
             del m._pack
 
 
+# ATen's CPU elementwise loops run vector code over whole groups of two vectors and scalar code
+# on the rest of the flat buffer; a transcendental (the exp in sigmoid and softplus) rounds
+# differently in the two, so an element's bits followed where its row fell in the step (the last
+# rows of a [T, k] tensor with k a few experts or mHC streams take the scalar code). With each row
+# padded to a multiple of this (2 x 16 fp32 lanes on AVX-512, twice that spare), none does.
+LANE_ROW = 64
+
+
+def lane_aligned(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor,
+                 invariant: bool) -> torch.Tensor:
+    """fn(z) for an elementwise fn over z [..., k]; `invariant` (--batch-invariant, on the
+    CPU): computed on rows padded to LANE_ROW elements, so every element takes ATen's vector
+    code whatever the number of rows (one thread per engine: a split over threads can still
+    cut a group)."""
+    k = z.shape[-1]
+    if not invariant or z.device.type != "cpu" or k % LANE_ROW == 0:
+        return fn(z)
+    return fn(F.pad(z, (0, -k % LANE_ROW)))[..., :k]
+
+
 class FunctionalLinear:
     """The GEMM of a functional call site: a module's product with a weight it does not
     hold as an nn.Linear, often widened to fp32 per call (mHC's mixes `x @ fn.float()^T`,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from wideserve.layers.linear import FunctionalLinear
+from wideserve.layers.linear import FunctionalLinear, lane_aligned
 
 
 def _flat_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,8 +55,9 @@ class HyperConnection(nn.Module):
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps              # [T, n]
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)                    # [T, n]
+        inv = self.mix.batch_invariant       # sigmoid's bits not by the row's place
+        pre = lane_aligned(torch.sigmoid, pre_w * s_pre + pre_b, inv) + self.hc_eps   # [T, n]
+        post = 2 * lane_aligned(torch.sigmoid, post_w * s_post + post_b, inv)          # [T, n]
         comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n),
                              dim=-1) + self.hc_eps                            # [T, n, n]
         comb = sinkhorn(comb, self.iters, self.hc_eps)
@@ -86,5 +87,6 @@ class HyperHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, n, d] -> [T, d] (x.dtype)."""
         mixes = self.mix(_flat_rms(x, self.norm_eps), self.hc_fn, widen_weight=True)  # [T, n]
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        pre = lane_aligned(torch.sigmoid, mixes * self.hc_scale.float() + self.hc_base.float(),
+                           self.mix.batch_invariant) + self.hc_eps
         return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

@@ -15,14 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.layers.experts import RoutedExperts, swiglu
-from wideserve.layers.linear import FunctionalLinear
+from wideserve.layers.linear import FunctionalLinear, lane_aligned
 
 
-def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+def router_scores(logits: torch.Tensor, scoring_func: str, invariant: bool = False
+                  ) -> torch.Tensor:
+    """invariant (--batch-invariant): the elementwise scores on lane-aligned rows
+    (layers/linear.py lane_aligned), so a token's scores do not depend on its row."""
     if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return lane_aligned(F.softplus, logits, invariant).sqrt()
     if scoring_func == "sigmoid":
-        return torch.sigmoid(logits)
+        return lane_aligned(torch.sigmoid, logits, invariant)
     if scoring_func == "softmax":
         return torch.softmax(logits, dim=-1)
     raise ValueError(f"unknown scoring_func {scoring_func!r}")
@@ -40,7 +43,7 @@ class _RouterBase(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return router_scores(self.logits(x.float(), self.weight, widen_weight=True),
-                             self.scoring_func)
+                             self.scoring_func, self.logits.batch_invariant)
 
     def finish(self, scores: torch.Tensor, ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,8 +77,9 @@ class PagedAttentionConfig:
     fused_kv_write: bool = True      # the op writes the step's K/V itself (False: torch write)
     sdpa_context: bool = True        # chunked / mixed prefills through SDPA where measured
                                      # faster (layers/attention/paged_prefill.py)
-    # KernelConfig.batch_invariant: never SDPA for fresh prefills (whether a request took it
-    # depended on the others in the step); the C++ op's key tiles start at fixed positions
+    # KernelConfig.batch_invariant: never SDPA, fresh prefills (whether a request took it
+    # depended on the others in the step) or chunks (it depends on the chunk's length): the
+    # C++ op for every row, whose result for a query depends on its position alone
     batch_invariant: bool = False
 
 
@@ -169,12 +170,15 @@ class PagedAttentionPlans:
         """The step's requests that attend through SDPA although the step is not all fresh
         prefills (a chunk after cached positions, prefills beside decodes), where the kernel
         choice measured SDPA faster at their query length (layers/attention/paged_prefill.py);
-        None: every request goes to the C++ op."""
+        None: every request goes to the C++ op. Never in --batch-invariant: whether a request
+        takes SDPA follows its chunk's length (the scheduler's split), and SDPA rounds a row
+        differently from the op, so a prompt prefilled whole and in chunks would differ."""
         group = self.batch.cache_group[cache_name]
         key = (group, heads, kv_heads, head_dim, dtype, window)
         if key not in self._split:
             self._split[key] = None
-            if self.config.sdpa_context and window is None and len(self.batch.seq_lens_cpu):
+            if self.config.sdpa_context and not self.config.batch_invariant \
+                    and window is None and len(self.batch.seq_lens_cpu):
                 choice = default_choice()
                 self._split[key] = build_split(
                     self.batch, self.batch.kv_groups[group],

@@ -374,9 +374,10 @@ class DecoderForCausalLM(CausalLM):
         for m in self.modules():
             if isinstance(m, Attention):
                 m.cpu_kernel = kernels.cpu_rope
+        # by keyword: a positional batch_invariant once landed on sdpa_context (issue 27)
         self.model.attention_config = PagedAttentionConfig(
-            kernels.cpu_attention, kernels.sdpa_prefill, kernels.fused_kv_write,
-            kernels.batch_invariant)
+            cpu_kernel=kernels.cpu_attention, sdpa_prefill=kernels.sdpa_prefill,
+            fused_kv_write=kernels.fused_kv_write, batch_invariant=kernels.batch_invariant)
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config
