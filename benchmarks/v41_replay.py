@@ -8,12 +8,14 @@ Layouts (`--layout`):
   [0, 0] + [2] x 18 + [1] x 20, KV sources 2 / 8 / 14 / 20, index sources 2 / 8 / 14 / 20 / 24 /
   28 / 32 / 36, the candidate source 20 (2,048 blocks of 8), index top-k 512, window 128,
   hc_mult 4, Engram at 1 and 14 (small tables), as in its config; narrow widths (hidden 128,
-  4 heads x 64, indexer 4 x 32, 8 experts top-2) so a 1-thread CPU runs 32K new tokens in
-  minutes. The exact replay keeps 1 + 20 x 127 = 2,541 rows at layer 20, as on Flash.
+  2 heads x 32, indexer 4 x 32, 8 experts top-2) so a loaded 1-thread CPU runs 32K new tokens
+  in minutes. The exact replay keeps 1 + 20 x 127 = 2,541 rows at layer 20, as on Flash.
 - scaled8: the earlier 8-layer stand-in (hidden 256; 4 decoder layers).
 Random (dummy) weights, fp32, KV stored as values ("raw": the same quantised values as the
 packed records; unpacking FP4 records dominates a long CPU prefill), one engine with prefix
-caching (prefix_window_mode "keep"), each prompt's new tokens in one step.
+caching (prefix_window_mode "keep"), the new tokens prefilled in chunks of `--chunk` (8,192;
+the exact replay cuts a chunk only past 2,541 rows on Flash's layout, so the engine's default
+2,048 would cut nothing: one chunk's [rows x entries] fp32 mask is 3 GiB at 8K x 96K).
 
 Modes, alternating within each round; every mode of a round prefills the same new tokens
 (the blocks the previous mode cached past the prefix are forgotten first):
@@ -22,8 +24,9 @@ Modes, alternating within each round; every mode of a round prefills the same ne
   layers after it on each request's last `window` rows (approximate; emulated through the
   replay's row-start function, same sub-batches as the old code);
 - exact: the default (models/deepseek_v41/replay.py);
-- topk: exact, with the indexer's long-row top-k on the keyed torch.topk (the path before
-  DeepSelect, kernels/deepselect.py) instead of the DeepSelect C++ op.
+- topk: exact, with the indexer's long-row top-k (`index_topk`) on the keyed torch.topk (the
+  path before DeepSelect, kernels/deepselect.py) instead of the DeepSelect C++ op (the
+  candidate source's block choice is torch.topk in every mode).
 Times one `generate(max_tokens=1)` per prompt (the prefill and one sampled token), and keeps
 the sampled row's logits: exact, topk and off must agree within 1e-5 (the tolerance of
 tests/models/test_deepseek_v41.py's replay test); approx's distance is printed for reference.
@@ -34,7 +37,8 @@ Engram, the indexer's scoring, top-k and candidate blocks).
         [--layout flash] [--new 4096 32768 65536] [--prefix 65536] [--rounds 1] \
         [--modes off approx exact topk] [--modes-last exact approx off]
 
-V41_REPLAY_OUT overrides where the JSON results go.
+Results: benchmarks/results/v41_replay_<layout>.json (V41_REPLAY_OUT overrides), written after
+every prefill.
 """
 from __future__ import annotations
 
@@ -55,8 +59,7 @@ from wideserve.layers.attention import indexer as indexer_mod
 from wideserve.layers.attention import v41_batched
 from wideserve.models.deepseek_v41 import replay
 
-OUT = Path(os.environ.get("V41_REPLAY_OUT",
-                         Path(__file__).parent / "results" / "v41_replay.json"))
+RESULTS = Path(__file__).parent / "results"
 WINDOW = 128
 COMMON = dict(vocab_size=1024, sliding_window=WINDOW, index_topk=512, qk_rope_head_dim=32,
               candidate_topk_blocks=2048, candidate_block_size=8, rms_norm_eps=1e-6,
@@ -90,7 +93,7 @@ def _source(text: dict) -> int:
     return max(text["kv_source_layer_ids"])
 
 
-def _llm(tmp: Path, text: dict, max_new: int, kv_bytes: int) -> LLM:
+def _llm(tmp: Path, text: dict, chunk: int, kv_bytes: int) -> LLM:
     (tmp / "config.json").write_text(json.dumps(
         {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
          "text_config": text, "torch_dtype": "float32",
@@ -98,7 +101,7 @@ def _llm(tmp: Path, text: dict, max_new: int, kv_bytes: int) -> LLM:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return LLM(str(tmp), load_format="dummy", dtype="float32", skip_tokenizer_init=True,
-                   enable_prefix_caching=True, max_num_batched_tokens=max(max_new, 2048),
+                   enable_prefix_caching=True, max_num_batched_tokens=chunk,
                    kv_cache_memory=kv_bytes, max_num_seqs=4, kv_cache_dtype=KV_DTYPE)
 
 
@@ -202,6 +205,8 @@ def main() -> None:
     ap.add_argument("--modes-last", nargs="+", choices=MODES,
                     help="modes of the last --new entry (default: --modes)")
     ap.add_argument("--kv-gib", type=float, default=3.0)
+    ap.add_argument("--chunk", type=int, default=8192,
+                    help="max_num_batched_tokens: the prefill chunk (0: all new tokens in one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     text = LAYOUTS[args.layout]
@@ -209,9 +214,9 @@ def main() -> None:
     g = np.random.default_rng(0)
     prefix = g.integers(3, vocab, args.prefix).tolist()
     rows: list[dict] = []
-    big = max(args.new)
+    chunk = args.chunk or max(args.new + [args.prefix])
     with tempfile.TemporaryDirectory() as tmp:
-        llm = _llm(Path(tmp), text, big, int(args.kv_gib * (1 << 30)))
+        llm = _llm(Path(tmp), text, chunk, int(args.kv_gib * (1 << 30)))
         modes = Modes(llm, _source(text))
         modes.set("exact")
         t = _prefill(llm, prefix)                                  # cache the prefix
@@ -234,7 +239,7 @@ def main() -> None:
             for m, parts in row["parts"].items():
                 _print_profile(m, n, parts[-1])
         modes.set("exact")
-    print(f"wrote {OUT}")
+    print(f"wrote {_out(args.layout)}")
 
 
 class PartTimer:
@@ -321,11 +326,17 @@ def _print_profile(mode: str, n: int, parts: dict[str, float]) -> None:
         print(f"  {name:28s} {sec:8.2f} s  {100 * sec / total:5.1f}%")
 
 
+def _out(layout: str) -> Path:
+    return Path(os.environ.get("V41_REPLAY_OUT", RESULTS / f"v41_replay_{layout}.json"))
+
+
 def _dump(args: argparse.Namespace, text: dict, rows: list) -> None:
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(dict(machine=machine_info(), layout=args.layout,
+    out = _out(args.layout)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(machine=machine_info(), layout=args.layout,
                                    source=_source(text), window=WINDOW, text_config=text,
-                                   rounds=args.rounds, threads=args.threads, rows=rows),
+                                   rounds=args.rounds, threads=args.threads, chunk=args.chunk,
+                                   rows=rows),
                           indent=1))
 
 
