@@ -13,11 +13,12 @@ Layouts (`--layout`):
 - scaled8: the earlier 8-layer stand-in (hidden 256; 4 decoder layers).
 Random (dummy) weights, fp32, KV stored as values ("raw": the same quantised values as the
 packed records; unpacking FP4 records dominates a long CPU prefill), one engine with prefix
-caching (prefix_window_mode "keep"), the new tokens prefilled in chunks of `--chunk` (8,192;
-the exact replay cuts a chunk only past 2,541 rows on Flash's layout, so the engine's default
-2,048 would cut nothing: one chunk's [rows x entries] fp32 mask is 3 GiB at 8K x 96K).
+caching (prefix_window_mode "keep"), the new tokens prefilled in chunks of `--chunk` (8,192:
+on Flash's layout the exact replay keeps min(chunk, 1 + (40 - l) x 127) rows at layer l >= 20,
+so the engine's default 2,048 cuts only layers 24-39; one chunk's [rows x entries] fp32 mask
+is 3 GiB at 8K x 96K, which rules out one step of 32K-64K rows here).
 
-Modes, alternating within each round; every mode of a round prefills the same new tokens
+Modes, in the order given, alternating within each round; every mode of a round prefills the same new tokens
 (the blocks the previous mode cached past the prefix are forgotten first):
 - off: every layer on every row (`--no-decoder-bounded-replay`);
 - approx: main's old `--decoder-bounded-replay` row choice: the source on every row, the
@@ -226,7 +227,7 @@ def main() -> None:
         _prefill(llm, prefix + g.integers(3, vocab, 256).tolist())   # warm up
         for i, n in enumerate(args.new):
             last = i == len(args.new) - 1 and args.modes_last
-            order = [m for m in MODES if m in (args.modes_last if last else args.modes)]
+            order = list(dict.fromkeys(args.modes_last if last else args.modes))
             row = _measure(llm, modes, keep, prefix, g, n, order, args.rounds, vocab,
                            _source(text), lambda r: _dump(args, text, rows + [r]))
             rows.append(row)
