@@ -208,8 +208,15 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=3.0)
     ap.add_argument("--chunk", type=int, default=8192,
                     help="max_num_batched_tokens: the prefill chunk (0: all new tokens in one)")
+    ap.add_argument("--quant-off", action="store_true",
+                    help="KV quantisers as the identity (as the replay tests run): last-bit "
+                         "differences between GEMMs of different row counts cannot cross a "
+                         "rounding bin")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.quant_off:
+        from wideserve.layers import kv_quant
+        kv_quant.fake_quant = lambda x, fmt: x
     text = LAYOUTS[args.layout]
     vocab = text["vocab_size"]
     g = np.random.default_rng(0)
@@ -337,6 +344,7 @@ def _dump(args: argparse.Namespace, text: dict, rows: list) -> None:
     out.write_text(json.dumps(dict(machine=machine_info(), layout=args.layout,
                                    source=_source(text), window=WINDOW, text_config=text,
                                    rounds=args.rounds, threads=args.threads, chunk=args.chunk,
+                                   quant_off=args.quant_off,
                                    rows=rows),
                           indent=1))
 
