@@ -360,3 +360,25 @@ def test_bf16_model_runs_attention_products_in_bf16(model, monkeypatch):
     fp32 = (logits(ws, "batched", torch.float32) - ref).abs()
     assert dtypes == {(torch.float32, torch.float32)}
     assert fp32.max() <= 0.1 * bf16.max()
+
+
+def test_entry_mask_is_built_per_chunk_of_blocks():
+    """BlockEntries holds no [blocks, Q, K] tensor (3 GiB for 8K rows over 96K entries): its
+    mask is built for the blocks a chunk reads, equal to the whole mask's rows, and the
+    unwritten ids (past each block's most visible entry) on first use."""
+    from wideserve.layers.attention.v4_blocks import build_block_entries, build_query_blocks
+    qsl, ctx = np.array([0, 37, 40, 105]), np.array([5, 200, 64])
+    blocks = build_query_blocks(np.arange(3), 16, qsl, ctx, torch.device("cpu"))
+    ratio, width = 2, 135
+    ent = build_block_entries(blocks, ratio, width, torch.device("cpu"))
+    held = [v for v in (getattr(ent, f) for f in ent.__slots__) if isinstance(v, torch.Tensor)]
+    assert all(t.numel() <= blocks.num_blocks * blocks.block_q for t in held)
+    visible = (blocks.q_pos + 1) // ratio
+    whole = np.where(np.arange(width) < visible[..., None], 0.0, -np.inf).astype(np.float32)
+    for a, b in ((0, blocks.num_blocks), (1, 3), (4, 5)):
+        got = ent.bias(a, b)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(whole[a:b]))
+    most = np.where(blocks.q_valid, visible, 0).max(axis=1)
+    want = np.flatnonzero(np.arange(width)[None, :] >= most[:, None])
+    dev, host = ent.unwritten()
+    assert np.array_equal(host, want) and torch.equal(dev, torch.from_numpy(want))

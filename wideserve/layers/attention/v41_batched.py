@@ -183,7 +183,7 @@ def select(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
                                            qb, wb, ids)
             else:
                 scores = _entry_scores(step, keys_name, ratio, blocks, a, b, qb, wb)
-                scores = scores + ent.bias[a:b]                               # [C, Q, K]
+                scores = scores + ent.bias(a, b)                              # [C, Q, K]
                 if candidate_source:
                     _store(cands, blocks, a, b, _candidate_blocks(
                         scores, ent.visible[a:b], topk_blocks, block_size))

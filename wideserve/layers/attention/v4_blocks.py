@@ -63,13 +63,30 @@ class WindowKeys:
 @dataclass(slots=True)
 class BlockEntries:
     """A group's compressed-entry layout for one ratio: every block reads its request's
-    entries 0..K-1 (K = the step's most visible), each query masks those it cannot see."""
+    entries 0..K-1 (K = the step's most visible), each query masks those it cannot see.
+    The mask and the unwritten ids are built only where read, a chunk of blocks at a time:
+    whole, the mask is [B, Q, K] fp32 (3 GiB for 8K rows over 96K entries), and index
+    sources restricted to candidate blocks never read it."""
 
     visible: torch.Tensor      # [B, Q] int64 (p + 1) // ratio of each query slot
-    bias: torch.Tensor         # [B, Q, K] fp32 0 for entries the query sees, -inf otherwise
-    unwritten: torch.Tensor    # [N] int64 sorted flat ids (block * K + entry) of entries past
-    unwritten_host: np.ndarray  # the block's most visible (may be unwritten); host copy
+    most: np.ndarray           # [B] each block's most visible entry count (host)
     width: int                 # K
+    _unwritten: tuple[torch.Tensor, np.ndarray] | None = None
+
+    def bias(self, a: int, b: int) -> torch.Tensor:
+        """[b-a, Q, K] fp32 of blocks a..b-1: 0 for entries the query sees, -inf otherwise."""
+        ids = torch.arange(self.width, device=self.visible.device)
+        hidden = ids >= self.visible[a:b, :, None]
+        return torch.zeros(hidden.shape, dtype=torch.float32,
+                           device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+    def unwritten(self) -> tuple[torch.Tensor, np.ndarray]:
+        """Sorted flat ids (block * K + entry) of entries past each block's most visible (may
+        be unwritten), on the device and on the host."""
+        if self._unwritten is None:
+            host = np.flatnonzero(np.arange(self.width)[None, :] >= self.most[:, None])
+            self._unwritten = (to_device(host, self.visible.device), host)
+        return self._unwritten
 
 
 def _bias(allowed: np.ndarray) -> np.ndarray:
@@ -129,10 +146,7 @@ def build_block_entries(blocks: QueryBlocks, ratio: int, width: int,
                         device: torch.device) -> BlockEntries:
     visible = (blocks.q_pos + 1) // ratio                                     # [B, Q]
     most = np.where(blocks.q_valid, visible, 0).max(axis=1)
-    ids = np.arange(width)
-    unwritten = np.flatnonzero(ids[None, :] >= most[:, None])                # of [B * K]
-    return BlockEntries(to_device(visible, device), to_device(_bias(ids < visible[..., None]), device),
-                        to_device(unwritten, device), unwritten, width)
+    return BlockEntries(to_device(visible, device), most, width)
 
 
 # ---------------------------------------------------------------------- entry buckets

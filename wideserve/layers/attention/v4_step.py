@@ -433,9 +433,10 @@ class V4Step(StepCaches):
         slots = self._once(("block_slots", id(view), id(blocks), ratio), lambda: (
             self.request_entry_slots(name, ratio).index_select(0, blocks.block_req)))
         rows = self._read(name, flat, slots[a:b].flatten())                  # [(b-a)*K, C]
-        i, j = np.searchsorted(ent.unwritten_host, (a * K, b * K))
+        unwritten, unwritten_host = ent.unwritten()
+        i, j = np.searchsorted(unwritten_host, (a * K, b * K))
         if j > i:
-            rows = rows.index_fill_(0, ent.unwritten[i:j] - a * K, 0.0)
+            rows = rows.index_fill_(0, unwritten[i:j] - a * K, 0.0)
         return rows.view(b - a, K, rows.shape[-1])
 
     def gather_picked(self, name: str, ratio: int, block_req: torch.Tensor, picks: torch.Tensor,
