@@ -102,30 +102,38 @@ def bench(url: str, w: dict[str, int]) -> dict[str, Any]:
             "duration_s": pt["duration_s"]}
 
 
-def calibrate_pd(w: dict[str, int]):
-    """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission)."""
+def calibrate_pd(w: dict[str, int], serving: bool = True):
+    """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission;
+    with `serving` the serving path's cost per step from one plain server of the same model,
+    calibrate_pd.measure_serving). Repetitions are averaged, not minimised: the held-out
+    benchmark measures a typical minute of this machine."""
     from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.calibrate import measure_engine
-    from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
+    from wideserve.sim.calibrate_pd import (measure_admission, measure_nixl, measure_prefill,
+                                            measure_serving)
     from wideserve.sim.validate import profile_from_rows
     model = str(BUNDLED_MODEL)
     kw = {"load_format": "auto", "dtype": "auto", "block_size": None}
-    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3)
+    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3,
+                          keep="mean")
     prof = profile_from_rows(rows)
+    if serving:
+        prof.host["serving"] = measure_serving(None, rows, w["input_len"], 24, kw)
     i = w["input_len"]
-    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw), "nixl": measure_nixl(),
+    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean"),
+               "nixl": measure_nixl(),
                "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
     return prof
 
 
-def predict_pd(prof, w: dict[str, int]) -> dict[str, Any]:
+def predict_pd(prof, w: dict[str, int], served: bool = True) -> dict[str, Any]:
     from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.model import load_model
     from wideserve.sim.pd import PDSettings
     from wideserve.sim.simulator import Layout, Simulation
     from wideserve.sim.workload import fixed
     m = load_model(BUNDLED_MODEL)
-    lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False,
+    lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False, served=served,
                  pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push",
                                prefill_batch_tokens=BATCH_TOKENS))
     work = itertools.islice(fixed(w["input_len"], w["output_len"]), w["requests"])
@@ -145,15 +153,20 @@ def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
             load = os.getloadavg()[0]
             prof = calibrate_pd(w)
             pred = predict_pd(prof, w)
+            unserved = predict_pd(prof, w, served=False)     # what the model gave before
             meas = bench(url, w)
-            out.append({"round": k, "load_1min": load, "predicted": pred, "measured": meas,
-                        "profile_pd": prof.pd, "host": {x: prof.host[x] for x in
-                                                        ("base_s", "per_request_s")},
+            out.append({"round": k, "load_1min": load, "load_end": os.getloadavg()[0],
+                        "predicted": pred, "predicted_without_serving": unserved,
+                        "measured": meas, "profile_pd": prof.pd,
+                        "host": {x: prof.host[x] for x in ("base_s", "per_request_s",
+                                                           "serving")},
                         "engine_rows": prof.ops["engine_rows"]})
             print(f"P/D round {k}: load {load:.1f}  tok/s pred {pred['output_tok_s']:.1f} "
+                  f"(no serving path {unserved['output_tok_s']:.1f}) "
                   f"meas {meas['output_tok_s']:.1f}  TTFT p50 pred "
-                  f"{1e3 * pred['ttft_p50_s']:.0f} ms meas {1e3 * meas['ttft_p50_s']:.0f} ms",
-                  flush=True)
+                  f"{1e3 * pred['ttft_p50_s']:.0f} ms ({1e3 * unserved['ttft_p50_s']:.0f}) "
+                  f"meas {1e3 * meas['ttft_p50_s']:.0f} ms  step pred {pred['step_ms']:.0f} ms "
+                  f"meas TPOT {1e3 * meas['tpot_p50_s']:.0f} ms", flush=True)
     finally:
         stop_cluster(procs)
     return {"workload": w, "rounds": out}

@@ -102,6 +102,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     c.add_argument("--admission-model", default=None,
                    help="model directory whose KV layout the admission cost is measured on "
                         "(default: --model)")
+    c.add_argument("--serving", action="store_true",
+                   help="also measure the serving path's seconds per decode step: the model "
+                        "behind one `wideserve serve` (engine process, IPC, API server, "
+                        "detokenize, HTTP streaming) vs in-process; needs --model with a "
+                        "tokenizer")
     c.add_argument("--out", required=True,
                    help="where to write the profile JSON")
     return p
@@ -122,12 +127,22 @@ def _calibrate(args: argparse.Namespace) -> int:
                                          temp_model_dir, write_profile)
     if min(args.ranks) < 2:
         raise ValueError(f"--ranks: collectives need rank counts >= 2, got {args.ranks}")
+    if args.serving and not (args.model and _has_tokenizer(args.model)):
+        raise ValueError("--serving needs --model: a model directory with a tokenizer (the "
+                         "serving path detokenizes what it streams)")
     model = args.model or temp_model_dir(DEFAULT_CONFIG)
     pd = PDCalibration(admission_model=args.admission_model) if args.pd else None
     write_profile(calibrate(model, args.batches, threads=args.threads,
-                            ranks=tuple(args.ranks), pd=pd), args.out)
+                            ranks=tuple(args.ranks), pd=pd, serving=args.serving), args.out)
     print(f"profile written to {args.out}")
     return 0
+
+
+def _has_tokenizer(model: str) -> bool:
+    from pathlib import Path
+    d = Path(model)
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                           "tokenizer_config.json"))
 
 
 def _base(args: argparse.Namespace):

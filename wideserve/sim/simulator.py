@@ -40,6 +40,7 @@ class Layout:
     pd: PDSettings = field(default_factory=PDSettings)
     jitter: bool = True
     price_per_gpu_hour: float = 0.0
+    served: bool = True                     # behind HTTP servers: the serving path's cost
 
     def gpus(self) -> int:
         return self.dep + self.pd.prefill_instances * self.pd.prefill_ranks
@@ -148,10 +149,13 @@ class Simulation:
                  if self.hw.kind == "measured" else None)
 
         def cost(members: list[tuple[_Req, int, int]]) -> float:
+            # a served prefill instance's step pays the serving path like a decode step
+            serve = self.sm.serving_s(len(members)) if self.lay.served else 0.0
             if table:           # the measured table at the batch's total tokens
-                return prefill_s(self.m, self.hw, sum(n for _, n, _ in members), 0,
-                                 pd.prefill_ranks, table)
-            return sum(prefill_s(self.m, self.hw, n, c, pd.prefill_ranks) for _, n, c in members)
+                return serve + prefill_s(self.m, self.hw, sum(n for _, n, _ in members), 0,
+                                         pd.prefill_ranks, table)
+            return serve + sum(prefill_s(self.m, self.hw, n, c, pd.prefill_ranks)
+                               for _, n, c in members)
         budget = pd.prefill_batch_tokens
         for i, b in enumerate(self.prefill_batch):
             if budget and b and b["start"] >= self.now and b["tokens"] + new <= budget:
@@ -214,7 +218,8 @@ class Simulation:
         inputs = StepInputs(
             lay.dep, [r + (p // q if p else 0) for r, p in zip(reqs, prefill)], ctx, lay.mtp_k,
             self.target.rank_rows(total_rows) if self.target else None,
-            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter)
+            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter,
+            lay.served)
         st = self.sm.step(inputs)
         self.now += st.step_s
         self._advance(lay.tokens_per_step())
