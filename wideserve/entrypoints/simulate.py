@@ -29,6 +29,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", type=int, nargs="+", default=[0], help="draft tokens k")
     p.add_argument("--acceptance", type=float, nargs="*", default=[0.8, 0.7, 0.6],
                    help="conditional acceptance per draft position")
+    p.add_argument("--draw-acceptance", action="store_true",
+                   help="draw each request's accepted drafts per step instead of using the "
+                        "expected value (a finite batch lasts as long as its unluckiest "
+                        "request)")
     p.add_argument("--sync", choices=("ring", "rd"), default="rd",
                    help="DP step-sync all-reduce: ring or recursive doubling")
     p.add_argument("--no-overlap", action="store_true", help="host and device in series")
@@ -154,7 +158,8 @@ def _base(args: argparse.Namespace):
     interval, window, warn = eplb_schedule(args.steps, args.eplb_interval, args.eplb_window)
     if warn and (args.eplb is True or args.eplb in ("on", "both")):
         print(warn, file=sys.stderr)
-    return Layout(acceptance=tuple(args.acceptance), sync_algo=args.sync,
+    return Layout(acceptance=tuple(args.acceptance), draw_acceptance=args.draw_acceptance,
+                  sync_algo=args.sync,
                   overlap_host=not args.no_overlap, skew=args.skew, draft_skew=args.draft_skew,
                   eplb=EplbSettings(True, interval, window, args.redundant),
                   pd=PDSettings(prefill_ranks=args.prefill_ranks, transfer=args.transfer,

@@ -9,7 +9,7 @@ fabric (pd.py) after the decode rank admits it (at most `max_kv_loads_per_step` 
 each costing host time), and it decodes from the step after the one that admitted it. Colocated, a new prompt is prefilled
 inside the next decode step of its rank. Speculation: with k drafts and conditional
 per-position acceptance a_1..a_k, a step emits 1 + sum_i prod_{j<=i} a_j tokens per request
-in expectation.
+in expectation (or, with `draw_acceptance`, a draw per request and step).
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ class Layout:
     jitter: bool = True
     price_per_gpu_hour: float = 0.0
     served: bool = True                     # behind HTTP servers: the serving path's cost
+    # each request's accepted drafts drawn per step from the acceptance profile (a chain of
+    # Bernoulli trials) instead of the expected value: a finite batch then lasts as long as
+    # its unluckiest request, and its last steps run part-filled
+    draw_acceptance: bool = False
 
     def gpus(self) -> int:
         return self.dep + self.pd.prefill_instances * self.pd.prefill_ranks
@@ -247,7 +251,8 @@ class Simulation:
                 else:
                     if x.first is None:                # first decode step after a KV load
                         x.first = self.now
-                    emitted = min(tokens, x.remaining)
+                    emitted = min(self._draw_tokens() if self.lay.draw_acceptance else tokens,
+                                  x.remaining)
                 x.remaining -= emitted
                 x.done_tokens += emitted
                 x.context += emitted
@@ -258,6 +263,16 @@ class Simulation:
                 else:
                     keep.append(x)
             self.running[r] = keep + [y for y in self.running[r][len(rs):]]
+
+    def _draw_tokens(self) -> float:
+        """Tokens one request emits in one step: 1 + the drafts accepted in a row, each
+        position accepted with its conditional probability."""
+        n = 1
+        for a in self.lay.acceptance[:self.lay.mtp_k]:
+            if self.rng.random() >= a:
+                break
+            n += 1
+        return float(n)
 
     def run_to_end(self, max_steps: int = 1_000_000) -> SimResult:
         """A finite workload from empty until every request finished (a benchmark run);
