@@ -413,40 +413,66 @@ def repredict_dep(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def dep_rounds(args: argparse.Namespace, rounds: int) -> list[dict]:
-    """Calibrate on one rank, then measure DEP2 at once, `rounds` times: each prediction is
-    paired with the measurement of the same minute (the load moves between minutes)."""
-    from dep_scaling import CONFIG, run_size
+def _dep_measure(llm, n: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    """One held-out DEP2 batch on the running engine: the decode step a user sees
+    (1 / P50 tokens/s per user, benchmarks/dep_scaling.py's measure)."""
+    import statistics
 
+    from dep_scaling import _prompts
+
+    from wideserve import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(_prompts(n, prompt_len, seed=seed), sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    per_user = sorted((o.metrics.num_generation_tokens - 1)
+                      / (o.metrics.last_token_time - o.metrics.first_token_time)
+                      for o in outs if o.metrics.last_token_time > o.metrics.first_token_time)
+    return {"step_ms": 1e3 / statistics.median(per_user), "wall_s": wall}
+
+
+def dep_rounds(args: argparse.Namespace, rounds: int, reps: int = 3) -> list[dict]:
+    """One DEP2 engine stays up (idle while calibrating); each round calibrates on one rank
+    and then measures the held-out DEP2 batch `reps` times, so a prediction is paired with
+    the measurements of the same minutes, and a round's measurement is the mean of `reps`
+    batches rather than one ~1.5 s batch (the load moves between seconds)."""
+    from dep_scaling import CONFIG, _llm, _prompts, _split
+
+    from wideserve import SamplingParams
     from wideserve.sim.calibrate import calibrate, temp_model_dir, write_profile
     model_dir = temp_model_dir(CONFIG)
     ns = argparse.Namespace(per_rank=args.per_rank, prompt_len=args.prompt_len,
                             output_len=args.output_len)
+    llm = _llm(model_dir, 2, ns)
     out = []
-    for k in range(rounds):
-        load = os.getloadavg()[0]
-        profile = calibrate(model_dir, [1, 4, 8], args.prompt_len, args.output_len, 1, (2,))
-        try:
-            measured = run_size(model_dir, 2, ns)
-        except Exception as e:      # noqa: BLE001 - a failed DEP run loses its round only
-            print(f"DEP2 round {k}: the DEP2 run failed ({type(e).__name__}: {e})", flush=True)
-            out.append({"round": k, "load_1min": load, "failed": f"{type(e).__name__}: {e}"})
-            continue
-        # The decode step a user sees: 1 / (P50 tokens/s per user). The per-step split of a
-        # DEP run averages in dummy steps (an idle rank's 1-token batches), so it is
-        # reported but not compared.
-        meas_step = 1e3 / measured["p50_user_tok_s"]
-        algo = "rd" if measured.get("sync", {}).get("method") == "rd" else "ring"
-        ctx = args.prompt_len + args.output_len / 2
-        pred = predict_dep(profile, model_dir, 2, args.per_rank, ctx, algo)
-        print(f"DEP2 round {k}: load {load:.1f}  predicted {pred['step_ms']:.1f} ms  measured "
-              f"{meas_step:.1f} ms", flush=True)
-        write_profile(profile, Path(args.out).with_name("sim_profile.json"))
-        prof = profile.to_dict()
-        prof["profile"]["host"]["jitter_s"] = prof["profile"]["host"]["jitter_s"][:50]
-        out.append({"round": k, "load_1min": load, "predicted": pred["step_ms"],
-                    "measured": meas_step, "prediction": pred, "run": measured,
-                    "profile": prof})
+    try:
+        llm.generate(_prompts(2, args.prompt_len, seed=99),
+                     SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                                    ignore_eos=True), use_tqdm=False)       # warm-up
+        stats = llm.engine.get_stats()["per_rank"][0]
+        algo = "rd" if stats["dp"]["sync_method"] == "rd" else "ring"
+        for k in range(rounds):
+            load = os.getloadavg()[0]
+            profile = calibrate(model_dir, [1, 4, 8], args.prompt_len, args.output_len, 1, (2,))
+            runs = [_dep_measure(llm, 2 * args.per_rank, args.prompt_len, args.output_len,
+                                 seed=1 + 10 * k + i) for i in range(reps)]
+            meas_step = float(np.mean([r["step_ms"] for r in runs]))
+            ctx = args.prompt_len + args.output_len / 2
+            pred = predict_dep(profile, model_dir, 2, args.per_rank, ctx, algo)
+            each = ", ".join(f"{r['step_ms']:.1f}" for r in runs)
+            print(f"DEP2 round {k}: load {load:.1f}  predicted {pred['step_ms']:.1f} ms  "
+                  f"measured {meas_step:.1f} ms ({each})", flush=True)
+            write_profile(profile, Path(args.out).with_name("sim_profile.json"))
+            prof = profile.to_dict()
+            prof["profile"]["host"]["jitter_s"] = prof["profile"]["host"]["jitter_s"][:50]
+            out.append({"round": k, "load_1min": load, "load_end": os.getloadavg()[0],
+                        "predicted": pred["step_ms"], "measured": meas_step,
+                        "measured_reps": runs, "prediction": pred,
+                        "run": {"sync": {"method": algo},
+                                "step_split": _split(llm.engine.get_stats()["per_rank"])},
+                        "profile": prof})
+    finally:
+        llm.shutdown()
     return out
 
 
