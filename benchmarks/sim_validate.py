@@ -319,17 +319,25 @@ def main() -> None:
             mtp = _mtp_simulated_rows(mtp, table, c["drafts3_ms"] / 3e3,
                                       c["draft_pass_k1_ms"] / 1e3, 8, 48, 32)
         extra["mtp"] = mtp
-        sim, c, w = mtp["simulated"], mtp["cpu"], mtp["wall"]
+        # every MTP round (calibration + held-out run) in its own file, appended: the
+        # table gives the median and spread over rounds (CPU time moves with the load too)
+        series = Path(args.out).with_name("sim_validate_mtp_rounds.json")
+        done = json.loads(series.read_text())["rounds"] if series.is_file() else []
+        if not args.repredict:
+            done.append({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                         "load_1min": os.getloadavg()[0], **mtp})
+            series.write_text(json.dumps({"rounds": done}, indent=1))
         for name, pred in (("MTP k=3 decode speed-up (bundled V4 tiny, B=8; CPU time)",
-                            sim["at_k"]["speedup"]),
+                            lambda r: r["simulated"]["at_k"]["speedup"]),
                            ("MTP k=3 speed-up across k (from k=1 + plain steps; CPU time)",
-                            sim["across_k"]["speedup"]),
+                            lambda r: r["simulated"]["across_k"]["speedup"]),
                            ("MTP k=3 speed-up, expected acceptance on full batches (CPU time)",
-                            c["predicted"]),
+                            lambda r: r["cpu"]["predicted"]),
                            ("MTP k=3 speed-up across k, expected acceptance on full batches "
-                            "(CPU time)", c["predicted_across_k"])):
-            rows.append({"quantity": name, "predicted": pred, "measured": c["measured"],
-                         "error": pred / c["measured"] - 1})
+                            "(CPU time)", lambda r: r["cpu"]["predicted_across_k"])):
+            rows.append(summary_row(name, [(pred(r), r["cpu"]["measured"])
+                                           for r in (done or [mtp])]))
+        w = mtp["wall"]
         rows.append({"quantity": "MTP k=3 decode speed-up (bundled V4 tiny, B=8; wall time)",
                      "predicted": w["predicted"], "measured": w["measured"],
                      "error": w["predicted"] / w["measured"] - 1})
