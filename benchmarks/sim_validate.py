@@ -300,8 +300,8 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["dep2", "pd", "mtp", "eplb"],
                     choices=("dep2", "pd", "mtp", "eplb"))
     ap.add_argument("--repredict", action="store_true",
-                    help="DEP2: predict the saved rounds again from their saved profiles "
-                         "(the current model; measurements unchanged)")
+                    help="DEP2, P/D, MTP: predict the saved rounds again from their saved "
+                         "calibrations (the current model; measurements unchanged)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="calibrate-then-measure rounds of DEP2 and P/D (median and spread)")
     args = ap.parse_args()
@@ -355,9 +355,10 @@ def main() -> None:
                                    [(r["predicted"], r["measured"]) for r in dep
                                     if "failed" not in r]))
     if "pd" in args.parts:
-        from sim_validate_pd import pd_rounds
+        from sim_validate_pd import pd_repredict, pd_rounds
         w = {"input_len": 256, "output_len": 32, "requests": 16, "concurrency": 4}
-        pd = pd_rounds(w, args.rounds)
+        pd = (pd_repredict(json.loads(Path(args.out).read_text())["pd"]) if args.repredict
+              else pd_rounds(w, args.rounds))
         rr = pd["rounds"]
         rows.append(summary_row("P/D 1P+1D output tokens/s (NIXL loopback, router)",
                                 [(r["predicted"]["output_tok_s"], r["measured"]["output_tok_s"])

@@ -144,6 +144,27 @@ def predict_pd(prof, w: dict[str, int], served: bool = True) -> dict[str, Any]:
             "step_ms": r.step_ms, "parts_ms": r.breakdown_ms, "seconds": r.seconds}
 
 
+def pd_repredict(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved P/D rounds predicted again by the current model from each round's own saved
+    calibration (engine rows, serving table, prefill, NIXL, admission); measurements kept."""
+    from wideserve.sim.validate import profile_from_rows
+    w, out = saved["workload"], []
+    for r in saved["rounds"]:
+        prof = profile_from_rows(r["engine_rows"])
+        if r["host"].get("serving"):
+            prof.host["serving"] = r["host"]["serving"]
+        prof.pd = r["profile_pd"]
+        pred = predict_pd(prof, w)
+        out.append({**r, "predicted": pred, "previous_prediction": r["predicted"],
+                    "predicted_without_serving": predict_pd(prof, w, served=False)})
+        print(f"P/D round {r['round']}: tok/s pred {pred['output_tok_s']:.1f} (was "
+              f"{r['predicted']['output_tok_s']:.1f}) meas {r['measured']['output_tok_s']:.1f}"
+              f"  TTFT pred {1e3 * pred['ttft_p50_s']:.0f} ms (was "
+              f"{1e3 * r['predicted']['ttft_p50_s']:.0f}) meas "
+              f"{1e3 * r['measured']['ttft_p50_s']:.0f} ms", flush=True)
+    return {"workload": w, "rounds": out}
+
+
 def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
     procs, url = start_cluster()
     out = []

@@ -68,16 +68,16 @@ class StepModel:
 
     def serving_s(self, requests: int) -> float:
         """Host seconds per step the serving path adds (engine-proc loop, IPC, the API
-        server's detokenize and streaming): the calibrated table at this batch
-        (calibrate_pd.serving_table). On a measured machine all it adds, including the
-        served engine's step slowing down beside the API server on the same cores; on a GPU
-        only the loop's share (the forward does not run on the host's cores). 0 when the
-        profile has no serving table."""
+        server's detokenize and streaming): the calibrated `loop_s` at this batch
+        (calibrate_pd.serving_table), the served period less the served engine's own step,
+        both from the same runs. The table's `s` (period less the in-process step, measured
+        minutes apart) is kept as a diagnostic, not charged: on a shared machine the load
+        drifts between those minutes by more than the serving path costs (docs/simulator.md).
+        0 when the profile has no serving table."""
         t = self.p.host.get("serving")
         if not t or requests <= 0:
             return 0.0
-        ys = t["s"] if self.measured else t["loop_s"]
-        return interp(t["batch"], ys, requests) / self.hw.host_speed
+        return interp(t["batch"], t["loop_s"], requests) / self.hw.host_speed
 
     def sync_s(self, ranks: int, algo: str) -> float:
         c = self.p.collectives
