@@ -246,8 +246,9 @@ def mtp_repredict(out: Path, batch: int = 8, prompt_len: int = 48, max_tokens: i
     the measurement is unchanged."""
     mtp = json.loads(out.read_text())["mtp"]
     c = mtp["cpu"]
-    table = {batch: c["step0_ms"] / 1e3, 2 * batch: c["step0_2b_ms"] / 1e3,
-             4 * batch: c["step0_4b_ms"] / 1e3}
+    table = ({int(b): v / 1e3 for b, v in c["table_ms"].items()} if "table_ms" in c else
+             {batch: c["step0_ms"] / 1e3, 2 * batch: c["step0_2b_ms"] / 1e3,
+              4 * batch: c["step0_4b_ms"] / 1e3})
     return _mtp_simulated_rows(mtp, table, c["drafts3_ms"] / 3e3, c["draft_pass_k1_ms"] / 1e3,
                                batch, prompt_len, max_tokens)
 
