@@ -151,7 +151,8 @@ def mtp_section(batch: int, prompt_len: int, max_tokens: int) -> dict:
                                             offset + (i + 1) * prompt_len].tolist()}
                 for i in range(n)]
     c1, c2 = prompts(0, 4 * batch), prompts(4 * batch * prompt_len, batch)
-    table = {n: _bundled_run(c1[:n], 0, max_tokens) for n in (batch, 2 * batch, 4 * batch)}
+    table = {n: _bundled_run(c1[:n], 0, max_tokens)
+             for n in (batch // 4, batch // 2, batch, 2 * batch, 4 * batch)}
     k1 = _bundled_run(c1[:batch], 1, max_tokens)
     k3_cal = _bundled_run(c1[:batch], 3, max_tokens)
     base, spec = _bundled_run(c2, 0, max_tokens), _bundled_run(c2, 3, max_tokens)
@@ -186,9 +187,83 @@ def mtp_section(batch: int, prompt_len: int, max_tokens: int) -> dict:
                       "step0_2b_ms": 1e3 * s0(2 * batch), "step0_4b_ms": 1e3 * s0(4 * batch),
                       "heldout_step0_ms": 1e3 * total(base),
                       "heldout_step3_ms": 1e3 * total(spec),
-                      "heldout_drafts3_ms": 1e3 * spec[draft_key]}
+                      "heldout_drafts3_ms": 1e3 * spec[draft_key],
+                      "table_ms": {str(n): 1e3 * total(table[n]) for n in xs}}
     out["predicted"], out["measured"] = out["cpu"]["predicted"], out["cpu"]["measured"]
     return out
+
+
+def mtp_simulated(acc: list[float], table: dict[int, float], draft_pass_s: float, batch: int,
+                  prompt_len: int, max_tokens: int, seeds: int = 128) -> dict:
+    """The held-out MTP ratio as the simulator runs it: `batch` requests from empty, each
+    to `max_tokens`, with each request's accepted drafts drawn per step from the calibrated
+    conditional acceptance (Layout.draw_acceptance), so the batch lasts as long as its
+    unluckiest request and its last steps run part-filled, as the engine's do. Costs per
+    step (CPU seconds, host included): the plain step vs tokens (`table`, requests -> s;
+    a verify of k+1 positions costs the plain step at its token count) plus k draft passes
+    of `draft_pass_s`. Below its smallest measured batch a cost is held at that
+    measurement, not scaled down (this model's step is nearly flat in tokens: fixed costs
+    dominate). Ratio = decode tokens per CPU second of k = 3 over k = 0, each from two runs
+    that differ only in output length (4 vs max_tokens), as measured."""
+    from wideserve.sim.hardware import Profile
+    from wideserve.sim.model import load_model
+    from wideserve.sim.simulator import Layout, Simulation
+    from wideserve.sim.workload import fixed
+    from wideserve.worker.model_loader import BUNDLED_MODEL
+    m = load_model(BUNDLED_MODEL)
+    xs = sorted(table)
+    dense = {"tokens": [1.0] * (xs[0] > 1) + [float(x) for x in xs],
+             "s": [table[xs[0]]] * (xs[0] > 1) + [table[x] for x in xs]}
+    prof = Profile("mtp calibration", {"base_s": 0.0, "per_request_s": 0.0, "per_token_s": 0.0,
+                                       "jitter_s": []},
+                   {"allreduce_alpha_s": 0.0, "alltoall": {"alpha_s": 0.0, "bytes_per_s": 1.0}},
+                   {"expert": {"rows": [1], "s": [0.0]}, "dense_forward": dense,
+                    "draft_forward": {"tokens": [1.0, float(batch)],
+                                      "s": [draft_pass_s, draft_pass_s]}}, 1.0, 1.0)
+    hw = prof.as_hardware()
+
+    def rate(k: int, seeds: int) -> tuple[float, float]:
+        """(decode tokens per second, per step per request), summed over `seeds` draws."""
+        diff = np.zeros(3)
+        for seed in range(seeds):
+            runs = []
+            for n in (4, max_tokens):
+                lay = Layout(dep=1, batch=batch, mtp_k=k, acceptance=tuple(acc), jitter=False,
+                             overlap_host=False, served=False, draw_acceptance=True)
+                sim = Simulation(m, hw, prof, lay, iter([next(fixed(prompt_len, n))] * batch),
+                                 seed=seed, steady=False)
+                r = sim.run_to_end()
+                runs.append((sum(x.done_tokens for x in sim.finished), r.seconds, r.steps))
+            diff += np.subtract(runs[1], runs[0])
+        return diff[0] / diff[1], diff[0] / diff[2] / batch
+    spec = rate(3, seeds)
+    return {"speedup": spec[0] / rate(0, 1)[0], "tokens_per_step_per_request": spec[1]}
+
+
+def mtp_repredict(out: Path, batch: int = 8, prompt_len: int = 48, max_tokens: int = 32
+                  ) -> dict:
+    """The saved MTP calibration (its measured costs and acceptance) through mtp_simulated;
+    the measurement is unchanged."""
+    mtp = json.loads(out.read_text())["mtp"]
+    c = mtp["cpu"]
+    table = ({int(b): v / 1e3 for b, v in c["table_ms"].items()} if "table_ms" in c else
+             {batch: c["step0_ms"] / 1e3, 2 * batch: c["step0_2b_ms"] / 1e3,
+              4 * batch: c["step0_4b_ms"] / 1e3})
+    return _mtp_simulated_rows(mtp, table, c["drafts3_ms"] / 3e3, c["draft_pass_k1_ms"] / 1e3,
+                               batch, prompt_len, max_tokens)
+
+
+def _mtp_simulated_rows(mtp: dict, table: dict, pass_at_k: float, pass_k1: float, batch: int,
+                        prompt_len: int, max_tokens: int) -> dict:
+    acc = mtp["acceptance_cal"]
+    at_k = mtp_simulated(acc, table, pass_at_k, batch, prompt_len, max_tokens)
+    across = mtp_simulated(acc, table, pass_k1, batch, prompt_len, max_tokens)
+    meas = mtp["cpu"]["measured"]
+    mtp["simulated"] = {"at_k": at_k, "across_k": across, "measured": meas}
+    print(f"MTP (simulated batch, drawn acceptance): at k {at_k['speedup']:.3f} "
+          f"({at_k['tokens_per_step_per_request']:.2f} tok/step/request), across k "
+          f"{across['speedup']:.3f}; measured {meas:.3f}", flush=True)
+    return mtp
 
 
 def eplb_section(ranks: int) -> dict:
@@ -226,8 +301,8 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["dep2", "pd", "mtp", "eplb"],
                     choices=("dep2", "pd", "mtp", "eplb"))
     ap.add_argument("--repredict", action="store_true",
-                    help="DEP2: predict the saved rounds again from their saved profiles "
-                         "(the current model; measurements unchanged)")
+                    help="DEP2, P/D, MTP: predict the saved rounds again from their saved "
+                         "calibrations (the current model; measurements unchanged)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="calibrate-then-measure rounds of DEP2 and P/D (median and spread)")
     args = ap.parse_args()
@@ -236,15 +311,34 @@ def main() -> None:
     torch.set_num_threads(1)
     rows, extra = [], {}
     if "mtp" in args.parts:
-        mtp = mtp_section(8, 48, 32)
+        if args.repredict:
+            mtp = mtp_repredict(Path(args.out))
+        else:
+            mtp = mtp_section(8, 48, 32)
+            c = mtp["cpu"]
+            table = {int(b): v / 1e3 for b, v in c["table_ms"].items()}
+            mtp = _mtp_simulated_rows(mtp, table, c["drafts3_ms"] / 3e3,
+                                      c["draft_pass_k1_ms"] / 1e3, 8, 48, 32)
         extra["mtp"] = mtp
-        rows.append({"quantity": "MTP k=3 decode speed-up (bundled V4 tiny, B=8; CPU time)",
-                     "predicted": mtp["predicted"], "measured": mtp["measured"],
-                     "error": mtp["predicted"] / mtp["measured"] - 1})
-        c, w = mtp["cpu"], mtp["wall"]
-        rows.append({"quantity": "MTP k=3 speed-up across k (from k=1 + plain steps; CPU time)",
-                     "predicted": c["predicted_across_k"], "measured": c["measured"],
-                     "error": c["predicted_across_k"] / c["measured"] - 1})
+        # every MTP round (calibration + held-out run) in its own file, appended: the
+        # table gives the median and spread over rounds (CPU time moves with the load too)
+        series = Path(args.out).with_name("sim_validate_mtp_rounds.json")
+        done = json.loads(series.read_text())["rounds"] if series.is_file() else []
+        if not args.repredict:
+            done.append({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                         "load_1min": os.getloadavg()[0], **mtp})
+            series.write_text(json.dumps({"rounds": done}, indent=1))
+        for name, pred in (("MTP k=3 decode speed-up (bundled V4 tiny, B=8; CPU time)",
+                            lambda r: r["simulated"]["at_k"]["speedup"]),
+                           ("MTP k=3 speed-up across k (from k=1 + plain steps; CPU time)",
+                            lambda r: r["simulated"]["across_k"]["speedup"]),
+                           ("MTP k=3 speed-up, expected acceptance on full batches (CPU time)",
+                            lambda r: r["cpu"]["predicted"]),
+                           ("MTP k=3 speed-up across k, expected acceptance on full batches "
+                            "(CPU time)", lambda r: r["cpu"]["predicted_across_k"])):
+            rows.append(summary_row(name, [(pred(r), r["cpu"]["measured"])
+                                           for r in (done or [mtp])]))
+        w = mtp["wall"]
         rows.append({"quantity": "MTP k=3 decode speed-up (bundled V4 tiny, B=8; wall time)",
                      "predicted": w["predicted"], "measured": w["measured"],
                      "error": w["predicted"] / w["measured"] - 1})
@@ -262,9 +356,10 @@ def main() -> None:
                                    [(r["predicted"], r["measured"]) for r in dep
                                     if "failed" not in r]))
     if "pd" in args.parts:
-        from sim_validate_pd import pd_rounds
+        from sim_validate_pd import pd_repredict, pd_rounds
         w = {"input_len": 256, "output_len": 32, "requests": 16, "concurrency": 4}
-        pd = pd_rounds(w, args.rounds)
+        pd = (pd_repredict(json.loads(Path(args.out).read_text())["pd"]) if args.repredict
+              else pd_rounds(w, args.rounds))
         rr = pd["rounds"]
         rows.append(summary_row("P/D 1P+1D output tokens/s (NIXL loopback, router)",
                                 [(r["predicted"]["output_tok_s"], r["measured"]["output_tok_s"])
@@ -328,40 +423,66 @@ def repredict_dep(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def dep_rounds(args: argparse.Namespace, rounds: int) -> list[dict]:
-    """Calibrate on one rank, then measure DEP2 at once, `rounds` times: each prediction is
-    paired with the measurement of the same minute (the load moves between minutes)."""
-    from dep_scaling import CONFIG, run_size
+def _dep_measure(llm, n: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    """One held-out DEP2 batch on the running engine: the decode step a user sees
+    (1 / P50 tokens/s per user, benchmarks/dep_scaling.py's measure)."""
+    import statistics
 
+    from dep_scaling import _prompts
+
+    from wideserve import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(_prompts(n, prompt_len, seed=seed), sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    per_user = sorted((o.metrics.num_generation_tokens - 1)
+                      / (o.metrics.last_token_time - o.metrics.first_token_time)
+                      for o in outs if o.metrics.last_token_time > o.metrics.first_token_time)
+    return {"step_ms": 1e3 / statistics.median(per_user), "wall_s": wall}
+
+
+def dep_rounds(args: argparse.Namespace, rounds: int, reps: int = 3) -> list[dict]:
+    """One DEP2 engine stays up (idle while calibrating); each round calibrates on one rank
+    and then measures the held-out DEP2 batch `reps` times, so a prediction is paired with
+    the measurements of the same minutes, and a round's measurement is the mean of `reps`
+    batches rather than one ~1.5 s batch (the load moves between seconds)."""
+    from dep_scaling import CONFIG, _llm, _prompts, _split
+
+    from wideserve import SamplingParams
     from wideserve.sim.calibrate import calibrate, temp_model_dir, write_profile
     model_dir = temp_model_dir(CONFIG)
     ns = argparse.Namespace(per_rank=args.per_rank, prompt_len=args.prompt_len,
                             output_len=args.output_len)
+    llm = _llm(model_dir, 2, ns)
     out = []
-    for k in range(rounds):
-        load = os.getloadavg()[0]
-        profile = calibrate(model_dir, [1, 4, 8], args.prompt_len, args.output_len, 1, (2,))
-        try:
-            measured = run_size(model_dir, 2, ns)
-        except Exception as e:      # noqa: BLE001 - a failed DEP run loses its round only
-            print(f"DEP2 round {k}: the DEP2 run failed ({type(e).__name__}: {e})", flush=True)
-            out.append({"round": k, "load_1min": load, "failed": f"{type(e).__name__}: {e}"})
-            continue
-        # The decode step a user sees: 1 / (P50 tokens/s per user). The per-step split of a
-        # DEP run averages in dummy steps (an idle rank's 1-token batches), so it is
-        # reported but not compared.
-        meas_step = 1e3 / measured["p50_user_tok_s"]
-        algo = "rd" if measured.get("sync", {}).get("method") == "rd" else "ring"
-        ctx = args.prompt_len + args.output_len / 2
-        pred = predict_dep(profile, model_dir, 2, args.per_rank, ctx, algo)
-        print(f"DEP2 round {k}: load {load:.1f}  predicted {pred['step_ms']:.1f} ms  measured "
-              f"{meas_step:.1f} ms", flush=True)
-        write_profile(profile, Path(args.out).with_name("sim_profile.json"))
-        prof = profile.to_dict()
-        prof["profile"]["host"]["jitter_s"] = prof["profile"]["host"]["jitter_s"][:50]
-        out.append({"round": k, "load_1min": load, "predicted": pred["step_ms"],
-                    "measured": meas_step, "prediction": pred, "run": measured,
-                    "profile": prof})
+    try:
+        llm.generate(_prompts(2, args.prompt_len, seed=99),
+                     SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                                    ignore_eos=True), use_tqdm=False)       # warm-up
+        stats = llm.engine.get_stats()["per_rank"][0]
+        algo = "rd" if stats["dp"]["sync_method"] == "rd" else "ring"
+        for k in range(rounds):
+            load = os.getloadavg()[0]
+            profile = calibrate(model_dir, [1, 4, 8], args.prompt_len, args.output_len, 1, (2,))
+            runs = [_dep_measure(llm, 2 * args.per_rank, args.prompt_len, args.output_len,
+                                 seed=1 + 10 * k + i) for i in range(reps)]
+            meas_step = float(np.mean([r["step_ms"] for r in runs]))
+            ctx = args.prompt_len + args.output_len / 2
+            pred = predict_dep(profile, model_dir, 2, args.per_rank, ctx, algo)
+            each = ", ".join(f"{r['step_ms']:.1f}" for r in runs)
+            print(f"DEP2 round {k}: load {load:.1f}  predicted {pred['step_ms']:.1f} ms  "
+                  f"measured {meas_step:.1f} ms ({each})", flush=True)
+            write_profile(profile, Path(args.out).with_name("sim_profile.json"))
+            prof = profile.to_dict()
+            prof["profile"]["host"]["jitter_s"] = prof["profile"]["host"]["jitter_s"][:50]
+            out.append({"round": k, "load_1min": load, "load_end": os.getloadavg()[0],
+                        "predicted": pred["step_ms"], "measured": meas_step,
+                        "measured_reps": runs, "prediction": pred,
+                        "run": {"sync": {"method": algo},
+                                "step_split": _split(llm.engine.get_stats()["per_rank"])},
+                        "profile": prof})
+    finally:
+        llm.shutdown()
     return out
 
 

@@ -8,8 +8,10 @@ output tokens at concurrency C, from empty) on one prefill + one decode server.
 Held out: the real servers (`wideserve serve` x 2 with NixlConnector, `wideserve router`,
 WIDESERVE_KV_SECRET set, as the README's P/D tour runs them) measured by `wideserve bench
 serve` with the same workload: output tokens/s and TTFT (median).
-Rounds interleave calibration and measurement (the servers stay up, idle while calibrating),
-so both see the same minute of a shared machine.
+Calibrations bracket the held-out runs (C0 B0 C1 B1 ... Cn; the servers stay up, idle while
+calibrating): round k predicts B_k from the mean of C_k and C_k+1, so a load that drifts
+steadily over the minutes of a round cancels to first order. (The paired design, calibrate
+then measure, is in results/sim_validate_pd_paired.json.)
 
     python benchmarks/sim_validate.py --parts pd
 """
@@ -102,30 +104,38 @@ def bench(url: str, w: dict[str, int]) -> dict[str, Any]:
             "duration_s": pt["duration_s"]}
 
 
-def calibrate_pd(w: dict[str, int]):
-    """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission)."""
+def calibrate_pd(w: dict[str, int], serving: bool = True):
+    """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission;
+    with `serving` the serving path's cost per step from one plain server of the same model,
+    calibrate_pd.measure_serving). Repetitions are averaged, not minimised: the held-out
+    benchmark measures a typical minute of this machine."""
     from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.calibrate import measure_engine
-    from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
+    from wideserve.sim.calibrate_pd import (measure_admission, measure_nixl, measure_prefill,
+                                            measure_serving)
     from wideserve.sim.validate import profile_from_rows
     model = str(BUNDLED_MODEL)
     kw = {"load_format": "auto", "dtype": "auto", "block_size": None}
-    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3)
+    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3,
+                          keep="mean")
     prof = profile_from_rows(rows)
+    if serving:
+        prof.host["serving"] = measure_serving(None, rows, w["input_len"], 24, kw)
     i = w["input_len"]
-    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw), "nixl": measure_nixl(),
+    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean"),
+               "nixl": measure_nixl(),
                "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
     return prof
 
 
-def predict_pd(prof, w: dict[str, int]) -> dict[str, Any]:
+def predict_pd(prof, w: dict[str, int], served: bool = True) -> dict[str, Any]:
     from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.model import load_model
     from wideserve.sim.pd import PDSettings
     from wideserve.sim.simulator import Layout, Simulation
     from wideserve.sim.workload import fixed
     m = load_model(BUNDLED_MODEL)
-    lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False,
+    lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False, served=served,
                  pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push",
                                prefill_batch_tokens=BATCH_TOKENS))
     work = itertools.islice(fixed(w["input_len"], w["output_len"]), w["requests"])
@@ -136,24 +146,78 @@ def predict_pd(prof, w: dict[str, int]) -> dict[str, Any]:
             "step_ms": r.step_ms, "parts_ms": r.breakdown_ms, "seconds": r.seconds}
 
 
+def pd_repredict(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved P/D rounds predicted again by the current model from each round's own saved
+    calibration (engine rows, serving table, prefill, NIXL, admission); measurements kept."""
+    from wideserve.sim.validate import profile_from_rows
+    w, out = saved["workload"], []
+    for r in saved["rounds"]:
+        prof = profile_from_rows(r["engine_rows"])
+        if r["host"].get("serving"):
+            prof.host["serving"] = r["host"]["serving"]
+        prof.pd = r["profile_pd"]
+        pred = predict_pd(prof, w)
+        out.append({**r, "predicted": pred, "previous_prediction": r["predicted"],
+                    "predicted_without_serving": predict_pd(prof, w, served=False)})
+        print(f"P/D round {r['round']}: tok/s pred {pred['output_tok_s']:.1f} (was "
+              f"{r['predicted']['output_tok_s']:.1f}) meas {r['measured']['output_tok_s']:.1f}"
+              f"  TTFT pred {1e3 * pred['ttft_p50_s']:.0f} ms (was "
+              f"{1e3 * r['predicted']['ttft_p50_s']:.0f}) meas "
+              f"{1e3 * r['measured']['ttft_p50_s']:.0f} ms", flush=True)
+    return {"workload": w, "rounds": out}
+
+
+def mean_profile(a, b):
+    """The mean of two calibrations of the same shapes (engine rows per batch, prefill
+    table): a calibration taken before a held-out run and one taken after it bracket the
+    run, so a load that drifts steadily through them cancels to first order."""
+    from wideserve.sim.validate import profile_from_rows
+    rows = []
+    for ra, rb in zip(a.ops["engine_rows"], b.ops["engine_rows"]):
+        rows.append({k: (ra[k] + rb[k]) / 2 for k in ra})
+    prof = profile_from_rows(rows)
+    if a.host.get("serving"):
+        prof.host["serving"] = a.host["serving"]
+    pa, pb = a.pd["prefill"], b.pd["prefill"]
+    prof.pd = {**b.pd, "prefill": {"tokens": pa["tokens"],
+                                   "s": [(x + y) / 2 for x, y in zip(pa["s"], pb["s"])]}}
+    return prof
+
+
 def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Calibrations bracket the held-out runs: C0 B0 C1 B1 ... C_n; round k predicts B_k
+    from the mean of C_k and C_k+1 (mean_profile). The serving loop (a quantity of one
+    run, drift-free) is measured in C0 only and carried."""
     procs, url = start_cluster()
     out = []
     try:
         bench(url, {**w, "requests": 2 * w["concurrency"]})          # warm-up
+        cals = [calibrate_pd(w)]
         for k in range(rounds):
             load = os.getloadavg()[0]
-            prof = calibrate_pd(w)
-            pred = predict_pd(prof, w)
             meas = bench(url, w)
-            out.append({"round": k, "load_1min": load, "predicted": pred, "measured": meas,
-                        "profile_pd": prof.pd, "host": {x: prof.host[x] for x in
-                                                        ("base_s", "per_request_s")},
-                        "engine_rows": prof.ops["engine_rows"]})
+            nxt = calibrate_pd(w, serving=False)
+            nxt.host["serving"] = cals[0].host["serving"]
+            cals.append(nxt)
+            prof = mean_profile(cals[k], cals[k + 1])
+            pred, unserved = predict_pd(prof, w), predict_pd(prof, w, served=False)
+            before, after = predict_pd(cals[k], w), predict_pd(cals[k + 1], w)
+            out.append({"round": k, "load_1min": load, "load_end": os.getloadavg()[0],
+                        "predicted": pred, "predicted_without_serving": unserved,
+                        "predicted_from_before": before, "predicted_from_after": after,
+                        "measured": meas, "profile_pd": prof.pd,
+                        "host": {x: prof.host[x] for x in ("base_s", "per_request_s",
+                                                           "serving")},
+                        "engine_rows": prof.ops["engine_rows"],
+                        "engine_rows_before": cals[k].ops["engine_rows"],
+                        "engine_rows_after": cals[k + 1].ops["engine_rows"]})
             print(f"P/D round {k}: load {load:.1f}  tok/s pred {pred['output_tok_s']:.1f} "
+                  f"(before {before['output_tok_s']:.1f}, after {after['output_tok_s']:.1f}) "
                   f"meas {meas['output_tok_s']:.1f}  TTFT p50 pred "
-                  f"{1e3 * pred['ttft_p50_s']:.0f} ms meas {1e3 * meas['ttft_p50_s']:.0f} ms",
-                  flush=True)
+                  f"{1e3 * pred['ttft_p50_s']:.0f} ms (before {1e3 * before['ttft_p50_s']:.0f},"
+                  f" after {1e3 * after['ttft_p50_s']:.0f}) meas "
+                  f"{1e3 * meas['ttft_p50_s']:.0f} ms  step pred {pred['step_ms']:.0f} ms "
+                  f"meas TPOT {1e3 * meas['tpot_p50_s']:.0f} ms", flush=True)
     finally:
         stop_cluster(procs)
-    return {"workload": w, "rounds": out}
+    return {"workload": w, "rounds": out, "design": "bracketed: C0 B0 C1 B1 ... Cn"}

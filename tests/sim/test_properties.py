@@ -166,3 +166,26 @@ def test_measured_meetings_set_the_lockstep_wait():
     assert one.parts["lockstep_wait"] == 0.0
     four = sm.step(StepInputs(4, [4] * 4, [64.0] * 4, overlap_host=False, noise=True))
     assert four.parts["lockstep_wait"] == 0.0      # no table at 4 ranks, noise-free profile
+
+
+def test_drawn_acceptance_keeps_the_mean_and_a_batch_waits_for_its_unluckiest_request():
+    """Drawn per request and step, the accepted length averages the profile's expectation,
+    but a finite batch run to the end emits fewer tokens per step than that mean: it lasts
+    as long as its slowest request, and its last steps run part-filled."""
+    acc = (0.8, 0.7, 0.7)
+    prof = profile()
+    mean = Layout(mtp_k=3, acceptance=acc).tokens_per_step()
+    per_step, draws = [], []
+    for seed in range(20):
+        lay = Layout(dep=1, batch=8, mtp_k=3, acceptance=acc, jitter=False,
+                     draw_acceptance=True)
+        sim = Simulation(tiny_model(), gpu(), prof, lay,
+                         iter([next(fixed(8, 33)) for _ in range(8)]), seed=seed,
+                         steady=False)
+        draws += [sim._draw_tokens() for _ in range(200)]
+        r = sim.run_to_end()
+        assert len(sim.finished) == 8
+        assert sum(x.done_tokens for x in sim.finished) == pytest.approx(8 * 33)
+        per_step.append((8 * 33 - 8) / (r.steps - 1) / 8)       # decode steps, per request
+    assert np.mean(draws) == pytest.approx(mean, rel=0.05)
+    assert np.mean(per_step) < 0.95 * mean

@@ -130,3 +130,65 @@ def test_calibrate_rank_counts_flag():
     bad = ap.parse_args(
         ["simulate", "calibrate", "--ranks", "1", "--out", "x"])
     assert simulate.run(bad) == 2          # a clear error naming --ranks, before measuring
+
+
+SERVING = {"batch": [1.0, 4.0], "s": [0.02, 0.05], "loop_s": [0.01, 0.02]}
+
+
+def test_serving_table_splits_the_served_step_into_loop_and_contention():
+    from wideserve.sim.calibrate_pd import serving_table
+    inproc = [{"batch": 1.0, "host": 0.01, "forward": 0.09},
+              {"batch": 4.0, "host": 0.02, "forward": 0.18}]
+    served = [{"batch": 4.0, "period": 0.26, "engine": 0.23},
+              {"batch": 1.0, "period": 0.13, "engine": 0.11}]
+    t = serving_table(inproc, served)
+    assert t["batch"] == [1.0, 4.0]
+    assert t["s"] == pytest.approx([0.03, 0.06])        # period - in-process step
+    assert t["loop_s"] == pytest.approx([0.02, 0.03])   # period - served engine step
+    assert t["inprocess_s"] == pytest.approx([0.10, 0.20])
+    # a served run faster than in-process (noise) adds nothing rather than a negative cost
+    assert serving_table(inproc[:1], [{"batch": 1.0, "period": 0.05, "engine": 0.06}])["s"] \
+        == [0.0]
+    with pytest.raises(ValueError, match="batch 2"):
+        serving_table(inproc, [{"batch": 2.0, "period": 0.1, "engine": 0.1}])
+
+
+def test_a_served_step_pays_the_serving_loop_measured_beside_it():
+    from wideserve.sim.hardware import load_hardware
+    from wideserve.sim.step import StepInputs, StepModel
+    prof = _measured()
+    prof.host["serving"] = SERVING
+    for hw in (prof.as_hardware(), load_hardware("gb200")):
+        charged = 0.01 + 0.01 / 3                   # loop_s at B=2, not s
+        sm = StepModel(tiny_model(), hw, prof)
+        plain = sm.step(StepInputs(1, [2], [100.0], overlap_host=False))
+        served = sm.step(StepInputs(1, [2], [100.0], overlap_host=False, served=True))
+        assert served.step_s - plain.step_s == pytest.approx(charged)   # the table at B=2
+        assert served.parts["serving"] == pytest.approx(charged)
+        assert plain.parts["serving"] == 0.0
+    # the P/D benchmark: slower output and a later first token behind servers
+    runs, first = {}, {}
+    for served in (False, True):
+        lay = Layout(dep=1, batch=2, overlap_host=False, jitter=False, served=served,
+                     pd=PDSettings(prefill_instances=1, prefill_ranks=1))
+        sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay,
+                         itertools.islice(fixed(200, 5), 4), steady=False)
+        runs[served] = sim.run_to_end()
+        # the first request (nothing queued ahead of it): its prefill batch and its decode
+        # steps each pay the loop
+        first[served] = min(x.first - x.arrival for x in sim.finished)
+    assert runs[True].seconds > runs[False].seconds
+    assert first[True] > first[False]
+    assert runs[True].breakdown_ms["serving"] > 0
+
+
+def test_calibrate_serving_needs_a_model_with_a_tokenizer(tmp_path):
+    from wideserve.entrypoints import simulate
+    ap = argparse.ArgumentParser()
+    simulate.add_parser(ap.add_subparsers(dest="cmd"))
+    assert simulate.run(ap.parse_args(["simulate", "calibrate", "--serving", "--out",
+                                       str(tmp_path / "p.json")])) == 2
+    (tmp_path / "config.json").write_text("{}")
+    assert simulate.run(ap.parse_args(["simulate", "calibrate", "--serving", "--model",
+                                       str(tmp_path), "--out", str(tmp_path / "p.json")])) == 2
+    assert not (tmp_path / "p.json").exists()

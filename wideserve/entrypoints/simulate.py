@@ -29,6 +29,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", type=int, nargs="+", default=[0], help="draft tokens k")
     p.add_argument("--acceptance", type=float, nargs="*", default=[0.8, 0.7, 0.6],
                    help="conditional acceptance per draft position")
+    p.add_argument("--draw-acceptance", action="store_true",
+                   help="draw each request's accepted drafts per step instead of using the "
+                        "expected value (a finite batch lasts as long as its unluckiest "
+                        "request)")
     p.add_argument("--sync", choices=("ring", "rd"), default="rd",
                    help="DP step-sync all-reduce: ring or recursive doubling")
     p.add_argument("--no-overlap", action="store_true", help="host and device in series")
@@ -102,6 +106,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     c.add_argument("--admission-model", default=None,
                    help="model directory whose KV layout the admission cost is measured on "
                         "(default: --model)")
+    c.add_argument("--serving", action="store_true",
+                   help="also measure the serving path's seconds per decode step: the model "
+                        "behind one `wideserve serve` (engine process, IPC, API server, "
+                        "detokenize, HTTP streaming) vs in-process; needs --model with a "
+                        "tokenizer")
     c.add_argument("--out", required=True,
                    help="where to write the profile JSON")
     return p
@@ -122,12 +131,22 @@ def _calibrate(args: argparse.Namespace) -> int:
                                          temp_model_dir, write_profile)
     if min(args.ranks) < 2:
         raise ValueError(f"--ranks: collectives need rank counts >= 2, got {args.ranks}")
+    if args.serving and not (args.model and _has_tokenizer(args.model)):
+        raise ValueError("--serving needs --model: a model directory with a tokenizer (the "
+                         "serving path detokenizes what it streams)")
     model = args.model or temp_model_dir(DEFAULT_CONFIG)
     pd = PDCalibration(admission_model=args.admission_model) if args.pd else None
     write_profile(calibrate(model, args.batches, threads=args.threads,
-                            ranks=tuple(args.ranks), pd=pd), args.out)
+                            ranks=tuple(args.ranks), pd=pd, serving=args.serving), args.out)
     print(f"profile written to {args.out}")
     return 0
+
+
+def _has_tokenizer(model: str) -> bool:
+    from pathlib import Path
+    d = Path(model)
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                           "tokenizer_config.json"))
 
 
 def _base(args: argparse.Namespace):
@@ -139,7 +158,8 @@ def _base(args: argparse.Namespace):
     interval, window, warn = eplb_schedule(args.steps, args.eplb_interval, args.eplb_window)
     if warn and (args.eplb is True or args.eplb in ("on", "both")):
         print(warn, file=sys.stderr)
-    return Layout(acceptance=tuple(args.acceptance), sync_algo=args.sync,
+    return Layout(acceptance=tuple(args.acceptance), draw_acceptance=args.draw_acceptance,
+                  sync_algo=args.sync,
                   overlap_host=not args.no_overlap, skew=args.skew, draft_skew=args.draft_skew,
                   eplb=EplbSettings(True, interval, window, args.redundant),
                   pd=PDSettings(prefill_ranks=args.prefill_ranks, transfer=args.transfer,

@@ -9,12 +9,18 @@
 - admission: the decode host's work to admit ONE remote KV load of n tokens on a model's KV
   layout: prefix-cache lookup, `allocate_slots` with external tokens, `plan_pages` and
   `descriptor_indices` (the scheduler and connector code that runs before a load starts).
+- serving path (`calibrate --serving`): the same model's decode step behind one `wideserve
+  serve` (engine process, ZMQ IPC, API server, detokenize, HTTP streaming to a client on
+  this machine) against its in-process step: the seconds per step the serving path adds.
 """
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,9 +40,10 @@ def step_totals(llm: Any) -> dict[str, float]:
 
 
 def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | None = None,
-                    reps: int = 3) -> dict[str, list[float]]:
-    """Seconds of host + forward per prompt of n tokens (the least-disturbed of `reps`; noise
-    only adds time), max_tokens = 1 so only the prefill step runs."""
+                    reps: int = 3, keep: str = "min") -> dict[str, list[float]]:
+    """Seconds of host + forward per prompt of n tokens, max_tokens = 1 so only the prefill
+    step runs; of `reps`, keep="min" the least-disturbed (noise only adds time), "mean" the
+    typical (calibrate.measure_engine)."""
     from wideserve import LLM, SamplingParams
 
     kw = dict(load_format="dummy", dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
@@ -50,14 +57,14 @@ def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | 
     try:
         llm.generate([{"prompt_token_ids": [5] * 8}], sp, use_tqdm=False)     # warm-up
         for n in lengths:
-            best = float("inf")
+            got = []
             for _ in range(reps):
                 a = step_totals(llm)
                 llm.generate([{"prompt_token_ids": rng.integers(2, 500, n).tolist()}], sp,
                              use_tqdm=False)
                 b = step_totals(llm)
-                best = min(best, (b["host"] + b["forward"]) - (a["host"] + a["forward"]))
-            out.append(best)
+                got.append((b["host"] + b["forward"]) - (a["host"] + a["forward"]))
+            out.append(statistics.mean(got) if keep == "mean" else min(got))
     finally:
         llm.shutdown()
     return {"tokens": [float(n) for n in lengths], "s": out}
@@ -187,3 +194,152 @@ def measure_admission(model_dir: str | Path, tokens: list[int], block_size: int 
         out.append(best)
     return {"tokens": [float(n) for n in tokens], "s": out, "model": str(model_dir),
             "block_size": block_size}
+
+
+# ---------------------------------------------------------------------- the serving path
+def serving_table(inprocess: list[dict[str, float]], served: list[dict[str, float]]
+                  ) -> dict[str, list[float]]:
+    """The serving path's seconds per decode step vs batch, from the same model measured
+    in-process (`measure_engine` rows: host + forward per decode step) and behind one
+    `wideserve serve` (`measure_served` rows: `period` = client wall seconds per decode
+    step, `engine` = the served engine's own step-timer seconds per step). Per batch:
+      s       = period - in-process step   (all the serving path adds on this machine)
+      loop_s  = period - served engine step (engine-proc loop, ZMQ IPC, the API server's
+                detokenize and HTTP streaming: what lies outside `engine.step()`)
+    s - loop_s is the served engine's own step running slower than in-process: the API
+    server and client share the host's cores with it (a GPU deployment's forward does not
+    compete for them, so a GPU host is charged loop_s only: step.py)."""
+    by_b = {int(r["batch"]): r for r in inprocess}
+    out: dict[str, list[float]] = {"batch": [], "s": [], "loop_s": [], "period_s": [],
+                                   "engine_s": [], "inprocess_s": []}
+    for r in sorted(served, key=lambda x: x["batch"]):
+        b = int(r["batch"])
+        if b not in by_b:
+            raise ValueError(f"serving calibration: no in-process row at batch {b}")
+        inproc = by_b[b]["host"] + by_b[b]["forward"]
+        out["batch"].append(float(b))
+        out["period_s"].append(r["period"])
+        out["engine_s"].append(r["engine"])
+        out["inprocess_s"].append(inproc)
+        out["s"].append(max(r["period"] - inproc, 0.0))
+        out["loop_s"].append(max(r["period"] - r["engine"], 0.0))
+    return out
+
+
+def _served_counters(base_url: str) -> tuple[float, float]:
+    """(engine steps, engine step seconds over all phases) from the server's /metrics."""
+    import httpx
+
+    from wideserve.bench.prometheus import parse_metrics
+    time.sleep(0.2)     # the engine sends changed stats every 50 ms (engine_proc.py)
+    m = parse_metrics(httpx.get(base_url + "/metrics", timeout=30).text)
+    return m.get("engine_steps", 0.0), m.get("engine_step_phase_seconds", 0.0)
+
+
+async def _served_run(base_url: str, model: str, batch: int, prompt_len: int,
+                      max_tokens: int, rng: np.random.Generator) -> float:
+    """Wall seconds of `batch` streamed completions sent at once (the bench client)."""
+    import httpx
+
+    from wideserve.bench.client import ServeTarget, send_request
+    from wideserve.bench.datasets import BenchRequest
+    target = ServeTarget(base_url, model)
+    reqs = [BenchRequest(rng.integers(2, 500, prompt_len).tolist(), max_tokens)
+            for _ in range(batch)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        t = time.perf_counter()
+        recs = await asyncio.gather(*(send_request(client, target, q) for q in reqs))
+        wall = time.perf_counter() - t
+    bad = [r.error for r in recs if r.error]
+    if bad:
+        raise RuntimeError(f"serving calibration: a request failed: {bad[0]}")
+    return wall
+
+
+def measure_served(base_url: str, batches: list[int], prompt_len: int, output_len: int,
+                   reps: int = 2) -> list[dict[str, float]]:
+    """Per batch B, against a running one-rank server: B streamed requests at once, with
+    4 and 4 + output_len output tokens (the difference leaves prefill and first-token latency
+    out, as `measure_engine` does in-process). period = client wall seconds per decode step,
+    engine = the served engine's step-timer seconds per decode step; the mean over `reps`
+    (the held-out benchmarks measure a typical minute, not the least-disturbed one)."""
+    import httpx
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    rng = np.random.default_rng(11)
+    asyncio.run(_served_run(base_url, model, 1, prompt_len, 4, rng))          # warm-up
+    rows = []
+    for b in batches:
+        period, engine = [], []
+        for _ in range(reps):
+            got = {}
+            for n in (4, 4 + output_len):
+                s0, e0 = _served_counters(base_url)
+                wall = asyncio.run(_served_run(base_url, model, b, prompt_len, n, rng))
+                s1, e1 = _served_counters(base_url)
+                got[n] = (wall, s1 - s0, e1 - e0)
+            (w_s, st_s, e_s), (w_l, st_l, e_l) = got[4], got[4 + output_len]
+            steps = max(st_l - st_s, 1.0)
+            period.append((w_l - w_s) / steps)
+            engine.append((e_l - e_s) / steps)
+        rows.append({"batch": float(b), "period": statistics.mean(period),
+                     "engine": statistics.mean(engine), "period_reps": period,
+                     "engine_reps": engine})
+    return rows
+
+
+def start_server(model_dir: str | None, port: int, args: list[str],
+                 env: dict[str, str] | None = None, timeout: float = 600.0
+                 ) -> tuple[subprocess.Popen, str]:
+    """One `wideserve serve` on this machine (one rank); returns it and its base URL once
+    /health answers."""
+    import httpx
+    cmd = [sys.executable, "-m", "wideserve.entrypoints.cli", "serve",
+           *([model_dir] if model_dir else []), "--port", str(port), "--log-level", "warning",
+           *args]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"serving calibration: the server on port {port} did not "
+                               f"come up")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def server_args(engine_kw: dict[str, Any], batches: list[int]) -> list[str]:
+    """`wideserve serve` flags that match the in-process calibration engine's settings."""
+    args = ["--load-format", str(engine_kw.get("load_format", "dummy")),
+            "--dtype", str(engine_kw.get("dtype", "float32")),
+            "--max-num-seqs", str(max(batches)), "--max-num-batched-tokens", "4096",
+            "--no-enable-prefix-caching"]
+    if engine_kw.get("block_size", 32) is not None:
+        args += ["--block-size", str(engine_kw.get("block_size", 32))]
+    return args
+
+
+def measure_serving(model_dir: str | None, inprocess: list[dict[str, float]],
+                    prompt_len: int, output_len: int, engine_kw: dict[str, Any],
+                    port: int = 8461, reps: int = 2) -> dict[str, Any]:
+    """Start one server on the calibration model, measure its decode step at the batches of
+    the in-process rows, stop it; the serving table (serving_table) plus the raw rows."""
+    batches = [int(r["batch"]) for r in inprocess]
+    proc, url = start_server(model_dir, port, server_args(engine_kw, batches))
+    try:
+        served = measure_served(url, batches, prompt_len, output_len, reps)
+    finally:
+        stop_server(proc)
+    return {**serving_table(inprocess, served), "served_rows": served}

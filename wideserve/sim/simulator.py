@@ -9,7 +9,7 @@ fabric (pd.py) after the decode rank admits it (at most `max_kv_loads_per_step` 
 each costing host time), and it decodes from the step after the one that admitted it. Colocated, a new prompt is prefilled
 inside the next decode step of its rank. Speculation: with k drafts and conditional
 per-position acceptance a_1..a_k, a step emits 1 + sum_i prod_{j<=i} a_j tokens per request
-in expectation.
+in expectation (or, with `draw_acceptance`, a draw per request and step).
 """
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ class Layout:
     pd: PDSettings = field(default_factory=PDSettings)
     jitter: bool = True
     price_per_gpu_hour: float = 0.0
+    served: bool = True                     # behind HTTP servers: the serving path's cost
+    # each request's accepted drafts drawn per step from the acceptance profile (a chain of
+    # Bernoulli trials) instead of the expected value: a finite batch then lasts as long as
+    # its unluckiest request, and its last steps run part-filled
+    draw_acceptance: bool = False
 
     def gpus(self) -> int:
         return self.dep + self.pd.prefill_instances * self.pd.prefill_ranks
@@ -148,10 +153,13 @@ class Simulation:
                  if self.hw.kind == "measured" else None)
 
         def cost(members: list[tuple[_Req, int, int]]) -> float:
+            # a served prefill instance's step pays the serving path like a decode step
+            serve = self.sm.serving_s(len(members)) if self.lay.served else 0.0
             if table:           # the measured table at the batch's total tokens
-                return prefill_s(self.m, self.hw, sum(n for _, n, _ in members), 0,
-                                 pd.prefill_ranks, table)
-            return sum(prefill_s(self.m, self.hw, n, c, pd.prefill_ranks) for _, n, c in members)
+                return serve + prefill_s(self.m, self.hw, sum(n for _, n, _ in members), 0,
+                                         pd.prefill_ranks, table)
+            return serve + sum(prefill_s(self.m, self.hw, n, c, pd.prefill_ranks)
+                               for _, n, c in members)
         budget = pd.prefill_batch_tokens
         for i, b in enumerate(self.prefill_batch):
             if budget and b and b["start"] >= self.now and b["tokens"] + new <= budget:
@@ -214,7 +222,8 @@ class Simulation:
         inputs = StepInputs(
             lay.dep, [r + (p // q if p else 0) for r, p in zip(reqs, prefill)], ctx, lay.mtp_k,
             self.target.rank_rows(total_rows) if self.target else None,
-            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter)
+            self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter,
+            lay.served)
         st = self.sm.step(inputs)
         self.now += st.step_s
         self._advance(lay.tokens_per_step())
@@ -242,7 +251,8 @@ class Simulation:
                 else:
                     if x.first is None:                # first decode step after a KV load
                         x.first = self.now
-                    emitted = min(tokens, x.remaining)
+                    emitted = min(self._draw_tokens() if self.lay.draw_acceptance else tokens,
+                                  x.remaining)
                 x.remaining -= emitted
                 x.done_tokens += emitted
                 x.context += emitted
@@ -253,6 +263,16 @@ class Simulation:
                 else:
                     keep.append(x)
             self.running[r] = keep + [y for y in self.running[r][len(rs):]]
+
+    def _draw_tokens(self) -> float:
+        """Tokens one request emits in one step: 1 + the drafts accepted in a row, each
+        position accepted with its conditional probability."""
+        n = 1
+        for a in self.lay.acceptance[:self.lay.mtp_k]:
+            if self.rng.random() >= a:
+                break
+            n += 1
+        return float(n)
 
     def run_to_end(self, max_steps: int = 1_000_000) -> SimResult:
         """A finite workload from empty until every request finished (a benchmark run);

@@ -2,6 +2,7 @@
 
 Per rank r with R_r running requests, q = 1 + k query tokens each (k drafts verified), T_r = q R_r:
   host_r  = (base + per_request R_r + per_token T_r) / host_speed + jitter_r
+            + serving(R_r) behind a server (the calibrated serving path)
   gpu_r   = dense + attention + sum over MoE layers (experts_r + all-to-all) + drafts
   step    = max(max_r gpu_r, max_r host_r + sync)       host overlapped with the device
   step    = max_r host_r + sync + max_r gpu_r            host and device in series
@@ -24,6 +25,7 @@ from wideserve.sim.noise import HostNoise
 DISPATCH_BYTES = 1 + 1 / 32     # FP8 activations with a UE8M0 scale per 32 (DeepEP-style)
 COMBINE_BYTES = 2               # bf16 expert outputs back
 SYNC_BYTES = 16                 # the step's shape row: a few int32s
+HOST_PARTS = ("host", "serving")    # a rank's host side; every other part is device work
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class StepInputs:
     overlap_host: bool = True
     jitter: list[float] = field(default_factory=list)   # per-rank host jitter (s)
     noise: bool = False                 # draw lock-step waits from the measured host noise
+    served: bool = False                # behind an HTTP server: charge the serving path
 
 
 @dataclass(slots=True)
@@ -62,6 +65,19 @@ class StepModel:
         h = self.p.host
         return (h["base_s"] + h["per_request_s"] * requests + h["per_token_s"] * tokens) \
             / self.hw.host_speed
+
+    def serving_s(self, requests: int) -> float:
+        """Host seconds per step the serving path adds (engine-proc loop, IPC, the API
+        server's detokenize and streaming): the calibrated `loop_s` at this batch
+        (calibrate_pd.serving_table), the served period less the served engine's own step,
+        both from the same runs. The table's `s` (period less the in-process step, measured
+        minutes apart) is kept as a diagnostic, not charged: on a shared machine the load
+        drifts between those minutes by more than the serving path costs (docs/simulator.md).
+        0 when the profile has no serving table."""
+        t = self.p.host.get("serving")
+        if not t or requests <= 0:
+            return 0.0
+        return interp(t["batch"], t["loop_s"], requests) / self.hw.host_speed
 
     def sync_s(self, ranks: int, algo: str) -> float:
         c = self.p.collectives
@@ -164,7 +180,8 @@ class StepModel:
                 "dense": self.dense_s(tokens[r]),
                 "attention": self.attention_s(s.requests[r], s.context[r], q),
                 "moe": float(expert[r]), "all_to_all": a2a, "lockstep_wait": wait,
-                "draft": float(draft[r])})
+                "draft": float(draft[r]),
+                "serving": self.serving_s(s.requests[r]) if s.served else 0.0})
         return self._barrier(parts_r, self.sync_s(n, s.sync_algo), s.overlap_host)
 
     def _lockstep_wait(self, n: int, tokens: list[int], expert: np.ndarray,
@@ -224,8 +241,8 @@ class StepModel:
 
     @staticmethod
     def _barrier(parts_r: list[dict[str, float]], sync: float, overlap: bool) -> StepTime:
-        gpu = [sum(v for k, v in p.items() if k != "host") for p in parts_r]
-        host = [p["host"] for p in parts_r]
+        gpu = [sum(v for k, v in p.items() if k not in HOST_PARTS) for p in parts_r]
+        host = [sum(p.get(k, 0.0) for k in HOST_PARTS) for p in parts_r]
         if overlap:
             own = [max(g, h + sync) for g, h in zip(gpu, host)]
             step = max(max(gpu), max(host) + sync)
@@ -233,7 +250,8 @@ class StepModel:
             own = [h + sync + g for g, h in zip(gpu, host)]
             step = max(host) + sync + max(gpu)
         slow = parts_r[int(np.argmax(gpu))]
-        parts = {**slow, "host": max(host), "dp_sync": sync,
+        parts = {**slow, "host": max(p["host"] for p in parts_r),
+                 "serving": max(p.get("serving", 0.0) for p in parts_r), "dp_sync": sync,
                  "barrier_wait_mean": step - float(np.mean(own))}
         return StepTime(step, parts, own)
 
