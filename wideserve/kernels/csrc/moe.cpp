@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -373,17 +374,25 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   const int64_t e13 = g.up_groups * g.up_group_size();
   const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
-  bool any_big = false;
-  for (const int64_t e : rows.active)
-    any_big |= big > 0 && rows.offsets[e + 1] - rows.offsets[e] >= big;
+  int64_t chunk = 0;   // the most rows a gathered chunk holds (0: no expert on brgemm)
+  for (const int64_t e : rows.active) {
+    const int64_t n = rows.offsets[e + 1] - rows.offsets[e];
+    if (big > 0 && n >= big) chunk = std::max(chunk, std::min(n, kGatherRows));
+  }
+  const bool any_big = chunk > 0;
   auto is_big = [&](int64_t e) {
     return any_big && rows.offsets[e + 1] - rows.offsets[e] >= big;
   };
-  // per-thread brgemm scratch: gathered rows and an fp32 result block
-  const int64_t gather = any_big ? kGatherRows * 2 * g.up_pairs : 0;
-  const int64_t scratch = any_big ? std::max(kGatherRows * 2 * kLanes,
+  // Per-thread brgemm scratch, sized to this call and left uninitialised (a zero-filled
+  // 256-row buffer per call cost more than a decode call's few brgemm rows).
+  const int64_t gather = chunk * 2 * g.up_pairs;
+  const int64_t scratch = any_big ? std::max(chunk * 2 * kLanes,
                                              wideserve_brgemm::kBlockM * kBlocksDown * kLanes)
                                   : 0;
+  auto buffers = [&]() {
+    return std::make_pair(std::unique_ptr<T[]>(new T[gather]),
+                          std::unique_ptr<float[]>(new float[scratch]));
+  };
   // Phase 1. Each thread takes a range of blocks j for every expert (experts outside, so its
   // weights stream in order, as they do at one thread), when there are blocks enough for
   // that; else (block j, expert) items, block-major. Either way a thread's rows do not depend
@@ -407,18 +416,16 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   };
   if (g.up_groups >= 2 * at::get_num_threads()) {
     at::parallel_for(0, g.up_groups, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> buf(gather);
-      std::vector<float> c(scratch);
-      for (const int64_t e : rows.active) up_groups(e, begin, end, buf.data(), c.data());
+      const auto [buf, c] = buffers();
+      for (const int64_t e : rows.active) up_groups(e, begin, end, buf.get(), c.get());
       if (any_big) wideserve_brgemm::release();
     });
   } else {
     at::parallel_for(0, g.up_groups * active, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> buf(gather);
-      std::vector<float> c(scratch);
+      const auto [buf, c] = buffers();
       for (int64_t item = begin; item < end; ++item) {
         const int64_t j = item / active;
-        up_groups(rows.active[item % active], j, j + 1, buf.data(), c.data());
+        up_groups(rows.active[item % active], j, j + 1, buf.get(), c.get());
       }
       if (any_big) wideserve_brgemm::release();
     });
@@ -426,13 +433,13 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   // Phase 2: down groups; each thread owns its columns of `out` for all rows. Within a
   // thread's range the expert loop is outside, so its weights stream in order.
   at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(scratch);
+    const std::unique_ptr<float[]> c(new float[scratch]);
     for (const int64_t e : rows.active) {
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (is_big(e)) {
           down_expert_brgemm(act, rows, rows.offsets[e], rows.offsets[e + 1], w2 + e * e2, g,
-                             begin, end, sums, c.data());
+                             begin, end, sums, c.get());
           continue;
         }
       }
