@@ -15,39 +15,63 @@ import time
 import torch
 from torch.utils.cpp_extension import load
 
-torch.set_num_threads(1)
-here = os.path.dirname(os.path.abspath(__file__))
-build = os.path.join(tempfile.gettempdir(), "wideserve_brgemm_tiles")
-os.makedirs(build, exist_ok=True)
-load("bb", [os.path.join(here, "brgemm_tiles.cpp")], extra_cflags=["-O3", "-march=x86-64-v4"],
-     is_python_module=False, build_directory=build, verbose=False)
-M = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-for n in (1024, 2048):
-    a = torch.randn(n, n).bfloat16(); b = torch.randn(n, n).bfloat16()
-    torch.mm(a, b); t0 = time.thread_time(); r = 5
-    for _ in range(r): torch.mm(a, b)
-    print(f"peak mm {n}^3: {2*n**3*r/(time.thread_time()-t0)/1e9:.0f} GF/s", flush=True)
-x = torch.randn(64, 1024).bfloat16(); wp = torch.randn(16, 512, 32, 2).bfloat16()
-for mb in (0, 1):
-    s = min(torch.ops.bb.run(x, wp, 4, mb, 0, 5) for _ in range(3))
-    print(f"tiny call pair (alternating={mb}): {s/2000*1e9:.0f} ns per call")
-for (K, N) in [(1024, 768), (384, 1024)]:
-    x = torch.randn(M, K).bfloat16()
-    w = (torch.randn(N, K) * 0.05).bfloat16()
-    pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    fl = 2 * M * N * K
-    def t(fn, reps=20):
-        fn(); t0 = time.thread_time()
-        for _ in range(reps): fn()
-        return (time.thread_time() - t0) / reps
-    ref = t(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""))
-    mm = t(lambda: torch.mm(x, w.t()))
-    print(f"M={M} K={K} N={N}: onednn {fl/ref/1e9:.0f} GF/s, mm {fl/mm/1e9:.0f}")
-    for nc in (32, 64, 128, 256):
-        if N % nc: continue
-        wp = w.view(N // nc, nc, K // 2, 2).permute(0, 2, 1, 3).contiguous()
-        for v, mb, kb in [(1, 32, 0), (1, 64, 0), (1, 128, 0), (1, 256, 0), (2, 32, 0), (2, 64, 0), (3, 256, 256), (3, 256, 512), (3, 32, 256)]:
-            if kb and K % kb: continue
-            torch.ops.bb.run(x, wp, v, mb, kb, 2)
-            s = min(torch.ops.bb.run(x, wp, v, mb, kb, 10) for _ in range(3))
-            print(f"  nc={nc} v{v} mblk={mb} kblk={kb}: {fl/s/1e9:.0f} GF/s")
+
+LAYOUTS = [  # (loop order, rows per call, K per call; 0: all of K)
+    (1, 32, 0), (1, 64, 0), (1, 128, 0), (1, 256, 0), (2, 32, 0), (2, 64, 0),
+    (3, 256, 256), (3, 256, 512), (3, 32, 256)]
+
+
+def seconds(fn, reps: int = 20) -> float:
+    fn()
+    t0 = time.thread_time()
+    for _ in range(reps):
+        fn()
+    return (time.thread_time() - t0) / reps
+
+
+def build() -> None:
+    """Compile the loops (brgemm_tiles.cpp) into torch.ops.bb."""
+    out = os.path.join(tempfile.gettempdir(), "wideserve_brgemm_tiles")
+    os.makedirs(out, exist_ok=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    load("bb", [os.path.join(here, "brgemm_tiles.cpp")],
+         extra_cflags=["-O3", "-march=x86-64-v4"], is_python_module=False,
+         build_directory=out, verbose=False)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    build()
+    rows = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    for n in (1024, 2048):
+        a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+        print(f"peak torch.mm {n}^3: {2 * n ** 3 / seconds(lambda: torch.mm(a, b), 5) / 1e9:.0f}"
+              " GFLOP/s", flush=True)
+    x, wp = torch.randn(64, 1024).bfloat16(), torch.randn(16, 512, 32, 2).bfloat16()
+    for alternating in (0, 1):
+        s = min(torch.ops.bb.run(x, wp, 4, alternating, 0, 5) for _ in range(3))
+        print(f"tiny calls (alternating shapes: {alternating}): {s / 2000 * 1e9:.0f} ns per call")
+    for k, n in [(1024, 768), (384, 1024)]:       # gate/up, down
+        x = torch.randn(rows, k).bfloat16()
+        w = (torch.randn(n, k) * 0.05).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        flops = 2 * rows * n * k
+        onednn = seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
+                                                                     [], ""))
+        mm = seconds(lambda: torch.mm(x, w.t()))
+        print(f"M={rows} K={k} N={n}: oneDNN {flops / onednn / 1e9:.0f} GFLOP/s, "
+              f"torch.mm {flops / mm / 1e9:.0f}")
+        for nc in (32, 64, 128, 256):
+            # groups of nc columns in brgemm's VNNI layout [K/2, nc, 2]
+            wg = w.view(n // nc, nc, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+            for v, mb, kb in LAYOUTS:
+                if kb and k % kb:
+                    continue
+                torch.ops.bb.run(x, wg, v, mb, kb, 2)
+                s = min(torch.ops.bb.run(x, wg, v, mb, kb, 10) for _ in range(3))
+                print(f"  nc={nc} v{v} rows/call={mb} K/call={kb or k}: "
+                      f"{flops / s / 1e9:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -288,7 +288,8 @@ template <typename F>
 inline void row_blocks(int64_t rows, int64_t block, F&& f) {
   int64_t r = 0;
   for (; r + block <= rows; r += block) f(r, block);
-  const int64_t rest = rows - r, tall = rest / wideserve_brgemm::kBlockM * wideserve_brgemm::kBlockM;
+  constexpr int64_t step = wideserve_brgemm::kBlockM;
+  const int64_t rest = rows - r, tall = rest / step * step;
   if (tall) f(r, tall);
   if (rest > tall) f(r + tall, rest - tall);
 }
