@@ -12,11 +12,14 @@ kernel choice). "onednn": per expert, the rows gathered, `mkldnn._linear_pointwi
 weights packed once (AMX where present), SwiGLU, the down GEMM, index_add of the weighted
 rows. "flinear": the same with F.linear. Median of 7 alternating rounds, on the thread's CPU
 time (a shared machine's other processes' time slices do not count); GFLOP/s of the routed
-rows' GEMMs; outputs checked close to the fused op's.
+rows' GEMMs; outputs checked close to the fused op's. "peak": bf16 `torch.mm` of 2,048 x 2,048 x
+2,048 (oneDNN, AMX where present) in the same run, on the same clock: the machine's measured
+matmul peak the fused op's GFLOP/s are read against.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -46,6 +49,19 @@ def per_expert(x, ids, wts, w13, w2, linear):
     return out.bfloat16()
 
 
+def mm_peak(rounds: int) -> float:
+    """GFLOP/s of a large bf16 torch.mm on this thread (the best of `rounds`)."""
+    n = 2048
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        torch.mm(a, b)
+        best = min(best, time.thread_time() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 256, 64, 16])
@@ -67,6 +83,11 @@ def main() -> None:
     def onednn(a, w):
         return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
 
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), "?")
+    print(f"# {cpu}; load {os.getloadavg()[0]:.2f}; torch {torch.__version__}; 1 thread")
+    peak = mm_peak(args.rounds)
+    print(f"peak: bf16 torch.mm 2048^3 {peak:.0f} GFLOP/s", flush=True)
     for tokens in args.tokens:
         x = torch.randn(tokens, D).bfloat16()
         ids = torch.stack([torch.randperm(E)[:TOP_K] for _ in range(tokens)])
@@ -88,7 +109,9 @@ def main() -> None:
         flops = 2 * tokens * TOP_K * 3 * D * INTER
         cells = [f"{n} {statistics.median(v) * 1e3:.1f} ms "
                  f"({flops / statistics.median(v) / 1e9:.0f} GFLOP/s)" for n, v in times.items()]
-        print(f"{tokens} tokens: " + "; ".join(cells), flush=True)
+        fused = flops / statistics.median(times["fused"]) / 1e9
+        print(f"{tokens} tokens: " + "; ".join(cells) + f"; fused at {fused / peak:.0%} of peak",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,41 @@ def test_fused_experts_threshold_above_every_expert_is_the_micro_kernel() -> Non
     packed = moe_op.pack_experts(w1, w2)
     assert torch.equal(moe_op.fused_experts(x, ids, w, *packed, 16, None, brgemm_min_rows=100),
                        moe_op.fused_experts(x, ids, w, *packed, 16, None))
+
+
+def test_fused_experts_brgemm_row_chunks_and_tails() -> None:
+    """Experts with prefill-sized row counts: the up GEMM gathers 256 rows at a time and
+    splits a chunk into a 32-multiple block and a last block under 32 (moe.cpp
+    `row_blocks`), the down GEMM walks 32-row blocks. Row counts on each side of those
+    boundaries (293 = 256 + 32 + 5, 256, 31, 1, none), odd d, I not a multiple of 16: the
+    fp64 oracle, one thread against two bitwise, and each token's row alone (a 1-row expert
+    call) against the same row inside its tall expert bitwise (brgemm rows are independent
+    of the call's row count)."""
+    _needs_brgemm()
+    counts = {0: 293, 1: 256, 2: 31, 4: 1}                # expert 3: no rows
+    E, d, I = 5, 33, 20
+    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int64) for e, c in counts.items()])
+    T = ids.shape[0]
+    g = torch.Generator().manual_seed(17)
+    ids = ids[torch.randperm(T, generator=g)]
+    w1 = (torch.randn(E, 2 * I, d, generator=g) * 0.3).bfloat16()
+    w2 = (torch.randn(E, d, I, generator=g) * 0.3).bfloat16()
+    x = torch.randn(T, d, generator=g).bfloat16()
+    w = torch.rand(T, 1, generator=g).bfloat16()
+    packed = moe_op.pack_experts(w1, w2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        got = moe_op.fused_experts(x, ids, w, *packed, I, None, brgemm_min_rows=1)
+        torch.set_num_threads(2)
+        two = moe_op.fused_experts(x, ids, w, *packed, I, None, brgemm_min_rows=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, two)
+    want = _oracle(x, ids, w, w1, w2, None)
+    scale = max(want.abs().max().item(), 1.0)
+    torch.testing.assert_close(got.double(), want, rtol=1.6e-2, atol=1.6e-2 * scale)
+    for t in torch.randperm(T, generator=g)[:12].tolist():
+        alone = moe_op.fused_experts(x[t:t + 1], ids[t:t + 1], w[t:t + 1], *packed, I, None,
+                                     brgemm_min_rows=1)
+        assert torch.equal(alone[0], got[t]), t

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -269,35 +270,72 @@ void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
     down_store<NB>([&](int n) { return acc[m][n]; }, rows, r0 + m, g, b, sums);
 }
 
-// An expert with many rows, through brgemm (csrc/brgemm.h) on the same packed groups: the
-// gate/up group j (gate block, up block: 32 columns) over the expert's gathered rows xs
-// [N, 2 * up_pairs], SwiGLU from the fp32 tile; `c` is kBlockM x 64 floats of scratch.
-void up_expert_brgemm(const at::BFloat16* xs, int64_t r_begin, int64_t r_end,
-                      const at::BFloat16* w, const Geometry& g, int64_t j, bool clamp,
-                      float limit, at::BFloat16* act, float* c) {
-  const int64_t kp = 2 * g.up_pairs;
-  for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM) {
-    const int64_t m = std::min(wideserve_brgemm::kBlockM, r_end - r);
-    wideserve_brgemm::tile(m, 2 * kLanes, kp, kp, xs + r * kp, w, c);
-    for (int64_t i = 0; i < m; ++i)
-      swiglu_store(_mm512_loadu_ps(c + i * 2 * kLanes), _mm512_loadu_ps(c + i * 2 * kLanes + 16),
-                   clamp, limit, act + (r + i) * g.ip + j * kLanes);
+// An expert with many rows, through brgemm (csrc/brgemm.h) on the same packed groups.
+// Measured on an AMX Xeon (BENCHMARKS.md, "Intel Xeon: session 12"), the brgemm calls
+// themselves ran at 1.1-1.9 TFLOP/s in 32-row blocks; what held a 2,048-token call to ~430
+// GFLOP/s was around them: a [T*k, d] gathered copy of every row (32 MB of fresh pages per
+// call at 2,048 tokens), each up call re-reading its A rows from that copy, and the per-call
+// lookup. So the up GEMM gathers an expert's rows kGatherRows at a time into a per-thread
+// buffer that stays in L2 and runs each gate/up group over all of them in one call (M up to
+// kGatherRows), and the down GEMM walks 32-row blocks of the activation with the thread's
+// output groups inside (the block's 32 x I activation stays in L1 across the groups).
+constexpr int64_t kGatherRows = 256;
+
+// Row blocks for brgemm calls over `rows` rows, at most `block` per call: full blocks, then
+// the rest as a multiple of 32 and a last part under 32, so every call has one of a few row
+// counts (each distinct shape is a ukernel generated once per thread).
+template <typename F>
+inline void row_blocks(int64_t rows, int64_t block, F&& f) {
+  int64_t r = 0;
+  for (; r + block <= rows; r += block) f(r, block);
+  constexpr int64_t step = wideserve_brgemm::kBlockM;
+  const int64_t rest = rows - r, tall = rest / step * step;
+  if (tall) f(r, tall);
+  if (rest > tall) f(r + tall, rest - tall);
+}
+
+// Gate/up groups [j_begin, j_end) of an expert whose rows are [r_begin, r_end) in sorted order:
+// the rows gathered from x in chunks of kGatherRows into `buf` ([kGatherRows, 2 * up_pairs]),
+// one brgemm per (chunk, group), SwiGLU from the fp32 result. `c`: kGatherRows x 32 floats.
+void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, int64_t r_end,
+                      const at::BFloat16* w_expert, const Geometry& g, int64_t j_begin,
+                      int64_t j_end, bool clamp, float limit, at::BFloat16* act,
+                      at::BFloat16* buf, float* c) {
+  const int64_t kp = 2 * g.up_pairs, cols = 2 * kLanes;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGatherRows) {
+    const int64_t n = std::min(kGatherRows, r_end - r0);
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(buf + i * kp, x + rows.token[r0 + i] * kp, kp * sizeof(at::BFloat16));
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      const at::BFloat16* w = w_expert + j * g.up_group_size();
+      row_blocks(n, kGatherRows, [&](int64_t r, int64_t m) {
+        wideserve_brgemm::tile(m, cols, kp, kp, buf + r * kp, w, c + r * cols);
+      });
+      for (int64_t i = 0; i < n; ++i)
+        swiglu_store(_mm512_loadu_ps(c + i * cols), _mm512_loadu_ps(c + i * cols + kLanes),
+                     clamp, limit, act + (r0 + i) * g.ip + j * kLanes);
+    }
   }
 }
 
-// The down group `grp` (64 columns) of an expert with many rows through brgemm, then the
-// weighted sums as down_tile_bf16 makes them.
+// Down groups [grp_begin, grp_end) (64 columns each) of an expert with many rows through
+// brgemm, 32-row blocks outside, then the weighted sums as down_tile_bf16 makes them.
+// `c`: kBlockM x 64 floats.
 void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
-                        int64_t r_end, const at::BFloat16* w, const Geometry& g, int64_t grp,
-                        Sums<at::BFloat16> sums, float* c) {
+                        int64_t r_end, const at::BFloat16* w_expert, const Geometry& g,
+                        int64_t grp_begin, int64_t grp_end, Sums<at::BFloat16> sums,
+                        float* c) {
   constexpr int64_t cols = kBlocksDown * kLanes;
   for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM) {
     const int64_t m = std::min(wideserve_brgemm::kBlockM, r_end - r);
-    wideserve_brgemm::tile(m, cols, g.ip, g.ip, act + r * g.ip, w, c);
-    for (int64_t i = 0; i < m; ++i) {
-      const float* ci = c + i * cols;
-      down_store<kBlocksDown>([&](int n) { return _mm512_loadu_ps(ci + n * kLanes); }, rows,
-                              r + i, g, grp * kBlocksDown, sums);
+    for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
+      wideserve_brgemm::tile(m, cols, g.ip, g.ip, act + r * g.ip,
+                             w_expert + grp * g.down_group_size(), c);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* ci = c + i * cols;
+        down_store<kBlocksDown>([&](int n) { return _mm512_loadu_ps(ci + n * kLanes); }, rows,
+                                r + i, g, grp * kBlocksDown, sums);
+      }
     }
   }
 }
@@ -327,72 +365,88 @@ void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w
   down_tile_portable<T, M>(act, rows, r0, w, g, b, sums);
 }
 
-// `xs` (bf16 fast path only, else nullptr): the rows of experts with at least `big` rows,
-// gathered [N, 2 * up_pairs] in sorted order; those experts' GEMMs run through brgemm
-// (csrc/brgemm.h: AMX where present), the others through the micro-kernel tiles. The split
-// of work between threads is the same for both.
+// `big` (bf16 fast path only, else 0: none): experts with at least that many rows run their
+// GEMMs through brgemm (csrc/brgemm.h: AMX where present), the others through the
+// micro-kernel tiles. The split of work between threads is the same for both.
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
                  const Geometry& g, bool clamp, float limit, T* act, Sums<T> sums,
-                 const T* xs, int64_t big) {
+                 int64_t big) {
   const int64_t e13 = g.up_groups * g.up_group_size();
   const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
+  int64_t chunk = 0;   // the most rows a gathered chunk holds (0: no expert on brgemm)
+  for (const int64_t e : rows.active) {
+    const int64_t n = rows.offsets[e + 1] - rows.offsets[e];
+    if (big > 0 && n >= big) chunk = std::max(chunk, std::min(n, kGatherRows));
+  }
+  const bool any_big = chunk > 0;
   auto is_big = [&](int64_t e) {
-    return xs != nullptr && rows.offsets[e + 1] - rows.offsets[e] >= big;
+    return any_big && rows.offsets[e + 1] - rows.offsets[e] >= big;
+  };
+  // Per-thread brgemm scratch, sized to this call and left uninitialised (a zero-filled
+  // 256-row buffer per call cost more than a decode call's few brgemm rows).
+  const int64_t gather = chunk * 2 * g.up_pairs;
+  const int64_t scratch = any_big ? std::max(chunk * 2 * kLanes,
+                                             wideserve_brgemm::kBlockM * kBlocksDown * kLanes)
+                                  : 0;
+  auto buffers = [&]() {
+    return std::make_pair(std::unique_ptr<T[]>(new T[gather]),
+                          std::unique_ptr<float[]>(new float[scratch]));
   };
   // Phase 1. Each thread takes a range of blocks j for every expert (experts outside, so its
   // weights stream in order, as they do at one thread), when there are blocks enough for
   // that; else (block j, expert) items, block-major. Either way a thread's rows do not depend
   // on the routing (the header says why).
-  auto up_group = [&](int64_t e, int64_t j, float* c) {
-    const T* w = w13 + e * e13 + j * g.up_group_size();
+  auto up_groups = [&](int64_t e, int64_t j_begin, int64_t j_end, T* buf, float* c) {
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (is_big(e))
-        return up_expert_brgemm(xs, rows.offsets[e], rows.offsets[e + 1], w, g, j, clamp,
-                                limit, act, c);
+        return up_expert_brgemm(x, rows, rows.offsets[e], rows.offsets[e + 1], w13 + e * e13,
+                                g, j_begin, j_end, clamp, limit, act, buf, c);
     }
 #endif
-    for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
-      with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
-        up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
-      });
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      const T* w = w13 + e * e13 + j * g.up_group_size();
+      for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
+        with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
+          up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
+        });
+      }
     }
   };
-  const bool any_big = xs != nullptr;
-  const int64_t scratch = any_big ? wideserve_brgemm::kBlockM * kBlocksDown * kLanes : 0;
   if (g.up_groups >= 2 * at::get_num_threads()) {
     at::parallel_for(0, g.up_groups, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> c(scratch);
-      for (const int64_t e : rows.active)
-        for (int64_t j = begin; j < end; ++j) up_group(e, j, c.data());
+      const auto [buf, c] = buffers();
+      for (const int64_t e : rows.active) up_groups(e, begin, end, buf.get(), c.get());
       if (any_big) wideserve_brgemm::release();
     });
   } else {
     at::parallel_for(0, g.up_groups * active, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> c(scratch);
-      for (int64_t item = begin; item < end; ++item)
-        up_group(rows.active[item % active], item / active, c.data());
+      const auto [buf, c] = buffers();
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t j = item / active;
+        up_groups(rows.active[item % active], j, j + 1, buf.get(), c.get());
+      }
       if (any_big) wideserve_brgemm::release();
     });
   }
   // Phase 2: down groups; each thread owns its columns of `out` for all rows. Within a
   // thread's range the expert loop is outside, so its weights stream in order.
   at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(scratch);
+    const std::unique_ptr<float[]> c(new float[scratch]);
     for (const int64_t e : rows.active) {
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (is_big(e)) {
+          down_expert_brgemm(act, rows, rows.offsets[e], rows.offsets[e + 1], w2 + e * e2, g,
+                             begin, end, sums, c.get());
+          continue;
+        }
+      }
+#endif
       for (int64_t grp = begin; grp < end; ++grp) {
         const T* w = w2 + e * e2 + grp * g.down_group_size();
-#ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
-          if (is_big(e)) {
-            down_expert_brgemm(act, rows, rows.offsets[e], rows.offsets[e + 1], w, g, grp,
-                               sums, c.data());
-            continue;
-          }
-        }
-#endif
         for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsDown) {
           with_rows<kRowsDown>(rows.offsets[e + 1] - r, [&](auto m) {
             down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown,
@@ -403,23 +457,6 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
     }
     if (any_big) wideserve_brgemm::release();
   });
-}
-
-// The rows of experts with at least `big` rows gathered in sorted order ([N, kp], other rows
-// left unset), or an undefined tensor when no expert has that many.
-at::Tensor gather_big(const at::Tensor& x, const Rows& rows, int64_t big) {
-  bool any = false;
-  for (const int64_t e : rows.active) any |= rows.offsets[e + 1] - rows.offsets[e] >= big;
-  if (!any) return at::Tensor();
-  const int64_t kp = x.size(1), n = static_cast<int64_t>(rows.token.size());
-  at::Tensor xs = at::empty({n, kp}, x.options());
-  const auto* src = x.data_ptr<at::BFloat16>();
-  auto* dst = xs.data_ptr<at::BFloat16>();
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      std::memcpy(dst + r * kp, src + rows.token[r] * kp, kp * sizeof(at::BFloat16));
-  });
-  return xs;
 }
 
 at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
@@ -480,16 +517,15 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
     // threshold, layers/experts.py); None: none do
     const int64_t big = brgemm_min_rows.has_value() ? std::max<int64_t>(*brgemm_min_rows, 1)
                                                     : 0;
-    const at::Tensor xs = fast && big > 0 ? gather_big(x, rows, big) : at::Tensor();
     run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
                               w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
                               act.data_ptr<at::BFloat16>(),
                               {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()},
-                              xs.defined() ? xs.data_ptr<at::BFloat16>() : nullptr, big);
+                              fast ? big : 0);
   } else {
     run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
                        rows, g, clamp, lim, act.data_ptr<float>(),
-                       {out.data_ptr<float>(), out.data_ptr<float>()}, nullptr, 0);
+                       {out.data_ptr<float>(), out.data_ptr<float>()}, 0);
   }
   return out;
 }
