@@ -202,6 +202,9 @@ void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
   }
 }
 
+// The most rows the brgemm path gathers per chunk (see the AVX512-BF16 section below).
+constexpr int64_t kGatherRows = 256;
+
 // ---------------------------------------------------------------- AVX512-BF16
 
 #ifdef __AVX512BF16__
@@ -279,7 +282,7 @@ void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
 // buffer that stays in L2 and runs each gate/up group over all of them in one call (M up to
 // kGatherRows), and the down GEMM walks 32-row blocks of the activation with the thread's
 // output groups inside (the block's 32 x I activation stays in L1 across the groups).
-constexpr int64_t kGatherRows = 256;
+// (kGatherRows is defined above the AVX512-BF16 section: run_experts reads it on every ISA.)
 
 // Row blocks for brgemm calls over `rows` rows, at most `block` per call: full blocks, then
 // the rest as a multiple of 32 and a last part under 32, so every call has one of a few row
