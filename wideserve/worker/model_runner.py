@@ -13,8 +13,10 @@ by `enable_small_batch`): exact-size views of static buffers, the model's plan k
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import ContextManager
 
 import numpy as np
 import torch
@@ -188,7 +190,8 @@ class ModelRunner:
         plain = input_ids is not None or any([r.images is not None for r in reqs])
         n = None if self.captured is None or plain else self.captured.padded_size(reqs)
         small = None if plain else self.small
-        small_step = False
+        # The small step's model calls (forward and logits) run inside its kernel scope.
+        scope: Callable[[], ContextManager[None]] = contextlib.nullcontext
         if self.step_sync is not None:
             n = self._agree(reqs, n)
         if n is not None:
@@ -196,8 +199,8 @@ class ModelRunner:
             hidden, batch = step.hidden, step.batch
         elif small is not None and small.applies(reqs):
             batch = small.batch(reqs)
-            small_step = True
-            with small.kernels():
+            scope = small.kernels
+            with scope():
                 hidden = self.model.forward(batch)
         else:
             batch = self.build_batch(reqs)
@@ -220,10 +223,7 @@ class ModelRunner:
                 if self.with_drafts:
                     idx = _with_draft_rows(idx, [reqs[i].num_spec for i in sample_rows])
                 sampled = hidden.index_select(0, to_device(idx, hidden.device))
-            if small_step:
-                with small.kernels():
-                    logits = self.model.compute_logits(sampled)
-            else:
+            with scope():
                 logits = self.model.compute_logits(sampled)
         prompt_hidden: dict[int, torch.Tensor] = {}
         if any([r.prompt_logits for r in reqs]):
