@@ -88,7 +88,12 @@ def test_random_sweep_json_and_plots(server, tmp_path):
         assert 0 < p["ttft_s"]["p50"] <= p["e2el_s"]["p50"]
         assert p["server"]["prefix_cache_hit_rate"] is not None    # read from /metrics
         assert p["server"]["spec_decode"] is None                  # not exported: absent
-    assert len(res["samples"][0]["itl_s"]) == 6 * 7
+    # One ITL per gap between content chunks. A client that falls a step behind gets the
+    # deltas of several steps in one chunk (async_engine merges them), so under load a
+    # request can stream fewer than 8 chunks: at most 7 gaps each, at least one.
+    itls = res["samples"][0]["itl_s"]
+    assert 6 <= len(itls) <= 6 * 7
+    assert sum(itls) / len(itls) == pytest.approx(res["points"][0]["itl_s"]["mean"], abs=1e-5)
     for name in ("random_sweep.png", "random_latency.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
 
