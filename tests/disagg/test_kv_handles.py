@@ -77,22 +77,38 @@ def test_another_requests_lease_id_is_refused():
     assert t.release(a) and t.release(b)
 
 
-def test_expired_lease_is_not_served():
+class _Clock:
+    """The lease table's clock, moved by the test: expiry is decided by the deadline alone,
+    never by how long the (loaded) machine took between two lines of the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_expired_lease_is_not_served(monkeypatch):
+    from wideserve.disagg import leases
+    clock = _Clock()
+    monkeypatch.setattr(leases, "time", clock)
     t = LeaseTable()
     ref = LeaseRef("a", t.grant("a", 0.01, ROWS, 40), ROWS, 40)
-    time.sleep(0.02)
+    clock.now += 0.01                                   # the deadline itself: expired
     assert t.claim(ref) == (None, "this instance no longer held the blocks (lease expired)")
     assert t.take_released() == ["a"]                   # freed at once
     ref1 = LeaseRef("c", t.grant("c", 0.01, ROWS, 40), ROWS, 40)
-    time.sleep(0.02)
+    clock.now += 0.02
     assert t.open(ref1) == "this instance no longer held the blocks (lease expired)"
     assert t.take_released() == ["c"]
     ref3 = LeaseRef("d", t.grant("d", 0.05, ROWS, 40), ROWS, 40)
+    clock.now += 0.049                                  # still held: served
     assert t.open(ref3) == ""
-    time.sleep(0.06)                                    # expired mid-pull
+    assert t.take_expired() == []
+    clock.now += 0.002                                  # expired mid-pull
     assert t.take_expired() == ["d"] and t.release(ref3) is False
     ref2 = LeaseRef("b", t.grant("b", 0.01, ROWS, 40), ROWS, 40)
-    time.sleep(0.02)
+    clock.now += 0.02
     assert t.take_expired() == ["b"]
     assert t.release(ref2) is False
     assert t.counters()["leases_refused_unknown"] == 2     # both late releases
