@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +45,16 @@ time.sleep(120)
 """
 
 
+def _read_line(stream, timeout_s: float) -> str:
+    """The next line of a pipe, or "" if none came within timeout_s (read on a thread: the
+    line may already sit in the stream's buffer, where select() cannot see it)."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0].strip() if box else ""
+
+
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -68,7 +79,12 @@ def test_child_dies_when_its_parent_is_sigkilled(mode):
     try:
         child = int(parent.stdout.readline())
         if mode != "late":
-            time.sleep(1.0)      # armed (python start-up), and the starting thread is gone
+            # The child prints 'armed' (on the pipe it shares with its parent) once
+            # die_with_parent returned; the starting thread is gone by then (joined before
+            # the pid was printed). Waiting for the line, not a fixed sleep: on a loaded
+            # machine the child's start-up can outlast any sleep, and a child stopped before
+            # it armed would outlive its parent for a reason this test does not test.
+            assert _read_line(parent.stdout, 60.0) == "armed", "the child never armed"
             assert pid_alive(child), "the child died while its parent lived"
         if mode == "main":
             os.kill(child, signal.SIGSTOP)      # the death signal ends even a stopped child

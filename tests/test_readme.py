@@ -8,13 +8,14 @@ servers of their own run in tests/test_readme_servers.py."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from ports import free_port
 
 from readme_doc import (CI_MARKER, NOT_RUN, README, ROOT, Block, ci_block_line, env,
                         fenced_blocks, is_code, matches, output_after, readme_blocks,
@@ -25,9 +26,7 @@ TOUR_SECTION = "A tour"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()          # outside the ephemeral range (tests/ports.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from ports import free_port
 
 from wideserve.bench.prometheus import parse_metrics
 from wideserve.entrypoints.cli import main as cli_main
@@ -34,9 +35,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()          # outside the ephemeral range (tests/ports.py)
     proc = subprocess.Popen(
         [sys.executable, "-m", "wideserve.entrypoints.cli", "serve", "--port", str(port),
          "--dtype", "float32", "--log-level", "warning"],

@@ -4,37 +4,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import subprocess
+import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int, attempts: int = 50) -> int:
-    """A base port with base .. base + n - 1 all free right now."""
-    for _ in range(attempts):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
+# Outside the kernel's ephemeral range, so nothing else is given them meanwhile
+# (tests/ports.py; tests/ is put on the path for scripts that import this module).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ports import free_port, free_port_block  # noqa: E402,F401 - re-exported
 
 
 def _entry(fn: Callable[..., Any], rank: int, args: tuple, queue: Any) -> None:

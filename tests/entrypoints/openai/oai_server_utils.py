@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
+
+# Outside the kernel's ephemeral range, so nothing else is given them meanwhile
+# (tests/ports.py; tests/ is put on the path for scripts that import this module).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ports import free_port  # noqa: E402,F401 - re-exported
 
 VOCAB = 384
 MAX_LEN = 256
@@ -54,10 +58,6 @@ def write_tiny_model(path: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:
