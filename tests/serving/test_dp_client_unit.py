@@ -18,23 +18,75 @@ def test_stall_report_names_each_ranks_load_and_silence():
 
 def test_a_stall_names_each_unfinished_request_and_whether_its_rank_holds_it():
     """The stall error says where each request is: held by its rank (a scheduler that never
-    finishes it), unknown to it (lost on the way, or ended without its final output), or a
-    rank that did not answer."""
-    async def ids(held):
-        if held is None:
+    finishes it); not held, and then never received (lost on the way in), received and
+    answered (its final output lost on the way back) or received and ended without an answer;
+    or a rank that did not answer."""
+    async def answer(value):
+        if value is None:
             raise RuntimeError("timed out")
-        return held
+        return value
 
-    def rank(held):
-        return SimpleNamespace(call_utility=lambda method, timeout: ids(held))
+    def rank(held, received=(), ended=()):
+        replies = {"request_ids": held,
+                   "request_history": None if held is None else
+                   {"received": list(received), "ended": list(ended)}}
+        return SimpleNamespace(call_utility=lambda method, timeout: answer(replies[method]))
 
-    owners = {"a": 0, "b": 1, "c": 1, "d": 2}
+    owners = {"a": 0, "b": 1, "c": 1, "d": 2, "f": 1, "g": 1}
     engine = object.__new__(SyncDPEngine)
-    engine._unfinished = {"a", "b", "c", "d", "e"}
-    engine.client = SimpleNamespace(clients=[rank(["a"]), rank(["c", "x"]), rank(None)],
-                                    rank_of=owners.get)
+    engine._unfinished = {"a", "b", "c", "d", "e", "f", "g"}
+    engine.client = SimpleNamespace(
+        clients=[rank(["a"]), rank(["c", "x"], received=["c", "f", "g", "x"], ended=["g"]),
+                 rank(None)],
+        rank_of=owners.get)
     assert asyncio.run(engine._whereabouts()) == (
-        "request 'a': rank 0 holds it; request 'b': rank 1 does not know it; "
+        "request 'a': rank 0 holds it; "
+        "request 'b': rank 1 does not know it and never received it; "
         "request 'c': rank 1 holds it; request 'd': rank 2 did not answer; "
-        "request 'e': owner unknown")
-    assert asyncio.run(engine._whereabouts(limit=2)).endswith("; 3 more")
+        "request 'e': owner unknown; "
+        "request 'f': rank 1 received it and ended it without a final output; "
+        "request 'g': rank 1 received it and emitted its final output")
+    assert asyncio.run(engine._whereabouts(limit=2)).endswith("; 5 more")
+
+
+def test_a_dp_rank_remembers_what_it_received_and_answered(monkeypatch):
+    """DPEngineCore.request_history: every request id handed to the rank, and those it
+    answered (a final output from a step, or a refusal the loop sends at once); a duplicate
+    id gets no answer, so it is received but not answered."""
+    from collections import deque
+
+    import numpy as np
+
+    from wideserve.engine import dp_engine
+    from wideserve.engine.engine_core import EngineCore
+    from wideserve.engine.errors import DuplicateRequestError
+    from wideserve.types.sched_output import EngineCoreOutput
+
+    def add(self, req):
+        if req.request_id == "bad":
+            raise ValueError("prompt too long")
+        if req.request_id == "dup":
+            raise DuplicateRequestError("in use")
+
+    monkeypatch.setattr(EngineCore, "add_request", add)
+    core = object.__new__(dp_engine.DPEngineCore)
+    core._received, core._ended = deque(maxlen=3), deque(maxlen=3)
+    for rid in ("ok", "bad", "dup"):
+        try:
+            core.add_request(SimpleNamespace(request_id=rid))
+        except ValueError:
+            pass
+    assert core.request_history() == {"received": ["ok", "bad", "dup"], "ended": ["bad"]}
+    # A lock-step iteration records the final outputs it returns (not the partial ones).
+    rows = np.zeros((2, 3), dtype=np.int64)
+    rows[:, dp_engine.HAS_WORK] = 1
+    core.sync = SimpleNamespace(exchange=lambda *a: rows)
+    core.dispatcher = SimpleNamespace(finish_step=lambda: None)
+    core.eplb, core.dp = None, dp_engine.DPStepStats()
+    core.scheduler = SimpleNamespace(num_running=1, num_waiting=0)
+    monkeypatch.setattr(dp_engine.DPEngineCore, "has_unfinished_requests", lambda self: True)
+    monkeypatch.setattr(dp_engine.DPEngineCore, "step", lambda self: [
+        EngineCoreOutput("ok", [5], finish_reason="length"), EngineCoreOutput("p", [6])])
+    assert len(core.dp_step(stop=False)) == 2
+    assert core.request_history()["ended"] == ["bad", "ok"]
+    assert core.request_history()["received"] == ["ok", "bad", "dup"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import signal
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from wideserve.config import EngineConfig
 from wideserve.engine.engine_core import EngineCore, EngineStats
 from wideserve.engine.engine_proc import EngineLoop
+from wideserve.engine.errors import DuplicateRequestError
+from wideserve.types.messages import EngineCoreRequest
 from wideserve.types.sched_output import EngineCoreOutput, SchedulerOutput
 from wideserve.parallel.devices import bind_device, rank_device
 from wideserve.parallel.dp_sync import HAS_WORK, NUM_REQS, STOP, TimedStepSync, choose_step_sync
@@ -39,6 +42,10 @@ from wideserve.worker.model_loader import load_model
 from wideserve.worker.model_runner import StepRequest
 
 DUMMY_REQUEST_ID = "__dp_dummy__"
+# Request ids a rank remembers (received; final output emitted) for a front end's stall
+# report, so a request lost on the way in is told from one whose final output was lost on
+# the way out (serving/dp_offline.py).
+HISTORY = 4096
 
 
 @dataclass
@@ -87,6 +94,8 @@ class DPEngineCore(EngineCore):
         self.dispatcher: EPDispatcher | None = None
         self.sync: TimedStepSync | None = None
         self.group_busy = False
+        self._received: deque[str] = deque(maxlen=HISTORY)
+        self._ended: deque[str] = deque(maxlen=HISTORY)
         self.dp = DPStepStats(rank=parallel.data_parallel_rank,
                               world_size=parallel.data_parallel_size)
         loaded = None
@@ -179,6 +188,7 @@ class DPEngineCore(EngineCore):
             return []
         self.dp.max_reqs_last = int(rows[:, NUM_REQS].max())
         outputs = self.step() if local else self._dummy_step()
+        self._ended.extend([o.request_id for o in outputs if o.finish_reason is not None])
         assert self.dispatcher is not None
         self.dispatcher.finish_step()
         if self.eplb is not None:
@@ -195,6 +205,21 @@ class DPEngineCore(EngineCore):
         if isinstance(error, DPGroupError):
             raise error
         return super()._fail_step(sched_out, error)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._received.append(req.request_id)
+        try:
+            super().add_request(req)
+        except DuplicateRequestError:
+            raise                       # logged by the loop; no answer is sent for it
+        except ValueError:
+            self._ended.append(req.request_id)      # the loop answers it with the error
+            raise
+
+    def request_history(self) -> dict[str, list[str]]:
+        """The ids of the last HISTORY requests this rank received and of those it emitted a
+        final output for (or refused), oldest first: a stall report's evidence."""
+        return {"received": list(self._received), "ended": list(self._ended)}
 
     def _num_requests(self) -> int:
         """This rank's running + waiting requests: every rank sees every rank's load."""

@@ -75,7 +75,8 @@ OutputMessage = Union[Ready, Outputs, UtilityResult, EngineDead]
 
 # Engine methods the front end may call by name; anything else is refused, so the socket is
 # not a general RPC channel.
-UTILITY_METHODS = frozenset({"get_stats", "check_integrity", "model_info", "request_ids"})
+UTILITY_METHODS = frozenset({"get_stats", "check_integrity", "model_info", "request_ids",
+                             "request_history"})
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -87,22 +87,25 @@ class SyncDPEngine:
             raise EngineDeadError(self.client.dead_reason)
 
     async def _whereabouts(self, limit: int = 8) -> str:
-        """Which unfinished requests their rank still holds: one it does not know was lost
-        between this client and the rank, or ended there without its final output."""
-        async def held(client: Any) -> set[str] | None:
+        """Where each unfinished request is: held by its rank (a scheduler that never
+        finishes it), or not, and then whether the rank ever received it (else it was lost
+        between this client and the rank) and emitted its final output (else it ended there
+        without one; if it did, the output was lost on its way back)."""
+        async def ask(client: Any, method: str) -> Any:
             try:
-                return set(await client.call_utility("request_ids", 5.0))
+                return await client.call_utility(method, 5.0)
             except Exception:  # noqa: BLE001 - a diagnostic: an unanswered rank says so
                 return None
-        known = await asyncio.gather(*(held(c) for c in self.client.clients))
+        clients = self.client.clients
+        known, history = await asyncio.gather(
+            asyncio.gather(*(ask(c, "request_ids") for c in clients)),
+            asyncio.gather(*(ask(c, "request_history") for c in clients)))
         parts = []
         for rid in sorted(self._unfinished)[:limit]:
             rank = self.client.rank_of(rid)
-            ids = known[rank] if rank is not None else None
-            where = ("owner unknown" if rank is None else
-                     f"rank {rank} did not answer" if ids is None else
-                     f"rank {rank} {'holds it' if rid in ids else 'does not know it'}")
-            parts.append(f"request {rid!r}: {where}")
+            parts.append(f"request {rid!r}: " + (
+                "owner unknown" if rank is None else
+                _where(rid, rank, known[rank], history[rank])))
         more = len(self._unfinished) - limit
         return "; ".join(parts) + (f"; {more} more" if more > 0 else "")
 
@@ -134,6 +137,20 @@ class SyncDPEngine:
                 self._run(asyncio.gather(*pending, return_exceptions=True))
         finally:
             self._loop.close()
+
+
+def _where(rid: str, rank: int, held: list[str] | None, history: dict | None) -> str:
+    if held is None:
+        return f"rank {rank} did not answer"
+    if rid in held:
+        return f"rank {rank} holds it"
+    if not history:
+        return f"rank {rank} does not know it"
+    if rid not in history["received"]:
+        return f"rank {rank} does not know it and never received it"
+    if rid in history["ended"]:
+        return f"rank {rank} received it and emitted its final output"
+    return f"rank {rank} received it and ended it without a final output"
 
 
 def stall_report(clients: Sequence[Any], now: float) -> str:
