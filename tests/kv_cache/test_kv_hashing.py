@@ -114,11 +114,13 @@ def test_hashing_is_cheap():
     # 256k tokens = 1,000 blocks of 256: one numpy conversion plus one blake2b per block.
     toks = list(range(256 * 1000))
     req = make_request("big", toks)
-    t0 = time.perf_counter()
+    # This thread's CPU time, not the wall clock: on a loaded machine the thread may wait
+    # for a core far longer than it computes (the bound is unchanged).
+    t0 = time.thread_time()
     BlockHasher(256)(req)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.thread_time() - t0
     assert len(req.block_hashes) == 1000
-    assert elapsed < 1.0, f"hashing 256k tokens took {elapsed:.3f} s"
+    assert elapsed < 1.0, f"hashing 256k tokens took {elapsed:.3f} s of CPU"
 
 
 def test_image_digests_key_the_blocks_holding_the_span():
