@@ -32,7 +32,10 @@ _CORPUS = ("To be, or not to be, that is the question: whether 'tis nobler in th
            "Hello world, hello server, hello tokens. 0123456789 + - * / = ? ! ; : ")
 
 
-def write_tiny_model(path: Path) -> Path:
+def write_tiny_model(path: Path, max_len: int = MAX_LEN) -> Path:
+    """`max_len`: the model's context; a test that must signal a server while a stream is
+    still running asks for a long one (a 200-token stream of this model can end within
+    0.15 s of its first chunk, sooner than a loaded machine wakes the test's thread)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -52,7 +55,7 @@ def write_tiny_model(path: Path) -> Path:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": MAX_LEN, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": max_len, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "torch_dtype": "float32",
         "bos_token_id": 0, "eos_token_id": 1}))
     return path

@@ -16,12 +16,15 @@ from oai_server_utils import RemoteServer, pid_alive, write_tiny_model
 
 COMMON = ["--load-format", "dummy", "--device", "cpu", "--block-size", "16",
           "--kv-cache-memory", "4MiB"]
-STREAM = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+# Long enough to be still running when the test (woken by its first chunk) signals the
+# engine on a loaded machine: 4,000 tokens of the tiny model take seconds, 200 took 0.15-1 s.
+LONG = 4096
+STREAM = {"prompt": "Hello", "max_tokens": LONG - 96, "stream": True, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), max_len=LONG)
 
 
 def _open_stream(url: str, events: list[str], started: threading.Event) -> threading.Thread:

@@ -25,7 +25,8 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
+    # A long context: the SIGTERM test's streams must still run when the signal comes.
+    model = write_tiny_model(tmp_path_factory.mktemp("tiny"), max_len=4096)
     srv = RemoteServer([str(model), "--load-format", "dummy", "--device", "cpu",
                         "--block-size", "16", "--kv-cache-memory", "4MiB",
                         "--header-read-timeout", str(HEADER_TIMEOUT),
@@ -180,7 +181,9 @@ def test_sigterm_ends_open_streams_with_an_error_and_done(server):
     started = [threading.Event() for _ in range(4)]
 
     def stream(i: int) -> None:
-        body = {"prompt": f"stream {i}", "max_tokens": 200, "ignore_eos": True,
+        # 1,500 tokens each (4 x 1,500 fit the 4 MiB cache): still running when the signal
+        # comes, however late a loaded machine wakes this thread (200 took 0.15-1 s).
+        body = {"prompt": f"stream {i}", "max_tokens": 1500, "ignore_eos": True,
                 "stream": True}
         lines = []
         with httpx.stream("POST", server.url + "/v1/completions", json=body,
