@@ -17,6 +17,9 @@ from pathlib import Path
 _LOWEST = 20000                      # below: well-known and registered services
 _EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()        # this process's: never the same port twice
+# Not the global `random`: a test that seeds it would make every xdist worker draw the same
+# ports in the same order.
+_rng = random.SystemRandom()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -52,7 +55,7 @@ def free_port_block(n: int = 1, attempts: int = 500) -> int:
     (so they stay free until the test binds them, unless it hands them out itself)."""
     pool = _pool()
     for _ in range(attempts):
-        base = random.randrange(pool.start, pool.stop - n + 1)
+        base = _rng.randrange(pool.start, pool.stop - n + 1)
         block = range(base, base + n)
         if _handed_out.intersection(block) or not all(_is_free(p) for p in block):
             continue

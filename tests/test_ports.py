@@ -25,7 +25,7 @@ def test_a_port_in_use_on_any_address_is_not_free(monkeypatch):
         taken = held.getsockname()[1]
         assert not ports._is_free(taken)
         picks = iter([taken, taken])
-        monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(picks))
+        monkeypatch.setattr(ports._rng, "randrange", lambda a, b: next(picks))
         try:
             ports.free_port_block(1, attempts=2)
         except RuntimeError as e:
