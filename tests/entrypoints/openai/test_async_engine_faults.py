@@ -11,6 +11,10 @@ from wideserve.types.sched_output import EngineCoreOutput
 from wideserve.serving.openai.async_engine import AsyncEngine, RequestFailed
 from wideserve.types.sampling_params import SamplingParams
 
+# A guard against a hang, not a speed bound: every awaited result is already due when it is
+# awaited, and a loaded machine may hold this process off a core for seconds.
+NO_HANG_S = 30
+
 
 class _StubClient:
     def __init__(self) -> None:
@@ -42,10 +46,10 @@ def test_output_and_death_while_consumer_is_busy_raise_instead_of_hanging():
         # The consumer is not waiting: an output, then the death, both arrive now.
         client.on_outputs([EngineCoreOutput("r", [5])])
         client.on_dead("engine core died: test")
-        item = await asyncio.wait_for(first, 2)
+        item = await asyncio.wait_for(first, NO_HANG_S)
         assert item.deltas[0].token_ids == [5]
         with pytest.raises(EngineDeadError, match="test"):
-            await asyncio.wait_for(gen.__anext__(), 2)
+            await asyncio.wait_for(gen.__anext__(), NO_HANG_S)
         assert engine.num_in_flight == 0
 
     asyncio.run(main())
@@ -71,13 +75,13 @@ def test_an_output_that_cannot_be_processed_fails_only_its_request(monkeypatch):
         monkeypatch.setattr(engine.processor, "_apply", apply)
         client.on_outputs([EngineCoreOutput("bad", [3]), EngineCoreOutput("good", [4])])
         with pytest.raises(RequestFailed, match="corrupt output") as err:
-            await asyncio.wait_for(first_bad, 2)
+            await asyncio.wait_for(first_bad, NO_HANG_S)
         assert err.value.internal
-        assert (await asyncio.wait_for(first_good, 2)).deltas[0].token_ids == [4]
+        assert (await asyncio.wait_for(first_good, NO_HANG_S)).deltas[0].token_ids == [4]
         await asyncio.sleep(0)
         assert "bad" in client.aborted and "good" not in client.aborted
         client.on_outputs([EngineCoreOutput("good", [5], finish_reason="length")])
-        last = await asyncio.wait_for(good.__anext__(), 2)
+        last = await asyncio.wait_for(good.__anext__(), NO_HANG_S)
         assert last.finished and last.output.outputs[0].token_ids == [4, 5]
 
     asyncio.run(main())
@@ -91,11 +95,11 @@ def test_a_failed_engine_step_fails_the_request_as_a_server_error():
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0)
         client.on_outputs([EngineCoreOutput("r", [3])])
-        assert (await asyncio.wait_for(first, 2)).deltas[0].token_ids == [3]
+        assert (await asyncio.wait_for(first, NO_HANG_S)).deltas[0].token_ids == [3]
         client.on_outputs([EngineCoreOutput("r", finish_reason="error", internal_error=True,
                                             error="engine step failed: boom")])
         with pytest.raises(RequestFailed, match="boom") as err:
-            await asyncio.wait_for(gen.__anext__(), 2)
+            await asyncio.wait_for(gen.__anext__(), NO_HANG_S)
         assert err.value.internal
 
     asyncio.run(main())
