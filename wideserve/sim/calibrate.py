@@ -317,6 +317,13 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     coll = {str(w): measure_collectives(w, sizes) for w in ranks}
     w0 = ranks[0]
     c0 = coll[str(w0)]
+    from wideserve.sim.calibrate_ep import measure_ep_layer
+    experts_total = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    # the dense work between MoE layers in CPU seconds (what a DEP rank computes there)
+    share = cpu_share(engine)
+    dense_cpu = {"tokens": dense["tokens"], "s": [share * x for x in dense["s"]]}
+    ep = {str(w): measure_ep_layer(w, cfg, dense_cpu, max(batches)) for w in ranks
+          if experts_total and experts_total % w == 0}
     fit = alltoall_fit(sizes, c0["alltoall_s"], w0)
     mem, flops = measure_machine()
     jit = measure_jitter()
@@ -337,7 +344,10 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
                                   "alpha_median_s": c0["alltoall_small_median_s"] / (w0 - 1)},
                      # mean seconds per exchange of lock-step ranks vs the CPU seconds
                      # of host work between
-                     "meeting": {w: c["meeting"] for w, c in coll.items()}},
+                     "meeting": {w: c["meeting"] for w, c in coll.items()},
+                     # the engine's EP MoE layer at n ranks vs tokens per rank
+                     # (calibrate_ep.py): what a DEP step's MoE layers cost here
+                     "ep_layer": ep},
         ops={"expert": experts, "dense_forward": dense, "engine_rows": engine},
         mem_bytes_per_s=mem, flops_fp32=flops,
         sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
