@@ -32,6 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}')
+AGENTS = 2                  # NIXL agents the deployment keeps: one per server (1P + 1D)
 BATCH_TOKENS = 2048         # the servers' --max-num-batched-tokens (the engine default)
 SERVER_KW = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(BATCH_TOKENS),
              "--log-level", "warning"]
@@ -112,17 +113,21 @@ def calibrate_pd(w: dict[str, int], serving: bool = True):
     from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.calibrate import measure_engine
     from wideserve.sim.calibrate_pd import (measure_admission, measure_nixl, measure_prefill,
-                                            measure_serving)
+                                            measure_serving, resident_agents)
     from wideserve.sim.validate import profile_from_rows
     model = str(BUNDLED_MODEL)
     kw = {"load_format": "auto", "dtype": "auto", "block_size": None}
-    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3,
-                          keep="mean")
+    i = w["input_len"]
+    # the decode step and the prefill as they run beside the deployment's resident NIXL
+    # agents (one per server: 1P + 1D)
+    with resident_agents(AGENTS):
+        rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw,
+                              reps=3, keep="mean")
+        prefill = measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean")
     prof = profile_from_rows(rows)
     if serving:
         prof.host["serving"] = measure_serving(None, rows, w["input_len"], 24, kw)
-    i = w["input_len"]
-    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean"),
+    prof.pd = {"prefill": prefill,
                "nixl": measure_nixl(),
                "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
     return prof

@@ -89,22 +89,23 @@ def ep_layer_worker(rank: int, world: int, port: int, shape: dict[str, Any], q: 
         for T in shape["tokens"]:
             dense = float(np.interp(T, shape["dense_tokens"], shape["dense_s"]))
             reps = max(1, round(dense / shape["layers"] / unit))
-            out[str(T)] = _ep_steps(disp, layers, T, k, d, a, reps, rng)
+            out[str(T)] = _ep_steps(disp, layers, T, k, d, a, reps, rng, shape["steps"])
     dist.destroy_process_group()
     if rank == 0:
         q.put(out)
 
 
 def _ep_steps(disp: Any, layers: list, T: int, k: int, d: int, a: Any, reps: int,
-              rng: Any) -> dict[str, float]:
-    """EP_STEPS lock-step steps of T tokens; per-layer means over steps, averaged over ranks."""
+              rng: Any, steps: int) -> dict[str, float]:
+    """`steps` lock-step steps of T tokens (after 5 warm-up steps); per-layer means over
+    steps, averaged over ranks."""
     import torch
     import torch.distributed as dist
     x = torch.randn(T, d)
     w = torch.full((T, k), 1.0 / k)
     E = layers[0].num_experts
     tot = np.zeros(5)                   # layer, a2a, expert, step header+close, work cpu
-    for s in range(5 + EP_STEPS):
+    for s in range(5 + steps):
         ids = torch.rand(T, E, generator=rng).topk(k, dim=1).indices
         a0, e0 = disp.stats.a2a_s, disp.stats.expert_s
         t = time.perf_counter()
@@ -124,8 +125,8 @@ def _ep_steps(disp: Any, layers: list, T: int, k: int, d: int, a: Any, reps: int
         head += time.perf_counter() - t
         if s >= 5:
             tot += [layer, disp.stats.a2a_s - a0, disp.stats.expert_s - e0, head, work]
-    n = len(layers) * EP_STEPS
-    means = torch.tensor([tot[0] / n, tot[1] / n, tot[2] / n, tot[3] / EP_STEPS,
+    n = len(layers) * steps
+    means = torch.tensor([tot[0] / n, tot[1] / n, tot[2] / n, tot[3] / steps,
                           tot[4] / n], dtype=torch.float64)
     dist.all_reduce(means)
     means /= dist.get_world_size()
@@ -149,7 +150,8 @@ def _result(q: Any, procs: list, timeout_s: float) -> dict[str, Any]:
 
 
 def measure_ep_layer(world: int, cfg: dict[str, Any], dense: dict[str, list[float]],
-                     max_tokens: int, tokens: tuple[int, ...] = EP_TOKENS) -> dict[str, Any]:
+                     max_tokens: int, tokens: tuple[int, ...] = EP_TOKENS,
+                     steps: int = EP_STEPS) -> dict[str, Any]:
     """The table (module docstring) at `world` ranks for the model config `cfg` (HF keys),
     given the one-rank dense forward table `dense` ({"tokens", "s"})."""
     import socket
@@ -163,7 +165,7 @@ def measure_ep_layer(world: int, cfg: dict[str, Any], dense: dict[str, list[floa
              "intermediate": int(cfg["moe_intermediate_size"]),
              "layers": int(cfg["num_hidden_layers"]), "dense_tokens": dense["tokens"],
              "dense_s": dense["s"], "max_tokens": max(max_tokens, max(tokens)),
-             "tokens": [t for t in tokens if t <= max(max_tokens, 1)] or [1]}
+             "tokens": [t for t in tokens if t <= max(max_tokens, 1)] or [1], "steps": steps}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
