@@ -16,6 +16,7 @@ What is measured (all with the thread count given, one rank):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -304,7 +305,8 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     cfg = {**cfg, **cfg.get("text_config", {})}
     hidden, inter = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
     experts = measure_experts(hidden, inter, [1, 2, 4, 8, 16, 32, 64])
-    engine = measure_engine(model_dir, batches, prompt_len, output_len, engine_kw)
+    with _beside_agents(pd):
+        engine = measure_engine(model_dir, batches, prompt_len, output_len, engine_kw)
     base, per_req = host_fit(engine)
     dense = _dense_rows(engine)
     host_extra = {}
@@ -361,12 +363,26 @@ class PDCalibration:
     prefill_lengths: list[int] = field(default_factory=lambda: [64, 256, 512])
     admission_model: str | None = None      # KV layout for the admission cost (default: model)
     admission_tokens: list[int] = field(default_factory=lambda: [256, 4096, 32768, 131072])
+    # NIXL agents the deployment keeps on this host (one per server: 1 prefill + 1 decode),
+    # alive while the decode step and the prefill are measured
+    resident_agents: int = 2
+
+
+def _beside_agents(pd: PDCalibration | None) -> Any:
+    """With `pd`: the deployment's resident NIXL agents alive while steps are measured
+    (calibrate_pd.resident_agents); without: nothing."""
+    if pd is None or pd.resident_agents <= 0:
+        return contextlib.nullcontext()
+    from wideserve.sim.calibrate_pd import resident_agents
+    return resident_agents(pd.resident_agents)
 
 
 def measure_pd(model_dir: str, pd: PDCalibration, engine_kw: dict[str, Any] | None
                ) -> dict[str, Any]:
     from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
-    return {"prefill": measure_prefill(model_dir, pd.prefill_lengths, engine_kw),
+    with _beside_agents(pd):
+        prefill = measure_prefill(model_dir, pd.prefill_lengths, engine_kw)
+    return {"prefill": prefill,
             "nixl": measure_nixl(),
             "admission": measure_admission(pd.admission_model or model_dir,
                                            pd.admission_tokens)}
