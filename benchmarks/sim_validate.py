@@ -303,6 +303,9 @@ def main() -> None:
     ap.add_argument("--repredict", action="store_true",
                     help="DEP2, P/D, MTP: predict the saved rounds again from their saved "
                          "calibrations (the current model; measurements unchanged)")
+    ap.add_argument("--pd-agents", type=int, default=2,
+                    help="P/D: idle NIXL agents beside the calibration's decode steps and "
+                         "prefills (the deployment's: one per server); 0 for none")
     ap.add_argument("--rounds", type=int, default=3,
                     help="calibrate-then-measure rounds of DEP2, P/D and MTP (median and "
                          "spread)")
@@ -365,7 +368,7 @@ def main() -> None:
         from sim_validate_pd import pd_repredict, pd_rounds
         w = {"input_len": 256, "output_len": 32, "requests": 16, "concurrency": 4}
         pd = (pd_repredict(json.loads(Path(args.out).read_text())["pd"]) if args.repredict
-              else pd_rounds(w, args.rounds))
+              else pd_rounds(w, args.rounds, args.pd_agents))
         rr = pd["rounds"]
         rows.append(summary_row("P/D 1P+1D output tokens/s (NIXL loopback, router)",
                                 [(r["predicted"]["output_tok_s"], r["measured"]["output_tok_s"])
