@@ -165,7 +165,10 @@ def measure_ep_layer(world: int, cfg: dict[str, Any], dense: dict[str, list[floa
              "intermediate": int(cfg["moe_intermediate_size"]),
              "layers": int(cfg["num_hidden_layers"]), "dense_tokens": dense["tokens"],
              "dense_s": dense["s"], "max_tokens": max(max_tokens, max(tokens)),
-             "tokens": [t for t in tokens if t <= max(max_tokens, 1)] or [1], "steps": steps}
+             # up to the calibration's largest batch, which is always measured (the
+             # table is held flat past its last point)
+             "tokens": sorted({t for t in tokens if t < max(max_tokens, 1)}
+                              | {max(max_tokens, 1)}), "steps": steps}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
