@@ -303,31 +303,40 @@ def main() -> None:
     ap.add_argument("--repredict", action="store_true",
                     help="DEP2, P/D, MTP: predict the saved rounds again from their saved "
                          "calibrations (the current model; measurements unchanged)")
+    ap.add_argument("--pd-agents", type=int, default=2,
+                    help="P/D: idle NIXL agents beside the calibration's decode steps and "
+                         "prefills (the deployment's: one per server); 0 for none")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="calibrate-then-measure rounds of DEP2 and P/D (median and spread)")
+                    help="calibrate-then-measure rounds of DEP2, P/D and MTP (median and "
+                         "spread)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
     rows, extra = [], {}
     if "mtp" in args.parts:
+        # every MTP round (calibration + held-out run) is also appended to its own file (the
+        # history); the table gives the median and spread over this run's `--rounds` rounds,
+        # as the DEP2 and P/D rows do (CPU time moves with the load too)
+        series = Path(args.out).with_name("sim_validate_mtp_rounds.json")
+        history = json.loads(series.read_text())["rounds"] if series.is_file() else []
         if args.repredict:
             mtp = mtp_repredict(Path(args.out))
+            done = [mtp]
         else:
-            mtp = mtp_section(8, 48, 32)
-            c = mtp["cpu"]
-            table = {int(b): v / 1e3 for b, v in c["table_ms"].items()}
-            mtp = _mtp_simulated_rows(mtp, table, c["drafts3_ms"] / 3e3,
-                                      c["draft_pass_k1_ms"] / 1e3, 8, 48, 32)
+            done = []
+            for _ in range(args.rounds):
+                load = os.getloadavg()[0]
+                mtp = mtp_section(8, 48, 32)
+                c = mtp["cpu"]
+                table = {int(b): v / 1e3 for b, v in c["table_ms"].items()}
+                mtp = _mtp_simulated_rows(mtp, table, c["drafts3_ms"] / 3e3,
+                                          c["draft_pass_k1_ms"] / 1e3, 8, 48, 32)
+                done.append({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                             "load_1min": load, **mtp})
+                series.write_text(json.dumps({"rounds": history + done}, indent=1))
         extra["mtp"] = mtp
-        # every MTP round (calibration + held-out run) in its own file, appended: the
-        # table gives the median and spread over rounds (CPU time moves with the load too)
-        series = Path(args.out).with_name("sim_validate_mtp_rounds.json")
-        done = json.loads(series.read_text())["rounds"] if series.is_file() else []
-        if not args.repredict:
-            done.append({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                         "load_1min": os.getloadavg()[0], **mtp})
-            series.write_text(json.dumps({"rounds": done}, indent=1))
+        extra["mtp_rounds"] = done
         for name, pred in (("MTP k=3 decode speed-up (bundled V4 tiny, B=8; CPU time)",
                             lambda r: r["simulated"]["at_k"]["speedup"]),
                            ("MTP k=3 speed-up across k (from k=1 + plain steps; CPU time)",
@@ -337,7 +346,7 @@ def main() -> None:
                            ("MTP k=3 speed-up across k, expected acceptance on full batches "
                             "(CPU time)", lambda r: r["cpu"]["predicted_across_k"])):
             rows.append(summary_row(name, [(pred(r), r["cpu"]["measured"])
-                                           for r in (done or [mtp])]))
+                                           for r in done]))
         w = mtp["wall"]
         rows.append({"quantity": "MTP k=3 decode speed-up (bundled V4 tiny, B=8; wall time)",
                      "predicted": w["predicted"], "measured": w["measured"],
@@ -359,7 +368,7 @@ def main() -> None:
         from sim_validate_pd import pd_repredict, pd_rounds
         w = {"input_len": 256, "output_len": 32, "requests": 16, "concurrency": 4}
         pd = (pd_repredict(json.loads(Path(args.out).read_text())["pd"]) if args.repredict
-              else pd_rounds(w, args.rounds))
+              else pd_rounds(w, args.rounds, args.pd_agents))
         rr = pd["rounds"]
         rows.append(summary_row("P/D 1P+1D output tokens/s (NIXL loopback, router)",
                                 [(r["predicted"]["output_tok_s"], r["measured"]["output_tok_s"])
@@ -375,7 +384,8 @@ def main() -> None:
     prev = json.loads(out.read_text()) if out.is_file() else {}
     kept = {r["quantity"]: r for r in prev.get("rows", [])}
     kept.update({r["quantity"]: r for r in rows})        # a partial run keeps the other rows
-    kept_sections = {k: prev[k] for k in ("mtp", "eplb", "dep2_rounds", "pd") if k in prev}
+    kept_sections = {k: prev[k] for k in ("mtp", "mtp_rounds", "eplb", "dep2_rounds", "pd")
+                     if k in prev}
     Path(args.out).write_text(json.dumps({
         **kept_sections, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_end": os.getloadavg(), "cpu": _cpu(), "command": " ".join(sys.argv),

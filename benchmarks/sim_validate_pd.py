@@ -32,6 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}')
+AGENTS = 2                  # NIXL agents the deployment keeps: one per server (1P + 1D)
 BATCH_TOKENS = 2048         # the servers' --max-num-batched-tokens (the engine default)
 SERVER_KW = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(BATCH_TOKENS),
              "--log-level", "warning"]
@@ -104,7 +105,7 @@ def bench(url: str, w: dict[str, int]) -> dict[str, Any]:
             "duration_s": pt["duration_s"]}
 
 
-def calibrate_pd(w: dict[str, int], serving: bool = True):
+def calibrate_pd(w: dict[str, int], serving: bool = True, agents: int = AGENTS):
     """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission;
     with `serving` the serving path's cost per step from one plain server of the same model,
     calibrate_pd.measure_serving). Repetitions are averaged, not minimised: the held-out
@@ -112,17 +113,21 @@ def calibrate_pd(w: dict[str, int], serving: bool = True):
     from wideserve.worker.model_loader import BUNDLED_MODEL
     from wideserve.sim.calibrate import measure_engine
     from wideserve.sim.calibrate_pd import (measure_admission, measure_nixl, measure_prefill,
-                                            measure_serving)
+                                            measure_serving, resident_agents)
     from wideserve.sim.validate import profile_from_rows
     model = str(BUNDLED_MODEL)
     kw = {"load_format": "auto", "dtype": "auto", "block_size": None}
-    rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw, reps=3,
-                          keep="mean")
+    i = w["input_len"]
+    # the decode step and the prefill as they run beside the deployment's resident NIXL
+    # agents (one per server: 1P + 1D)
+    with resident_agents(agents):
+        rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw,
+                              reps=3, keep="mean")
+        prefill = measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean")
     prof = profile_from_rows(rows)
     if serving:
         prof.host["serving"] = measure_serving(None, rows, w["input_len"], 24, kw)
-    i = w["input_len"]
-    prof.pd = {"prefill": measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean"),
+    prof.pd = {"prefill": prefill,
                "nixl": measure_nixl(),
                "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
     return prof
@@ -184,7 +189,7 @@ def mean_profile(a, b):
     return prof
 
 
-def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
+def pd_rounds(w: dict[str, int], rounds: int, agents: int = AGENTS) -> dict[str, Any]:
     """Calibrations bracket the held-out runs: C0 B0 C1 B1 ... C_n; round k predicts B_k
     from the mean of C_k and C_k+1 (mean_profile). The serving loop (a quantity of one
     run, drift-free) is measured in C0 only and carried."""
@@ -192,11 +197,11 @@ def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
     out = []
     try:
         bench(url, {**w, "requests": 2 * w["concurrency"]})          # warm-up
-        cals = [calibrate_pd(w)]
+        cals = [calibrate_pd(w, agents=agents)]
         for k in range(rounds):
             load = os.getloadavg()[0]
             meas = bench(url, w)
-            nxt = calibrate_pd(w, serving=False)
+            nxt = calibrate_pd(w, serving=False, agents=agents)
             nxt.host["serving"] = cals[0].host["serving"]
             cals.append(nxt)
             prof = mean_profile(cals[k], cals[k + 1])
@@ -220,4 +225,5 @@ def pd_rounds(w: dict[str, int], rounds: int) -> dict[str, Any]:
                   f"meas TPOT {1e3 * meas['tpot_p50_s']:.0f} ms", flush=True)
     finally:
         stop_cluster(procs)
-    return {"workload": w, "rounds": out, "design": "bracketed: C0 B0 C1 B1 ... Cn"}
+    return {"workload": w, "rounds": out, "design": "bracketed: C0 B0 C1 B1 ... Cn",
+            "resident_agents": agents}

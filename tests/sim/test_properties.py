@@ -189,3 +189,55 @@ def test_drawn_acceptance_keeps_the_mean_and_a_batch_waits_for_its_unluckiest_re
         per_step.append((8 * 33 - 8) / (r.steps - 1) / 8)       # decode steps, per request
     assert np.mean(draws) == pytest.approx(mean, rel=0.05)
     assert np.mean(per_step) < 0.95 * mean
+
+
+def _ep_profile():
+    prof = profile()
+    prof.ops = {"dense_forward": {"tokens": [1.0, 64.0], "s": [0.02, 0.04]},
+                "expert": {"rows": [1.0, 64.0], "s": [1e-4, 3e-4]}}
+    prof.host["cpu_share"] = 0.5
+    prof.collectives["ep_layer"] = {"2": {
+        "tokens": [1.0, 8.0], "layer_s": [3e-3, 5e-3], "a2a_s": [2e-3, 3e-3],
+        "expert_s": [5e-4, 1.5e-3], "step_s": [7e-4, 9e-4]}}
+    return prof
+
+
+def test_measured_ep_layer_sets_the_moe_layers_of_a_dep_step():
+    """With the EP layer measured at n ranks (calibrate_ep.py) every MoE layer of a DEP step
+    costs the table at the busiest rank's tokens, split into the grouped MLP, the exchanges
+    and the dispatcher's own work, plus the step header once; the dense part is the one-rank
+    table in CPU seconds; no rank count without a table uses it; one rank never does."""
+    prof = _ep_profile()
+    sm = StepModel(tiny_model(), prof.as_hardware(), prof)
+    L = sm.m.moe_layers
+    st = sm.step(StepInputs(2, [4, 8], [64.0, 64.0], overlap_host=False, noise=True))
+    p = st.parts
+    assert p["moe"] == pytest.approx(L * 1.5e-3)
+    assert p["all_to_all"] == pytest.approx(L * 3e-3)
+    assert p["ep_dispatch"] == pytest.approx(L * (5e-3 - 3e-3 - 1.5e-3))
+    assert p["ep_step"] == pytest.approx(9e-4)
+    assert p["lockstep_wait"] == 0.0
+    assert p["dense"] == pytest.approx(0.5 * interp([1.0, 64.0], [0.02, 0.04], 8))
+    assert st.step_s >= max(st.per_rank_s) - 1e-15       # lock-step: never below a rank
+    small = sm.step(StepInputs(2, [1, 1], [64.0, 64.0], overlap_host=False, noise=True))
+    assert small.step_s < st.step_s                       # fewer tokens per rank: cheaper
+    four = sm.step(StepInputs(4, [4] * 4, [64.0] * 4, overlap_host=False, noise=True))
+    assert "ep_dispatch" not in four.parts                 # no table at 4 ranks
+    one = sm.step(StepInputs(1, [4], [64.0], overlap_host=False, noise=True))
+    assert "ep_dispatch" not in one.parts
+
+
+def test_measured_ep_layer_scales_the_busiest_ranks_experts_with_skew():
+    """Skewed routing (EPLB off) loads one rank's experts more: its grouped MLP scales by its
+    expert time over the uniform routing's, and the lock-step step follows the busiest."""
+    prof = _ep_profile()
+    sm = StepModel(tiny_model(), prof.as_hardware(), prof)
+    L = sm.m.moe_layers
+    even = sm.step(StepInputs(2, [8, 8], [64.0] * 2, rank_rows=np.full((L, 2), 32.0),
+                              overlap_host=False, noise=True))
+    skew = sm.step(StepInputs(2, [8, 8], [64.0] * 2,
+                              rank_rows=np.tile([[56.0, 8.0]], (L, 1)),
+                              overlap_host=False, noise=True))
+    assert even.parts["moe"] == pytest.approx(L * 1.5e-3)
+    assert skew.parts["moe"] > even.parts["moe"]
+    assert skew.step_s > even.step_s

@@ -16,6 +16,7 @@ What is measured (all with the thread count given, one rank):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -304,7 +305,8 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     cfg = {**cfg, **cfg.get("text_config", {})}
     hidden, inter = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
     experts = measure_experts(hidden, inter, [1, 2, 4, 8, 16, 32, 64])
-    engine = measure_engine(model_dir, batches, prompt_len, output_len, engine_kw)
+    with _beside_agents(pd):
+        engine = measure_engine(model_dir, batches, prompt_len, output_len, engine_kw)
     base, per_req = host_fit(engine)
     dense = _dense_rows(engine)
     host_extra = {}
@@ -317,6 +319,13 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     coll = {str(w): measure_collectives(w, sizes) for w in ranks}
     w0 = ranks[0]
     c0 = coll[str(w0)]
+    from wideserve.sim.calibrate_ep import measure_ep_layer
+    experts_total = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    # the dense work between MoE layers in CPU seconds (what a DEP rank computes there)
+    share = cpu_share(engine)
+    dense_cpu = {"tokens": dense["tokens"], "s": [share * x for x in dense["s"]]}
+    ep = {str(w): measure_ep_layer(w, cfg, dense_cpu, max(batches)) for w in ranks
+          if experts_total and experts_total % w == 0}
     fit = alltoall_fit(sizes, c0["alltoall_s"], w0)
     mem, flops = measure_machine()
     jit = measure_jitter()
@@ -337,7 +346,10 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
                                   "alpha_median_s": c0["alltoall_small_median_s"] / (w0 - 1)},
                      # mean seconds per exchange of lock-step ranks vs the CPU seconds
                      # of host work between
-                     "meeting": {w: c["meeting"] for w, c in coll.items()}},
+                     "meeting": {w: c["meeting"] for w, c in coll.items()},
+                     # the engine's EP MoE layer at n ranks vs tokens per rank
+                     # (calibrate_ep.py): what a DEP step's MoE layers cost here
+                     "ep_layer": ep},
         ops={"expert": experts, "dense_forward": dense, "engine_rows": engine},
         mem_bytes_per_s=mem, flops_fp32=flops,
         sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -351,12 +363,26 @@ class PDCalibration:
     prefill_lengths: list[int] = field(default_factory=lambda: [64, 256, 512])
     admission_model: str | None = None      # KV layout for the admission cost (default: model)
     admission_tokens: list[int] = field(default_factory=lambda: [256, 4096, 32768, 131072])
+    # NIXL agents the deployment keeps on this host (one per server: 1 prefill + 1 decode),
+    # alive while the decode step and the prefill are measured
+    resident_agents: int = 2
+
+
+def _beside_agents(pd: PDCalibration | None) -> Any:
+    """With `pd`: the deployment's resident NIXL agents alive while steps are measured
+    (calibrate_pd.resident_agents); without: nothing."""
+    if pd is None or pd.resident_agents <= 0:
+        return contextlib.nullcontext()
+    from wideserve.sim.calibrate_pd import resident_agents
+    return resident_agents(pd.resident_agents)
 
 
 def measure_pd(model_dir: str, pd: PDCalibration, engine_kw: dict[str, Any] | None
                ) -> dict[str, Any]:
     from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
-    return {"prefill": measure_prefill(model_dir, pd.prefill_lengths, engine_kw),
+    with _beside_agents(pd):
+        prefill = measure_prefill(model_dir, pd.prefill_lengths, engine_kw)
+    return {"prefill": prefill,
             "nixl": measure_nixl(),
             "admission": measure_admission(pd.admission_model or model_dir,
                                            pd.admission_tokens)}

@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,52 @@ def _nixl_peer(pages: int, conn: Any) -> None:
     conn.send((agent.get_agent_metadata(), buf.data_ptr()))
     conn.recv()                       # the consumer is done
     conn.close()
+
+
+def _resident_agent(name: str, conn: Any) -> None:
+    """An idle NIXL agent with registered memory, as each P/D server's engine holds one for
+    its whole life (disagg/nixl_worker.py); lives until told to stop."""
+    import torch
+    torch.set_num_threads(1)
+    agent = _agent(name)
+    buf = torch.zeros(64 * PAGE, dtype=torch.uint8)
+    agent.register_memory([buf])
+    conn.send("up")
+    conn.recv()
+    conn.close()
+
+
+@contextmanager
+def resident_agents(count: int) -> Iterator[None]:
+    """`count` idle NIXL agents, each in its own process, for the duration: a P/D deployment
+    on this machine keeps one per server (their UCX worker threads stay on the host while
+    idle), and a step measured beside them pays what they take from the cores (measured
+    with 2 beside the one-rank engine: decode steps 4-5x longer at load 18,
+    docs/simulator.md). 0: nothing."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        for i in range(count):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_resident_agent, args=(f"sim-resident-{i}", child))
+            proc.start()
+            procs.append((proc, parent))
+            if not parent.poll(120):
+                raise RuntimeError("P/D calibration: a resident NIXL agent did not start")
+            parent.recv()
+        yield
+    finally:
+        for proc, parent in procs:
+            try:
+                parent.send("stop")
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 def _read(agent: Any, local: Any, remote: Any, idx: np.ndarray) -> None:

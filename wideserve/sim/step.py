@@ -167,6 +167,9 @@ class StepModel:
             m.moe_layers, n, sum(tokens) * m.top_k)
         expert = self.experts_s(rows, m.experts / n, m.expert_params_each(), m.expert_format)
         draft = self._drafts_s(s, n)
+        ep = self._ep_table(n)
+        if ep is not None:
+            return self._measured_ep_step(s, tokens, rows, expert, draft, ep)
         a2a = self.a2a_s(n, max(tokens) * m.top_k, m.moe_layers)
         parts_r = []
         wait = self._lockstep_wait(n, tokens, expert, s)
@@ -182,6 +185,47 @@ class StepModel:
                 "moe": float(expert[r]), "all_to_all": a2a, "lockstep_wait": wait,
                 "draft": float(draft[r]),
                 "serving": self.serving_s(s.requests[r]) if s.served else 0.0})
+        return self._barrier(parts_r, self.sync_s(n, s.sync_algo), s.overlap_host)
+
+    def _ep_table(self, n: int) -> dict | None:
+        """The calibrated EP MoE layer at n ranks (calibrate_ep.py; a measured machine)."""
+        if not self.measured or n <= 1 or self.m.moe_layers == 0:
+            return None
+        return (self.p.collectives.get("ep_layer") or {}).get(str(n))
+
+    def _measured_ep_step(self, s: StepInputs, tokens: list[int], rows: np.ndarray,
+                          expert: np.ndarray, draft: np.ndarray, ep: dict) -> StepTime:
+        """A DEP step on a calibrated machine with the EP layer measured at n ranks
+        (calibrate_ep.py): each MoE layer costs what the engine's dispatcher measured at this
+        step's tokens per rank (the padded path's size: the busiest rank's), split into the
+        grouped MLP (`moe`), the exchanges with their waits for the peer (`all_to_all`) and
+        the dispatcher's own work (`ep_dispatch`); plus the step header and close once per
+        step (`ep_step`). The dense part is the one-rank measurement at the rank's own
+        tokens, in CPU seconds. Skewed routing (EPLB) scales each rank's grouped MLP by its expert time over
+        the uniform routing's (experts_s)."""
+        n, m, q = s.ranks, self.m, 1 + s.drafts
+        T = max(tokens)
+        at = {k: interp(ep["tokens"], ep[k], T) for k in ("layer_s", "a2a_s", "expert_s",
+                                                          "step_s")}
+        L = m.moe_layers
+        uniform = self.experts_s(uniform_rows(L, n, float(rows.sum(axis=1).mean()) if rows.size
+                                              else 0.0), m.experts / n, m.expert_params_each(),
+                                 m.expert_format)
+        scale = np.where(uniform > 0, expert / np.maximum(uniform, 1e-12), 1.0)
+        rest = max(at["layer_s"] - at["a2a_s"] - at["expert_s"], 0.0)
+        # The dense forward in CPU seconds (its measured wall time x the CPU share the
+        # one-rank calibration got): a DEP rank blocks in every exchange, and a woken
+        # rank gets a core at once, so its compute runs at the speed of its CPU time even
+        # on a loaded machine (docs/simulator.md); on a quiet one the share is 1.
+        share = self.p.host.get("cpu_share", 1.0)
+        parts_r = [{
+            "host": self.host_s(s.requests[r], tokens[r]),
+            "dense": self.dense_s(tokens[r]) * share,
+            "attention": self.attention_s(s.requests[r], s.context[r], q),
+            "moe": L * at["expert_s"] * float(scale[r]), "all_to_all": L * at["a2a_s"],
+            "ep_dispatch": L * rest, "ep_step": at["step_s"], "lockstep_wait": 0.0,
+            "draft": float(draft[r]),
+            "serving": self.serving_s(s.requests[r]) if s.served else 0.0} for r in range(n)]
         return self._barrier(parts_r, self.sync_s(n, s.sync_algo), s.overlap_host)
 
     def _lockstep_wait(self, n: int, tokens: list[int], expert: np.ndarray,
