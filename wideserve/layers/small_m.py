@@ -14,9 +14,11 @@ with EPLB) and `SmallMLinear.forget` drops them. Outside a small step, and for i
 table does not pack (fp32, another device, autograd, no rows), they are plain `F.linear`.
 
 Rounding: the same kernel the table runs for that many rows everywhere else; against the
-standard path's oneDNN GEMM it differs in ~1 value in 10^4-10^5 by one bf16 ulp (the
-batch-size dependence docs/cpu_kernels.md documents for the default mode), enough to flip a
-greedy token on a near tie; fp32 unchanged. Hence opt-in: LoadConfig.small_batch_gemms.
+standard path's oneDNN GEMM it differs in ~1 value in 10^4-10^5 by one bf16 ulp, which can
+flip a greedy token on a near tie. That is the batch-size dependence docs/cpu_kernels.md
+documents for the default mode (whose guarantee is fp32 greedy equality; fp32 inputs run
+F.linear here), so the path uses them by default (LoadConfig.small_batch_gemms,
+--no-small-batch-gemms to keep F.linear) and never under --batch-invariant.
 """
 from __future__ import annotations
 
