@@ -12,7 +12,7 @@ the mean over requests and the P90 figure, 1 / (90th percentile time per output 
 speed 90% of requests reach. Greedy outputs of the two paths are compared too.
 
   PYTHONPATH=. python benchmarks/small_batch.py [--models v4,v41,qwen3moe,11m] [--rounds 8]
-        [--tokens 64] [--batch 1] [--threads 1] [--gemms on|off]
+        [--tokens 64] [--batch 1] [--threads 1] [--gemms on|off] [--clock wall|cpu]
 
 Models: v4 / v41 the bundled tiny checkpoints, qwen3moe the tiny random config of
 tests/tiny_families.py (dummy weights), 11m /work/venvs/hostpath-models/qwen3moe-11m (or
@@ -52,9 +52,10 @@ def _load(name: str, tmp: Path, path_11m: str, gemms: bool) -> tuple[LLM, int]:
     return llm, vocab_size(path)
 
 
-def _run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str
+def _run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str, clock=time.perf_counter
          ) -> tuple[list[float], list[list[int]]]:
-    """The prompts at once; per request its decode seconds per token, and its tokens."""
+    """The prompts at once; per request its decode seconds per token (on `clock`), and its
+    tokens."""
     engine = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     got: dict[str, list[int]] = {}
@@ -66,7 +67,7 @@ def _run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str
         got[rid] = []
     while engine.has_unfinished_requests():
         outs = engine.step()
-        now = time.perf_counter()
+        now = clock()
         for out in outs:
             if out.new_token_ids:
                 first.setdefault(out.request_id, now)
@@ -83,16 +84,25 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     if small is None:
         raise SystemExit(f"{name}: the small-batch path is off for this engine")
     gen = np.random.default_rng(0)
+    # this thread's CPU time: on a loaded machine, what the step cost without the waits for
+    # a core (one torch thread: the step's ops run on this thread)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     tpot: dict[str, list[float]] = {"small": [], "standard": []}
     same = True
-    _run(llm, [gen.integers(2, vocab, 32).tolist()] * args.batch, 8, "warm")  # first-use costs
+    # First-use costs, on both paths and at the measured lengths: oneDNN builds a primitive
+    # for every new shape (~1 ms for a bf16 bmm: V4's attention products, whose key count
+    # grows each step), kept in its cache afterwards; unwarmed, round 0's first path paid them.
+    warm = [gen.integers(2, vocab, args.prompt).tolist()] * args.batch
+    for path in ("small", "standard"):
+        runner.small = small if path == "small" else None
+        _run(llm, warm, args.tokens, f"warm-{path}", clock)
     for rnd in range(args.rounds):
         prompts = [gen.integers(2, vocab, args.prompt).tolist() for _ in range(args.batch)]
         order = ("small", "standard") if rnd % 2 == 0 else ("standard", "small")
         outs = {}
         for path in order:
             runner.small = small if path == "small" else None
-            t, outs[path] = _run(llm, prompts, args.tokens, f"{path}{rnd}")
+            t, outs[path] = _run(llm, prompts, args.tokens, f"{path}{rnd}", clock)
             tpot[path] += t
         same &= outs["small"] == outs["standard"]
     runner.small = small
@@ -116,10 +126,14 @@ def main() -> None:
     ap.add_argument("--model-11m", default=MODEL_11M)
     ap.add_argument("--gemms", choices=("on", "off"), default="on",
                     help="LoadConfig.small_batch_gemms (small-M GEMMs for DeepSeek's linears)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (a loaded machine; needs --threads 1)")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu measures this thread alone: use it with --threads 1")
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {args.rounds} rounds x {args.tokens} tokens per path, "
-          f"{args.threads} thread(s), small-M GEMMs {args.gemms}")
+          f"{args.threads} thread(s), small-M GEMMs {args.gemms}, {args.clock} clock")
     print("| model | standard mean / P90 tok/s | small-batch mean / P90 tok/s | "
           "mean ratio | P90 ratio | greedy equal |")
     print("|---|---|---|---|---|---|")

@@ -4,6 +4,7 @@ standard path's (LoadConfig.small_batch_decode=0) on every family while the batc
 shrinks, requests are aborted and preempted."""
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ from tiny_families import FAMILIES, model_dir, vocab_size  # noqa: E402
 from wideserve import LLM, SamplingParams  # noqa: E402
 from wideserve.models import lean_decode  # noqa: E402
 from wideserve.types.messages import EngineCoreRequest  # noqa: E402
+from wideserve.layers.small_m import SmallMLinear  # noqa: E402
 from wideserve.worker.small_batch import SmallBatchDecode  # noqa: E402
 
 
@@ -33,14 +35,16 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _scenario(llm: LLM, vocab: int) -> dict[str, list[int]]:
+def _scenario(llm: LLM, vocab: int, logprobs: bool = False) -> dict[str, list]:
     """One user, then a batch that grows to five (past the path's four) and shrinks, an abort
-    mid-decode and a late arrival; the tokens each request received."""
+    mid-decode and a late arrival; the tokens each request received (logprobs: with each
+    token's logprob and the top 2, the floats as they came out)."""
     engine = llm.engine
-    got: dict[str, list[int]] = {}
+    got: dict[str, list] = {}
 
     def add(rid: str, n: int, max_tokens: int) -> None:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=2 if logprobs else None)
         engine.add_request(EngineCoreRequest(rid, _prompt(vocab, n, len(got) + 7), sp))
         got[rid] = []
 
@@ -48,6 +52,9 @@ def _scenario(llm: LLM, vocab: int) -> dict[str, list[int]]:
         for _ in range(k):
             for out in engine.step():
                 got[out.request_id] += out.new_token_ids
+                lps = out.new_logprobs.sampled if logprobs and out.new_logprobs else None
+                if lps is not None:
+                    got[out.request_id] += list(zip(lps.token_ids, lps.logprobs))
 
     add("a", 9, 14)
     steps(4)
@@ -75,6 +82,11 @@ def test_greedy_equal_to_the_standard_path(family: str, tmp_path: Path) -> None:
         path_obj = llm.engine.runner.small
         if small:
             assert isinstance(path_obj, SmallBatchDecode) and path_obj.steps >= 8
+            # DeepSeek's plain linears are SmallMLinears (the default) and ran in the small
+            # steps, as F.linear in fp32
+            assert bool(path_obj.linears) == (family in ("v4", "v41"))
+            ran = [m._small_calls[1] for m in path_obj.linears if 1 in m._small_calls]
+            assert bool(ran) == bool(path_obj.linears) and all(c is None for c in ran)
         else:
             assert path_obj is None
     assert runs[4] == runs[0]
@@ -157,12 +169,36 @@ def test_config_switch(tmp_path: Path) -> None:
         _llm(path, -1)
     # EPLB rewrites expert slots while serving, under a kept plan: the path is off
     assert _llm(model_dir("qwen3moe", tmp_path), 4, enable_eplb=True).engine.runner.small is None
-    # small-M GEMMs only when asked for: by default the DeepSeek linears stay nn.Linear
-    llm = _llm(model_dir("v4", tmp_path), 4)
-    assert not llm.engine.runner.small.linears
-    assert all(type(m) is torch.nn.Linear for m in llm.engine.model.modules()
-               if isinstance(m, torch.nn.Linear))
-    assert _llm(model_dir("v4", tmp_path), 4, small_batch_gemms=True).engine.runner.small.linears
+    # small-M GEMMs by default; small_batch_gemms=False (--no-small-batch-gemms) and
+    # --batch-invariant (its InvariantLinears) keep no SmallMLinear
+    assert _llm(model_dir("v4", tmp_path), 4).engine.runner.small.linears
+    for kw in ({"small_batch_gemms": False}, {"batch_invariant": True}):
+        llm = _llm(model_dir("v4", tmp_path), 4, **kw)
+        assert not llm.engine.runner.small.linears
+        assert not any(isinstance(m, SmallMLinear) for m in llm.engine.model.modules())
+    from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, want in (([], True), (["--no-small-batch-gemms"], False)):
+        assert engine_config_from_args(parser.parse_args(argv)).load.small_batch_gemms is want
+
+
+@pytest.mark.parametrize("family", ["v4", "v41", "qwen3moe"])
+def test_batch_invariant_bits_equal_to_the_standard_path(family: str, tmp_path: Path) -> None:
+    """--batch-invariant, bf16: the small path changes no bit (greedy tokens and their
+    logprobs through the scripted scenario equal the standard path's), and its plain linears
+    stay the mode's nn.Linear-free kernels (no SmallMLinear: small_batch_gemms is on)."""
+    path = model_dir(family, tmp_path)
+    vocab = vocab_size(path)
+    runs = {}
+    for small in (0, 4):
+        llm = _llm(path, small, dtype="bfloat16", batch_invariant=True,
+                   load_format="dummy" if family == "qwen3moe" else "auto")
+        runs[small] = _scenario(llm, vocab, logprobs=True)
+        if small:
+            assert llm.engine.runner.small.steps >= 8 and not llm.engine.runner.small.linears
+    assert runs[4] == runs[0]
+    assert sum(isinstance(x, tuple) for x in runs[4]["a"]) == 14       # the logprobs compared
 
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
@@ -170,8 +206,8 @@ def test_small_m_gemms_trained_bf16(family: str, tmp_path: Path) -> None:
     """The bundled trained DeepSeek-V4 / V4.1 in bf16 (the CPU's serving dtype): in a small
     step their plain linears run the kernel table's small-M GEMMs (layers/small_m.py) and the
     grouped o_a projection its per-group GEMMs; greedy outputs equal the standard path's
-    (F.linear / bmm) through the scripted scenario (LoadConfig.small_batch_gemms; off by
-    default: on a near tie the ulp they differ by can flip a greedy token, docs/host_path.md)."""
+    (F.linear / bmm) through the scripted scenario (trained weights have no near tie there;
+    on random weights the ulp they can differ by flips a greedy token, docs/host_path.md)."""
     path = model_dir(family, tmp_path)
     vocab = vocab_size(path)
     runs = {}

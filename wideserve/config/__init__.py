@@ -38,10 +38,12 @@ class LoadConfig:
     # steps. 0 turns it off (A/B runs).
     small_batch_decode: int = 4
     # Small-M GEMMs on that path (layers/small_m.py): plain nn.Linear models (DeepSeek-V4 /
-    # V4.1) run the kernel table's small-row GEMM in small steps, +20-26% single-user decode
-    # here, but in bf16 one ulp off oneDNN's on rare values, so a greedy token can differ from
-    # the standard path's on a near tie (docs/host_path.md): off unless asked for.
-    small_batch_gemms: bool = False
+    # V4.1) run the kernel table's small-row GEMM in small steps instead of oneDNN's F.linear.
+    # In bf16 they round a value one ulp apart from F.linear on rare values, another
+    # batch-dependent choice of the default mode (fp32 greedy outputs are equal; docs/
+    # cpu_kernels.md, "Batch invariance"); --batch-invariant never uses them.
+    # --no-small-batch-gemms (False) keeps F.linear on the path.
+    small_batch_gemms: bool = True
     # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
     # on CUDA, never a synchronisation). False keeps only the step counts.
     step_timing: bool = True

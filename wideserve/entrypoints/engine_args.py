@@ -129,6 +129,11 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
                         "order independent of the batch size and a row's place in it, so "
                         "greedy outputs are bit-identical across batch mixes, data-parallel "
                         "ranks, speculation and P/D (costs speed; docs/cpu_kernels.md)")
+    g.add_argument("--small-batch-gemms", default=True, action=argparse.BooleanOptionalAction,
+                   help="decode steps of 1-4 requests run DeepSeek-V4 / V4.1's plain linears "
+                        "through the small-M GEMM kernel (faster; in bf16 a value may round "
+                        "one ulp apart from the standard path's). --no-small-batch-gemms "
+                        "keeps F.linear; never used with --batch-invariant (docs/host_path.md)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--threads", type=parse_positive_int, default=None,
                    help="torch threads per engine process (default: one per core this "
@@ -246,7 +251,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                         seed=args.seed, device=_resolve_device(args.device),
                         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
                         decoder_bounded_replay=getattr(args, "decoder_bounded_replay", None),
-                        limit_mm_per_prompt=_mm_or_default(args)),
+                        limit_mm_per_prompt=_mm_or_default(args),
+                        small_batch_gemms=getattr(args, "small_batch_gemms", True)),
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=_KV_DTYPES[args.kv_cache_dtype],  # type: ignore[arg-type]

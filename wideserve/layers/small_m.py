@@ -14,9 +14,11 @@ with EPLB) and `SmallMLinear.forget` drops them. Outside a small step, and for i
 table does not pack (fp32, another device, autograd, no rows), they are plain `F.linear`.
 
 Rounding: the same kernel the table runs for that many rows everywhere else; against the
-standard path's oneDNN GEMM it differs in ~1 value in 10^4-10^5 by one bf16 ulp (the
-batch-size dependence docs/cpu_kernels.md documents for the default mode), enough to flip a
-greedy token on a near tie; fp32 unchanged. Hence opt-in: LoadConfig.small_batch_gemms.
+standard path's oneDNN GEMM it differs in ~1 value in 10^4-10^5 by one bf16 ulp, which can
+flip a greedy token on a near tie. That is the batch-size dependence docs/cpu_kernels.md
+documents for the default mode (whose guarantee is fp32 greedy equality; fp32 inputs run
+F.linear here), so the path uses them by default (LoadConfig.small_batch_gemms,
+--no-small-batch-gemms to keep F.linear) and never under --batch-invariant.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ class SmallMLinear(nn.Linear):
     otherwise. Made from an nn.Linear in place by `use_small_m_linears`."""
 
     _small_scope: GemmScope
-    _small_cpu_kernel: bool
+    # its cpu_kernel is the GEMM switch (KernelConfig.cpu_gemm, set by apply_kernel_config
+    # like every WeightPack's); the grouped GEMMs follow it too
     _small_pack: WeightPack
     _small_calls: dict[int, GemmCall | None]
     # grouped_linear: per row count, one GEMM per group of the weight's rows
@@ -91,14 +94,14 @@ class SmallMLinear(nn.Linear):
         if not self._runs(x2):
             return None
         w = self.weight.view(groups, -1, x2.shape[-1])
-        calls = [WeightPack(cpu_kernel=self._small_cpu_kernel).gemm_call(
+        calls = [WeightPack(cpu_kernel=self._small_pack.cpu_kernel).gemm_call(
             (w[i],), (None,), x2.dtype, x2.shape[0]) for i in range(groups)]
         return None if any(c is None for c in calls) else calls
 
     def forget(self) -> None:
         """Drop the kept GEMMs and packed copies (rebuilt at the next small step)."""
         self._small_calls, self._small_groups = {}, {}
-        self._small_pack = WeightPack(cpu_kernel=self._small_cpu_kernel)
+        self._small_pack = WeightPack(cpu_kernel=self._small_pack.cpu_kernel)
 
 
 def grouped_linear(linear: nn.Linear, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -120,8 +123,7 @@ def use_small_m_linears(model: nn.Module, scope: GemmScope | None) -> list[Small
         for m in model.modules():
             if type(m) is SmallMLinear:
                 m.__class__ = nn.Linear
-                del (m._small_scope, m._small_cpu_kernel, m._small_pack, m._small_calls,
-                     m._small_groups)
+                del m._small_scope, m._small_pack, m._small_calls, m._small_groups
         return []
     cpu_gemm = next((v.cpu_kernel for m in model.modules() for v in vars(m).values()
                      if isinstance(v, (WeightPack, FunctionalLinear))), True)
@@ -129,7 +131,7 @@ def use_small_m_linears(model: nn.Module, scope: GemmScope | None) -> list[Small
     for m in model.modules():
         if type(m) in (nn.Linear, SmallMLinear):       # (a path enabled again: rebound)
             m.__class__ = SmallMLinear
-            m._small_scope, m._small_cpu_kernel = scope, cpu_gemm
+            m._small_scope, m._small_pack = scope, WeightPack(cpu_kernel=cpu_gemm)
             m.forget()
             swapped.append(m)
     return swapped

@@ -21,18 +21,20 @@ here instead of `ModelRunner.build_batch`:
   caller that changes the model's weights or kernel switches after startup (the engine sets
   both once, before the first step, and leaves the path off with EPLB, whose expert moves
   rewrite weights while serving).
-- **Small-M GEMMs for plain linears** (LoadConfig.small_batch_gemms, off by default). A
-  model whose projections are plain `nn.Linear` modules (DeepSeek-V4 / V4.1) runs them, in a
-  small step only (`kernels`), through the kernel table's small-M GEMM kept per row count
-  instead of oneDNN's F.linear, ~20x cheaper at one row (layers/small_m.py).
+- **Small-M GEMMs for plain linears** (LoadConfig.small_batch_gemms, on by default;
+  --no-small-batch-gemms turns them off). A model whose projections are plain `nn.Linear`
+  modules (DeepSeek-V4 / V4.1) runs them, in a small step only (`kernels`), through the
+  kernel table's small-M GEMM kept per row count instead of oneDNN's F.linear, ~20x cheaper
+  at one row (layers/small_m.py). Not under --batch-invariant, whose InvariantLinears keep
+  one kernel for every row count.
 
-Greedy outputs are the standard path's: the same ops with the same arguments, bitwise
-(tests/worker/test_small_batch.py, every family). The small-M GEMMs are the exception, which
-is why they are opt-in: in bf16 they round like the kernel table's small-M kernel, one bf16
-ulp off oneDNN on ~1 value in 10^4-10^5 (fp32 unchanged), and on a near tie that flips a
-greedy token (the test's scripted user on the bundled V4 / V4.1 stays equal; 1 of 12 random
-prompts over 48 tokens did not, docs/host_path.md). LoadConfig.small_batch_decode sets the
-largest batch taken here (0: off, for A/B runs).
+Greedy outputs are the standard path's in fp32, on every family (tests/worker/
+test_small_batch.py), and in bf16 bitwise under --batch-invariant. In the default mode's bf16
+the small-M GEMMs round like the kernel table's small-M kernel, one bf16 ulp off oneDNN on ~1
+value in 10^4-10^5, and on a near tie that flips a greedy token (1 of 12 random prompts over
+48 tokens on V4): one more batch-size-dependent choice of that mode, whose guarantee is fp32
+greedy equality (docs/cpu_kernels.md, "Batch invariance"). LoadConfig.small_batch_decode sets
+the largest batch taken here (0: off, for A/B runs).
 """
 from __future__ import annotations
 
