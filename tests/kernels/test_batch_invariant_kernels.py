@@ -174,3 +174,39 @@ def test_a_widened_parameter_is_packed_once_and_again_after_an_update(monkeypatc
     with torch.no_grad():
         ref = WeightPack(choice, batch_invariant=True).linear(x, (p.float(),))
     assert torch.equal(again, ref)                    # the updated weight's values
+
+
+def _fma_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 micro-kernel's reduction, op by op: acc = fma(x[:, k], w[:, k], acc) for
+    k = 0..K-1 from 0, then + bias. fp32 * fp32 is exact in fp64 and the one addition is
+    rounded to fp32 once more (a double rounding that only a tie 2^-29 apart could tell)."""
+    xd, wd = x.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = (xd[:, k, None] * wd[None, :, k] + acc.double()).float()
+    return acc if bias is None else acc + bias
+
+
+@needs_ops
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("m,n,k", [(0, 24, 64), (1, 8, 256), (37, 40, 72), (300, 200, 33),
+                                   (97, 4096 + 7, 16)])
+def test_the_fp32_micro_kernel_is_one_fma_chain_per_output(m, n, k, portable):
+    # The mode's fp32 linears (mHC mixes, V4 routers, V4.1's compressor, DSpark's head) run
+    # here: every output one fused multiply-add chain over K in order, the same bits on the
+    # AVX-512 and the portable loop and at any M or place in the call. N not a multiple of
+    # 16, K odd, M = 0, 1, odd and past a register tile and a 96-row chunk.
+    g = torch.Generator().manual_seed(m * 7 + n)
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    packed = gemm.pack_linear(w)
+    for b in (None, bias):
+        got = torch.ops.wideserve.gemm_linear(x, packed, n, b, False, portable)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert torch.equal(got, _fma_chain(x, w, b))
+    if m > 1:
+        full = torch.ops.wideserve.gemm_linear(x, packed, n, None, False, portable)
+        for lo, hi in ((0, 1), (m - 1, m), (1, m), (m // 2, m // 2 + 5)):
+            assert torch.equal(torch.ops.wideserve.gemm_linear(x[lo:hi], packed, n, None,
+                                                               False, portable), full[lo:hi])
