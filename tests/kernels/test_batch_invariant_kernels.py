@@ -174,3 +174,116 @@ def test_a_widened_parameter_is_packed_once_and_again_after_an_update(monkeypatc
     with torch.no_grad():
         ref = WeightPack(choice, batch_invariant=True).linear(x, (p.float(),))
     assert torch.equal(again, ref)                    # the updated weight's values
+
+
+def _fma_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 micro-kernel's reduction, op by op: acc = fma(x[:, k], w[:, k], acc) for
+    k = 0..K-1 from 0, then + bias. fp32 * fp32 is exact in fp64 and the one addition is
+    rounded to fp32 once more (a double rounding that only a tie 2^-29 apart could tell)."""
+    xd, wd = x.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = (xd[:, k, None] * wd[None, :, k] + acc.double()).float()
+    return acc if bias is None else acc + bias
+
+
+@needs_ops
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("m,n,k", [(0, 24, 64), (1, 8, 256), (37, 40, 72), (300, 200, 33),
+                                   (97, 4096 + 7, 16)])
+def test_the_fp32_micro_kernel_is_one_fma_chain_per_output(m, n, k, portable):
+    # The mode's fp32 linears (mHC mixes, V4 routers, V4.1's compressor, DSpark's head) run
+    # here: every output one fused multiply-add chain over K in order, the same bits on the
+    # AVX-512 and the portable loop and at any M or place in the call. N not a multiple of
+    # 16, K odd, M = 0, 1, odd and past a register tile and a 96-row chunk.
+    g = torch.Generator().manual_seed(m * 7 + n)
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    packed = gemm.pack_linear(w)
+    for b in (None, bias):
+        got = torch.ops.wideserve.gemm_linear(x, packed, n, b, False, portable)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert torch.equal(got, _fma_chain(x, w, b))
+    if m > 1:
+        full = torch.ops.wideserve.gemm_linear(x, packed, n, None, False, portable)
+        for lo, hi in ((0, 1), (m - 1, m), (1, m), (m // 2, m // 2 + 5)):
+            assert torch.equal(torch.ops.wideserve.gemm_linear(x[lo:hi], packed, n, None,
+                                                               False, portable), full[lo:hi])
+
+
+def _attend_case(g, C, Q, H, D, N, k, dtype, sink_slot):
+    q = torch.randn(C, Q * H, D, generator=g).to(dtype)
+    keys = torch.randn(C, N, D, generator=g).to(dtype)
+    keys[:, sink_slot] = 0                  # the sink's key: a zero row, as V4Step lays it
+    bias = torch.where(torch.rand(C, Q, 1, N, generator=g) < 0.6, 0.0, float("-inf"))
+    sinks = torch.randn(H, generator=g)
+    own = None
+    if k:
+        own = (torch.randn(C, Q, k, D, generator=g).to(dtype),
+               torch.rand(C, Q, k, generator=g) < 0.7)
+    return q, keys, bias, sinks, D ** -0.5, sink_slot, own
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("C,Q,H,D,N,k", [(0, 32, 4, 64, 20, 0), (1, 1, 1, 16, 1, 0),
+                                         (3, 1, 4, 64, 81, 0), (5, 32, 4, 64, 111, 0),
+                                         (2, 7, 3, 40, 37, 5), (4, 32, 2, 512, 60, 16)])
+def test_the_invariant_v4_attention_op_matches_the_torch_form(C, Q, H, D, N, k, dtype):
+    # kernels/v4_attend.py against layers/attention/v4_batched.py's _softmax_attend (which
+    # rounds by layout): the same maths up to the order of the sums. D not a multiple of 16
+    # (the portable dot), M = C * Q = 0, 1, odd, large; picks (`own`) for Q > 1.
+    from wideserve.kernels import v4_attend
+    from wideserve.layers.attention.v4_batched import _softmax_attend
+    g = torch.Generator().manual_seed(C * 100 + N)
+    q, keys, bias, sinks, scale, slot, own = _attend_case(g, C, Q, H, D, N, k, dtype, N // 2)
+    got = v4_attend.attend_rows(q, keys, bias[:, :, 0], sinks, scale, slot, own)
+    want = _softmax_attend(q, keys, bias, sinks, scale, slot, own)
+    assert got.shape == want.shape == (C, Q, H, D) and got.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_invariant_v4_attention_op_does_not_depend_on_the_key_layout(dtype):
+    # One query's readable keys (window, sink, entries, picks) laid out as a decode step, a
+    # one-query block and slot 13 of a 32-query block do: other columns between them
+    # (masked, holding NaN or other keys), the sink at another column, other queries beside
+    # it. Its output bits must be the same in all three.
+    g = torch.Generator().manual_seed(9)
+    H, D, n_read, k = 4, 64, 23, 6
+    q1 = torch.randn(H, D, generator=g).to(dtype)
+    read = torch.randn(n_read, D, generator=g).to(dtype)
+    picks = torch.randn(k, D, generator=g).to(dtype)
+    chosen = torch.rand(k, generator=g) < 0.6
+    sinks = torch.randn(H, generator=g)
+    from wideserve.kernels import v4_attend
+
+    def layout(N, Q, slot_q, sink_slot, where):
+        # where: the columns the readable keys go to (ascending), the sink at sink_slot
+        qb = torch.randn(1, Q, H, D, generator=g).to(dtype)
+        qb[0, slot_q] = q1
+        keys = torch.full((1, N, D), float("nan"), dtype=dtype)
+        keys[0, torch.randperm(N, generator=g)[:N // 3]] = torch.randn(N // 3, D,
+                                                                       generator=g).to(dtype)
+        bias = torch.full((1, Q, N), float("-inf"))
+        bias[:, [i for i in range(Q) if i != slot_q]] = 0.0     # others read every column
+        keys[0, where] = read
+        keys[0, sink_slot] = 0
+        bias[0, slot_q, where] = 0.0
+        own = (torch.randn(1, Q, k, D, generator=g).to(dtype),
+               torch.ones(1, Q, k, dtype=torch.bool))
+        own[0][0, slot_q], own[1][0, slot_q] = picks, chosen
+        out = v4_attend.attend_rows(qb.flatten(1, 2), keys, bias, sinks,
+                                    D ** -0.5, sink_slot, own)
+        return out[0, slot_q]
+
+    # n_read - 8 window keys, the sink, 8 entries; then the picks
+    decode = layout(70, 1, 0, n_read - 8, [i if i < n_read - 8 else i + 1 for i in
+                                           range(n_read)])
+    one = layout(90, 1, 0, 50, [2 * i for i in range(n_read - 8)] + [60 + i for i in range(8)])
+    block = layout(120, 32, 13, 57, [i + 30 for i in range(n_read - 8)] + [90 + 3 * i
+                                                                          for i in range(8)])
+    assert decode.isfinite().all() and torch.equal(decode, one) and torch.equal(one, block)

@@ -30,6 +30,10 @@
 #include "brgemm.h"
 #include "gemm.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace wideserve_gemm;
@@ -69,6 +73,64 @@ void tile_rows_portable(const T* x, const T* w, const Problem& p, int64_t r0, in
   tile_portable<T, R, NB>(xr, p.pairs, static_cast<int>(p.pair), w, acc);
   for (int r = 0; r < R; ++r)
     store_portable<T, Out, NB>(acc[r], p, c0, widen, out + (r0 + r) * p.n);
+}
+
+// fp32 (--batch-invariant runs fp32 linears here, since MKL's fp32 GEMM rounds a row
+// differently with M): every output is one fused multiply-add chain over k = 0..K-1 from 0,
+// then + bias, in both the portable loop (std::fma) and the AVX-512 one (one zmm per 16
+// outputs), so the two give the same bits and a row's bits do not depend on M or on the
+// row's place in a tile. The bf16 tiles above keep tile_portable (csrc/gemm.h), which
+// csrc/moe.cpp shares.
+template <int NB, int R>
+void tile_rows_fp32_portable(const float* x, const float* w, const Problem& p, int64_t r0,
+                             int64_t c0, float* out) {
+  float acc[R][NB][kLanes] = {};
+  for (int64_t k = 0; k < p.pairs; ++k) {
+    for (int n = 0; n < NB; ++n) {
+      const float* wk = w + (k * NB + n) * kLanes;
+      for (int r = 0; r < R; ++r) {
+        const float xv = x[(r0 + r) * p.pairs + k];
+        for (int l = 0; l < kLanes; ++l) acc[r][n][l] = std::fma(xv, wk[l], acc[r][n][l]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    store_portable<float, float, NB>(acc[r], p, c0, false, out + (r0 + r) * p.n);
+}
+
+#ifdef __AVX512F__
+template <int NB, int R>
+void tile_rows_fp32(const float* x, const float* w, const Problem& p, int64_t r0, int64_t c0,
+                    float* out) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
+  const float* xr = x + r0 * p.pairs;
+  for (int64_t k = 0; k < p.pairs; ++k) {
+    __m512 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(w + (k * NB + n) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(xr[r * p.pairs + k]);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_fmadd_ps(xb, wv[n], acc[r][n]);
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    const int64_t c = c0 + n * kLanes, cols = std::min<int64_t>(kLanes, p.n - c);
+    if (cols <= 0) break;
+    const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + c) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + (r0 + r) * p.n + c, mask, _mm512_add_ps(acc[r][n], bias));
+  }
+}
+#endif
+
+inline bool fp32_fast_path_compiled() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
 }
 
 #ifdef __AVX512BF16__
@@ -118,6 +180,12 @@ void run_group(bool fast, const T* x, const T* w, const Problem& p, int64_t r_be
                                                      r == r_begin ? next : nullptr);
       }
 #endif
+      if constexpr (std::is_same_v<T, float>) {
+#ifdef __AVX512F__
+        if (fast) return tile_rows_fp32<NB, RR>(x, w, p, r, c0, out);
+#endif
+        return tile_rows_fp32_portable<NB, RR>(x, w, p, r, c0, out);
+      }
       tile_rows_portable<T, Out, NB, RR>(x, w, p, r, c0, widen, out);
     });
   }
@@ -200,8 +268,8 @@ at::Tensor gemm_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n,
     else run_linear<at::BFloat16, at::BFloat16>(fast, xp, wp, p, false,
                                                  out.data_ptr<at::BFloat16>());
   } else {
-    run_linear<float, float>(false, x.data_ptr<float>(), w.data_ptr<float>(), p, false,
-                             out.data_ptr<float>());
+    run_linear<float, float>(!portable && fp32_fast_path_compiled(), x.data_ptr<float>(),
+                             w.data_ptr<float>(), p, false, out.data_ptr<float>());
   }
   return out;
 }

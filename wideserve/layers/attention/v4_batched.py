@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from wideserve.kernels import v4_attend
 from wideserve.kernels import v4_indexer as indexer_op
 from wideserve.layers.attention.v4_blocks import Part, QueryBlocks, take
 from wideserve.layers.attention.v4_step import V4AttentionParams, V4Step
@@ -132,7 +133,7 @@ def _attend(attn: V4AttentionParams, q: torch.Tensor, kv: torch.Tensor, step: V4
         _attend_group(attn, q.to(dt), keys, step, step.query_groups()[0], picks, out)
         return out[:T]
     src = torch.cat([kv.to(dt), hist, zero])                                 # [T+R*(W-1)+1, D]
-    for blocks in step.query_groups():
+    for blocks in step.query_groups(attend=True):
         _attend_group(attn, q.to(dt), src, step, blocks, picks, out)
     return out[:T]
 
@@ -180,8 +181,26 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                 keys = torch.cat([keys, rows[:, 0]], dim=1)
             own = (rows, chosen)
         bias = step.part_bias(blocks, part, attn.window, ratio, k)
-        part_store(out, blocks, part, _softmax_attend(qb, keys, bias, attn.sinks.float(),
-                                                       attn.head_dim ** -0.5, Lk, own))
+        fn = (_invariant_attend if step.invariant_rows_op and v4_attend.supports(qb, keys)
+              else _softmax_attend)
+        part_store(out, blocks, part, fn(qb, keys, bias, attn.sinks.float(),
+                                         attn.head_dim ** -0.5, Lk, own))
+
+
+def _invariant_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
+                      sinks: torch.Tensor, scale: float, sink_slot: int,
+                      own: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """_softmax_attend's contract through the layout-independent C++ op (--batch-invariant,
+    kernels/v4_attend.py): a query's bits are the same in a block of LONG_QUERY queries, in
+    a one-query block and in a decode step."""
+    N = keys.shape[1]
+    cols = bias[:, :, 0, :N]                                                  # [C, Q, N]
+    if own is not None and bias.shape[1] == 1:      # picks already the last k keys: mask them
+        k = own[1].shape[2]
+        cols = torch.cat([cols[..., :N - k],
+                          cols[..., N - k:].masked_fill(~own[1], float("-inf"))], dim=-1)
+        own = None
+    return v4_attend.attend_rows(qb, keys, cols, sinks, scale, sink_slot, own)
 
 
 def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,

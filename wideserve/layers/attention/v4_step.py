@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 import torch
 
+from wideserve.kernels.loader import cpu_ops_available
 from wideserve.utils.device import to_device
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 from wideserve.layers.attention.v4_blocks import (LONG_QUERY, BlockEntries, Part, QueryBlocks,
@@ -232,14 +233,16 @@ class V4Step(StepCaches):
             *table.cos_sin(self._dev(plan.entry * ratio))))
 
     # ------------------------------------------------------------------ batched layouts
-    def query_groups(self) -> list[QueryBlocks]:
+    def query_groups(self, attend: bool = False) -> list[QueryBlocks]:
         """At most two block groups covering every new token once: requests with at least
-        LONG_QUERY new tokens in blocks of LONG_QUERY, the others one token per block."""
+        LONG_QUERY new tokens in blocks of LONG_QUERY, the others one token per block.
+        --batch-invariant: one query per block for prefill too (torch's batched products
+        round a query's scores by its block's layout), except for the attention itself
+        (`attend`) where the layout-independent C++ op runs (kernels/v4_attend.py)."""
         def build() -> list[QueryBlocks]:
             qlens = np.diff(self.qsl)
-            # --batch-invariant: one query per block for prefill too, so a query's keys are
-            # the same whether its request prefills, is chunked or decodes (MTP, P/D)
-            long = qlens >= (LONG_QUERY if not self.batch_invariant else np.iinfo(np.int64).max)
+            blocked = not self.batch_invariant or (attend and self.invariant_rows_op)
+            long = qlens >= (LONG_QUERY if blocked else np.iinfo(np.int64).max)
             groups = []
             if not long.all():
                 tokens = (np.arange(self.num_tokens) if not long.any()
@@ -251,7 +254,13 @@ class V4Step(StepCaches):
                 groups.append(build_query_blocks(np.flatnonzero(long), LONG_QUERY, self.qsl,
                                                  self.ctx, self.device))
             return groups
-        return self._once(("groups",), build)
+        return self._once(("groups", attend and self.invariant_rows_op), build)
+
+    @property
+    def invariant_rows_op(self) -> bool:
+        """--batch-invariant with the C++ op of kernels/v4_attend.py here (CPU, extension
+        built): the mode's attention runs it over blocks of LONG_QUERY queries."""
+        return self.batch_invariant and self.device.type == "cpu" and cpu_ops_available()
 
     def window_keys(self, blocks: QueryBlocks, window: int) -> WindowKeys:
         return self._once(("keys", id(blocks), window), lambda: build_window_keys(
