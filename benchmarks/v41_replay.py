@@ -180,6 +180,8 @@ def _measure(llm: LLM, modes: Modes, keep: list[set], prefix: list[int], g, n: i
             row["parts"][mode].append(timer.report(t))
             row["loads"].append(os.getloadavg()[0])
             got[mode] = modes.logits
+            # kept so that runs of one mode each (in parallel processes) can be compared
+            row.setdefault("sampled_logits", {})[mode] = modes.logits.tolist()
             _summarise(row, got, r)
             save(row)
     return row
