@@ -224,6 +224,9 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=3.0)
     ap.add_argument("--chunk", type=int, default=8192,
                     help="max_num_batched_tokens: the prefill chunk (0: all new tokens in one)")
+    ap.add_argument("--cache-only", action="store_true",
+                    help="only cache the prefix and print its wall and CPU seconds (to A/B "
+                         "the prefill code: run this file with PYTHONPATH at each tree)")
     ap.add_argument("--quant-off", action="store_true",
                     help="KV quantisers as the identity (as the replay tests run): last-bit "
                          "differences between GEMMs of different row counts cannot cross a "
@@ -243,11 +246,15 @@ def main() -> None:
         llm = _llm(Path(tmp), text, chunk, int(args.kv_gib * (1 << 30)))
         modes = Modes(llm, _source(text))
         modes.set("exact")
+        if args.cache_only:
+            _prefill(llm, prefix[:256])                            # warm up
         t, cpu = _prefill(llm, prefix)                             # cache the prefix
         keep = _cached(llm)
         print(f"# {args.layout}: prefix {args.prefix} cached in {t:.1f} s, CPU {cpu:.1f} s "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
         prefix_cached = dict(tokens=args.prefix, seconds=t, cpu_seconds=cpu)
+        if args.cache_only:
+            return
         _prefill(llm, prefix + g.integers(3, vocab, 256).tolist())   # warm up
         for i, n in enumerate(args.new):
             last = i == len(args.new) - 1 and args.modes_last
