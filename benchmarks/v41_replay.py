@@ -24,11 +24,14 @@ Modes, in the order given, alternating within each round; every mode of a round 
 - approx: main's old `--decoder-bounded-replay` row choice: the source on every row, the
   layers after it on each request's last `window` rows (approximate; emulated through the
   replay's row-start function, same sub-batches as the old code);
+- excl_source: the exact replay from the layer after the last KV source on, the source
+  itself (layer 20 on Flash) on every row: the recipe's "before" (bounded replay excluding
+  layer 20), made exact like ours;
 - exact: the default (models/deepseek_v41/replay.py);
 - topk: exact, with the indexer's long-row top-k (`index_topk`) on the keyed torch.topk (the
   path before DeepSelect, kernels/deepselect.py) instead of the DeepSelect C++ op (the
   candidate source's block choice is torch.topk in every mode).
-Times one `generate(max_tokens=1)` per prompt (the prefill and one sampled token), and keeps
+Times (wall and process CPU time: the machine may be shared) one `generate(max_tokens=1)` per prompt (the prefill and one sampled token), and keeps
 the sampled row's logits: exact, topk and off must agree within 1e-5 (the tolerance of
 tests/models/test_deepseek_v41.py's replay test); approx's distance is printed for reference.
 Every timed prefill is also split by part (`PartTimer`: layers by group, attention, MoE,
@@ -85,9 +88,10 @@ LAYOUTS = {
                     index_source_layer_ids=[1, 4, 5, 7], candidate_source_layer_id=4,
                     engram_layer_ids=[], engram_num_embeddings=[]),
 }
-MODES = ("off", "approx", "exact", "topk")
+MODES = ("off", "approx", "excl_source", "exact", "topk")
 KV_DTYPE = "raw"
 TOL = 1e-5
+OTHERS = ("off", "approx", "excl_source", "topk")     # the modes exact is compared with
 
 
 def _source(text: dict) -> int:
@@ -126,9 +130,14 @@ class Modes:
     def _approx(self, ctx, seq, need, window, layer, num_layers):   # noqa: ANN001, ANN202
         return ctx if layer == self.source else np.maximum(ctx, seq - window)
 
+    def _excl_source(self, ctx, seq, need, window, layer, num_layers):   # noqa: ANN001, ANN202
+        return ctx if layer == self.source else self.exact_starts(ctx, seq, need, window,
+                                                                  layer, num_layers)
+
     def set(self, mode: str) -> None:
         self.model.decoder_replay = mode != "off"
-        replay.replay_starts = self._approx if mode == "approx" else self.exact_starts
+        replay.replay_starts = {"approx": self._approx, "excl_source": self._excl_source
+                                }.get(mode, self.exact_starts)
         v41_batched.index_topk = (self.deepselect if mode != "topk" else
                                   lambda s, k: indexer_mod.index_topk(s, k, cpu_op=False))
 
@@ -145,18 +154,19 @@ def _forget_past(llm: LLM, keep: list[set]) -> None:
             pool._evict(pool.cached[key])
 
 
-def _prefill(llm: LLM, prompt: list[int]) -> float:
+def _prefill(llm: LLM, prompt: list[int]) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one prefill and its sampled token."""
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def _measure(llm: LLM, modes: Modes, keep: list[set], prefix: list[int], g, n: int,
              order: list[str], rounds: int, vocab: int, source: int, save) -> dict:   # noqa: ANN001
     """Rounds of every mode on the same new tokens; `save(row)` after each prefill."""
     row = dict(new_tokens=n, prefix=len(prefix), seconds={m: [] for m in order},
-               parts={m: [] for m in order}, loads=[])
+               cpu_seconds={m: [] for m in order}, parts={m: [] for m in order}, loads=[])
     for r in range(rounds):
         new = g.integers(3, vocab, n).tolist()
         got: dict[str, torch.Tensor] = {}
@@ -164,11 +174,14 @@ def _measure(llm: LLM, modes: Modes, keep: list[set], prefix: list[int], g, n: i
             modes.set(mode)
             _forget_past(llm, keep)
             with PartTimer(llm.engine.model, source) as timer:
-                t = _prefill(llm, prefix + new)
+                t, cpu = _prefill(llm, prefix + new)
             row["seconds"][mode].append(t)
+            row["cpu_seconds"][mode].append(cpu)
             row["parts"][mode].append(timer.report(t))
             row["loads"].append(os.getloadavg()[0])
             got[mode] = modes.logits
+            # kept so that runs of one mode each (in parallel processes) can be compared
+            row.setdefault("sampled_logits", {})[mode] = modes.logits.tolist()
             _summarise(row, got, r)
             save(row)
     return row
@@ -178,11 +191,14 @@ def _summarise(row: dict, got: dict[str, torch.Tensor], r: int) -> None:
     """tok/s (median), exact's speed-ups, and the logit distances to the reference mode (off,
     else exact) of round r."""
     med = {m: float(np.median(t)) for m, t in row["seconds"].items() if t}
+    cpu = {m: float(np.median(t)) for m, t in row["cpu_seconds"].items() if t}
     n = row["new_tokens"]
     row["tokens_per_s"] = {m: n / v for m, v in med.items()}
-    for m in ("off", "approx", "topk"):
+    row["tokens_per_cpu_s"] = {m: n / v for m, v in cpu.items()}
+    for m in OTHERS:
         if m in med and "exact" in med:
             row[f"exact_over_{m}"] = med[m] / med["exact"]
+            row[f"exact_over_{m}_cpu"] = cpu[m] / cpu["exact"]
     ref_mode = "off" if "off" in row["seconds"] else "exact"
     ref = got.get(ref_mode)
     diffs = row.setdefault("max_logit_diff", {})
@@ -208,6 +224,9 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=3.0)
     ap.add_argument("--chunk", type=int, default=8192,
                     help="max_num_batched_tokens: the prefill chunk (0: all new tokens in one)")
+    ap.add_argument("--cache-only", action="store_true",
+                    help="only cache the prefix and print its wall and CPU seconds (to A/B "
+                         "the prefill code: run this file with PYTHONPATH at each tree)")
     ap.add_argument("--quant-off", action="store_true",
                     help="KV quantisers as the identity (as the replay tests run): last-bit "
                          "differences between GEMMs of different row counts cannot cross a "
@@ -227,21 +246,27 @@ def main() -> None:
         llm = _llm(Path(tmp), text, chunk, int(args.kv_gib * (1 << 30)))
         modes = Modes(llm, _source(text))
         modes.set("exact")
-        t = _prefill(llm, prefix)                                  # cache the prefix
+        if args.cache_only:
+            _prefill(llm, prefix[:256])                            # warm up
+        t, cpu = _prefill(llm, prefix)                             # cache the prefix
         keep = _cached(llm)
-        print(f"# {args.layout}: prefix {args.prefix} cached in {t:.1f} s "
+        print(f"# {args.layout}: prefix {args.prefix} cached in {t:.1f} s, CPU {cpu:.1f} s "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        prefix_cached = dict(tokens=args.prefix, seconds=t, cpu_seconds=cpu)
+        if args.cache_only:
+            return
         _prefill(llm, prefix + g.integers(3, vocab, 256).tolist())   # warm up
         for i, n in enumerate(args.new):
             last = i == len(args.new) - 1 and args.modes_last
             order = list(dict.fromkeys(args.modes_last if last else args.modes))
             row = _measure(llm, modes, keep, prefix, g, n, order, args.rounds, vocab,
-                           _source(text), lambda r: _dump(args, text, rows + [r]))
+                           _source(text),
+                           lambda r: _dump(args, text, rows + [r], prefix_cached))
             rows.append(row)
-            print(f"{n:6d} new on {args.prefix}: tok/s " + "  ".join(
-                f"{m} {v:7.1f}" for m, v in row["tokens_per_s"].items()) + "".join(
-                f"  exact/{m} {row[f'exact_over_{m}']:.3f}x" for m in ("off", "approx", "topk")
-                if f"exact_over_{m}" in row) + f"  max|dlogit| vs {row['reference_mode']} "
+            print(f"{n:6d} new on {args.prefix}: tok/CPU-s " + "  ".join(
+                f"{m} {v:7.1f}" for m, v in row["tokens_per_cpu_s"].items()) + "".join(
+                f"  exact/{m} {row[f'exact_over_{m}_cpu']:.3f}x (wall "
+                f"{row[f'exact_over_{m}']:.3f}x)" for m in OTHERS if f"exact_over_{m}" in row) + f"  max|dlogit| vs {row['reference_mode']} "
                 f"{row['max_logit_diff']} exact {row['exact_within_tol']}  "
                 f"(load {min(row['loads']):.1f}-{max(row['loads']):.1f})", flush=True)
             for m, parts in row["parts"].items():
@@ -338,13 +363,13 @@ def _out(layout: str) -> Path:
     return Path(os.environ.get("V41_REPLAY_OUT", RESULTS / f"v41_replay_{layout}.json"))
 
 
-def _dump(args: argparse.Namespace, text: dict, rows: list) -> None:
+def _dump(args: argparse.Namespace, text: dict, rows: list, prefix_cached: dict) -> None:
     out = _out(args.layout)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(machine=machine_info(), layout=args.layout,
                                    source=_source(text), window=WINDOW, text_config=text,
                                    rounds=args.rounds, threads=args.threads, chunk=args.chunk,
-                                   quant_off=args.quant_off,
+                                   quant_off=args.quant_off, prefix_cached=prefix_cached,
                                    rows=rows),
                           indent=1))
 

@@ -118,6 +118,18 @@ def test_reindex_scores_only_the_candidate_blocks(oracle, monkeypatch):
     assert (out - torch.cat(refs)).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("per_query", [False, True])
+def test_index_scores_in_place_equal_the_plain_expression(per_query):
+    """_index_scores applies relu and the head weights in place: bit-equal to the plain
+    sum_h relu(q_h . k) * w_h (keys per block, or per query as candidate scoring gathers)."""
+    g = torch.Generator().manual_seed(3)
+    q, w = torch.randn(3, 5, 4, 16, generator=g), torch.randn(3, 5, 4, generator=g)
+    keys = torch.randn(*((3, 5, 37, 16) if per_query else (3, 37, 16)), generator=g)
+    spec = "cqhd,cqkd->cqhk" if per_query else "cqhd,ckd->cqhk"
+    want = (torch.einsum(spec, q, keys).relu() * w[..., None]).sum(dim=2)
+    assert torch.equal(v41_batched._index_scores(q, w, keys), want)
+
+
 def _chunked_then_decode(oracle, name: str, quant: str, plans) -> None:
     _, _, ws, seqs, refs = oracle(name, quant)
     steps = [list(p) + [1] * (len(s) - sum(p)) for p, s in zip(plans, seqs)]
@@ -321,6 +333,55 @@ def test_decoder_bounded_replay_in_a_prefix_replay(oracle):
                 ws.decoder_replay = False
     assert (out[True] - out[False]).abs().max().item() <= 1e-5
     assert (out[True] - refs[0][-1]).abs().max().item() <= TOL
+
+
+def test_decoder_bounded_replay_excluding_the_source_is_exact(oracle, monkeypatch):
+    """benchmarks/v41_replay.py's "before" (the recipe's replay without layer 20): the last KV
+    source on every row, the exact replay from the layer after it, equals the full run too."""
+    from wideserve.models.deepseek_v41 import replay
+    _, _, ws, seqs, refs = oracle("A", "off")
+    exact = replay.replay_starts
+    source = max(ws.config.kv_source_layer_ids)
+    monkeypatch.setattr(replay, "replay_starts", lambda ctx, seq, need, window, layer, n: (
+        ctx if layer == source else exact(ctx, seq, need, window, layer, n)))
+    plan = REPLAY_PLANS["A"]
+    with h.kv_quant_off():
+        full = _replay_run(ws, seqs, plan, False)
+        got = _replay_run(ws, seqs, plan, True)
+    for a, b, ref in zip(got, full, _refs_of(refs, plan)):
+        assert (a - ref).abs().max().item() <= TOL
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("quant", ["off", "on"])
+def test_layers_sharing_a_source_and_picks_gather_them_once(oracle, monkeypatch, quant):
+    """Config A: layers 2-3, 4-5, 6-7 read one KV source at one index source's picks (and 8-9
+    read 6's entries at 8's picks): the picked entries are gathered (unpacked, with quant
+    "on") once per source and picks, by 4 of the 8 sparse layers, and the logits are
+    bit-equal to every layer gathering its own (PICKED_CACHE_BYTES = 0)."""
+    from wideserve.layers.attention import v4_batched, v4_step
+    _, _, ws, seqs, _ = oracle("A", quant)
+    calls = []
+    real = v4_batched._gather_picked
+
+    def spy(step, name, *args):
+        calls.append(name)
+        return real(step, name, *args)
+    monkeypatch.setattr(v4_batched, "_gather_picked", spy)
+    out = {}
+    for budget in (0, v4_step.PICKED_CACHE_BYTES):
+        monkeypatch.setattr(v4_step, "PICKED_CACHE_BYTES", budget)
+        calls.clear()
+        with _maybe_off(quant):
+            out[budget] = _harness(ws, seqs, _kv(quant)).step([0, 1], seqs)
+        out[budget, "calls"] = list(calls)
+    def layers(calls):   # the layers that gathered, and how often each (per query group)
+        return {n.split(".")[2]: calls.count(n) for n in calls}
+    own, shared = layers(out[0, "calls"]), layers(out[v4_step.PICKED_CACHE_BYTES, "calls"])
+    per = own["2"]
+    assert own == {str(i): per for i in range(2, 10)}
+    assert shared == {str(i): per for i in (2, 4, 6, 8)}
+    assert torch.equal(out[0], out[v4_step.PICKED_CACHE_BYTES])
 
 
 @pytest.mark.parametrize("approx", ["one row fewer", "source on every row"])

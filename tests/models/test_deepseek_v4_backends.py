@@ -378,6 +378,8 @@ def test_entry_mask_is_built_per_chunk_of_blocks():
     for a, b in ((0, blocks.num_blocks), (1, 3), (4, 5)):
         got = ent.bias(a, b)
         assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(whole[a:b]))
+        scores = torch.randn(b - a, blocks.block_q, width)     # masked in place, same values
+        assert torch.equal(ent.mask_hidden_(scores.clone(), a, b), scores + got)
     most = np.where(blocks.q_valid, visible, 0).max(axis=1)
     want = np.flatnonzero(np.arange(width)[None, :] >= most[:, None])
     dev, host = ent.unwritten()

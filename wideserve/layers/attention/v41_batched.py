@@ -93,7 +93,9 @@ def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) ->
     """sum_h relu(q_h . k) * w_h: q [C, Q, H, D], weights [C, Q, H], keys [C, K, D] (one set
     per block) or [C, Q, K, D] (one per query) -> [C, Q, K]."""
     spec = "cqhd,ckd->cqhk" if keys.dim() == 3 else "cqhd,cqkd->cqhk"
-    return (torch.einsum(spec, q, keys).relu() * weights[..., None]).sum(dim=2)
+    # relu and the weights in place on the einsum's fresh [C, Q, H, K] (same ops and values;
+    # two fewer passes over the largest intermediate of a long prefill's index sources).
+    return torch.einsum(spec, q, keys).relu_().mul_(weights[..., None]).sum(dim=2)
 
 
 def _entry_scores(step: V4Step, keys_name: str, ratio: int, blocks: QueryBlocks, a: int,
@@ -183,7 +185,7 @@ def select(indexer: Any, x: torch.Tensor, q_res: torch.Tensor, step: V4Step,
                                            qb, wb, ids)
             else:
                 scores = _entry_scores(step, keys_name, ratio, blocks, a, b, qb, wb)
-                scores = scores + ent.bias(a, b)                              # [C, Q, K]
+                scores = ent.mask_hidden_(scores, a, b)                       # [C, Q, K]
                 if candidate_source:
                     _store(cands, blocks, a, b, _candidate_blocks(
                         scores, ent.visible[a:b], topk_blocks, block_size))

@@ -173,10 +173,10 @@ def _attend_group(attn: V4AttentionParams, q: torch.Tensor, src: torch.Tensor,
                                                              attn.ratio, q.dtype)], dim=1)
         own = None
         if picks is not None:                       # each query's own top-k entries
-            sel = part_rows(picks, blocks, part)                             # [P, Q, k]
-            chosen = sel >= 0
-            rows = step.gather_picked(comp_name, attn.ratio, part.take(blocks.block_req), sel,
-                                      chosen, q.dtype)                        # [P, Q, k, D]
+            rows, chosen = step.shared_picked(
+                comp_name, picks, (id(blocks), int(part.ids[0]), int(part.ids[-1]), part.width, q.dtype),
+                lambda: _gather_picked(step, comp_name, attn.ratio, blocks, part, picks,
+                                       q.dtype))                 # [P, Q, k, D], [P, Q, k]
             if Q == 1:                              # decode: they are the block's keys too
                 keys = torch.cat([keys, rows[:, 0]], dim=1)
             own = (rows, chosen)
@@ -201,6 +201,15 @@ def _invariant_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
                           cols[..., N - k:].masked_fill(~own[1], float("-inf"))], dim=-1)
         own = None
     return v4_attend.attend_rows(qb, keys, cols, sinks, scale, sink_slot, own)
+
+
+def _gather_picked(step: V4Step, name: str, ratio: int, blocks: QueryBlocks, part: Part,
+                   picks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries picks [T, k] chooses for `part`'s query slots -> ([P, Q, k, D], chosen)."""
+    sel = part_rows(picks, blocks, part)                                     # [P, Q, k]
+    chosen = sel >= 0
+    return step.gather_picked(name, ratio, part.take(blocks.block_req), sel, chosen,
+                              dtype), chosen
 
 
 def _softmax_attend(qb: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,

@@ -75,10 +75,14 @@ class BlockEntries:
 
     def bias(self, a: int, b: int) -> torch.Tensor:
         """[b-a, Q, K] fp32 of blocks a..b-1: 0 for entries the query sees, -inf otherwise."""
+        return self.mask_hidden_(torch.zeros(b - a, self.visible.shape[1], self.width,
+                                             device=self.visible.device), a, b)
+
+    def mask_hidden_(self, scores: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """scores [b-a, Q, K] (finite) of blocks a..b-1 with the entries each query cannot see
+        set to -inf, in place: `scores + bias(a, b)` without the [b-a, Q, K] bias tensor."""
         ids = torch.arange(self.width, device=self.visible.device)
-        hidden = ids >= self.visible[a:b, :, None]
-        return torch.zeros(hidden.shape, dtype=torch.float32,
-                           device=hidden.device).masked_fill_(hidden, float("-inf"))
+        return scores.masked_fill_(ids >= self.visible[a:b, :, None], float("-inf"))
 
     def unwritten(self) -> tuple[torch.Tensor, np.ndarray]:
         """Sorted flat ids (block * K + entry) of entries past each block's most visible (may

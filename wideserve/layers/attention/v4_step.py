@@ -18,6 +18,7 @@ Glossary
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
@@ -38,6 +39,9 @@ from wideserve.layers.rope_interleaved import RotaryTable, rope_cis
 # --batch-invariant reads of at least this many packed records unpack each distinct record
 # once (V4Step._read); below it the sort that finds them costs more than it saves.
 DEDUP_READ_ROWS = 4096
+# Most bytes of picked entries a step keeps for the layers that read the same KV source at
+# the same picks (V4Step.shared_picked); past it each layer gathers its own.
+PICKED_CACHE_BYTES = 1 << 30
 
 
 class V4AttentionParams(Protocol):
@@ -194,6 +198,31 @@ class V4Step(StepCaches):
         # position 0 is cached: the fast decode layout of v4_batched.attend applies.
         self.plain_decode = bool(len(qlens) and (qlens == 1).all() and (self.ctx >= 1).all()
                                  and not self.lo.any())
+        self._picked: tuple[tuple, dict] | None = None
+
+    def shared_picked(self, name: str, picks: torch.Tensor, key: tuple,
+                      gather: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """`gather()` (the entries `picks` chooses from cache `name`, for the part `key`),
+        kept while `picks` lives: layers that share a KV source and its picks (DeepSeek-V4.1:
+        a source and the layers up to the next index source, up to 6 in a row) read the
+        same rows, so they are gathered once (PICKED_CACHE_BYTES at most; V4's per-layer
+        picks die with their layer, and their rows with them)."""
+        owner = (self.batch.kv_caches[name].data_ptr(), id(picks))
+        if self._picked is None or self._picked[0] != owner:
+            self._picked = (owner, {"bytes": 0})
+            weakref.finalize(picks, self._drop_picked, owner)
+        held = self._picked[1]
+        if key not in held:
+            got = gather()
+            size = sum(t.numel() * t.element_size() for t in got)
+            if held["bytes"] + size > PICKED_CACHE_BYTES:
+                return got
+            held[key], held["bytes"] = got, held["bytes"] + size
+        return held[key]
+
+    def _drop_picked(self, owner: tuple) -> None:
+        if self._picked is not None and self._picked[0] == owner:
+            self._picked = None
 
     @property
     def num_reqs(self) -> int:
