@@ -42,6 +42,10 @@ class LoadConfig:
     # here, but in bf16 one ulp off oneDNN's on rare values, so a greedy token can differ from
     # the standard path's on a near tie (docs/host_path.md): off unless asked for.
     small_batch_gemms: bool = False
+    # The persistent decode batch (worker/decode_batch.py, docs/host_path.md): every other
+    # decode step over inputs kept across steps, the model's plan kept per batch size. False
+    # plans every step (A/B runs).
+    persistent_decode_batch: bool = True
     # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
     # on CUDA, never a synchronisation). False keeps only the step counts.
     step_timing: bool = True
