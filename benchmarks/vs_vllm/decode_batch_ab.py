@@ -4,7 +4,8 @@ path at batch 64: the persistent decode batch") on the offline workload of offli
 One LLM; each round runs the timed generate once with the path off (`runner.decode = None`:
 every decode step builds its batch and plans the layers) and once with it on, alternating, so
 both see the same load. Prints out tok/s by wall time and by CPU time of this process (per
-round, median and best), and checks the greedy tokens of both variants are equal.
+round as it runs, then median and best as one JSON line), and checks the greedy tokens of
+both variants are equal.
 
   PYTHONPATH=. python benchmarks/vs_vllm/decode_batch_ab.py MODEL --threads 1 --rounds 8
 
@@ -56,6 +57,8 @@ def main() -> None:
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             rates[name][0].append(n / wall)
             rates[name][1].append(n / cpu)
+            print(f"# round {rnd} {name}: {n / wall:.0f} tok/s wall, {n / cpu:.0f} tok/s CPU, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
             got = [o.outputs[0].token_ids for o in outs]
             assert tokens.setdefault(name, got) == got, f"{name}: tokens changed across rounds"
     assert tokens["on"] == tokens["off"], "greedy tokens differ between the variants"
