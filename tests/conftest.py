@@ -180,6 +180,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/models/test_deepseek_v4_fp8.py": 16,
     "tests/kv_cache/test_kv_simulation.py": 15,
     "tests/worker/test_small_batch.py": 25,
+    "tests/worker/test_decode_batch.py": 15,
     "tests/kv_cache/test_kv_hashing.py": 15,
     "tests/disagg/test_pd_loopback.py": 14,
     "tests/entrypoints/openai/test_engine_proc_plumbing.py": 13,

@@ -44,6 +44,10 @@ class LoadConfig:
     # cpu_kernels.md, "Batch invariance"); --batch-invariant never uses them.
     # --no-small-batch-gemms (False) keeps F.linear on the path.
     small_batch_gemms: bool = True
+    # The persistent decode batch (worker/decode_batch.py, docs/host_path.md): every other
+    # decode step over inputs kept across steps, the model's plan kept per batch size. False
+    # plans every step (A/B runs).
+    persistent_decode_batch: bool = True
     # Time each step's phases (engine/step_timer.py: the host clock on the CPU, device events
     # on CUDA, never a synchronisation). False keeps only the step counts.
     step_timing: bool = True

@@ -193,6 +193,9 @@ class EngineCore:
         self.runner.enable_small_batch(
             0 if self.eplb is not None else config.load.small_batch_decode,
             config.load.small_batch_gemms)
+        self.runner.enable_decode_batch(
+            self.scheduler_config.max_num_seqs
+            if config.load.persistent_decode_batch and self.eplb is None else 0)
         self.structured = StructuredOutputManager(
             config.load.tokenizer or self.loaded.path, self.eos_token_ids, self.vocab_size,
             self.device)

@@ -9,7 +9,9 @@ non-blocking on CUDA), and nothing in here reads a device value back.
 Decode steps can instead go through the captured decode step (decode_capture.py, enabled by
 `enable_decode_capture`): padded to a capture size, metadata in static buffers, replayed.
 Small decode steps that are not captured take the small-batch path (small_batch.py, enabled
-by `enable_small_batch`): exact-size views of static buffers, the model's plan kept.
+by `enable_small_batch`): exact-size views of static buffers, the model's plan kept. Other
+decode steps take the persistent decode batch (decode_batch.py, `enable_decode_batch`): the
+same for any size, without the small path's small-M GEMMs.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from wideserve.utils.device import to_device
 from wideserve.worker.block_tables import BlockTables
+from wideserve.worker.decode_batch import DecodeBatch
 from wideserve.worker.decode_capture import CapturedDecode, Capturer, StepSync
 from wideserve.worker.images import StepImages, image_extras
 from wideserve.worker.small_batch import SmallBatchDecode
@@ -83,6 +86,7 @@ class ModelRunner:
         self.tables = tables if tables is not None else BlockTables(len(groups), device)
         self.captured: CapturedDecode | None = None     # enable_decode_capture()
         self.small: SmallBatchDecode | None = None      # enable_small_batch()
+        self.decode: DecodeBatch | None = None          # enable_decode_batch()
         # DEP's EP dispatcher (engine/dp_engine.py): the step header before every forward.
         self.step_sync: StepSync | None = None
 
@@ -107,6 +111,17 @@ class ModelRunner:
             self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size,
             model=self.model if gemms else None)
         return self.small
+
+    def enable_decode_batch(self, max_size: int) -> DecodeBatch | None:
+        """Decode steps of up to max_size requests that neither the captured step nor the
+        small-batch path take run over persistent inputs, the model's plan kept per size (0:
+        off). Not with drafts: the proposers move a step's batch on in place."""
+        if max_size < 0:
+            raise ValueError(f"the persistent decode batch's size must be >= 0 (0: off), "
+                             f"got {max_size}")
+        self.decode = None if max_size == 0 or self.with_drafts else DecodeBatch(
+            self.groups, self.cache_group, self.kv_caches, self.tables, self.device, max_size)
+        return self.decode
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished or preempted requests (their block-table rows are freed). A
@@ -190,6 +205,7 @@ class ModelRunner:
         plain = input_ids is not None or any([r.images is not None for r in reqs])
         n = None if self.captured is None or plain else self.captured.padded_size(reqs)
         small = None if plain else self.small
+        decode = None if plain else self.decode
         # The small step's model calls (forward and logits) run inside its kernel scope.
         scope: Callable[[], ContextManager[None]] = contextlib.nullcontext
         if self.step_sync is not None:
@@ -202,6 +218,9 @@ class ModelRunner:
             scope = small.kernels
             with scope():
                 hidden = self.model.forward(batch)
+        elif decode is not None and decode.applies(reqs):
+            batch = decode.batch(reqs)
+            hidden = self.model.forward(batch)
         else:
             batch = self.build_batch(reqs)
             if input_ids is not None:
