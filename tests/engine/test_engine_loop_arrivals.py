@@ -193,3 +193,20 @@ def test_bad_window_values_are_refused():
         with pytest.raises(ValueError, match="arrival_gap_ms"):
             Scheduler(SchedulerConfig(**bad), make_kv_manager(8, 4), 64)
 
+
+
+def test_flags_reach_the_config_and_bad_values_name_the_flag(capsys):
+    import argparse
+
+    from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    sched = engine_config_from_args(parser.parse_args(
+        ["m", "--arrival-gap-ms", "0.5", "--arrival-wait-max-ms", "0"])).scheduler
+    assert (sched.arrival_gap_ms, sched.arrival_wait_max_ms) == (0.5, 0.0)
+    default = engine_config_from_args(parser.parse_args(["m"])).scheduler
+    assert default.arrival_gap_ms > 0 and default.arrival_wait_max_ms > 0
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["m", "--arrival-gap-ms", bad])
+        assert "--arrival-gap-ms" in capsys.readouterr().err
