@@ -133,8 +133,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--prompts-per-concurrency", type=int, default=2)
     ap.add_argument("--port", type=int, default=8761)
-    ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: `serve` flags")
-    a = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    extra = argv[cut + 1:]                      # after --: `wideserve serve` flags
     import serve_compare as sc
     from wideserve.bench.client import ServeTarget
     hook_dir = tempfile.mkdtemp(prefix="ttft_load_hook")
@@ -142,7 +144,6 @@ def main() -> int:
     trace_path = f"{a.out_prefix}.trace"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}:{hook_dir}",
                TTFT_LOAD_TRACE=trace_path)
-    extra = [x for x in a.serve_args if x != "--"]
     cmd = [sys.executable, "-m", "wideserve.entrypoints.cli", "serve", str(a.model), "--port",
            str(a.port), "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level",
            "warning", "--served-model-name", str(a.model), *extra]
