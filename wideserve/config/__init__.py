@@ -87,6 +87,11 @@ class SchedulerConfig:
     # why: engine/scheduler.py, "Prefill while decoding". Off by default: 512 halves TTFT p50
     # at concurrency 16 but costs P90 tok/s per user (BENCHMARKS.md, "TTFT under load").
     max_prefill_tokens_while_decoding: int = 0
+    # An idle engine process woken by a request takes the ones that follow it until none came
+    # for arrival_gap_ms (at most arrival_wait_max_ms; 0 = step at once), so a burst shares
+    # one prefill step: engine/engine_proc.py, "Arrivals after idle".
+    arrival_gap_ms: float = 3.0
+    arrival_wait_max_ms: float = 30.0
 
 
 @dataclass(slots=True)

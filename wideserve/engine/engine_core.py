@@ -386,6 +386,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests() or self.structured.has_pending
 
+    def has_live_requests(self) -> bool:
+        """Requests running, waiting or compiling a grammar (not the bookkeeping step owed
+        after the last one finished): the engine loop's idle test, engine/engine_proc.py."""
+        return self.scheduler.has_unfinished_requests() or self.structured.has_pending
+
     def _admit_structured(self) -> list[EngineCoreOutput]:
         """Requests whose grammar compiled join the scheduler; failed ones end in an error."""
         for request in self.structured.ready(0.0 if self.scheduler.has_requests() else 0.01):

@@ -3,6 +3,16 @@
     loop:  take input (block only when idle) -> step (schedule, execute, sample, update)
            -> emit outputs + stats -> check the parent is alive
 
+Arrivals after idle. Clients that send together (a closed-loop benchmark whose requests all
+finished in one step, a batch job) reach this socket a few ms apart: the front end parses
+and submits them one at a time. An idle engine woken by the first would prefill it alone,
+and the rest, queued behind that step, would wait for it and then for their own step: at
+concurrency 16 on the 653M model that first step was ~15% of everyone's TTFT
+(BENCHMARKS.md, "TTFT under load: arrivals after idle"). So an engine that wakes from idle
+keeps taking input until none came for `arrival_gap_ms` (at most `arrival_wait_max_ms`), and
+the burst is prefilled in one step. A busy engine never waits: new requests join its next
+step as before.
+
 Started by `launch_engine_process` as `python -m wideserve.engine.engine_proc` (a fresh
 interpreter: no fork of the front end's event loop, no pickle). The config travels as
 msgspec JSON on the command line. The process exits when told to (Shutdown), on SIGTERM,
@@ -79,6 +89,12 @@ class EngineLoop:
         # or the engine then went idle, so a scrape never waits a heartbeat for them.
         self.stats_dirty = True
         self.step_times: list[float] = []
+        # "Arrivals after idle" (module docstring); off until set_arrival_window.
+        self.arrival_gap_ms = 0.0
+        self.arrival_wait_max_ms = 0.0
+
+    def set_arrival_window(self, gap_ms: float, max_ms: float) -> None:
+        self.arrival_gap_ms, self.arrival_wait_max_ms = gap_ms, max_ms
 
     def close(self) -> None:
         self.in_sock.close(linger=0)
@@ -98,7 +114,10 @@ class EngineLoop:
     def run(self) -> None:
         while self.running:
             busy = self.engine.has_unfinished_requests()
+            idle = not busy or not self._has_live_requests()
             self._take_input(timeout_ms=0 if busy else self.idle_wait_ms())
+            if idle and self._has_live_requests():
+                self._take_arrivals()
             if not self.running:
                 break
             outputs = []
@@ -147,6 +166,28 @@ class EngineLoop:
         # came, which a bare NOBLOCK recv answers by raising (and building) zmq.Again.
         while self.running and self.in_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._handle(self.in_sock.recv(zmq.NOBLOCK, copy=False).bytes)
+
+    def _has_live_requests(self) -> bool:
+        """Requests running or waiting; unlike has_unfinished_requests, not the one
+        bookkeeping step owed after the last request finished (an engine that owes only that
+        is idle for "Arrivals after idle"). Engines without the method: the same thing."""
+        live = getattr(self.engine, "has_live_requests", None)
+        return bool(live()) if live is not None else self.engine.has_unfinished_requests()
+
+    def _take_arrivals(self) -> None:
+        """Woken from idle by a request: take the ones that follow it within the gap, up to
+        the cap, so that they share its prefill step ("Arrivals after idle")."""
+        if self.arrival_gap_ms <= 0 or self.arrival_wait_max_ms <= 0:
+            return
+        deadline = time.monotonic() + self.arrival_wait_max_ms / 1000
+        while self.running:
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                return
+            # zmq's poll takes whole ms; a sub-ms remainder still waits one.
+            if not self.in_sock.poll(max(1, round(min(self.arrival_gap_ms, left_ms)))):
+                return
+            self._take_input(timeout_ms=0)
 
     def _handle(self, data: bytes) -> None:
         try:
@@ -219,6 +260,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
         announce_engine_plan(plan, *_local_rank(config))
         # A data-parallel lock-step rank brings its own loop (wideserve/distributed).
         loop = engine.loop_class(engine, input_addr, output_addr, parent_pid, heartbeat_s)
+        loop.set_arrival_window(config.scheduler.arrival_gap_ms,
+                                config.scheduler.arrival_wait_max_ms)
         loop.send_ready()
         loop.run()
         return 0

@@ -123,6 +123,9 @@ class Scheduler:
             raise ValueError("SchedulerConfig: long_prefill_token_threshold, "
                              "max_new_requests_per_step, num_lookahead_tokens and "
                              "max_prefill_tokens_while_decoding must be >= 0")
+        if not (config.arrival_gap_ms >= 0 and config.arrival_wait_max_ms >= 0):
+            raise ValueError("SchedulerConfig: arrival_gap_ms and arrival_wait_max_ms must "
+                             "be >= 0")
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len

@@ -18,6 +18,16 @@ def _non_negative_int(text: str) -> int:
     return 0 if text.strip() == "0" else parse_positive_int(text)
 
 
+def _non_negative_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _human_int(text: str) -> int:
     """'4096', '32k', '1M' (vLLM's --max-model-len syntax: k/m are powers of 1000,
     K/M of 1024)."""
@@ -155,6 +165,14 @@ def _add_schedule_and_cache_args(g: argparse._ArgumentGroup) -> None:
                    default=SchedulerConfig().max_prefill_tokens_while_decoding,
                    help="new prompt tokens admitted per step while running requests share "
                         "it (0: the whole budget left); see engine/scheduler.py")
+    g.add_argument("--arrival-gap-ms", type=_non_negative_ms,
+                   default=SchedulerConfig().arrival_gap_ms,
+                   help="an idle engine woken by a request waits for the ones that follow "
+                        "it until none came for this long, so a burst shares one prefill "
+                        "step (0: step at once); see engine/engine_proc.py")
+    g.add_argument("--arrival-wait-max-ms", type=_non_negative_ms,
+                   default=SchedulerConfig().arrival_wait_max_ms,
+                   help="the longest such wait after idle (0: step at once)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                    help="admission order: first come first served, or the request's "
                         "'priority' field (lower first)")
@@ -263,13 +281,20 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                                   max_prefill_tokens_while_decoding=getattr(
                                       args, "max_prefill_tokens_while_decoding", 0),
                                   max_model_len=args.max_model_len,
-                                  policy=args.scheduling_policy),
+                                  policy=args.scheduling_policy,
+                                  **_arrival_window(args)),
         speculative=getattr(args, "speculative_config", None),
         kv_transfer=getattr(args, "kv_transfer_config", None),
         eplb=_eplb_from_args(args),
         parallel=parallel,
         kernels=KernelConfig(batch_invariant=getattr(args, "batch_invariant", False)),
     )
+
+
+def _arrival_window(args: argparse.Namespace) -> dict[str, float]:
+    """The flags where the command has them (`wideserve serve`), else SchedulerConfig's."""
+    return {k: getattr(args, k) for k in ("arrival_gap_ms", "arrival_wait_max_ms")
+            if getattr(args, k, None) is not None}
 
 
 def _mm_or_default(args: argparse.Namespace) -> Any:
