@@ -118,16 +118,21 @@ def calibrate_pd(w: dict[str, int], serving: bool = True, agents: int = AGENTS):
     model = str(BUNDLED_MODEL)
     kw = {"load_format": "auto", "dtype": "auto", "block_size": None}
     i = w["input_len"]
-    # the decode step and the prefill as they run beside the deployment's resident NIXL
-    # agents (one per server: 1P + 1D)
+    # the decode step, the prefill and the served decode step as they run beside the
+    # deployment's resident NIXL agents (one per server: 1P + 1D). The served step in
+    # particular: a served engine waits for its API server between steps, and the OS
+    # schedules a thread that sleeps and wakes differently from one that computes without
+    # pause (the in-process rows) beside the agents' polling threads.
     with resident_agents(agents):
         rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw,
                               reps=3, keep="mean")
         prefill = measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean")
+        served = (measure_serving(None, rows, w["input_len"], 24, kw) if serving
+                  else None)
     prof = profile_from_rows(rows)
-    if serving:
-        prof.host["serving"] = measure_serving(None, rows, w["input_len"], 24, kw)
-    prof.pd = {"prefill": prefill,
+    if served is not None:
+        prof.host["serving"] = served
+    prof.pd = {"prefill": prefill, "resident_threads": agents + 1,
                "nixl": measure_nixl(),
                "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
     return prof
@@ -142,7 +147,8 @@ def predict_pd(prof, w: dict[str, int], served: bool = True) -> dict[str, Any]:
     m = load_model(BUNDLED_MODEL)
     lay = Layout(dep=1, batch=w["concurrency"], overlap_host=False, jitter=False, served=served,
                  pd=PDSettings(prefill_instances=1, prefill_ranks=1, transfer="push",
-                               prefill_batch_tokens=BATCH_TOKENS))
+                               prefill_batch_tokens=BATCH_TOKENS,
+                               host_cores=len(os.sched_getaffinity(0))))
     work = itertools.islice(fixed(w["input_len"], w["output_len"]), w["requests"])
     sim = Simulation(m, prof.as_hardware(), prof, lay, work, steady=False)
     r = sim.run_to_end()
@@ -160,7 +166,9 @@ def pd_repredict(saved: dict[str, Any]) -> dict[str, Any]:
         prof = profile_from_rows(r["engine_rows"])
         if r["host"].get("serving"):
             prof.host["serving"] = r["host"]["serving"]
-        prof.pd = r["profile_pd"]
+        # rounds saved before the profile recorded it: the design's resident agents + engine
+        prof.pd = {"resident_threads": saved.get("resident_agents", 0) + 1,
+                   **r["profile_pd"]}
         pred = predict_pd(prof, w)
         out.append({**r, "predicted": pred, "previous_prediction": r["predicted"],
                     "predicted_without_serving": predict_pd(prof, w, served=False)})
@@ -192,38 +200,41 @@ def mean_profile(a, b):
 def pd_rounds(w: dict[str, int], rounds: int, agents: int = AGENTS) -> dict[str, Any]:
     """Calibrations bracket the held-out runs: C0 B0 C1 B1 ... C_n; round k predicts B_k
     from the mean of C_k and C_k+1 (mean_profile). The serving loop (a quantity of one
-    run, drift-free) is measured in C0 only and carried."""
-    procs, url = start_cluster()
+    run, drift-free) is measured in C0 only and carried. The held-out cluster is up only
+    for its own run (started, warmed, measured, stopped): its two servers' NIXL agents poll
+    a core each even while idle (docs/simulator.md), so a calibration taken while it is up
+    would run beside the deployment's agents AND the resident ones that stand in for them."""
     out = []
-    try:
-        bench(url, {**w, "requests": 2 * w["concurrency"]})          # warm-up
-        cals = [calibrate_pd(w, agents=agents)]
-        for k in range(rounds):
+    cals = [calibrate_pd(w, agents=agents)]
+    for k in range(rounds):
+        procs, url = start_cluster()
+        try:
+            bench(url, {**w, "requests": 2 * w["concurrency"]})      # warm-up
             load = os.getloadavg()[0]
             meas = bench(url, w)
-            nxt = calibrate_pd(w, serving=False, agents=agents)
-            nxt.host["serving"] = cals[0].host["serving"]
-            cals.append(nxt)
-            prof = mean_profile(cals[k], cals[k + 1])
-            pred, unserved = predict_pd(prof, w), predict_pd(prof, w, served=False)
-            before, after = predict_pd(cals[k], w), predict_pd(cals[k + 1], w)
-            out.append({"round": k, "load_1min": load, "load_end": os.getloadavg()[0],
-                        "predicted": pred, "predicted_without_serving": unserved,
-                        "predicted_from_before": before, "predicted_from_after": after,
-                        "measured": meas, "profile_pd": prof.pd,
-                        "host": {x: prof.host[x] for x in ("base_s", "per_request_s",
-                                                           "serving")},
-                        "engine_rows": prof.ops["engine_rows"],
-                        "engine_rows_before": cals[k].ops["engine_rows"],
-                        "engine_rows_after": cals[k + 1].ops["engine_rows"]})
-            print(f"P/D round {k}: load {load:.1f}  tok/s pred {pred['output_tok_s']:.1f} "
-                  f"(before {before['output_tok_s']:.1f}, after {after['output_tok_s']:.1f}) "
-                  f"meas {meas['output_tok_s']:.1f}  TTFT p50 pred "
-                  f"{1e3 * pred['ttft_p50_s']:.0f} ms (before {1e3 * before['ttft_p50_s']:.0f},"
-                  f" after {1e3 * after['ttft_p50_s']:.0f}) meas "
-                  f"{1e3 * meas['ttft_p50_s']:.0f} ms  step pred {pred['step_ms']:.0f} ms "
-                  f"meas TPOT {1e3 * meas['tpot_p50_s']:.0f} ms", flush=True)
-    finally:
-        stop_cluster(procs)
+        finally:
+            stop_cluster(procs)
+        nxt = calibrate_pd(w, serving=False, agents=agents)
+        nxt.host["serving"] = cals[0].host["serving"]
+        cals.append(nxt)
+        prof = mean_profile(cals[k], cals[k + 1])
+        pred, unserved = predict_pd(prof, w), predict_pd(prof, w, served=False)
+        before, after = predict_pd(cals[k], w), predict_pd(cals[k + 1], w)
+        out.append({"round": k, "load_1min": load, "load_end": os.getloadavg()[0],
+                    "predicted": pred, "predicted_without_serving": unserved,
+                    "predicted_from_before": before, "predicted_from_after": after,
+                    "measured": meas, "profile_pd": prof.pd,
+                    "host": {x: prof.host[x] for x in ("base_s", "per_request_s",
+                                                       "serving")},
+                    "engine_rows": prof.ops["engine_rows"],
+                    "engine_rows_before": cals[k].ops["engine_rows"],
+                    "engine_rows_after": cals[k + 1].ops["engine_rows"]})
+        print(f"P/D round {k}: load {load:.1f}  tok/s pred {pred['output_tok_s']:.1f} "
+              f"(before {before['output_tok_s']:.1f}, after {after['output_tok_s']:.1f}) "
+              f"meas {meas['output_tok_s']:.1f}  TTFT p50 pred "
+              f"{1e3 * pred['ttft_p50_s']:.0f} ms (before {1e3 * before['ttft_p50_s']:.0f},"
+              f" after {1e3 * after['ttft_p50_s']:.0f}) meas "
+              f"{1e3 * meas['ttft_p50_s']:.0f} ms  step pred {pred['step_ms']:.0f} ms "
+              f"meas TPOT {1e3 * meas['tpot_p50_s']:.0f} ms", flush=True)
     return {"workload": w, "rounds": out, "design": "bracketed: C0 B0 C1 B1 ... Cn",
             "resident_agents": agents}

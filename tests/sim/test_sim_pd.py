@@ -10,9 +10,9 @@ import pytest
 
 from wideserve.sim.eplb import eplb_schedule
 from wideserve.sim.hardware import Profile
-from wideserve.sim.pd import PDSettings, admission_s, transfer_s
+from wideserve.sim.pd import PDSettings, admission_s, shared_host_factor, transfer_s
 from wideserve.sim.simulator import Layout, Simulation
-from wideserve.sim.workload import fixed
+from wideserve.sim.workload import SimRequest, fixed
 
 from sim_helpers import profile, tiny_model
 
@@ -182,6 +182,58 @@ def test_a_served_step_pays_the_serving_loop_measured_beside_it():
     assert runs[True].breakdown_ms["serving"] > 0
 
 
+def test_shared_host_factor_is_the_fair_share_of_the_cores():
+    # 2 cores, calibrated beside 2 polling agents (3 runnable): one more compute thread
+    # takes the engine from 2/3 of a core to 1/2
+    assert shared_host_factor(2, 3, 1) == pytest.approx(4 / 3)
+    assert shared_host_factor(2, 1, 1) == 1.0        # a core to spare: no slow-down
+    assert shared_host_factor(4, 3, 1) == 1.0
+    assert shared_host_factor(0, 3, 1) == 1.0        # instances on their own hosts
+    assert shared_host_factor(2, 3, 0) == 1.0
+    assert shared_host_factor(2, 3, 2) > shared_host_factor(2, 3, 1)
+
+
+def _shared_run(host_cores: int, resident: int):
+    prof = _measured()
+    prof.pd["resident_threads"] = resident
+    lay = Layout(dep=1, batch=2, overlap_host=False, jitter=False, served=False,
+                 pd=PDSettings(prefill_instances=1, prefill_ranks=1, host_cores=host_cores))
+    # unequal outputs, so that requests finish (and new prompts prefill) while others decode
+    work = iter([SimRequest(200, n) for n in (3, 9, 4, 8, 5, 7)])
+    sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay, work, steady=False)
+    return sim, sim.run_to_end()
+
+
+def test_a_prefill_beside_a_computing_decode_rank_takes_the_shared_time():
+    from wideserve.sim.simulator import _Req
+    for cores, busy, want in ((2, False, 0.10), (2, True, 4 / 3 * 0.10), (0, True, 0.10)):
+        prof = _measured()
+        prof.pd["resident_threads"] = 3
+        lay = Layout(dep=1, batch=1, overlap_host=False, jitter=False, served=False,
+                     pd=PDSettings(prefill_instances=1, prefill_ranks=1, host_cores=cores))
+        sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay, iter(()), steady=False)
+        if busy:
+            sim.running[0].append(_Req(0, 5.0, 200.0, arrival=0.0))
+        sim._prefill(_Req(0, 5.0, 200.0, arrival=0.0), 200, 0)
+        span = sim.prefill_spans[-1]
+        assert span["end"] - span["start"] == pytest.approx(want)
+
+
+def test_instances_sharing_a_host_slow_each_other_by_the_fair_share():
+    _, own = _shared_run(0, 3)
+    sim, shared = _shared_run(2, 3)
+    assert own.breakdown_ms["shared_host"] == 0.0
+    # decode steps that overlap a prefill are stretched, and prefills that start while the
+    # decode rank computes take 4/3 of their measured time
+    assert shared.breakdown_ms["shared_host"] > 0
+    assert shared.seconds > own.seconds and shared.ttft_p50_s > own.ttft_p50_s
+    assert len(sim.finished) == 6
+    # with a core to spare (no resident agents on 2 cores) sharing costs nothing
+    _, spare = _shared_run(2, 1)
+    assert spare.seconds == pytest.approx(own.seconds)
+    assert spare.breakdown_ms["shared_host"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_calibrate_serving_needs_a_model_with_a_tokenizer(tmp_path):
     from wideserve.entrypoints import simulate
     ap = argparse.ArgumentParser()
@@ -192,3 +244,14 @@ def test_calibrate_serving_needs_a_model_with_a_tokenizer(tmp_path):
     assert simulate.run(ap.parse_args(["simulate", "calibrate", "--serving", "--model",
                                        str(tmp_path), "--out", str(tmp_path / "p.json")])) == 2
     assert not (tmp_path / "p.json").exists()
+
+
+def test_pd_host_cores_flag_reaches_the_layout_and_refuses_a_negative_count():
+    from wideserve.entrypoints import simulate
+    ap = argparse.ArgumentParser()
+    simulate.add_parser(ap.add_subparsers(dest="cmd"))
+    args = ap.parse_args(["simulate", "run", "m", "--profile", "p", "--pd-host-cores", "2"])
+    assert simulate._base(args).pd.host_cores == 2
+    bad = ap.parse_args(["simulate", "run", "m", "--profile", "p", "--pd-host-cores", "-1"])
+    with pytest.raises(ValueError, match="--pd-host-cores"):
+        simulate._base(bad)

@@ -56,6 +56,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "a time)")
     p.add_argument("--max-kv-loads", type=int, default=None,
                    help="new KV loads admitted per decode step and rank")
+    p.add_argument("--pd-host-cores", type=int, default=0,
+                   help="P/D instances share one measured host of this many cores (a "
+                        "single-machine deployment; 0: each instance on its own host)")
     p.add_argument("--workload", choices=("fixed", "agentic"), default="fixed",
                    help="fixed lengths or AgentX-style sessions")
     p.add_argument("--input-len", type=int, default=8192,
@@ -155,6 +158,8 @@ def _base(args: argparse.Namespace):
     from wideserve.sim.simulator import Layout
     if args.prefill_batch_tokens < 0:
         raise ValueError("--prefill-batch-tokens must be >= 0")
+    if args.pd_host_cores < 0:
+        raise ValueError("--pd-host-cores must be >= 0 (0: each instance on its own host)")
     interval, window, warn = eplb_schedule(args.steps, args.eplb_interval, args.eplb_window)
     if warn and (args.eplb is True or args.eplb in ("on", "both")):
         print(warn, file=sys.stderr)
@@ -164,7 +169,8 @@ def _base(args: argparse.Namespace):
                   eplb=EplbSettings(True, interval, window, args.redundant),
                   pd=PDSettings(prefill_ranks=args.prefill_ranks, transfer=args.transfer,
                                 max_kv_loads_per_step=args.max_kv_loads,
-                                prefill_batch_tokens=args.prefill_batch_tokens),
+                                prefill_batch_tokens=args.prefill_batch_tokens,
+                                host_cores=args.pd_host_cores),
                   price_per_gpu_hour=args.price)
 
 

@@ -32,6 +32,24 @@ class PDSettings:
     caches: int = 4                 # KV caches moved per request (owned specs)
     max_kv_loads_per_step: int | None = None
     prefill_batch_tokens: int = 0   # prompts batched per prefill step (0: one at a time)
+    # The deployment's instances share one host of this many cores (a P/D pair on one
+    # machine, as the held-out validation runs it); 0: each instance on its own host.
+    # Measured hardware only: shared_host_factor.
+    host_cores: int = 0
+
+
+def shared_host_factor(cores: int, resident: int, others: float) -> float:
+    """How much longer a compute phase takes while `others` more compute threads are
+    runnable on a host of `cores` cores, against its calibration beside `resident`
+    always-runnable threads (itself included: the engine thread plus the idle NIXL agents'
+    polling threads it was measured beside). The OS shares the cores fairly between
+    runnable threads (Linux CFS), so a thread runs min(1, cores / runnable) of the time:
+    factor = min(1, C / R) / min(1, C / (R + others)). 1 when the host has a core to spare
+    (2 cores, the engine alone and one other); no constant fitted to a measurement."""
+    if cores <= 0 or others <= 0:
+        return 1.0
+    resident = max(resident, 1)
+    return min(1.0, cores / resident) / min(1.0, cores / (resident + others))
 
 
 def kv_bytes(m: ModelShape, context: int) -> float:

@@ -21,7 +21,8 @@ import numpy as np
 from wideserve.sim.eplb import EplbSettings, EplbState, zipf_shares
 from wideserve.sim.hardware import Hardware, Profile
 from wideserve.sim.model import ModelShape
-from wideserve.sim.pd import PDSettings, admission_s, prefill_s, transfer_s
+from wideserve.sim.pd import (PDSettings, admission_s, prefill_s, shared_host_factor,
+                              transfer_s)
 from wideserve.sim.step import StepInputs, StepModel
 from wideserve.sim.workload import SimRequest
 
@@ -101,6 +102,11 @@ class Simulation:
         self.now, self.pending, self.finished = 0.0, [], []
         self.prefill_free = [0.0] * layout.pd.prefill_instances
         self.prefill_batch: list[dict | None] = [None] * layout.pd.prefill_instances
+        self.prefill_spans: list[dict] = []     # prefill batches not yet over (shared host)
+        # P/D instances sharing one measured host (PDSettings.host_cores): the calibration's
+        # always-runnable threads (engine + the resident NIXL agents it was measured beside)
+        self.shared_cores = layout.pd.host_cores if hw.kind == "measured" else 0
+        self.resident = int(profile.pd.get("resident_threads", 1)) if profile.pd else 1
         self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
         self.loading: list[_Req] = []       # admitted, KV in flight (P/D)
         self.exhausted = False
@@ -171,7 +177,14 @@ class Simulation:
             b = {"start": max(self.now, self.prefill_free[i]), "tokens": new,
                  "members": [(req, new, cached)]}
             self.prefill_batch[i] = b
-        end = b["start"] + cost(b["members"])
+        # on a shared host the prefill runs beside the decode ranks that go on computing
+        # (requests still to decode; a request that just finished is not one)
+        busy = sum(1 for rs in self.running if any(x.remaining > 1e-9 for x in rs))
+        end = b["start"] + cost(b["members"]) * shared_host_factor(self.shared_cores,
+                                                                    self.resident, busy)
+        if "end" not in b:
+            self.prefill_spans.append(b)
+        b["end"] = end
         self.prefill_free[i] = end
         for r, n, c in b["members"]:
             r.ready, r.xfer = end, transfer_s(self.m, self.hw, pd, n + c)
@@ -225,13 +238,33 @@ class Simulation:
             self._draft_rows(sum(reqs)), lay.sync_algo, lay.overlap_host, jit, lay.jitter,
             lay.served)
         st = self.sm.step(inputs)
-        self.now += st.step_s
+        stretch = self._shared_stretch(st.step_s)
+        step_s = st.step_s * stretch
+        self.now += step_s
         self._advance(lay.tokens_per_step())
         if self.target:
             self.target.after_step(index, total_rows)
         if self.draft:
             self.draft.after_step(index, sum(reqs) * q * m.draft_top_k)
-        return st.parts | {"step": st.step_s}
+        return st.parts | {"step": step_s, "shared_host": step_s - st.step_s}
+
+    def _shared_stretch(self, step_s: float) -> float:
+        """On a shared host (PDSettings.host_cores), the decode step's compute shares the
+        cores with the prefill batches running during it: the step's time-weighted mean of
+        shared_host_factor over the prefill instances busy at each moment (computed on the
+        unstretched step, a first-order estimate). 1 otherwise."""
+        self.prefill_spans = [b for b in self.prefill_spans if b["end"] > self.now]
+        if not self.shared_cores or not self.prefill_spans or step_s <= 0:
+            return 1.0
+        t0, t1 = self.now, self.now + step_s
+        cuts = sorted({t0, t1, *(min(max(x, t0), t1) for b in self.prefill_spans
+                                 for x in (b["start"], b["end"]))})
+        acc = 0.0
+        for a, z in zip(cuts, cuts[1:]):
+            mid = (a + z) / 2
+            k = sum(1 for b in self.prefill_spans if b["start"] <= mid < b["end"])
+            acc += (z - a) * shared_host_factor(self.shared_cores, self.resident, k)
+        return acc / step_s
 
     def _draft_rows(self, reqs: int) -> np.ndarray | None:
         if not self.draft:
