@@ -108,8 +108,8 @@ def make_loop(tmp_path, monkeypatch):
     made: list[EngineLoop] = []
 
     def make(arrivals_ms: list[float], gap_ms: float, max_ms: float, steps: int = 1,
-             running: list[bytes] | None = None,
-             step_ms: float = 0.0) -> tuple[EngineLoop, _Engine, _Socket]:
+             running: list[bytes] | None = None, step_ms: float = 0.0,
+             pending: list[int] | None = None) -> tuple[EngineLoop, _Engine, _Socket]:
         ref: list[EngineLoop] = []
         engine = _Engine(ref, steps, running, step_ms)
         lp = EngineLoop(engine, f"ipc://{tmp_path}/in{len(made)}",
@@ -120,7 +120,13 @@ def make_loop(tmp_path, monkeypatch):
         lp.in_sock.close(linger=0)
         sock = _Socket(clock, arrivals_ms)
         lp.in_sock = sock                       # type: ignore[assignment]
-        lp._handle = engine.add_request         # type: ignore[method-assign]
+        if pending is None:
+            lp._handle = engine.add_request     # type: ignore[method-assign]
+        else:                                   # message i says the front end holds pending[i]
+            def handle(data: bytes) -> None:
+                lp.front_pending = pending[int(data)]
+                engine.add_request(data)
+            lp._handle = handle                 # type: ignore[method-assign]
         lp.send = lambda msg: None              # type: ignore[method-assign]
         return lp, engine, sock
     yield make, clock
@@ -182,6 +188,51 @@ def test_an_engine_that_only_owes_bookkeeping_counts_as_idle(make_loop):
     lp.run()
     assert engine.steps == [[b"r"], [b"0", b"1"]]
     assert engine.step_at[1] - start == pytest.approx(0.009)
+
+
+def test_a_lone_request_with_nobody_behind_it_steps_at_once(make_loop):
+    make, clock = make_loop
+    # Concurrency 1: the front end holds nothing behind each request: no gap is waited out.
+    lp, engine, _ = make([0.0, 50.0], gap_ms=3.0, max_ms=30.0, steps=2, step_ms=5.0,
+                         pending=[0, 0])
+    start = clock.now
+    lp.run()
+    assert engine.steps == [[b"0"], [b"1"]]
+    assert [t - start for t in engine.step_at] == pytest.approx([0.0, 0.050])
+
+
+def test_a_burst_waits_for_what_the_front_end_holds_and_no_longer(make_loop):
+    make, clock = make_loop
+    # Four requests; the front end says 3, 2, 1, 0 are behind them as each is submitted, the
+    # last one 5 ms after the first (more than one gap): all four share one step, which
+    # starts at the last submission, not a gap after it.
+    lp, engine, _ = make([0.0, 1.0, 3.0, 5.0], gap_ms=3.0, max_ms=30.0, pending=[3, 2, 1, 0])
+    start = clock.now
+    lp.run()
+    assert engine.steps == [[b"0", b"1", b"2", b"3"]]
+    assert engine.step_at[0] - start == pytest.approx(0.005)
+
+
+def test_the_wait_for_held_requests_is_still_capped(make_loop):
+    make, clock = make_loop
+    # The front end says one more is coming, but it never does (it failed before
+    # submission): the engine waits at most one gap without an arrival.
+    lp, engine, _ = make([0.0, 40.0], gap_ms=3.0, max_ms=30.0, steps=2, pending=[1, 0])
+    start = clock.now
+    lp.run()
+    assert engine.steps == [[b"0"], [b"1"]]
+    assert engine.step_at[0] - start == pytest.approx(0.003)
+
+
+def test_several_waiting_at_a_wake_with_none_behind_step_at_once(make_loop):
+    make, clock = make_loop
+    # Two requests queued while the engine finished its last step; nothing behind them.
+    lp, engine, _ = make([2.0, 3.0], gap_ms=3.0, max_ms=30.0, steps=2, running=[b"r"],
+                         step_ms=5.0, pending=[1, 0])
+    start = clock.now
+    lp.run()
+    assert engine.steps == [[b"r"], [b"0", b"1"]]
+    assert engine.step_at[1] - start == pytest.approx(0.005)
 
 
 def test_bad_window_values_are_refused():

@@ -26,12 +26,16 @@ from wideserve.types.sched_output import EngineCoreOutput
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[EngineCoreRequest]
+    # Generation requests the front end holds behind these, not yet submitted
+    # (serving/arrivals.py); -1: not counted (the engine then waits out its arrival gap).
+    pending: int = -1
 
 
 class _AddRequestsRaw(msgspec.Struct, tag="AddRequests", array_like=True):
     """The engine's view of AddRequests: each request decoded on its own, so one that fails
     validation is rejected by id instead of taking the whole batch (or the engine) down."""
     requests: list[msgspec.Raw]
+    pending: int = -1
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

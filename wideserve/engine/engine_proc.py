@@ -11,7 +11,10 @@ concurrency 16 on the 653M model that first step was ~15% of everyone's TTFT
 (BENCHMARKS.md, "TTFT under load: arrivals after idle"). So an engine that wakes from idle
 keeps taking input until none came for `arrival_gap_ms` (at most `arrival_wait_max_ms`), and
 the burst is prefilled in one step. A busy engine never waits: new requests join its next
-step as before.
+step as before. The front end says with each submission how many generation requests it
+still holds behind it (serving/arrivals.py): with none behind a lone request (one client at
+a time) the engine steps at once instead of waiting out a gap, and a burst's wait ends with
+its last submission; a front end that does not count (-1) leaves the gap rule alone.
 
 Started by `launch_engine_process` as `python -m wideserve.engine.engine_proc` (a fresh
 interpreter: no fork of the front end's event loop, no pickle). The config travels as
@@ -92,6 +95,9 @@ class EngineLoop:
         # "Arrivals after idle" (module docstring); off until set_arrival_window.
         self.arrival_gap_ms = 0.0
         self.arrival_wait_max_ms = 0.0
+        # What the last AddRequests said the front end still holds (-1: not counted).
+        self.front_pending = -1
+        self.messages_in = 0        # messages taken off the input socket, ever
 
     def set_arrival_window(self, gap_ms: float, max_ms: float) -> None:
         self.arrival_gap_ms, self.arrival_wait_max_ms = gap_ms, max_ms
@@ -115,9 +121,10 @@ class EngineLoop:
         while self.running:
             busy = self.engine.has_unfinished_requests()
             idle = not busy or not self._has_live_requests()
+            before = self.messages_in
             self._take_input(timeout_ms=0 if busy else self.idle_wait_ms())
             if idle and self._has_live_requests():
-                self._take_arrivals()
+                self._take_arrivals(self.messages_in - before)
             if not self.running:
                 break
             outputs = []
@@ -166,6 +173,7 @@ class EngineLoop:
         # came, which a bare NOBLOCK recv answers by raising (and building) zmq.Again.
         while self.running and self.in_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._handle(self.in_sock.recv(zmq.NOBLOCK, copy=False).bytes)
+            self.messages_in += 1
 
     def _has_live_requests(self) -> bool:
         """Requests running or waiting; unlike has_unfinished_requests, not the one
@@ -174,13 +182,16 @@ class EngineLoop:
         live = getattr(self.engine, "has_live_requests", None)
         return bool(live()) if live is not None else self.engine.has_unfinished_requests()
 
-    def _take_arrivals(self) -> None:
-        """Woken from idle by a request: take the ones that follow it within the gap, up to
-        the cap, so that they share its prefill step ("Arrivals after idle")."""
+    def _take_arrivals(self, woke_with: int) -> None:
+        """Woken from idle by `woke_with` messages: take the requests that follow within the
+        gap, up to the cap, so that they share the prefill step ("Arrivals after idle"); not
+        at all, or no longer, once the front end says it holds none behind them."""
         if self.arrival_gap_ms <= 0 or self.arrival_wait_max_ms <= 0:
             return
+        if self.front_pending == 0 and woke_with <= 1:
+            return                          # a lone request, nobody behind it
         deadline = time.monotonic() + self.arrival_wait_max_ms / 1000
-        while self.running:
+        while self.running and self.front_pending != 0:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0:
                 return
@@ -200,6 +211,7 @@ class EngineLoop:
                   f"starting {data[:200]!r}", file=sys.stderr, flush=True)
             return
         if ipc.is_add_requests(msg):
+            self.front_pending = msg.pending
             requests, invalid = ipc.decode_requests(msg)
             self._add_requests(requests, invalid)
         elif isinstance(msg, ipc.AbortRequests):

@@ -36,6 +36,7 @@ from wideserve import __version__
 from wideserve.text.chat_templates import load_chat_template
 from wideserve.config import EngineConfig
 from wideserve.disagg.peer_auth import peer_auth_for
+from wideserve.serving.arrivals import ArrivalMiddleware
 from wideserve.serving.engine_client import EngineCoreClient, EngineStartupError
 from wideserve.serving.dp_client import DPEngineClient
 from wideserve.serving.dp_metrics import DPStatsCollector
@@ -106,6 +107,9 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None,
     app.state.stopping = asyncio.Event()
     _add_error_handlers(app, ctx)
     _add_routes(app, ctx, max_request_bytes, debug_endpoints, body_timeout)
+    arrivals = getattr(ctx.engine, "arrivals", None)
+    if arrivals is not None:        # inside the API-key check: refused requests never count
+        app.add_middleware(ArrivalMiddleware, counter=arrivals)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app

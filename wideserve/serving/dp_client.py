@@ -157,8 +157,11 @@ class DPEngineClient:
     def rank_of(self, request_id: str) -> int | None:
         return self._owner.get(request_id)
 
-    async def add_requests(self, requests: list[Any]) -> None:
-        """One front-end request's engine requests (its n children): all to one rank."""
+    async def add_requests(self, requests: list[Any], pending: int = -1) -> None:
+        """One front-end request's engine requests (its n children): all to one rank.
+        `pending` (the front end's held requests) is not passed on: the balancer spreads
+        them over the ranks, so no rank can tell how many will come to it; the ranks wait
+        out their arrival gap instead (engine/engine_proc.py)."""
         self._check_alive()
         if not requests:
             return

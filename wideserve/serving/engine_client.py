@@ -356,8 +356,11 @@ class EngineCoreClient:
             except zmq.Again:
                 await asyncio.sleep(0.02)
 
-    async def add_requests(self, requests: list[Any]) -> None:
-        await self._send(ipc.AddRequests(requests=[ipc.to_wire(r) for r in requests]))
+    async def add_requests(self, requests: list[Any], pending: int = -1) -> None:
+        """`pending`: generation requests the front end still holds behind these (the
+        engine's "Arrivals after idle"); -1 when it does not count them."""
+        await self._send(ipc.AddRequests(requests=[ipc.to_wire(r) for r in requests],
+                                         pending=pending))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive:

@@ -27,7 +27,7 @@ class _StubClient:
     def health(self) -> tuple[bool, str]:
         return self.dead_reason is None, self.dead_reason or "ok"
 
-    async def add_requests(self, requests) -> None:
+    async def add_requests(self, requests, pending: int = -1) -> None:
         self.added.extend(requests)
 
     async def abort_requests(self, ids) -> None:

@@ -23,11 +23,18 @@ LIMIT_FLAGS = {"--max-tools": 8, "--max-tools-bytes": 8192, "--max-schema-bytes"
                "--max-sequences-per-request": 16}
 SECRET_USER, SECRET_PROMPT = "user-SECRET-4242", "PROMPT-SECRET-4242"
 DEAD_END = 'start: "ab" C\nC: /x/ & /y/'     # "ab", then nothing (x & y is empty)
+# Tokens per child of the fairness test's n = 8 request: its last three pairs (~5,400 steps of
+# the tiny model, ~3.5 s of the test's 4.6 s here quiet) must outlast the later request's HTTP
+# round trip, also when the API process is starved of CPU by a loaded machine (at 200 tokens
+# they took ~0.3 s, and under the full suite's load the later request once arrived after
+# all eight).
+FAIR_TOKENS = 1800
 
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
+    # a long context, for the fairness test's long children (FAIR_TOKENS)
+    model = write_tiny_model(tmp_path_factory.mktemp("tiny"), max_len=2048)
     flags = [str(x) for kv in LIMIT_FLAGS.items() for x in kv]
     srv = RemoteServer([str(model), "--load-format", "dummy", "--device", "cpu",
                         "--block-size", "16", "--kv-cache-memory", "4MiB",
@@ -228,7 +235,7 @@ def test_one_requests_many_sequences_do_not_hold_a_later_request(server):
     started = threading.Event()
 
     def run_a() -> None:
-        body = {"prompt": "To be", "n": 8, "max_tokens": 200, "ignore_eos": True,
+        body = {"prompt": "To be", "n": 8, "max_tokens": FAIR_TOKENS, "ignore_eos": True,
                 "stream": True, "temperature": 0}
         with httpx.stream("POST", server.url + "/v1/completions", json=body,
                           timeout=300) as r:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from wideserve.serving.arrivals import ArrivalCounter
 from wideserve.serving.engine_client import EngineCoreClient, EngineDeadError
 from wideserve.serving.output_processor import CompletionDelta, OutputProcessor, child_request_id
 from wideserve.serving.openai.server_metrics import ServerMetrics
@@ -98,6 +99,9 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.processor = OutputProcessor(tokenizer)
+        # Generation requests received and not yet submitted (serving/arrivals.py; counted
+        # by ArrivalMiddleware): each submission tells the engine how many are behind it.
+        self.arrivals = ArrivalCounter()
         self._streams: dict[str, _Stream] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         client.on_outputs = self._on_outputs
@@ -130,7 +134,7 @@ class AsyncEngine:
         finished = False
         outcome = "abort"
         try:
-            await self.client.add_requests(core_requests)
+            await self.client.add_requests(core_requests, pending=self.arrivals.submitting())
             if self.metrics is not None:
                 self.metrics.observe_request_start(len(prompt_token_ids), params)
             while not finished:
