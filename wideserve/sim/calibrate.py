@@ -253,18 +253,8 @@ def _lockstep_meetings(world: int, send: Any, recv: Any, meetings: int = 200
 
 
 def measure_collectives(world: int, sizes: list[int]) -> dict[str, Any]:
-    import socket
-
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    from wideserve.sim.calibrate_ep import spawn_ranks
+    procs, q = spawn_ranks(_collective_worker, world, sizes)
     out = q.get(timeout=120)
     for p in procs:
         p.join(timeout=60)

@@ -149,14 +149,29 @@ def _result(q: Any, procs: list, timeout_s: float) -> dict[str, Any]:
     raise RuntimeError(f"EP calibration: no result in {timeout_s:.0f} s")
 
 
+def spawn_ranks(target: Any, world: int, *args: Any) -> tuple[list[Any], Any]:
+    """`world` spawned processes running target(rank, world, port, *args, queue) with a free
+    loopback port for their process group, and the queue they answer on (this module's EP
+    layer table and calibrate.py's collectives)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, q
+
+
 def measure_ep_layer(world: int, cfg: dict[str, Any], dense: dict[str, list[float]],
                      max_tokens: int, tokens: tuple[int, ...] = EP_TOKENS,
                      steps: int = EP_STEPS) -> dict[str, Any]:
     """The table (module docstring) at `world` ranks for the model config `cfg` (HF keys),
     given the one-rank dense forward table `dense` ({"tokens", "s"})."""
-    import socket
-
-    import torch.multiprocessing as mp
     experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts"))
     if experts % world:
         raise ValueError(f"EP calibration: {experts} experts do not split over {world} ranks")
@@ -169,15 +184,7 @@ def measure_ep_layer(world: int, cfg: dict[str, Any], dense: dict[str, list[floa
              # table is held flat past its last point)
              "tokens": sorted({t for t in tokens if t < max(max_tokens, 1)}
                               | {max(max_tokens, 1)}), "steps": steps}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=ep_layer_worker, args=(r, world, port, shape, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, q = spawn_ranks(ep_layer_worker, world, shape)
     try:
         rows = _result(q, procs, 300.0)
     finally:

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
-from wideserve.worker.decode_capture import GroupLayout, StaticDecodeInputs, StepRequest
+from wideserve.worker.decode_capture import (GroupLayout, StaticDecodeInputs, StepRequest,
+                                              is_decode_step)
 
 if TYPE_CHECKING:
     from wideserve.worker.block_tables import BlockTables
@@ -68,13 +69,8 @@ class DecodeBatch:
     def applies(self, reqs: Sequence[StepRequest]) -> bool:
         """A decode step of at most max_size requests, none in its first step (a first step
         is a prefill, even of one token), no drafts, replay or prompt logprobs."""
-        if not 0 < len(reqs) <= self.max_size:
-            return False
-        for q in reqs:
-            if len(q.token_ids) != 1 or q.is_new or q.num_spec or q.prompt_logits \
-                    or q.kv_write_start:
-                return False
-        return True
+        return 0 < len(reqs) <= self.max_size and is_decode_step(reqs) \
+            and not any(q.is_new for q in reqs)
 
     def invalidate(self) -> None:
         """Forget every kept plan (the next step of each size plans again)."""

@@ -47,7 +47,8 @@ import torch
 from wideserve.layers.small_m import GemmScope, SmallMLinear, use_small_m_linears
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 # The runner's request and layout, as the captured step reads them (a superset of ours).
-from wideserve.worker.decode_capture import GroupLayout, StaticDecodeInputs, StepRequest
+from wideserve.worker.decode_capture import (GroupLayout, StaticDecodeInputs, StepRequest,
+                                              is_decode_step)
 
 if TYPE_CHECKING:
     from wideserve.models.interface import CausalLM
@@ -109,13 +110,8 @@ class SmallBatchDecode:
     def applies(self, reqs: Sequence[StepRequest]) -> bool:
         """A decode step of at most max_size requests, none in its first step (a first step
         is a prefill, even of one token), no drafts, replay or prompt logprobs."""
-        if not 0 < len(reqs) <= self.max_size:
-            return False
-        for q in reqs:
-            if len(q.token_ids) != 1 or q.is_new or q.num_spec or q.prompt_logits \
-                    or q.kv_write_start:
-                return False
-        return True
+        return 0 < len(reqs) <= self.max_size and is_decode_step(reqs) \
+            and not any(q.is_new for q in reqs)
 
     def invalidate(self) -> None:
         """Forget every kept plan and small-M GEMM (the next step of each size plans again)."""
