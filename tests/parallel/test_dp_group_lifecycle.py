@@ -85,3 +85,63 @@ def test_dep_engine_rebuilt_in_one_process_after_close(tmp_path):
     world = 2
     results = run_ranks(_engines, world, (world, free_port(), str(tmp_path)), timeout_s=240)
     assert results == [[(4, None)] * 3] * world
+
+
+def test_store_reset_between_connect_and_check_is_retried(monkeypatch):
+    """The closing server of the previous group may reset the connection after the client's
+    handshake and before its check (the race CI lost in session 14): the rank connects again
+    to the new server instead of failing to join."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    from wideserve.config import ParallelConfig
+    from wideserve.parallel import groups
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    real, made = dist.TCPStore, []
+
+    class ResetOnFirstCheck:
+        def __init__(self, *args, **kwargs):
+            self._store = real(*args, **kwargs)
+            made.append(self)
+
+        def check(self, keys):
+            if len(made) == 1:
+                raise dist.DistNetworkError("Connection reset by peer")
+            return self._store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+    monkeypatch.setattr(groups.dist, "TCPStore", ResetOnFirstCheck)
+    store = groups._connect_store(ParallelConfig(data_parallel_size=2, data_parallel_rank=1,
+                                                 data_parallel_rpc_port=port),
+                                  timedelta(seconds=10))
+    store.set("joined", "1")
+    assert len(made) == 2 and master.get("joined") == b"1"
+
+
+def test_store_that_keeps_resetting_fails_at_the_timeout(monkeypatch):
+    from datetime import timedelta
+    import pytest
+    import torch.distributed as dist
+    from wideserve.config import ParallelConfig
+    from wideserve.parallel import groups
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
+    real = dist.TCPStore
+
+    class AlwaysReset:
+        def __init__(self, *args, **kwargs):
+            self._store = real(*args, **kwargs)
+
+        def check(self, keys):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    monkeypatch.setattr(groups.dist, "TCPStore", AlwaysReset)
+    with pytest.raises(RuntimeError, match="reset the connection"):
+        groups._connect_store(ParallelConfig(data_parallel_size=2, data_parallel_rank=1,
+                                             data_parallel_rpc_port=port),
+                              timedelta(seconds=0.5))
+    assert not master.check(["joined"])      # nothing ever joined through a reset store

@@ -120,14 +120,24 @@ def _connect_store(parallel: ParallelConfig, timeout: timedelta) -> dist.TCPStor
     rank = parallel.data_parallel_rank
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        store = dist.TCPStore(parallel.data_parallel_address, parallel.data_parallel_rpc_port,
-                              parallel.data_parallel_size, is_master=rank == 0,
-                              timeout=timeout, wait_for_workers=False)
-        if rank == 0 or not store.check([_CLOSED_KEY]):
-            return store
-        del store
+        if rank == 0:
+            return dist.TCPStore(parallel.data_parallel_address, parallel.data_parallel_rpc_port,
+                                 parallel.data_parallel_size, is_master=True,
+                                 timeout=timeout, wait_for_workers=False)
+        try:
+            store = dist.TCPStore(parallel.data_parallel_address,
+                                  parallel.data_parallel_rpc_port, parallel.data_parallel_size,
+                                  is_master=False, timeout=timeout, wait_for_workers=False)
+            if not store.check([_CLOSED_KEY]):
+                return store
+            del store
+            reason = "only the store of a closed group answered"
+        except (RuntimeError, OSError) as e:
+            # The closing server reset the connection between connect and check: the same
+            # race as finding the closed mark, one moment later.
+            reason = f"the store of a closing group reset the connection ({e})"
         if time.monotonic() > deadline:
-            raise RuntimeError("only the store of a closed group answered")
+            raise RuntimeError(reason)
         time.sleep(0.02)
 
 
