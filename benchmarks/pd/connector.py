@@ -2,6 +2,7 @@
 push vs pull, packed vs per_block, scattered vs contiguous blocks, default UCX vs tcp.
 
     python benchmarks/pd/connector.py [--tokens 4096] [--layers 16] [--repeats 5] [--tcp]
+                                      [--progress-poll-us 1000]
 
 Unlike transfer.py (raw NIXL), this times what the decode engine waits for: from
 `start_load` to the load reported done by `get_finished`, including the side-channel calls
@@ -25,7 +26,7 @@ import torch
 from wideserve.config import CacheConfig, SchedulerConfig
 from wideserve.kv_cache.groups import allocate_kv_tensors, build_kv_cache_config
 from wideserve.kv_cache.spec import CacheKind, KVCacheSpec
-from wideserve.config.kv_transfer import KVTransferConfig
+from wideserve.config.kv_transfer import DEFAULT_PROGRESS_POLL_US, KVTransferConfig
 from wideserve.disagg.layout import KVLayout, plan_pages
 from wideserve.disagg.leases import LeaseTable
 from wideserve.disagg.params import LoadSpec, RemoteKV
@@ -55,8 +56,8 @@ def producer(args: argparse.Namespace) -> None:
     for r in lay.regions:
         r.tensor.copy_((torch.arange(r.tensor.numel()) % 251).to(torch.uint8))
     leases = LeaseTable()
-    worker = NixlWorker(KVTransferConfig(kv_role="kv_producer", engine_id="bench-prod"),
-                        lay, leases)
+    worker = NixlWorker(KVTransferConfig(kv_role="kv_producer", engine_id="bench-prod",
+                                         kv_progress_poll_us=args.progress_poll_us), lay, leases)
     host, port = worker.advertise()
     print(json.dumps({"port": port}), flush=True)
     for line in iter(sys.stdin.readline, ""):
@@ -117,7 +118,8 @@ def consumer(args: argparse.Namespace, proc: subprocess.Popen, port: int) -> Non
         for op, mode in CONFIGS:
             worker = NixlWorker(KVTransferConfig(
                 kv_role="kv_consumer", engine_id=f"bench-cons-{n}", kv_transfer_op=op,
-                kv_load_timeout_s=60, kv_connector_extra_config={"transfer_mode": mode}),
+                kv_load_timeout_s=60, kv_connector_extra_config={"transfer_mode": mode},
+                kv_progress_poll_us=args.progress_poll_us),
                 lay, LeaseTable())
             times = []
             for _ in range(args.repeats + 1):          # the first includes the handshake
@@ -133,6 +135,7 @@ def consumer(args: argparse.Namespace, proc: subprocess.Popen, port: int) -> Non
             med = steady[len(steady) // 2]
             print(json.dumps({"blocks": "scattered" if scattered else "contiguous", "op": op,
                               "mode": mode, "tcp": args.tcp, "tokens": args.tokens,
+                              "progress_poll_us": args.progress_poll_us,
                               "MiB": round(nbytes / 2**20, 1), "descriptors": pages * len(lay.regions),
                               "first_ms": round(times[0] * 1e3, 2),
                               "median_ms": round(med * 1e3, 2),
@@ -145,6 +148,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tcp", action="store_true", help="UCX_TLS=tcp (the inter-node path)")
+    ap.add_argument("--progress-poll-us", type=int, default=DEFAULT_PROGRESS_POLL_US,
+                    help="kv_progress_poll_us of both agents (0: NIXL's busy poll)")
     ap.add_argument("role", nargs="?", default="consumer")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -158,7 +163,8 @@ def main() -> None:
     if args.tcp:
         os.environ["UCX_TLS"] = "tcp"
     proc = subprocess.Popen([sys.executable, __file__, "producer", "--tokens", str(args.tokens),
-                             "--layers", str(args.layers)], env=dict(os.environ),
+                             "--layers", str(args.layers), "--progress-poll-us",
+                             str(args.progress_poll_us)], env=dict(os.environ),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = _reply(proc)["port"]

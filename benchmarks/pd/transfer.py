@@ -26,9 +26,9 @@ import torch
 
 
 def _agent(name: str):
-    from wideserve.disagg.nixl_worker import import_nixl
-    api = import_nixl()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    from wideserve.config.kv_transfer import DEFAULT_PROGRESS_POLL_US
+    from wideserve.disagg.nixl_agent import new_agent
+    return new_agent(name, DEFAULT_PROGRESS_POLL_US)
 
 
 def _table(buf: torch.Tensor, page: int) -> np.ndarray:

@@ -160,3 +160,31 @@ def test_nixl_memory_type_follows_the_kv_tensors():
     assert memory_type(lay, "auto") == memory_type(lay, "cpu") == "DRAM"
     with pytest.raises(ValueError, match="kv-transfer-config.*kv_buffer_device is 'cuda'"):
         memory_type(lay, "cuda")
+
+
+_IDLE_AGENT = """
+import sys, threading, time
+from wideserve.disagg.nixl_agent import new_agent
+agent = new_agent("idle", int(sys.argv[1]))
+start = time.process_time()
+time.sleep(1.0)
+print(time.process_time() - start)
+"""
+
+
+def test_idle_agent_sleeps_between_events():
+    """The default agent's progress thread waits in poll() (NIXL's wrapper would make it spin:
+    a whole core per idle agent); a process whose only work is one idle agent uses a small
+    fraction of a core. Under load a spinning thread only gets less CPU, never a sleeping one
+    more, so the bound cannot pass by accident of scheduling."""
+    from wideserve.config.kv_transfer import DEFAULT_PROGRESS_POLL_US
+    out = subprocess.run([sys.executable, "-c", _IDLE_AGENT, str(DEFAULT_PROGRESS_POLL_US)],
+                         env=_env("lo"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 0.25
+
+
+def test_progress_poll_is_validated():
+    from wideserve.config.kv_transfer import KVTransferConfig
+    with pytest.raises(ValueError, match="kv_progress_poll_us"):
+        KVTransferConfig(kv_progress_poll_us=-1)

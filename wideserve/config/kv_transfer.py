@@ -35,6 +35,10 @@ def load_secret(path: str | None) -> bytes | None:
     return data if len(data) >= 16 else None
 
 
+# The NIXL progress thread's idle wake-up period by default (KVTransferConfig.kv_progress_poll_us).
+DEFAULT_PROGRESS_POLL_US = 1000
+
+
 @dataclass(slots=True)
 class KVTransferConfig:
     kv_connector: str = "NixlConnector"
@@ -54,6 +58,10 @@ class KVTransferConfig:
     # write + a notification; 2.5x faster over UCX tcp for contiguous pages, equal on local
     # transports, but a producer that stalls mid-write can land it late: docs/disaggregation.md)
     kv_transfer_op: str = "pull"
+    # The NIXL progress thread's idle wake-up period (µs; whole ms in effect). It sleeps in
+    # poll() on the transport's events, so transfers wake it at once; 0 is NIXL's own
+    # default, a busy poll that holds a core per agent (docs/disaggregation.md).
+    kv_progress_poll_us: int = DEFAULT_PROGRESS_POLL_US
     # Test/benchmark knobs: {"inject_load_failures": n, "transfer_mode": "packed" | "per_block"}
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +91,9 @@ class KVTransferConfig:
             problems.append(f"kv_port must be in [0, 65535], got {self.kv_port}")
         if self.kv_lease_s <= 0 or self.kv_load_timeout_s <= 0:
             problems.append("kv_lease_s and kv_load_timeout_s must be > 0")
+        if not 0 <= self.kv_progress_poll_us <= 1_000_000:
+            problems.append(f"kv_progress_poll_us must be in [0, 1000000], got "
+                            f"{self.kv_progress_poll_us}")
         if self.max_new_kv_loads_per_step < 0:
             problems.append("max_new_kv_loads_per_step must be >= 0")
         if problems:

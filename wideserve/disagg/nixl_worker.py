@@ -36,6 +36,7 @@ import numpy as np
 from wideserve.config.kv_transfer import KVTransferConfig
 from wideserve.disagg.layout import KVLayout, descriptor_indices, descriptor_table, region_bases
 from wideserve.disagg.leases import LeaseRef, LeaseTable
+from wideserve.disagg.nixl_agent import import_nixl, new_agent
 from wideserve.disagg.fence import Fence, FenceTable
 from wideserve.disagg.nixl_push import (UNKNOWN_CONSUMER, CancelReply, PushProducer, try_release,
                                         xfer_states)
@@ -51,19 +52,6 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # (fence.py): the request goes on, the blocks wait for the fence.
 CANCEL_TIMEOUT_S = 2.0
 CANCEL_RETRY_S = 0.01
-
-
-def import_nixl() -> Any:
-    """nixl's agent API (the `nixl` meta package, else the CUDA-12 wheel)."""
-    try:
-        from nixl import _api  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            from nixl_cu12 import _api  # type: ignore[import-not-found,no-redef]
-        except ImportError:
-            raise RuntimeError("--kv-transfer-config: NixlConnector needs NIXL; install it after "
-                               "torch: pip install nixl-cu12==1.5.1") from None
-    return _api
 
 
 # NIXL's memory type for a torch device type: the KV slabs are registered where they live.
@@ -127,13 +115,12 @@ class NixlWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, layout: KVLayout, leases: LeaseTable) -> None:
         super().__init__(config, layout, leases)
         self.mem = memory_type(layout, config.kv_buffer_device)
-        api = import_nixl()
         secret = self.secret = config.secret()
         self.mode = str(config.kv_connector_extra_config.get("transfer_mode", "packed"))
         self.push = config.kv_transfer_op == "push"
         # Strict: the producer's side-channel thread posts push WRITEs (nixl_push.py).
-        self.agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(
-            backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        self.agent = new_agent(config.engine_id, config.kv_progress_poll_us,
+                               sync_mode=import_nixl().nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._reg = self.agent.register_memory([r.tensor for r in layout.regions])
         self.local_dlist = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descriptor_table(layout.region_info()), self.mem)

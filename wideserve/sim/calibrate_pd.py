@@ -74,9 +74,10 @@ def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | 
 
 # ---------------------------------------------------------------------- NIXL on loopback
 def _agent(name: str) -> Any:
-    from wideserve.disagg.nixl_worker import import_nixl
-    api = import_nixl()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    from wideserve.config.kv_transfer import DEFAULT_PROGRESS_POLL_US
+    from wideserve.disagg.nixl_agent import new_agent
+    # The deployment's agent: the engine's default progress-thread poll (kv_progress_poll_us).
+    return new_agent(name, DEFAULT_PROGRESS_POLL_US)
 
 
 def _table(addr: int, pages: int) -> np.ndarray:
