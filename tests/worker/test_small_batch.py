@@ -171,10 +171,11 @@ def test_config_switch(tmp_path: Path) -> None:
     assert _llm(model_dir("qwen3moe", tmp_path), 4, enable_eplb=True).engine.runner.small is None
     # small-M GEMMs by default; small_batch_gemms=False (--no-small-batch-gemms) and
     # --batch-invariant (its InvariantLinears) keep no SmallMLinear
-    assert _llm(model_dir("v4", tmp_path), 4).engine.runner.small.linears
+    small = _llm(model_dir("v4", tmp_path), 4).engine.runner.small
+    assert small.linears and small.mhc_sites == 2 * 4 + 2      # 4 layers and the MTP block
     for kw in ({"small_batch_gemms": False}, {"batch_invariant": True}):
         llm = _llm(model_dir("v4", tmp_path), 4, **kw)
-        assert not llm.engine.runner.small.linears
+        assert not llm.engine.runner.small.linears and not llm.engine.runner.small.mhc_sites
         assert not any(isinstance(m, SmallMLinear) for m in llm.engine.model.modules())
     from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
     parser = argparse.ArgumentParser()
@@ -202,19 +203,29 @@ def test_batch_invariant_bits_equal_to_the_standard_path(family: str, tmp_path: 
 
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
-def test_small_m_gemms_trained_bf16(family: str, tmp_path: Path) -> None:
+def test_small_m_gemms_trained_bf16(family: str, tmp_path: Path, monkeypatch) -> None:
     """The bundled trained DeepSeek-V4 / V4.1 in bf16 (the CPU's serving dtype): in a small
-    step their plain linears run the kernel table's small-M GEMMs (layers/small_m.py) and the
-    grouped o_a projection its per-group GEMMs; greedy outputs equal the standard path's
-    (F.linear / bmm) through the scripted scenario (trained weights have no near tie there;
-    on random weights the ulp they can differ by flips a greedy token, docs/host_path.md)."""
+    step their plain linears run the kernel table's small-M GEMMs (layers/small_m.py), the
+    grouped o_a projection its per-group GEMMs and every decoder mHC site the fused op
+    (kernels/mhc.py); greedy outputs equal the standard path's (F.linear / bmm / torch mHC)
+    through the scripted scenario (trained weights have no near tie there; on random
+    weights the ulp they can differ by flips a greedy token, docs/host_path.md)."""
+    from wideserve.kernels import mhc as fused_mhc
+    fused_rows: list[int] = []
+    real = fused_mhc.coeffs
+    monkeypatch.setattr(fused_mhc, "coeffs",
+                        lambda x, *a: fused_rows.append(x.shape[0]) or real(x, *a))
     path = model_dir(family, tmp_path)
     vocab = vocab_size(path)
     runs = {}
     for small in (0, 4):
+        fused_rows.clear()
         llm = _llm(path, small, dtype="bfloat16", load_format="auto",
                    small_batch_gemms=bool(small))
         runs[small] = _scenario(llm, vocab)
+        sites = 2 * len(llm.engine.model.model.layers)
+        assert len(fused_rows) == (sites * llm.engine.runner.small.steps if small else 0)
+        assert all(1 <= r <= 4 for r in fused_rows)
         linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
         if not small:
             assert all(type(m) is torch.nn.Linear for m in linears)

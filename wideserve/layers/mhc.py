@@ -8,13 +8,20 @@ of the RMS-normalised, flattened streams yields
                  (X'_k = post_k y + sum_j comb[j, k] X_j).
 The head collapses the streams once more with its own pre weights (no Sinkhorn).
 All parameters are fp32; the maths runs in fp32 and results are cast back to X's dtype.
+
+In a small-batch decode step (`small_scope` on: worker/small_batch.py) a site on bf16
+streams runs the fused C++ op instead (kernels/mhc.py: three calls for ~65 torch ops, equal
+to fp32 rounding), as the step's small-M GEMMs do (layers/small_m.py): the default mode's
+batch-size dependent rounding, never under --batch-invariant, off with the GEMMs.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from wideserve.kernels import mhc as fused
 from wideserve.layers.linear import FunctionalLinear, lane_aligned
+from wideserve.layers.small_m import GemmScope
 
 
 def _flat_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,9 +54,39 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
         self.mix = FunctionalLinear()     # x @ fn^T in fp32 (invariant under the mode)
+        # set by the small-batch path (use_fused_mhc): while on, bf16 sites run fused
+        self.small_scope: GemmScope | None = None
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether this site runs the fused op on streams x now (a small step, bf16)."""
+        scope = self.small_scope
+        return scope is not None and scope.on and x.dtype == torch.bfloat16 \
+            and fused.supports(x)
+
+    def fused_coefficients(self, x: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """pre, post, comb [T, n] [T, n] [T, n, n] (fp32) through the fused op."""
+        return fused.coeffs(x, self.fn.float(), self.base.float(), self.scale.float(),
+                            self.iters, self.hc_eps, self.norm_eps)
+
+    def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """[T, n, d] weighted by pre [T, n] -> [T, d] (fp32 sum, cast to x.dtype)."""
+        if self.fused(x):
+            return fused.collapse(x, pre)
+        return (pre.unsqueeze(-1) * x).sum(1).to(x.dtype)
+
+    def expand(self, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               y: torch.Tensor) -> torch.Tensor:
+        """New streams: `hc_expand`, fused in a small step."""
+        if self.fused(x):
+            return fused.expand(x, post, comb, y)
+        return hc_expand(x, post, comb, y)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, n, d] -> post [T, n] fp32, comb [T, n, n] fp32, collapsed [T, d] (x.dtype)."""
+        if self.fused(x):
+            pre, post, comb = self.fused_coefficients(x)
+            return post, comb, fused.collapse(x, pre)
         n = self.n
         mixes = self.mix(_flat_rms(x, self.norm_eps), self.fn, widen_weight=True)  # [T, (2+n)n]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -61,8 +98,7 @@ class HyperConnection(nn.Module):
         comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n),
                              dim=-1) + self.hc_eps                            # [T, n, n]
         comb = sinkhorn(comb, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)            # [T, d]
-        return post, comb, collapsed
+        return post, comb, self.collapse(x, pre)
 
 
 def hc_expand(x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -90,3 +126,11 @@ class HyperHead(nn.Module):
         pre = lane_aligned(torch.sigmoid, mixes * self.hc_scale.float() + self.hc_base.float(),
                            self.mix.batch_invariant) + self.hc_eps
         return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+def use_fused_mhc(model: nn.Module, scope: GemmScope | None) -> int:
+    """Every mHC site of `model` reads `scope` (None: never fused); how many there are."""
+    sites = [m for m in model.modules() if isinstance(m, HyperConnection)]
+    for m in sites:
+        m.small_scope = scope
+    return len(sites)

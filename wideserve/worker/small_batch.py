@@ -27,6 +27,9 @@ here instead of `ModelRunner.build_batch`:
   kernel table's small-M GEMM kept per row count instead of oneDNN's F.linear, ~20x cheaper
   at one row (layers/small_m.py). Not under --batch-invariant, whose InvariantLinears keep
   one kernel for every row count.
+- **Fused mHC sites** (with the small-M GEMMs, on the same terms): DeepSeek-V4 / V4.1's
+  hyper-connection sites on bf16 streams run the fused C++ op in a small step, three calls
+  for ~65 torch ops a site (layers/mhc.py, kernels/mhc.py), equal to fp32 rounding.
 
 Greedy outputs are the standard path's in fp32, on every family (tests/worker/
 test_small_batch.py), and in bf16 bitwise under --batch-invariant. In the default mode's bf16
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from wideserve.layers.mhc import use_fused_mhc
 from wideserve.layers.small_m import GemmScope, SmallMLinear, use_small_m_linears
 from wideserve.types.forward_batch import ForwardBatch, KVGroupView
 # The runner's request and layout, as the captured step reads them (a superset of ours).
@@ -89,8 +93,11 @@ class SmallBatchDecode:
         self.steps = 0                            # steps taken here (stats, tests)
         self.scope = GemmScope()
         self.linears: list[SmallMLinear] = []
+        self.mhc_sites = 0
         if model is not None and model.functional_gemms and not model.batch_invariant:
             self.linears = use_small_m_linears(model, self.scope)
+        if model is not None and not model.batch_invariant:
+            self.mhc_sites = use_fused_mhc(model, self.scope)
 
     @contextmanager
     def kernels(self) -> Iterator[None]:

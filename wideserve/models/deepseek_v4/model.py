@@ -25,7 +25,7 @@ from wideserve.layers.experts import RoutedExperts
 from wideserve.models.deepseek_v4.attention import DeepseekV4Attention
 from wideserve.layers.attention.v4_step import V4Step
 from wideserve.layers.kv_quant import RecordCodec, codec_for
-from wideserve.layers.mhc import HyperConnection, HyperHead, hc_expand
+from wideserve.layers.mhc import HyperConnection, HyperHead
 from wideserve.layers.moe import DeepseekV4MoE
 from wideserve.layers.norm import RMSNorm
 from wideserve.layers.rope_interleaved import RotaryTable
@@ -62,10 +62,11 @@ class DeepseekV4DecoderLayer(nn.Module):
                 input_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, n, d] -> [T, n, d]."""
         post, comb, x = self.attn_hc(streams)
-        streams = hc_expand(streams, post, comb, self.self_attn(self.input_layernorm(x), step))
+        streams = self.attn_hc.expand(streams, post, comb,
+                                      self.self_attn(self.input_layernorm(x), step))
         post, comb, x = self.ffn_hc(streams)
         y = self.mlp(self.post_attention_layernorm(x), input_ids)
-        return hc_expand(streams, post, comb, y)
+        return self.ffn_hc.expand(streams, post, comb, y)
 
 
 class DeepseekV4MTP(DeepseekV4DecoderLayer):

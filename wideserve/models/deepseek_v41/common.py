@@ -18,6 +18,8 @@ class SinglePassHC(HyperConnection):
     def coefficients(self, x: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
+        if self.fused(x):
+            return self.fused_coefficients(x)
         n = self.n
         flat = x.flatten(1).float()
         mixes = self.mix(flat, self.fn, widen_weight=True) * torch.rsqrt(
@@ -29,6 +31,14 @@ class SinglePassHC(HyperConnection):
         post = 2 * torch.sigmoid(logits[:, n:2 * n])
         comb = logits[:, 2 * n:].unflatten(-1, (n, n)).softmax(dim=-1) + self.hc_eps
         return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
+
+    def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return super().collapse(x, pre) if self.fused(x) else collapse(x, pre)
+
+    def expand(self, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               y: torch.Tensor) -> torch.Tensor:
+        """V4.1's expand (elementwise sums: the reference's rounding), fused in a small step."""
+        return super().expand(x, post, comb, y) if self.fused(x) else expand(y, x, post, comb)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -136,11 +136,12 @@ class DeepseekV41Block(nn.Module):
         if engram_rows is not None:
             streams = self._engram(streams, engram_rows, input_ids)
         attn_pre, post, comb = self.attn_hc.coefficients(streams)
-        y = self.attn(self.attn_norm(collapse(streams, pre)), step, state, write_entries)
-        streams = expand(y, streams, post, comb)
+        y = self.attn(self.attn_norm(self.attn_hc.collapse(streams, pre)), step, state,
+                      write_entries)
+        streams = self.attn_hc.expand(streams, post, comb, y)
         ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
-        y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), input_ids)
-        return expand(y, streams, post, comb), ffn_pre
+        y = self.ffn(self.ffn_norm(self.ffn_hc.collapse(streams, attn_pre)), input_ids)
+        return self.ffn_hc.expand(streams, post, comb, y), ffn_pre
 
 
 class DeepseekV41Model(nn.Module):
