@@ -13,6 +13,7 @@ speed 90% of requests reach. Greedy outputs of the two paths are compared too.
 
   PYTHONPATH=. python benchmarks/small_batch.py [--models v4,v41,qwen3moe,11m] [--rounds 8]
         [--tokens 64] [--batch 1] [--threads 1] [--gemms on|off] [--clock wall|cpu]
+        [--standard persistent|plain]
 
 Models: v4 / v41 the bundled tiny checkpoints, qwen3moe the tiny random config of
 tests/tiny_families.py (dummy weights), 11m /work/venvs/hostpath-models/qwen3moe-11m (or
@@ -41,14 +42,16 @@ from wideserve.types.messages import EngineCoreRequest  # noqa: E402
 MODEL_11M = "/work/venvs/hostpath-models/qwen3moe-11m"
 
 
-def _load(name: str, tmp: Path, path_11m: str, gemms: bool) -> tuple[LLM, int]:
+def _load(name: str, tmp: Path, path_11m: str, gemms: bool, persistent: bool
+          ) -> tuple[LLM, int]:
     dummy = name == "qwen3moe"
     path = Path(path_11m) if name == "11m" else model_dir(name, tmp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(str(path), dtype="bfloat16", load_format="dummy" if dummy else "auto",
                   max_model_len=512, kv_cache_memory=1 << 28, max_num_seqs=16,
-                  skip_tokenizer_init=True, small_batch_gemms=gemms)
+                  skip_tokenizer_init=True, small_batch_gemms=gemms,
+                  persistent_decode_batch=persistent)
     return llm, vocab_size(path)
 
 
@@ -78,7 +81,8 @@ def _run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str, clock=time.p
 
 
 def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
-    llm, vocab = _load(name, tmp, args.model_11m, args.gemms == "on")
+    llm, vocab = _load(name, tmp, args.model_11m, args.gemms == "on",
+                       args.standard == "persistent")
     runner = llm.engine.runner
     small = runner.small
     if small is None:
@@ -126,6 +130,9 @@ def main() -> None:
     ap.add_argument("--model-11m", default=MODEL_11M)
     ap.add_argument("--gemms", choices=("on", "off"), default="on",
                     help="LoadConfig.small_batch_gemms (small-M GEMMs for DeepSeek's linears)")
+    ap.add_argument("--standard", choices=("persistent", "plain"), default="persistent",
+                    help="the standard path's decode batch: kept across steps (the engine's "
+                         "default, LoadConfig.persistent_decode_batch) or rebuilt each step")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this thread's CPU time (a loaded machine; needs --threads 1)")
     args = ap.parse_args()
@@ -133,7 +140,8 @@ def main() -> None:
         raise SystemExit("--clock cpu measures this thread alone: use it with --threads 1")
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {args.rounds} rounds x {args.tokens} tokens per path, "
-          f"{args.threads} thread(s), small-M GEMMs {args.gemms}, {args.clock} clock")
+          f"{args.threads} thread(s), small-M GEMMs {args.gemms}, {args.clock} clock, "
+          f"{args.standard} standard decode batch")
     print("| model | standard mean / P90 tok/s | small-batch mean / P90 tok/s | "
           "mean ratio | P90 ratio | greedy equal |")
     print("|---|---|---|---|---|---|")
