@@ -132,7 +132,9 @@ def calibrate_pd(w: dict[str, int], serving: bool = True, agents: int = AGENTS):
     prof = profile_from_rows(rows)
     if served is not None:
         prof.host["serving"] = served
-    prof.pd = {"prefill": prefill, "resident_threads": agents + 1,
+    # always-runnable threads the calibration ran beside: the engine's own (the agents'
+    # progress threads sleep between events since kv_progress_poll_us; before, each spun)
+    prof.pd = {"prefill": prefill, "resident_threads": 1,
                "nixl": measure_nixl(),
                "admission": measure_admission(model, [i // 2, i, 2 * i], block_size=64)}
     return prof
