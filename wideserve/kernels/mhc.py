@@ -1,6 +1,7 @@
 """The fused mHC site (`csrc/mhc.cpp`): coefficients, collapse and expand in one call each,
-for the small-batch decode path (layers/mhc.py `MhcScope`; docs/cpu_kernels.md, "Fused mHC").
-Equal to the torch form to fp32 rounding, not bit for bit."""
+for the small-batch decode path (layers/mhc.py `HyperConnection.small_scope`;
+docs/cpu_kernels.md, "Fused mHC"). The coefficients equal the torch form to fp32 rounding;
+the collapse and V4.1's elementwise expand equal it bit for bit."""
 from __future__ import annotations
 
 import torch
