@@ -55,26 +55,24 @@ inline float dot(const float* a, const float* b, int64_t k) {
 
 inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 
+// Divides each of the n lines of c (line o: c[o * along + i * across], i < n) by its sum + eps.
+void normalize_lines(float* c, int64_t n, int64_t along, int64_t across, float eps) {
+  for (int64_t o = 0; o < n; ++o) {
+    float* line = c + o * along;
+    float s = 0.f;
+    for (int64_t i = 0; i < n; ++i) s += line[i * across];
+    s += eps;
+    for (int64_t i = 0; i < n; ++i) line[i * across] /= s;
+  }
+}
+
 // Sinkhorn over one row's comb [n, n] (row-major: c[a * n + b]), as layers/mhc.py `sinkhorn`:
 // a column pass, then (row, column) passes; eps added to every sum.
 void sinkhorn(float* c, int64_t n, int64_t iters, float eps) {
-  auto columns = [&] {
-    for (int64_t b = 0; b < n; ++b) {
-      float s = 0.f;
-      for (int64_t a = 0; a < n; ++a) s += c[a * n + b];
-      s += eps;
-      for (int64_t a = 0; a < n; ++a) c[a * n + b] /= s;
-    }
-  };
-  columns();
+  normalize_lines(c, n, 1, n, eps);                 // columns
   for (int64_t it = 1; it < iters; ++it) {
-    for (int64_t a = 0; a < n; ++a) {
-      float s = 0.f;
-      for (int64_t b = 0; b < n; ++b) s += c[a * n + b];
-      s += eps;
-      for (int64_t b = 0; b < n; ++b) c[a * n + b] /= s;
-    }
-    columns();
+    normalize_lines(c, n, n, 1, eps);               // rows
+    normalize_lines(c, n, 1, n, eps);
   }
 }
 
