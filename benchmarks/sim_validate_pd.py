@@ -54,10 +54,16 @@ def _wait(url: str, procs: list[subprocess.Popen], timeout: float = 300.0) -> No
             time.sleep(0.5)
 
 
+def _cluster_env() -> dict[str, str]:
+    """The servers' environment: one thread, UCX on loopback, the shared KV secret (made
+    once per process when none is set)."""
+    os.environ.setdefault("WIDESERVE_KV_SECRET", secrets.token_hex(32))
+    return dict(os.environ, OMP_NUM_THREADS="1", UCX_NET_DEVICES="lo", UCX_MODULES="^ib",
+                PYTHONUNBUFFERED="1")
+
+
 def start_cluster(base_port: int = 8411) -> tuple[list[subprocess.Popen], str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", UCX_NET_DEVICES="lo", UCX_MODULES="^ib",
-               WIDESERVE_KV_SECRET=os.environ.get("WIDESERVE_KV_SECRET")
-               or secrets.token_hex(32), PYTHONUNBUFFERED="1")
+    env = _cluster_env()
     p, d, r = base_port, base_port + 1, base_port + 2
     procs = [subprocess.Popen(_cli("serve", "--port", str(p), *SERVER_KW, "--kv-transfer-config",
                                    NIXL % "kv_producer"), env=env),
@@ -107,7 +113,8 @@ def bench(url: str, w: dict[str, int]) -> dict[str, Any]:
 
 def calibrate_pd(w: dict[str, int], serving: bool = True, agents: int = AGENTS):
     """The one-rank profile of the bundled model (host, forward, prefill, NIXL, admission;
-    with `serving` the serving path's cost per step from one plain server of the same model,
+    with `serving` the serving path's cost per step from one server of the same model set
+    up as the deployment's decode instance,
     calibrate_pd.measure_serving). Repetitions are averaged, not minimised: the held-out
     benchmark measures a typical minute of this machine."""
     from wideserve.worker.model_loader import BUNDLED_MODEL
@@ -127,8 +134,11 @@ def calibrate_pd(w: dict[str, int], serving: bool = True, agents: int = AGENTS):
         rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw,
                               reps=3, keep="mean")
         prefill = measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean")
-        served = (measure_serving(None, rows, w["input_len"], 24, kw) if serving
-                  else None)
+        # the served step of a server configured as the deployment's decode instance (its
+        # KV connector polls every step), alone: plain requests, no prefill peer
+        served = (measure_serving(None, rows, w["input_len"], 24, kw,
+                                  role_args=["--kv-transfer-config", NIXL % "kv_consumer"],
+                                  env=_cluster_env()) if serving else None)
     prof = profile_from_rows(rows)
     if served is not None:
         prof.host["serving"] = served

@@ -382,11 +382,15 @@ def server_args(engine_kw: dict[str, Any], batches: list[int]) -> list[str]:
 
 def measure_serving(model_dir: str | None, inprocess: list[dict[str, float]],
                     prompt_len: int, output_len: int, engine_kw: dict[str, Any],
-                    port: int = 8461, reps: int = 2) -> dict[str, Any]:
+                    port: int = 8461, reps: int = 2, role_args: list[str] | None = None,
+                    env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start one server on the calibration model, measure its decode step at the batches of
-    the in-process rows, stop it; the serving table (serving_table) plus the raw rows."""
+    the in-process rows, stop it; the serving table (serving_table) plus the raw rows.
+    role_args: the deployment role's flags (a P/D decode instance's --kv-transfer-config:
+    its connector works every step, handles or not), with `env` for them."""
     batches = [int(r["batch"]) for r in inprocess]
-    proc, url = start_server(model_dir, port, server_args(engine_kw, batches))
+    proc, url = start_server(model_dir, port, server_args(engine_kw, batches)
+                             + list(role_args or []), env)
     try:
         served = measure_served(url, batches, prompt_len, output_len, reps)
     finally:
