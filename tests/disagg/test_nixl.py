@@ -163,7 +163,7 @@ def test_nixl_memory_type_follows_the_kv_tensors():
 
 
 _IDLE_AGENT = """
-import sys, threading, time
+import sys, time
 from wideserve.disagg.nixl_agent import new_agent
 agent = new_agent("idle", int(sys.argv[1]))
 start = time.process_time()
