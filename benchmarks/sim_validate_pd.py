@@ -17,6 +17,7 @@ then measure, is in results/sim_validate_pd_paired.json.)
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -34,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}')
 AGENTS = 2                  # NIXL agents the deployment keeps: one per server (1P + 1D)
 BATCH_TOKENS = 2048         # the servers' --max-num-batched-tokens (the engine default)
+# The held-out benchmark's requests carry no temperature (`wideserve bench serve`), so the
+# servers sample at their default, 1.0: the calibration measures the same sampling.
+TEMPERATURE = 1.0
 SERVER_KW = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(BATCH_TOKENS),
              "--log-level", "warning"]
 
@@ -132,8 +136,9 @@ def calibrate_pd(w: dict[str, int], serving: bool = True, agents: int = AGENTS):
     # pause (the in-process rows) beside the agents' polling threads.
     with resident_agents(agents):
         rows = measure_engine(model, [1, 2, w["concurrency"]], w["input_len"], 24, kw,
-                              reps=3, keep="mean")
-        prefill = measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean")
+                              reps=3, keep="mean", temperature=TEMPERATURE)
+        prefill = measure_prefill(model, [i // 2, i, 2 * i], kw, keep="mean",
+                                  temperature=TEMPERATURE)
         # the served step of a server configured as the deployment's decode instance (its
         # KV connector polls every step), alone: plain requests, no prefill peer
         served = (measure_serving(None, rows, w["input_len"], 24, kw,
@@ -182,8 +187,13 @@ def pd_repredict(saved: dict[str, Any]) -> dict[str, Any]:
         prof.pd = {"resident_threads": saved.get("resident_agents", 0) + 1,
                    **r["profile_pd"]}
         pred = predict_pd(prof, w)
+        # the ablation of a served request's latency per leg (docs/simulator.md, session 16)
+        bare = copy.deepcopy(prof)
+        if bare.host.get("serving"):
+            bare.host["serving"]["request_s"] = 0.0
         out.append({**r, "predicted": pred, "previous_prediction": r["predicted"],
-                    "predicted_without_serving": predict_pd(prof, w, served=False)})
+                    "predicted_without_serving": predict_pd(prof, w, served=False),
+                    "predicted_without_request_latency": predict_pd(bare, w)})
         print(f"P/D round {r['round']}: tok/s pred {pred['output_tok_s']:.1f} (was "
               f"{r['predicted']['output_tok_s']:.1f}) meas {r['measured']['output_tok_s']:.1f}"
               f"  TTFT pred {1e3 * pred['ttft_p50_s']:.0f} ms (was "

@@ -255,3 +255,42 @@ def test_pd_host_cores_flag_reaches_the_layout_and_refuses_a_negative_count():
     bad = ap.parse_args(["simulate", "run", "m", "--profile", "p", "--pd-host-cores", "-1"])
     with pytest.raises(ValueError, match="--pd-host-cores"):
         simulate._base(bad)
+
+
+def _first_and_seconds(prof: Profile, pd_instances: int) -> tuple[float, float]:
+    lay = Layout(dep=1, batch=2, overlap_host=False, jitter=False, served=True,
+                 pd=PDSettings(prefill_instances=pd_instances, prefill_ranks=1))
+    sim = Simulation(tiny_model(), prof.as_hardware(), prof, lay,
+                     itertools.islice(fixed(200, 5), 4), steady=False)
+    r = sim.run_to_end()
+    return min(x.first - x.arrival for x in sim.finished), r.seconds, r.ttft_p50_s
+
+
+def test_a_served_request_pays_its_latency_outside_the_steps_once_per_server_leg():
+    plain, latent = _measured(), _measured()
+    plain.host["serving"] = SERVING
+    latent.host["serving"] = {**SERVING, "request_s": 0.004}
+    # P/D: the prefill leg's answer reaches the router, then the decode leg the decode
+    # engine: the first request (nothing ahead of it) is admitted 2 latencies later
+    f0, s0, _ = _first_and_seconds(plain, 1)
+    f1, s1, _ = _first_and_seconds(latent, 1)
+    assert f1 - f0 == pytest.approx(2 * 0.004)
+    assert s1 > s0              # each request's decode starts later: the run is longer
+    # colocated: one server, one latency, outside the engine's steps (the run's steps and
+    # length unchanged; its TTFT one latency longer)
+    _, c0, t0 = _first_and_seconds(plain, 0)
+    _, c1, t1 = _first_and_seconds(latent, 0)
+    assert c1 == pytest.approx(c0) and t1 - t0 == pytest.approx(0.004)
+    # a profile without the measurement (older calibrations) charges nothing
+    from wideserve.sim.step import StepModel
+    assert StepModel(tiny_model(), plain.as_hardware(), plain).request_s() == 0.0
+
+
+def test_calibrate_temperature_flag_refuses_a_value_outside_the_api_range(tmp_path, capsys):
+    from wideserve.entrypoints import simulate
+    ap = argparse.ArgumentParser()
+    simulate.add_parser(ap.add_subparsers(dest="cmd"))
+    assert simulate.run(ap.parse_args(["simulate", "calibrate", "--temperature", "2.5",
+                                       "--out", str(tmp_path / "p.json")])) == 2
+    assert "--temperature" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

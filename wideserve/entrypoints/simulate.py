@@ -114,6 +114,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "behind one `wideserve serve` (engine process, IPC, API server, "
                         "detokenize, HTTP streaming) vs in-process; needs --model with a "
                         "tokenizer")
+    c.add_argument("--temperature", type=float, default=0.0,
+                   help="the workload's sampling temperature the steps are measured with "
+                        "(0: greedy; an OpenAI client that sends none gets 1.0, and random "
+                        "sampling costs a step more than argmax)")
     c.add_argument("--out", required=True,
                    help="where to write the profile JSON")
     return p
@@ -134,13 +138,16 @@ def _calibrate(args: argparse.Namespace) -> int:
                                          temp_model_dir, write_profile)
     if min(args.ranks) < 2:
         raise ValueError(f"--ranks: collectives need rank counts >= 2, got {args.ranks}")
+    if not 0.0 <= args.temperature <= 2.0:
+        raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.serving and not (args.model and _has_tokenizer(args.model)):
         raise ValueError("--serving needs --model: a model directory with a tokenizer (the "
                          "serving path detokenizes what it streams)")
     model = args.model or temp_model_dir(DEFAULT_CONFIG)
     pd = PDCalibration(admission_model=args.admission_model) if args.pd else None
     write_profile(calibrate(model, args.batches, threads=args.threads,
-                            ranks=tuple(args.ranks), pd=pd, serving=args.serving), args.out)
+                            ranks=tuple(args.ranks), pd=pd, serving=args.serving,
+                            temperature=args.temperature), args.out)
     print(f"profile written to {args.out}")
     return 0
 

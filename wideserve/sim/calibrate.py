@@ -78,14 +78,16 @@ def measure_experts(hidden: int, inter: int, rows: list[int], reps: int = 20) ->
 
 
 def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_len: int,
-                   extra: dict[str, Any] | None = None, reps: int = 1, keep: str = "min"
-                   ) -> list[dict[str, float]]:
+                   extra: dict[str, Any] | None = None, reps: int = 1, keep: str = "min",
+                   temperature: float = 0.0) -> list[dict[str, float]]:
     """Per batch size B: host, forward and expert seconds per *decode* step of the real
     engine: two runs of B requests that differ only in output length; the difference of the
     step timer's totals over the difference in steps leaves the prefill out. With reps > 1,
     keep="min" keeps the least-disturbed pair (what the work costs: other processes'
     preemptions only add time), keep="mean" averages them (what a typical minute of this
-    machine gives, the quantity a held-out benchmark under the same load measures)."""
+    machine gives, the quantity a held-out benchmark under the same load measures).
+    temperature: the workload's sampling (0: greedy; a served benchmark that sends none gets
+    the server's default, 1.0, and random sampling costs a decode step more than argmax)."""
     if keep not in ("min", "mean"):
         raise ValueError(f"keep must be min or mean, got {keep!r}")
     from wideserve import LLM
@@ -102,8 +104,8 @@ def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_l
         for b in batches:
             got = []
             for _ in range(reps):
-                short = _generate(llm, rng, b, prompt_len, 4, clock)
-                long = _generate(llm, rng, b, prompt_len, 4 + output_len, clock)
+                short = _generate(llm, rng, b, prompt_len, 4, clock, temperature)
+                long = _generate(llm, rng, b, prompt_len, 4 + output_len, clock, temperature)
                 steps = long["steps"] - short["steps"]
                 got.append({"batch": b, "steps": steps,
                             **{k: (long[k] - short[k]) / steps for k in long if k != "steps"}})
@@ -117,14 +119,15 @@ def measure_engine(model_dir: str, batches: list[int], prompt_len: int, output_l
 
 
 def _generate(llm: Any, rng: np.random.Generator, batch: int, prompt_len: int,
-              max_tokens: int, clock: list[float] | None = None) -> dict[str, float]:
+              max_tokens: int, clock: list[float] | None = None, temperature: float = 0.0
+              ) -> dict[str, float]:
     """Step-timer totals (and expert seconds) of one generate call."""
     from wideserve import SamplingParams
     def totals() -> dict[str, float]:
         return step_totals(llm) | {"experts": clock[0] if clock else 0.0,
                                    "cpu": time.process_time(), "wall": time.perf_counter()}
     before = totals()
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": rng.integers(2, 500, prompt_len).tolist()}
                   for _ in range(batch)], sp, use_tqdm=False)
     after = totals()
@@ -282,11 +285,13 @@ def measure_machine() -> tuple[float, float]:
 def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_len: int = 24,
               threads: int = 1, ranks: tuple[int, ...] = (2, 4),
               pd: "PDCalibration | None" = None,
-              engine_kw: dict[str, Any] | None = None, serving: bool = False) -> Profile:
+              engine_kw: dict[str, Any] | None = None, serving: bool = False,
+              temperature: float = 0.0) -> Profile:
     """`ranks`: the rank counts the collectives are measured at (the all-to-all fit and the
     all-reduce latency come from the smallest); `pd`: also measure what P/D needs;
-    `serving`: also the serving path's seconds per step (one `wideserve serve` of the same
-    model at the same batches; the model needs a tokenizer)."""
+    `serving`: also the serving path's seconds per step and a request's latency outside
+    the steps (one `wideserve serve` of the same model at the same batches; the model needs
+    a tokenizer); `temperature`: the workload's sampling, for the in-process steps."""
     import torch
     if not ranks or min(ranks) < 2:
         raise ValueError(f"--ranks: collectives need rank counts >= 2, got {list(ranks)}")
@@ -296,7 +301,8 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
     hidden, inter = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
     experts = measure_experts(hidden, inter, [1, 2, 4, 8, 16, 32, 64])
     with _beside_agents(pd):
-        engine = measure_engine(model_dir, batches, prompt_len, output_len, engine_kw)
+        engine = measure_engine(model_dir, batches, prompt_len, output_len, engine_kw,
+                                temperature=temperature)
     base, per_req = host_fit(engine)
     dense = _dense_rows(engine)
     host_extra = {}
@@ -344,7 +350,7 @@ def calibrate(model_dir: str, batches: list[int], prompt_len: int = 32, output_l
         mem_bytes_per_s=mem, flops_fp32=flops,
         sources={"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "model": str(model_dir)},
-        pd=measure_pd(model_dir, pd, engine_kw) if pd else {})
+        pd=measure_pd(model_dir, pd, engine_kw, temperature) if pd else {})
 
 
 @dataclass(slots=True)
@@ -367,11 +373,12 @@ def _beside_agents(pd: PDCalibration | None) -> Any:
     return resident_agents(pd.resident_agents)
 
 
-def measure_pd(model_dir: str, pd: PDCalibration, engine_kw: dict[str, Any] | None
-               ) -> dict[str, Any]:
+def measure_pd(model_dir: str, pd: PDCalibration, engine_kw: dict[str, Any] | None,
+               temperature: float = 0.0) -> dict[str, Any]:
     from wideserve.sim.calibrate_pd import measure_admission, measure_nixl, measure_prefill
     with _beside_agents(pd):
-        prefill = measure_prefill(model_dir, pd.prefill_lengths, engine_kw)
+        prefill = measure_prefill(model_dir, pd.prefill_lengths, engine_kw,
+                                  temperature=temperature)
     return {"prefill": prefill,
             "nixl": measure_nixl(),
             "admission": measure_admission(pd.admission_model or model_dir,

@@ -11,7 +11,9 @@
   `descriptor_indices` (the scheduler and connector code that runs before a load starts).
 - serving path (`calibrate --serving`): the same model's decode step behind one `wideserve
   serve` (engine process, ZMQ IPC, API server, detokenize, HTTP streaming to a client on
-  this machine) against its in-process step: the seconds per step the serving path adds.
+  this machine) against its in-process step: the seconds per step the serving path adds;
+  and one request's latency outside the engine's steps (HTTP in, hand-over, first chunk
+  out), which every request pays once per server it passes.
 """
 from __future__ import annotations
 
@@ -42,10 +44,11 @@ def step_totals(llm: Any) -> dict[str, float]:
 
 
 def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | None = None,
-                    reps: int = 3, keep: str = "min") -> dict[str, list[float]]:
+                    reps: int = 3, keep: str = "min", temperature: float = 0.0
+                    ) -> dict[str, list[float]]:
     """Seconds of host + forward per prompt of n tokens, max_tokens = 1 so only the prefill
     step runs; of `reps`, keep="min" the least-disturbed (noise only adds time), "mean" the
-    typical (calibrate.measure_engine)."""
+    typical (calibrate.measure_engine); temperature: the workload's sampling."""
     from wideserve import LLM, SamplingParams
 
     kw = dict(load_format="dummy", dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
@@ -54,7 +57,7 @@ def measure_prefill(model_dir: str, lengths: list[int], extra: dict[str, Any] | 
     kw.update(extra or {})
     llm = LLM(model_dir, **kw)
     rng = np.random.default_rng(3)
-    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True)
     out = []
     try:
         llm.generate([{"prompt_token_ids": [5] * 8}], sp, use_tqdm=False)     # warm-up
@@ -336,6 +339,47 @@ def measure_served(base_url: str, batches: list[int], prompt_len: int, output_le
     return rows
 
 
+async def _request_rows(base_url: str, prompt_len: int, reps: int, vocab: int
+                        ) -> tuple[list[float], list[float]]:
+    """(client seconds, engine step seconds) of `reps` streamed one-token completions sent
+    one at a time over one connection (as a benchmark client keeps it), after a warm-up."""
+    import httpx
+
+    from wideserve.bench.client import ServeTarget, send_request
+    from wideserve.bench.datasets import BenchRequest
+    rng = np.random.default_rng(13)
+    walls, engine = [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(base_url + "/v1/models")).json()["data"][0]["id"]
+        target = ServeTarget(base_url, model)
+        for i in range(reps + 1):
+            s0, e0 = _served_counters(base_url)
+            rec = await send_request(client, target, BenchRequest(
+                rng.integers(2, vocab, prompt_len).tolist(), 1))
+            s1, e1 = _served_counters(base_url)
+            if rec.error:
+                raise RuntimeError(f"serving calibration: a request failed: {rec.error}")
+            if i:                                   # the first one warms the path up
+                walls.append(rec.end - rec.start)
+                engine.append(e1 - e0)
+    return walls, engine
+
+
+def measure_request(base_url: str, prompt_len: int, reps: int = 8, vocab: int = 500
+                    ) -> dict[str, Any]:
+    """A served request's latency outside the engine's steps, against a running one-rank
+    server: one request at a time of `prompt_len` tokens and one output token (a single
+    engine step), its client seconds less the engine's step seconds meanwhile: the HTTP
+    request in, the hand-over to the engine process, the token's detokenize and stream out
+    (a one-token request's first token is its last). A P/D request pays it once per server
+    leg (docs/simulator.md). The median of `reps` (one garbage collection or preemption in
+    a rep is not the typical request). Prompts: random ids below `vocab`."""
+    walls, engine = asyncio.run(_request_rows(base_url, prompt_len, reps, vocab))
+    got = [max(w - e, 0.0) for w, e in zip(walls, engine)]
+    return {"s": statistics.median(got), "reps": got, "engine_s": engine,
+            "prompt_len": prompt_len}
+
+
 def start_server(model_dir: str | None, port: int, args: list[str],
                  env: dict[str, str] | None = None, timeout: float = 600.0
                  ) -> tuple[subprocess.Popen, str]:
@@ -393,6 +437,8 @@ def measure_serving(model_dir: str | None, inprocess: list[dict[str, float]],
                              + list(role_args or []), env)
     try:
         served = measure_served(url, batches, prompt_len, output_len, reps)
+        request = measure_request(url, prompt_len)
     finally:
         stop_server(proc)
-    return {**serving_table(inprocess, served), "served_rows": served}
+    return {**serving_table(inprocess, served), "served_rows": served,
+            "request_s": request["s"], "request": request}

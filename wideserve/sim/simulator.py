@@ -107,6 +107,8 @@ class Simulation:
         # always-runnable threads (engine + the resident NIXL agents it was measured beside)
         self.shared_cores = layout.pd.host_cores if hw.kind == "measured" else 0
         self.resident = int(profile.pd.get("resident_threads", 1)) if profile.pd else 1
+        # a served request's latency outside the engine steps, once per server leg
+        self.request_s = self.sm.request_s() if layout.served else 0.0
         self.running: list[list[_Req]] = [[] for _ in range(layout.dep)]
         self.loading: list[_Req] = []       # admitted, KV in flight (P/D)
         self.exhausted = False
@@ -186,8 +188,12 @@ class Simulation:
             self.prefill_spans.append(b)
         b["end"] = end
         self.prefill_free[i] = end
+        # served: the router has the prefill leg's answer one request latency after the
+        # prefill step, and the decode leg reaches the decode engine one more later (both
+        # legs charged before the KV load is admitted: docs/simulator.md)
         for r, n, c in b["members"]:
-            r.ready, r.xfer = end, transfer_s(self.m, self.hw, pd, n + c)
+            r.ready = end + 2 * self.request_s
+            r.xfer = transfer_s(self.m, self.hw, pd, n + c)
 
     def _admit(self) -> list[float]:
         """The decode engine's KV loads (engine/engine_core.py, disagg/connector.py): at a
@@ -338,7 +344,9 @@ class Simulation:
             return (x.end if x.end is not None else self.now) - max(x.first, 0.0)
         rates = [x.done_tokens / span(x) for x in self.finished + live
                  if x.first is not None and span(x) > 0 and x.done_tokens > 1]
-        ttft = [x.first - x.arrival for x in self.finished + live
+        # colocated and served: the one server's request latency lies outside the steps
+        leg = 0.0 if lay.pd.prefill_instances else self.request_s
+        ttft = [x.first - x.arrival + leg for x in self.finished + live
                 if x.arrival >= 0 and x.first is not None]
         tps_gpu = tokens / self.now / lay.gpus()
         usd = (lay.price_per_gpu_hour / 3600 / tps_gpu * 1e6) if lay.price_per_gpu_hour else None

@@ -79,6 +79,13 @@ class StepModel:
             return 0.0
         return interp(t["batch"], t["loop_s"], requests) / self.hw.host_speed
 
+    def request_s(self) -> float:
+        """A served request's latency outside the engine's steps, per server it passes
+        (HTTP in, hand-over to the engine process, first chunk out): calibrate_pd.
+        measure_request, scaled by the host speed; 0 when the profile has none."""
+        t = self.p.host.get("serving") or {}
+        return float(t.get("request_s", 0.0)) / self.hw.host_speed
+
     def sync_s(self, ranks: int, algo: str) -> float:
         c = self.p.collectives
         alpha = c.get("host_alpha_s", c["allreduce_alpha_s"])
