@@ -2,7 +2,8 @@
 
   python offline_worker.py {wideserve|vllm} MODEL --num-prompts 64 --input-len 128 --output-len 128
 
-Token-id prompts (seeded, identical for both engines), greedy, EOS ignored. Prints one
+Token-id prompts (seeded, identical for both engines), greedy (or `--temperature T`: random
+sampling, both engines at the same temperature), EOS ignored. Prints one
 JSON line: output tokens per second over the timed generate call (after a short warm-up).
 Run with each engine's own interpreter; run_offline.sh alternates them.
 
@@ -41,8 +42,9 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     t = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **extra)
     args.result["startup_s"] = time.perf_counter() - t
-    sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
+                        ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True)
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in ids[:4]], warm, use_tqdm=False)
     args.result["warmup_s"] = time.perf_counter() - t
@@ -65,8 +67,9 @@ def run_vllm(args, ids: list[list[int]]) -> float:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max(64, args.num_prompts), seed=0,
               gpu_memory_utilization=args.vllm_memory_fraction)
-    sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
+                        ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids[:4]], warm, use_tqdm=False)
     t, cpu = time.perf_counter(), time.process_time()
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="compute dtype (the checkpoint is bf16 either way)")
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of both engines (0: greedy)")
     ap.add_argument("--profile-breakdown", action="store_true",
                     help="wideserve: add the per-step time split to the output line")
     ap.add_argument("--enforce-eager", type=lambda v: v == "1", default=None,

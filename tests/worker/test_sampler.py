@@ -10,7 +10,7 @@ import torch
 
 from wideserve.worker.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
                                       build_sampling_metadata, compute_prompt_logprobs,
-                                      make_generator)
+                                      inverse_cdf, make_generator, sample_categorical)
 from wideserve.types.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -306,6 +306,61 @@ def test_seeded_rows_sample_the_right_distribution():
     tokens = Sampler()(logits, meta(params, gens=gens, vocab=10)).token_ids.numpy()
     ref = ref_filtered_probs(DIST_LOGITS, 0.8, 0, 1.0, 0.0)
     assert chi_square_pvalue(np.bincount(tokens, minlength=10), ref) > P_FALSE
+
+
+# ---- the inverse-CDF draw across blocks --------------------------------------------------------
+
+EDGES = torch.zeros(30)       # 30 tokens in blocks of 8 (a 6-token tail): mass at the edges
+EDGES[[1, 7, 8, 15, 16, 23, 24, 29]] = torch.tensor([1.0, 2.0, 3.0, 0.5, 4.0, 1.5, 2.5, 3.0])
+EDGES[[3, 12, 20, 27]] = 0.25
+
+
+def test_draw_across_blocks_samples_the_distribution_and_never_a_zero_mass_token():
+    n = 40000
+    torch.manual_seed(11)
+    counts = np.bincount(sample_categorical(EDGES.repeat(n, 1), {}, block=8).numpy(),
+                         minlength=30)
+    ref = (EDGES / EDGES.sum()).double().numpy()
+    assert chi_square_pvalue(counts, ref) > P_FALSE       # (and no zero-mass token drawn)
+    # power: a quarter of token 7's mass moved across the block edge to token 8 is rejected
+    wrong = ref.copy()
+    wrong[7], wrong[8] = ref[7] * 0.75, ref[8] + ref[7] * 0.25
+    assert chi_square_pvalue(counts, wrong) < 1e-6
+
+
+def test_draw_equals_a_full_float64_inverse_cdf_under_the_same_uniforms():
+    g = torch.Generator().manual_seed(21)
+    probs = torch.randn(64, 5000, generator=g).mul_(3).softmax(-1)
+    probs[:, ::7] = 0.0                                # zero-mass tokens, as top-k leaves
+    probs[5] = 0.0
+    probs[5, 4999] = 1.0                               # all mass on the tail's last token
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    cdf = probs.double().cumsum(1)
+    ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    for block in (1024, 64, 5000, 7):
+        assert torch.equal(inverse_cdf(probs, u, block), ref)
+
+
+def test_a_draw_at_the_top_of_the_range_takes_the_last_token_with_mass():
+    top = torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)
+    # 1 + 6e-8 + 6e-8 in float32: the block's mass and its float64 prefix differ by rounding
+    for row, want in (([1.0, 6e-8, 6e-8, 0.0, 0.0], 2), ([0.5, 0.5, 0.0, 0.0, 0.0], 1),
+                      ([0.0, 0.0, 0.0, 0.0, 2.0], 4)):
+        for block in (4, 5, 1024):
+            assert int(inverse_cdf(torch.tensor([row]), top, block)) == want
+
+
+def test_a_seeded_row_draws_one_uniform_from_its_own_generator():
+    probs = EDGES.repeat(3, 1)
+    gens = {0: make_generator(5, CPU), 2: make_generator(6, CPU)}
+    got = sample_categorical(probs, gens, block=8)
+    for row, seed in ((0, 5), (2, 6)):
+        u = torch.rand(1, dtype=torch.float64, generator=make_generator(seed, CPU))
+        assert int(got[row]) == int(inverse_cdf(probs[row:row + 1], u, 8))
+    # its generator advanced by exactly that one draw
+    nxt = make_generator(5, CPU)
+    torch.rand(1, dtype=torch.float64, generator=nxt)
+    assert torch.equal(gens[0].get_state(), nxt.get_state())
 
 
 # ---- logprobs --------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ token is then distributed exactly as the target's. A proposer that gives no draf
 distribution proposed deterministically (q = one-hot at d_j): acceptance is p(d_j) and the
 residual is p without d_j, renormalised.
 
-Randomness: a request with a seed draws k_i uniforms and then one row of Exp(1) noise (the
-exponential race) from its own generator, so its tokens depend only on its logits, drafts
-and generator; other requests share the default RNG. With k_i = 0 this is exactly the
+Randomness: a request with a seed draws k_i uniforms and then the one uniform of the final
+token's inverse-CDF draw (sampler.sample_categorical) from its own generator, so its tokens
+depend only on its logits, drafts and generator; other requests share the default RNG. With k_i = 0 this is exactly the
 normal Sampler's draw.
 
 Forced acceptance (benchmarks only): the caller gives the number of drafts to accept per
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wideserve.worker.sampler import (LogprobsTensors, SamplingMetadata, exponential_race,
-                                      gather_logprobs, processed_logits, target_probs)
+from wideserve.worker.sampler import (LogprobsTensors, SamplingMetadata, gather_logprobs,
+                                      processed_logits, sample_categorical, target_probs)
 
 
 @dataclass(slots=True)
@@ -185,7 +185,7 @@ class RejectionSampler:
             # p == q leaves no residual (and then rejection has probability 0): keep p.
             residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), sub)
             dist = dist.index_copy(0, rej, residual)
-        final = exponential_race(dist, gens)
+        final = sample_categorical(dist, gens)
         if greedy_final is not None:
             assert md.greedy_mask is not None
             final = torch.where(md.greedy_mask.index_select(0, sel_t), greedy_final, final)
