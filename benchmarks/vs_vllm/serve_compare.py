@@ -137,7 +137,7 @@ def start_server(engine: str, model: Path, port: int, log: Path,
                                            capture_output=True, text=True).stdout.strip()
         cmd = [vpy, str(HERE / "vllm_shim.py"), "serve", str(model), "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0",
-               "--gpu-memory-utilization", "0.15", "--max-num-seqs", "64",
+               "--gpu-memory-utilization", "0.3", "--max-num-seqs", "64",
                "--uvicorn-log-level", "warning", *extra]
     with open(log, "ab") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
