@@ -2,6 +2,9 @@
 uses (worker/sampler.py, sample_categorical) against the exponential race it replaced
 (argmax(p / E), one Exp(1) draw per token), and the whole Sampler call at temperature 1.0
 against greedy, at the bundled models' vocabulary (4,096) and Qwen3's (151,936), 1 thread.
+Then top-p: apply_top_k_top_p through the most probable candidates against the sort of the
+whole vocabulary it falls back to, on logits N(0, s^2) per row: s = 6 (a nucleus of tens of
+tokens at p = 0.95, as a language model's usually is) and s = 3 (thousands: the fallback).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/sampling.py OUT.json
 """
@@ -60,8 +63,36 @@ def main() -> None:
                   f"{row['race_ms']:.3f} ms ({row['race_ms'] / row['draw_ms']:.1f}x); "
                   f"Sampler at temperature 1.0 {row['sampler_t1_ms']:.3f} ms, greedy "
                   f"{row['sampler_greedy_ms']:.3f} ms", flush=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "load_end": os.getloadavg()[0],
+    Path(args.out).write_text(json.dumps({"rows": rows, "top_p": top_p_rows(),
+                                          "load_end": os.getloadavg()[0],
                                           "torch": torch.__version__}, indent=1))
+
+
+def top_p_rows() -> list[dict]:
+    import wideserve.worker.sampler as sampler
+    out = []
+    for vocab in (8192, 151936):
+        for batch in (1, 16, 64):
+            for scale in (6.0, 3.0):
+                g = torch.Generator().manual_seed(batch)
+                x = torch.randn(batch, vocab, generator=g) * scale
+                p = torch.full((batch,), 0.95)
+                reps = max(1, int(2e6 // (vocab * batch)))
+                fast = _ms(lambda: sampler.apply_top_k_top_p(x, None, vocab, p), reps)
+                kept = int((sampler.apply_top_k_top_p(x, None, vocab, p) > float("-inf"))
+                           .sum()) // batch
+                width = sampler.TOP_P_CANDIDATES
+                sampler.TOP_P_CANDIDATES = 10 ** 9              # the full sort, always
+                try:
+                    slow = _ms(lambda: sampler.apply_top_k_top_p(x, None, vocab, p), reps)
+                finally:
+                    sampler.TOP_P_CANDIDATES = width
+                out.append({"vocab": vocab, "batch": batch, "scale": scale,
+                            "nucleus_per_row": kept, "candidates_ms": fast, "sort_ms": slow})
+                print(f"top-p 0.95 vocab {vocab:6d} batch {batch:2d} s={scale:.0f} (nucleus "
+                      f"~{kept}): {fast:.2f} ms vs sort {slow:.2f} ms "
+                      f"({slow / fast:.2f}x)", flush=True)
+    return out
 
 
 if __name__ == "__main__":

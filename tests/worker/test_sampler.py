@@ -14,6 +14,7 @@ from wideserve.worker.sampler import (Sampler, apply_min_p, apply_penalties, app
 from wideserve.types.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
+_NEG = float("-inf")
 # Each chi-square test fails a correct sampler with probability P_FALSE (for a random seed;
 # the seeds below are fixed, so the outcome is deterministic).
 P_FALSE = 1e-4
@@ -361,6 +362,53 @@ def test_a_seeded_row_draws_one_uniform_from_its_own_generator():
     nxt = make_generator(5, CPU)
     torch.rand(1, dtype=torch.float64, generator=nxt)
     assert torch.equal(gens[0].get_state(), nxt.get_state())
+
+
+# ---- top-p without a sort of the vocabulary ------------------------------------------------
+
+def _sorted_top_k_top_p(monkeypatch, *args):
+    import wideserve.worker.sampler as sampler
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "TOP_P_CANDIDATES", 10 ** 9)          # the full sort, always
+        return apply_top_k_top_p(*args)
+
+
+def _rows(vocab: int, scales: list[float], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randn(vocab, generator=g) * s for s in scales])
+
+
+def test_top_p_from_candidates_equals_the_sorted_path(monkeypatch):
+    import wideserve.worker.sampler as sampler
+    vocab = 10_000                       # one try at 1,024 candidates (vocab // 8 >= 1,024)
+    peaky = _rows(vocab, [6.0, 8.0, 5.0, 7.0], 31)
+    p = torch.tensor([0.95, 0.5, 0.9, 1.0])                     # the last row: no top-p
+    assert sampler._nucleus_from_candidates(peaky, None, vocab, p) is not None
+    assert torch.equal(apply_top_k_top_p(peaky, None, vocab, p),
+                       _sorted_top_k_top_p(monkeypatch, peaky, None, vocab, p))
+    # with top-k on some rows (off on others: k = vocab), inside the candidates
+    k = torch.tensor([50, vocab, 7, 300])
+    assert sampler._nucleus_from_candidates(peaky, k, 300, p) is not None
+    assert torch.equal(apply_top_k_top_p(peaky, k, 300, p),
+                       _sorted_top_k_top_p(monkeypatch, peaky, k, 300, p))
+    # a flat row's nucleus reaches past the candidates: the sort decides, same answer
+    flat = torch.cat([peaky, _rows(vocab, [0.5], 32)])
+    p5 = torch.tensor([0.95, 0.5, 0.9, 1.0, 0.95])
+    assert sampler._nucleus_from_candidates(flat, None, vocab, p5) is None
+    assert torch.equal(apply_top_k_top_p(flat, None, vocab, p5),
+                       _sorted_top_k_top_p(monkeypatch, flat, None, vocab, p5))
+
+
+def test_top_p_candidates_refuse_a_top_k_tie_past_them(monkeypatch):
+    import wideserve.worker.sampler as sampler
+    vocab = 10_000
+    x = _rows(vocab, [6.0], 33)
+    x[0, :2000] = 50.0                   # 2,000 tokens tied at the top: k = 3 keeps them all
+    k, p = torch.tensor([3]), torch.tensor([0.9])
+    assert sampler._nucleus_from_candidates(x, k, 3, p) is None
+    got = apply_top_k_top_p(x, k, 3, p)
+    assert torch.equal(got, _sorted_top_k_top_p(monkeypatch, x, k, 3, p))
+    assert int((got > _NEG).sum()) == 1800          # 0.9 of 2,000 equal tokens
 
 
 # ---- logprobs --------------------------------------------------------------------------------

@@ -292,6 +292,71 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
+TOP_P_CANDIDATES = 1024     # first width of apply_top_k_top_p's CPU path (no vocabulary sort)
+
+
+def _nucleus_from_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
+                             max_top_k: int, top_p: torch.Tensor) -> torch.Tensor | None:
+    """apply_top_k_top_p's top-p (after top-k) through each row's most probable tokens
+    (TOP_P_CANDIDATES, then 8x as many while the nucleus reaches the last of them) instead
+    of a sort of the whole vocabulary; None where that cannot give the same set: a GPU (its
+    sort is fast, and the checks below would sync), a top-k wider than the candidates or
+    tied past them, or a nucleus wider than an eighth of the vocabulary."""
+    vocab = logits.size(1)
+    width = TOP_P_CANDIDATES
+    if logits.device.type != "cpu" or (top_k is not None and max_top_k > width):
+        return None
+    full_norm = None
+    while width <= vocab // 8:
+        got = _nucleus_in(logits, top_k, max_top_k, top_p, width, full_norm)
+        if got is None:
+            return None
+        out, full_norm = got
+        if out is not None:
+            return out
+        width *= 8
+    return None
+
+
+def _nucleus_in(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                top_p: torch.Tensor, width: int, full_norm: torch.Tensor | None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """One try of _nucleus_from_candidates at `width` candidates: (the masked logits, or
+    None when a nucleus reaches the last candidate and 8x as many might hold it; the whole
+    rows' log-mass, kept for that wider try), or None when this path cannot answer."""
+    vocab = logits.size(1)
+    vals, idx = logits.topk(width, dim=-1)                               # descending
+    no_p = top_p >= 1.0
+    if top_k is None:
+        off = None
+    else:
+        off = top_k >= vocab
+        kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
+        kth = kth.masked_fill(off.unsqueeze(1), _NEG_INF)
+        if bool(((vals[:, -1:] >= kth) & ~off.unsqueeze(1)).any()):
+            return None                      # the k-th logit's ties may reach past them
+        vals = vals.masked_fill(vals < kth, _NEG_INF)
+    if off is None or bool(off.any()):       # rows without top-k: the whole row's mass
+        if full_norm is None:
+            full_norm = torch.logsumexp(logits, -1, keepdim=True)
+    norm = full_norm if off is None else torch.logsumexp(vals, -1, keepdim=True)
+    if off is not None and full_norm is not None:
+        norm = torch.where(off.unsqueeze(1), full_norm, norm)
+    probs = (vals - norm).exp_()
+    # a token survives iff the mass strictly above it (in this order) is < p
+    keep = (probs.cumsum(1) - probs) < top_p.unsqueeze(1)
+    if bool((keep[:, -1] & ~no_p).any()):
+        # 8x the candidates hold at most this mass (each new one is no more probable than
+        # the last): where even that is short of p, only the sort can answer
+        reach = probs.sum(1) + 7 * width * probs[:, -1]
+        return None if bool(((reach < top_p) & ~no_p).any()) else (None, full_norm)
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, idx, vals.masked_fill(~keep, _NEG_INF))
+    if bool(no_p.any()):                     # rows without top-p: the top-k mask alone
+        alone = logits if top_k is None else apply_top_k_top_p(logits, top_k, max_top_k, None)
+        out = torch.where(no_p.unsqueeze(1), alone, out)
+    return out, full_norm
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
                       top_p: torch.Tensor | None) -> torch.Tensor:
     # top_k [R] in [1, V] (V = off), top_p [R] in (0, 1] (1 = off); None = no row uses it
@@ -305,6 +370,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
         kth = top.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
         kth = kth.masked_fill((top_k >= logits.size(1)).unsqueeze(1), _NEG_INF)
         return logits.masked_fill(logits < kth, _NEG_INF)
+    fast = _nucleus_from_candidates(logits, top_k, max_top_k, top_p)
+    if fast is not None:
+        return fast
     vocab = logits.size(1)
     ascending, order = logits.sort(dim=-1)                      # [R, V]
     if top_k is not None:
