@@ -386,7 +386,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
-SAMPLE_BLOCK = 1024        # tokens per block of sample_categorical's two-level search
+SAMPLE_BLOCK = 128         # tokens per block of sample_categorical's two-level search
 
 
 def sample_categorical(probs: torch.Tensor, generators: Mapping[int, torch.Generator],
