@@ -480,13 +480,27 @@ def processed_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def target_probs(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """processed logits [N, V] -> the distribution random rows sample from [N, V]."""
+    return _filtered(x, md, owned=False).softmax(dim=-1)
+
+
+def target_weights(x: torch.Tensor, md: SamplingMetadata, owned: bool) -> torch.Tensor:
+    """target_probs up to each row's normaliser (what sample_categorical needs): exp of the
+    filtered logits less their row maximum, without softmax's division pass. owned: x may
+    be overwritten (the caller made it and reads it no more): then no [N, V] copy either."""
+    x = _filtered(x, md, owned)
+    return x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _filtered(x: torch.Tensor, md: SamplingMetadata, owned: bool) -> torch.Tensor:
+    """Temperature, min_p, top-k / top-p on processed logits (a new tensor unless owned)."""
     assert md.temperature is not None
-    x = x / md.temperature.unsqueeze(1)
+    t = md.temperature.unsqueeze(1)
+    x = x.div_(t) if owned else x / t
     if md.min_p is not None:
         x = apply_min_p(x, md.min_p)
     if md.top_k is not None or md.top_p is not None:
         x = apply_top_k_top_p(x, md.top_k, md.max_top_k, md.top_p)
-    return x.softmax(dim=-1)
+    return x
 
 
 def argmax_rows(x: torch.Tensor, cpu_op: bool = True) -> torch.Tensor:
@@ -518,7 +532,11 @@ class Sampler:
             assert greedy is not None
             token_ids = greedy
         else:
-            token_ids = self._sample_random(x, md)
+            # x is ours to overwrite when made here (a cast or a processing copy of the
+            # logits) and the raw logprobs will not read it
+            owned = x.data_ptr() != logits.data_ptr() and \
+                (x is not raw or md.max_num_logprobs is None)
+            token_ids = sample_categorical(target_weights(x, md, owned), md.generators)
             if greedy is not None:
                 token_ids = torch.where(md.greedy_mask, greedy, token_ids)
         lp = None
@@ -526,6 +544,3 @@ class Sampler:
             lp = gather_logprobs(raw.log_softmax(dim=-1), token_ids, md.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=lp)
 
-    @staticmethod
-    def _sample_random(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        return sample_categorical(target_probs(x, md), md.generators)
