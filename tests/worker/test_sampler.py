@@ -157,6 +157,27 @@ def test_sampler_does_not_modify_logits():
     assert torch.equal(logits, before)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_temperature_rows_leave_the_logits_and_the_raw_logprobs_intact(dtype):
+    # the draw may overwrite its own fp32 copy of the logits, never the caller's tensor, nor
+    # the copy the raw logprobs are read from afterwards
+    logits = (torch.randn(4, 40, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.8, logprobs=3)] * 4
+    out = Sampler()(logits, meta(params, vocab=40))
+    assert torch.equal(logits, before)
+    want = logits.float().log_softmax(-1).gather(1, out.token_ids.unsqueeze(1))
+    assert torch.equal(out.logprobs.logprobs[:, :1], want)
+    # without logprobs the cast copy is overwritten, and the draw still follows the softmax
+    n = 20000
+    torch.manual_seed(6)
+    rows = torch.tensor([DIST_LOGITS] * n).to(dtype)
+    tokens = Sampler()(rows, meta([SamplingParams(temperature=0.8)] * n, vocab=10))
+    ref = ref_filtered_probs(rows[0].float().tolist(), 0.8, 0, 1.0, 0.0)
+    assert chi_square_pvalue(np.bincount(tokens.token_ids.numpy(), minlength=10), ref) > P_FALSE
+
+
 # ---- penalties ---------------------------------------------------------------------------------
 
 def ref_penalties(row: list[float], prompt: list[int], output: list[int], pres: float,
