@@ -3,8 +3,10 @@
 Order of operations (vLLM v1's order):
   raw logits -> grammar mask (structured outputs) -> logit_bias -> min_tokens mask (stop ids to -inf) ->
   penalties (repetition over prompt+output, frequency/presence over output) -> greedy rows:
-  argmax -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> one inverse-CDF
-  draw per row (sample_categorical).
+  argmax -> random rows: temperature -> min_p -> top_k -> top_p -> exp (the weights up to each
+  row's normaliser) -> one inverse-CDF draw per row (sample_categorical). On a CPU, top-p
+  looks at each row's most probable tokens before it sorts a whole row (the sort only where
+  the nucleus may reach past them).
 Logprobs are "raw" (vLLM's default `logprobs_mode="raw_logprobs"`): log_softmax of the logits as
 the model produced them, before the mask, penalties or temperature. Rank = 1 + the number of
 tokens with a strictly larger logprob (ties share the best rank).
