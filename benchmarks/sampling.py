@@ -81,12 +81,7 @@ def top_p_rows() -> list[dict]:
                 fast = _ms(lambda: sampler.apply_top_k_top_p(x, None, vocab, p), reps)
                 kept = int((sampler.apply_top_k_top_p(x, None, vocab, p) > float("-inf"))
                            .sum()) // batch
-                width = sampler.TOP_P_CANDIDATES
-                sampler.TOP_P_CANDIDATES = 10 ** 9              # the full sort, always
-                try:
-                    slow = _ms(lambda: sampler.apply_top_k_top_p(x, None, vocab, p), reps)
-                finally:
-                    sampler.TOP_P_CANDIDATES = width
+                slow = _ms(lambda: sampler.top_k_top_p_by_sort(x, None, p), reps)
                 out.append({"vocab": vocab, "batch": batch, "scale": scale,
                             "nucleus_per_row": kept, "candidates_ms": fast, "sort_ms": slow})
                 print(f"top-p 0.95 vocab {vocab:6d} batch {batch:2d} s={scale:.0f} (nucleus "

@@ -387,11 +387,9 @@ def test_a_seeded_row_draws_one_uniform_from_its_own_generator():
 
 # ---- top-p without a sort of the vocabulary ------------------------------------------------
 
-def _sorted_top_k_top_p(monkeypatch, *args):
-    import wideserve.worker.sampler as sampler
-    with monkeypatch.context() as m:
-        m.setattr(sampler, "TOP_P_CANDIDATES", 10 ** 9)          # the full sort, always
-        return apply_top_k_top_p(*args)
+def _sorted_top_k_top_p(logits, top_k, _max_top_k, top_p):
+    from wideserve.worker.sampler import top_k_top_p_by_sort
+    return top_k_top_p_by_sort(logits, top_k, top_p)
 
 
 def _rows(vocab: int, scales: list[float], seed: int) -> torch.Tensor:
@@ -399,28 +397,28 @@ def _rows(vocab: int, scales: list[float], seed: int) -> torch.Tensor:
     return torch.stack([torch.randn(vocab, generator=g) * s for s in scales])
 
 
-def test_top_p_from_candidates_equals_the_sorted_path(monkeypatch):
+def test_top_p_from_candidates_equals_the_sorted_path():
     import wideserve.worker.sampler as sampler
     vocab = 10_000                       # one try at 1,024 candidates (vocab // 8 >= 1,024)
     peaky = _rows(vocab, [6.0, 8.0, 5.0, 7.0], 31)
     p = torch.tensor([0.95, 0.5, 0.9, 1.0])                     # the last row: no top-p
     assert sampler._nucleus_from_candidates(peaky, None, vocab, p) is not None
     assert torch.equal(apply_top_k_top_p(peaky, None, vocab, p),
-                       _sorted_top_k_top_p(monkeypatch, peaky, None, vocab, p))
+                       _sorted_top_k_top_p(peaky, None, vocab, p))
     # with top-k on some rows (off on others: k = vocab), inside the candidates
     k = torch.tensor([50, vocab, 7, 300])
     assert sampler._nucleus_from_candidates(peaky, k, 300, p) is not None
     assert torch.equal(apply_top_k_top_p(peaky, k, 300, p),
-                       _sorted_top_k_top_p(monkeypatch, peaky, k, 300, p))
+                       _sorted_top_k_top_p(peaky, k, 300, p))
     # a flat row's nucleus reaches past the candidates: the sort decides, same answer
     flat = torch.cat([peaky, _rows(vocab, [0.5], 32)])
     p5 = torch.tensor([0.95, 0.5, 0.9, 1.0, 0.95])
     assert sampler._nucleus_from_candidates(flat, None, vocab, p5) is None
     assert torch.equal(apply_top_k_top_p(flat, None, vocab, p5),
-                       _sorted_top_k_top_p(monkeypatch, flat, None, vocab, p5))
+                       _sorted_top_k_top_p(flat, None, vocab, p5))
 
 
-def test_top_p_candidates_refuse_a_top_k_tie_past_them(monkeypatch):
+def test_top_p_candidates_refuse_a_top_k_tie_past_them():
     import wideserve.worker.sampler as sampler
     vocab = 10_000
     x = _rows(vocab, [6.0], 33)
@@ -428,7 +426,7 @@ def test_top_p_candidates_refuse_a_top_k_tie_past_them(monkeypatch):
     k, p = torch.tensor([3]), torch.tensor([0.9])
     assert sampler._nucleus_from_candidates(x, k, 3, p) is None
     got = apply_top_k_top_p(x, k, 3, p)
-    assert torch.equal(got, _sorted_top_k_top_p(monkeypatch, x, k, 3, p))
+    assert torch.equal(got, _sorted_top_k_top_p(x, k, 3, p))
     assert int((got > _NEG).sum()) == 1800          # 0.9 of 2,000 equal tokens
 
 

@@ -12,7 +12,7 @@
 - serving path (`calibrate --serving`): the same model's decode step behind one `wideserve
   serve` (engine process, ZMQ IPC, API server, detokenize, HTTP streaming to a client on
   this machine) against its in-process step: the seconds per step the serving path adds;
-  and one request's latency outside the engine's steps (HTTP in, hand-over, first chunk
+  and one request's latency outside the engine's steps (HTTP in, hand-over, the token
   out), which every request pays once per server it passes.
 """
 from __future__ import annotations

@@ -81,7 +81,7 @@ class StepModel:
 
     def request_s(self) -> float:
         """A served request's latency outside the engine's steps, per server it passes
-        (HTTP in, hand-over to the engine process, first chunk out): calibrate_pd.
+        (HTTP in, hand-over to the engine process, the token out): calibrate_pd.
         measure_request, scaled by the host speed; 0 when the profile has none."""
         t = self.p.host.get("serving") or {}
         return float(t.get("request_s", 0.0)) / self.hw.host_speed

@@ -373,8 +373,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
         kth = kth.masked_fill((top_k >= logits.size(1)).unsqueeze(1), _NEG_INF)
         return logits.masked_fill(logits < kth, _NEG_INF)
     fast = _nucleus_from_candidates(logits, top_k, max_top_k, top_p)
-    if fast is not None:
-        return fast
+    return fast if fast is not None else top_k_top_p_by_sort(logits, top_k, top_p)
+
+
+def top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor | None,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p's top-p (after top-k) by a sort of every row's whole vocabulary:
+    the reference, and what runs where the candidates cannot answer."""
     vocab = logits.size(1)
     ascending, order = logits.sort(dim=-1)                      # [R, V]
     if top_k is not None:
