@@ -38,8 +38,10 @@ BATCH_TOKENS = 2048         # the servers' --max-num-batched-tokens (the engine 
 # The held-out benchmark's requests carry no temperature (`wideserve bench serve`), so the
 # servers sample at their default, 1.0: the calibration measures the same sampling.
 TEMPERATURE = 1.0
+# No prefill cap (`serve` measures one by default): the simulator's prefill instance batches
+# prompts up to the token budget, as the engine does without one.
 SERVER_KW = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(BATCH_TOKENS),
-             "--log-level", "warning"]
+             "--max-prefill-tokens", "0", "--log-level", "warning"]
 
 
 def _cli(*args: str) -> list[str]:

@@ -284,7 +284,7 @@ def test_preempted_image_request_recomputes_the_same_tokens(oracle, steps):
             out += [t for o in core.step() for t in o.new_token_ids]
         request = core.scheduler.requests["a"]
         assert (request.num_computed_tokens < offset + 10) == (steps == 2)
-        core.scheduler._preempt(request, _StepPlan(0))
+        core.scheduler._preempt(request, _StepPlan(0, 0))
         while core.has_unfinished_requests():
             out += [t for o in core.step() for t in o.new_token_ids]
     assert core.get_stats().num_preemptions == 1

@@ -87,6 +87,11 @@ class SchedulerConfig:
     # why: engine/scheduler.py, "Prefill while decoding". Off by default: 512 halves TTFT p50
     # at concurrency 16 but costs P90 tok/s per user (BENCHMARKS.md, "TTFT under load").
     max_prefill_tokens_while_decoding: int = 0
+    # Prompt tokens computed per step over every request still in its prompt (0 = the budget;
+    # "auto": the cap that minimises a budget-filling burst's mean TTFT by the step times the
+    # engine measures at start, worker/prefill_cap.py; `wideserve serve`'s default). Why:
+    # engine/scheduler.py, "Prefill cap".
+    max_prefill_tokens: int | Literal["auto"] = 0
     # An idle engine process woken by a request takes the ones that follow it until none came
     # for arrival_gap_ms (at most arrival_wait_max_ms; 0 = step at once), so a burst shares
     # one prefill step: engine/engine_proc.py, "Arrivals after idle".

@@ -34,7 +34,7 @@ from wideserve.engine.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
 from wideserve.worker.eplb_balancer import EpGroup
 from wideserve.worker.eplb_manager import EplbManager
-from wideserve.worker import memory_profile
+from wideserve.worker import memory_profile, prefill_cap
 from wideserve.worker.decode_capture import (EagerReplay, capturable, capture_sizes,
                                              decode_capture_enabled)
 from wideserve.worker.model_loader import LoadedModel, load_model
@@ -206,8 +206,10 @@ class EngineCore:
                              self.vocab_size, self.eos_token_ids, self.timer,
                              cpu_argmax=config.kernels.cpu_argmax)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
-        if self.warm_up_at_start and self.memory_report is None and self._first_use_work():
+        measured = self.warm_up_at_start and self._first_use_work()
+        if measured and self.memory_report is None:
             self._warm_up()
+        self._resolve_prefill_cap(measured)
 
     # ------------------------------------------------------------------------- setup
     def _first_use_work(self) -> bool:
@@ -229,6 +231,28 @@ class EngineCore:
         _zero_expert_load(self.model)      # the warm-up's routing is not real load
         logger.info("warm-up step (packed weights, kernel plans) in %.2f s",
                     time.perf_counter() - t)
+
+    def _resolve_prefill_cap(self, measure: bool) -> None:
+        """SchedulerConfig.max_prefill_tokens "auto": timed here where the warm-up runs
+        (worker/prefill_cap.py), else no cap."""
+        sched = self.scheduler_config
+        if sched.max_prefill_tokens != "auto":
+            return
+        cap, note = 0, "not measured here (only one CPU engine with bf16 weights measures it)"
+        if measure:
+            t = time.perf_counter()
+            times = prefill_cap.measure(self.model, self._kv_specs(), self.config.cache,
+                                        sched, self.max_model_len, self.device,
+                                        self.vocab_size)
+            _zero_expert_load(self.model)      # the timed steps' routing is not real load
+            cap = prefill_cap.choose_cap(times, sched.max_num_batched_tokens) \
+                if sched.max_num_batched_tokens in times else 0
+            steps = ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in sorted(times.items()))
+            note = f"step ms per prompt tokens {steps}; measured in " \
+                   f"{time.perf_counter() - t:.1f} s"
+        self.scheduler_config = dataclasses.replace(sched, max_prefill_tokens=cap)
+        self.scheduler.config = self.scheduler_config
+        logger.info("prefill cap: %s (%s)", f"{cap} tokens per step" if cap else "none", note)
 
     def _ep_group(self) -> EpGroup:
         """The expert-parallel group EPLB balances over: one process here."""

@@ -51,6 +51,12 @@ Prefill while decoding: prompts admitted into a step with running requests get a
 with its tokens, so a burst admitted at once is one long step everybody waits out, and it then
 finishes (and returns) in lock step; a slice per step answers sooner and de-synchronises it.
 
+Prefill cap: `max_prefill_tokens` bounds the prompt tokens of one step, over the running
+requests still in their prompt and the admitted ones (0: the budget). Past the point where a
+step's weights stream in the time its arithmetic takes, a CPU step's time grows with its
+tokens; a burst of prompts split over a few steps then returns most first tokens sooner for
+little more total time (`wideserve serve` measures the cap at start: worker/prefill_cap.py).
+
 Glossary: *computed* tokens have KV in the cache (for this request); *cached* tokens
 (`num_cached_tokens`) are the part of the first admission that came from the prefix cache.
 Every request gets exactly one output with a finish_reason, whoever ended it; requests ended
@@ -90,6 +96,7 @@ class SchedulerStats:
 class _StepPlan:
     """What one `schedule()` call has decided so far."""
     budget: int
+    prefill_left: int        # prompt tokens this step may still take (the prefill cap)
     running: list[ScheduledRequest] = field(default_factory=list)
     admitted: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
@@ -99,6 +106,8 @@ class _StepPlan:
         for i, s in enumerate(self.running):
             if s.request is request:
                 self.budget += s.num_new_tokens
+                if request.num_tokens - request.num_computed_tokens > 1:   # not advanced yet
+                    self.prefill_left += s.num_new_tokens
                 del self.running[i]
                 return
 
@@ -116,6 +125,10 @@ class Scheduler:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be >= 1")
         if config.max_num_seqs < 1:
             raise ValueError("SchedulerConfig.max_num_seqs must be >= 1")
+        cap = config.max_prefill_tokens
+        if cap != "auto" and (not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"SchedulerConfig.max_prefill_tokens must be >= 0 or 'auto', "
+                             f"got {cap!r}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if min(config.long_prefill_token_threshold, config.max_new_requests_per_step,
@@ -198,7 +211,9 @@ class Scheduler:
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update_from_output() of the "
                                "previous step (pass every SchedulerOutput back, empty or not)")
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        budget, cap = self.config.max_num_batched_tokens, self.config.max_prefill_tokens
+        # "auto" before the engine has measured it: no cap yet.
+        plan = _StepPlan(budget, min(budget, cap) if isinstance(cap, int) and cap else budget)
         if self.connector is not None:
             self._update_remote_loads()
         self._schedule_running(plan)
@@ -228,6 +243,9 @@ class Scheduler:
             if request.status is not running:
                 continue    # preempted (or failed) earlier in this pass
             n = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
+            prefilling = request.num_tokens - request.num_computed_tokens > 1
+            if prefilling:          # a partial prompt (or a recompute): under the cap
+                n = min(n, plan.prefill_left)
             if n == 0:
                 continue
             if not has_room(request, n, lookahead):
@@ -237,6 +255,8 @@ class Scheduler:
             plan.running.append(ScheduledRequest(request, n, False,
                                                  write_start(request.request_id)))
             plan.budget -= n
+            if prefilling:
+                plan.prefill_left -= n
 
     def _allocate_running(self, request: Request, n: int, plan: _StepPlan) -> int:
         """Slots for n more tokens of a running request, preempting others while there is
@@ -293,8 +313,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         cfg = self.config
         cap = cfg.max_new_requests_per_step
-        prefill_left = plan.budget      # "Prefill while decoding" (module docstring)
-        if cfg.max_prefill_tokens_while_decoding and plan.running:
+        prefill_left = min(plan.budget, plan.prefill_left)   # "Prefill cap", and
+        if cfg.max_prefill_tokens_while_decoding and plan.running:   # "... while decoding"
             prefill_left = min(prefill_left, cfg.max_prefill_tokens_while_decoding)
         while self.waiting and prefill_left > 0 \
                 and len(self.running) + self._num_held_by_connector() < cfg.max_num_seqs:
@@ -328,6 +348,7 @@ class Scheduler:
             self.running.append(request)
             plan.admitted.append(self._scheduled(request, n, is_new_or_resumed=True))
             plan.budget -= n
+            plan.prefill_left -= n
             prefill_left -= n
             self._record(request, RequestEventType.SCHEDULED)
 

@@ -18,6 +18,16 @@ def _non_negative_int(text: str) -> int:
     return 0 if text.strip() == "0" else parse_positive_int(text)
 
 
+def _prefill_cap(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0 or 'auto', got "
+                                         f"{text!r}") from None
+
+
 def _non_negative_ms(text: str) -> float:
     try:
         value = float(text)
@@ -165,6 +175,11 @@ def _add_schedule_and_cache_args(g: argparse._ArgumentGroup) -> None:
                    default=SchedulerConfig().max_prefill_tokens_while_decoding,
                    help="new prompt tokens admitted per step while running requests share "
                         "it (0: the whole budget left); see engine/scheduler.py")
+    g.add_argument("--max-prefill-tokens", type=_prefill_cap, default=0,
+                   help="prompt tokens per engine step over all prompts being prefilled: N, "
+                        "0 (the whole budget) or auto (measured at start: the cap that "
+                        "returns a burst's first tokens soonest on average; the default of "
+                        "`serve`, 0 elsewhere); see engine/scheduler.py")
     g.add_argument("--arrival-gap-ms", type=_non_negative_ms,
                    default=SchedulerConfig().arrival_gap_ms,
                    help="an idle engine woken by a request waits for the ones that follow "
@@ -280,6 +295,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_prefill_tokens_while_decoding=getattr(
                                       args, "max_prefill_tokens_while_decoding", 0),
+                                  max_prefill_tokens=getattr(args, "max_prefill_tokens", 0),
                                   max_model_len=args.max_model_len,
                                   policy=args.scheduling_policy,
                                   **_arrival_window(args)),

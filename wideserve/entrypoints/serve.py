@@ -29,6 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API.")
     parser.error = one_line_error.__get__(parser)      # type: ignore[method-assign]
     add_engine_args(parser)
+    # A server's bursts share steps: its prefill cap is measured (engine/scheduler.py).
+    parser.set_defaults(max_prefill_tokens="auto")
     add_response_store_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",

@@ -418,6 +418,7 @@ def server_args(engine_kw: dict[str, Any], batches: list[int]) -> list[str]:
     args = ["--load-format", str(engine_kw.get("load_format", "dummy")),
             "--dtype", str(engine_kw.get("dtype", "float32")),
             "--max-num-seqs", str(max(batches)), "--max-num-batched-tokens", "4096",
+            "--max-prefill-tokens", "0",      # as the in-process engine (no cap)
             "--no-enable-prefix-caching"]
     if engine_kw.get("block_size", 32) is not None:
         args += ["--block-size", str(engine_kw.get("block_size", 32))]

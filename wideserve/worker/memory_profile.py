@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +87,7 @@ def run_dummy_step(model: Any, specs: dict, cache: CacheConfig, sched: Scheduler
                    max_model_len: int, device: torch.device) -> int:
     """One maximal step on a throwaway KV cache sized for exactly it; returns the tokens."""
     lengths = dummy_lengths(sched, max_model_len)
-    runner, reqs = _throwaway(model, specs, cache, sched, max_model_len, device, lengths)
+    runner, reqs = throwaway_step(model, specs, cache, sched, max_model_len, device, lengths)
     runner.forward(reqs)
     return sum(lengths)
 
@@ -103,18 +104,20 @@ def run_warm_up(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerCon
     the first request's step, where it once outlasted the front end's stall timeout (a 653M
     model's packing took 10-12 s at load 14 on 2 vCPUs)."""
     n = min(WARM_UP_TOKENS, max(1, max_model_len - 1))
-    runner, reqs = _throwaway(model, specs, cache, sched, max_model_len, device, [n + 1])
+    runner, reqs = throwaway_step(model, specs, cache, sched, max_model_len, device, [n + 1])
     prompt = reqs[0]
     runner.forward([dataclasses.replace(prompt, token_ids=prompt.token_ids[:n])])
     runner.forward([dataclasses.replace(prompt, token_ids=prompt.token_ids[n:], start=n,
                                         is_new=False)])
 
 
-def _throwaway(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
-               max_model_len: int, device: torch.device,
-               lengths: list[int]) -> tuple[ModelRunner, list[StepRequest]]:
+def throwaway_step(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
+                   max_model_len: int, device: torch.device, lengths: list[int],
+                   vocab: int = 0, prompt_logits: bool = True,
+                   ) -> tuple[ModelRunner, list[StepRequest]]:
     """A runner on a KV cache with pages for exactly `lengths`' requests, and those
-    requests (token 0 repeated) as one fresh prefill step."""
+    requests as one fresh prefill step: token 0 repeated, or (`vocab` > 0) seeded random
+    tokens below `vocab`, so that a MoE routes them as it would a real prompt's."""
     tmp = dataclasses.replace(cache, enable_prefix_caching=False, num_blocks_override=2,
                               kv_cache_memory=None)
     kv_config = build_kv_cache_config(specs, tmp, sched, device=device)
@@ -124,14 +127,16 @@ def _throwaway(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConf
     caches = allocate_kv_tensors(kv_config, device)
     manager = KVCacheManager(kv_config, tmp, max_model_len)
     reqs = []
+    rng = random.Random(0)
     for i, n in enumerate(lengths):
-        r = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
+        ids = [rng.randrange(vocab) for _ in range(n)] if vocab > 0 else [0] * n
+        r = Request(f"profile-{i}", ids, SamplingParams(max_tokens=1))
         if manager.allocate_slots(r, n) is None:
             raise RuntimeError("memory profiling: the dummy KV cache is too small")
         # prompt_logits: every row through every layer (a prompt-logprobs step's peak; the
         # V4.1 decoder bounded replay would run its last layers on fewer rows otherwise).
         reqs.append(StepRequest(r.request_id, r.prompt_token_ids, 0,
-                                manager.block_ids(r.request_id), prompt_logits=True,
+                                manager.block_ids(r.request_id), prompt_logits=prompt_logits,
                                 is_new=True))
     layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in kv_config.groups]
     return ModelRunner(model, layouts, kv_config.cache_group, caches, device), reqs
