@@ -88,3 +88,30 @@ def test_available_bytes_reads_meminfo() -> None:
     if sys.platform.startswith("linux"):
         assert free is not None and 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
             "SC_PHYS_PAGES")
+
+
+def _thp() -> bool:
+    return sys.platform.startswith("linux") and os.path.exists(host_memory.THP_ENABLED) \
+        and host_memory.thp_mode() not in (None, "never")
+
+
+def test_a_large_tensor_is_copied_onto_advised_memory() -> None:
+    """on_huge_pages: the same values in a mapping advised for huge pages (whether the kernel
+    then backs it with them is not asserted: see the test above)."""
+    t = torch.randn(3 << 20, dtype=torch.float32).to(torch.bfloat16)     # 6 MiB
+    out = host_memory.on_huge_pages(t, "test weights")
+    assert torch.equal(out, t) and out.shape == t.shape and out.dtype == t.dtype
+    if not _thp():
+        assert out is t
+        return
+    assert out.data_ptr() != t.data_ptr() and out.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(out.data_ptr())
+
+
+def test_small_or_unavailable_stays_where_it_is(monkeypatch) -> None:
+    small = torch.ones(1 << 10)
+    assert host_memory.on_huge_pages(small, "test weights") is small
+    big = torch.ones(1 << 20)                                             # 4 MiB fp32
+    monkeypatch.setattr(host_memory, "huge_page_empty",
+                        lambda shape, dtype, what: (torch.zeros(shape, dtype=dtype), False))
+    assert host_memory.on_huge_pages(big, "test weights") is big         # not the zeros

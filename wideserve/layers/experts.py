@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.parallel.eplb.replicas import count_rows, map_to_physical
+from wideserve.kv_cache import host_memory
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels import quant_gemm
 from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
@@ -437,7 +438,9 @@ class _FusedPack(_DerivedPack):
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__(w1, w2)
-        self.w13, self.w2 = moe_op.pack_experts(w1, w2)
+        # Every decode step streams these whole: on huge pages (kv_cache/host_memory.py).
+        self.w13, self.w2 = (host_memory.on_huge_pages(w, "packed expert weights")
+                             for w in moe_op.pack_experts(w1, w2))
         self.threads: tuple[int, bool] = (0, False)   # (threads, invariant) of the threshold
         self.brgemm_min_rows: int | None = None   # experts with this many rows: brgemm
 
