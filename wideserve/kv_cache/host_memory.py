@@ -129,7 +129,6 @@ def thp_mode(path: str = THP_ENABLED) -> str | None:
     return chosen[0] if chosen else None
 
 
-@functools.cache
 @functools.cache             # once per table kind and reason, not once per tensor
 def _note_small_pages(what: str, reason: str) -> None:
     logger.info("%s: 2 MiB pages not available (%s); on 4 KiB pages", what, reason)
@@ -139,7 +138,7 @@ def on_huge_pages(t: torch.Tensor, what: str) -> torch.Tensor:
     """A copy of CPU tensor `t` on 2 MiB transparent huge pages (`huge_page_empty`), or `t`
     itself where it is not on the CPU, smaller than one huge page, or they cannot be had.
     For weights a decode step streams whole: with 4 KiB pages every 4 KiB of a gigabyte of
-    packed experts is a TLB miss, and the fused experts op read them ~12% slower at decode
+    packed experts is a TLB miss, and the fused experts op read them 15-18% slower at decode
     sizes (BENCHMARKS.md, "Packed experts on huge pages")."""
     if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE:
         return t
