@@ -31,6 +31,17 @@ from wideserve.layers.experts import RoutedExperts
 E, TOP_K, D, INTER = 64, 8, 1024, 384
 
 
+def fused_layer() -> RoutedExperts:
+    """One 653M MoE layer's routed experts, random bf16 weights (seed 0), on the fused op."""
+    torch.manual_seed(0)
+    m = RoutedExperts(E, D, INTER).bfloat16()
+    with torch.no_grad():
+        m.gate_up_proj.normal_(0, 0.05)
+        m.down_proj.normal_(0, 0.05)
+    m.impl = "fused"
+    return m
+
+
 def per_expert(x, ids, wts, w13, w2, linear):
     out = torch.zeros(x.shape[0], D, dtype=torch.float32)
     flat = ids.flatten()
@@ -68,12 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    m = RoutedExperts(E, D, INTER).bfloat16()
-    with torch.no_grad():
-        m.gate_up_proj.normal_(0, 0.05)
-        m.down_proj.normal_(0, 0.05)
-    m.impl = "fused"
+    m = fused_layer()
     w13, w2 = m.gate_up_proj.detach(), m.down_proj.detach()
     packed13 = [torch.ops.mkldnn._reorder_linear_weight(w13[e].contiguous(), None)
                 for e in range(E)]

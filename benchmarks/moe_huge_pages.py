@@ -19,10 +19,8 @@ import time
 
 import torch
 
+from moe_fused_vs_onednn import D, E, TOP_K, fused_layer    # this directory (sys.path[0])
 from wideserve.kv_cache.host_memory import huge_page_bytes, thp_mode
-from wideserve.layers.experts import RoutedExperts
-
-E, TOP_K, D, INTER = 64, 8, 1024, 384
 
 
 def main() -> None:
@@ -32,12 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    m = RoutedExperts(E, D, INTER).bfloat16()
-    with torch.no_grad():
-        m.gate_up_proj.normal_(0, 0.05)
-        m.down_proj.normal_(0, 0.05)
-    m.impl = "fused"
+    m = fused_layer()
     x0 = torch.randn(1, D).bfloat16()
     with torch.inference_mode():
         m(x0, torch.zeros(1, TOP_K, dtype=torch.int64) + torch.arange(TOP_K),

@@ -119,3 +119,19 @@ class SchedulerFactory:
             # Refused while any request holds blocks or any block is in use.
             assert kv.usage == 0.0 and kv.reset_prefix_cache(), "blocks held at idle"
             assert all(c["used"] == 0 for c in counts.values()), counts
+
+
+def staggered_greedy_outputs(make, **cfg) -> list[list[int]]:
+    """Greedy outputs of five requests of mixed lengths, two admitted a step before the
+    others, under a 128-token budget and `cfg` (`make`: a SchedulerFactory): the run the
+    prefill-share and prefill-cap tests compare across settings."""
+    sched, _ = make(max_num_batched_tokens=128, **cfg)
+    reqs = [make_request(f"r{i}", n, seed=i, max_tokens=m)
+            for i, (n, m) in enumerate([(40, 9), (3, 20), (70, 4), (12, 12), (1, 30)])]
+    for r in reqs[:2]:
+        sched.add_request(r)
+    step(sched)
+    for r in reqs[2:]:
+        sched.add_request(r)
+    run_to_completion(sched)
+    return [r.output_token_ids for r in reqs]

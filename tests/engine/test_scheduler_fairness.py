@@ -9,13 +9,6 @@ from sched_harness import SchedulerFactory, make_request, run_to_completion, ste
 from wideserve.engine.request_queue import FCFSQueue
 
 
-@pytest.fixture
-def make():
-    factory = SchedulerFactory()
-    yield factory
-    factory.check_idle()
-
-
 def _admission_order(trace) -> list[str]:
     return [s.request_id for out in trace.steps for s in out.scheduled if s.is_new_or_resumed]
 

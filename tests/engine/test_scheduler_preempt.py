@@ -2,18 +2,11 @@
 from __future__ import annotations
 
 import pytest
-from sched_harness import (SchedulerFactory, Trace, make_request, next_token, run_to_completion,
+from sched_harness import (Trace, make_request, next_token, run_to_completion,
                            step)
 
 from wideserve.types.sched_output import RequestEventType
 from wideserve.types.request import RequestStatus
-
-
-@pytest.fixture
-def make():
-    factory = SchedulerFactory()
-    yield factory
-    factory.check_idle()
 
 
 def _reference_tokens(make, specs, **cfg) -> dict[str, list[int]]:

@@ -4,16 +4,9 @@ measures at start (worker/prefill_cap.py), on a real engine."""
 from __future__ import annotations
 
 import pytest
-from sched_harness import SchedulerFactory, make_request, run_to_completion, step
+from sched_harness import make_request, run_to_completion, staggered_greedy_outputs, step
 
 from wideserve.worker import prefill_cap
-
-
-@pytest.fixture
-def make():
-    factory = SchedulerFactory()
-    yield factory
-    factory.check_idle()
 
 
 def _shares(out) -> list[tuple[str, int]]:
@@ -59,18 +52,8 @@ def test_zero_and_auto_before_measuring_leave_the_budget(make):
 
 @pytest.mark.parametrize("cap", [1, 7, 64])
 def test_greedy_outputs_are_the_same_with_any_cap(make, cap):
-    def run(**cfg):
-        sched, _ = make(max_num_batched_tokens=128, **cfg)
-        reqs = [make_request(f"r{i}", n, seed=i, max_tokens=m)
-                for i, (n, m) in enumerate([(40, 9), (3, 20), (70, 4), (12, 12), (1, 30)])]
-        for r in reqs[:2]:
-            sched.add_request(r)
-        step(sched)
-        for r in reqs[2:]:
-            sched.add_request(r)
-        run_to_completion(sched)
-        return [r.output_token_ids for r in reqs]
-    assert run(max_prefill_tokens=cap) == run()
+    assert staggered_greedy_outputs(make, max_prefill_tokens=cap) \
+        == staggered_greedy_outputs(make)
 
 
 @pytest.mark.parametrize("bad", [-1, "half", 1.5])

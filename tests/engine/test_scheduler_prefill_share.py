@@ -3,14 +3,7 @@ share of a step that running requests take part in (no model)."""
 from __future__ import annotations
 
 import pytest
-from sched_harness import SchedulerFactory, make_request, run_to_completion, step
-
-
-@pytest.fixture
-def make():
-    factory = SchedulerFactory()
-    yield factory
-    factory.check_idle()
+from sched_harness import make_request, staggered_greedy_outputs, step
 
 
 def _shares(out) -> list[tuple[str, int, bool]]:
@@ -72,18 +65,8 @@ def test_the_share_also_bounds_a_step_started_by_a_running_prefill(make):
 
 @pytest.mark.parametrize("share", [1, 7, 64])
 def test_greedy_outputs_are_the_same_with_any_share(make, share):
-    def run(**cfg):
-        sched, _ = make(max_num_batched_tokens=128, **cfg)
-        reqs = [make_request(f"r{i}", n, seed=i, max_tokens=m)
-                for i, (n, m) in enumerate([(40, 9), (3, 20), (70, 4), (12, 12), (1, 30)])]
-        for r in reqs[:2]:
-            sched.add_request(r)
-        step(sched)
-        for r in reqs[2:]:
-            sched.add_request(r)
-        run_to_completion(sched)
-        return [r.output_token_ids for r in reqs]
-    assert run(max_prefill_tokens_while_decoding=share) == run()
+    assert staggered_greedy_outputs(make, max_prefill_tokens_while_decoding=share) \
+        == staggered_greedy_outputs(make)
 
 
 def test_negative_share_is_rejected():

@@ -2,17 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from sched_harness import (EOS, SchedulerFactory, Trace, make_request, next_token,
+from sched_harness import (EOS, Trace, make_request, next_token,
                            run_to_completion, step)
 
 from wideserve.types.request import RequestStatus
-
-
-@pytest.fixture
-def make():
-    factory = SchedulerFactory()
-    yield factory
-    factory.check_idle()
 
 
 def _sample_at(tokens: dict[int, int]):
