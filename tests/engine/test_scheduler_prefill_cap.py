@@ -86,6 +86,7 @@ def test_a_gain_inside_the_margin_is_not_taken():
     times = {1024: 0.62, 2048: 1.0}      # mean wait 0.93: 7% better, inside the 10% margin
     assert prefill_cap.choose_cap(times, 2048) == 0
     assert prefill_cap.choose_cap(times, 2048, margin=0.95) == 1024
+    assert prefill_cap.choose_cap({1024: 0.1}, 2048) == 0      # the budget was not timed
 
 
 def test_sizes_and_prompt_lengths_respect_the_limits():

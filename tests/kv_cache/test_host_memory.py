@@ -112,6 +112,7 @@ def test_small_or_unavailable_stays_where_it_is(monkeypatch) -> None:
     small = torch.ones(1 << 10)
     assert host_memory.on_huge_pages(small, "test weights") is small
     big = torch.ones(1 << 20)                                             # 4 MiB fp32
-    monkeypatch.setattr(host_memory, "huge_page_empty",
-                        lambda shape, dtype, what: (torch.zeros(shape, dtype=dtype), False))
-    assert host_memory.on_huge_pages(big, "test weights") is big         # not the zeros
+    monkeypatch.setattr(host_memory, "thp_mode", lambda path=None: "never")     # THP off
+    assert host_memory.on_huge_pages(big, "test weights") is big
+    monkeypatch.setattr(host_memory, "_huge_page_buffer", lambda nbytes, what, path: None)
+    assert host_memory.on_huge_pages(big, "test weights") is big

@@ -206,10 +206,10 @@ class EngineCore:
                              self.vocab_size, self.eos_token_ids, self.timer,
                              cpu_argmax=config.kernels.cpu_argmax)
         self._broken: str | None = None     # why the state cannot be trusted (step_faults)
-        measured = self.warm_up_at_start and self._first_use_work()
-        if measured and self.memory_report is None:
+        warms_up = self.warm_up_at_start and self._first_use_work()
+        if warms_up and self.memory_report is None:
             self._warm_up()
-        self._resolve_prefill_cap(measured)
+        self._resolve_prefill_cap(measure=warms_up)
 
     # ------------------------------------------------------------------------- setup
     def _first_use_work(self) -> bool:
@@ -245,8 +245,7 @@ class EngineCore:
                                         sched, self.max_model_len, self.device,
                                         self.vocab_size)
             _zero_expert_load(self.model)      # the timed steps' routing is not real load
-            cap = prefill_cap.choose_cap(times, sched.max_num_batched_tokens) \
-                if sched.max_num_batched_tokens in times else 0
+            cap = prefill_cap.choose_cap(times, sched.max_num_batched_tokens)
             steps = ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in sorted(times.items()))
             note = f"step ms per prompt tokens {steps}; measured in " \
                    f"{time.perf_counter() - t:.1f} s"

@@ -92,6 +92,12 @@ class SchedulerStats:
     kv_stats: Any = None            # the KV manager's own stats (prefix-cache hits, ...)
 
 
+def _prefilling(request: Request) -> bool:
+    """Still computing its prompt (or a recompute): its tokens count against the prefill cap.
+    A decode, with or without drafts, has one token of its list left to compute."""
+    return request.num_tokens - request.num_computed_tokens > 1
+
+
 @dataclass(slots=True)
 class _StepPlan:
     """What one `schedule()` call has decided so far."""
@@ -106,7 +112,7 @@ class _StepPlan:
         for i, s in enumerate(self.running):
             if s.request is request:
                 self.budget += s.num_new_tokens
-                if request.num_tokens - request.num_computed_tokens > 1:   # not advanced yet
+                if _prefilling(request):        # its count is not advanced yet
                     self.prefill_left += s.num_new_tokens
                 del self.running[i]
                 return
@@ -243,8 +249,8 @@ class Scheduler:
             if request.status is not running:
                 continue    # preempted (or failed) earlier in this pass
             n = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
-            prefilling = request.num_tokens - request.num_computed_tokens > 1
-            if prefilling:          # a partial prompt (or a recompute): under the cap
+            prefilling = _prefilling(request)
+            if prefilling:
                 n = min(n, plan.prefill_left)
             if n == 0:
                 continue

@@ -135,17 +135,16 @@ def _note_small_pages(what: str, reason: str) -> None:
 
 
 def on_huge_pages(t: torch.Tensor, what: str) -> torch.Tensor:
-    """A copy of CPU tensor `t` on 2 MiB transparent huge pages (`huge_page_empty`), or `t`
-    itself where it is not on the CPU, smaller than one huge page, or they cannot be had.
-    For weights a decode step streams whole: with 4 KiB pages every 4 KiB of a gigabyte of
-    packed experts is a TLB miss, and the fused experts op read them 15-18% slower at decode
-    sizes (BENCHMARKS.md, "Packed experts on huge pages")."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE:
+    """A copy of CPU tensor `t` on 2 MiB transparent huge pages, or `t` itself where it is
+    not on the CPU, smaller than one, or they cannot be had (nothing is allocated then). For weights a decode
+    step streams whole: with 4 KiB pages every 4 KiB of a gigabyte of packed experts is a TLB
+    miss, and the fused experts op read them 15-18% slower at decode sizes (BENCHMARKS.md,
+    "Packed experts on huge pages")."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < HUGE_PAGE:      # silently: tiny models' packs
         return t
-    out, ok = huge_page_empty(tuple(t.shape), t.dtype, what)
-    if not ok:
-        return t
-    return out.copy_(t)
+    buf = _huge_page_buffer(nbytes, what, THP_ENABLED)
+    return t if buf is None else buf.view(t.dtype).view(t.shape).copy_(t)
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, what: str = "host table",
@@ -156,6 +155,15 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, what: str = "hos
     every row of the table lies in a huge page; the kernel backs each as it is first written.
     Falling back logs one line per reason (`what` names the table)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = _huge_page_buffer(nbytes, what, thp_path)
+    if buf is None:
+        return torch.zeros(shape, dtype=dtype), False
+    return buf.view(dtype).view(shape), True
+
+
+def _huge_page_buffer(nbytes: int, what: str, thp_path: str) -> torch.Tensor | None:
+    """`nbytes` of zeroed uint8 memory from a 2 MiB-aligned mapping advised for huge pages,
+    or None (after one log line per reason) where they cannot be had."""
     mode = thp_mode(thp_path) if sys.platform.startswith("linux") else None
     reason = ("not Linux" if not sys.platform.startswith("linux") else
               "no transparent huge pages in this kernel" if mode is None else
@@ -169,10 +177,10 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype, what: str = "hos
         start = -raw.data_ptr() % HUGE_PAGE
         buf = raw[start:start + span]            # a view: it keeps the mapping alive
         if advise_huge_pages(buf):
-            return buf[:nbytes].view(dtype).view(shape), True
+            return buf[:nbytes]
         reason = "madvise(MADV_HUGEPAGE) failed"
     _note_small_pages(what, reason)
-    return torch.zeros(shape, dtype=dtype), False
+    return None
 
 
 def huge_page_bytes(t: torch.Tensor) -> int:

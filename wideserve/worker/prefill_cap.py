@@ -41,9 +41,12 @@ def cap_sizes(budget: int) -> list[int]:
 
 def choose_cap(times: dict[int, float], budget: int, margin: float = MARGIN,
                near: float = NEAR) -> int:
-    """The cap (0: none) from step seconds per prompt tokens; `times` holds the budget. Of
-    the slices whose mean wait is within `near` of the least, the largest (fewer steps:
-    less of the burst's time spent re-reading weights, fewer prompt tokens in decode steps)."""
+    """The cap (0: none) from step seconds per prompt tokens (0 where the budget itself was
+    not timed). Of the slices whose mean wait is within `near` of the least, the largest
+    (fewer steps: less of the burst's time spent re-reading weights, fewer prompt tokens in
+    decode steps)."""
+    if budget not in times:
+        return 0
     whole = times[budget]
     waits = {tokens: t * (budget / tokens + 1) / 2 for tokens, t in times.items()
              if tokens < budget}
