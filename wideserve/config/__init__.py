@@ -115,6 +115,10 @@ class ParallelConfig:
     ep_dispatcher: str = "all_to_all"        # layers/ep_dispatch.py EP_DISPATCHERS
     dp_idle_poll_ms: int = 20                # idle ranks meet this often to agree on a step
     threads: int | None = None               # torch threads per engine; None = threads.py
+    # A helper thread on the core the engine leaves to its front end reads the MoE weights
+    # a step is about to use into the shared cache (kernels/weight_stream.py). auto: where
+    # the CPU demotes lines, a core is idle, and a timed prefill step at start is faster.
+    weight_streaming: Literal["auto", "on", "off"] = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -138,6 +142,9 @@ class ParallelConfig:
                              f"data_parallel_size {n}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.weight_streaming not in ("auto", "on", "off"):
+            raise ValueError(f"weight_streaming must be 'auto', 'on' or 'off', got "
+                             f"{self.weight_streaming!r}")
         if self.dp_sync_timeout_s <= 0:
             raise ValueError("dp_sync_timeout_s must be positive")
 

@@ -34,15 +34,17 @@ from wideserve.engine.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
 from wideserve.worker.eplb_balancer import EpGroup
 from wideserve.worker.eplb_manager import EplbManager
-from wideserve.worker import memory_profile, prefill_cap
+from wideserve.worker import memory_profile, prefill_cap, weight_streaming
 from wideserve.worker.decode_capture import (EagerReplay, capturable, capture_sizes,
                                              decode_capture_enabled)
 from wideserve.worker.model_loader import LoadedModel, load_model
 from wideserve.worker.model_runner import GroupLayout, ModelRunner
 from wideserve.engine.step_worker import Worker
+from wideserve.kernels import weight_stream
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.kernel_table import kernel_summary
 from wideserve.types.request import Request, RequestStatus, prompt_token_array
+from wideserve.utils.threads import applied_plan
 from wideserve.spec_decode.decoder import SpecDecoder
 from wideserve.structured_outputs.manager import StructuredOutputManager
 from wideserve.spec_decode.acceptance_metrics import SpecDecodeStats
@@ -209,6 +211,7 @@ class EngineCore:
         warms_up = self.warm_up_at_start and self._first_use_work()
         if warms_up and self.memory_report is None:
             self._warm_up()
+        self._resolve_weight_streaming(measure=warms_up)
         self._resolve_prefill_cap(measure=warms_up)
 
     # ------------------------------------------------------------------------- setup
@@ -231,6 +234,27 @@ class EngineCore:
         _zero_expert_load(self.model)      # the warm-up's routing is not real load
         logger.info("warm-up step (packed weights, kernel plans) in %.2f s",
                     time.perf_counter() - t)
+
+    def _resolve_weight_streaming(self, measure: bool) -> None:
+        """ParallelConfig.weight_streaming (worker/weight_streaming.py): the helper thread
+        started or stopped for this process; "auto" timed here where the warm-up runs."""
+        if self.device.type != "cpu":
+            return
+        idle, cpus = weight_streaming.idle_cores(applied_plan(), torch.get_num_threads())
+        ops = cpu_ops_available()
+        decision = weight_streaming.decide(
+            self.config.parallel.weight_streaming, ops, weight_stream.demotes(), idle, cpus,
+            measure and not self.config.parallel.enabled,
+            lambda: weight_streaming.measure(self.model, self._kv_specs(), self.config.cache,
+                                             self.scheduler_config, self.max_model_len,
+                                             self.device, self.vocab_size, cpus))
+        _zero_expert_load(self.model)          # the timed steps' routing is not real load
+        if decision.on:
+            weight_stream.start(decision.cpus)
+        elif ops:
+            weight_stream.stop()
+        logger.info("weight streaming: %s%s", decision.note,
+                    f", helper {weight_streaming.where(decision.cpus)}" if decision.on else "")
 
     def _resolve_prefill_cap(self, measure: bool) -> None:
         """SchedulerConfig.max_prefill_tokens "auto": timed here where the warm-up runs

@@ -160,6 +160,11 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
                         "process may use, less one for the server's front end, split over "
                         "data-parallel ranks, each rank bound to its cores; "
                         "$OMP_NUM_THREADS also sets it)")
+    g.add_argument("--weight-streaming", choices=("auto", "on", "off"), default="auto",
+                   help="a helper thread on the core left to the front end reads the MoE "
+                        "weights a step is about to use into the shared cache (auto: where "
+                        "the CPU has CLDEMOTE, a core is idle and a timed step at start is "
+                        "faster; docs/cpu_kernels.md, \"Weight streaming\")")
 
 
 def _add_schedule_and_cache_args(g: argparse._ArgumentGroup) -> None:
@@ -279,6 +284,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     from wideserve.entrypoints.parallel_args import parallel_config_from_args
     parallel = parallel_config_from_args(args)
     parallel.threads = getattr(args, "threads", None)
+    parallel.weight_streaming = getattr(args, "weight_streaming", "auto")
     return EngineConfig(
         load=LoadConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
                         seed=args.seed, device=_resolve_device(args.device),

@@ -42,6 +42,7 @@ class ThreadPlan:
     cpus: tuple[int, ...]          # the CPUs the process is bound to; () = left unbound
     source: str                    # "--threads", "OMP_NUM_THREADS" or "auto"
     note: str = ""                 # why these cores, for the log line
+    spare: tuple[int, ...] = ()    # bound plans: the usable cores left to other work
 
     def describe(self) -> str:
         where = f"bound to CPU {_ranges(self.cpus)}" if self.cpus else "not bound"
@@ -52,9 +53,20 @@ class ThreadPlan:
         """Bind every thread of this process to `cpus` (threads created later inherit it),
         then size torch's pool."""
         import torch
+        global _applied
         if self.cpus:
             bind_process(self.cpus)
         torch.set_num_threads(self.threads)
+        _applied = self
+
+
+# The plan this process last applied (what it did, as torch.get_num_threads() tells its
+# count): the engine reads the cores it left free from it (worker/weight_streaming.py).
+_applied: ThreadPlan | None = None
+
+
+def applied_plan() -> ThreadPlan | None:
+    return _applied
 
 
 def bind_process(cpus: Sequence[int]) -> None:
@@ -124,8 +136,11 @@ def plan_engine(threads: int | None = None, *, rank: int = 0, ranks: int = 1,
     first = reserve + rank * per_rank
     note = f"{len(cores)} cores, {reserve} kept for the front end" if reserve else \
         f"{len(cores)} cores"
-    return ThreadPlan(per_rank, tuple(cores[first:first + per_rank]), source,
-                      note + (f", rank {rank} of {ranks}" if ranks > 1 else ""))
+    own = tuple(cores[first:first + per_rank])
+    return ThreadPlan(per_rank, own, source,
+                      note + (f", rank {rank} of {ranks}" if ranks > 1 else ""),
+                      spare=tuple(c for c in cores[:reserve] + cores[per_rank * ranks + reserve:]
+                                  if c not in own))
 
 
 def plan_in_process(threads: int | None = None, *, current: int,

@@ -46,6 +46,7 @@
 
 #include "brgemm.h"
 #include "gemm.h"
+#include "weight_stream.h"
 
 namespace {
 
@@ -368,6 +369,23 @@ void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w
   down_tile_portable<T, M>(act, rows, r0, w, g, b, sums);
 }
 
+// The ranges a call reads, in the order an expert-major thread reads them: every active
+// expert's gate/up weights, then every active expert's down weights.
+template <typename T>
+std::vector<wideserve_stream::Range> stream_plan(const T* w13, const T* w2, const Rows& rows,
+                                                 int64_t e13, int64_t e2) {
+  if (!wideserve_stream::active()) return {};
+  std::vector<wideserve_stream::Range> plan;
+  plan.reserve(2 * rows.active.size());
+  for (const int64_t e : rows.active)
+    plan.push_back({reinterpret_cast<const char*>(w13 + e * e13),
+                    static_cast<int64_t>(e13 * sizeof(T))});
+  for (const int64_t e : rows.active)
+    plan.push_back({reinterpret_cast<const char*>(w2 + e * e2),
+                    static_cast<int64_t>(e2 * sizeof(T))});
+  return plan;
+}
+
 // `big` (bf16 fast path only, else 0: none): experts with at least that many rows run their
 // GEMMs through brgemm (csrc/brgemm.h: AMX where present), the others through the
 // micro-kernel tiles. The split of work between threads is the same for both.
@@ -418,10 +436,22 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       }
     }
   };
-  if (g.up_groups >= 2 * at::get_num_threads()) {
+  const bool expert_major = g.up_groups >= 2 * at::get_num_threads();
+  // Weight streaming (csrc/weight_stream.h): the experts' weights in the order the first
+  // thread reads them, where every thread walks the experts in order; its place reported
+  // per expert. Not in the block-major split, whose threads each read across experts.
+  const wideserve_stream::Session stream(expert_major ? stream_plan(w13, w2, rows, e13, e2)
+                                                      : std::vector<wideserve_stream::Range>());
+  auto reached = [&](int64_t index) {
+    if (stream.on() && at::get_thread_num() == 0) stream.at(index);
+  };
+  if (expert_major) {
     at::parallel_for(0, g.up_groups, 1, [&](int64_t begin, int64_t end) {
       const auto [buf, c] = buffers();
-      for (const int64_t e : rows.active) up_groups(e, begin, end, buf.get(), c.get());
+      for (int64_t i = 0; i < active; ++i) {
+        reached(i);
+        up_groups(rows.active[i], begin, end, buf.get(), c.get());
+      }
       if (any_big) wideserve_brgemm::release();
     });
   } else {
@@ -438,7 +468,9 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   // thread's range the expert loop is outside, so its weights stream in order.
   at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
     const std::unique_ptr<float[]> c(new float[scratch]);
-    for (const int64_t e : rows.active) {
+    for (int64_t i = 0; i < active; ++i) {
+      const int64_t e = rows.active[i];
+      reached(active + i);
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (is_big(e)) {
