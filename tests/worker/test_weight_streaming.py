@@ -125,3 +125,18 @@ def test_auto_is_timed_at_start(tmp_path, monkeypatch, caplog, timings, running)
                    for r in caplog.records)
     finally:
         weight_stream.stop()
+
+
+def test_the_flag_reaches_the_config_and_bad_values_name_it(capsys) -> None:
+    import argparse
+
+    from wideserve.entrypoints import serve
+    from wideserve.entrypoints.engine_args import engine_config_from_args
+    server = serve.add_parser(argparse.ArgumentParser().add_subparsers())
+    assert engine_config_from_args(server.parse_args(["m"])).parallel.weight_streaming == "auto"
+    for mode in ("on", "off", "auto"):
+        args = server.parse_args(["m", "--weight-streaming", mode])
+        assert engine_config_from_args(args).parallel.weight_streaming == mode
+    with pytest.raises(SystemExit):
+        server.parse_args(["m", "--weight-streaming", "always"])
+    assert "--weight-streaming" in capsys.readouterr().err
