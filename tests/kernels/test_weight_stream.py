@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,30 @@ def test_helper_reads_the_posted_weights() -> None:
             break
     s = weight_stream.stats()
     assert s.plans >= 1 and s.ranges >= 1 and s.bytes > 0
+
+
+def test_a_queued_tail_is_streamed_after_the_call() -> None:
+    call = _layer(experts=16, d=256, inter=128, tokens=24, k=4, seed=3)
+    tail = torch.randn(8 << 20).bfloat16()    # 16 MB, more than the call's experts (~3 MB)
+    weight_stream.start((), min_plan=0)
+    call()
+    before = weight_stream.stats()
+    weight_stream.queue([tail, torch.empty(0)])           # an empty tensor is left out
+    out = call()
+    deadline = time.monotonic() + 30
+    while weight_stream.stats().bytes - before.bytes < tail.nbytes:
+        assert time.monotonic() < deadline, "the queued tail was not streamed"
+        time.sleep(0.01)
+    assert torch.equal(out, call())
+    with pytest.raises(RuntimeError, match="contiguous CPU tensors"):
+        weight_stream.queue([torch.randn(8, 8).t()])
+
+
+def test_queue_without_a_helper_is_a_no_op() -> None:
+    assert not weight_stream.active()
+    weight_stream.queue([torch.randn(16)])
+    weight_stream.start(())
+    assert weight_stream.active()
 
 
 def test_small_calls_are_not_posted() -> None:

@@ -177,3 +177,26 @@ def test_batch_invariant_decode_takes_the_lean_path_bitwise(monkeypatch, count_l
     run_both(model, SCHEDULES["decode"], monkeypatch)
     steps = max(len(c) for c in SCHEDULES["decode"])
     assert len(count_lean) == (steps if LEAN_HERE else 0)
+
+
+@pytest.mark.skipif(not LEAN_HERE, reason="the lean path needs the bf16 GEMM micro-kernel")
+def test_weight_streaming_queues_the_next_layers_and_changes_nothing(monkeypatch,
+                                                                     count_lean):
+    """With the helper running (kernels/weight_stream.py), each MoE call of the lean loop
+    queues the next layer's attention weights, and the results stay the module path's."""
+    from wideserve.kernels import weight_stream
+    queued = []
+    real = weight_stream.queue
+
+    def queue(tensors):
+        queued.append(len(tensors))
+        real(tensors)
+    monkeypatch.setattr(weight_stream, "queue", queue)
+    model = build("moe-mlp-only")
+    weight_stream.start((), min_plan=0)
+    try:
+        run_both(model, SCHEDULES["decode"], monkeypatch)
+    finally:
+        weight_stream.stop()
+    assert count_lean and len(queued) == 3 * len(count_lean)     # one per layer and step
+    assert weight_stream.stats().running is False

@@ -68,6 +68,17 @@ def stop() -> None:
     torch.ops.wideserve.weight_stream_stop()
 
 
+def active() -> bool:
+    """Whether this process's helper runs (a cheap check, once per forward)."""
+    return bool(torch.ops.wideserve.weight_stream_active())
+
+
+def queue(tensors: Sequence[torch.Tensor]) -> None:
+    """Stream `tensors` (contiguous, CPU) after the next MoE call's experts: what runs after
+    that call (a no-op without a helper)."""
+    torch.ops.wideserve.weight_stream_queue(list(tensors))
+
+
 def stats() -> StreamStats:
     running, plans, ranges, nbytes, idle, pinned = torch.ops.wideserve.weight_stream_stats()
     return StreamStats(bool(running), plans, ranges, nbytes, bool(idle), bool(pinned))

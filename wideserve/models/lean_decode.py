@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from wideserve.kernels import weight_stream
 from wideserve.types.forward_batch import ForwardBatch
 from wideserve.layers import rope_rotate_half as rotary
 from wideserve.layers.attention import paged_attention_batched as pab
@@ -173,7 +174,11 @@ def run_layers(layers: list[LeanLayer], final_norm: RMSNorm, h: torch.Tensor,
     cos, sin = cos.contiguous(), sin.contiguous()
     rot = cos.shape[-1]
     delta = None
-    for L in layers:
+    # Weight streaming (kernels/weight_stream.py): each MoE call's helper goes on to the next
+    # layer's attention weights (the last layer's: the first layer's, for the next step).
+    tails = [[c.weight for c in (n.qkv, n.o) if c.kernel != "onednn"]   # oneDNN's is opaque
+             for n in layers[1:] + layers[:1]] if layers and weight_stream.active() else None
+    for i, L in enumerate(layers):
         if delta is None:
             x = ops.rms_norm(h, L.in_norm, L.in_eps)
         else:
@@ -188,6 +193,8 @@ def run_layers(layers: list[LeanLayer], final_norm: RMSNorm, h: torch.Tensor,
                                       v.view(t, L.kv_heads, L.head_dim), *L.attention)
         o = L.o.fn(o.reshape(t, -1), L.o.weight, L.o.bias, L.o.out, False)
         h, x = ops.add_rms_norm(h, o, L.post_norm, L.post_eps)
+        if tails is not None:
+            weight_stream.queue(tails[i])
         delta = L.mlp(x)
     if delta is None:
         return ops.rms_norm(h, final_norm.fp32_weight(), final_norm.eps)

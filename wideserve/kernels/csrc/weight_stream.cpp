@@ -3,6 +3,8 @@
 //
 //   weight_stream_start(cpus, lead_bytes, min_plan_bytes) -> bool   (started; False: running)
 //   weight_stream_stop()
+//   weight_stream_active() -> bool
+//   weight_stream_queue(tensors)   the tensors the next posted plan streams after its own
 //   weight_stream_stats() -> [running, plans, ranges, bytes, sched_idle, pinned]
 //
 // One helper per process. Its state lives on the heap and is never freed: a process that
@@ -39,6 +41,8 @@ struct State {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Range> plan;      // guarded by mu
+  std::vector<Range> pending;   // guarded by mu: queued for the next plan's tail
+  int64_t tracked = 0;          // guarded by mu: the plan's ranges the compute thread reports
   uint64_t posted = 0;          // guarded by mu: the generation of `plan`
   bool stop = false;            // guarded by mu
   std::atomic<uint64_t> live{0};      // the generation being computed; 0: none
@@ -166,6 +170,9 @@ void post(std::vector<Range> ranges) {
   if (s == nullptr) return;
   {
     std::lock_guard<std::mutex> lock(s->mu);
+    s->tracked = static_cast<int64_t>(ranges.size());
+    ranges.insert(ranges.end(), s->pending.begin(), s->pending.end());
+    s->pending.clear();
     s->plan = std::move(ranges);
     s->at.store(0, std::memory_order_relaxed);
     s->live.store(++s->posted, std::memory_order_release);
@@ -184,16 +191,30 @@ void finish() {
 
 Session::Session(std::vector<Range> ranges) {
   State* s = current();
-  if (s == nullptr || ranges.size() < 2) return;
+  if (s == nullptr) return;
   int64_t total = 0;
   for (const Range& r : ranges) total += r.bytes;
-  if (total < s->min_plan) return;
+  if (ranges.size() < 2 || total < s->min_plan) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->pending.clear();                  // queued for this call's tail: not streamed
+    return;
+  }
   post(std::move(ranges));
   state_ = s;
 }
 
+// The tracked ranges are done; a queued tail goes on streaming (it is for what runs next)
+// until the next plan, else the plan ends here.
 Session::~Session() {
-  if (state_ != nullptr) state_->live.store(0, std::memory_order_release);
+  if (state_ == nullptr) return;
+  int64_t tracked, size;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    tracked = state_->tracked;
+    size = static_cast<int64_t>(state_->plan.size());
+  }
+  if (tracked < size) state_->at.store(tracked - 1, std::memory_order_relaxed);
+  else state_->live.store(0, std::memory_order_release);
 }
 
 void Session::at(int64_t index) const {
@@ -234,6 +255,23 @@ void weight_stream_stop() {
   s->thread.join();
 }
 
+bool weight_stream_active() { return current() != nullptr; }
+
+void weight_stream_queue(const std::vector<at::Tensor>& tensors) {
+  State* s = current();
+  if (s == nullptr) return;
+  std::vector<Range> ranges;
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),
+                "weight_stream_queue: tensors must be contiguous CPU tensors");
+    if (t.numel() > 0)
+      ranges.push_back({static_cast<const char*>(t.data_ptr()),
+                        static_cast<int64_t>(t.nbytes())});
+  }
+  std::lock_guard<std::mutex> lock(s->mu);
+  s->pending = std::move(ranges);
+}
+
 std::vector<int64_t> weight_stream_stats() {
   State* s = current();
   if (s == nullptr) return {0, 0, 0, 0, 0, 0};
@@ -249,4 +287,6 @@ TORCH_LIBRARY_FRAGMENT(wideserve, m) {
         &wideserve_stream::weight_stream_start);
   m.def("weight_stream_stop() -> ()", &wideserve_stream::weight_stream_stop);
   m.def("weight_stream_stats() -> int[]", &wideserve_stream::weight_stream_stats);
+  m.def("weight_stream_active() -> bool", &wideserve_stream::weight_stream_active);
+  m.def("weight_stream_queue(Tensor[] tensors) -> ()", &wideserve_stream::weight_stream_queue);
 }

@@ -11,7 +11,10 @@
 // read them, reports the range it is on, and finishes; the helper stays at least one range
 // ahead (the range being computed is already in flight) and at most `lead` bytes ahead, skips
 // what the compute thread passed, and drops a plan as soon as a newer one or the finish
-// comes. The compute thread never waits for the helper: with the helper descheduled (it runs
+// comes. A caller may queue tensors for the next plan's tail (weight_stream_queue: the next
+// decoder layer's attention weights, queued by models/lean_decode.py before a MoE call): they
+// are streamed after the tracked ranges, and go on streaming once the op is done, until the
+// next plan. The compute thread never waits for the helper: with the helper descheduled (it runs
 // at SCHED_IDLE, so the front end it shares a core with always goes first) the op runs as
 // it would without it.
 #pragma once
