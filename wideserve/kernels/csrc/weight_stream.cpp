@@ -161,13 +161,8 @@ State* current() {
              ? s : nullptr;
 }
 
-}  // namespace
-
-bool active() { return current() != nullptr; }
-
-void post(std::vector<Range> ranges) {
-  State* s = current();
-  if (s == nullptr) return;
+// A new plan replaces the current one, the queued tail appended.
+void post(State* s, std::vector<Range> ranges) {
   {
     std::lock_guard<std::mutex> lock(s->mu);
     s->tracked = static_cast<int64_t>(ranges.size());
@@ -181,13 +176,9 @@ void post(std::vector<Range> ranges) {
   s->cv.notify_one();
 }
 
-void progress(int64_t index) {
-  if (State* s = current()) s->at.store(index, std::memory_order_relaxed);
-}
+}  // namespace
 
-void finish() {
-  if (State* s = current()) s->live.store(0, std::memory_order_release);
-}
+bool active() { return current() != nullptr; }
 
 Session::Session(std::vector<Range> ranges) {
   State* s = current();
@@ -199,7 +190,7 @@ Session::Session(std::vector<Range> ranges) {
     s->pending.clear();                  // queued for this call's tail: not streamed
     return;
   }
-  post(std::move(ranges));
+  post(s, std::move(ranges));
   state_ = s;
 }
 

@@ -32,20 +32,12 @@ struct Range {
 // Whether a helper runs in this process (started, not stopped, not inherited over a fork).
 bool active();
 
-// A new plan replaces the current one; the compute thread is on range 0.
-void post(std::vector<Range> ranges);
-
-// The compute thread is now on range `index` of the posted plan (non-decreasing).
-void progress(int64_t index);
-
-// The op is done with its plan: the helper stops streaming it.
-void finish();
-
 struct State;
 
-// post() on construction when streaming is active and `ranges` hold two or more ranges and
-// the helper's minimum of bytes, finish() on destruction (also when the op throws); at()
-// reports the compute thread's range without the checks of progress().
+// One op's plan: posted on construction (replacing the helper's current plan, the compute
+// thread on range 0) when a helper runs and `ranges` hold two or more ranges and at least
+// the helper's minimum of bytes; at(i) reports that the compute thread is on range i (non-
+// decreasing); destruction (also when the op throws) ends the tracked ranges.
 class Session {
  public:
   explicit Session(std::vector<Range> ranges);
