@@ -36,6 +36,16 @@ def routing(tokens: int, kind: str, g: torch.Generator) -> tuple[torch.Tensor, t
     return ids, torch.rand(tokens, TOP_K, generator=g).softmax(-1)
 
 
+def bind_compute(threads: int) -> list[int]:
+    """Binds this process to its first `threads` CPUs (all of them when it has no more) and
+    returns the CPU for the helper: the next one (the last where none is left)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("needs two CPUs: one computes, the helper streams on the other")
+    os.sched_setaffinity(0, cpus[:threads] if threads < len(cpus) else cpus)
+    return cpus[threads:threads + 1] or cpus[-1:]
+
+
 def step(layers, inputs) -> tuple[float, list[torch.Tensor]]:
     t0 = time.perf_counter()
     outs = [m(x, ids, w) for m, (x, ids, w) in zip(layers, inputs)]
@@ -50,10 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("needs two CPUs: one computes, the helper streams on the other")
-    os.sched_setaffinity(0, cpus[:a.threads] if a.threads < len(cpus) else cpus)
-    helper = cpus[a.threads:a.threads + 1] or cpus[-1:]
+    helper = bind_compute(a.threads)
     torch.set_num_threads(a.threads)
     layers = []
     for i in range(LAYERS):

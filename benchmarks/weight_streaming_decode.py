@@ -19,6 +19,7 @@ import statistics
 import time
 import types
 
+from weight_streaming import bind_compute    # this directory (sys.path[0])
 from wideserve.kernels import weight_stream
 from wideserve.models import lean_decode
 from wideserve.serving.llm import LLM
@@ -34,10 +35,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("needs two CPUs: one computes, the helper streams on the other")
-    os.sched_setaffinity(0, cpus[:1])
+    helper = bind_compute(1)
     llm = LLM(a.model, dtype="bfloat16", max_model_len=1024, threads=1,
               weight_streaming="off")
     sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
@@ -56,7 +54,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for mode in MODES:
             if mode != "off":
-                weight_stream.start(cpus[1:2])
+                weight_stream.start(helper)
             lean_decode.weight_stream = weight_stream if mode == "experts+tail" else hidden
             t, _ = run()
             weight_stream.stop()
