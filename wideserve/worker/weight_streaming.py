@@ -6,7 +6,8 @@ engine (bound plans, utils/threads.py), or the cores an in-process engine does n
 "auto" it runs only where it is measured to pay on the machine in use: where the engine
 warms up (one CPU engine, bf16 weights), fresh prefill steps of PROMPT_TOKENS random tokens
 are timed alternately without and with it, and it stays on when the best step with it is
-at least GAIN faster. It never changes a result (it only reads weights), so "on" forces it
+at least GAIN faster and the model's MoE calls posted plans at all (a model whose calls are
+all under kernels/weight_stream.MIN_PLAN_BYTES has nothing to stream). It never changes a result (it only reads weights), so "on" forces it
 (A/B runs) and "off" never starts it.
 """
 from __future__ import annotations
@@ -49,13 +50,15 @@ def idle_cores(plan: ThreadPlan | None, threads: int,
 
 def measure(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
             max_model_len: int, device: torch.device, vocab: int,
-            cpus: tuple[int, ...]) -> tuple[float, float] | None:
-    """(best step seconds without, with the helper) of a fresh prefill of PROMPT_TOKENS
-    random tokens (None where the limits cannot hold one); leaves the helper stopped."""
+            cpus: tuple[int, ...]) -> tuple[float, float, int] | None:
+    """(best step seconds without, with the helper, the plans its calls posted) of a fresh
+    prefill of PROMPT_TOKENS random tokens (None where the limits cannot hold one); leaves
+    the helper stopped."""
     tokens = min(PROMPT_TOKENS, sched.max_num_batched_tokens, max(1, max_model_len - 1))
     if sched.max_num_seqs < 1 or tokens < 1:
         return None
     best = {False: math.inf, True: math.inf}
+    plans = 0
     for _ in range(REPEATS):
         for on in (False, True):
             if on:
@@ -65,8 +68,10 @@ def measure(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
             t0 = time.perf_counter()
             runner.forward(reqs)
             best[on] = min(best[on], time.perf_counter() - t0)
+            if on:
+                plans += weight_stream.stats().plans
             weight_stream.stop()
-    return best[False], best[True]
+    return best[False], best[True], plans
 
 
 def decide(mode: str, ops: bool, demotes: bool, idle: bool, cpus: tuple[int, ...],
@@ -91,7 +96,10 @@ def decide(mode: str, ops: bool, demotes: bool, idle: bool, cpus: tuple[int, ...
     found = timings()
     if found is None:
         return Decision(False, cpus, "off: no prefill step fits the limits to time it")
-    without, with_ = found
+    without, with_, plans = found
+    if plans == 0:
+        return Decision(False, cpus, "off: no MoE call of this model reads enough weights to "
+                                     "stream (calls under 4 MB are not posted)")
     verdict = with_ <= GAIN * without
     return Decision(verdict, cpus, f"{'on' if verdict else 'off'}: a {PROMPT_TOKENS}-token "
                                    f"prefill step {without * 1e3:.1f} ms without, "
