@@ -79,13 +79,16 @@ def test_results_equal_with_and_without_the_helper(tokens: int, threads: int,
 
 
 def test_helper_reads_the_posted_weights() -> None:
-    # 24 experts of ~1.2 MB: calls long enough for the helper to read whole ranges ahead
+    # 24 experts of ~1.2 MB: calls long enough for the helper to read whole ranges ahead.
+    # The normal policy: at SCHED_IDLE on a machine whose cores the other tests keep busy
+    # the helper may get no time while a call runs (that is the policy's point).
     call = _layer(experts=24, d=512, inter=384, tokens=96, k=8, seed=1)
-    weight_stream.start(())
-    for _ in range(50):
+    weight_stream.start((), idle=False)
+    assert not weight_stream.stats().sched_idle
+    deadline = time.monotonic() + 60
+    while not weight_stream.stats().bytes:
+        assert time.monotonic() < deadline, "the helper read no posted range"
         call()
-        if weight_stream.stats().bytes:
-            break
     s = weight_stream.stats()
     assert s.plans >= 1 and s.ranges >= 1 and s.bytes > 0
 
@@ -93,7 +96,7 @@ def test_helper_reads_the_posted_weights() -> None:
 def test_a_queued_tail_is_streamed_after_the_call() -> None:
     call = _layer(experts=16, d=256, inter=128, tokens=24, k=4, seed=3)
     tail = torch.randn(8 << 20).bfloat16()    # 16 MB, more than the call's experts (~3 MB)
-    weight_stream.start((), min_plan=0)
+    weight_stream.start((), min_plan=0, idle=False)   # runs on a busy machine too
     call()
     before = weight_stream.stats()
     weight_stream.queue([tail, torch.empty(0)])           # an empty tensor is left out

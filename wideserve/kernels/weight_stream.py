@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from wideserve.kernels.loader import cpu_flags, cpu_ops_available
+from wideserve.kernels.loader import cpu_flags
 
 DEFAULT_LEAD_BYTES = 32 << 20      # the most the helper reads ahead of the compute thread
 MIN_PLAN_BYTES = 4 << 20           # calls reading less (what L2 holds) are not streamed
-MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +38,6 @@ def demotes() -> bool:
     return "cldemote" in cpu_flags()
 
 
-def ops_available() -> bool:
-    return cpu_ops_available()
-
-
 def lead_bytes() -> int:
     """How far ahead the helper reads: DEFAULT_LEAD_BYTES, at most a quarter of the
     last-level cache where the OS reports its size."""
@@ -54,13 +49,15 @@ def lead_bytes() -> int:
 
 
 def start(cpus: Sequence[int] = (), lead: int | None = None,
-          min_plan: int | None = None) -> bool:
+          min_plan: int | None = None, idle: bool = True) -> bool:
     """Start this process's helper, bound to `cpus` (() = not bound), reading at most `lead`
-    bytes ahead (lead_bytes()), for calls of at least `min_plan` bytes (MIN_PLAN_BYTES);
-    False when one runs already."""
+    bytes ahead (lead_bytes()), for calls of at least `min_plan` bytes (MIN_PLAN_BYTES), at
+    SCHED_IDLE (`idle=False`: the normal policy, for a helper with a core of its own, and for
+    tests on a busy machine, where an idle-policy thread may not run at all); False when
+    one runs already."""
     return bool(torch.ops.wideserve.weight_stream_start(
         list(cpus), lead if lead is not None else lead_bytes(),
-        min_plan if min_plan is not None else MIN_PLAN_BYTES))
+        min_plan if min_plan is not None else MIN_PLAN_BYTES, idle))
 
 
 def stop() -> None:

@@ -1,7 +1,7 @@
 // Weight streaming's helper thread (csrc/weight_stream.h; docs/cpu_kernels.md, "Weight
 // streaming").
 //
-//   weight_stream_start(cpus, lead_bytes, min_plan_bytes) -> bool   (started; False: running)
+//   weight_stream_start(cpus, lead_bytes, min_plan_bytes, idle) -> bool   (False: one runs)
 //   weight_stream_stop()
 //   weight_stream_active() -> bool
 //   weight_stream_queue(tensors)   the tensors the next posted plan streams after its own
@@ -128,7 +128,7 @@ void stream_plan(State& s, uint64_t gen, const std::vector<Range>& plan) {
   }
 }
 
-void helper_main(State* s, std::vector<int64_t> cpus) {
+void helper_main(State* s, std::vector<int64_t> cpus, bool idle) {
 #if defined(__linux__)
   if (!cpus.empty()) {
     cpu_set_t set;
@@ -136,9 +136,11 @@ void helper_main(State* s, std::vector<int64_t> cpus) {
     for (const int64_t c : cpus) CPU_SET(static_cast<int>(c), &set);
     s->pinned = pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
   }
-  sched_param param{};
-  param.sched_priority = 0;
-  s->sched_idle = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param) == 0;
+  if (idle) {
+    sched_param param{};
+    param.sched_priority = 0;
+    s->sched_idle = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param) == 0;
+  }
 #endif
   s->ready.store(true, std::memory_order_release);
   uint64_t seen = 0;
@@ -214,7 +216,8 @@ void Session::at(int64_t index) const {
 
 namespace {
 
-bool weight_stream_start(std::vector<int64_t> cpus, int64_t lead_bytes, int64_t min_plan_bytes) {
+bool weight_stream_start(std::vector<int64_t> cpus, int64_t lead_bytes, int64_t min_plan_bytes,
+                         bool idle) {
   TORCH_CHECK(lead_bytes > 0, "weight_stream_start: lead_bytes must be positive");
   TORCH_CHECK(min_plan_bytes >= 0, "weight_stream_start: min_plan_bytes must be >= 0");
   for (const int64_t c : cpus)
@@ -225,7 +228,7 @@ bool weight_stream_start(std::vector<int64_t> cpus, int64_t lead_bytes, int64_t 
   s->pid = getpid();
   s->lead = lead_bytes;
   s->min_plan = min_plan_bytes;
-  s->thread = std::thread(helper_main, s, std::move(cpus));
+  s->thread = std::thread(helper_main, s, std::move(cpus), idle);
   while (!s->ready.load(std::memory_order_acquire)) std::this_thread::yield();
   s->running.store(true, std::memory_order_release);
   g_state.store(s, std::memory_order_release);
@@ -274,7 +277,8 @@ std::vector<int64_t> weight_stream_stats() {
 }  // namespace wideserve_stream
 
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
-  m.def("weight_stream_start(int[] cpus, int lead_bytes, int min_plan_bytes) -> bool",
+  m.def("weight_stream_start(int[] cpus, int lead_bytes, int min_plan_bytes, bool idle=True) "
+        "-> bool",
         &wideserve_stream::weight_stream_start);
   m.def("weight_stream_stop() -> ()", &wideserve_stream::weight_stream_stop);
   m.def("weight_stream_stats() -> int[]", &wideserve_stream::weight_stream_stats);
