@@ -7,8 +7,8 @@ engine (bound plans, utils/threads.py), or the cores an in-process engine does n
 warms up (one CPU engine, bf16 weights), fresh prefill steps of PROMPT_TOKENS random tokens
 are timed alternately without and with it, and it stays on when the best step with it is
 at least GAIN faster and the model's MoE calls posted plans at all (a model whose calls are
-all under kernels/weight_stream.MIN_PLAN_BYTES has nothing to stream). It never changes a result (it only reads weights), so "on" forces it
-(A/B runs) and "off" never starts it.
+all under kernels/weight_stream.MIN_PLAN_BYTES has nothing to stream). It never changes a
+result (it only reads weights), so "on" forces it (A/B runs) and "off" never starts it.
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def decide(mode: str, ops: bool, demotes: bool, idle: bool, cpus: tuple[int, ...
     without, with_, plans = found
     if plans == 0:
         return Decision(False, cpus, "off: no MoE call of this model reads enough weights to "
-                                     "stream (calls under 4 MB are not posted)")
+                                     f"stream (calls under {weight_stream.MIN_PLAN_BYTES >> 20} "
+                                     "MB are not posted)")
     verdict = with_ <= GAIN * without
     return Decision(verdict, cpus, f"{'on' if verdict else 'off'}: a {PROMPT_TOKENS}-token "
                                    f"prefill step {without * 1e3:.1f} ms without, "
