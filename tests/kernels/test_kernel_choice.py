@@ -196,12 +196,18 @@ def test_describe_lists_every_bucket(tmp_path, runnable_all) -> None:
 def test_plan_attention_from_timings(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(KernelChoice, "runnable",
                         lambda self, family, dtype: ch.FAMILY_KERNELS[family])
-    timer = FakeTimer({"own": [1, 2, 8, 30, 200, 800], "sdpa": [3, 3, 5, 10, 50, 150]})
+    monkeypatch.setattr(ch.sdpa_context, "flash_compiled", lambda: True)
+    timer = FakeTimer({"own": [1, 2, 8, 30, 200, 800], "sdpa": [3, 3, 5, 10, 50, 150],
+                       "flash": [4, 4, 6, 8, 30, 100]})
     kc = _choice(tmp_path, timer)
-    assert kc.plan_attention(16, 4, 64, torch.bfloat16) == ("own",) * 2 + ("sdpa",) * 4
+    want = ("own",) * 2 + ("sdpa",) + ("flash",) * 3
+    assert kc.plan_attention(16, 4, 64, torch.bfloat16) == want
     assert {c[2:5] for c in timer.calls} == {(16, 4, 64)}
     assert _choice(tmp_path, FakeTimer({})).plan_attention(16, 4, 64, torch.bfloat16) == \
-        ("own",) * 2 + ("sdpa",) * 4                  # cached
+        want                                          # cached
+    # heads the flash kernel does not take (not a multiple of 32): never timed nor picked
+    assert kc.plan_attention(16, 4, 48, torch.bfloat16) == ("own",) * 2 + ("sdpa",) * 4
+    assert not [c for c in timer.calls if c[2:5] == (16, 4, 48) and c[1] == "flash"]
     forced = _choice(tmp_path / "f", FakeTimer({}), force="micro")
     assert forced.plan_attention(16, 4, 64, torch.bfloat16) == ("own",) * 6
 
@@ -212,8 +218,8 @@ def test_real_candidates_run_on_tiny_shapes() -> None:
     loader.build()
     kc = KernelChoice(KernelPolicy(cache_dir=None))
     for family, shape in (("linear", (40, 32)), ("qkv", (40, 32)), ("router", (8, 32)),
-                          ("experts", (24, 32)), ("attention", (4, 2, 16)),
-                          ("attention_ctx", (4, 2, 16))):
+                          ("experts", (24, 32)), ("attention", (4, 2, 32)),
+                          ("attention_ctx", (4, 2, 32))):
         for kernel in kc.runnable(family, torch.bfloat16):
             for rows in (1, 5):
                 ch.candidate(family, kernel, shape, rows)()

@@ -22,6 +22,8 @@ from wideserve.layers.attention.paged_attention_batched import (PagedAttentionCo
                                                                 paged_attention_batched)
 
 NAME = "attn"
+NEEDS_FLASH = pytest.mark.skipif(not sdpa_context.flash_compiled(),
+                                 reason="the flash kernel needs AVX512-BF16 and bf16 brgemm")
 
 
 class _Specs:
@@ -33,14 +35,15 @@ class _Specs:
 
 
 class _Pick:
-    """A kernel choice picking SDPA from `start` query tokens, per family (fake timings)."""
+    """A kernel choice picking `kernel` (SDPA or flash) from `start` query tokens, per family
+    (fake timings)."""
 
-    def __init__(self, fresh: int, context: int) -> None:
-        self.fresh, self.context = fresh, context
+    def __init__(self, fresh: int, context: int, kernel: str = "sdpa") -> None:
+        self.fresh, self.context, self.kernel = fresh, context, kernel
 
     def plan_attention(self, heads, kv_heads, head_dim, dtype, context=False):
         start = self.context if context else self.fresh
-        return tuple("sdpa" if lo >= start else "own" for lo, _ in BUCKETS)
+        return tuple(self.kernel if lo >= start else "own" for lo, _ in BUCKETS)
 
 
 def _harness(kv_heads: int, head_dim: int, reqs: int) -> PagedHarness:
@@ -101,15 +104,17 @@ SCHEDULES = {
 }
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", pytest.param("flash", marks=NEEDS_FLASH)])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_chunked_and_mixed_prefills_match_the_reference(schedule, heads, kv_heads,
+def test_chunked_and_mixed_prefills_match_the_reference(schedule, heads, kv_heads, kernel,
                                                         monkeypatch) -> None:
-    monkeypatch.setattr(pab, "default_choice", lambda: _Pick(2, 2))
-    splits = _run(SCHEDULES[schedule], heads, kv_heads, 16, None)
+    monkeypatch.setattr(pab, "default_choice", lambda: _Pick(2, 2, kernel))
+    # the flash kernel takes head dims of a multiple of 32
+    splits = _run(SCHEDULES[schedule], heads, kv_heads, 32 if kernel == "flash" else 16, None)
     # the requests of >1 new tokens per step (step 0 of "chunked" is all whole prefills:
     # sdpa_prefill runs it, the split is computed but not used)
-    sdpa_queries = [sorted(n for _, _, n, _ in s.sdpa) for s in splits if s is not None]
+    sdpa_queries = [sorted(n for _, _, n, _, _ in s.whole) for s in splits if s is not None]
     if schedule == "chunked":
         assert sdpa_queries == [[5, 6], [3], [7, 9], [2]]
     else:
@@ -123,12 +128,13 @@ def test_split_follows_the_choice_per_request(monkeypatch) -> None:
     splits = _run([[6, 5, 1], [3, 4, 6], [1, 9, 1], [0, 7, 1]], 4, 2, 16, None,
                   persistent=True)
     s = splits[1]                                   # 5 (ctx 6), 4 (ctx 3), 9 (ctx 1), 7 fresh
-    assert [(row, n, length) for row, _, n, length in s.sdpa] == [(4, 5, 11), (2, 9, 10)]
+    assert [(row, n, length, k) for row, _, n, length, k in s.whole] == \
+        [(4, 5, 11, "sdpa"), (2, 9, 10, "sdpa")]
     assert s.rest_rows.tolist() == list(range(5, 9)) + list(range(18, 25))
     assert s.rest_qsl.tolist() == [0, 4, 11] and s.rest_lens.tolist() == [7, 7]
     assert s.rest_req_rows.tolist() == [3, 1]
     assert splits[0] is None                         # fresh prefills below 8 tokens
-    assert splits[2].sdpa == [(3, 1, 6, 13)]         # 6 after 7 cached; three decodes
+    assert splits[2].whole == [(3, 1, 6, 13, "sdpa")]   # 6 after 7 cached; three decodes
     assert splits[2].rest_req_rows.tolist() == [4, 2, 1]
 
 

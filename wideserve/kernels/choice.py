@@ -51,14 +51,15 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = ("linear", "qkv", "router", "experts", "attention", "attention_ctx")
 KERNELS = ("micro", "brgemm", "onednn", "torch")
+ATTENTION_KERNELS = ("own", "sdpa", "flash")
 FAMILY_KERNELS = {"linear": KERNELS, "qkv": KERNELS, "router": ("micro", "brgemm"),
-                  "experts": ("micro", "brgemm"), "attention": ("own", "sdpa"),
-                  "attention_ctx": ("own", "sdpa")}
+                  "experts": ("micro", "brgemm"), "attention": ATTENTION_KERNELS,
+                  "attention_ctx": ATTENTION_KERNELS}
 # Token-count buckets (inclusive bounds; None: no upper bound) and the row count each is timed at.
 BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 SAMPLE_ROWS = (1, 4, 16, 64, 256, 512)
 LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "plain",
-          "own": "-", "sdpa": "-"}
+          "own": "-", "sdpa": "-", "flash": "-"}
 # Kernels whose per-row result does not depend on the rows beside it (no M-dependent algorithm
 # or K split; tests/kernels/test_batch_invariant_kernels.py checks it over M = 1..300): the only
 # candidates of KernelConfig.batch_invariant, one kernel for every bucket (`plan(invariant=)`).
@@ -214,7 +215,9 @@ class KernelChoice:
     def runnable(self, family: str, dtype: torch.dtype) -> tuple[str, ...]:
         """The candidates of `family` that can run here for `dtype` weights."""
         if family.startswith("attention"):
-            return ("own", "sdpa") if dtype == torch.bfloat16 and cpu_ops_available() else ()
+            if dtype != torch.bfloat16 or not cpu_ops_available():
+                return ()
+            return ATTENTION_KERNELS if sdpa_context.flash_compiled() else ("own", "sdpa")
         if dtype != torch.bfloat16:
             return ("torch",) if family in ("linear", "qkv") else ()
         ok = {"micro": gemm.fast_path_compiled(), "brgemm": brgemm_runs(),
@@ -256,13 +259,15 @@ class KernelChoice:
 
     def plan_attention(self, heads: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype, context: bool = False) -> tuple[str, ...]:
-        """"own" (the C++ paged op) or "sdpa" (torch's fused attention) per bucket of query
+        """"own" (the C++ paged op), "sdpa" (torch's fused attention) or "flash" (the
+        extension's flash kernel, where it takes heads of `head_dim`) per bucket of query
         tokens per request: for a fresh prefill (SDPA on the step's own k/v), or with
         `context` for a chunk attending to as many cached positions as it has queries
         (family "attention_ctx": SDPA on the context gathered from the cache,
         kernels/sdpa_context.py)."""
         family = "attention_ctx" if context else "attention"
-        cands = self.runnable(family, dtype)
+        cands = tuple(c for c in self.runnable(family, dtype)
+                      if c != "flash" or sdpa_context.flash_fits(head_dim))
         if self.policy.force != "auto" or len(cands) < 2:
             return (cands[0] if cands else "",) * len(BUCKETS)
         return tuple(self.entry(family, (heads, kv_heads, head_dim), cands).kernels)
@@ -519,8 +524,9 @@ def _experts_candidate(kernel: str, inter: int, d: int, rows: int,
 
 def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
                          g: torch.Generator) -> Callable[[], object]:
-    """One request's causal prefill of `rows` tokens: the paged op over a cache holding the
-    step's entries, or SDPA on the step's k/v (the two paths paged_attention_batched takes)."""
+    """One request's causal prefill of `rows` tokens: the paged op or the flash kernel over a
+    cache holding the step's entries, or SDPA on the step's k/v (the paths
+    paged_attention_batched takes)."""
     q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
     kv = torch.randn(rows, 2, kv_heads, head_dim, generator=g).bfloat16()
     scale = head_dim ** -0.5
@@ -533,6 +539,8 @@ def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, 
     blocks = -(-rows // block)
     cache = F.pad(kv.reshape(rows, -1), (0, 0, 0, blocks * block - rows)).view(blocks, block, -1)
     table = torch.arange(blocks, dtype=torch.int64)[None]
+    if kernel == "flash":
+        return lambda: sdpa_context.attend_flash(q, cache, table[0], rows, scale)
     starts = torch.tensor([0, rows], dtype=torch.int64)
     lens = torch.tensor([rows], dtype=torch.int64)
     return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
@@ -542,8 +550,8 @@ def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, 
 def _attention_ctx_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
                              g: torch.Generator) -> Callable[[], object]:
     """A chunk of `rows` queries whose request has `rows` positions cached before it (2*rows
-    keys), the cache's blocks shuffled: the C++ op reading the cache in place, or SDPA over
-    the gathered context (the two paths paged_attention_batched takes)."""
+    keys), the cache's blocks shuffled: the C++ op or the flash kernel reading the cache in
+    place, or SDPA over the gathered context (the paths paged_attention_batched takes)."""
     block, length = 64, 2 * rows
     blocks = -(-length // block)
     cache = torch.randn(blocks, block, 2 * kv_heads * head_dim, generator=g).bfloat16()
@@ -552,6 +560,8 @@ def _attention_ctx_candidate(kernel: str, heads: int, kv_heads: int, head_dim: i
     scale = head_dim ** -0.5
     if kernel == "sdpa":
         return lambda: sdpa_context.attend_paged(q, cache, table[0], length, scale)
+    if kernel == "flash":
+        return lambda: sdpa_context.attend_flash(q, cache, table[0], length, scale)
     starts = torch.tensor([0, rows], dtype=torch.int64)
     lens = torch.tensor([length], dtype=torch.int64)
     return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,

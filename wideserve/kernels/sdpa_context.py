@@ -1,10 +1,13 @@
-"""One request's prefill chunk attending to its cached context through torch's fused SDPA
-(docs/cpu_kernels.md, "Chunked and mixed prefills"): the chunk's keys and values are
-gathered from the paged K||V cache into one contiguous copy, and SDPA (on the CPU oneDNN's
-flash attention, its GEMMs on brgemm: AMX where present) runs the whole causal block with a
-bottom-right mask. It beats the C++ paged op (csrc/paged_attention.cpp, scalar-per-key online
-softmax) from ~128 query rows up on AMX machines; which one runs is the kernel choice's
-"attention_ctx" family (kernels/choice.py), measured per machine.
+"""One request's prefill (or prefill chunk after its cached context) attending as a whole
+(docs/cpu_kernels.md, "Chunked and mixed prefills", "Flash prefill"), two ways:
+- torch's fused SDPA (`attend_paged`): the keys and values gathered from the paged K||V cache
+  into one contiguous copy, SDPA (on the CPU torch's flash attention) running the whole causal
+  block with a bottom-right mask;
+- the extension's flash kernel (`attend_flash`, csrc/flash_attention.cpp): both products on
+  brgemm (AMX where present) reading the cache in place, bf16 only.
+Either beats the C++ paged op (csrc/paged_attention.cpp, scalar-per-key online softmax) from
+~128 query rows up on AMX machines; which one runs is the kernel choice's "attention" /
+"attention_ctx" families (kernels/choice.py), measured per machine.
 
 Cache layout (layers/attention/paged_attention_batched.py): [blocks, block_size, 2*Hkv*D],
 an entry being K (Hkv*D) then V (Hkv*D); a request's block table row maps its positions to
@@ -12,8 +15,12 @@ blocks. Only positions below the request's length are read (no stale slot reache
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from wideserve.kernels.loader import cpu_ops_available
 
 
 def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int, kv_heads: int,
@@ -55,3 +62,26 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor, len
     kv_heads = cache.shape[-1] // (2 * q.shape[-1])
     k, v = gather_context(cache, blocks, length, kv_heads, q.dtype)
     return attend(q, k, v, scale)
+
+
+FLASH_MAX_DIM = 256
+
+
+@functools.cache
+def flash_compiled() -> bool:
+    """Whether the flash kernel runs on this CPU (AVX512-BF16 build, torch's bf16 brgemm)."""
+    return cpu_ops_available() and bool(torch.ops.wideserve.flash_prefill_available())
+
+
+def flash_fits(head_dim: int) -> bool:
+    """Whether the flash kernel takes heads of this size (brgemm's VNNI pairs, 32-wide K)."""
+    return head_dim % 32 == 0 and head_dim <= FLASH_MAX_DIM and flash_compiled()
+
+
+def attend_flash(q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor, length: int,
+                 scale: float) -> torch.Tensor:
+    """`attend_paged` by the flash kernel: q [Lq, H, D] bf16 the last Lq of the request's
+    `length` positions, read from the bf16 cache in place through its block table row."""
+    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        q = q.contiguous()        # the op reads each query's heads as one row
+    return torch.ops.wideserve.flash_prefill(q, cache, blocks, length, scale)
