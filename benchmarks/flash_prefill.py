@@ -42,7 +42,7 @@ def kernels(q, cache, table, length, dim) -> dict:
         k, v = sdpa_context.gather_context(cache, table, length, KV_HEADS, q.dtype)
         fns["sdpa"] = lambda: F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale,
-            enable_gqa=True)
+            enable_gqa=True)[0].transpose(0, 1)
     else:
         fns["sdpa"] = lambda: sdpa_context.attend_paged(q, cache, table, length, scale)
     starts = torch.tensor([0, q.shape[0]])
