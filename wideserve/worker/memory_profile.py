@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +141,23 @@ def throwaway_step(model: Any, specs: dict, cache: CacheConfig, sched: Scheduler
                                 is_new=True))
     layouts = [GroupLayout(g.block_size, g.compress_ratio) for g in kv_config.groups]
     return ModelRunner(model, layouts, kv_config.cache_group, caches, device), reqs
+
+
+def timed_prefill(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
+                  max_model_len: int, device: torch.device, lengths: list[int],
+                  vocab: int) -> float:
+    """Seconds of one fresh prefill step of `lengths`' requests of seeded random tokens below
+    `vocab` on a throwaway cache (throwaway_step), the last row of each prompt sampled; the
+    device synchronised around it (the start-up timings: worker/prefill_cap.py,
+    worker/weight_streaming.py)."""
+    sync = (lambda: None) if device.type == "cpu" else getattr(torch, device.type).synchronize
+    runner, reqs = throwaway_step(model, specs, cache, sched, max_model_len, device, lengths,
+                                  vocab=vocab, prompt_logits=False)
+    sync()
+    t0 = time.perf_counter()
+    runner.forward(reqs)
+    sync()
+    return time.perf_counter() - t0
 
 
 def profile_kv_budget(probe: DeviceMemory, utilization: float, run_step: Any) -> MemoryProfile:

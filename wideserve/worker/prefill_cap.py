@@ -18,13 +18,12 @@ decode steps: BENCHMARKS.md, "Prefill cap", has both measured.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 
 from wideserve.config import CacheConfig, SchedulerConfig
-from wideserve.worker.memory_profile import throwaway_step
+from wideserve.worker.memory_profile import timed_prefill
 
 SPLITS = (1, 2, 4, 8)    # a budget-filling burst over this many steps
 MIN_CAP = 64             # no slice below this many tokens (a step's fixed costs dominate)
@@ -73,20 +72,11 @@ def measure(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
     limits cannot hold are left out), each the least of REPEATS throwaway steps of random
     tokens below `vocab` (a MoE's routing spreads them as it does a real prompt's; one token
     repeated would reach only top-k experts) that sample the last row of each prompt only."""
-    sync = (lambda: None) if device.type == "cpu" else getattr(torch, device.type).synchronize
     times: dict[int, float] = {}
     for tokens in cap_sizes(sched.max_num_batched_tokens):
         lengths = prompt_lengths(tokens, sched, max_model_len)
-        if not lengths:
-            continue
-        best = math.inf
-        for _ in range(REPEATS):
-            runner, reqs = throwaway_step(model, specs, cache, sched, max_model_len, device,
-                                          lengths, vocab=vocab, prompt_logits=False)
-            sync()
-            t0 = time.perf_counter()
-            runner.forward(reqs)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        times[tokens] = best
+        if lengths:
+            times[tokens] = min(timed_prefill(model, specs, cache, sched, max_model_len,
+                                              device, lengths, vocab)
+                                for _ in range(REPEATS))
     return times

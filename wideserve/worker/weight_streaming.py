@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from wideserve.config import CacheConfig, SchedulerConfig
 from wideserve.kernels import weight_stream
 from wideserve.utils.threads import ThreadPlan
-from wideserve.worker.memory_profile import throwaway_step
+from wideserve.worker.memory_profile import timed_prefill
 
 PROMPT_TOKENS = 128     # a lone prompt's step: where one thread waits on weights the most
 REPEATS = 3             # timed steps per setting, alternating; the least of each kept
@@ -63,11 +62,8 @@ def measure(model: Any, specs: dict, cache: CacheConfig, sched: SchedulerConfig,
         for on in (False, True):
             if on:
                 weight_stream.start(cpus)
-            runner, reqs = throwaway_step(model, specs, cache, sched, max_model_len, device,
-                                          [tokens], vocab=vocab, prompt_logits=False)
-            t0 = time.perf_counter()
-            runner.forward(reqs)
-            best[on] = min(best[on], time.perf_counter() - t0)
+            best[on] = min(best[on], timed_prefill(model, specs, cache, sched, max_model_len,
+                                                   device, [tokens], vocab))
             if on:
                 plans += weight_stream.stats().plans
             weight_stream.stop()
