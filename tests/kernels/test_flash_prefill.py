@@ -111,3 +111,18 @@ def test_bad_arguments_are_clear_errors() -> None:
 def test_flash_fits_only_dims_it_takes() -> None:
     assert sdpa_context.flash_fits(64) and sdpa_context.flash_fits(256)
     assert not sdpa_context.flash_fits(48) and not sdpa_context.flash_fits(288)
+
+
+def test_a_tail_tile_ignores_stale_packing_memory() -> None:
+    """The packed tiles are not zero-filled: past the request's length only V's rows a P V
+    call reads are zeroed (P is 0 there, 0 x NaN is not). Freed NaN-filled blocks of the
+    packed tiles' size first, so the allocator hands the op memory that held NaN."""
+    q, cache, table = _case(37, 37, 2, 1, 64, 16, seed=11)
+    want = sdpa_context.attend_paged(q.float(), cache.float(), table, 37, 0.125)
+    for _ in range(3):
+        poison = [torch.full((256 * 64,), float("nan"), dtype=torch.bfloat16)
+                  for _ in range(4)]
+        del poison
+        got = sdpa_context.attend_flash(q, cache, table, 37, 0.125)
+        assert not got.isnan().any()
+        assert (got.float() - want).abs().max().item() < 3e-2

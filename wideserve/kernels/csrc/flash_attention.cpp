@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "brgemm.h"
@@ -69,15 +70,14 @@ struct Problem {
   at::BFloat16* out;               // [Lq, H, D]
 };
 
-// Packs key tile `t` of KV head `h`: positions t*kTileK .. +kTileK (zeros past `length`).
+// Packs key tile `t` of KV head `h`: positions t*kTileK .. +kTileK. Past `length` a tail
+// tile is left as it is except V's rows up to the next multiple of 32 (the most a P V call
+// reads), zeroed: P is 0 there, and 0 x a stale NaN would be NaN. K's stale columns only
+// reach masked scores, which the softmax never reads.
 void pack_tile(const at::BFloat16* cache, int64_t block_size, int64_t width,
                const int64_t* table, int64_t length, int64_t h, int64_t t, int64_t dim,
                int64_t kv_heads, at::BFloat16* kt, at::BFloat16* vp) {
   const int64_t p0 = t * kTileK, n = std::min(kTileK, length - p0);
-  if (n < kTileK) {
-    std::memset(kt, 0, kTileK * dim * sizeof(at::BFloat16));
-    std::memset(vp, 0, kTileK * dim * sizeof(at::BFloat16));
-  }
   auto* kt16 = reinterpret_cast<uint16_t*>(kt);
   auto* vp16 = reinterpret_cast<uint16_t*>(vp);
   for (int64_t j = 0; j < n; ++j) {
@@ -93,15 +93,21 @@ void pack_tile(const at::BFloat16* cache, int64_t block_size, int64_t width,
     uint16_t* vr = vp16 + (j >> 1) * dim * 2 + (j & 1);
     for (int64_t d = 0; d < dim; ++d) vr[2 * d] = v[d];
   }
+  for (int64_t j = n; j < std::min(kTileK, (n + 31) / 32 * 32); ++j) {
+    uint16_t* vr = vp16 + (j >> 1) * dim * 2 + (j & 1);
+    for (int64_t d = 0; d < dim; ++d) vr[2 * d] = 0;
+  }
 }
 
-// Scratch of one thread: S / P of a block, its output accumulator, row max and sum.
+// Scratch of one thread: S / P of a block, its output accumulator, row max and sum. Left
+// uninitialised (attend_block writes each before reading it): a zero fill of its ~110 KB
+// was most of a one-row call's time.
 struct Scratch {
-  std::vector<float> s, o, mx, sum;
-  std::vector<at::BFloat16> p;
+  std::unique_ptr<float[]> s, o, mx, sum;
+  std::unique_ptr<at::BFloat16[]> p;
   explicit Scratch(int64_t dim)
-      : s(kBlockQ * kTileK), o(kBlockQ * dim), mx(kBlockQ), sum(kBlockQ),
-        p(kBlockQ * kTileK) {}
+      : s(new float[kBlockQ * kTileK]), o(new float[kBlockQ * dim]), mx(new float[kBlockQ]),
+        sum(new float[kBlockQ]), p(new at::BFloat16[kBlockQ * kTileK]) {}
 };
 
 // One row of a tile: the `visible` first of its `width` scores (the rest masked) update the
@@ -146,9 +152,9 @@ void attend_block(const Problem& pr, int64_t h, int64_t qb, Scratch& w) {
   const int64_t last_tile = (first_pos + rows - 1) / kTileK;
   const int64_t hk = h / (pr.heads / pr.kv_heads);
   const at::BFloat16* q = pr.q + r0 * pr.q_stride + h * d;
-  std::fill(w.o.begin(), w.o.begin() + rows * d, 0.0f);
-  std::fill(w.mx.begin(), w.mx.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(w.sum.begin(), w.sum.begin() + rows, 0.0f);
+  std::fill(w.o.get(), w.o.get() + rows * d, 0.0f);
+  std::fill(w.mx.get(), w.mx.get() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(w.sum.get(), w.sum.get() + rows, 0.0f);
   const int64_t tile_elems = kTileK * d;
   for (int64_t t = 0; t <= last_tile; ++t) {
     const at::BFloat16* kt = pr.kt + (hk * pr.tiles + t) * tile_elems;
@@ -156,28 +162,28 @@ void attend_block(const Problem& pr, int64_t h, int64_t qb, Scratch& w) {
     // columns any row of the block sees in this tile, rounded up to 32 (brgemm's K step)
     const int64_t cols = std::min(kTileK, (first_pos + rows - t * kTileK + 31) / 32 * 32);
     at::native::cpublas::brgemm(rows, cols, d, pr.q_stride, kTileK, kTileK, /*add_C=*/false,
-                                q, kt, w.s.data(), /*is_vnni=*/true);
+                                q, kt, w.s.get(), /*is_vnni=*/true);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(cols, first_pos + r - t * kTileK + 1);
       if (visible <= 0) {
-        std::memset(w.p.data() + r * kTileK, 0, cols * sizeof(at::BFloat16));
+        std::memset(w.p.get() + r * kTileK, 0, cols * sizeof(at::BFloat16));
         continue;
       }
-      const float alpha = softmax_row(w.s.data() + r * kTileK, visible, cols, pr.scale_log2,
-                                      &w.mx[r], &w.sum[r], w.p.data() + r * kTileK);
+      const float alpha = softmax_row(w.s.get() + r * kTileK, visible, cols, pr.scale_log2,
+                                      &w.mx[r], &w.sum[r], w.p.get() + r * kTileK);
       if (alpha != 1.0f) {
-        float* o = w.o.data() + r * d;
+        float* o = w.o.get() + r * d;
         const __m512 a = _mm512_set1_ps(alpha);
         for (int64_t c = 0; c < d; c += 16)
           _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), a));
       }
     }
-    at::native::cpublas::brgemm(rows, d, cols, kTileK, d, d, /*add_C=*/true, w.p.data(), vp,
-                                w.o.data(), /*is_vnni=*/true);
+    at::native::cpublas::brgemm(rows, d, cols, kTileK, d, d, /*add_C=*/true, w.p.get(), vp,
+                                w.o.get(), /*is_vnni=*/true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.0f / w.sum[r];
-    const float* o = w.o.data() + r * d;
+    const float* o = w.o.get() + r * d;
     at::BFloat16* out = pr.out + ((r0 + r) * pr.heads + h) * d;
     for (int64_t c = 0; c < d; c += 16) {
       const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + c),
