@@ -53,6 +53,12 @@ CASES = [
     ("n-huge", "/v1/completions", _c(n=100000), 400, "n"),
     ("logprobs-too-many", "/v1/completions", _c(logprobs=50), 400, "logprobs"),
     ("seed-too-big", "/v1/completions", _c(seed=2**70), 400, "seed"),
+    # passed to the engine as is: an integer the engine link cannot carry was a 500 (fuzzer)
+    ("kv-params-int-past-64-bit", "/v1/completions",
+     _c(kv_transfer_params={"x": [1, {"y": 155014788936044052480}]}), 400,
+     "kv_transfer_params"),
+    ("kv-params-int-past-64-bit-chat", "/v1/chat/completions",
+     _chat(kv_transfer_params={"x": -2**64}), 400, "kv_transfer_params"),
     ("penalty-out-of-range", "/v1/completions", _c(presence_penalty=5), 400,
      "presence_penalty"),
     ("empty-stop", "/v1/completions", _c(stop=[""]), 400, "stop"),

@@ -18,11 +18,13 @@ import logging
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      model_validator)
 
 from wideserve.serving.openai.lenient import LenientModel
 
-from wideserve.serving.openai.validation import integral, integral_list, integral_lists
+from wideserve.serving.openai.validation import (int64_json, integral, integral_list,
+                                                 integral_lists)
 from wideserve.types.multimodal import IMAGE_PLACEHOLDER
 
 MAX_N = 128
@@ -46,6 +48,8 @@ NonNegInt = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 PosInt = Annotated[Int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# A JSON object the engine receives as is: its integers must fit int64 (the IPC's encoding).
+EngineJson = Annotated[dict[str, Any], AfterValidator(int64_json)]
 
 
 class StreamOptions(LenientModel):
@@ -102,7 +106,7 @@ class _SamplingFields(LenientModel):
     modalities: list[str] | None = None
     priority: Annotated[Int, Field(ge=-(2**31), le=INT32_MAX)] = 0
     # P/D disaggregation (vLLM's field): set by `wideserve router`, see docs/disaggregation.md.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: EngineJson | None = None
     # vLLM's structured outputs, and its older guided_* spellings of the same.
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError
 
 from wideserve.serving.openai.lenient import LenientModel
-from wideserve.serving.openai.protocol import REASONING_EFFORTS, ChatCompletionRequest
+from wideserve.serving.openai.protocol import (REASONING_EFFORTS, ChatCompletionRequest,
+                                              EngineJson)
 from wideserve.serving.openai.serving import ApiError
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -60,7 +61,7 @@ class ResponsesRequest(LenientModel):
     # vLLM's extras.
     ignore_eos: bool = False
     # P/D disaggregation (set by `wideserve router`, docs/disaggregation.md), as on chat.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: EngineJson | None = None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -139,3 +139,22 @@ def param_of(message: str) -> str | None:
     """The field a message of the form 'field: ...' names."""
     match = _PARAM_PREFIX.match(message)
     return match.group(1) if match else None
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def int64_json(value: Any) -> Any:
+    """A free-form JSON object passed on to the engine (kv_transfer_params) as is, refused when
+    an integer anywhere in it is outside int64: the engine link (msgspec) cannot carry it, and
+    a request must fail as a 400 naming the field, not as a 500 at the send."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is int and not INT64_MIN <= item <= INT64_MAX:
+            raise ValueError(f"integer {clip(item)} is outside the 64-bit range")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
