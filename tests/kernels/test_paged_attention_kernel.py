@@ -250,6 +250,29 @@ def test_write_skips_negative_slots():
     assert torch.isnan(rows[1]).all()
 
 
+@pytest.mark.parametrize("src,dst", [(torch.bfloat16, torch.bfloat16),
+                                     (torch.float32, torch.bfloat16),
+                                     (torch.float32, torch.float32)])
+def test_kv_write_alone_is_the_torch_write(src, dst):
+    """paged_kv_write (the write of paged_attention_write, used where SDPA or the flash kernel
+    attends) stores what cat + index_copy_ stored, bit for bit, from strided k/v views (a
+    fused qkv output), skipping -1 slots; a slot past the cache is an error."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(37, 8 + 2 * 3, 32, generator=g).to(src)
+    k, v = qkv[:, 8:11], qkv[:, 11:14]
+    cache = torch.full((20, 4, 2 * 3 * 32), float("nan"), dtype=dst)
+    slots = torch.randperm(80, generator=g)[:37]
+    slots[5] = -1
+    torch.ops.wideserve.paged_kv_write(k, v, cache, slots)
+    want = torch.full_like(cache, float("nan")).view(80, -1)
+    keep = slots >= 0
+    want.index_copy_(0, slots[keep], torch.cat((k.reshape(37, -1), v.reshape(37, -1)),
+                                               dim=-1)[keep].to(dst))
+    torch.testing.assert_close(cache.view(80, -1), want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.wideserve.paged_kv_write(k, v, cache, torch.full((37,), 80))
+
+
 def test_avx512_path_is_built_where_the_cpu_has_it():
     """Otherwise `portable=False` would silently test the portable loop twice."""
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []

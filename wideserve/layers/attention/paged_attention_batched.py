@@ -422,11 +422,17 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # The op writes every token's entry and attends, in one call.
         return paged_attention_kernel(q, cache, view, batch, scale, window, k=k, v=v)
     flat = cache.view(-1, cache.shape[-1])                                    # [slots, W]
-    entries = torch.cat((k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)), dim=-1)
-    if wp.rows is not None:
-        # Prefix replay: a FULL cache already holds the entries below kv_write_start.
-        entries = entries.index_select(0, wp.rows)
-    flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
+    if kernel and wp.rows is None and plans.config.fused_kv_write and cache.is_contiguous():
+        # The op's write alone (SDPA or flash attends next): one pass, no concatenated copy
+        # (2,048 tokens of the 653M model into a warm cache: 0.23 ms against 0.63 for torch's
+        # cat + index_copy_; into a step's fresh blocks both cost ~2 ms of cold writes).
+        torch.ops.wideserve.paged_kv_write(k, v, cache, wp.slots)
+    else:
+        entries = torch.cat((k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)), dim=-1)
+        if wp.rows is not None:
+            # Prefix replay: a FULL cache already holds the entries below kv_write_start.
+            entries = entries.index_select(0, wp.rows)
+        flat.index_copy_(0, wp.slots, entries.to(flat.dtype))
     if lens is not None:
         return sdpa_prefill(q, k, v, lens, scale)
     if split is not None:
