@@ -49,6 +49,26 @@ def test_a_stall_names_each_unfinished_request_and_whether_its_rank_holds_it():
     assert asyncio.run(engine._whereabouts(limit=2)).endswith("; 5 more")
 
 
+def test_outputs_delivered_before_the_wait_starts_are_not_waited_for():
+    """A callback left ready by the previous loop run (a socket reader part-way through its
+    drain) runs before step()'s wait begins and delivers the batch's last outputs: step()
+    returns them at once instead of clearing the wake-up and waiting out its timeout."""
+    engine = object.__new__(SyncDPEngine)
+    engine._loop = asyncio.new_event_loop()
+    engine._outputs, engine._unfinished = [], {"r"}
+    engine._arrived = asyncio.Event()
+    engine.step_timeout_s = 2.0
+    engine.client = SimpleNamespace(dead_reason=None, clients=[], rank_of=lambda rid: None)
+    engine._dump_rank_stacks = lambda: None
+    last = SimpleNamespace(request_id="r", finished=True)
+    try:
+        engine._loop.call_soon(engine._on_outputs, [last])
+        assert engine.step() == [last]
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine._loop.close()
+
+
 def test_a_dp_rank_remembers_what_it_received_and_answered(monkeypatch):
     """DPEngineCore.request_history: every request id handed to the rank, and those it
     answered (a final output from a step, or a refusal the loop sends at once); a duplicate

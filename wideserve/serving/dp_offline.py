@@ -72,6 +72,13 @@ class SyncDPEngine:
         return outputs
 
     async def _wait(self) -> None:
+        # Callbacks left ready by the previous loop run (a reader part-way through draining
+        # its socket) run before this coroutine's first step and may already have delivered
+        # the outputs - the last ones of the batch, after which none come. Clearing the event
+        # then lost that wake-up, and the step waited out its whole timeout (a DEP2 run in
+        # CI: every request finished, "no output in 90 s").
+        if self._outputs:
+            return
         self._arrived.clear()
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
