@@ -143,7 +143,7 @@ void write_entries(const at::Tensor& k, const at::Tensor& v, const at::Tensor& s
   const int64_t num_slots = cache.size(0) * cache.size(1);
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sl[t] < num_slots, "paged_attention_write: slot_mapping[", t, "] = ", sl[t],
+    TORCH_CHECK(sl[t] < num_slots, "paged_kv_write: slot_mapping[", t, "] = ", sl[t],
                 " is past the cache's ", num_slots, " slots");
   const ST* kp = k.data_ptr<ST>();
   const ST* vp = v.data_ptr<ST>();
@@ -230,8 +230,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache,
   return out;
 }
 
-// Every token's [k_t | v_t] at its slot (the write half of paged_attention_write, for the
-// steps whose attention goes elsewhere: SDPA, the flash kernel).
+// Every token's [k_t | v_t] at its slot: the write half of paged_attention_write (its errors
+// say paged_kv_write), and an op of its own for the steps whose attention goes elsewhere (SDPA,
+// the flash kernel).
 void paged_kv_write(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& cache,
                     const at::Tensor& slot_mapping);
 
@@ -254,13 +255,13 @@ void paged_kv_write(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& 
                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_in.dim() == 3 && v_in.sizes() == k_in.sizes() &&
                   k_in.scalar_type() == v_in.scalar_type(),
-              "paged_attention_write: k and v must be [T, Hkv, D] of one dtype");
+              "paged_kv_write: k and v must be [T, Hkv, D] of one dtype");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && 2 * k_in.size(1) * k_in.size(2) ==
                   cache.size(2),
-              "paged_attention_write: cache width is not 2 * Hkv * D");
+              "paged_kv_write: cache width is not 2 * Hkv * D");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
                   slot_mapping.numel() == k_in.size(0),
-              "paged_attention_write: slot_mapping must be int64 CPU [T]");
+              "paged_kv_write: slot_mapping must be int64 CPU [T]");
   check_dtype(k_in, "k");
   check_dtype(cache, "cache");
   at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
