@@ -114,13 +114,23 @@ def serve_rows(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def read_detail(r: dict[str, Any]) -> str:
+    """Which read kernel set the bandwidth, and the others' figures (rows from before session
+    20 measured `sum` alone)."""
+    by = r.get("read_by_kernel")
+    if not by:
+        return " (sum)"
+    return f" ({r['read_kernel']}; " + ", ".join(f"{k} {v}" for k, v in by.items()) + ")"
+
+
 def roofline_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
         b = r["bytes_per_step_mb"]
         out.append(
             f"decode roofline, {r['model']} batch {r['batch']} ({r['threads']} threads): "
-            f"bandwidth read {r['read_gbs']} GB/s (copy {r['copy_gbs']}); bytes per step "
+            f"bandwidth read {r['read_gbs']} GB/s{read_detail(r)} (copy {r['copy_gbs']}); "
+            f"bytes per step "
             f"{b['total']:,.0f} MB (dense {b['dense']:,.0f}, experts {b['experts']:,.0f} with "
             f"{r['active_experts_per_layer']}/{r['experts_per_layer']} active per layer, KV "
             f"{b['kv']:,.0f}); roofline {r['roofline_ms']} ms vs measured step "

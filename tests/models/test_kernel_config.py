@@ -77,3 +77,37 @@ def test_engine_config_takes_kernel_config() -> None:
     assert engine_config_from_kwargs().kernels == KernelConfig()
     with pytest.raises(TypeError, match="cpu_attn"):
         engine_config_from_kwargs(kernel_config={"cpu_attn": False})
+
+
+@pytest.mark.skipif(not __import__("wideserve.kernels.lossless").kernels.lossless.available(),
+                    reason="the coded experts op needs AMX-BF16 and the AVX512-BF16 build")
+def test_lossless_experts_switch_gives_the_same_tokens() -> None:
+    """KernelConfig.lossless_experts: a bf16 Qwen3-MoE's experts run the coded op and give
+    the greedy tokens of the bf16 packs on brgemm (the coded products equal those)."""
+    from wideserve.kernels.choice import KernelChoice, KernelPolicy
+    from wideserve.layers.experts import RoutedExperts
+    models = [build("qwen3-moe", None).to(torch.bfloat16) for _ in range(2)]
+    models[1].apply_kernel_config(KernelConfig(lossless_experts=True))
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, RoutedExperts):
+                m.kernel_choice = KernelChoice(KernelPolicy(force="brgemm", cache_dir=None))
+    (want, plain_ops), (got, coded_ops) = (_greedy(m) for m in models)
+    assert got == want
+    assert "moe_fused_experts_lossless" in coded_ops
+    assert "moe_fused_experts_lossless" not in plain_ops
+    assert engine_config_from_kwargs(lossless_experts=True).kernels.lossless_experts
+
+
+def test_lossless_experts_flag() -> None:
+    """`--lossless-experts` and LLM(lossless_experts=...) set KernelConfig.lossless_experts
+    (off by default)."""
+    import argparse
+    from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, want in (([], False), (["--lossless-experts"], True)):
+        assert engine_config_from_args(parser.parse_args(argv)).kernels.lossless_experts is want
+    assert not engine_config_from_kwargs().kernels.lossless_experts
+    assert engine_config_from_kwargs(
+        kernel_config={"lossless_experts": True}).kernels.lossless_experts

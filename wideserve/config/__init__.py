@@ -168,6 +168,11 @@ class KernelConfig:
     # tiles), so a request's greedy output is the same whatever runs beside it
     # (docs/cpu_kernels.md, "Batch invariance").
     batch_invariant: bool = False
+    # --lossless-experts: the routed experts' bf16 weights held in a lossless 12-bit form
+    # (3/4 of the bytes a decode step streams) where the coded op runs (AMX-BF16); greedy
+    # outputs as with brgemm on the bf16 weights (docs/cpu_kernels.md, "Lossless 12-bit
+    # expert weights"). Off by default: prefill pays a decode of every group per call.
+    lossless_experts: bool = False
 
 
 @dataclass(slots=True)
@@ -233,10 +238,13 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     SpeculativeConfig (as vLLM's LLM does); `enable_eplb` with `eplb_config` (dict, JSON or
     EplbConfig) the same way; `kernel_config` a KernelConfig or a dict of its fields (the
     engine's CPU-op switches, e.g. {"cpu_attention": False} for an A/B run);
-    `batch_invariant=True` sets KernelConfig.batch_invariant (vLLM's flag name)."""
+    `batch_invariant=True` sets KernelConfig.batch_invariant (vLLM's flag name),
+    `lossless_experts=True` KernelConfig.lossless_experts."""
     kernels = _kernels(kwargs.pop("kernel_config", None))
     if kwargs.pop("batch_invariant", False):
         kernels = dataclasses.replace(kernels, batch_invariant=True)
+    if kwargs.pop("lossless_experts", False):
+        kernels = dataclasses.replace(kernels, lossless_experts=True)
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
              "parallel": ParallelConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))

@@ -149,6 +149,11 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
                         "order independent of the batch size and a row's place in it, so "
                         "greedy outputs are bit-identical across batch mixes, data-parallel "
                         "ranks, speculation and P/D (costs speed; docs/cpu_kernels.md)")
+    g.add_argument("--lossless-experts", action="store_true",
+                   help="hold the routed experts' bf16 weights in a lossless 12-bit form (3/4 "
+                        "of the bytes each decode step reads; decoded in the fused op, outputs "
+                        "as on the bf16 weights). CPUs with AMX-BF16; elsewhere a warning and "
+                        "bf16 (docs/cpu_kernels.md)")
     g.add_argument("--small-batch-gemms", default=True, action=argparse.BooleanOptionalAction,
                    help="decode steps of 1-4 requests run DeepSeek-V4 / V4.1's plain linears "
                         "through the small-M GEMM kernel (faster; in bf16 a value may round "
@@ -309,7 +314,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_transfer=getattr(args, "kv_transfer_config", None),
         eplb=_eplb_from_args(args),
         parallel=parallel,
-        kernels=KernelConfig(batch_invariant=getattr(args, "batch_invariant", False)),
+        kernels=KernelConfig(batch_invariant=getattr(args, "batch_invariant", False),
+                             lossless_experts=getattr(args, "lossless_experts", False)),
     )
 
 

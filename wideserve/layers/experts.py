@@ -24,7 +24,10 @@ per device and dtype (`EXPERT_IMPLS`, chosen by measurement in BENCHMARKS.md, "R
   build has it); the CPU default in bf16 where that fast path is compiled. No sort, no
   per-expert Python, no host read. Each expert's GEMMs run on the micro-kernel or, from the
   row count the kernel choice measured brgemm faster at (wideserve/kernels/choice.py,
-  family "experts"), on brgemm (AMX where present) over the same packed weights.
+  family "experts"), on brgemm (AMX where present) over the same packed weights. With
+  KernelConfig.lossless_experts (`--lossless-experts`, bf16 on AMX) the packs are held in
+  a lossless 12-bit form instead (kernels/lossless.py: 3/4 of the bytes a decode step
+  streams, decoded in the op; outputs equal brgemm's on the bf16 packs bit for bit).
 - "loop": one matmul pair per non-empty expert (one host read of the counts): the readable
   reference the others are tested against.
 - "quant": experts kept in the checkpoint's format (`keep_checkpoint_format`: FP8 block-scaled
@@ -39,6 +42,7 @@ owning their experts and calls `grouped_mlp` there.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -48,6 +52,7 @@ from torch import nn
 
 from wideserve.parallel.eplb.replicas import count_rows, map_to_physical
 from wideserve.kv_cache import host_memory
+from wideserve.kernels import lossless
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels import quant_gemm
 from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
@@ -129,6 +134,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         # KernelConfig.batch_invariant (CausalLM.apply_kernel_config): every (token, pick) row
         # through its expert alone, one kernel whatever the expert's row count (`_invariant`)
         self.batch_invariant = False
+        # KernelConfig.lossless_experts: the fused path's packs coded in 12 bits where the
+        # coded op runs (`_coded_runs`); not in the batch-invariant mode
+        self.lossless = False
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -315,14 +323,41 @@ class RoutedExperts(nn.Module, DeclaresGemms):
     def _fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The C++ op on logical ids: with one replica per expert it maps them itself (else
         map_to_physical spreads them first); it adds each expert's rows to expert_load."""
-        w13, w2, inter = self._fused_pack()
         table = self.logical_to_physical
         if table.shape[1] != 1:
             ids = map_to_physical(ids, table, self.replica_count, self.replica_offset)
             table = None
+        if self._coded_runs(x.dtype):
+            return lossless.fused_experts(x, ids, weights, self._coded_pack(),
+                                          self.down_proj.shape[2], self.swiglu_limit,
+                                          expert_map=table, expert_load=self.expert_load)
+        w13, w2, inter = self._fused_pack()
         return moe_op.fused_experts(x, ids, weights, w13, w2, inter, self.swiglu_limit,
                                     expert_map=table, expert_load=self.expert_load,
                                     brgemm_min_rows=self._packs.brgemm_min_rows)
+
+    def _coded_runs(self, dtype: torch.dtype) -> bool:
+        """Whether the fused path runs on losslessly coded packs: asked for, bf16, not in the
+        batch-invariant mode, and the coded op runs here on these widths (else one warning
+        and the bf16 packs)."""
+        if not self.lossless or dtype != torch.bfloat16 or self.batch_invariant:
+            return False
+        usable = lossless.available() and lossless.fits(self.hidden, self.intermediate)
+        if not usable and not getattr(self, "_coded_refused", False):
+            self._coded_refused = True
+            logger.warning("--lossless-experts: %s; the experts stay in bf16",
+                           "the coded op needs AMX-BF16 and the extension's AVX512-BF16 "
+                           "build" if not lossless.available() else
+                           f"hidden {self.hidden} / intermediate {self.intermediate} are "
+                           f"not multiples of 32")
+        return usable
+
+    def _coded_pack(self) -> lossless.CodedExperts:
+        """The coded packs, rebuilt when the weights changed (layers/linear.py's rule)."""
+        w1, w2 = self.gate_up_proj, self.down_proj
+        if not isinstance(self._packs, _CodedPack) or not self._packs.current(w1, w2):
+            self._packs = _CodedPack(w1, w2)
+        return self._packs.coded
 
     def _fused_pack(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(w13, w2, intermediate width) in the fused op's layout, rebuilt when the weights
@@ -352,18 +387,26 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             return self._invariant
         return None
 
-    def fused_op_args(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
-        """The fused op's arguments after the rows as `forward` would pass them for an input
-        on `device` in `dtype` (w13, w2, intermediate, swiglu limit, portable, expert map,
-        expert load, brgemm threshold); None where `forward` would not call the op on
-        logical ids as they are (another implementation, an `ep` dispatcher, replicas).
-        models/lean_decode.py."""
+    def fused_op(self, device: torch.device, dtype: torch.dtype
+                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The fused op as `forward` would call it for an input on `device` in `dtype`, a
+        function of (x, logical ids, weights); None where `forward` would not call it on
+        logical ids as they are (another implementation, an `ep` dispatcher, replicas, the
+        batch-invariant mode). models/lean_decode.py."""
         if self.ep is not None or self.resolved_impl(device, dtype) != "fused" \
                 or self.logical_to_physical.shape[1] != 1 or self.batch_invariant:
             return None
+        table, load, limit = self.logical_to_physical, self.expert_load, self.swiglu_limit
+        ops = torch.ops.wideserve
+        if self._coded_runs(dtype):
+            coded = self._coded_pack().w13.args() + self._coded_pack().w2.args()
+            inter = self.down_proj.shape[2]
+            return lambda x, ids, w: ops.moe_fused_experts_lossless(
+                x, ids, w, *coded, inter, limit, table, load)
         w13, w2, inter = self._fused_pack()
-        return (w13, w2, inter, self.swiglu_limit, False, self.logical_to_physical,
-                self.expert_load, self._packs.brgemm_min_rows)
+        big = self._packs.brgemm_min_rows
+        return lambda x, ids, w: ops.moe_fused_experts(x, ids, w, w13, w2, inter, limit, False,
+                                                       table, load, big)
 
     def _sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [N, d] sorted by expert, counts [L] rows per expert -> [N, d] in xs.dtype."""
@@ -443,6 +486,18 @@ class _FusedPack(_DerivedPack):
                              for w in moe_op.pack_experts(w1, w2))
         self.threads: tuple[int, bool] = (0, False)   # (threads, invariant) of the threshold
         self.brgemm_min_rows: int | None = None   # experts with this many rows: brgemm
+
+
+class _CodedPack(_DerivedPack):
+    """The fused op's packs coded losslessly (kernels/lossless.py), the bf16 packs dropped;
+    the coded bytes, which every decode step streams, on huge pages."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__(w1, w2)
+        coded = lossless.encode_experts(*moe_op.pack_experts(w1, w2))
+        self.coded = lossless.CodedExperts(*(
+            dataclasses.replace(m, data=host_memory.on_huge_pages(m.data, "coded expert weights"))
+            for m in (coded.w13, coded.w2)))
 
 
 def _fused_runs(device: torch.device, dtype: torch.dtype) -> bool:

@@ -7,7 +7,7 @@ fingerprints, backend lookups, `torch.compiler.disable` wrappers, ~136 `Module._
 and ~17 module calls per forward of the 11M Qwen3-MoE, about a quarter of a decode forward's
 CPU time (BENCHMARKS.md, "Decode forward in the engine"). A second torch thread shares none of
 it. Here those decisions are taken once per forward, for every layer, with the module path's
-own checks (`WeightPack.gemm_call`, `RoutedExperts.fused_op_args`, the norm, RoPE and
+own checks (`WeightPack.gemm_call`, `RoutedExperts.fused_op`, the norm, RoPE and
 attention `cpu_kernel_applies`), and the same ops then run with the same arguments in a flat
 loop, so the outputs and the KV cache are bitwise the module path's (tests/models/
 test_lean_decode.py). Where any decision would not come out as the C++ op (autograd, compile,

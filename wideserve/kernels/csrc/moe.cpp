@@ -39,119 +39,25 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "amx.h"
 #include "brgemm.h"
 #include "gemm.h"
+#include "moe_common.h"
+#include "moe_lossless.h"
+#include "moe_matrix.h"
 #include "weight_stream.h"
 
 namespace {
 
 using namespace wideserve_gemm;
-constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (gate + up: 16 accs)
-constexpr int kRowsDown = 4;     // rows per register tile in phase 2 ...
-constexpr int kBlocksDown = 4;   // ... times output blocks (16 accs): a down group
-
-// The sorted rows: expert e owns rows [offsets[e], offsets[e + 1]).
-// `order` per row: kFirst / kLast bits mark a token's first and last row in sorted order,
-// which is the order phase 2 visits them within each thread's columns.
-constexpr uint8_t kFirst = 1, kLast = 2;
-struct Rows {
-  std::vector<int64_t> offsets;
-  std::vector<int64_t> token;
-  std::vector<float> weight;
-  std::vector<uint8_t> order;
-  std::vector<int64_t> active;   // experts with at least one row
-};
-
-// ids [T, k] -> physical ids: through `expert_map` [E, 1] (logical -> its one physical slot)
-// when given, else as they are.
-std::vector<int64_t> physical_ids(const at::Tensor& ids, const std::optional<at::Tensor>& map) {
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  if (!map.has_value() || !map->defined()) return std::vector<int64_t>(id, id + n);
-  TORCH_CHECK(map->dim() == 2 && map->size(1) == 1 && map->scalar_type() == at::kLong,
-              "moe_fused_experts: expert_map must be an int64 [E, 1] table");
-  const at::Tensor table = map->contiguous();
-  const int64_t logical = table.size(0);
-  const int64_t* to = table.data_ptr<int64_t>();
-  std::vector<int64_t> out(n);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < logical, "moe_fused_experts: logical expert id ", id[i],
-                " out of range [0, ", logical, ")");
-    out[i] = to[id[i]];
-  }
-  return out;
-}
-
-Rows sort_rows(const std::vector<int64_t>& ids, int64_t k, const at::Tensor& weights,
-               int64_t experts, int64_t tokens) {
-  const int64_t n = static_cast<int64_t>(ids.size());
-  const int64_t* id = ids.data();
-  const float* w = weights.data_ptr<float>();
-  Rows rows;
-  rows.offsets.assign(experts + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < experts, "moe_fused_experts: expert id ", id[i],
-                " out of range [0, ", experts, ")");
-    ++rows.offsets[id[i] + 1];
-  }
-  for (int64_t e = 0; e < experts; ++e) {
-    if (rows.offsets[e + 1]) rows.active.push_back(e);
-    rows.offsets[e + 1] += rows.offsets[e];
-  }
-  std::vector<int64_t> fill(rows.offsets.begin(), rows.offsets.end() - 1);
-  rows.token.resize(n);
-  rows.weight.resize(n);
-  for (int64_t i = 0; i < n; ++i) {          // stable: rows of one expert stay in token order
-    const int64_t r = fill[id[i]]++;
-    rows.token[r] = i / k;
-    rows.weight[r] = w[i];
-  }
-  std::vector<int64_t> last(tokens, -1);
-  rows.order.assign(n, 0);
-  for (int64_t r = 0; r < n; ++r) {
-    int64_t& prev = last[rows.token[r]];
-    if (prev < 0) rows.order[r] |= kFirst;
-    prev = r;
-  }
-  for (int64_t t = 0; t < tokens; ++t)
-    if (last[t] >= 0) rows.order[last[t]] |= kLast;
-  return rows;
-}
-
-// Packed-layout geometry, derived from the shapes and checked against the packed tensors.
-struct Geometry {
-  int64_t d, inter, ip, pair;          // hidden, intermediate, I padded to 16, P
-  int64_t up_groups, up_pairs;         // w13 [E, up_groups, up_pairs, 2, 16, P]
-  int64_t down_groups, down_pairs;     // w2  [E, down_groups, down_pairs, 4, 16, P]
-  int64_t up_group_size() const { return up_pairs * 2 * kLanes * pair; }
-  int64_t down_group_size() const { return down_pairs * kBlocksDown * kLanes * pair; }
-};
-
-Geometry geometry(int64_t d, int64_t inter, int64_t pair) {
-  Geometry g;
-  g.d = d;
-  g.inter = inter;
-  g.ip = (inter + kLanes - 1) / kLanes * kLanes;
-  g.pair = pair;
-  g.up_groups = g.ip / kLanes;
-  g.up_pairs = (d + pair - 1) / pair;
-  g.down_groups = (d + kBlocksDown * kLanes - 1) / (kBlocksDown * kLanes);
-  g.down_pairs = g.ip / pair;
-  return g;
-}
-
-inline float silu_mul(float gate, float up, bool clamp, float limit) {
-  if (clamp) {  // DeepSeek-V4: the gate is clamped from above only, up both ways
-    gate = std::min(gate, limit);
-    up = std::min(std::max(up, -limit), limit);
-  }
-  return gate / (1.0f + std::exp(-gate)) * up;
-}
+using namespace wideserve_moe;
+using wideserve_amx::Tiles;
 
 // ---------------------------------------------------------------- portable (plain C++)
 
@@ -169,13 +75,6 @@ void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, cons
   }
 }
 
-// Where phase 2 writes: the fp32 partial sums [T, d] and the output [T, d] in the model dtype
-// (for fp32 both are the output).
-template <typename T>
-struct Sums {
-  float* partial;
-  T* out;
-};
 
 template <typename T, int M>
 void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
@@ -203,52 +102,10 @@ void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
   }
 }
 
-// The most rows the brgemm path gathers per chunk (see the AVX512-BF16 section below).
-constexpr int64_t kGatherRows = 256;
 
 // ---------------------------------------------------------------- AVX512-BF16
 
 #ifdef __AVX512BF16__
-// 16 activations silu(gate) * up (DeepSeek-V4's clamp when `clamp`), rounded to bf16 (RNE).
-inline void swiglu_store(__m512 gate, __m512 up, bool clamp, float limit, at::BFloat16* dst) {
-  if (clamp) {
-    const __m512 lim = _mm512_set1_ps(limit);
-    gate = _mm512_min_ps(gate, lim);
-    up = _mm512_min_ps(_mm512_max_ps(up, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  }
-  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-  const __m512 a = _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                 up);
-  const __m256bh packed = _mm512_cvtneps_pbh(a);
-  std::memcpy(dst, &packed, sizeof(packed));
-}
-
-// One row's weighted down-projection sum for 16-column blocks n < NB from fp32 values
-// acc(n): the first row of a token stores, later ones add, the last rounds and writes.
-template <int NB, typename Acc>
-inline void down_store(Acc&& acc, const Rows& rows, int64_t r, const Geometry& g, int64_t b,
-                       Sums<at::BFloat16> sums) {
-  const int64_t row = rows.token[r] * g.d;
-  float* part = sums.partial + row;
-  at::BFloat16* o = sums.out + row;
-  const __m512 wt = _mm512_set1_ps(rows.weight[r]);
-  const uint8_t order = rows.order[r];
-  for (int n = 0; n < NB; ++n) {
-    const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
-    if (cols <= 0) break;
-    const __mmask16 mask = cols == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-    const __m512 cur = (order & kFirst) ? _mm512_setzero_ps()
-                                        : _mm512_maskz_loadu_ps(mask, part + c0);
-    const __m512 v = _mm512_fmadd_ps(wt, acc(n), cur);
-    if (order & kLast) {   // RNE, as at::Tensor::to(kBFloat16) rounds
-      const __m256i packed = reinterpret_cast<const __m256i&>(
-          static_cast<const __m256bh&>(_mm512_cvtneps_pbh(v)));
-      _mm256_mask_storeu_epi16(o + c0, mask, packed);
-    } else {
-      _mm512_mask_storeu_ps(part + c0, mask, v);
-    }
-  }
-}
 
 template <int M>
 void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at::BFloat16* w,
@@ -274,75 +131,6 @@ void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
     down_store<NB>([&](int n) { return acc[m][n]; }, rows, r0 + m, g, b, sums);
 }
 
-// An expert with many rows, through brgemm (csrc/brgemm.h) on the same packed groups.
-// Measured on an AMX Xeon (BENCHMARKS.md, "Intel Xeon: session 12"), the brgemm calls
-// themselves ran at 1.1-1.9 TFLOP/s in 32-row blocks; what held a 2,048-token call to ~430
-// GFLOP/s was around them: a [T*k, d] gathered copy of every row (32 MB of fresh pages per
-// call at 2,048 tokens), each up call re-reading its A rows from that copy, and the per-call
-// lookup. So the up GEMM gathers an expert's rows kGatherRows at a time into a per-thread
-// buffer that stays in L2 and runs each gate/up group over all of them in one call (M up to
-// kGatherRows), and the down GEMM walks 32-row blocks of the activation with the thread's
-// output groups inside (the block's 32 x I activation stays in L1 across the groups).
-// (kGatherRows is defined above the AVX512-BF16 section: run_experts reads it on every ISA.)
-
-// Row blocks for brgemm calls over `rows` rows, at most `block` per call: full blocks, then
-// the rest as a multiple of 32 and a last part under 32, so every call has one of a few row
-// counts (each distinct shape is a ukernel generated once per thread).
-template <typename F>
-inline void row_blocks(int64_t rows, int64_t block, F&& f) {
-  int64_t r = 0;
-  for (; r + block <= rows; r += block) f(r, block);
-  constexpr int64_t step = wideserve_brgemm::kBlockM;
-  const int64_t rest = rows - r, tall = rest / step * step;
-  if (tall) f(r, tall);
-  if (rest > tall) f(r + tall, rest - tall);
-}
-
-// Gate/up groups [j_begin, j_end) of an expert whose rows are [r_begin, r_end) in sorted order:
-// the rows gathered from x in chunks of kGatherRows into `buf` ([kGatherRows, 2 * up_pairs]),
-// one brgemm per (chunk, group), SwiGLU from the fp32 result. `c`: kGatherRows x 32 floats.
-void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, int64_t r_end,
-                      const at::BFloat16* w_expert, const Geometry& g, int64_t j_begin,
-                      int64_t j_end, bool clamp, float limit, at::BFloat16* act,
-                      at::BFloat16* buf, float* c) {
-  const int64_t kp = 2 * g.up_pairs, cols = 2 * kLanes;
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGatherRows) {
-    const int64_t n = std::min(kGatherRows, r_end - r0);
-    for (int64_t i = 0; i < n; ++i)
-      std::memcpy(buf + i * kp, x + rows.token[r0 + i] * kp, kp * sizeof(at::BFloat16));
-    for (int64_t j = j_begin; j < j_end; ++j) {
-      const at::BFloat16* w = w_expert + j * g.up_group_size();
-      row_blocks(n, kGatherRows, [&](int64_t r, int64_t m) {
-        wideserve_brgemm::tile(m, cols, kp, kp, buf + r * kp, w, c + r * cols);
-      });
-      for (int64_t i = 0; i < n; ++i)
-        swiglu_store(_mm512_loadu_ps(c + i * cols), _mm512_loadu_ps(c + i * cols + kLanes),
-                     clamp, limit, act + (r0 + i) * g.ip + j * kLanes);
-    }
-  }
-}
-
-// Down groups [grp_begin, grp_end) (64 columns each) of an expert with many rows through
-// brgemm, 32-row blocks outside, then the weighted sums as down_tile_bf16 makes them.
-// `c`: kBlockM x 64 floats.
-void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
-                        int64_t r_end, const at::BFloat16* w_expert, const Geometry& g,
-                        int64_t grp_begin, int64_t grp_end, Sums<at::BFloat16> sums,
-                        float* c) {
-  constexpr int64_t cols = kBlocksDown * kLanes;
-  for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM) {
-    const int64_t m = std::min(wideserve_brgemm::kBlockM, r_end - r);
-    for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
-      wideserve_brgemm::tile(m, cols, g.ip, g.ip, act + r * g.ip,
-                             w_expert + grp * g.down_group_size(), c);
-      for (int64_t i = 0; i < m; ++i) {
-        const float* ci = c + i * cols;
-        down_store<kBlocksDown>([&](int n) { return _mm512_loadu_ps(ci + n * kLanes); }, rows,
-                                r + i, g, grp * kBlocksDown, sums);
-      }
-    }
-  }
-}
 #endif  // __AVX512BF16__
 
 // ---------------------------------------------------------------- tile dispatch
@@ -386,45 +174,112 @@ std::vector<wideserve_stream::Range> stream_plan(const T* w13, const T* w2, cons
   return plan;
 }
 
+enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2 };
+
+// Per-thread scratch of a call, left uninitialised (a zero-filled 256-row buffer per call
+// cost more than a decode call's few brgemm rows): gathered rows, fp32 results, and for coded
+// weights (csrc/moe_lossless.h) the decoded steps and a decoded group.
+// The coded buffers are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
+// 64-byte tile row straddles two cache lines (a prefill through brgemm on a 16-byte aligned
+// decoded group ran 1.7x slower).
+struct FreeAligned {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+using Aligned = std::unique_ptr<T[], FreeAligned>;
+
+template <typename T>
+Aligned<T> aligned_buffer(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
+  return Aligned<T>(static_cast<T*>(std::aligned_alloc(64, bytes)));
+}
+
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> buf;
+  std::unique_ptr<float[]> c;
+  Aligned<at::BFloat16> steps, group;
+};
+
+#ifndef __AVX512BF16__
+struct Lossless {};
+#endif
+
 // `big` (bf16 fast path only, else 0: none): experts with at least that many rows run their
 // GEMMs through brgemm (csrc/brgemm.h: AMX where present), the others through the
-// micro-kernel tiles. The split of work between threads is the same for both.
+// micro-kernel tiles. `coded` (bf16 on AMX only): the weights in the lossless 12-bit form
+// (csrc/moe_lossless.h) instead of w13 / w2, experts of up to 16 rows on AMX tiles decoding
+// step by step, the others on brgemm over each group decoded once. The split of work between
+// threads is the same for every kernel.
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
                  const Geometry& g, bool clamp, float limit, T* act, Sums<T> sums,
-                 int64_t big) {
+                 int64_t big, const Lossless* coded = nullptr) {
   const int64_t e13 = g.up_groups * g.up_group_size();
   const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
-  int64_t chunk = 0;   // the most rows a gathered chunk holds (0: no expert on brgemm)
-  for (const int64_t e : rows.active) {
-    const int64_t n = rows.offsets[e + 1] - rows.offsets[e];
-    if (big > 0 && n >= big) chunk = std::max(chunk, std::min(n, kGatherRows));
+  std::vector<Kernel> kernel(active, kMicro);
+  int64_t chunk = 0;   // the most rows a gathered brgemm chunk holds
+  bool any_big = false, any_amx = false;
+  for (int64_t i = 0; i < active && fast; ++i) {
+    const int64_t e = rows.active[i], n = rows.offsets[e + 1] - rows.offsets[e];
+    kernel[i] = coded ? (n <= wideserve_amx::kRows ? kAmx : kBrgemm)
+                      : big > 0 && n >= big ? kBrgemm : kMicro;
+    if (kernel[i] == kBrgemm) chunk = std::max(chunk, std::min(n, kGatherRows));
+    any_big |= kernel[i] == kBrgemm;
+    any_amx |= kernel[i] == kAmx;
   }
-  const bool any_big = chunk > 0;
-  auto is_big = [&](int64_t e) {
-    return any_big && rows.offsets[e + 1] - rows.offsets[e] >= big;
-  };
-  // Per-thread brgemm scratch, sized to this call and left uninitialised (a zero-filled
-  // 256-row buffer per call cost more than a decode call's few brgemm rows).
-  const int64_t gather = chunk * 2 * g.up_pairs;
-  const int64_t scratch = any_big ? std::max(chunk * 2 * kLanes,
-                                             wideserve_brgemm::kBlockM * kBlocksDown * kLanes)
-                                  : 0;
+#ifdef WIDESERVE_AMX
+  constexpr int64_t amx_rows = wideserve_amx::kRows;
+#else
+  constexpr int64_t amx_rows = 0;
+#endif
+  const int64_t gather = std::max(chunk, any_amx ? amx_rows : 0) * 2 * g.up_pairs;
+  const int64_t scratch = any_big || any_amx
+      ? std::max({chunk * 2 * kLanes, wideserve_brgemm::kBlockM * kBlocksDown * kLanes,
+                  amx_rows * kBlocksDown * kLanes})
+      : 0;
+  // coded: two decoded steps of a down group (the widest), one whole decoded group
+  const int64_t steps = coded ? 2 * 16 * kBlocksDown * 32 : 0;
+  const int64_t group = coded ? std::max(g.up_group_size(), g.down_group_size()) : 0;
   auto buffers = [&]() {
-    return std::make_pair(std::unique_ptr<T[]>(new T[gather]),
-                          std::unique_ptr<float[]>(new float[scratch]));
+    return Scratch<T>{std::unique_ptr<T[]>(new T[gather]),
+                      std::unique_ptr<float[]>(new float[scratch]),
+                      aligned_buffer<at::BFloat16>(steps), aligned_buffer<at::BFloat16>(group)};
   };
   // Phase 1. Each thread takes a range of blocks j for every expert (experts outside, so its
   // weights stream in order, as they do at one thread), when there are blocks enough for
   // that; else (block j, expert) items, block-major. Either way a thread's rows do not depend
   // on the routing (the header says why).
-  auto up_groups = [&](int64_t e, int64_t j_begin, int64_t j_end, T* buf, float* c) {
+  auto up_groups = [&](int64_t i, int64_t j_begin, int64_t j_end, Scratch<T>& sc,
+                       Tiles& tiles) {
+    const int64_t e = rows.active[i];
+    T* buf = sc.buf.get();
+    float* c = sc.c.get();
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (is_big(e))
-        return up_expert_brgemm(x, rows, rows.offsets[e], rows.offsets[e + 1], w13 + e * e13,
-                                g, j_begin, j_end, clamp, limit, act, buf, c);
+      const int64_t r0 = rows.offsets[e], r1 = rows.offsets[e + 1];
+#ifdef WIDESERVE_AMX
+      if (kernel[i] == kAmx && coded) {
+        auto steps_of = [&](int64_t j) {
+          return DecodedSteps{coded->w13.group(e, j), 8, coded->w13.table,
+                              coded->w13.exceptions_of(e, j), sc.steps.get()};
+        };
+        return up_expert_amx(x, rows, r0, r1, steps_of, g, j_begin, j_end, clamp, limit, act,
+                             buf, c, tiles);
+      }
+      if (kernel[i] == kBrgemm && coded) {
+        tiles.release();
+        auto group_of = [&](int64_t j) { return decode_group(coded->w13, e, j, sc.group.get()); };
+        return up_expert_brgemm(x, rows, r0, r1, group_of, g, j_begin, j_end, clamp, limit,
+                                act, buf, c);
+      }
+#endif
+      if (kernel[i] == kBrgemm) {
+        tiles.release();
+        return up_expert_brgemm(x, rows, r0, r1, Groups{w13 + e * e13, g.up_group_size()}, g,
+                                j_begin, j_end, clamp, limit, act, buf, c);
+      }
     }
 #endif
     for (int64_t j = j_begin; j < j_end; ++j) {
@@ -440,26 +295,29 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   // Weight streaming (csrc/weight_stream.h): the experts' weights in the order the first
   // thread reads them, where every thread walks the experts in order; its place reported
   // per expert. Not in the block-major split, whose threads each read across experts.
-  const wideserve_stream::Session stream(expert_major ? stream_plan(w13, w2, rows, e13, e2)
-                                                      : std::vector<wideserve_stream::Range>());
+  const wideserve_stream::Session stream(expert_major && !coded
+                                             ? stream_plan(w13, w2, rows, e13, e2)
+                                             : std::vector<wideserve_stream::Range>());
   auto reached = [&](int64_t index) {
     if (stream.on() && at::get_thread_num() == 0) stream.at(index);
   };
   if (expert_major) {
     at::parallel_for(0, g.up_groups, 1, [&](int64_t begin, int64_t end) {
-      const auto [buf, c] = buffers();
+      Scratch<T> sc = buffers();
+      Tiles tiles;
       for (int64_t i = 0; i < active; ++i) {
         reached(i);
-        up_groups(rows.active[i], begin, end, buf.get(), c.get());
+        up_groups(i, begin, end, sc, tiles);
       }
       if (any_big) wideserve_brgemm::release();
     });
   } else {
     at::parallel_for(0, g.up_groups * active, 1, [&](int64_t begin, int64_t end) {
-      const auto [buf, c] = buffers();
+      Scratch<T> sc = buffers();
+      Tiles tiles;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t j = item / active;
-        up_groups(rows.active[item % active], j, j + 1, buf.get(), c.get());
+        up_groups(item % active, j, j + 1, sc, tiles);
       }
       if (any_big) wideserve_brgemm::release();
     });
@@ -467,15 +325,37 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   // Phase 2: down groups; each thread owns its columns of `out` for all rows. Within a
   // thread's range the expert loop is outside, so its weights stream in order.
   at::parallel_for(0, g.down_groups, 1, [&](int64_t begin, int64_t end) {
-    const std::unique_ptr<float[]> c(new float[scratch]);
+    Scratch<T> sc = buffers();
+    float* c = sc.c.get();
+    Tiles tiles;
     for (int64_t i = 0; i < active; ++i) {
       const int64_t e = rows.active[i];
       reached(active + i);
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (is_big(e)) {
-          down_expert_brgemm(act, rows, rows.offsets[e], rows.offsets[e + 1], w2 + e * e2, g,
-                             begin, end, sums, c.get());
+        const int64_t r0 = rows.offsets[e], r1 = rows.offsets[e + 1];
+#ifdef WIDESERVE_AMX
+        if (kernel[i] == kAmx && coded) {
+          auto steps_of = [&](int64_t grp) {
+            return DecodedSteps{coded->w2.group(e, grp), 4 * kBlocksDown, coded->w2.table,
+                                coded->w2.exceptions_of(e, grp), sc.steps.get()};
+          };
+          down_expert_amx(act, rows, r0, r1, steps_of, g, begin, end, sums, c, tiles);
+          continue;
+        }
+        if (kernel[i] == kBrgemm && coded) {
+          tiles.release();
+          auto group_of = [&](int64_t grp) {
+            return decode_group(coded->w2, e, grp, sc.group.get());
+          };
+          down_expert_brgemm(act, rows, r0, r1, group_of, g, begin, end, sums, c, true);
+          continue;
+        }
+#endif
+        if (kernel[i] == kBrgemm) {
+          tiles.release();
+          down_expert_brgemm(act, rows, r0, r1, Groups{w2 + e * e2, g.down_group_size()}, g,
+                             begin, end, sums, c);
           continue;
         }
       }
@@ -494,6 +374,50 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   });
 }
 
+// What both ops check and build before the experts run: the sorted rows (EPLB's counters
+// updated), the output and the activation scratch; `run(x, rows, act, out, partial)` then
+// fills `out` (never called when no row has an expert: the output is zeros).
+template <typename Run>
+at::Tensor fused_call(const char* name, const at::Tensor& x_in, const at::Tensor& topk_ids,
+                      const at::Tensor& topk_weights, int64_t experts, const Geometry& g,
+                      const std::optional<at::Tensor>& expert_map,
+                      const std::optional<at::Tensor>& expert_load, Run&& run) {
+  const int64_t d = x_in.size(1);
+  at::Tensor x = x_in.contiguous();
+  if (d % g.pair) x = at::constant_pad_nd(x, {0, 1});   // the last bf16 pair reads one past d
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const Rows rows = sort_rows(physical_ids(ids, expert_map), ids.size(1), wts, experts,
+                              x_in.size(0));
+  if (expert_load.has_value() && expert_load->defined()) {   // EPLB's counters, in place
+    TORCH_CHECK(expert_load->dim() == 1 && expert_load->size(0) == experts &&
+                    expert_load->scalar_type() == at::kLong && expert_load->is_contiguous(),
+                name, ": expert_load must be a contiguous int64 [", experts, "]");
+    int64_t* load = expert_load->data_ptr<int64_t>();
+    for (int64_t e = 0; e < experts; ++e) load[e] += rows.offsets[e + 1] - rows.offsets[e];
+  }
+  // k == 0 leaves tokens without rows: their sum is the empty one
+  if (rows.active.empty() || ids.size(1) == 0) return at::zeros({x_in.size(0), d},
+                                                                x_in.options());
+  at::Tensor out = at::empty({x_in.size(0), d}, x_in.options());
+  at::Tensor act = at::empty({ids.numel(), g.ip}, x_in.options());
+  // bf16: partial sums are needed only while a token has rows still to come
+  at::Tensor partial = at::empty(
+      x_in.scalar_type() == at::kBFloat16 && ids.size(1) > 1 ? at::IntArrayRef({x_in.size(0), d})
+                                                             : at::IntArrayRef({0}),
+      x_in.options().dtype(at::kFloat));
+  run(x, rows, act, out, partial);
+  return out;
+}
+
+void check_routing(const char* name, const at::Tensor& x, const at::Tensor& topk_ids,
+                   const at::Tensor& topk_weights) {
+  TORCH_CHECK(x.dim() == 2, name, ": x must be [T, d]");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              name, ": topk_ids and topk_weights must both be [T, k]");
+}
+
 at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& w13,
                              const at::Tensor& w2, int64_t intermediate,
@@ -501,10 +425,7 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
                              const std::optional<at::Tensor>& expert_map,
                              const std::optional<at::Tensor>& expert_load,
                              std::optional<int64_t> brgemm_min_rows) {
-  TORCH_CHECK(x_in.dim() == 2, "moe_fused_experts: x must be [T, d]");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x_in.size(0) &&
-                  topk_weights.sizes() == topk_ids.sizes(),
-              "moe_fused_experts: topk_ids and topk_weights must both be [T, k]");
+  check_routing("moe_fused_experts", x_in, topk_ids, topk_weights);
   const auto dtype = x_in.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "moe_fused_experts: bfloat16 or float32 only, got ", dtype);
@@ -522,47 +443,113 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
               " (pack them with wideserve.kernels.moe.pack_experts)");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_fused_experts: packed weights "
               "must be contiguous");
-  at::Tensor x = x_in.contiguous();
-  if (d % pair) x = at::constant_pad_nd(x, {0, 1});   // the last bf16 pair reads one past d
-  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
-  const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
-  const Rows rows = sort_rows(physical_ids(ids, expert_map), ids.size(1), wts, experts,
-                              x_in.size(0));
-  if (expert_load.has_value() && expert_load->defined()) {   // EPLB's counters, in place
-    TORCH_CHECK(expert_load->dim() == 1 && expert_load->size(0) == experts &&
-                    expert_load->scalar_type() == at::kLong && expert_load->is_contiguous(),
-                "moe_fused_experts: expert_load must be a contiguous int64 [", experts, "]");
-    int64_t* load = expert_load->data_ptr<int64_t>();
-    for (int64_t e = 0; e < experts; ++e) load[e] += rows.offsets[e + 1] - rows.offsets[e];
-  }
-  // k == 0 leaves tokens without rows: their sum is the empty one
-  if (rows.active.empty() || ids.size(1) == 0) return at::zeros({x_in.size(0), d},
-                                                                x_in.options());
-  at::Tensor out = at::empty({x_in.size(0), d}, x_in.options());
-  at::Tensor act = at::empty({ids.numel(), g.ip}, x_in.options());
   const bool fast = !portable && bf16_fast_path_compiled();
   const bool clamp = limit.has_value();
   const float lim = clamp ? static_cast<float>(*limit) : 0.0f;
-  if (dtype == at::kBFloat16) {
-    // partial sums are needed only while a token has rows still to come
-    at::Tensor partial = at::empty(ids.size(1) > 1 ? at::IntArrayRef({x_in.size(0), d})
-                                                   : at::IntArrayRef({0}),
-                                   x_in.options().dtype(at::kFloat));
-    // experts with at least brgemm_min_rows rows run on brgemm (the kernel choice's
-    // threshold, layers/experts.py); None: none do
-    const int64_t big = brgemm_min_rows.has_value() ? std::max<int64_t>(*brgemm_min_rows, 1)
-                                                    : 0;
-    run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
-                              w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
-                              act.data_ptr<at::BFloat16>(),
-                              {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()},
-                              fast ? big : 0);
-  } else {
-    run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
-                       rows, g, clamp, lim, act.data_ptr<float>(),
-                       {out.data_ptr<float>(), out.data_ptr<float>()}, 0);
-  }
-  return out;
+  return fused_call("moe_fused_experts", x_in, topk_ids, topk_weights, experts, g, expert_map,
+                    expert_load, [&](const at::Tensor& x, const Rows& rows, at::Tensor& act,
+                                     at::Tensor& out, at::Tensor& partial) {
+    if (dtype == at::kBFloat16) {
+      // experts with at least brgemm_min_rows rows run on brgemm (the kernel choice's
+      // threshold, layers/experts.py); None: none do
+      const int64_t big = brgemm_min_rows.has_value()
+                              ? std::max<int64_t>(*brgemm_min_rows, 1) : 0;
+      run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(),
+                                w13.data_ptr<at::BFloat16>(), w2.data_ptr<at::BFloat16>(),
+                                rows, g, clamp, lim, act.data_ptr<at::BFloat16>(),
+                                {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()},
+                                fast ? big : 0);
+    } else {
+      run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(),
+                         w2.data_ptr<float>(), rows, g, clamp, lim, act.data_ptr<float>(),
+                         {out.data_ptr<float>(), out.data_ptr<float>()}, 0);
+    }
+  });
+}
+
+bool lossless_available() {
+#ifdef WIDESERVE_AMX
+  return wideserve_amx::available();
+#else
+  return false;
+#endif
+}
+
+#ifdef WIDESERVE_AMX
+// One coded matrix's tensors checked against the geometry: data [E, groups, group bytes]
+// uint8, exceptions [n] int16 (bf16 bits), starts [E * groups] int64 (each group's first
+// exception, within n), table [16] uint8.
+LosslessMatrix coded_matrix(const char* which, const at::Tensor& data,
+                            const at::Tensor& exceptions, const at::Tensor& starts,
+                            const at::Tensor& table, int64_t experts, int64_t groups,
+                            int64_t values) {
+  const int64_t bytes = values / kChunkValues * kChunkBytes;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() &&
+                  data.sizes() == at::IntArrayRef({experts, groups, bytes}),
+              "moe_fused_experts_lossless: ", which, " must be a contiguous uint8 [", experts,
+              ", ", groups, ", ", bytes, "], got ", data.sizes(),
+              " (code it with wideserve.kernels.lossless.encode_experts)");
+  TORCH_CHECK(exceptions.scalar_type() == at::kShort && exceptions.dim() == 1 &&
+                  exceptions.is_contiguous() && starts.scalar_type() == at::kLong &&
+                  starts.is_contiguous() && starts.numel() == experts * groups &&
+                  table.scalar_type() == at::kByte && table.numel() == 16 &&
+                  table.is_contiguous(),
+              "moe_fused_experts_lossless: ", which, "'s exceptions (int16), starts (int64 [",
+              experts * groups, "]) or table (uint8 [16]) malformed");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < starts.numel(); ++i)
+    TORCH_CHECK(st[i] >= 0 && st[i] <= exceptions.numel(), "moe_fused_experts_lossless: ",
+                which, " starts[", i, "] = ", st[i], " outside [0, ", exceptions.numel(), "]");
+  LosslessMatrix m;
+  m.data = data.data_ptr<uint8_t>();
+  m.exceptions = reinterpret_cast<const uint16_t*>(exceptions.data_ptr<int16_t>());
+  m.starts = st;
+  m.groups = groups;
+  m.group_bytes = bytes;
+  m.table = _mm512_broadcast_i32x4(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(table.data_ptr<uint8_t>())));
+  return m;
+}
+#endif
+
+// Routed experts on lossless 12-bit weights (csrc/moe_lossless.h): the products equal
+// moe_fused_experts' on the bf16 packs with brgemm for every expert, bit for bit.
+at::Tensor moe_fused_experts_lossless(
+    const at::Tensor& x_in, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& w13, const at::Tensor& w13_exceptions, const at::Tensor& w13_starts,
+    const at::Tensor& w13_table, const at::Tensor& w2, const at::Tensor& w2_exceptions,
+    const at::Tensor& w2_starts, const at::Tensor& w2_table, int64_t intermediate,
+    std::optional<double> limit, const std::optional<at::Tensor>& expert_map,
+    const std::optional<at::Tensor>& expert_load) {
+  check_routing("moe_fused_experts_lossless", x_in, topk_ids, topk_weights);
+  TORCH_CHECK(lossless_available(), "moe_fused_experts_lossless: needs a CPU with AMX-BF16 "
+              "and this extension's AVX512-BF16 build (moe_lossless_available() is false)");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16,
+              "moe_fused_experts_lossless: bfloat16 only, got ", x_in.scalar_type());
+  const Geometry g = geometry(x_in.size(1), intermediate, 2);
+  TORCH_CHECK(g.up_pairs % wideserve_amx::kPairs == 0 && g.down_pairs % wideserve_amx::kPairs == 0,
+              "moe_fused_experts_lossless: hidden ", g.d, " and intermediate (padded) ", g.ip,
+              " must be multiples of 32");
+#ifdef WIDESERVE_AMX
+  const int64_t experts = w13.size(0);
+  Lossless coded{coded_matrix("w13", w13, w13_exceptions, w13_starts, w13_table, experts,
+                              g.up_groups, g.up_group_size()),
+                 coded_matrix("w2", w2, w2_exceptions, w2_starts, w2_table, experts,
+                              g.down_groups, g.down_group_size())};
+  const bool clamp = limit.has_value();
+  const float lim = clamp ? static_cast<float>(*limit) : 0.0f;
+  return fused_call("moe_fused_experts_lossless", x_in, topk_ids, topk_weights, experts, g,
+                    expert_map, expert_load,
+                    [&](const at::Tensor& x, const Rows& rows, at::Tensor& act,
+                        at::Tensor& out, at::Tensor& partial) {
+    run_experts<at::BFloat16>(true, x.data_ptr<at::BFloat16>(), nullptr, nullptr, rows, g,
+                              clamp, lim, act.data_ptr<at::BFloat16>(),
+                              {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()}, 0,
+                              &coded);
+  });
+#else
+  return at::Tensor();   // unreachable: lossless_available() is false
+#endif
 }
 
 }  // namespace
@@ -572,9 +559,15 @@ TORCH_LIBRARY_FRAGMENT(wideserve, m) {
         "Tensor w2, int intermediate, float? limit=None, bool portable=False, "
         "Tensor? expert_map=None, Tensor(a!)? expert_load=None, int? brgemm_min_rows=None) "
         "-> Tensor");
+  m.def("moe_fused_experts_lossless(Tensor x, Tensor topk_ids, Tensor topk_weights, "
+        "Tensor w13, Tensor w13_exceptions, Tensor w13_starts, Tensor w13_table, Tensor w2, "
+        "Tensor w2_exceptions, Tensor w2_starts, Tensor w2_table, int intermediate, "
+        "float? limit=None, Tensor? expert_map=None, Tensor(a!)? expert_load=None) -> Tensor");
   m.def("moe_fast_path_compiled() -> bool", &bf16_fast_path_compiled);
+  m.def("moe_lossless_available() -> bool", &lossless_available);
 }
 
 TORCH_LIBRARY_IMPL(wideserve, CPU, m) {
   m.impl("moe_fused_experts", &moe_fused_experts);
+  m.impl("moe_fused_experts_lossless", &moe_fused_experts_lossless);
 }

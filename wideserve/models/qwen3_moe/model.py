@@ -110,9 +110,9 @@ class SparseMoeBlock(nn.Module):
         if hooked(self, gate, experts) or torch.is_grad_enabled():
             return None
         router = gate._pack.gemm_pack((gate.weight,), (None,), dtype)
-        args = experts.fused_op_args(device, dtype)
+        fused = experts.fused_op(device, dtype)
         invariant = experts.invariant_fn(device, dtype)     # --batch-invariant's expert path
-        if router is None or (args is None and invariant is None):
+        if router is None or (fused is None and invariant is None):
             return None
         packed, _, num_experts = router
         top_k, renormalize = gate.top_k, gate.renormalize
@@ -124,7 +124,7 @@ class SparseMoeBlock(nn.Module):
                                          brgemm(x.shape[0]))
             if invariant is not None:
                 return invariant(x, ids, weights)
-            return ops.moe_fused_experts(x, ids, weights, *args)
+            return fused(x, ids, weights)
         return mlp
 
 
