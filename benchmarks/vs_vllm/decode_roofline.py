@@ -129,6 +129,9 @@ def step_bytes(model: torch.nn.Module, cfg: Any, batch: int, active_experts: flo
     for m in model.modules():
         if isinstance(m, RoutedExperts):
             per_expert = sum(p.nbytes for p in m.parameters()) / m.gate_up_proj.shape[0]
+            coded = getattr(m._packs, "coded", None)       # --lossless-experts: what is read
+            if coded is not None:
+                per_expert = coded.nbytes / m.gate_up_proj.shape[0]
             experts += per_expert * active_experts
             expert_params.update(id(p) for p in m.parameters())
     dense = embed = 0.0
@@ -155,12 +158,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
     ap.add_argument("--out", default=None, help="append the JSON line to this file too")
+    ap.add_argument("--lossless-experts", action="store_true",
+                    help="the routed experts in the lossless 12-bit form; the experts' bytes "
+                         "per step are then the coded ones")
     a = ap.parse_args()
     bw = bandwidth_gbs(a.threads, a.bandwidth_mib)
     from wideserve.serving.llm import LLM
     from wideserve.types.sampling_params import SamplingParams
     llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,
-              max_num_seqs=max(64, a.batch))
+              max_num_seqs=max(64, a.batch), lossless_experts=a.lossless_experts)
     engine = llm.engine
     rng = random.Random(0)
     ids = [[rng.randrange(3, 8000) for _ in range(a.input_len)] for _ in range(a.batch)]
@@ -191,6 +197,7 @@ def main() -> None:
     roof_s = b["total"] / (bw["read_gbs"] * 1e9)
     row = {"bench": "decode_roofline", "model": os.path.basename(a.model.rstrip("/")),
            "batch": a.batch, "threads": a.threads, **bw,
+           **({"lossless_experts": True} if a.lossless_experts else {}),
            "decode_steps": len(decode), "step_ms_p50": round(step_s * 1e3, 2),
            "forward_ms_p50": round(forward_s * 1e3, 2),
            "active_experts_per_layer": round(active, 2), "experts_per_layer": num_experts,

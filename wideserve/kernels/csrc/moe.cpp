@@ -176,10 +176,7 @@ std::vector<wideserve_stream::Range> stream_plan(const T* w13, const T* w2, cons
 
 enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2 };
 
-// Per-thread scratch of a call, left uninitialised (a zero-filled 256-row buffer per call
-// cost more than a decode call's few brgemm rows): gathered rows, fp32 results, and for coded
-// weights (csrc/moe_lossless.h) the decoded steps and a decoded group.
-// The coded buffers are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
+// Decoded weights are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
 // 64-byte tile row straddles two cache lines (a prefill through brgemm on a 16-byte aligned
 // decoded group ran 1.7x slower).
 struct FreeAligned {
@@ -194,6 +191,9 @@ Aligned<T> aligned_buffer(int64_t n) {
   return Aligned<T>(static_cast<T*>(std::aligned_alloc(64, bytes)));
 }
 
+// Per-thread scratch of a call, left uninitialised (a zero-filled 256-row buffer per call
+// cost more than a decode call's few brgemm rows): gathered rows, fp32 results, and for coded
+// weights (csrc/moe_lossless.h) two decoded steps and a decoded group.
 template <typename T>
 struct Scratch {
   std::unique_ptr<T[]> buf;
@@ -240,7 +240,7 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
                   amx_rows * kBlocksDown * kLanes})
       : 0;
   // coded: two decoded steps of a down group (the widest), one whole decoded group
-  const int64_t steps = coded ? 2 * 16 * kBlocksDown * 32 : 0;
+  const int64_t steps = coded ? 2 * kStepChunksPerBlock * kBlocksDown * kChunkValues : 0;
   const int64_t group = coded ? std::max(g.up_group_size(), g.down_group_size()) : 0;
   auto buffers = [&]() {
     return Scratch<T>{std::unique_ptr<T[]>(new T[gather]),
@@ -262,7 +262,7 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #ifdef WIDESERVE_AMX
       if (kernel[i] == kAmx && coded) {
         auto steps_of = [&](int64_t j) {
-          return DecodedSteps{coded->w13.group(e, j), 8, coded->w13.table,
+          return DecodedSteps{coded->w13.group(e, j), kStepChunksPerBlock * 2, coded->w13.table,
                               coded->w13.exceptions_of(e, j), sc.steps.get()};
         };
         return up_expert_amx(x, rows, r0, r1, steps_of, g, j_begin, j_end, clamp, limit, act,
@@ -270,7 +270,9 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       }
       if (kernel[i] == kBrgemm && coded) {
         tiles.release();
-        auto group_of = [&](int64_t j) { return decode_group(coded->w13, e, j, sc.group.get()); };
+        auto group_of = [&](int64_t j) {
+          return decode_group(coded->w13, e, j, sc.group.get());
+        };
         return up_expert_brgemm(x, rows, r0, r1, group_of, g, j_begin, j_end, clamp, limit,
                                 act, buf, c);
       }
@@ -337,7 +339,8 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #ifdef WIDESERVE_AMX
         if (kernel[i] == kAmx && coded) {
           auto steps_of = [&](int64_t grp) {
-            return DecodedSteps{coded->w2.group(e, grp), 4 * kBlocksDown, coded->w2.table,
+            return DecodedSteps{coded->w2.group(e, grp), kStepChunksPerBlock * kBlocksDown,
+                                coded->w2.table,
                                 coded->w2.exceptions_of(e, grp), sc.steps.get()};
           };
           down_expert_amx(act, rows, r0, r1, steps_of, g, begin, end, sums, c, tiles);

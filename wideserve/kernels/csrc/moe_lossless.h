@@ -29,6 +29,8 @@
 namespace wideserve_moe {
 
 constexpr int64_t kChunkValues = 128, kChunkBytes = 192;
+// An AMX tile step of one 16-column block: 16 K pairs x 16 columns x 2 = 512 values.
+constexpr int64_t kStepChunksPerBlock = 4;
 constexpr int kEscape = 15;
 
 #ifdef __AVX512BF16__
@@ -85,7 +87,7 @@ inline void decode_chunks(const uint8_t* src, int64_t chunks, __m512i table,
 // bytes prefetched. Steps must be asked for in order (the exception cursor moves on).
 struct DecodedSteps {
   const uint8_t* src;
-  int64_t chunks;                // per step: 4 x blocks of the group
+  int64_t chunks;                // per step: kStepChunksPerBlock x blocks of the group
   __m512i table;
   const uint16_t* exc;
   at::BFloat16* buf;
