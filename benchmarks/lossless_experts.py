@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import time
 
 import torch
@@ -23,6 +22,18 @@ from wideserve.kernels import lossless
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels.loader import load
 from wideserve.kv_cache.host_memory import on_huge_pages
+
+
+def cpu_model() -> str:
+    """lscpu's "Model name" (BENCHMARKS.md's rule: every figure names its CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def layers(count: int, experts: int, inter: int, hidden: int, seed: int = 0):
@@ -60,7 +71,7 @@ def main() -> None:
     bf16_bytes = sum(t.nbytes for p in plain for t in p)
     coded_bytes = sum(c.nbytes for c in coded)
     exceptions = sum(m.exceptions.numel() for c in coded for m in (c.w13, c.w2))
-    print(f"{platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} "
+    print(f"{cpu_model()}, {a.threads} threads; {a.layers} "
           f"layers: bf16 packs {bf16_bytes / 1e6:,.0f} MB, coded {coded_bytes / 1e6:,.0f} MB "
           f"({coded_bytes / bf16_bytes:.3f}), exceptions {exceptions / (bf16_bytes / 2):.1e} "
           f"of the values\n")

@@ -1,11 +1,13 @@
-// Intel AMX tiles driven directly (docs/cpu_kernels.md, "Routed experts: small row counts on
-// AMX"), for GEMMs too small for torch's brgemm to pay its per-call cost: a routed expert's
-// few decode rows against its weight groups in the panel layout of csrc/gemm.h.
+// Intel AMX tiles driven directly (docs/cpu_kernels.md, "Lossless 12-bit expert weights"): a
+// routed expert's few decode rows against its weight groups, each tile step's B decoded from
+// the coded weights into an L1 buffer just before its tile loads (csrc/moe_lossless.h), which
+// torch's brgemm, taking whole B matrices, cannot interleave.
 //
-// A group of NB blocks of 16 output columns is stored [K/2, NB, 16, 2] bf16: 16 consecutive
-// K pairs of block n are exactly an AMX B tile (16 rows of 64 bytes, VNNI) at a row stride of
-// NB * 64 bytes, so the packed copy the micro-kernel and brgemm read serves the tiles as it is.
-// A (the rows, bf16) is up to 16 rows of 32 values; C 16 x 16 fp32 per block.
+// A group of NB blocks of 16 output columns is stored [K/2, NB, 16, 2] bf16 (the panel layout
+// of csrc/gemm.h): 16 consecutive K pairs of block n are exactly an AMX B tile (16 rows of 64
+// bytes, VNNI) at a row stride of NB * 64 bytes. A (the rows, bf16) is up to 16 rows of 32
+// values; C 16 x 16 fp32 per block. The products are brgemm's: the same tile instructions in
+// the same K order (the coded op's outputs equal the bf16 op's with brgemm bit for bit).
 //
 // The tile configuration is per thread and shared with torch's brgemm (oneDNN), which keeps its
 // own record of what it last loaded: `Tiles` loads ours, and `release()` (every parallel body
@@ -88,23 +90,21 @@ class Tiles {
   int rows_ = -1;
 };
 
-// The B operand of step s (16 K pairs) of a group of nb blocks: the packed group read in place
-// (a step is kPairs * nb * 32 values), or a step decoded into a buffer (csrc/lossless.h).
-struct InPlace {
-  const at::BFloat16* b;
-  int64_t nb;
-  const at::BFloat16* operator()(int64_t s) const { return b + s * kPairs * nb * 32; }
-};
-
-// c[m][32] (ldc floats) = a [m, K] (lda elements) x blocks 0 and 1 of a group of 2 blocks,
-// K = 32 * steps, B of step s from `step_b(s)`. Tiles configured for m rows (Tiles::use).
-template <typename StepB>
-WS_AMX_TARGET inline void two_blocks(const at::BFloat16* a, int64_t lda, int64_t steps,
-                                     StepB&& step_b, float* c, int64_t ldc) {
-  constexpr int64_t b_stride = 2 * 64;
+// c[m][16 NB] (ldc floats) = a [m, K] (lda elements) x a group of NB = 2 or 4 blocks,
+// K = 32 * steps, B of step s from `step_b(s)` (rows of NB * 64 bytes). Tiles configured for
+// m rows (Tiles::use); C in tiles 3.., B in 1 and 2 by turns.
+template <int NB, typename StepB>
+WS_AMX_TARGET inline void blocks(const at::BFloat16* a, int64_t lda, int64_t steps,
+                                 StepB&& step_b, float* c, int64_t ldc) {
+  static_assert(NB == 2 || NB == 4, "AMX groups of 2 or 4 blocks");
+  constexpr int64_t b_stride = NB * 64;
   memory_barrier();
   _tile_zero(3);
   _tile_zero(4);
+  if constexpr (NB == 4) {
+    _tile_zero(5);
+    _tile_zero(6);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     const at::BFloat16* w = step_b(s);
     memory_barrier();
@@ -113,39 +113,19 @@ WS_AMX_TARGET inline void two_blocks(const at::BFloat16* a, int64_t lda, int64_t
     _tile_loadd(2, w + 32, b_stride);
     _tile_dpbf16ps(3, 0, 1);
     _tile_dpbf16ps(4, 0, 2);
+    if constexpr (NB == 4) {
+      _tile_loadd(1, w + 64, b_stride);
+      _tile_loadd(2, w + 96, b_stride);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_dpbf16ps(6, 0, 2);
+    }
   }
   _tile_stored(3, c, ldc * 4);
   _tile_stored(4, c + 16, ldc * 4);
-  memory_barrier();
-}
-
-// c[m][64] (ldc floats) = a [m, K] x a group of 4 blocks, K = 32 * steps.
-template <typename StepB>
-WS_AMX_TARGET inline void four_blocks(const at::BFloat16* a, int64_t lda, int64_t steps,
-                                      StepB&& step_b, float* c, int64_t ldc) {
-  constexpr int64_t b_stride = 4 * 64;
-  memory_barrier();
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  for (int64_t s = 0; s < steps; ++s) {
-    const at::BFloat16* w = step_b(s);
-    memory_barrier();
-    _tile_loadd(0, a + s * 2 * kPairs, lda * 2);
-    _tile_loadd(1, w, b_stride);
-    _tile_loadd(2, w + 32, b_stride);
-    _tile_dpbf16ps(3, 0, 1);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_loadd(1, w + 64, b_stride);
-    _tile_loadd(2, w + 96, b_stride);
-    _tile_dpbf16ps(5, 0, 1);
-    _tile_dpbf16ps(6, 0, 2);
+  if constexpr (NB == 4) {
+    _tile_stored(5, c + 32, ldc * 4);
+    _tile_stored(6, c + 48, ldc * 4);
   }
-  _tile_stored(3, c, ldc * 4);
-  _tile_stored(4, c + 16, ldc * 4);
-  _tile_stored(5, c + 32, ldc * 4);
-  _tile_stored(6, c + 48, ldc * 4);
   memory_barrier();
 }
 #else

@@ -82,7 +82,7 @@ inline void decode_chunks(const uint8_t* src, int64_t chunks, __m512i table,
   }
 }
 
-// The AMX tiles' B operand of a coded group, step by step (wideserve_amx::InPlace's role):
+// The AMX tiles' B operand of a coded group, step by step (wideserve_amx::blocks' step_b):
 // step s decoded into one of two halves of `buf` (2 x chunks x 128 values), the next step's
 // bytes prefetched. Steps must be asked for in order (the exception cursor moves on).
 struct DecodedSteps {

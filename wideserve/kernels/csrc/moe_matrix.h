@@ -40,6 +40,22 @@ inline void row_blocks(int64_t rows, int64_t block, F&& f) {
   if (rest > tall) f(r + tall, rest - tall);
 }
 
+// Rows [r0, r0 + n) of x gathered (in sorted order) into buf [n, kp].
+inline void gather_rows(const at::BFloat16* x, const Rows& rows, int64_t r0, int64_t n,
+                        int64_t kp, at::BFloat16* buf) {
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(buf + i * kp, x + rows.token[r0 + i] * kp, kp * sizeof(at::BFloat16));
+}
+
+// The SwiGLU of n rows' gate / up results c [n, 32] (block j) into act's rows r0...
+inline void swiglu_rows(const float* c, int64_t n, int64_t r0, int64_t j, const Geometry& g,
+                        bool clamp, float limit, at::BFloat16* act) {
+  constexpr int64_t cols = 2 * kLanes;
+  for (int64_t i = 0; i < n; ++i)
+    swiglu_store(_mm512_loadu_ps(c + i * cols), _mm512_loadu_ps(c + i * cols + kLanes), clamp,
+                 limit, act + (r0 + i) * g.ip + j * kLanes);
+}
+
 // The packed groups of one expert's matrix as they lie (`group(j)`: group j's bf16 panel).
 struct Groups {
   const at::BFloat16* w;
@@ -59,16 +75,13 @@ void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, 
   const int64_t kp = 2 * g.up_pairs, cols = 2 * kLanes;
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kGatherRows) {
     const int64_t n = std::min(kGatherRows, r_end - r0);
-    for (int64_t i = 0; i < n; ++i)
-      std::memcpy(buf + i * kp, x + rows.token[r0 + i] * kp, kp * sizeof(at::BFloat16));
+    gather_rows(x, rows, r0, n, kp, buf);
     for (int64_t j = j_begin; j < j_end; ++j) {
       const at::BFloat16* w = group(j);
       row_blocks(n, kGatherRows, [&](int64_t r, int64_t m) {
         wideserve_brgemm::tile(m, cols, kp, kp, buf + r * kp, w, c + r * cols);
       });
-      for (int64_t i = 0; i < n; ++i)
-        swiglu_store(_mm512_loadu_ps(c + i * cols), _mm512_loadu_ps(c + i * cols + kLanes),
-                     clamp, limit, act + (r0 + i) * g.ip + j * kLanes);
+      swiglu_rows(c, n, r0, j, g, clamp, limit, act);
     }
   }
 }
@@ -103,23 +116,16 @@ void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_beg
     for (int64_t grp = grp_begin; grp < grp_end; ++grp) block(r, grp, group(grp));
 }
 
-// ---- AMX tiles driven directly, for experts with few rows (a decode step's 1-16)
-//
-// brgemm's per-call work (its kernel lookup and tile configuration, a gathered A, fp32 C
-// stores) is paid per (expert, group): at a decode step's ~8 rows an expert that is most of
-// the call (BENCHMARKS.md, "Routed experts: small row counts on AMX"). Here the thread's tiles
-// are configured once per row count (Tiles::use) and each group is one run of tile loads and
-// products over the packed copy as it is. Needs K = d and I (padded) multiples of 32
-// (`fits`); every output row depends on its own input row only, as with brgemm.
+// ---- AMX tiles driven directly, for experts with few rows (a decode step's 1-16) on coded
+// weights (csrc/moe_lossless.h): the thread's tiles configured once per row count
+// (Tiles::use), each group one run of tile steps whose B is decoded just before its loads.
+// Needs K = d and I (padded) multiples of 32 (moe_fused_experts_lossless checks); every output
+// row depends on its own input row only, as with brgemm.
 #ifdef WIDESERVE_AMX
-inline bool amx_fits(const Geometry& g) {
-  return g.up_pairs % wideserve_amx::kPairs == 0 && g.down_pairs % wideserve_amx::kPairs == 0;
-}
 
 // Gate/up groups [j_begin, j_end) of an expert whose rows are [r_begin, r_end): 16 rows at a
 // time gathered into `buf` ([16, d]), SwiGLU from the fp32 tiles. `c`: 16 x 32 floats.
-// `steps_of(j)`: group j's B operand step by step (wideserve_amx::InPlace on a bf16 group, or
-// DecodedSteps on a coded one).
+// `steps_of(j)`: group j's B operand step by step (DecodedSteps on a coded group).
 template <typename StepsOf>
 void up_expert_amx(const at::BFloat16* x, const Rows& rows, int64_t r_begin,
                    int64_t r_end, StepsOf&& steps_of, const Geometry& g,
@@ -130,14 +136,11 @@ void up_expert_amx(const at::BFloat16* x, const Rows& rows, int64_t r_begin,
   constexpr int64_t cols = 2 * kLanes;
   for (int64_t r0 = r_begin; r0 < r_end; r0 += wideserve_amx::kRows) {
     const int64_t n = std::min<int64_t>(wideserve_amx::kRows, r_end - r0);
-    for (int64_t i = 0; i < n; ++i)
-      std::memcpy(buf + i * kp, x + rows.token[r0 + i] * kp, kp * sizeof(at::BFloat16));
+    gather_rows(x, rows, r0, n, kp, buf);
     tiles.use(static_cast<int>(n));
     for (int64_t j = j_begin; j < j_end; ++j) {
-      wideserve_amx::two_blocks(buf, kp, steps, steps_of(j), c, cols);
-      for (int64_t i = 0; i < n; ++i)
-        swiglu_store(_mm512_loadu_ps(c + i * cols), _mm512_loadu_ps(c + i * cols + kLanes),
-                     clamp, limit, act + (r0 + i) * g.ip + j * kLanes);
+      wideserve_amx::blocks<2>(buf, kp, steps, steps_of(j), c, cols);
+      swiglu_rows(c, n, r0, j, g, clamp, limit, act);
     }
   }
 }
@@ -155,7 +158,8 @@ void down_expert_amx(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
     const int64_t m = std::min<int64_t>(wideserve_amx::kRows, r_end - r);
     tiles.use(static_cast<int>(m));
     for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
-      wideserve_amx::four_blocks(act + r * g.ip, g.ip, steps, steps_of(grp), c, cols);
+      wideserve_amx::blocks<kBlocksDown>(act + r * g.ip, g.ip, steps, steps_of(grp), c,
+                                                cols);
       for (int64_t i = 0; i < m; ++i) {
         const float* ci = c + i * cols;
         down_store<kBlocksDown>([&](int n) { return _mm512_loadu_ps(ci + n * kLanes); }, rows,
