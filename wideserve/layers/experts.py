@@ -135,8 +135,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         # through its expert alone, one kernel whatever the expert's row count (`_invariant`)
         self.batch_invariant = False
         # KernelConfig.lossless_experts: the fused path's packs coded in 12 bits where the
-        # coded op runs (`_coded_runs`); not in the batch-invariant mode
+        # coded op runs (`_coded_runs`); not in the batch-invariant mode, nor with `ep`
         self.lossless = False
+        self._coded_refused = False          # the one warning where it cannot run was given
         L = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(L, hidden, intermediate))
@@ -343,7 +344,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         if not self.lossless or dtype != torch.bfloat16 or self.batch_invariant:
             return False
         usable = lossless.available() and lossless.fits(self.hidden, self.intermediate)
-        if not usable and not getattr(self, "_coded_refused", False):
+        if not usable and not self._coded_refused:
             self._coded_refused = True
             logger.warning("--lossless-experts: %s; the experts stay in bf16",
                            "the coded op needs AMX-BF16 and the extension's AVX512-BF16 "
@@ -399,10 +400,11 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         table, load, limit = self.logical_to_physical, self.expert_load, self.swiglu_limit
         ops = torch.ops.wideserve
         if self._coded_runs(dtype):
-            coded = self._coded_pack().w13.args() + self._coded_pack().w2.args()
+            coded = self._coded_pack()
+            args = coded.w13.args() + coded.w2.args()
             inter = self.down_proj.shape[2]
             return lambda x, ids, w: ops.moe_fused_experts_lossless(
-                x, ids, w, *coded, inter, limit, table, load)
+                x, ids, w, *args, inter, limit, table, load)
         w13, w2, inter = self._fused_pack()
         big = self._packs.brgemm_min_rows
         return lambda x, ids, w: ops.moe_fused_experts(x, ids, w, w13, w2, inter, limit, False,

@@ -36,7 +36,6 @@ namespace wideserve_amx {
 constexpr int kRows = 16;      // rows of an A / C tile
 constexpr int kPairs = 16;     // K pairs of one tile step (32 bf16 values)
 
-
 #ifdef WIDESERVE_AMX
 // CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); then Linux's permission to use
 // the tile data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), granted once per process.

@@ -186,8 +186,9 @@ template <typename T>
 using Aligned = std::unique_ptr<T[], FreeAligned>;
 
 template <typename T>
-Aligned<T> aligned_buffer(int64_t n) {
-  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
+Aligned<T> aligned_buffer(int64_t n) {   // n <= 0: none
+  if (n <= 0) return Aligned<T>();
+  const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
   return Aligned<T>(static_cast<T*>(std::aligned_alloc(64, bytes)));
 }
 
