@@ -12,6 +12,7 @@ derived copy like the packs themselves (layers/experts.py rebuilds it when the w
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,9 @@ def encode(packed: torch.Tensor) -> CodedMatrix:
     if values % CHUNK:
         raise ValueError(f"lossless.encode: a group of {values} values is not whole chunks")
     bits = packed.detach().contiguous().view(torch.int16)
-    high = (bits.view(-1) >> 8) & 0xFF      # arithmetic shift, masked: the high byte
-    table_bytes = torch.bincount(high.to(torch.int64), minlength=256).argsort(
+    # the high bytes (arithmetic shift, masked) counted as uint8: no int64 copy of the stack
+    high = ((bits.view(-1) >> 8) & 0xFF).to(torch.uint8)
+    table_bytes = torch.bincount(high, minlength=256).argsort(
         descending=True, stable=True)[:ESCAPE]
     code_of = torch.full((256,), ESCAPE, dtype=torch.uint8)
     code_of[table_bytes] = torch.arange(ESCAPE, dtype=torch.uint8)
@@ -122,6 +124,7 @@ def encode_experts(w13: torch.Tensor, w2: torch.Tensor) -> CodedExperts:
     return CodedExperts(encode(w13), encode(w2))
 
 
+@functools.cache          # a fact of the CPU and the build: every forward asks (layers/experts.py)
 def available() -> bool:
     """Whether the coded op runs here: the extension's AVX512-BF16 build on a CPU with
     AMX-BF16 (Linux granted the tile state)."""
