@@ -75,8 +75,11 @@ def _routing(T: int, E: int, k: int, seed: int, used: int | None = None):
 @runs
 @pytest.mark.parametrize("E,inter,d,T,k,used", [
     (4, 64, 64, 1, 2, None),       # decode: 1-2 rows an expert
-    (8, 96, 128, 37, 3, None),     # up to 16 rows and past (AMX and brgemm in one call)
+    (8, 96, 128, 37, 3, None),     # up to 16 rows and past (step-decoded and whole-group tiles)
     (6, 32, 96, 300, 2, 2),        # >256 rows an expert (two gathered chunks); 4 experts idle
+    # K of both GEMMs past one L1 chunk of tile steps (1,056 = 33 steps, 544 = 17), experts
+    # of 17-31 rows past a 32-row block, and of at most 16 past one
+    (3, 544, 1056, 71, 2, None),
     (2, 17, 32, 5, 1, None),       # intermediate 17: zero-padded to 32 in the packs
 ])
 def test_op_equals_bf16_brgemm(E, inter, d, T, k, used) -> None:

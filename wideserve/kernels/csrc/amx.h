@@ -77,6 +77,19 @@ class Tiles {
     _tile_loadconfig(&cfg);
     rows_ = m;
   }
+  // The 2 x 2 layout (pair_steps): 0 and 1 = A (16 and mb rows), 2 and 3 = B (16 rows),
+  // 4 and 5 = C of A's first 16 rows, 6 and 7 = C of its last mb rows (1 <= mb <= 16).
+  WS_AMX_TARGET void use_pair(int mb) {
+    if (kPair + mb == rows_) return;
+    Config cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = (t == 1 || t >= 6) ? mb : kRows;
+    }
+    memory_barrier();
+    _tile_loadconfig(&cfg);
+    rows_ = kPair + mb;
+  }
   // Frees the tiles and oneDNN's record of its configuration (header).
   void release() {
     if (rows_ < 0) return;
@@ -86,6 +99,7 @@ class Tiles {
   ~Tiles() { release(); }
 
  private:
+  static constexpr int kPair = 100;   // rows_ of the 2 x 2 layout: kPair + mb
   int rows_ = -1;
 };
 
@@ -125,6 +139,45 @@ WS_AMX_TARGET inline void blocks(const at::BFloat16* a, int64_t lda, int64_t ste
     _tile_stored(5, c + 32, ldc * 4);
     _tile_stored(6, c + 48, ldc * 4);
   }
+  memory_barrier();
+}
+// c [16 + mb, 32] (ldc floats) = a [16 + mb, K] (lda elements) x two blocks of 16 columns of a
+// group of NB blocks (`b`: its first block's values at step 0, rows of NB * 64 bytes), over
+// tile steps [s_begin, s_end); `accumulate`: onto c's values (a K range split across calls:
+// fp32 in and out, so the sums equal one pass over the whole range). Tiles: use_pair(mb).
+template <int NB>
+WS_AMX_TARGET inline void pair_steps(const at::BFloat16* a, int64_t lda, int64_t s_begin,
+                                     int64_t s_end, const at::BFloat16* b, float* c,
+                                     int64_t ldc, bool accumulate) {
+  constexpr int64_t b_stride = NB * 64, step_values = kPairs * NB * 32;
+  float* c1 = c + kRows * ldc;
+  memory_barrier();
+  if (accumulate) {
+    _tile_loadd(4, c, ldc * 4);
+    _tile_loadd(5, c + 16, ldc * 4);
+    _tile_loadd(6, c1, ldc * 4);
+    _tile_loadd(7, c1 + 16, ldc * 4);
+  } else {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t s = s_begin; s < s_end; ++s) {
+    const at::BFloat16* w = b + s * step_values;
+    _tile_loadd(0, a + s * 2 * kPairs, lda * 2);
+    _tile_loadd(1, a + kRows * lda + s * 2 * kPairs, lda * 2);
+    _tile_loadd(2, w, b_stride);
+    _tile_loadd(3, w + 32, b_stride);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c, ldc * 4);
+  _tile_stored(5, c + 16, ldc * 4);
+  _tile_stored(6, c1, ldc * 4);
+  _tile_stored(7, c1 + 16, ldc * 4);
   memory_barrier();
 }
 #else

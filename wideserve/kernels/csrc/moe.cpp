@@ -174,7 +174,9 @@ std::vector<wideserve_stream::Range> stream_plan(const T* w13, const T* w2, cons
   return plan;
 }
 
-enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2 };
+// kAmx: AMX tiles step by step on coded weights (few rows); kTiles: AMX tiles over whole
+// groups (many rows, csrc/moe_matrix.h tile_rows)
+enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2, kTiles = 3 };
 
 // Decoded weights are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
 // 64-byte tile row straddles two cache lines (a prefill through brgemm on a 16-byte aligned
@@ -197,8 +199,8 @@ Aligned<T> aligned_buffer(int64_t n) {   // n <= 0: none
 // weights (csrc/moe_lossless.h) two decoded steps and a decoded group.
 template <typename T>
 struct Scratch {
-  std::unique_ptr<T[]> buf;
-  std::unique_ptr<float[]> c;
+  Aligned<T> buf;
+  Aligned<float> c;
   Aligned<at::BFloat16> steps, group;
 };
 
@@ -221,14 +223,15 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   const int64_t active = static_cast<int64_t>(rows.active.size());
   std::vector<Kernel> kernel(active, kMicro);
   int64_t chunk = 0;   // the most rows a gathered brgemm chunk holds
-  bool any_big = false, any_amx = false;
+  bool any_big = false, any_amx = false, any_tiles = false;
   for (int64_t i = 0; i < active && fast; ++i) {
     const int64_t e = rows.active[i], n = rows.offsets[e + 1] - rows.offsets[e];
-    kernel[i] = coded ? (n <= wideserve_amx::kRows ? kAmx : kBrgemm)
+    kernel[i] = coded ? (n <= wideserve_amx::kRows ? kAmx : kTiles)
                       : big > 0 && n >= big ? kBrgemm : kMicro;
-    if (kernel[i] == kBrgemm) chunk = std::max(chunk, std::min(n, kGatherRows));
+    if (kernel[i] == kBrgemm || kernel[i] == kTiles) chunk = std::max(chunk, std::min(n, kGatherRows));
     any_big |= kernel[i] == kBrgemm;
-    any_amx |= kernel[i] == kAmx;
+    any_amx |= kernel[i] == kAmx || kernel[i] == kTiles;
+    any_tiles |= kernel[i] == kTiles;
   }
 #ifdef WIDESERVE_AMX
   constexpr int64_t amx_rows = wideserve_amx::kRows;
@@ -237,15 +240,15 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #endif
   const int64_t gather = std::max(chunk, any_amx ? amx_rows : 0) * 2 * g.up_pairs;
   const int64_t scratch = any_big || any_amx
-      ? std::max({chunk * 2 * kLanes, wideserve_brgemm::kBlockM * kBlocksDown * kLanes,
+      ? std::max({chunk * (any_tiles ? kBlocksDown : 2) * kLanes,
+                  wideserve_brgemm::kBlockM * kBlocksDown * kLanes,
                   amx_rows * kBlocksDown * kLanes})
       : 0;
   // coded: two decoded steps of a down group (the widest), one whole decoded group
   const int64_t steps = coded ? 2 * kStepChunksPerBlock * kBlocksDown * kChunkValues : 0;
   const int64_t group = coded ? std::max(g.up_group_size(), g.down_group_size()) : 0;
   auto buffers = [&]() {
-    return Scratch<T>{std::unique_ptr<T[]>(new T[gather]),
-                      std::unique_ptr<float[]>(new float[scratch]),
+    return Scratch<T>{aligned_buffer<T>(gather), aligned_buffer<float>(scratch),
                       aligned_buffer<at::BFloat16>(steps), aligned_buffer<at::BFloat16>(group)};
   };
   // Phase 1. Each thread takes a range of blocks j for every expert (experts outside, so its
@@ -269,13 +272,12 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
         return up_expert_amx(x, rows, r0, r1, steps_of, g, j_begin, j_end, clamp, limit, act,
                              buf, c, tiles);
       }
-      if (kernel[i] == kBrgemm && coded) {
-        tiles.release();
+      if (kernel[i] == kTiles && coded) {
         auto group_of = [&](int64_t j) {
           return decode_group(coded->w13, e, j, sc.group.get());
         };
-        return up_expert_brgemm(x, rows, r0, r1, group_of, g, j_begin, j_end, clamp, limit,
-                                act, buf, c);
+        return up_expert_tiles(x, rows, r0, r1, group_of, g, j_begin, j_end, clamp, limit,
+                               act, buf, c, tiles);
       }
 #endif
       if (kernel[i] == kBrgemm) {
@@ -347,12 +349,11 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
           down_expert_amx(act, rows, r0, r1, steps_of, g, begin, end, sums, c, tiles);
           continue;
         }
-        if (kernel[i] == kBrgemm && coded) {
-          tiles.release();
+        if (kernel[i] == kTiles && coded) {
           auto group_of = [&](int64_t grp) {
             return decode_group(coded->w2, e, grp, sc.group.get());
           };
-          down_expert_brgemm(act, rows, r0, r1, group_of, g, begin, end, sums, c, true);
+          down_expert_tiles(act, rows, r0, r1, group_of, g, begin, end, sums, c, tiles);
           continue;
         }
 #endif

@@ -66,10 +66,8 @@ struct Groups {
 // Gate/up groups [j_begin, j_end) of an expert whose rows are [r_begin, r_end) in sorted order:
 // the rows gathered from x in chunks of kGatherRows into `buf` ([kGatherRows, 2 * up_pairs]),
 // one brgemm per (chunk, group), SwiGLU from the fp32 result. `c`: kGatherRows x 32 floats.
-// `group(j)`: the group's bf16 panel (Groups, or a coded group decoded, csrc/moe_lossless.h).
-template <typename GroupOf>
-void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, int64_t r_end,
-                      GroupOf&& group, const Geometry& g, int64_t j_begin,
+inline void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, int64_t r_end,
+                      const Groups& group, const Geometry& g, int64_t j_begin,
                       int64_t j_end, bool clamp, float limit, at::BFloat16* act,
                       at::BFloat16* buf, float* c) {
   const int64_t kp = 2 * g.up_pairs, cols = 2 * kLanes;
@@ -88,13 +86,11 @@ void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, 
 
 // Down groups [grp_begin, grp_end) (64 columns each) of an expert with many rows through
 // brgemm, then the weighted sums as down_tile_bf16 makes them. `c`: kBlockM x 64 floats.
-// Bf16 groups: 32-row blocks outside (the block's activation stays in L1 across the groups);
-// `group_outer` (coded groups): each group decoded once, its row blocks inside.
-template <typename GroupOf>
-void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
-                        int64_t r_end, GroupOf&& group, const Geometry& g,
-                        int64_t grp_begin, int64_t grp_end, Sums<at::BFloat16> sums,
-                        float* c, bool group_outer = false) {
+// 32-row blocks outside: the block's activation stays in L1 across the groups.
+inline void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
+                               int64_t r_end, const Groups& group, const Geometry& g,
+                               int64_t grp_begin, int64_t grp_end, Sums<at::BFloat16> sums,
+                               float* c) {
   constexpr int64_t cols = kBlocksDown * kLanes;
   auto block = [&](int64_t r, int64_t grp, const at::BFloat16* w) {
     const int64_t m = std::min(wideserve_brgemm::kBlockM, r_end - r);
@@ -105,13 +101,6 @@ void down_expert_brgemm(const at::BFloat16* act, const Rows& rows, int64_t r_beg
                               r + i, g, grp * kBlocksDown, sums);
     }
   };
-  if (group_outer) {
-    for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
-      const at::BFloat16* w = group(grp);
-      for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM) block(r, grp, w);
-    }
-    return;
-  }
   for (int64_t r = r_begin; r < r_end; r += wideserve_brgemm::kBlockM)
     for (int64_t grp = grp_begin; grp < grp_end; ++grp) block(r, grp, group(grp));
 }
@@ -164,6 +153,86 @@ void down_expert_amx(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
         const float* ci = c + i * cols;
         down_store<kBlocksDown>([&](int n) { return _mm512_loadu_ps(ci + n * kLanes); }, rows,
                                 r + i, g, grp * kBlocksDown, sums);
+      }
+    }
+  }
+}
+
+// ---- Coded experts with many rows (a prefill's) on AMX tiles driven directly: each group
+// decoded once (decode_group, csrc/moe_lossless.h) into an aligned buffer, then every row of
+// the expert passes over it on 2 x 2 tiles (32 rows x 32 columns of C), the K range in chunks
+// of kTileSteps steps so that a chunk of the decoded group (kTileSteps x 2 KB = 32 KB) stays
+// in L1 while the 32-row blocks pass; C is carried between chunks in fp32, so the sums equal
+// one pass over K (and the outputs brgemm's on the bf16 packs, bit for bit). Brgemm over each
+// decoded group, the first design, ran a 2,048-token call ~25% slower (BENCHMARKS.md,
+// "Lossless 12-bit expert weights"); on the bf16 packs this loop measured within noise of
+// brgemm, which the kernel choice keeps there.
+constexpr int64_t kTileSteps = 16;
+
+// c [n, 16 NB] (ldc floats) = a [n, K] (lda elements) x a group of NB blocks at w (its bf16
+// panel), K = 32 * steps: pairs of blocks over 2 x 2 tiles, a last block of under 17 rows on
+// the one-A layout over the whole K.
+template <int NB>
+void tile_rows(const at::BFloat16* a, int64_t lda, int64_t n, int64_t steps,
+               const at::BFloat16* w, float* c, int64_t ldc, wideserve_amx::Tiles& tiles) {
+  constexpr int64_t pair_rows = 2 * wideserve_amx::kRows;
+  const int64_t full = n / pair_rows * pair_rows;
+  const int64_t tall = n - full > wideserve_amx::kRows ? n : full;   // rows on 2 x 2 tiles
+  for (int64_t s0 = 0; s0 < steps; s0 += kTileSteps) {
+    const int64_t s1 = std::min(steps, s0 + kTileSteps);
+    for (int64_t h = 0; h < NB / 2; ++h) {
+      for (int64_t r = 0; r < tall; r += pair_rows) {
+        tiles.use_pair(static_cast<int>(std::min(pair_rows, tall - r) - wideserve_amx::kRows));
+        wideserve_amx::pair_steps<NB>(a + r * lda, lda, s0, s1, w + h * 4 * kLanes,
+                                      c + r * ldc + h * 2 * kLanes, ldc, s0 > 0);
+      }
+    }
+  }
+  if (tall < n) {
+    tiles.use(static_cast<int>(n - tall));
+    constexpr int64_t step_values = wideserve_amx::kPairs * NB * kLanes * 2;
+    wideserve_amx::blocks<NB>(a + tall * lda, lda, steps,
+                              [&](int64_t s) { return w + s * step_values; },
+                              c + tall * ldc, ldc);
+  }
+}
+
+// Gate/up groups [j_begin, j_end) of an expert with many rows: up to kGatherRows rows
+// gathered into `buf` (64-byte aligned), then group by group (`group(j)`: its bf16 panel,
+// a coded group decoded once) over all of them, SwiGLU from `c` ([kGatherRows, 32] floats).
+template <typename GroupOf>
+void up_expert_tiles(const at::BFloat16* x, const Rows& rows, int64_t r_begin, int64_t r_end,
+                     GroupOf&& group, const Geometry& g, int64_t j_begin, int64_t j_end,
+                     bool clamp, float limit, at::BFloat16* act, at::BFloat16* buf, float* c,
+                     wideserve_amx::Tiles& tiles) {
+  const int64_t kp = 2 * g.up_pairs, steps = g.up_pairs / wideserve_amx::kPairs;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGatherRows) {
+    const int64_t n = std::min(kGatherRows, r_end - r0);
+    gather_rows(x, rows, r0, n, kp, buf);
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      tile_rows<2>(buf, kp, n, steps, group(j), c, 2 * kLanes, tiles);
+      swiglu_rows(c, n, r0, j, g, clamp, limit, act);
+    }
+  }
+}
+
+// Down groups [grp_begin, grp_end) of an expert with many rows: the activation's rows read
+// in place, kGatherRows at a time, group by group; `c`: [kGatherRows, 64] floats.
+template <typename GroupOf>
+void down_expert_tiles(const at::BFloat16* act, const Rows& rows, int64_t r_begin,
+                       int64_t r_end, GroupOf&& group, const Geometry& g, int64_t grp_begin,
+                       int64_t grp_end, Sums<at::BFloat16> sums, float* c,
+                       wideserve_amx::Tiles& tiles) {
+  constexpr int64_t cols = kBlocksDown * kLanes;
+  const int64_t steps = g.down_pairs / wideserve_amx::kPairs;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGatherRows) {
+    const int64_t n = std::min(kGatherRows, r_end - r0);
+    for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
+      tile_rows<kBlocksDown>(act + r0 * g.ip, g.ip, n, steps, group(grp), c, cols, tiles);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* ci = c + i * cols;
+        down_store<kBlocksDown>([&](int b) { return _mm512_loadu_ps(ci + b * kLanes); }, rows,
+                                r0 + i, g, grp * kBlocksDown, sums);
       }
     }
   }
