@@ -1,7 +1,8 @@
 """Lossless 12-bit expert weights (kernels/lossless.py, csrc/moe_lossless.h): the coding gives
 back every bf16 bit pattern, and the coded fused op equals the bf16 op with brgemm for every
 expert bit for bit - decode-sized experts (AMX tiles decoding step by step), prefill-sized
-ones (a group decoded once, then brgemm), exceptions, EPLB's map and counters."""
+ones (a group decoded once, then AMX tiles over it), exceptions, EPLB's map and counters, the
+weight-streaming helper reading the coded bytes."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ import torch
 
 from wideserve.kernels import lossless
 from wideserve.kernels import moe as moe_op
+from wideserve.kernels import weight_stream
 from wideserve.kernels.choice import KernelChoice, KernelPolicy
 from wideserve.kernels.loader import cpu_ops_available
 
@@ -91,6 +93,30 @@ def test_op_equals_bf16_brgemm(E, inter, d, T, k, used) -> None:
         want = moe_op.fused_experts(x, ids, w, w13, w2, inter, limit, brgemm_min_rows=1)
         got = lossless.fused_experts(x, ids, w, coded, inter, limit)
         assert torch.equal(_bits(got), _bits(want))
+
+
+@runs
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weight_streaming_posts_the_coded_bytes(threads: int) -> None:
+    """With the weight-streaming helper running (kernels/weight_stream.py) every expert-major
+    call posts its plan, now of the coded bytes, and the results do not change."""
+    E, inter, d, T, k = 12, 64, 128, 40, 3
+    coded = lossless.encode_experts(*moe_op.pack_experts(*_weights(E, inter, d, seed=9)))
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(9)).bfloat16()
+    ids, w = _routing(T, E, k, seed=9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    weight_stream.stop()
+    try:
+        ref = lossless.fused_experts(x, ids, w, coded, inter, None)
+        weight_stream.start((), min_plan=0)
+        for _ in range(3):
+            assert torch.equal(_bits(lossless.fused_experts(x, ids, w, coded, inter, None)),
+                               _bits(ref))
+        assert weight_stream.stats().plans == 3
+    finally:
+        weight_stream.stop()
+        torch.set_num_threads(before)
 
 
 @runs

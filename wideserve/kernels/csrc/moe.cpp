@@ -158,24 +158,21 @@ void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w
 }
 
 // The ranges a call reads, in the order an expert-major thread reads them: every active
-// expert's gate/up weights, then every active expert's down weights.
-template <typename T>
-std::vector<wideserve_stream::Range> stream_plan(const T* w13, const T* w2, const Rows& rows,
-                                                 int64_t e13, int64_t e2) {
+// expert's gate/up weights, then every active expert's down weights (expert e's at
+// w13 + e * bytes13 and w2 + e * bytes2: the bf16 packs, or the coded bytes).
+inline std::vector<wideserve_stream::Range> stream_plan(const void* w13, int64_t bytes13,
+                                                        const void* w2, int64_t bytes2,
+                                                        const Rows& rows) {
   if (!wideserve_stream::active()) return {};
   std::vector<wideserve_stream::Range> plan;
   plan.reserve(2 * rows.active.size());
   for (const int64_t e : rows.active)
-    plan.push_back({reinterpret_cast<const char*>(w13 + e * e13),
-                    static_cast<int64_t>(e13 * sizeof(T))});
+    plan.push_back({static_cast<const char*>(w13) + e * bytes13, bytes13});
   for (const int64_t e : rows.active)
-    plan.push_back({reinterpret_cast<const char*>(w2 + e * e2),
-                    static_cast<int64_t>(e2 * sizeof(T))});
+    plan.push_back({static_cast<const char*>(w2) + e * bytes2, bytes2});
   return plan;
 }
 
-// kAmx: AMX tiles step by step on coded weights (few rows); kTiles: AMX tiles over whole
-// groups (many rows, csrc/moe_matrix.h tile_rows)
 enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2, kTiles = 3 };
 
 // Decoded weights are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
@@ -297,12 +294,22 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
     }
   };
   const bool expert_major = g.up_groups >= 2 * at::get_num_threads();
-  // Weight streaming (csrc/weight_stream.h): the experts' weights in the order the first
-  // thread reads them, where every thread walks the experts in order; its place reported
-  // per expert. Not in the block-major split, whose threads each read across experts.
-  const wideserve_stream::Session stream(expert_major && !coded
-                                             ? stream_plan(w13, w2, rows, e13, e2)
-                                             : std::vector<wideserve_stream::Range>());
+  // Weight streaming (csrc/weight_stream.h): the experts' weights (coded: their coded bytes;
+  // the few exceptions are left to the caches) in the order the first thread reads them,
+  // where every thread walks the experts in order; its place reported per expert. Not in
+  // the block-major split, whose threads each read across experts.
+  std::vector<wideserve_stream::Range> plan;
+  if (expert_major) {
+#ifdef __AVX512BF16__
+    if (coded)
+      plan = stream_plan(coded->w13.data, coded->w13.groups * coded->w13.group_bytes,
+                         coded->w2.data, coded->w2.groups * coded->w2.group_bytes, rows);
+#endif
+    if (!coded)
+      plan = stream_plan(w13, e13 * static_cast<int64_t>(sizeof(T)), w2,
+                         e2 * static_cast<int64_t>(sizeof(T)), rows);
+  }
+  const wideserve_stream::Session stream(std::move(plan));
   auto reached = [&](int64_t index) {
     if (stream.on() && at::get_thread_num() == 0) stream.at(index);
   };
