@@ -47,6 +47,22 @@ def test_coding_is_exact(seed: int) -> None:
     assert coded.nbytes < 0.78 * (w13.nbytes + w2.nbytes)
 
 
+@pytest.mark.skipif(not cpu_ops_available(), reason="the C++ CPU ops are not built")
+@pytest.mark.parametrize("fill", ["spiky", "zeros", "plain"])
+def test_encode_op_writes_the_reference_bytes(fill: str) -> None:
+    """The C++ encoder (csrc/lossless_encode.cpp) against the torch reference, byte for
+    byte: escapes, a stack with fewer than 15 distinct high bytes (ties in the table)."""
+    w1, w2 = _weights(5, 48, 64, seed=4, spiky=fill == "spiky")
+    if fill == "zeros":
+        w1.zero_()
+        w2.view(-1)[::3] = 1.0
+    for packed in moe_op.pack_experts(w1, w2):
+        got, want = lossless.encode(packed), lossless.encode_reference(packed)
+        for a, b in zip(got.args(), want.args()):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert torch.equal(_bits(lossless.decode(got, packed.shape)), _bits(packed))
+
+
 def test_every_bit_pattern_round_trips() -> None:
     """Random bits (NaNs, infinities, all 256 high bytes): most values escape, all return."""
     g = torch.Generator().manual_seed(3)
