@@ -21,7 +21,8 @@
 #   PARTS="offline prefill sampled serve roofline"   which parts to run (sampled: the 11M
 #                     offline row at temperature 1.0)
 #   WS_EXTRA=""       extra flags of wideserve's offline and roofline runs (e.g.
-#                     "--lossless-experts": the routed experts in the 12-bit lossless form)
+#                     "--lossless-experts off": the routed experts in bf16 whatever "auto"
+#                     would decide; the rows record the form that ran)
 # On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
 # (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail

@@ -162,6 +162,12 @@ def main() -> int:
                             "offline out tok/s at temperature 1.0")
              + serve_rows(read_jsonl(out_dir / "serve.jsonl")))
     print("\n".join(lines))
+    coded = sorted({model_name(r) for name in ("offline", "prefill", "sampled", "roofline")
+                    for r in read_jsonl(out_dir / f"{name}.jsonl")
+                    if r.get("engine", "wideserve") == "wideserve" and r.get("lossless_experts")})
+    if coded:       # KernelConfig.lossless_experts ("auto" by default) decided per engine
+        print(f"\nwideserve's routed experts ran in the lossless 12-bit form on: "
+              f"{', '.join(coded)}")
     for line in roofline_lines(read_jsonl(out_dir / "roofline.jsonl")):
         print("\n" + line)
     return 0

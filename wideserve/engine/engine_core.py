@@ -34,7 +34,7 @@ from wideserve.engine.step_timer import StepStats, StepTimer
 from wideserve.disagg.connector import KVConnector
 from wideserve.worker.eplb_balancer import EpGroup
 from wideserve.worker.eplb_manager import EplbManager
-from wideserve.worker import memory_profile, prefill_cap, weight_streaming
+from wideserve.worker import lossless_choice, memory_profile, prefill_cap, weight_streaming
 from wideserve.worker.decode_capture import (EagerReplay, capturable, capture_sizes,
                                              decode_capture_enabled)
 from wideserve.worker.model_loader import LoadedModel, load_model
@@ -211,6 +211,7 @@ class EngineCore:
         warms_up = self.warm_up_at_start and self._first_use_work()
         if warms_up and self.memory_report is None:
             self._warm_up()
+        self._resolve_lossless_experts(measure=warms_up)
         self._resolve_weight_streaming(measure=warms_up)
         self._resolve_prefill_cap(measure=warms_up)
 
@@ -234,6 +235,21 @@ class EngineCore:
         _zero_expert_load(self.model)      # the warm-up's routing is not real load
         logger.info("warm-up step (packed weights, kernel plans) in %.2f s",
                     time.perf_counter() - t)
+
+    def _resolve_lossless_experts(self, measure: bool) -> None:
+        """KernelConfig.lossless_experts (worker/lossless_choice.py): "auto" timed here where
+        the warm-up runs; the form not kept is freed."""
+        if self.device.type != "cpu":
+            return
+        decision = lossless_choice.resolve(
+            self.config.kernels.lossless_experts, self.model, self.loaded.dtype,
+            measure and not self.config.parallel.enabled,
+            lambda lengths: memory_profile.timed_prefill(
+                self.model, self._kv_specs(), self.config.cache, self.scheduler_config,
+                self.max_model_len, self.device, lengths, self.vocab_size),
+            self.scheduler_config)
+        _zero_expert_load(self.model)          # the timed steps' routing is not real load
+        logger.info("lossless experts: %s", decision.note)
 
     def _resolve_weight_streaming(self, measure: bool) -> None:
         """ParallelConfig.weight_streaming (worker/weight_streaming.py): the helper thread

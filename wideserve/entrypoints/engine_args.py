@@ -149,11 +149,14 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
                         "order independent of the batch size and a row's place in it, so "
                         "greedy outputs are bit-identical across batch mixes, data-parallel "
                         "ranks, speculation and P/D (costs speed; docs/cpu_kernels.md)")
-    g.add_argument("--lossless-experts", action="store_true",
+    g.add_argument("--lossless-experts", nargs="?", const="on", default="auto",
+                   choices=["auto", "on", "off"],
                    help="hold the routed experts' bf16 weights in a lossless 12-bit form (3/4 "
                         "of the bytes each decode step reads; decoded in the fused op, outputs "
-                        "as on the bf16 weights). CPUs with AMX-BF16; elsewhere a warning and "
-                        "bf16 (docs/cpu_kernels.md)")
+                        "as on the bf16 weights). CPUs with AMX-BF16; 'on' (the flag alone) "
+                        "elsewhere warns and keeps bf16; 'auto' (default) codes them where a "
+                        "start-up timing finds it faster, for experts larger than the "
+                        "last-level cache (docs/cpu_kernels.md)")
     g.add_argument("--small-batch-gemms", default=True, action=argparse.BooleanOptionalAction,
                    help="decode steps of 1-4 requests run DeepSeek-V4 / V4.1's plain linears "
                         "through the small-M GEMM kernel (faster; in bf16 a value may round "
@@ -315,7 +318,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         eplb=_eplb_from_args(args),
         parallel=parallel,
         kernels=KernelConfig(batch_invariant=getattr(args, "batch_invariant", False),
-                             lossless_experts=getattr(args, "lossless_experts", False)),
+                             lossless_experts=getattr(args, "lossless_experts", "auto")),
     )
 
 

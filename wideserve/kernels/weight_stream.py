@@ -10,13 +10,13 @@ machine where an engine starts (engine/engine_core.py, ParallelConfig.weight_str
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from wideserve.kernels.loader import cpu_flags
+from wideserve.utils.cpu_cache import last_level_cache_bytes
 
 DEFAULT_LEAD_BYTES = 32 << 20      # the most the helper reads ahead of the compute thread
 MIN_PLAN_BYTES = 4 << 20           # calls reading less (what L2 holds) are not streamed
@@ -41,10 +41,7 @@ def demotes() -> bool:
 def lead_bytes() -> int:
     """How far ahead the helper reads: DEFAULT_LEAD_BYTES, at most a quarter of the
     last-level cache where the OS reports its size."""
-    try:
-        llc = os.sysconf("SC_LEVEL3_CACHE_SIZE")
-    except (ValueError, OSError):
-        llc = 0
+    llc = last_level_cache_bytes()
     return min(DEFAULT_LEAD_BYTES, llc // 4) if llc > 0 else DEFAULT_LEAD_BYTES
 
 

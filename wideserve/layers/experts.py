@@ -127,6 +127,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         self.ep: Any = None              # expert-parallel dispatcher (wideserve/distributed)
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
         self._packs: _ExpertPacks | _FusedPack | None = None   # derived copies of the weights
+        self._coded: _CodedPack | None = None    # the fused path's packs coded (`lossless`)
         self.kernel_choice: KernelChoice | None = None           # None: the process's table
         self.hidden, self.intermediate = hidden, intermediate
         self.weight_format: ExpertFormat | None = None   # None: dense weights in the load dtype
@@ -134,8 +135,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         # KernelConfig.batch_invariant (CausalLM.apply_kernel_config): every (token, pick) row
         # through its expert alone, one kernel whatever the expert's row count (`_invariant`)
         self.batch_invariant = False
-        # KernelConfig.lossless_experts: the fused path's packs coded in 12 bits where the
-        # coded op runs (`_coded_runs`); not in the batch-invariant mode, nor with `ep`
+        # KernelConfig.lossless_experts (worker/lossless_choice.py decides "auto"): the fused
+        # path's packs coded in 12 bits where the coded op runs (`_coded_runs`); not in the
+        # batch-invariant mode, nor with `ep`
         self.lossless = False
         self._coded_refused = False          # the one warning where it cannot run was given
         L = self.num_local_experts
@@ -233,7 +235,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             self.gate_up_proj_global = param(2, dtype=torch.float32)
             self.down_proj_global = param(1, dtype=torch.float32)
         self.weight_format = fmt
-        self._packs = None
+        self._packs = self._coded = None
         self._resolved.clear()
 
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +292,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         """Call after writing the expert weights through `.data` (which the version counter
         misses): the packed copies are rebuilt on the next forward."""
         self._packs = None
+        self._coded = None
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
         key = (device.type, dtype)
@@ -356,9 +359,33 @@ class RoutedExperts(nn.Module, DeclaresGemms):
     def _coded_pack(self) -> lossless.CodedExperts:
         """The coded packs, rebuilt when the weights changed (layers/linear.py's rule)."""
         w1, w2 = self.gate_up_proj, self.down_proj
-        if not isinstance(self._packs, _CodedPack) or not self._packs.current(w1, w2):
-            self._packs = _CodedPack(w1, w2)
-        return self._packs.coded
+        if self._coded is None or not self._coded.current(w1, w2):
+            self._coded = _CodedPack(w1, w2)
+        return self._coded.coded
+
+    def coded_usable(self, dtype: torch.dtype) -> bool:
+        """Whether `lossless` would run this layer on coded packs for CPU inputs in `dtype`
+        (worker/lossless_choice.py): the fused path on bf16 weights as loaded, no `ep`, not
+        batch-invariant, and the coded op runs here on these widths."""
+        cpu = torch.device("cpu")
+        return (dtype == torch.bfloat16 and self.gate_up_proj.dtype == torch.bfloat16
+                and self.gate_up_proj.device.type == "cpu" and self.ep is None
+                and not self.batch_invariant and self.weight_format is None
+                and self.resolved_impl(cpu, dtype) == "fused" and lossless.available()
+                and lossless.fits(self.hidden, self.intermediate))
+
+    def pack_bytes(self) -> int:
+        """Bytes of the expert weights in bf16: about what the fused op's packs hold."""
+        return 2 * (self.gate_up_proj.numel() + self.down_proj.numel())
+
+    def drop_unused_packs(self) -> None:
+        """Free the fused path's packs of the form `lossless` does not run (after both were
+        timed, worker/lossless_choice.py)."""
+        if self.lossless:
+            if isinstance(self._packs, _FusedPack):
+                self._packs = None
+        else:
+            self._coded = None
 
     def _fused_pack(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(w13, w2, intermediate width) in the fused op's layout, rebuilt when the weights
@@ -491,8 +518,8 @@ class _FusedPack(_DerivedPack):
 
 
 class _CodedPack(_DerivedPack):
-    """The fused op's packs coded losslessly (kernels/lossless.py), the bf16 packs dropped;
-    the coded bytes, which every decode step streams, on huge pages."""
+    """The fused op's packs coded losslessly (kernels/lossless.py); the coded bytes, which
+    every decode step streams, on huge pages."""
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__(w1, w2)

@@ -99,7 +99,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
                 m.cpu_kernel = kernels.cpu_norm
             if isinstance(m, RoutedExperts):
                 m.batch_invariant = kernels.batch_invariant
-                m.lossless = kernels.lossless_experts
+                m.lossless = kernels.lossless_experts == "on"   # "auto": engine_core decides
             for value in vars(m).values():
                 if isinstance(value, (WeightPack, FunctionalLinear)):
                     value.cpu_kernel = kernels.cpu_gemm
