@@ -1,7 +1,8 @@
-// Intel AMX tiles driven directly (docs/cpu_kernels.md, "Lossless 12-bit expert weights"): a
-// routed expert's few decode rows against its weight groups, each tile step's B decoded from
-// the coded weights into an L1 buffer just before its tile loads (csrc/moe_lossless.h), which
-// torch's brgemm, taking whole B matrices, cannot interleave.
+// Intel AMX tiles driven directly (docs/cpu_kernels.md, "Lossless 12-bit expert weights") for
+// routed experts on coded weights: a decode step's few rows against each group, each tile
+// step's B decoded into an L1 buffer just before its tile loads (csrc/moe_lossless.h), which
+// torch's brgemm, taking whole B matrices, cannot interleave (`blocks`); and a prefill's many
+// rows on 2 x 2 tiles over a group decoded once, K in L1-sized ranges (`pair_steps`).
 //
 // A group of NB blocks of 16 output columns is stored [K/2, NB, 16, 2] bf16 (the panel layout
 // of csrc/gemm.h): 16 consecutive K pairs of block n are exactly an AMX B tile (16 rows of 64

@@ -209,7 +209,7 @@ struct Lossless {};
 // GEMMs through brgemm (csrc/brgemm.h: AMX where present), the others through the
 // micro-kernel tiles. `coded` (bf16 on AMX only): the weights in the lossless 12-bit form
 // (csrc/moe_lossless.h) instead of w13 / w2, experts of up to 16 rows on AMX tiles decoding
-// step by step, the others on brgemm over each group decoded once. The split of work between
+// step by step, the others on AMX tiles over each group decoded once. The split of work between
 // threads is the same for every kernel.
 template <typename T>
 void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& rows,
@@ -219,13 +219,14 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
   const int64_t e2 = g.down_groups * g.down_group_size();
   const int64_t active = static_cast<int64_t>(rows.active.size());
   std::vector<Kernel> kernel(active, kMicro);
-  int64_t chunk = 0;   // the most rows a gathered brgemm chunk holds
+  int64_t chunk = 0;   // the most rows a gathered chunk (brgemm or whole-group tiles) holds
   bool any_big = false, any_amx = false, any_tiles = false;
   for (int64_t i = 0; i < active && fast; ++i) {
     const int64_t e = rows.active[i], n = rows.offsets[e + 1] - rows.offsets[e];
     kernel[i] = coded ? (n <= wideserve_amx::kRows ? kAmx : kTiles)
                       : big > 0 && n >= big ? kBrgemm : kMicro;
-    if (kernel[i] == kBrgemm || kernel[i] == kTiles) chunk = std::max(chunk, std::min(n, kGatherRows));
+    if (kernel[i] == kBrgemm || kernel[i] == kTiles)
+      chunk = std::max(chunk, std::min(n, kGatherRows));
     any_big |= kernel[i] == kBrgemm;
     any_amx |= kernel[i] == kAmx || kernel[i] == kTiles;
     any_tiles |= kernel[i] == kTiles;

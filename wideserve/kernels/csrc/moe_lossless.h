@@ -103,7 +103,7 @@ struct DecodedSteps {
 };
 
 // A whole coded group decoded into `out` (bf16, the panel layout): for experts with enough
-// rows that brgemm runs them and the decode is paid once for all of them.
+// rows that the decode is paid once for all of them (csrc/moe_matrix.h, tile_rows).
 inline const at::BFloat16* decode_group(const LosslessMatrix& m, int64_t e, int64_t j,
                                         at::BFloat16* out) {
   const uint16_t* exc = m.exceptions_of(e, j);

@@ -1,6 +1,7 @@
 // Routed experts on the CPU's matrix units (csrc/moe.cpp calls these per expert): torch's
-// brgemm (oneDNN, AMX where present) for experts with many rows, and AMX tiles driven directly
-// (csrc/amx.h) for the few rows of a decode step. Included by csrc/moe.cpp only.
+// brgemm (oneDNN, AMX where present) for bf16 experts with many rows, and AMX tiles driven
+// directly (csrc/amx.h) for coded ones, the few rows of a decode step and a prefill's many.
+// Included by csrc/moe.cpp only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -66,10 +67,10 @@ struct Groups {
 // Gate/up groups [j_begin, j_end) of an expert whose rows are [r_begin, r_end) in sorted order:
 // the rows gathered from x in chunks of kGatherRows into `buf` ([kGatherRows, 2 * up_pairs]),
 // one brgemm per (chunk, group), SwiGLU from the fp32 result. `c`: kGatherRows x 32 floats.
-inline void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin, int64_t r_end,
-                      const Groups& group, const Geometry& g, int64_t j_begin,
-                      int64_t j_end, bool clamp, float limit, at::BFloat16* act,
-                      at::BFloat16* buf, float* c) {
+inline void up_expert_brgemm(const at::BFloat16* x, const Rows& rows, int64_t r_begin,
+                             int64_t r_end, const Groups& group, const Geometry& g,
+                             int64_t j_begin, int64_t j_end, bool clamp, float limit,
+                             at::BFloat16* act, at::BFloat16* buf, float* c) {
   const int64_t kp = 2 * g.up_pairs, cols = 2 * kLanes;
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kGatherRows) {
     const int64_t n = std::min(kGatherRows, r_end - r0);
