@@ -59,7 +59,7 @@ class CodedMatrix:
 
 def encode(packed: torch.Tensor) -> CodedMatrix:
     """A packed bf16 stack [E, groups, pairs, NB, 16, 2] -> its coded form (exact: `decode`
-    gives it back bit for bit). The C++ op (`csrc/lossless_encode.cpp`, ~3x faster) where
+    gives it back bit for bit). The C++ op (`csrc/lossless_encode.cpp`, ~6x faster) where
     the extension loads, else `encode_reference`: the same bytes."""
     if packed.dtype != torch.bfloat16 or packed.dim() != 6:
         raise ValueError("lossless.encode: a packed bf16 [E, groups, pairs, NB, 16, 2] stack")

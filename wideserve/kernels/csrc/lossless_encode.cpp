@@ -1,7 +1,7 @@
 // The lossless 12-bit coding of packed bf16 expert weights (kernels/lossless.py `encode`; the
 // layout and why: csrc/moe_lossless.h, docs/cpu_kernels.md "Lossless 12-bit expert weights").
 // Portable C++ on every build: it runs once per weight change, not per step, but in torch ops
-// it took ~0.56 s per 151 MB layer of the 653M benchmark model (two threads), ~0.17 s here:
+// it took ~0.56 s per 151 MB layer of the 653M benchmark model (two threads), ~0.09 s here:
 // seconds of start-up for a small model, minutes for a large one otherwise. The same bytes as
 // lossless.py's `encode_reference`, which the tests hold it to.
 #include <ATen/ATen.h>
@@ -15,6 +15,10 @@
 #include <numeric>
 #include <tuple>
 #include <vector>
+
+#ifdef __AVX512BW__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -51,6 +55,83 @@ std::array<uint8_t, 16> table_of(const uint16_t* bits, int64_t n) {
   return table;
 }
 
+// One chunk's coding (kChunk values at v -> kChunkBytes at o), its escape count; and its
+// escaped values, whole, in decode order. Plain C++ through `perm`, or AVX512BW: the low and
+// high bytes of two vectors in the decoder's unpack order are exactly `vpackuswb` of their
+// masked and shifted words (per 128-bit lane: the first vector's 8 words, then the second's),
+// and a high byte's code is found by 15 byte compares against the table.
+struct Coder {
+  std::array<uint8_t, 256> code_of;
+  std::array<int, kChunk> perm = chunk_order();
+#ifdef __AVX512BW__
+  __m512i table[kEscape];
+#endif
+  explicit Coder(const std::array<uint8_t, 16>& table) {
+    code_of.fill(kEscape);
+    for (int i = 0; i < kEscape; ++i) code_of[table[i]] = static_cast<uint8_t>(i);
+#ifdef __AVX512BW__
+    for (int i = 0; i < kEscape; ++i) this->table[i] = _mm512_set1_epi8(static_cast<char>(table[i]));
+#endif
+  }
+
+#ifdef __AVX512BW__
+  // Vectors q, q + 1 of a chunk as (low bytes, high bytes) in the coded order.
+  static void split(const uint16_t* v, int q, __m512i& lo, __m512i& hi) {
+    const __m512i a = _mm512_loadu_si512(v + 32 * q), b = _mm512_loadu_si512(v + 32 * q + 32);
+    const __m512i byte = _mm512_set1_epi16(0xFF);
+    lo = _mm512_packus_epi16(_mm512_and_si512(a, byte), _mm512_and_si512(b, byte));
+    hi = _mm512_packus_epi16(_mm512_srli_epi16(a, 8), _mm512_srli_epi16(b, 8));
+  }
+  __m512i codes(__m512i hi) const {
+    __m512i c = _mm512_set1_epi8(kEscape);
+    for (int i = 0; i < kEscape; ++i)
+      c = _mm512_mask_mov_epi8(c, _mm512_cmpeq_epi8_mask(hi, table[i]),
+                               _mm512_set1_epi8(static_cast<char>(i)));
+    return c;
+  }
+  int64_t encode(const uint16_t* v, uint8_t* o) const {
+    __m512i l0, h0, l1, h1;
+    split(v, 0, l0, h0);
+    split(v, 2, l1, h1);
+    const __m512i c0 = codes(h0), c1 = codes(h1), esc = _mm512_set1_epi8(kEscape);
+    _mm512_storeu_si512(o, l0);
+    _mm512_storeu_si512(o + 64, l1);
+    _mm512_storeu_si512(o + 128, _mm512_or_si512(c0, _mm512_slli_epi16(c1, 4)));
+    return __builtin_popcountll(_mm512_cmpeq_epi8_mask(c0, esc)) +
+           __builtin_popcountll(_mm512_cmpeq_epi8_mask(c1, esc));
+  }
+  void exceptions(const uint16_t* v, uint16_t*& e) const {
+    const __m512i esc = _mm512_set1_epi8(kEscape);
+    for (int half = 0; half < 2; ++half) {
+      __m512i lo, hi;
+      split(v, 2 * half, lo, hi);
+      for (__mmask64 k = _mm512_cmpeq_epi8_mask(codes(hi), esc); k; k &= k - 1) {
+        const int p = __builtin_ctzll(k), lane = p >> 4, j = p & 15;
+        *e++ = v[half * 64 + (j < 8 ? 0 : 32) + lane * 8 + (j & 7)];
+      }
+    }
+  }
+#else
+  int64_t encode(const uint16_t* v, uint8_t* o) const {
+    uint8_t codes[kChunk];
+    int64_t escapes = 0;
+    for (int q = 0; q < kChunk; ++q) {
+      const uint16_t word = v[perm[q]];
+      o[q] = static_cast<uint8_t>(word & 0xFF);
+      codes[q] = code_of[word >> 8];
+      escapes += codes[q] == kEscape;
+    }
+    for (int p = 0; p < 64; ++p)
+      o[kChunk + p] = static_cast<uint8_t>(codes[p] | (codes[64 + p] << 4));
+    return escapes;
+  }
+  void exceptions(const uint16_t* v, uint16_t*& e) const {
+    for (int q = 0; q < kChunk; ++q)
+      if (code_of[v[perm[q]] >> 8] == kEscape) *e++ = v[perm[q]];
+  }
+#endif
+};
+
 // packed bf16 [E, groups, ...] -> (data [E, groups, bytes] uint8, exceptions [n] int16,
 // starts [E * groups] int64, table [16] uint8).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
@@ -64,10 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
               " values is not whole chunks of ", kChunk);
   const auto* bits = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const std::array<uint8_t, 16> table = table_of(bits, packed.numel());
-  std::array<uint8_t, 256> code_of;
-  code_of.fill(kEscape);
-  for (int i = 0; i < kEscape; ++i) code_of[table[i]] = static_cast<uint8_t>(i);
-  const std::array<int, kChunk> perm = chunk_order();
+  const Coder coder(table);
   const int64_t chunks = values / kChunk, n_groups = E * groups;
   at::Tensor data = at::empty({E, groups, chunks * kChunkBytes}, at::kByte);
   at::Tensor starts = at::empty({n_groups}, at::kLong);
@@ -76,21 +154,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
   std::vector<int64_t> escapes(n_groups, 0);
   // Pass 1: every group's bytes and how many of its values escape.
   at::parallel_for(0, n_groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t grp = g0; grp < g1; ++grp) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        const uint16_t* v = bits + grp * values + c * kChunk;
-        uint8_t* o = out + (grp * chunks + c) * kChunkBytes;
-        uint8_t codes[kChunk];
-        for (int q = 0; q < kChunk; ++q) {
-          const uint16_t word = v[perm[q]];
-          o[q] = static_cast<uint8_t>(word & 0xFF);
-          codes[q] = code_of[word >> 8];
-          escapes[grp] += codes[q] == kEscape;
-        }
-        for (int p = 0; p < 64; ++p)
-          o[kChunk + p] = static_cast<uint8_t>(codes[p] | (codes[64 + p] << 4));
-      }
-    }
+    for (int64_t grp = g0; grp < g1; ++grp)
+      for (int64_t c = 0; c < chunks; ++c)
+        escapes[grp] += coder.encode(bits + grp * values + c * kChunk,
+                                     out + (grp * chunks + c) * kChunkBytes);
   });
   int64_t total = 0;
   for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -104,11 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
     for (int64_t grp = g0; grp < g1; ++grp) {
       if (!escapes[grp]) continue;
       uint16_t* e = exc + start[grp];
-      for (int64_t c = 0; c < chunks; ++c) {
-        const uint16_t* v = bits + grp * values + c * kChunk;
-        for (int q = 0; q < kChunk; ++q)
-          if (code_of[v[perm[q]] >> 8] == kEscape) *e++ = v[perm[q]];
-      }
+      for (int64_t c = 0; c < chunks; ++c) coder.exceptions(bits + grp * values + c * kChunk, e);
     }
   });
   at::Tensor table_t = at::empty({16}, at::kByte);
