@@ -70,7 +70,8 @@ struct Coder {
     code_of.fill(kEscape);
     for (int i = 0; i < kEscape; ++i) code_of[table[i]] = static_cast<uint8_t>(i);
 #ifdef __AVX512BW__
-    for (int i = 0; i < kEscape; ++i) this->table[i] = _mm512_set1_epi8(static_cast<char>(table[i]));
+    for (int i = 0; i < kEscape; ++i)
+      this->table[i] = _mm512_set1_epi8(static_cast<char>(table[i]));
 #endif
   }
 
