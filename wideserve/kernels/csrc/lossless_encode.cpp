@@ -61,21 +61,13 @@ std::array<uint8_t, 16> table_of(const uint16_t* bits, int64_t n) {
 // masked and shifted words (per 128-bit lane: the first vector's 8 words, then the second's),
 // and a high byte's code is found by 15 byte compares against the table.
 struct Coder {
-  std::array<uint8_t, 256> code_of;
-  std::array<int, kChunk> perm = chunk_order();
 #ifdef __AVX512BW__
-  __m512i table[kEscape];
-#endif
-  explicit Coder(const std::array<uint8_t, 16>& table) {
-    code_of.fill(kEscape);
-    for (int i = 0; i < kEscape; ++i) code_of[table[i]] = static_cast<uint8_t>(i);
-#ifdef __AVX512BW__
-    for (int i = 0; i < kEscape; ++i)
-      this->table[i] = _mm512_set1_epi8(static_cast<char>(table[i]));
-#endif
+  __m512i table[kEscape];      // each high byte of the table, broadcast
+
+  explicit Coder(const std::array<uint8_t, 16>& high) {
+    for (int i = 0; i < kEscape; ++i) table[i] = _mm512_set1_epi8(static_cast<char>(high[i]));
   }
 
-#ifdef __AVX512BW__
   // Vectors q, q + 1 of a chunk as (low bytes, high bytes) in the coded order.
   static void split(const uint16_t* v, int q, __m512i& lo, __m512i& hi) {
     const __m512i a = _mm512_loadu_si512(v + 32 * q), b = _mm512_loadu_si512(v + 32 * q + 32);
@@ -113,6 +105,14 @@ struct Coder {
     }
   }
 #else
+  std::array<uint8_t, 256> code_of;
+  std::array<int, kChunk> perm = chunk_order();
+
+  explicit Coder(const std::array<uint8_t, 16>& high) {
+    code_of.fill(kEscape);
+    for (int i = 0; i < kEscape; ++i) code_of[high[i]] = static_cast<uint8_t>(i);
+  }
+
   int64_t encode(const uint16_t* v, uint8_t* o) const {
     uint8_t codes[kChunk];
     int64_t escapes = 0;
