@@ -63,6 +63,29 @@ def test_encode_op_writes_the_reference_bytes(fill: str) -> None:
         assert torch.equal(_bits(lossless.decode(got, packed.shape)), _bits(packed))
 
 
+@pytest.mark.parametrize("steps", [1, 2, 5, 6, 12, 32])
+def test_steps_are_stored_as_two_runs(steps: int) -> None:
+    """A group's tile steps lie in two runs (even steps, then odd ones): a permutation of the
+    slots, each run in order, the same slot the C++ decoder computes for the coded bytes."""
+    slots = lossless.step_slots(steps).tolist()
+    assert sorted(slots) == list(range(steps))
+    assert [slots[s] for s in range(0, steps, 2)] == list(range((steps + 1) // 2))
+    assert [slots[s] for s in range(1, steps, 2)] == list(range((steps + 1) // 2, steps))
+    # the coded bytes of a group hold step s at slot s: values of one high byte, no escapes
+    g = torch.Generator().manual_seed(steps)
+    w1 = (torch.rand(1, 64, 32 * steps, generator=g) * 0.5 + 0.5).bfloat16()
+    packed = moe_op.pack_experts(w1, torch.ones(1, 32 * steps, 32, dtype=torch.bfloat16))[0]
+    coded = lossless.encode(packed)
+    assert coded.exceptions.numel() == 0
+    one_step = torch.Size([1, 1, 16, *packed.shape[3:]])
+    by_slot = coded.data[0, 0].view(steps, -1)
+    for s in range(steps):
+        alone = lossless.CodedMatrix(by_slot[slots[s]].reshape(1, 1, -1), coded.exceptions,
+                                     torch.zeros(1, dtype=torch.int64), coded.table)
+        want = packed[:, :1, 16 * s:16 * (s + 1)]
+        assert torch.equal(_bits(lossless.decode(alone, one_step)), _bits(want))
+
+
 def test_every_bit_pattern_round_trips() -> None:
     """Random bits (NaNs, infinities, all 256 high bytes): most values escape, all return."""
     g = torch.Generator().manual_seed(3)

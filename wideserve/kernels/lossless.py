@@ -23,6 +23,8 @@ CHUNK = 128            # values a chunk codes: four 64-byte vectors of the packe
 CHUNK_BYTES = 192      # L0, L1 (64 low bytes each), then 64 bytes of two codes
 ESCAPE = 15
 AMX_K = 32             # the op's AMX tiles take hidden and intermediate in multiples of this
+STEP_PAIRS = AMX_K // 2   # K pairs of one AMX tile step
+STEP_STREAMS = 2       # csrc/moe_lossless.h kStepStreams
 
 
 def _chunk_order() -> torch.Tensor:
@@ -37,6 +39,22 @@ def _chunk_order() -> torch.Tensor:
 
 
 PERM = _chunk_order()
+
+
+def step_slots(steps: int) -> torch.Tensor:
+    """slot[s]: where a group's tile step s is stored, in steps from the group's start
+    (csrc/moe_lossless.h `step_slot`: step s in run s % STEP_STREAMS, the runs one after
+    another, so that the op reading the steps in order reads STEP_STREAMS streams at once)."""
+    s = torch.arange(steps)
+    run = s % STEP_STREAMS
+    return run * (steps // STEP_STREAMS) + run.clamp(max=steps % STEP_STREAMS) \
+        + s // STEP_STREAMS
+
+
+def _steps(shape: torch.Size) -> int:
+    """Tile steps of a group of a packed [E, groups, pairs, NB, 16, 2] stack (one where K is
+    not whole steps: no AMX op takes it)."""
+    return shape[2] // STEP_PAIRS if shape[2] and shape[2] % STEP_PAIRS == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,8 @@ def encode_reference(packed: torch.Tensor) -> CodedMatrix:
     table = torch.zeros(16, dtype=torch.uint8)
     table[:ESCAPE] = table_bytes.to(torch.uint8)
     data = torch.empty(E, groups, values // CHUNK * CHUNK_BYTES, dtype=torch.uint8)
+    steps = _steps(packed.shape)
+    slots = step_slots(steps)
     exceptions, counts = [], torch.empty(E, groups, dtype=torch.int64)
     for e in range(E):           # one expert at a time: int64 temporaries stay small
         chunks = bits[e].reshape(groups, -1, CHUNK)[:, :, PERM]         # coded order
@@ -92,7 +112,8 @@ def encode_reference(packed: torch.Tensor) -> CodedMatrix:
         codes = code_of[hi]
         low = (chunks & 0xFF).to(torch.uint8)
         packed_codes = codes[..., :64] | (codes[..., 64:] << 4)
-        data[e] = torch.cat([low, packed_codes], dim=-1).reshape(groups, -1)
+        data[e].view(groups, steps, -1)[:, slots] = torch.cat(
+            [low, packed_codes], dim=-1).reshape(groups, steps, -1)
         escaped = codes == ESCAPE
         exceptions.append(chunks[escaped])
         counts[e] = escaped.reshape(groups, -1).sum(-1)
@@ -105,7 +126,9 @@ def decode(coded: CodedMatrix, shape: torch.Size) -> torch.Tensor:
     """The packed bf16 stack of `shape` back from its coded form (tests, and the reference
     for what the op decodes)."""
     E, groups = coded.data.shape[:2]
-    raw = coded.data.reshape(E, groups, -1, CHUNK_BYTES)
+    steps = _steps(shape)
+    raw = coded.data.reshape(E, groups, steps, -1)[:, :, step_slots(steps)].reshape(
+        E, groups, -1, CHUNK_BYTES)
     low, packed_codes = raw[..., :128].to(torch.int32), raw[..., 128:].to(torch.int64)
     codes = torch.cat([packed_codes & 0xF, packed_codes >> 4], dim=-1)
     hi = coded.table.to(torch.int32)[codes]

@@ -119,8 +119,10 @@ WS_AMX_TARGET inline void blocks(const at::BFloat16* a, int64_t lda, int64_t ste
     _tile_zero(5);
     _tile_zero(6);
   }
+  const at::BFloat16* next = steps > 0 ? step_b(0) : nullptr;
   for (int64_t s = 0; s < steps; ++s) {
-    const at::BFloat16* w = step_b(s);
+    const at::BFloat16* w = next;
+    if (s + 1 < steps) next = step_b(s + 1);
     memory_barrier();
     _tile_loadd(0, a + s * 2 * kPairs, lda * 2);
     _tile_loadd(1, w, b_stride);

@@ -20,10 +20,13 @@
 #include <immintrin.h>
 #endif
 
+#include "moe_lossless.h"
+
 namespace {
 
-constexpr int64_t kChunk = 128, kChunkBytes = 192;
-constexpr int kEscape = 15;
+using wideserve_moe::kChunkBytes;
+using wideserve_moe::kEscape;
+constexpr int64_t kChunk = wideserve_moe::kChunkValues;
 
 // perm[q]: the chunk value (vector v * 32 + word w) stored at coded position q (the order
 // AVX512's per-lane byte unpacks rebuild, lossless.py `_chunk_order`).
@@ -133,12 +136,24 @@ struct Coder {
 #endif
 };
 
-// packed bf16 [E, groups, ...] -> (data [E, groups, bytes] uint8, exceptions [n] int16,
-// starts [E * groups] int64, table [16] uint8).
+// A group's tile steps (16 K pairs of its NB blocks, 4 NB chunks) and where chunk c of the
+// group is stored: its step's slot (wideserve_moe::step_slot), in order within the step. A
+// K not in whole steps (no AMX op takes it) is one step.
+struct Steps {
+  int64_t count, chunks;
+  Steps(int64_t pairs, int64_t group_chunks)
+      : count(pairs > 0 && pairs % 16 == 0 ? pairs / 16 : 1), chunks(group_chunks / count) {}
+  int64_t place(int64_t c) const {
+    return wideserve_moe::step_slot(c / chunks, count) * chunks + c % chunks;
+  }
+};
+
+// packed bf16 [E, groups, pairs, NB, 16, 2] -> (data [E, groups, bytes] uint8, exceptions [n]
+// int16, starts [E * groups] int64, table [16] uint8).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
     const at::Tensor& packed_in) {
-  TORCH_CHECK(packed_in.scalar_type() == at::kBFloat16 && packed_in.dim() >= 3,
-              "lossless_encode: a packed bf16 [E, groups, ...] stack");
+  TORCH_CHECK(packed_in.scalar_type() == at::kBFloat16 && packed_in.dim() == 6,
+              "lossless_encode: a packed bf16 [E, groups, pairs, NB, 16, 2] stack");
   const at::Tensor packed = packed_in.contiguous();
   const int64_t E = packed.size(0), groups = packed.size(1);
   const int64_t values = E * groups ? packed.numel() / (E * groups) : 0;
@@ -148,6 +163,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
   const std::array<uint8_t, 16> table = table_of(bits, packed.numel());
   const Coder coder(table);
   const int64_t chunks = values / kChunk, n_groups = E * groups;
+  const Steps steps(packed.size(2), chunks);
   at::Tensor data = at::empty({E, groups, chunks * kChunkBytes}, at::kByte);
   at::Tensor starts = at::empty({n_groups}, at::kLong);
   uint8_t* out = data.data_ptr<uint8_t>();
@@ -158,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lossless_encode(
     for (int64_t grp = g0; grp < g1; ++grp)
       for (int64_t c = 0; c < chunks; ++c)
         escapes[grp] += coder.encode(bits + grp * values + c * kChunk,
-                                     out + (grp * chunks + c) * kChunkBytes);
+                                     out + (grp * chunks + steps.place(c)) * kChunkBytes);
   });
   int64_t total = 0;
   for (int64_t grp = 0; grp < n_groups; ++grp) {

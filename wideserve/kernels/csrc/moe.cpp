@@ -264,8 +264,7 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #ifdef WIDESERVE_AMX
       if (kernel[i] == kAmx && coded) {
         auto steps_of = [&](int64_t j) {
-          return DecodedSteps{coded->w13.group(e, j), kStepChunksPerBlock * 2, coded->w13.table,
-                              coded->w13.exceptions_of(e, j), sc.steps.get()};
+          return DecodedSteps(coded->w13, e, j, sc.steps.get());
         };
         return up_expert_amx(x, rows, r0, r1, steps_of, g, j_begin, j_end, clamp, limit, act,
                              buf, c, tiles);
@@ -350,9 +349,7 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #ifdef WIDESERVE_AMX
         if (kernel[i] == kAmx && coded) {
           auto steps_of = [&](int64_t grp) {
-            return DecodedSteps{coded->w2.group(e, grp), kStepChunksPerBlock * kBlocksDown,
-                                coded->w2.table,
-                                coded->w2.exceptions_of(e, grp), sc.steps.get()};
+            return DecodedSteps(coded->w2, e, grp, sc.steps.get());
           };
           down_expert_amx(act, rows, r0, r1, steps_of, g, begin, end, sums, c, tiles);
           continue;
@@ -495,7 +492,7 @@ bool lossless_available() {
 LosslessMatrix coded_matrix(const char* which, const at::Tensor& data,
                             const at::Tensor& exceptions, const at::Tensor& starts,
                             const at::Tensor& table, int64_t experts, int64_t groups,
-                            int64_t values) {
+                            int64_t values, int64_t blocks) {
   const int64_t bytes = values / kChunkValues * kChunkBytes;
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() &&
                   data.sizes() == at::IntArrayRef({experts, groups, bytes}),
@@ -519,6 +516,7 @@ LosslessMatrix coded_matrix(const char* which, const at::Tensor& data,
   m.starts = st;
   m.groups = groups;
   m.group_bytes = bytes;
+  m.step_chunks = kStepChunksPerBlock * blocks;
   m.table = _mm512_broadcast_i32x4(_mm_loadu_si128(
       reinterpret_cast<const __m128i*>(table.data_ptr<uint8_t>())));
   return m;
@@ -546,9 +544,9 @@ at::Tensor moe_fused_experts_lossless(
 #ifdef WIDESERVE_AMX
   const int64_t experts = w13.size(0);
   Lossless coded{coded_matrix("w13", w13, w13_exceptions, w13_starts, w13_table, experts,
-                              g.up_groups, g.up_group_size()),
+                              g.up_groups, g.up_group_size(), 2),
                  coded_matrix("w2", w2, w2_exceptions, w2_starts, w2_table, experts,
-                              g.down_groups, g.down_group_size())};
+                              g.down_groups, g.down_group_size(), kBlocksDown)};
   const bool clamp = limit.has_value();
   const float lim = clamp ? static_cast<float>(*limit) : 0.0f;
   return fused_call("moe_fused_experts_lossless", x_in, topk_ids, topk_weights, experts, g,

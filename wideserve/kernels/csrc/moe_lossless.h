@@ -17,14 +17,18 @@
 // AVX512's per-lane byte unpacks interleave (low, high) into 16-bit words. An AMX tile step
 // (16 K pairs of a group of NB blocks) is 4 NB chunks, decoded into an L1 buffer just before
 // its tile loads (the next step's bytes prefetched meanwhile: without it the stream read
-// ~22 GB/s against ~30 for the bf16 tiles, BENCHMARKS.md).
+// ~22 GB/s against ~30 for the bf16 tiles, BENCHMARKS.md). A group's steps are stored as two
+// interleaved runs (step_slot), so reading them in order reads two sequential streams.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
-#include "moe_common.h"
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace wideserve_moe {
 
@@ -33,16 +37,31 @@ constexpr int64_t kChunkValues = 128, kChunkBytes = 192;
 constexpr int64_t kStepChunksPerBlock = 4;
 constexpr int kEscape = 15;
 
+// Where a group's tile steps lie: step s in run s % kStepStreams at place s / kStepStreams, the
+// runs one after another; returns step s's slot (in steps from the group's start) of `steps`.
+// Read in order, the steps are then kStepStreams sequential streams at once, and one core's
+// hardware prefetchers keep more lines in flight over two streams than over one: decoding with
+// the next-step prefetch, a core read ~25% faster (docs/cpu_kernels.md, "Lossless 12-bit
+// expert weights"). The coder (csrc/lossless_encode.cpp, lossless.py) places them so.
+constexpr int64_t kStepStreams = 2;
+inline int64_t step_slot(int64_t s, int64_t steps) {
+  const int64_t run = s % kStepStreams;
+  return run * (steps / kStepStreams) + std::min(run, steps % kStepStreams) + s / kStepStreams;
+}
+
 #ifdef __AVX512BF16__
 // One of w13 / w2 for every expert: groups of `group_bytes` coded bytes, [E, groups, ...];
 // exceptions [n] bf16 bits in decode order; starts [E * groups] the first exception of each
 // group; table: the 16 high bytes (entry 15 unused) in each 128-bit lane.
+// step_chunks: the chunks of one tile step (kStepChunksPerBlock x the group's blocks).
 struct LosslessMatrix {
   const uint8_t* data = nullptr;
   const uint16_t* exceptions = nullptr;
   const int64_t* starts = nullptr;
-  int64_t groups = 0, group_bytes = 0;
+  int64_t groups = 0, group_bytes = 0, step_chunks = 0;
   __m512i table;
+
+  int64_t steps() const { return group_bytes / (step_chunks * kChunkBytes); }
 
   const uint8_t* group(int64_t e, int64_t j) const {
     return data + (e * groups + j) * group_bytes;
@@ -86,29 +105,39 @@ inline void decode_chunks(const uint8_t* src, int64_t chunks, __m512i table,
 // step s decoded into one of two halves of `buf` (2 x chunks x 128 values), the next step's
 // bytes prefetched. Steps must be asked for in order (the exception cursor moves on).
 struct DecodedSteps {
-  const uint8_t* src;
-  int64_t chunks;                // per step: kStepChunksPerBlock x blocks of the group
+  const uint8_t* src;            // the group's first byte; its steps placed by step_slot
+  int64_t chunks, steps;         // chunks per step, steps of the group
   __m512i table;
   const uint16_t* exc;
   at::BFloat16* buf;
 
+  DecodedSteps(const LosslessMatrix& m, int64_t e, int64_t j, at::BFloat16* buf)
+      : src(m.group(e, j)), chunks(m.step_chunks), steps(m.steps()), table(m.table),
+        exc(m.exceptions_of(e, j)), buf(buf) {}
+
   const at::BFloat16* operator()(int64_t s) {
-    const uint8_t* step = src + s * chunks * kChunkBytes;
-    for (int64_t b = 0; b < chunks * kChunkBytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(step + chunks * kChunkBytes + b), _MM_HINT_T0);
+    const int64_t step_bytes = chunks * kChunkBytes;
+    // after the last step, the next group's first (slot 0 of the group that follows)
+    const uint8_t* next = src + (s + 1 < steps ? step_slot(s + 1, steps) : steps) * step_bytes;
+    for (int64_t b = 0; b < step_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + b), _MM_HINT_T0);
     at::BFloat16* out = buf + (s & 1) * chunks * kChunkValues;
-    decode_chunks(step, chunks, table, exc, reinterpret_cast<uint16_t*>(out));
+    decode_chunks(src + step_slot(s, steps) * step_bytes, chunks, table, exc,
+                  reinterpret_cast<uint16_t*>(out));
     return out;
   }
 };
 
-// A whole coded group decoded into `out` (bf16, the panel layout): for experts with enough
-// rows that the decode is paid once for all of them (csrc/moe_matrix.h, tile_rows).
+// A whole coded group decoded into `out` (bf16, the panel layout, steps in order): for
+// experts with enough rows that the decode is paid once for all of them (csrc/moe_matrix.h,
+// tile_rows).
 inline const at::BFloat16* decode_group(const LosslessMatrix& m, int64_t e, int64_t j,
                                         at::BFloat16* out) {
   const uint16_t* exc = m.exceptions_of(e, j);
-  decode_chunks(m.group(e, j), m.group_bytes / kChunkBytes, m.table, exc,
-                reinterpret_cast<uint16_t*>(out));
+  const int64_t steps = m.steps(), step_bytes = m.step_chunks * kChunkBytes;
+  for (int64_t s = 0; s < steps; ++s)
+    decode_chunks(m.group(e, j) + step_slot(s, steps) * step_bytes, m.step_chunks, m.table,
+                  exc, reinterpret_cast<uint16_t*>(out) + s * m.step_chunks * kChunkValues);
   return out;
 }
 #endif  // __AVX512BF16__
