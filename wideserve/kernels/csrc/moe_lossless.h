@@ -26,6 +26,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "page_kick.h"
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -101,21 +103,10 @@ inline void decode_chunks(const uint8_t* src, int64_t chunks, __m512i table,
   }
 }
 
-// Page kicks: the hardware's L2 streamer fetches ahead on its own, without the L1 fill
-// buffers that software prefetches hold (the decode loop's bound, above), but only within a
-// 4 KiB page, and it starts on a page only after the first misses there. So the first
-// kKickLines lines of each page a step kKickSteps ahead starts in are asked for into L2:
-// the streamer is running on that page by the time the next-step prefetch reaches it. The op
-// at a 64-request decode step, 8 layers: 40.0-40.7 -> 37.2-38.3 ms at two threads, 81.7 ->
-// 72.0 at one (2-6 steps ahead and 1-4 lines measured; docs/cpu_kernels.md).
-constexpr int64_t kKickSteps = 4, kKickLines = 2, kPageBytes = 4096;
-inline void kick_pages(const uint8_t* from, int64_t bytes) {
-  const uintptr_t lo = reinterpret_cast<uintptr_t>(from), hi = lo + bytes;
-  for (uintptr_t page = (lo + kPageBytes - 1) & ~uintptr_t(kPageBytes - 1); page < hi;
-       page += kPageBytes)
-    for (int64_t l = 0; l < kKickLines; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(page + 64 * l), _MM_HINT_T1);
-}
+// Page kicks (csrc/page_kick.h) kKickSteps steps ahead of the step decoded: the op at a
+// 64-request decode step, 8 layers: 40.0-40.7 -> 37.2-38.3 ms at two threads, 81.7 -> 72.0 at
+// one (2-6 steps ahead and 1-4 lines a page measured).
+constexpr int64_t kKickSteps = 4;
 
 // The AMX tiles' B operand of a coded group, step by step (wideserve_amx::blocks' step_b):
 // step s decoded into one of two halves of `buf` (2 x chunks x 128 values), the next step's
@@ -139,7 +130,7 @@ struct DecodedSteps {
       _mm_prefetch(reinterpret_cast<const char*>(next + b), _MM_HINT_T0);
     // the first lines of every page that step s + kKickSteps starts in
     const int64_t t = s + kKickSteps;
-    kick_pages(src + (t < steps ? step_slot(t, steps) : t) * step_bytes, step_bytes);
+    wideserve_kick::pages(src + (t < steps ? step_slot(t, steps) : t) * step_bytes, step_bytes);
     at::BFloat16* out = buf + (s & 1) * chunks * kChunkValues;
     decode_chunks(src + step_slot(s, steps) * step_bytes, chunks, table, exc,
                   reinterpret_cast<uint16_t*>(out));
