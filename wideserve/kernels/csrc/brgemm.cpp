@@ -34,7 +34,8 @@ void run(const at::BFloat16* x, const at::BFloat16* w, int64_t m, int64_t kp, in
       const int64_t g = item / blocks, r0 = (item % blocks) * wideserve_brgemm::kBlockM;
       const int64_t rows = std::min(wideserve_brgemm::kBlockM, m - r0);
       // the next group's pages kicked while this one runs (csrc/page_kick.h): a decode
-      // step's linears (17 of the 653M model, M = 64) 4.6 -> 3.4-3.5 ms
+      // step's 17 linears of the 653M model (M = 64, cold) 3.9-4.3 -> 3.1-3.7 ms back to
+      // back, medians ~4.8 -> ~4.55 ms with other work between (benchmarks/decode_linears.py)
       if (r0 == 0 && g + 1 < groups) wideserve_kick::pages(w + (g + 1) * group_size,
                                                            group_size * 2);
       wideserve_brgemm::tile(rows, cols, kp, kp, x + r0 * kp, w + g * group_size, acc.data());
