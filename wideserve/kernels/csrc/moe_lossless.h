@@ -42,9 +42,9 @@ constexpr int kEscape = 15;
 // Where a group's tile steps lie: step s in run s % kStepStreams at place s / kStepStreams, the
 // runs one after another; returns step s's slot (in steps from the group's start) of `steps`.
 // Read in order, the steps are then kStepStreams sequential streams at once, and one core's
-// hardware prefetchers keep more lines in flight over two streams than over one: decoding with
-// the next-step prefetch, a core read ~25% faster (docs/cpu_kernels.md, "Lossless 12-bit
-// expert weights"). The coder (csrc/lossless_encode.cpp, lossless.py) places them so.
+// hardware prefetchers keep more lines in flight over two streams than over one (a read-only
+// probe of this loop's pattern ~25% faster, the op ~5%: docs/cpu_kernels.md, "Lossless
+// 12-bit expert weights"). The coder (csrc/lossless_encode.cpp, lossless.py) places them so.
 constexpr int64_t kStepStreams = 2;
 inline int64_t step_slot(int64_t s, int64_t steps) {
   const int64_t run = s % kStepStreams;
@@ -128,7 +128,8 @@ struct DecodedSteps {
     const uint8_t* next = src + (s + 1 < steps ? step_slot(s + 1, steps) : steps) * step_bytes;
     for (int64_t b = 0; b < step_bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + b), _MM_HINT_T0);
-    // the first lines of every page that step s + kKickSteps starts in
+    // the first lines of every page that step s + kKickSteps starts in (past the group's
+    // last step: the bytes that follow it, the next group's)
     const int64_t t = s + kKickSteps;
     wideserve_kick::pages(src + (t < steps ? step_slot(t, steps) : t) * step_bytes, step_bytes);
     at::BFloat16* out = buf + (s & 1) * chunks * kChunkValues;
