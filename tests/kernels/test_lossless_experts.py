@@ -71,7 +71,7 @@ def test_steps_are_stored_as_two_runs(steps: int) -> None:
     assert sorted(slots) == list(range(steps))
     assert [slots[s] for s in range(0, steps, 2)] == list(range((steps + 1) // 2))
     assert [slots[s] for s in range(1, steps, 2)] == list(range((steps + 1) // 2, steps))
-    # the coded bytes of a group hold step s at slot s: values of one high byte, no escapes
+    # the coded bytes of a group hold step s at slots[s]: values of one high byte, no escapes
     g = torch.Generator().manual_seed(steps)
     w1 = (torch.rand(1, 64, 32 * steps, generator=g) * 0.5 + 0.5).bfloat16()
     packed = moe_op.pack_experts(w1, torch.ones(1, 32 * steps, 32, dtype=torch.bfloat16))[0]
