@@ -3,11 +3,14 @@ rows share its call (checked over M = 1..300 and over the row's position), that 
 plans one of those for every token bucket, and that greedy argmax breaks ties one way."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from wideserve.kernels import gemm
+from wideserve.kernels import moe as moe_op
 from wideserve.kernels.choice import (BUCKETS, INVARIANT_KERNELS, KernelChoice, KernelPolicy,
                                       brgemm_runs, prepack, packed_linear)
 from wideserve.kernels.loader import cpu_ops_available
@@ -56,15 +59,20 @@ def test_invariant_kernels_give_every_row_the_same_bits_for_any_row_count(shape,
 
 @needs_ops
 def test_onednn_and_mkl_are_not_row_invariant_so_the_mode_excludes_them():
-    # Why the mode's candidates are only micro and brgemm: on this shape oneDNN's bf16 GEMM
-    # and MKL's fp32 GEMM round some rows differently with the row count.
+    # Why the mode's candidates are only micro and brgemm: MKL's fp32 GEMM and oneDNN's bf16
+    # GEMM round some rows differently with the row count. Where depends on the CPU: oneDNN's
+    # bf16 GEMM varied at K = 512 on the AMX Xeon, but only at K = 4,096 on a Zen 4.
     g = torch.Generator().manual_seed(1)
     w = torch.randn(1000, 512, generator=g) * 0.05
     x = torch.randn(ROWS, 512, generator=g)
     assert _variant_rows(lambda a: F.linear(a, w), x) != []
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        packed = prepack(w.bfloat16())
-        assert _variant_rows(lambda a: packed_linear(a, packed), x.bfloat16()) != []
+        w4 = torch.randn(1000, 4096, generator=g) * 0.05
+        x4 = torch.randn(ROWS, 4096, generator=g)
+        def onednn(wk: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+            packed = prepack(wk.bfloat16())
+            return lambda a: packed_linear(a, packed)
+        assert any(_variant_rows(onednn(wk), xk.bfloat16()) for wk, xk in ((w, x), (w4, x4)))
     assert "onednn" not in INVARIANT_KERNELS and "torch" not in INVARIANT_KERNELS
 
 
@@ -99,8 +107,12 @@ def test_weight_pack_and_functional_linears_are_row_invariant_in_the_mode(dtype)
     assert _variant_rows(lambda a: pack.linear(a, (w,)), x) == []
     default = WeightPack(choice)
     if dtype == torch.bfloat16 and brgemm_runs():
-        # the default's plan switches kernel at 17 rows: those rows round differently
-        assert _variant_rows(lambda a: default.linear(a, (w,)), x) != []
+        # the default's plan switches kernel at 17 rows: those rows round differently where
+        # brgemm's sums round unlike the micro-kernel's (AMX); where they are the same
+        # (brgemm on AVX512-BF16 dot products, a Zen 4) the default is row-invariant too
+        fns = _kernels(w)
+        same = torch.equal(fns["micro"](x), fns["brgemm"](x))
+        assert (_variant_rows(lambda a: default.linear(a, (w,)), x) == []) == same
     # A model's plain nn.Linear, made invariant at load (CausalLM.apply_kernel_config)
     lin = torch.nn.Linear(512, n, bias=False, dtype=dtype)
     lin.weight.data = w
@@ -138,7 +150,11 @@ def test_experts_give_a_token_the_same_bits_alone_and_in_any_batch():
         assert _variant_rows(run, x) == []
         if brgemm_runs():
             experts.batch_invariant = False          # brgemm from 17 rows of an expert
-            assert _variant_rows(run, x) != []
+            w13, w2, inter = experts._fused_pack()
+            micro, big = (moe_op.fused_experts(x, ids, wts, w13, w2, inter, None,
+                                               brgemm_min_rows=rows) for rows in (None, 1))
+            # varies with the batch exactly where brgemm rounds unlike the micro-kernel
+            assert (_variant_rows(run, x) == []) == torch.equal(micro, big)
 
 
 def test_greedy_argmax_breaks_ties_at_the_first_index_on_every_path():

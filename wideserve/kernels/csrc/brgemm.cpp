@@ -91,9 +91,9 @@ at::Tensor wideserve_brgemm::linear(const at::Tensor& x, const at::Tensor& w, in
 
 namespace {
 
-// Whether torch's brgemm runs bf16 on this CPU (its ukernel's device check); elsewhere it
-// raises, and the kernel choice never offers it.
-bool brgemm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// Whether torch's brgemm runs bf16 on this CPU (wideserve_brgemm::runs); elsewhere the kernel
+// choice never offers it.
+bool brgemm_available() { return wideserve_brgemm::runs(); }
 
 }  // namespace
 

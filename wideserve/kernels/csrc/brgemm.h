@@ -34,6 +34,34 @@ inline void tile(int64_t m, int64_t cols, int64_t k, int64_t lda, const at::BFlo
 // Frees the AMX tile configuration this thread's brgemm calls set (once per parallel body).
 inline void release() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
 
+// Whether torch's brgemm takes bf16 on a VNNI B here. Its oneDNN ukernel does so from
+// avx512_core up (AMX tiles where present, AVX512-BF16 dot products on a Zen 4), and the call
+// raises elsewhere. torch exposes only `could_pack`, true with AMX alone (the packing AMX
+// needs), which kept brgemm off every AVX512-BF16 CPU without AMX, where it runs and was
+// measured faster than the micro-kernel at some shapes (BENCHMARKS.md, "AMD EPYC Zen 4:
+// brgemm without AMX"). So one 1 x 16 x 2 call is made once, and its result checked.
+inline bool runs() {
+  static const bool ok = [] {
+    try {
+      alignas(64) at::BFloat16 a[2] = {at::BFloat16(1.0f), at::BFloat16(2.0f)};
+      alignas(64) at::BFloat16 b[2 * 16];            // [K/2 = 1, 16, 2]: column n = (n, 1)
+      for (int n = 0; n < 16; ++n) {
+        b[2 * n] = at::BFloat16(static_cast<float>(n));
+        b[2 * n + 1] = at::BFloat16(1.0f);
+      }
+      alignas(64) float c[16];
+      tile(1, 16, 2, 2, a, b, c);
+      release();
+      for (int n = 0; n < 16; ++n)
+        if (c[n] != static_cast<float>(n + 2)) return false;
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
 // One output row: out[c] = round(acc[c] + bias[c]) for c < cols (RNE, as the micro-kernel
 // and Tensor.to round). `widen`: the rounded value stored as fp32.
 template <typename Out>

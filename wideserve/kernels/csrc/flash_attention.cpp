@@ -259,7 +259,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& cache, const at:
 // Whether flash_prefill runs here: compiled with AVX512-BF16 and torch's brgemm takes bf16.
 bool flash_prefill_available() {
 #ifdef __AVX512BF16__
-  return at::native::cpublas::could_pack(at::kBFloat16);
+  return wideserve_brgemm::runs();
 #else
   return false;
 #endif

@@ -327,6 +327,9 @@ void pack_vnni(const at::BFloat16* x, int64_t m, int64_t kp, int64_t mp, at::BFl
     }
 }
 
+// AMX only (`could_pack`): QUANT_BRGEMM_MIN_ROWS (layers/experts.py) was measured with AMX
+// tiles; where brgemm runs on AVX512-BF16 dot products (csrc/brgemm.h `runs`) the dequantised
+// tiles have not been timed against it, so they keep the dot-product path.
 bool brgemm_runs() {
   static const bool ok = at::native::cpublas::could_pack(at::kBFloat16);
   return ok;
