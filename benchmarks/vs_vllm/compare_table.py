@@ -136,8 +136,18 @@ def roofline_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"{b['kv']:,.0f}); roofline {r['roofline_ms']} ms vs measured step "
             f"{r['step_ms_p50']} ms (forward {r['forward_ms_p50']}): "
             f"**{100 * r['fraction_of_roofline']:.0f}% of the roofline**, "
-            f"{r['achieved_gbs']} GB/s (load {r['load']:.1f})")
+            f"{r['achieved_gbs']} GB/s (load {r['load']:.1f})" + compute_floor(r))
     return out
+
+
+def compute_floor(r: dict[str, Any]) -> str:
+    """The step's multiply-adds at the measured bf16 matmul peak (rows from before session
+    23 have none)."""
+    if "compute_floor_ms" not in r:
+        return ""
+    return (f"; compute floor {r['compute_floor_ms']} ms ({r['macs_per_step_g']['total']:.2f} "
+            f"GMAC at the bf16 matmul peak of {r['matmul_peak_gmacs']:.0f} GMAC/s): "
+            f"{100 * r['fraction_of_compute_floor']:.0f}% of it")
 
 
 def main() -> int:

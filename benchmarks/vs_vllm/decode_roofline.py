@@ -18,7 +18,10 @@ The decode roofline is bytes / read bandwidth; the achieved fraction is that tim
 measured median decode step. At one thread the same is also given on the thread's CPU time
 (`*_cpu`: the read bandwidth and the step both timed on it), which a shared machine's load
 does not inflate (wall-clock steps at load 10-20 on 2 cores were 2-3x their CPU time, while
-the best-of-5 bandwidth is not). One JSON line (stdout, and --out if given).
+the best-of-5 bandwidth is not). Beside it, the compute floor: the step's multiply-adds
+(`step_macs`) at the machine's bf16 matmul peak (best `torch.mm` of 2,048^3, same threads),
+which on a CPU whose cores cannot keep pace with its memory lies above the roofline.
+One JSON line (stdout, and --out if given).
 """
 from __future__ import annotations
 
@@ -74,6 +77,22 @@ def bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> dict[str, 
     if threads == 1:
         out["read_gbs_cpu"] = round(statistics.median(cpu_reads[fastest]), 2)
     return out
+
+
+def matmul_peak_gmacs(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-`repeats` bf16 `torch.mm` of n^3 in GMAC/s (1e9 multiply-adds a second): the
+    machine's measured matmul peak, for the step's compute floor (`step_macs`)."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).bfloat16()
+    b = torch.randn(n, n, generator=g).bfloat16()
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return n ** 3 / best / 1e9
 
 
 class _DecodeSteps:
@@ -154,6 +173,27 @@ def step_bytes(model: torch.nn.Module, cfg: Any, batch: int, active_experts: flo
             "total": dense + experts + embed + kv}
 
 
+def step_macs(model: torch.nn.Module, cfg: Any, batch: int, context: float) -> dict[str, float]:
+    """Multiply-adds of a decode step: every token through the dense matrices (not the
+    embedding), its top-k experts, and attention's two products over the context. Where the
+    cores cannot keep pace with memory (a 2-vCPU Zen 4 reads ~54 GB/s), this, at the matmul
+    peak, bounds the step from below more tightly than the bytes do."""
+    from wideserve.layers.experts import RoutedExperts
+    expert_params: set[int] = set()
+    experts = 0.0
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            per_expert = sum(p.numel() for p in m.parameters()) / m.gate_up_proj.shape[0]
+            experts += batch * cfg.num_experts_per_tok * per_expert
+            expert_params.update(id(p) for p in m.parameters())
+    dense = sum(batch * p.numel() for name, p in model.named_parameters()
+                if id(p) not in expert_params and p.dim() == 2 and "embed_tokens" not in name)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * batch * context * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+    return {"dense": dense, "experts": experts, "attention": attention,
+            "total": dense + experts + attention}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -169,6 +209,7 @@ def main() -> None:
                          "the experts run coded, their bytes per step are the coded ones")
     a = ap.parse_args()
     bw = bandwidth_gbs(a.threads, a.bandwidth_mib)
+    peak = matmul_peak_gmacs(a.threads)
     from wideserve.serving.llm import LLM
     from wideserve.types.sampling_params import SamplingParams
     llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,
@@ -202,6 +243,8 @@ def main() -> None:
     context = a.input_len + (a.output_len - 1) / 2          # mean over the decode steps
     b = step_bytes(engine.model, cfg, a.batch, active, context, kv_bytes)
     roof_s = b["total"] / (bw["read_gbs"] * 1e9)
+    macs = step_macs(engine.model, cfg, a.batch, context)
+    floor_s = macs["total"] / (peak * 1e9)
     row = {"bench": "decode_roofline", "model": os.path.basename(a.model.rstrip("/")),
            "batch": a.batch, "threads": a.threads, **bw,
            "lossless_experts": coded_experts(engine.model),
@@ -212,6 +255,10 @@ def main() -> None:
            "achieved_gbs": round(b["total"] / step_s / 1e9, 2),
            "roofline_ms": round(roof_s * 1e3, 2),
            "fraction_of_roofline": round(roof_s / step_s, 3),
+           "matmul_peak_gmacs": round(peak, 1),
+           "macs_per_step_g": {k: round(v / 1e9, 3) for k, v in macs.items()},
+           "compute_floor_ms": round(floor_s * 1e3, 2),
+           "fraction_of_compute_floor": round(floor_s / step_s, 3),
            **({} if "read_gbs_cpu" not in bw else {
                "step_cpu_ms_p50": round(step_cpu_s * 1e3, 2),
                "roofline_cpu_ms": round(b["total"] / (bw["read_gbs_cpu"] * 1e9) * 1e3, 2),

@@ -46,6 +46,7 @@ from wideserve.kernels import moe as moe_op
 from wideserve.kernels import sdpa_context
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 from wideserve.kernels.timing import clock_of, time_interleaved
+from wideserve.utils.cpu_cache import last_level_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,15 @@ LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "pla
 INVARIANT_KERNELS = ("micro", "brgemm")
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
-FORMAT = 2                     # bump when the table's meaning changes
+FORMAT = 3                     # bump when the table's meaning changes (3: cold decode rows)
+# Buckets up to COLD_ROWS rows (a decode step's) are timed on weights read from memory, as a
+# decode step reads them (a served model is far larger than the caches): each candidate
+# rotates through copies of its weight that together exceed the last-level cache twice, at
+# most COLD_BYTES. Timed warm, brgemm beat the micro-kernel by 5-10% on single rows of the
+# 653M model's linears on a Zen 4 while the micro-kernel, which prefetches its next weight
+# group, was faster in the engine (BENCHMARKS.md, "AMD EPYC Zen 4: brgemm without AMX").
+COLD_ROWS = 64
+COLD_BYTES = 64 << 20
 
 
 def bucket_of(rows: int) -> int:
@@ -493,33 +502,58 @@ def candidate(family: str, kernel: str, shape: tuple[int, ...],
     if family == "attention_ctx":
         return _attention_ctx_candidate(kernel, *shape, rows, g)
     n, k = shape
+    copies = cold_copies(3 * n * k * 2 if family == "experts" else n * k * 2, rows)
     if family == "experts":
-        return _experts_candidate(kernel, n, k, rows, g)
+        return _experts_candidate(kernel, n, k, rows, g, copies)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     widen = family == "router"
     if kernel == "micro":
-        p = gemm.pack_linear(w)
-        return lambda: torch.ops.wideserve.gemm_linear(x, p, n, None, widen, False)
+        return _rotating([gemm.pack_linear(w) for _ in range(copies)], lambda p:
+                         torch.ops.wideserve.gemm_linear(x, p, n, None, widen, False))
     if kernel == "brgemm":
-        p = gemm.pack_linear(w)
-        return lambda: torch.ops.wideserve.gemm_linear_brgemm(x, p, n, None, widen)
+        return _rotating([gemm.pack_linear(w) for _ in range(copies)], lambda p:
+                         torch.ops.wideserve.gemm_linear_brgemm(x, p, n, None, widen))
     if kernel == "onednn":
-        p = prepack(w)
-        return lambda: packed_linear(x, p)
-    return lambda: F.linear(x, w)
+        return _rotating([prepack(w) for _ in range(copies)], lambda p: packed_linear(x, p))
+    return _rotating([w.clone() for _ in range(copies)], lambda p: F.linear(x, p))
 
 
-def _experts_candidate(kernel: str, inter: int, d: int, rows: int,
-                       g: torch.Generator) -> Callable[[], object]:
+def cold_copies(weight_bytes: int, rows: int) -> int:
+    """Copies of a weight a candidate of `rows` rows rotates through: 1 above COLD_ROWS, else
+    enough to exceed twice the last-level cache (at most COLD_BYTES)."""
+    if rows > COLD_ROWS:
+        return 1
+    target = min(2 * (last_level_cache_bytes() or COLD_BYTES), COLD_BYTES)
+    return max(1, -(-target // max(weight_bytes, 1)))
+
+
+def _rotating(items: list, call: Callable[[object], object]) -> Callable[[], object]:
+    """A candidate that calls `call` on the next of `items` each time (one item: always it)."""
+    if len(items) == 1:
+        only = items[0]
+        return lambda: call(only)
+    state = [0]
+
+    def run() -> object:
+        state[0] = (state[0] + 1) % len(items)
+        return call(items[state[0]])
+    return run
+
+
+def _experts_candidate(kernel: str, inter: int, d: int, rows: int, g: torch.Generator,
+                       copies: int = 1) -> Callable[[], object]:
+    """One expert's fused MLP on `rows` rows; with copies > 1 the layer holds that many
+    experts and each call routes every row to the next one (its weights read cold)."""
     x = torch.randn(rows, d, generator=g).bfloat16()
-    w13, w2 = moe_op.pack_experts((torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16(),
-                                  (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16())
-    ids = torch.zeros(rows, 1, dtype=torch.int64)
+    w13 = (torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
+    w2 = (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
+    w13, w2 = moe_op.pack_experts(w13.contiguous(), w2.contiguous())
+    ids = [torch.full((rows, 1), e, dtype=torch.int64) for e in range(copies)]
     wts = torch.ones(rows, 1, dtype=torch.bfloat16)
     big = 1 if kernel == "brgemm" else None
-    return lambda: torch.ops.wideserve.moe_fused_experts(x, ids, wts, w13, w2, inter, None,
-                                                          False, None, None, big)
+    return _rotating(ids, lambda i: torch.ops.wideserve.moe_fused_experts(
+        x, i, wts, w13, w2, inter, None, False, None, None, big))
 
 
 def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
