@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from wideserve.kernels import candidates as cand
 from wideserve.kernels import choice as ch
 from wideserve.kernels.choice import BUCKETS, KernelChoice, KernelPolicy
 
@@ -328,17 +329,17 @@ def test_plan_attention_with_context_is_its_own_family(tmp_path, monkeypatch) ->
 def test_decode_rows_are_timed_on_weights_read_from_memory(monkeypatch):
     # a decode step reads every weight from memory: the candidates of buckets up to
     # COLD_ROWS rotate through copies that together exceed twice the last-level cache
-    monkeypatch.setattr(ch, "last_level_cache_bytes", lambda: 8 << 20)
-    assert ch.cold_copies(2 << 20, 1) == 8 and ch.cold_copies(2 << 20, ch.COLD_ROWS) == 8
-    assert ch.cold_copies(2 << 20, ch.COLD_ROWS + 1) == 1           # prefill rows: warm
-    assert ch.cold_copies(3 << 20, 16) == 6                           # rounded up
-    assert ch.cold_copies(64 << 20, 16) == 1
-    monkeypatch.setattr(ch, "last_level_cache_bytes", lambda: 1 << 30)
-    assert ch.cold_copies(1 << 20, 1) == ch.COLD_BYTES >> 20           # capped
-    monkeypatch.setattr(ch, "last_level_cache_bytes", lambda: 0)       # none reported
-    assert ch.cold_copies(1 << 20, 1) == ch.COLD_BYTES >> 20
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 8 << 20)
+    assert cand.cold_copies(2 << 20, 1) == 8 and cand.cold_copies(2 << 20, cand.COLD_ROWS) == 8
+    assert cand.cold_copies(2 << 20, cand.COLD_ROWS + 1) == 1           # prefill rows: warm
+    assert cand.cold_copies(3 << 20, 16) == 6                           # rounded up
+    assert cand.cold_copies(64 << 20, 16) == 1
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 1 << 30)
+    assert cand.cold_copies(1 << 20, 1) == cand.COLD_BYTES >> 20           # capped
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 0)       # none reported
+    assert cand.cold_copies(1 << 20, 1) == cand.COLD_BYTES >> 20
     seen = []
-    run = ch._rotating(["a", "b", "c"], seen.append)
+    run = cand._rotating(["a", "b", "c"], seen.append)
     for _ in range(7):
         run()
     assert seen == ["b", "c", "a", "b", "c", "a", "b"]
@@ -351,9 +352,9 @@ def test_cold_candidates_compute_what_a_warm_one_does(monkeypatch, family, kerne
     cands = ch.KernelChoice(KernelPolicy(cache_dir=None)).runnable(family, torch.bfloat16)
     if kernel not in cands:
         pytest.skip(f"{kernel} does not run here")
-    monkeypatch.setattr(ch, "last_level_cache_bytes", lambda: 1 << 20)
-    cold = ch.candidate(family, kernel, (40, 64), 3)
-    monkeypatch.setattr(ch, "COLD_ROWS", 0)
-    warm = ch.candidate(family, kernel, (40, 64), 3)
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 1 << 20)
+    cold = cand.candidate(family, kernel, (40, 64), 3)
+    monkeypatch.setattr(cand, "COLD_ROWS", 0)
+    warm = cand.candidate(family, kernel, (40, 64), 3)
     outs = [cold() for _ in range(3)]
     assert all(torch.equal(o, warm()) for o in outs)

@@ -21,7 +21,8 @@ already holds is preferred where it is within `share_tolerance` of the fastest, 
 held in one packed layout wherever that costs at most that much. Results are cached on disk
 per machine (CPU model, ISA flags, torch version, thread count, kernel sources), so a second
 start times nothing. `KernelPolicy.force` (env WIDESERVE_GEMM=micro|brgemm|onednn|torch|auto)
-forces one kernel for A/B runs.
+forces one kernel for A/B runs. The callables timed, and oneDNN's packed linear, are in
+kernels/candidates.py.
 """
 from __future__ import annotations
 
@@ -42,11 +43,10 @@ import torch
 import torch.nn.functional as F
 
 from wideserve.kernels import gemm
-from wideserve.kernels import moe as moe_op
 from wideserve.kernels import sdpa_context
+from wideserve.kernels.candidates import candidate, packed_linear, prepack
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 from wideserve.kernels.timing import clock_of, time_interleaved
-from wideserve.utils.cpu_cache import last_level_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +68,6 @@ INVARIANT_KERNELS = ("micro", "brgemm")
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
 FORMAT = 3                     # bump when the table's meaning changes (3: cold decode rows)
-# Buckets up to COLD_ROWS rows (a decode step's) are timed on weights read from memory, as a
-# decode step reads them (a served model is far larger than the caches): each candidate
-# rotates through copies of its weight that together exceed the last-level cache twice, at
-# most COLD_BYTES. Timed warm, brgemm beat the micro-kernel by 5-10% on single rows of the
-# 653M model's linears on a Zen 4 while the micro-kernel, which prefetches its next weight
-# group, was faster in the engine (BENCHMARKS.md, "AMD EPYC Zen 4: brgemm without AMX").
-COLD_ROWS = 64
-COLD_BYTES = 64 << 20
 
 
 def bucket_of(rows: int) -> int:
@@ -87,19 +79,6 @@ def bucket_of(rows: int) -> int:
 def bucket_label(i: int) -> str:
     lo, hi = BUCKETS[i]
     return f">{lo - 1}" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
-
-
-# --- oneDNN's packed linear (torch's mkldnn ops) ---
-
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] weight -> oneDNN's packed layout (only where onednn_runs(dtype))."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a prepacked weight; x [N, in] contiguous, N >= 1."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @functools.cache
@@ -486,120 +465,6 @@ def choose(times: list[dict[str, float | None]], tolerance: float) -> list[str]:
             if best_single is None or total < best_single[0]:
                 best_single = (total, picks)
     return fastest if best_single is None else best_single[1]
-
-
-# --- the callables timed per candidate ---
-
-def candidate(family: str, kernel: str, shape: tuple[int, ...],
-              rows: int) -> Callable[[], object]:
-    """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
-    fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
-    of `rows` tokens with (heads, kv heads, head dim) = shape; "attention_ctx": a chunk of
-    `rows` queries after `rows` cached positions)."""
-    g = torch.Generator().manual_seed(rows)
-    if family == "attention":
-        return _attention_candidate(kernel, *shape, rows, g)
-    if family == "attention_ctx":
-        return _attention_ctx_candidate(kernel, *shape, rows, g)
-    n, k = shape
-    copies = cold_copies(3 * n * k * 2 if family == "experts" else n * k * 2, rows)
-    if family == "experts":
-        return _experts_candidate(kernel, n, k, rows, g, copies)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-    widen = family == "router"
-    if kernel == "micro":
-        return _rotating([gemm.pack_linear(w) for _ in range(copies)], lambda p:
-                         torch.ops.wideserve.gemm_linear(x, p, n, None, widen, False))
-    if kernel == "brgemm":
-        return _rotating([gemm.pack_linear(w) for _ in range(copies)], lambda p:
-                         torch.ops.wideserve.gemm_linear_brgemm(x, p, n, None, widen))
-    if kernel == "onednn":
-        return _rotating([prepack(w) for _ in range(copies)], lambda p: packed_linear(x, p))
-    return _rotating([w.clone() for _ in range(copies)], lambda p: F.linear(x, p))
-
-
-def cold_copies(weight_bytes: int, rows: int) -> int:
-    """Copies of a weight a candidate of `rows` rows rotates through: 1 above COLD_ROWS, else
-    enough to exceed twice the last-level cache (at most COLD_BYTES)."""
-    if rows > COLD_ROWS:
-        return 1
-    target = min(2 * (last_level_cache_bytes() or COLD_BYTES), COLD_BYTES)
-    return max(1, -(-target // max(weight_bytes, 1)))
-
-
-def _rotating(items: list, call: Callable[[object], object]) -> Callable[[], object]:
-    """A candidate that calls `call` on the next of `items` each time (one item: always it)."""
-    if len(items) == 1:
-        only = items[0]
-        return lambda: call(only)
-    state = [0]
-
-    def run() -> object:
-        state[0] = (state[0] + 1) % len(items)
-        return call(items[state[0]])
-    return run
-
-
-def _experts_candidate(kernel: str, inter: int, d: int, rows: int, g: torch.Generator,
-                       copies: int = 1) -> Callable[[], object]:
-    """One expert's fused MLP on `rows` rows; with copies > 1 the layer holds that many
-    experts and each call routes every row to the next one (its weights read cold)."""
-    x = torch.randn(rows, d, generator=g).bfloat16()
-    w13 = (torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
-    w2 = (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
-    w13, w2 = moe_op.pack_experts(w13.contiguous(), w2.contiguous())
-    ids = [torch.full((rows, 1), e, dtype=torch.int64) for e in range(copies)]
-    wts = torch.ones(rows, 1, dtype=torch.bfloat16)
-    big = 1 if kernel == "brgemm" else None
-    return _rotating(ids, lambda i: torch.ops.wideserve.moe_fused_experts(
-        x, i, wts, w13, w2, inter, None, False, None, None, big))
-
-
-def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
-                         g: torch.Generator) -> Callable[[], object]:
-    """One request's causal prefill of `rows` tokens: the paged op or the flash kernel over a
-    cache holding the step's entries, or SDPA on the step's k/v (the paths
-    paged_attention_batched takes)."""
-    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
-    kv = torch.randn(rows, 2, kv_heads, head_dim, generator=g).bfloat16()
-    scale = head_dim ** -0.5
-    if kernel == "sdpa":
-        k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
-        return lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v,
-                                                      is_causal=True, scale=scale,
-                                                      enable_gqa=True)
-    block = 64
-    blocks = -(-rows // block)
-    cache = F.pad(kv.reshape(rows, -1), (0, 0, 0, blocks * block - rows)).view(blocks, block, -1)
-    table = torch.arange(blocks, dtype=torch.int64)[None]
-    if kernel == "flash":
-        return lambda: sdpa_context.attend_flash(q, cache, table[0], rows, scale)
-    starts = torch.tensor([0, rows], dtype=torch.int64)
-    lens = torch.tensor([rows], dtype=torch.int64)
-    return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
-                                                        scale, 0, False)
-
-
-def _attention_ctx_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,
-                             g: torch.Generator) -> Callable[[], object]:
-    """A chunk of `rows` queries whose request has `rows` positions cached before it (2*rows
-    keys), the cache's blocks shuffled: the C++ op or the flash kernel reading the cache in
-    place, or SDPA over the gathered context (the paths paged_attention_batched takes)."""
-    block, length = 64, 2 * rows
-    blocks = -(-length // block)
-    cache = torch.randn(blocks, block, 2 * kv_heads * head_dim, generator=g).bfloat16()
-    table = torch.randperm(blocks, generator=g)[None]
-    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
-    scale = head_dim ** -0.5
-    if kernel == "sdpa":
-        return lambda: sdpa_context.attend_paged(q, cache, table[0], length, scale)
-    if kernel == "flash":
-        return lambda: sdpa_context.attend_flash(q, cache, table[0], length, scale)
-    starts = torch.tensor([0, rows], dtype=torch.int64)
-    lens = torch.tensor([length], dtype=torch.int64)
-    return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
-                                                        scale, 0, False)
 
 
 def brgemm_min_rows(plan: tuple[str, ...]) -> int | None:
