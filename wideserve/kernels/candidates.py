@@ -146,5 +146,3 @@ def _attention_ctx_candidate(kernel: str, heads: int, kv_heads: int, head_dim: i
     lens = torch.tensor([length], dtype=torch.int64)
     return lambda: torch.ops.wideserve.paged_attention(q, cache, table, None, starts, lens,
                                                         scale, 0, False)
-
-
