@@ -67,19 +67,31 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 // block edge and a new block's first lines arrive at DRAM latency. The entries of the next
 // tile (this item's, and the next item's first when this item ends within a tile) are
 // requested into L2 while this tile is scored: a share of them after each batch of keys, so
-// that the requests do not stall the loop in one burst when the miss queues fill. (Per-key
-// prefetches of whole entries a few keys ahead, the earlier scheme, came too late and cost
-// more than they saved: docs/cpu_kernels.md.)
+// that the requests do not stall the loop in one burst when the miss queues fill. The shares
+// are spread over every score pass of the tile (one per group of rows: a KV head's), not
+// packed into the first: with all of a tile's requests in one pass, that pass stalled on
+// its prefetches (36% of the op's samples on the prefetch instruction, Zen 4) while the
+// other passes left the memory idle. (Per-key prefetches of whole entries a few keys ahead,
+// the earlier scheme, came too late and cost more than they saved: docs/cpu_kernels.md.)
 struct Prefetch {
   const char* const* entries = nullptr;
   int64_t n = 0, done = 0, entry_bytes = 0;
+  int64_t pass = 0, passes = 1;   // the score pass under way, of how many
   void upto(int64_t k) {
     for (k = std::min(k, n); done < k; ++done)
       for (int64_t b = 0; b < entry_bytes; b += 64)
         _mm_prefetch(entries[done] + b, _MM_HINT_T1);
   }
-  // The share due once `keys` of a pass over `total` keys are done.
-  void share(int64_t keys, int64_t total) { upto(total > 0 ? (keys * n + total - 1) / total : n); }
+  // The share due once `keys` of this pass's `total` keys are done.
+  void share(int64_t keys, int64_t total) {
+    const int64_t t = std::max<int64_t>(total, 1), all = passes * t;
+    upto(((pass * t + std::min(keys, t)) * n + all - 1) / all);
+  }
+  // This pass is over: all of its share, and the next pass begins.
+  void end_pass() {
+    upto((pass + 1) * n / passes);
+    ++pass;
+  }
 };
 
 // One step of a q.k dot product: fp32 FMAs over 16 converted elements (D % 16 == 0), or, with
@@ -280,6 +292,7 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
     int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
     entry_ptrs<CT>(p, it, k0, k1, kp);
     Prefetch ahead = next_entries<CT>(p, it, next, s, k1, w, entry_bytes);
+    ahead.passes = std::max<int64_t>(1, p.kv_heads * ((s.head_rows + 3) / 4));  // row_groups
     row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
       // Keys any of these rows sees: the first row's window start to the last row's query.
       int64_t a0, b0, a1, b1;
@@ -287,7 +300,6 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       row_range(p, it, s, r0 + nr - 1, k0, k1, &a1, &b1);
       int64_t ja = a0 - k0, jb = std::max(b1 - k0, ja);
       float* srow = w.s.data() + r0 * kTile;
-      Prefetch* pf = r0 == 0 ? &ahead : nullptr;
       by_rows(nr, [&](auto c) {
         constexpr int NR = decltype(c)::value;
 #if defined(__AVX512BF16__)
@@ -295,15 +307,16 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
           if (bf16_dots) {
             scores<NR, at::BFloat16, true>(w.qb.data() + r0 * D, D,
                                            reinterpret_cast<const at::BFloat16* const*>(kp),
-                                           koff, ja, jb, p.scale, srow, pf);
+                                           koff, ja, jb, p.scale, srow, &ahead);
             return;
           }
         }
 #endif
-        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow, pf);
+        scores<NR, CT, false>(w.q.data() + r0 * D, D, kp, koff, ja, jb, p.scale, srow, &ahead);
       });
+      ahead.end_pass();
     });
-    ahead.upto(ahead.n);              // what the score pass left (few keys, empty rows)
+    ahead.upto(ahead.n);              // what the score passes left (few keys, empty rows)
     bool any = false;
     for (int64_t r = 0; r < s.rows; ++r) {
       int64_t a, b;
