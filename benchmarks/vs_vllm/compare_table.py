@@ -116,11 +116,14 @@ def serve_rows(rows: list[dict[str, Any]]) -> list[str]:
 
 def read_detail(r: dict[str, Any]) -> str:
     """Which read kernel set the bandwidth, and the others' figures (rows from before session
-    20 measured `sum` alone)."""
+    20 measured `sum` alone); from session 24 the measurements before and after the decode."""
     by = r.get("read_by_kernel")
     if not by:
         return " (sum)"
-    return f" ({r['read_kernel']}; " + ", ".join(f"{k} {v}" for k, v in by.items()) + ")"
+    spread = ("" if "read_gbs_after" not in r else
+              f"; before the decode {r['read_gbs_before']}, after {r['read_gbs_after']}")
+    return (f" ({r['read_kernel']}; " + ", ".join(f"{k} {v}" for k, v in by.items())
+            + spread + ")")
 
 
 def roofline_lines(rows: list[dict[str, Any]]) -> list[str]:
