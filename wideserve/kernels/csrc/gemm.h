@@ -56,6 +56,21 @@ inline void tile_portable(const T* const* x, int64_t pairs, int pair, const T* w
 #ifdef __AVX512BF16__
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
+// acc + w . {pair, pair, ...}: vdpbf16ps with the input pair broadcast from memory
+// ({1to16}), one instruction where the intrinsics make two (GCC 12 does not fold a
+// vpbroadcastd into vdpbf16ps). On the Zen 4 the separate broadcasts held the micro-kernel to
+// ~70% of the dot products' peak with the weights in the caches: the fused experts at 8 rows
+// an expert 131-137 -> 188-196 GMAC/s, the bf16 `torch.mm` peak being 195-216 (BENCHMARKS.md,
+// "Zen 4: the micro-kernel's broadcasts folded"). The same products in the same order: the
+// results are bit for bit those of the intrinsics. The asm reads `pair` without a memory
+// operand (an "m" operand or a memory clobber kept the accumulators in memory, stored after
+// every product): tile_bf16 orders every earlier store before its loop with a compiler
+// barrier, and nothing stores into the inputs while the loop runs.
+inline __m512 dp_bcast(__m512 acc, __m512i w, const at::BFloat16* pair) {
+  __asm__("vdpbf16ps (%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "r"(pair));
+  return acc;
+}
+
 // AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers.
 // `next` (optional): a group of the same size to prefetch into L2 meanwhile, one 64-byte
 // line per block per pair, so a whole group arrives during one tile (a GEMM whose weight
@@ -63,6 +78,7 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 template <int M, int NB>
 inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
                       __m512 (&acc)[M][NB], const at::BFloat16* next = nullptr) {
+  __asm__ volatile("" ::: "memory");   // the inputs' stores before dp_bcast's reads
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -72,12 +88,8 @@ inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFl
         _mm_prefetch(reinterpret_cast<const char*>(next + (p * NB + n) * 2 * kLanes),
                      _MM_HINT_T1);
     for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + (p * NB + n) * 2 * kLanes);
-    for (int m = 0; m < M; ++m) {
-      int32_t both;
-      std::memcpy(&both, x[m] + 2 * p, sizeof(both));
-      const __m512bh xb = as_bh(_mm512_set1_epi32(both));
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], as_bh(wv[n]), xb);
-    }
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n) acc[m][n] = dp_bcast(acc[m][n], wv[n], x[m] + 2 * p);
   }
 }
 
