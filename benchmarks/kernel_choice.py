@@ -25,6 +25,7 @@ import torch
 
 from wideserve.kernels import choice as ch
 from wideserve.kernels import loader
+from wideserve.kernels import timing
 
 # name: (hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab)
 MODELS = {"653m": (1024, 16, 4, 64, 64, 8, 384, 8192),
@@ -111,10 +112,7 @@ def verify(kc: ch.KernelChoice, model: str, repeats: int) -> list[str]:
 
 def matmul_peak() -> float:
     """bf16 GFLOP/s of torch.mm at 2048^3 (oneDNN; AMX where present), best of 5."""
-    a, b = torch.randn(2048, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
-    torch.mm(a, b)
-    best = min(_once(lambda: torch.mm(a, b)) for _ in range(5))
-    return 2 * 2048 ** 3 / best / 1e9
+    return 2 * timing.matmul_peak_gmacs(clock=CLOCK)
 
 
 def _once(fn) -> float:

@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from wideserve.kernels.timing import matmul_peak_gmacs
 from wideserve.layers.experts import RoutedExperts
 
 E, TOP_K, D, INTER = 64, 8, 1024, 384
@@ -62,15 +63,7 @@ def per_expert(x, ids, wts, w13, w2, linear):
 
 def mm_peak(rounds: int) -> float:
     """GFLOP/s of a large bf16 torch.mm on this thread (the best of `rounds`)."""
-    n = 2048
-    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.thread_time()
-        torch.mm(a, b)
-        best = min(best, time.thread_time() - t0)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * matmul_peak_gmacs(repeats=rounds, clock="cpu")
 
 
 def main() -> None:

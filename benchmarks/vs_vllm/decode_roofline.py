@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from wideserve.kernels.timing import matmul_peak_gmacs
+
 
 # Read-only passes over one buffer. torch's `sum` alone read 24.7 GB/s on the 2-vCPU AMX Xeon
 # where MKL's matrix-vector product read 30.8 and a plain AVX512 load loop 28-35 (session 20,
@@ -79,22 +81,6 @@ def bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> dict[str, 
     if threads == 1:
         out["read_gbs_cpu"] = round(statistics.median(cpu_reads[fastest]), 2)
     return out
-
-
-def matmul_peak_gmacs(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """Best-of-`repeats` bf16 `torch.mm` of n^3 in GMAC/s (1e9 multiply-adds a second): the
-    machine's measured matmul peak, for the step's compute floor (`step_macs`)."""
-    torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).bfloat16()
-    b = torch.randn(n, n, generator=g).bfloat16()
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return n ** 3 / best / 1e9
 
 
 class _DecodeSteps:
@@ -211,7 +197,8 @@ def main() -> None:
                          "the experts run coded, their bytes per step are the coded ones")
     a = ap.parse_args()
     bw_before = bandwidth_gbs(a.threads, a.bandwidth_mib)
-    peak = matmul_peak_gmacs(a.threads)
+    torch.set_num_threads(a.threads)
+    peak = matmul_peak_gmacs(clock="wall")
     from wideserve.serving.llm import LLM
     from wideserve.types.sampling_params import SamplingParams
     llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,

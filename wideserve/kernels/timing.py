@@ -38,3 +38,20 @@ def time_interleaved(fns: dict[str, Callable[[], object]], min_reps: int, max_re
             spent += dt
         reps += 1
     return samples
+
+
+def matmul_peak_gmacs(n: int = 2048, repeats: int = 5, clock: str = "auto") -> float:
+    """The machine's measured bf16 matmul peak at torch's current thread count: GMAC/s (1e9
+    multiply-adds a second) of the best of `repeats` `torch.mm` of n^3 (oneDNN; AMX where
+    present), after one untimed call. What the benchmarks compare kernels and steps against."""
+    now = clock_of(clock)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).bfloat16()
+    b = torch.randn(n, n, generator=g).bfloat16()
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = now()
+        torch.mm(a, b)
+        best = min(best, now() - t)
+    return n ** 3 / best / 1e9
