@@ -286,8 +286,9 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #endif
     for (int64_t j = j_begin; j < j_end; ++j) {
       const T* w = w13 + e * e13 + j * g.up_group_size();
-      for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsUp) {
-        with_rows<kRowsUp>(rows.offsets[e + 1] - r, [&](auto m) {
+      for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
+        n = next_tile_rows(rows.offsets[e + 1] - r, kRowsUp);
+        with_rows<kRowsUp>(n, [&](auto m) {
           up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
         });
       }
@@ -372,8 +373,9 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
 #endif
       for (int64_t grp = begin; grp < end; ++grp) {
         const T* w = w2 + e * e2 + grp * g.down_group_size();
-        for (int64_t r = rows.offsets[e]; r < rows.offsets[e + 1]; r += kRowsDown) {
-          with_rows<kRowsDown>(rows.offsets[e + 1] - r, [&](auto m) {
+        for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
+          n = next_tile_rows(rows.offsets[e + 1] - r, kRowsDown);
+          with_rows<kRowsDown>(n, [&](auto m) {
             down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown,
                                              sums);
           });
