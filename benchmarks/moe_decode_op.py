@@ -5,9 +5,9 @@ BENCHMARKS.md, "Zen 4: down tiles of 6 rows".
   PYTHONPATH=. python benchmarks/moe_decode_op.py [--threads 2] [--tokens 16 64 128] [--rounds 7]
 
 - cold: eight layers of their own (1.2 GB on 2 MiB pages, as the engine's packs), called in
-  turn as a step calls them; routing uniform at random (a batch-64 step: 1-20 rows an expert,
-  as the 653M router gives random prompts), and, as the pure weight stream beside it, one row
-  an expert (8 tokens);
+  turn as a step calls them; routing uniform at random (64 tokens: ~8 rows an expert, from 1
+  to ~20, as the 653M router's 1-21 on random prompts), and, as the pure weight stream beside
+  it, one row an expert (8 tokens);
 - cached: 8 experts (19 MB, inside a 32 MB L3), every token on all 8: `tokens` rows each.
 Median over rounds of ms a call, weights read GB/s, multiply-adds GMAC/s. To compare two
 builds, run it from each tree in turn (each with its own WIDESERVE_KERNELS_CACHE).
