@@ -9,8 +9,10 @@ BENCHMARKS.md, "Zen 4: down tiles of 6 rows".
   to ~20, as the 653M router's 1-21 on random prompts), and, as the pure weight stream beside
   it, one row an expert (8 tokens);
 - cached: 8 experts (19 MB, inside a 32 MB L3), every token on all 8: `tokens` rows each.
-Median over rounds of ms a call, weights read GB/s, multiply-adds GMAC/s. To compare two
-builds, run it from each tree in turn (each with its own WIDESERVE_KERNELS_CACHE).
+The layers are the engine's own, called as its decode loop calls them (`RoutedExperts.fused_op`:
+the packs on huge pages, the kernel choice's micro-kernel / brgemm split by rows). Median over rounds of ms a call, weights
+read GB/s, multiply-adds GMAC/s. To compare two builds, run it from each tree in turn (each
+with its own WIDESERVE_KERNELS_CACHE).
 """
 from __future__ import annotations
 
@@ -18,32 +20,42 @@ import argparse
 import os
 import statistics
 import time
+from typing import Callable
 
 import torch
 
-from wideserve.kernels.loader import load
-from wideserve.kernels.moe import fused_experts, pack_experts
-from wideserve.kv_cache.host_memory import on_huge_pages
+from wideserve.layers.experts import RoutedExperts
 
 E, TOP_K, D, INTER, LAYERS = 64, 8, 1024, 384, 8
 EXPERT_BYTES = 3 * D * INTER * 2
 EXPERT_MACS = 3 * D * INTER          # per row
 
 
-def packs(experts: int, layers: int, g: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def layers_of(experts: int, count: int, g: torch.Generator) -> list[Layer]:
+    """`count` layers of `experts` random experts, each as the lean decode loop calls it
+    (`RoutedExperts.fused_op`, models/lean_decode.py): the op on the layer's packs."""
     out = []
-    for _ in range(layers):
-        w13, w2 = pack_experts((torch.randn(experts, 2 * INTER, D, generator=g) * 0.05).bfloat16(),
-                               (torch.randn(experts, D, INTER, generator=g) * 0.05).bfloat16())
-        out.append((on_huge_pages(w13, "experts"), on_huge_pages(w2, "experts")))
+    for _ in range(count):
+        m = RoutedExperts(experts, D, INTER).bfloat16()
+        with torch.no_grad():
+            m.gate_up_proj.normal_(0, 0.05, generator=g)
+            m.down_proj.normal_(0, 0.05, generator=g)
+        m.impl = "fused"
+        op = m.fused_op(torch.device("cpu"), torch.bfloat16)
+        if op is None:
+            raise SystemExit("the fused experts op does not run here (no C++ extension?)")
+        out.append(op)
     return out
 
 
-def call(layers, route) -> float:
+def call(layers: list[Layer], route: tuple[torch.Tensor, ...]) -> float:
     x, ids, w = route
     t0 = time.perf_counter()
-    for w13, w2 in layers:
-        fused_experts(x, ids, w, w13, w2, INTER, None)
+    for op in layers:
+        op(x, ids, w)
     return (time.perf_counter() - t0) / len(layers)
 
 
@@ -60,14 +72,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
-    load()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                 if ln.startswith("model name")), "?")
     print(f"# {cpu}; {a.threads} thread(s); torch {torch.__version__}; "
           f"load {os.getloadavg()[0]:.2f}")
-    cold, cached = packs(E, LAYERS, g), packs(TOP_K, 1, g)
+    cold, cached = layers_of(E, LAYERS, g), layers_of(TOP_K, 1, g)
 
     def route(tokens: int, experts: int) -> tuple[torch.Tensor, ...]:
         ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(tokens)])
