@@ -338,11 +338,44 @@ def test_decode_rows_are_timed_on_weights_read_from_memory(monkeypatch):
     assert cand.cold_copies(1 << 20, 1) == cand.COLD_BYTES >> 20           # capped
     monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 0)       # none reported
     assert cand.cold_copies(1 << 20, 1) == cand.COLD_BYTES >> 20
+    # a tiny weight: no more copies than a bucket's timing ever reads (each timed call
+    # still reads one that no call before it touched: none is read twice)
+    assert cand.cold_copies(512, 1) == cand.COLD_MAX_COPIES
+    assert KernelPolicy().max_reps + 1 <= cand.COLD_MAX_COPIES
     seen = []
     run = cand._rotating(["a", "b", "c"], seen.append)
     for _ in range(7):
         run()
     assert seen == ["b", "c", "a", "b", "c", "a", "b"]
+
+
+def test_cold_buckets_are_timed_after_the_caches_are_cleared(monkeypatch):
+    # the copies are built (written, so cached) first, then twice the last-level cache is
+    # overwritten: the decode-sized buckets only
+    events = []
+    monkeypatch.setattr(ch, "candidate", lambda family, c, shape, rows:
+                        (events.append(("build", rows)), lambda: events.append(("call", rows)))[1])
+    monkeypatch.setattr(ch, "evict_caches", lambda: events.append(("evict", None)))
+    kc = ch.KernelChoice(KernelPolicy(cache_dir=None, min_reps=1, max_reps=1, min_time_s=0))
+    kc._time("linear", ("micro", "torch"), (8, 8), 1)
+    assert events[:3] == [("build", 1), ("build", 1), ("evict", None)]
+    assert [e for e in events if e[0] == "call"] == [("call", 1)] * 4   # warm + one round
+    events.clear()
+    kc._time("linear", ("micro", "torch"), (8, 8), ch.COLD_ROWS + 1)
+    assert ("evict", None) not in events
+    events.clear()
+    kc._time("attention", ("own", "sdpa"), (2, 1, 8), 16)
+    assert ("evict", None) not in events
+
+
+def test_evict_caches_writes_twice_the_last_level_cache(monkeypatch):
+    sizes = []
+    monkeypatch.setattr(cand.torch, "ones", lambda n, dtype: sizes.append(n * 4))
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 8 << 20)
+    cand.evict_caches()
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 1 << 30)
+    cand.evict_caches()
+    assert sizes == [16 << 20, cand.COLD_BYTES]
 
 
 @pytest.mark.parametrize("family,kernel", [("linear", "torch"), ("linear", "micro"),

@@ -15,12 +15,17 @@ from wideserve.utils.cpu_cache import last_level_cache_bytes
 
 # Buckets up to COLD_ROWS rows (a decode step's) are timed on weights read from memory, as a
 # decode step reads them (a served model is far larger than the caches): each candidate
-# rotates through copies of its weight that together exceed the last-level cache twice, at
-# most COLD_BYTES. Timed warm, brgemm beat the micro-kernel by 5-10% on single rows of the
-# 653M model's linears on a Zen 4 while the micro-kernel, which prefetches its next weight
-# group, was faster in the engine (BENCHMARKS.md, "AMD EPYC Zen 4: brgemm without AMX").
+# rotates through copies of its weight, and `evict_caches` overwrites twice the last-level
+# cache (at most COLD_BYTES) once the copies are built, so every timed call reads a copy
+# that no recent call touched. Timed warm, brgemm beat the micro-kernel by 5-10% on single
+# rows of the 653M model's linears on a Zen 4 while the micro-kernel, which prefetches its
+# next weight group, was faster in the engine (BENCHMARKS.md, "AMD EPYC Zen 4: brgemm without
+# AMX"). At most COLD_MAX_COPIES copies: a bucket's timing calls each candidate at most
+# `KernelPolicy.max_reps` + 1 times, so more copies are never read, and building one copy
+# per 64 MiB / weight bytes took a tiny weight (a 2 x 128 linear: 131,072 copies) 125 s.
 COLD_ROWS = 64
 COLD_BYTES = 64 << 20
+COLD_MAX_COPIES = 64
 
 
 # --- oneDNN's packed linear (torch's mkldnn ops) ---
@@ -65,13 +70,24 @@ def candidate(family: str, kernel: str, shape: tuple[int, ...],
     return _rotating([w.clone() for _ in range(copies)], lambda p: F.linear(x, p))
 
 
+def cold_bytes() -> int:
+    """Twice the last-level cache, at most COLD_BYTES (COLD_BYTES where none is reported)."""
+    return min(2 * (last_level_cache_bytes() or COLD_BYTES), COLD_BYTES)
+
+
 def cold_copies(weight_bytes: int, rows: int) -> int:
     """Copies of a weight a candidate of `rows` rows rotates through: 1 above COLD_ROWS, else
-    enough to exceed twice the last-level cache (at most COLD_BYTES)."""
+    enough to exceed `cold_bytes()`, at most COLD_MAX_COPIES (the caches are then cleared by
+    `evict_caches`, not by the copies)."""
     if rows > COLD_ROWS:
         return 1
-    target = min(2 * (last_level_cache_bytes() or COLD_BYTES), COLD_BYTES)
-    return max(1, -(-target // max(weight_bytes, 1)))
+    return max(1, min(-(-cold_bytes() // max(weight_bytes, 1)), COLD_MAX_COPIES))
+
+
+def evict_caches() -> None:
+    """Overwrites `cold_bytes()` of fresh memory, so that the weight copies built before it
+    are read from memory by the calls after it."""
+    torch.ones(cold_bytes() // 4, dtype=torch.float32)
 
 
 def _rotating(items: list, call: Callable[[object], object]) -> Callable[[], object]:
