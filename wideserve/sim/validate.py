@@ -30,7 +30,9 @@ def profile_from_rows(rows: list[dict[str, float]]) -> Profile:
 def single_rank_heldout(config: dict[str, Any], cal: list[int], held: int,
                         prompt_len: int = 8, output_len: int = 6) -> list[dict[str, Any]]:
     model_dir = temp_model_dir(config)
-    rows = measure_engine(model_dir, sorted(cal + [held]), prompt_len, output_len)
+    # Three runs of each length, the least disturbed kept: one run of each on a loaded
+    # machine gave a negative step time (the short run delayed more than the long one).
+    rows = measure_engine(model_dir, sorted(cal + [held]), prompt_len, output_len, reps=3)
     by_batch = {int(r["batch"]): r for r in rows}
     prof = profile_from_rows([by_batch[b] for b in sorted(cal)])
     sm = StepModel(load_model(model_dir, "fp32"), prof.as_hardware(), prof)
