@@ -353,7 +353,7 @@ def test_cold_buckets_are_timed_after_the_caches_are_cleared(monkeypatch):
     # the copies are built (written, so cached) first, then twice the last-level cache is
     # overwritten: the decode-sized buckets only
     events = []
-    monkeypatch.setattr(ch, "candidate", lambda family, c, shape, rows:
+    monkeypatch.setattr(ch, "candidate", lambda family, c, shape, rows, pools=None:
                         (events.append(("build", rows)), lambda: events.append(("call", rows)))[1])
     monkeypatch.setattr(ch, "evict_caches", lambda: events.append(("evict", None)))
     kc = ch.KernelChoice(KernelPolicy(cache_dir=None, min_reps=1, max_reps=1, min_time_s=0))
@@ -366,6 +366,25 @@ def test_cold_buckets_are_timed_after_the_caches_are_cleared(monkeypatch):
     events.clear()
     kc._time("attention", ("own", "sdpa"), (2, 1, 8), 16)
     assert ("evict", None) not in events
+
+
+def test_a_shapes_buckets_share_their_weight_copies(monkeypatch):
+    # one shape's buckets and re-timings read the same copies, built once per layout
+    seen = []
+    monkeypatch.setattr(ch, "candidate", lambda family, c, shape, rows, pools=None:
+                        (seen.append(pools), lambda: None)[1])
+    kc = ch.KernelChoice(KernelPolicy(cache_dir=None, min_reps=1, max_reps=1, min_time_s=0))
+    kc._measure("linear", (8, 8), ("micro", "torch"))
+    assert len(seen) >= 2 * len(ch.SAMPLE_ROWS) and seen[0] is not None
+    assert all(p is seen[0] for p in seen) and kc._pools is None
+    built = []
+    real = cand._linear_pool
+    monkeypatch.setattr(cand, "_linear_pool", lambda *a: (built.append(a), real(*a))[1])
+    pools = cand.Pools()
+    for rows in (1, 4, cand.COLD_ROWS + 1):
+        for kernel in ("torch", "torch"):
+            cand.candidate("linear", kernel, (32, 64), rows, pools)()
+    assert [a[-1] for a in built] == [cand.cold_copies(32 * 64 * 2, 1), 1]   # cold, warm
 
 
 def test_evict_caches_writes_twice_the_last_level_cache(monkeypatch):

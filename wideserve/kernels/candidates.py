@@ -41,33 +41,63 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def candidate(family: str, kernel: str, shape: tuple[int, ...],
-              rows: int) -> Callable[[], object]:
+class Pools:
+    """The weight copies that one shape's candidates are timed on, built once per kernel and
+    copy count and shared by every bucket and re-timing of the shape (`KernelChoice._measure`
+    holds one per shape): building them anew for each was ~60% of a first start's kernel-choice
+    time (9.3 of 15 s for the 653M model's shapes at one thread). The values are random and
+    the same for every bucket; the rows' inputs are drawn per call."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple, object] = {}
+
+    def get(self, key: tuple, build: Callable[[], object]) -> object:
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+
+def candidate(family: str, kernel: str, shape: tuple[int, ...], rows: int,
+              pools: Pools | None = None) -> Callable[[], object]:
     """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
     fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
     of `rows` tokens with (heads, kv heads, head dim) = shape; "attention_ctx": a chunk of
-    `rows` queries after `rows` cached positions)."""
+    `rows` queries after `rows` cached positions). `pools`: where the weight copies come from
+    (a fresh one when not given)."""
     g = torch.Generator().manual_seed(rows)
     if family == "attention":
         return _attention_candidate(kernel, *shape, rows, g)
     if family == "attention_ctx":
         return _attention_ctx_candidate(kernel, *shape, rows, g)
+    pools = pools or Pools()
     n, k = shape
     copies = cold_copies(3 * n * k * 2 if family == "experts" else n * k * 2, rows)
     if family == "experts":
-        return _experts_candidate(kernel, n, k, rows, g, copies)
+        return _experts_candidate(kernel, n, k, rows, g, copies, pools)
     x = torch.randn(rows, k, generator=g).bfloat16()
-    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     widen = family == "router"
+    # one pool per kernel: two kernels on one pool would read the same copy in turn, the
+    # second from the caches
+    pool = pools.get((kernel, n, k, copies), lambda: _linear_pool(kernel, n, k, copies))
     if kernel == "micro":
-        return _rotating([gemm.pack_linear(w) for _ in range(copies)], lambda p:
+        return _rotating(pool, lambda p:
                          torch.ops.wideserve.gemm_linear(x, p, n, None, widen, False))
     if kernel == "brgemm":
-        return _rotating([gemm.pack_linear(w) for _ in range(copies)], lambda p:
+        return _rotating(pool, lambda p:
                          torch.ops.wideserve.gemm_linear_brgemm(x, p, n, None, widen))
     if kernel == "onednn":
-        return _rotating([prepack(w) for _ in range(copies)], lambda p: packed_linear(x, p))
-    return _rotating([w.clone() for _ in range(copies)], lambda p: F.linear(x, p))
+        return _rotating(pool, lambda p: packed_linear(x, p))
+    return _rotating(pool, lambda p: F.linear(x, p))
+
+
+def _linear_pool(kernel: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
+    """`copies` copies of one random [n, k] weight in the layout `kernel` reads."""
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * 0.05).bfloat16()
+    if kernel in ("micro", "brgemm"):
+        return [gemm.pack_linear(w) for _ in range(copies)]
+    if kernel == "onednn":
+        return [prepack(w) for _ in range(copies)]
+    return [w.clone() for _ in range(copies)]
 
 
 def cold_bytes() -> int:
@@ -104,18 +134,25 @@ def _rotating(items: list, call: Callable[[object], object]) -> Callable[[], obj
 
 
 def _experts_candidate(kernel: str, inter: int, d: int, rows: int, g: torch.Generator,
-                       copies: int = 1) -> Callable[[], object]:
+                       copies: int, pools: Pools) -> Callable[[], object]:
     """One expert's fused MLP on `rows` rows; with copies > 1 the layer holds that many
     experts and each call routes every row to the next one (its weights read cold)."""
     x = torch.randn(rows, d, generator=g).bfloat16()
-    w13 = (torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
-    w2 = (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
-    w13, w2 = moe_op.pack_experts(w13.contiguous(), w2.contiguous())
+    w13, w2 = pools.get(("experts", kernel, inter, d, copies),
+                        lambda: _experts_pool(inter, d, copies))
     ids = [torch.full((rows, 1), e, dtype=torch.int64) for e in range(copies)]
     wts = torch.ones(rows, 1, dtype=torch.bfloat16)
     big = 1 if kernel == "brgemm" else None
     return _rotating(ids, lambda i: torch.ops.wideserve.moe_fused_experts(
         x, i, wts, w13, w2, inter, None, False, None, None, big))
+
+
+def _experts_pool(inter: int, d: int, copies: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused op's packs of `copies` experts with the same random weights."""
+    g = torch.Generator().manual_seed(inter * d)
+    w13 = (torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
+    w2 = (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
+    return moe_op.pack_experts(w13.contiguous(), w2.contiguous())
 
 
 def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from wideserve.kernels import gemm
 from wideserve.kernels import sdpa_context
-from wideserve.kernels.candidates import (COLD_ROWS, candidate, evict_caches, packed_linear,
-                                          prepack)
+from wideserve.kernels.candidates import (COLD_ROWS, Pools, candidate, evict_caches,
+                                          packed_linear, prepack)
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 from wideserve.kernels.timing import clock_of, time_interleaved
 
@@ -195,6 +195,7 @@ class KernelChoice:
     def __init__(self, policy: KernelPolicy | None = None, timer: Timer | None = None) -> None:
         self.policy = policy or KernelPolicy.from_env()
         self._timer = timer or self._time
+        self._pools: Pools | None = None    # while a shape is measured (_measure)
         self._lock = threading.Lock()
         self._tables: dict[int, dict[str, Entry]] = {}     # threads -> key -> entry
         self._loaded: set[int] = set()
@@ -278,6 +279,14 @@ class KernelChoice:
             return table[key]
 
     def _measure(self, family: str, shape: tuple[int, ...], cands: tuple[str, ...]) -> Entry:
+        self._pools = Pools()           # the shape's weight copies, for all its buckets
+        try:
+            return self._measure_buckets(family, shape, cands)
+        finally:
+            self._pools = None
+
+    def _measure_buckets(self, family: str, shape: tuple[int, ...],
+                         cands: tuple[str, ...]) -> Entry:
         times: list[dict[str, float | None]] = []
         alive = set(cands)
         prev: dict[str, float | None] = {}
@@ -324,7 +333,7 @@ class KernelChoice:
         previous call left, then hits all of them alike)."""
         if not family.startswith("attention"):
             shape = (min(shape[0], self.policy.max_cols), shape[1])
-        fns = {c: candidate(family, c, shape, rows) for c in kernels}
+        fns = {c: candidate(family, c, shape, rows, self._pools) for c in kernels}
         if not family.startswith("attention") and rows <= COLD_ROWS:
             evict_caches()                 # the copies just built: out of the caches
         samples = time_interleaved(fns, self.policy.min_reps, self.policy.max_reps,
