@@ -369,7 +369,7 @@ def test_cold_buckets_are_timed_after_the_caches_are_cleared(monkeypatch):
 
 
 def test_a_shapes_buckets_share_their_weight_copies(monkeypatch):
-    # one shape's buckets and re-timings read the same copies, built once per layout
+    # one shape's buckets and re-timings read the same copies, built once per kernel
     seen = []
     monkeypatch.setattr(ch, "candidate", lambda family, c, shape, rows, pools=None:
                         (seen.append(pools), lambda: None)[1])
