@@ -361,7 +361,7 @@ def test_cold_buckets_are_timed_after_the_caches_are_cleared(monkeypatch):
     assert events[:3] == [("build", 1), ("build", 1), ("evict", None)]
     assert [e for e in events if e[0] == "call"] == [("call", 1)] * 4   # warm + one round
     events.clear()
-    kc._time("linear", ("micro", "torch"), (8, 8), ch.COLD_ROWS + 1)
+    kc._time("linear", ("micro", "torch"), (8, 8), cand.COLD_ROWS + 1)
     assert ("evict", None) not in events
     events.clear()
     kc._time("attention", ("own", "sdpa"), (2, 1, 8), 16)

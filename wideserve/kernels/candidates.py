@@ -105,6 +105,12 @@ def cold_bytes() -> int:
     return min(2 * (last_level_cache_bytes() or COLD_BYTES), COLD_BYTES)
 
 
+def reads_cold(family: str, rows: int) -> bool:
+    """Whether `candidate(family, ..., rows)` reads its weights from memory (a GEMM family's
+    decode-sized buckets); `evict_caches` then goes between building and timing."""
+    return not family.startswith("attention") and rows <= COLD_ROWS
+
+
 def cold_copies(weight_bytes: int, rows: int) -> int:
     """Copies of a weight a candidate of `rows` rows rotates through: 1 above COLD_ROWS, else
     enough to exceed `cold_bytes()`, at most COLD_MAX_COPIES (the caches are then cleared by

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from wideserve.kernels import gemm
 from wideserve.kernels import sdpa_context
-from wideserve.kernels.candidates import (COLD_ROWS, Pools, candidate, evict_caches,
-                                          packed_linear, prepack)
+from wideserve.kernels.candidates import (Pools, candidate, evict_caches, packed_linear,
+                                          prepack, reads_cold)
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 from wideserve.kernels.timing import clock_of, time_interleaved
 
@@ -334,7 +334,7 @@ class KernelChoice:
         if not family.startswith("attention"):
             shape = (min(shape[0], self.policy.max_cols), shape[1])
         fns = {c: candidate(family, c, shape, rows, self._pools) for c in kernels}
-        if not family.startswith("attention") and rows <= COLD_ROWS:
+        if reads_cold(family, rows):
             evict_caches()                 # the copies just built: out of the caches
         samples = time_interleaved(fns, self.policy.min_reps, self.policy.max_reps,
                                    self.policy.min_time_s, self.policy.clock)
