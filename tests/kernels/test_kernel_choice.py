@@ -373,7 +373,10 @@ def test_a_shapes_buckets_share_their_weight_copies(monkeypatch):
     seen = []
     monkeypatch.setattr(ch, "candidate", lambda family, c, shape, rows, pools=None:
                         (seen.append(pools), lambda: None)[1])
-    kc = ch.KernelChoice(KernelPolicy(cache_dir=None, min_reps=1, max_reps=1, min_time_s=0))
+    # no pruning: two no-op candidates can time 4x apart on a loaded machine, and a pruned
+    # candidate is not built at the larger buckets
+    kc = ch.KernelChoice(KernelPolicy(cache_dir=None, min_reps=1, max_reps=1, min_time_s=0,
+                                      prune_ratio=float("inf")))
     kc._measure("linear", (8, 8), ("micro", "torch"))
     assert len(seen) >= 2 * len(ch.SAMPLE_ROWS) and seen[0] is not None
     assert all(p is seen[0] for p in seen) and kc._pools is None
