@@ -51,7 +51,8 @@ def _load(name: str, tmp: Path, path_11m: str, gemms: bool, persistent: bool
         llm = LLM(str(path), dtype="bfloat16", load_format="dummy" if dummy else "auto",
                   max_model_len=512, kv_cache_memory=1 << 28, max_num_seqs=16,
                   skip_tokenizer_init=True, small_batch_gemms=gemms,
-                  persistent_decode_batch=persistent)
+                  persistent_decode_batch=persistent,
+                  threads=torch.get_num_threads())   # main()'s --threads
     return llm, vocab_size(path)
 
 

@@ -38,7 +38,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(args.input_len)]}
                for _ in range(args.num_prompts)]
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=1024)
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=1024, threads=args.threads)
     runner = llm.engine.runner
     kept = runner.decode
     assert kept is not None, "the persistent decode batch is off in this engine"

@@ -202,7 +202,7 @@ def main() -> None:
     from wideserve.serving.llm import LLM
     from wideserve.types.sampling_params import SamplingParams
     llm = LLM(a.model, dtype="bfloat16", max_model_len=a.input_len + a.output_len + 16,
-              max_num_seqs=max(64, a.batch),
+              max_num_seqs=max(64, a.batch), threads=a.threads,   # else auto: one core fewer
               **({} if a.lossless_experts is None else {"lossless_experts": a.lossless_experts}))
     engine = llm.engine
     rng = random.Random(0)

@@ -42,7 +42,10 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     if args.lossless_experts is not None:
         extra["lossless_experts"] = args.lossless_experts
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **extra)
+    # threads= too: LLM()'s automatic count lowers torch's to one core fewer than the
+    # machine's (wideserve/utils/threads.py), so --threads 2 on 2 cores would run one
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              threads=args.threads, **extra)
     args.result["startup_s"] = time.perf_counter() - t
     from wideserve.layers.experts import RoutedExperts     # the form the experts run in
     args.result["lossless_experts"] = any(
