@@ -12,12 +12,13 @@ the mean over requests and the P90 figure, 1 / (90th percentile time per output 
 speed 90% of requests reach. Greedy outputs of the two paths are compared too.
 
   PYTHONPATH=. python benchmarks/small_batch.py [--models v4,v41,qwen3moe,11m] [--rounds 8]
-        [--tokens 64] [--batch 1] [--threads 1] [--gemms on|off] [--clock wall|cpu]
+        [--tokens 64] [--batch 1] [--model-11m PATH] [--threads 1] [--gemms on|off] [--clock wall|cpu]
         [--standard persistent|plain]
 
 Models: v4 / v41 the bundled tiny checkpoints, qwen3moe the tiny random config of
-tests/tiny_families.py (dummy weights), 11m /work/venvs/hostpath-models/qwen3moe-11m (or
---model-11m PATH). All in bf16 (the CPU's serving dtype).
+tests/tiny_families.py (dummy weights), 11m the random Qwen3-MoE 11M checkpoint that
+`python benchmarks/vs_vllm/make_models.py DIR` writes (`--models ...,11m --model-11m
+DIR/qwen3moe-11m`). All in bf16 (the CPU's serving dtype).
 """
 from __future__ import annotations
 
@@ -38,9 +39,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_families import model_dir, vocab_size  # noqa: E402
 from wideserve import LLM, SamplingParams  # noqa: E402
 from wideserve.types.messages import EngineCoreRequest  # noqa: E402
-
-MODEL_11M = "/work/venvs/hostpath-models/qwen3moe-11m"
-
 
 def _load(name: str, tmp: Path, path_11m: str, gemms: bool, persistent: bool
           ) -> tuple[LLM, int]:
@@ -122,13 +120,14 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="v4,v41,qwen3moe,11m")
+    ap.add_argument("--models", default="v4,v41,qwen3moe")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model-11m", default=MODEL_11M)
+    ap.add_argument("--model-11m", default=None,
+                    help="the 11M checkpoint (benchmarks/vs_vllm/make_models.py); needed by 11m")
     ap.add_argument("--gemms", choices=("on", "off"), default="on",
                     help="LoadConfig.small_batch_gemms (small-M GEMMs for DeepSeek's linears)")
     ap.add_argument("--standard", choices=("persistent", "plain"), default="persistent",
@@ -137,6 +136,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this thread's CPU time (a loaded machine; needs --threads 1)")
     args = ap.parse_args()
+    if "11m" in args.models.split(",") and not args.model_11m:
+        ap.error("--models 11m needs --model-11m PATH (benchmarks/vs_vllm/make_models.py "
+                 "writes the checkpoint)")
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu measures this thread alone: use it with --threads 1")
     torch.set_num_threads(args.threads)

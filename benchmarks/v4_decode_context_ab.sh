@@ -3,7 +3,7 @@
 # decode step time at 2K vs 32K context"): BEFORE (a tree holding an older wideserve/, e.g.
 # `git archive <commit> wideserve | tar -x -C /tmp/before`) and this checkout, the latter also
 # with the CSA indexer on its torch loop instead of the fused CPU op. Run it through
-# /work/notes/quiet (build the C++ extension first: python -m wideserve.kernels.loader).
+# on a quiet machine (build the C++ extension first: python -m wideserve.kernels.loader).
 #   benchmarks/v4_decode_context_ab.sh /tmp/before <before-tag> [rounds] [python]
 set -e
 BEFORE=$1; TAG=$2; ROUNDS=${3:-3}; PY=${4:-.venv/bin/python}
