@@ -2,7 +2,7 @@
 # Alternate benchmarks/v4_decode_context.py between two source trees (BENCHMARKS.md, "DeepSeek-V4:
 # decode step time at 2K vs 32K context"): BEFORE (a tree holding an older wideserve/, e.g.
 # `git archive <commit> wideserve | tar -x -C /tmp/before`) and this checkout, the latter also
-# with the CSA indexer on its torch loop instead of the fused CPU op. Run it through
+# with the CSA indexer on its torch loop instead of the fused CPU op. Run it
 # on a quiet machine (build the C++ extension first: python -m wideserve.kernels.loader).
 #   benchmarks/v4_decode_context_ab.sh /tmp/before <before-tag> [rounds] [python]
 set -e
