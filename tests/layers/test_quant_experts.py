@@ -89,6 +89,30 @@ def test_op_matches_dequantise_then_matmul(case, path, dtype):
         torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("name,R,K", [("mxfp4", 90, 258), ("mxfp4", 64, 320), ("fp8", 40, 131)])
+def test_op_rows_do_not_depend_on_the_rows_beside_them(name, R, K):
+    # the dot-product path (no brgemm) takes an expert's rows in passes of up to 8 and the
+    # weight rows 4 or 2 at a time (MXFP4's register dequantisation): each row's result must
+    # be bitwise what the row alone gives (--batch-invariant relies on it), for every pass
+    # size, a weight-row tail (R = 90) and a partial last K chunk (K = 258)
+    fmt = FORMATS[name]
+    codes, scale, glob = _random(fmt, 2, R, K, 1, seed=R + K)
+    x = torch.randn(13, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return quant_gemm.grouped_linear(rows, torch.tensor(counts), codes, scale, fmt.op_id,
+                                         fmt.block, 1, None, global_scale=glob)
+    alone = [torch.cat([run(x[i:i + 1], [1 - e, e]) for i in range(13)]) for e in (0, 1)]
+    for split in ([13, 0], [0, 13], [4, 9], [9, 4], [1, 12], [7, 6]):
+        together = run(x, split)
+        assert torch.equal(together[:split[0]], alone[0][:split[0]]), split
+        assert torch.equal(together[split[0]:], alone[1][split[0]:]), split
+    for e in (0, 1):
+        counts = torch.tensor([13, 0] if e == 0 else [0, 13])
+        torch.testing.assert_close(alone[e].float(), _reference(x, counts, codes, scale, fmt, 1,
+                                                                glob), rtol=2 ** -7, atol=1e-3)
+
+
 def test_op_refuses_mismatched_inputs():
     fmt = FORMATS["mxfp4"]
     codes, scale, _ = _random(fmt, 2, 32, 64, 1, seed=0)

@@ -165,6 +165,22 @@ void dequant_row_f32(const Format& f, const uint8_t* w, const uint8_t* s, const 
   }
 }
 
+#ifdef __AVX512F__
+// 32 MXFP4 values (16 code bytes, low nibble first, one UE8M0 scale) as bf16 lanes: the e2m1
+// table times the scale, truncated to bf16 (exact), looked up by code with one 16-bit permute.
+inline __m512i mxfp4_chunk(const uint8_t* codes, float scale, __m512 table) {
+  const __m512i bits = _mm512_srli_epi32(
+      _mm512_castps_si512(_mm512_mul_ps(table, _mm512_set1_ps(scale))), 16);
+  const __m512i lut = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bits));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m512i idx = _mm512_cvtepu8_epi16(
+      _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+  return _mm512_permutexvar_epi16(idx, lut);
+}
+#endif
+
 // The same as bf16, rounded to nearest even as torch's .to(bfloat16) rounds (exact, i.e. a
 // truncation, where the fp32 value is a bf16 value: FP8 / MXFP4 with UE8M0 scales).
 void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s,
@@ -181,17 +197,9 @@ void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, const
     const uint8_t* srow = s + f.scale_row(n) * f.scols;
     const __m512 table = _mm512_loadu_ps(kE2M1.data());
     int64_t k = k0;
-    for (; k + 32 <= k1; k += 32) {
-      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(
-          table, _mm512_set1_ps(kScale[srow[k / f.bn]]))), 16);
-      const __m512i lut = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bits));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
-      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_set_m128i(
-          _mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
-      _mm512_storeu_si512(dst + (k - k0), _mm512_permutexvar_epi16(codes, lut));
-    }
+    for (; k + 32 <= k1; k += 32)
+      _mm512_storeu_si512(dst + (k - k0),
+                          mxfp4_chunk(row + k / 2, kScale[srow[k / f.bn]], table));
     if (k < k1) dequant_row_bf16_generic(f, w, s, g, n, k, k1, tmp, dst + (k - k0));
     return;
   }
@@ -265,12 +273,86 @@ void tile_f32(const Job& j, const float* x, int64_t e, int64_t n0, int64_t n1, T
 #ifdef __AVX512BF16__
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
+// MXFP4 with UE8M0 scales, few rows: NW weight rows [n, n + NW) against M input rows from r,
+// 32 values a step, each weight chunk dequantised into a register (mxfp4_chunk) and dotted
+// straight away: no row buffer written and read back, and NW x M independent `vdpbf16ps`
+// chains where tile_bf16's one-row loop waited on one (a 1-row call ran ~3x below what the
+// codes' bytes allow, BENCHMARKS.md "Quantised experts at decode sizes"). Every (weight row,
+// input row) sum takes the same chunks in the same order as that loop: outputs bit for bit
+// the same, whatever NW and M (so a row's result does not depend on the rows beside it).
+// A last partial chunk (K not a multiple of 32) comes from dequant_row_bf16 through `tail`
+// (zero past K, as the caller's padded x is).
+template <int NW, int M>
+void mxfp4_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
+                int64_t n, int64_t r, at::BFloat16* out, std::vector<float>& tmp,
+                at::BFloat16* tail) {
+  const Format& f = j.f;
+  const __m512 table = _mm512_loadu_ps(kE2M1.data());
+  const uint8_t* rows[NW];
+  const uint8_t* srows[NW];
+  for (int i = 0; i < NW; ++i) {
+    rows[i] = w + (n + i) * f.row_bytes;
+    srows[i] = s + f.scale_row(n + i) * f.scols;
+  }
+  __m512 acc[NW][M];
+  for (int i = 0; i < NW; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  const int64_t whole = f.cols / kChunk * kChunk;
+  for (int64_t k = 0; k < j.kp; k += kChunk) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k));
+    for (int i = 0; i < NW; ++i) {
+      __m512i wv;
+      if (k < whole) {
+        wv = mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
+      } else {
+        dequant_row_bf16(f, w, s, nullptr, n + i, k, f.cols, tmp.data(), tail);
+        wv = _mm512_loadu_si512(tail);
+      }
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], as_bh(wv), xv[m]);
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int m = 0; m < M; ++m)
+      out[(r + m) * f.rows + n + i] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+}
+
+// Weight rows [n0, n1) against input rows [r, r + M): four weight rows a pass (two from five
+// input rows: 16 accumulators either way), the rest one at a time.
+template <int M>
+void mxfp4_tile(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
+                int64_t n0, int64_t n1, int64_t r, at::BFloat16* out, std::vector<float>& tmp,
+                at::BFloat16* tail) {
+  constexpr int NW = M <= 4 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NW <= n1; n += NW) mxfp4_rows<NW, M>(j, x, w, s, n, r, out, tmp, tail);
+  for (; n < n1; ++n) mxfp4_rows<1, M>(j, x, w, s, n, r, out, tmp, tail);
+}
+
+bool mxfp4_fused(const Format& f) { return f.kind == 1 && !f.fp32_scale && f.bn % 32 == 0; }
+
 // bf16, few rows: each weight row dequantised once, dotted with the expert's rows 4 at a time.
 void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64_t n1,
                at::BFloat16* out, std::vector<float>& tmp, std::vector<at::BFloat16>& wrow) {
   const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1], R = j.f.rows;
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
+  if (mxfp4_fused(j.f)) {
+    at::BFloat16* tail = wrow.data();      // kChunk values, zero past K (the caller's fill)
+    for (int64_t r = r0; r < r1; r += 8) {
+      switch (std::min<int64_t>(8, r1 - r)) {
+        case 1: mxfp4_tile<1>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        case 2: mxfp4_tile<2>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        case 3: mxfp4_tile<3>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        case 4: mxfp4_tile<4>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        case 5: mxfp4_tile<5>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        case 6: mxfp4_tile<6>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        case 7: mxfp4_tile<7>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+        default: mxfp4_tile<8>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
+      }
+    }
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n) {
     dequant_row_bf16(j.f, w, s, j.global(e), n, 0, j.f.cols, tmp.data(), wrow.data());
     for (int64_t r = r0; r < r1; r += 4) {
