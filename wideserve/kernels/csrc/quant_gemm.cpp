@@ -329,12 +329,33 @@ void mxfp4_tile(const Job& j, const at::BFloat16* x, const uint8_t* w, const uin
   for (; n < n1; ++n) mxfp4_rows<1, M>(j, x, w, s, n, r, out, tmp, tail);
 }
 
+// Four dequantised weight rows (wr, bf16 [kp] each) against input rows [r, r + M); the first
+// nw results written.
+template <int M>
+void dot_rows(const Job& j, const at::BFloat16* x, const at::BFloat16* const* wr, int nw,
+              int64_t n, int64_t r, at::BFloat16* out) {
+  __m512 acc[4][M];
+  for (int i = 0; i < 4; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < j.kp; k += kChunk) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k));
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh wv = as_bh(_mm512_loadu_si512(wr[i] + k));
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], wv, xv[m]);
+    }
+  }
+  for (int i = 0; i < nw; ++i)
+    for (int m = 0; m < M; ++m)
+      out[(r + m) * j.f.rows + n + i] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+}
+
 bool mxfp4_fused(const Format& f) { return f.kind == 1 && !f.fp32_scale && f.bn % 32 == 0; }
 
 // bf16, few rows: each weight row dequantised once, dotted with the expert's rows 4 at a time.
 void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64_t n1,
                at::BFloat16* out, std::vector<float>& tmp, std::vector<at::BFloat16>& wrow) {
-  const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1], R = j.f.rows;
+  const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1];
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
   if (mxfp4_fused(j.f)) {
@@ -353,20 +374,27 @@ void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64
     }
     return;
   }
-  for (int64_t n = n0; n < n1; ++n) {
-    dequant_row_bf16(j.f, w, s, j.global(e), n, 0, j.f.cols, tmp.data(), wrow.data());
+  // Other formats: four weight rows at a time dequantised into `wrow` ([4, kp], zero past K;
+  // a tile's missing rows read a fifth, zero row), then dotted with the expert's rows 4 at
+  // a time: 16 independent chains where one weight row's chain alone left a 1-row call
+  // waiting on vdpbf16ps latency. The chunks of a (weight row, input row) sum run in the same
+  // order whatever the rows beside them.
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nw = static_cast<int>(std::min<int64_t>(4, n1 - n));
+    const at::BFloat16* wr[4];
+    for (int i = 0; i < 4; ++i) {
+      wr[i] = wrow.data() + (i < nw ? i : 4) * j.kp;
+      if (i < nw)
+        dequant_row_bf16(j.f, w, s, j.global(e), n + i, 0, j.f.cols, tmp.data(),
+                         wrow.data() + i * j.kp);
+    }
     for (int64_t r = r0; r < r1; r += 4) {
-      const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-      for (int64_t k = 0; k < j.kp; k += kChunk) {
-        const __m512bh wv = as_bh(_mm512_loadu_si512(wrow.data() + k));
-        for (int m = 0; m < rows; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], wv,
-                                    as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k)));
+      switch (std::min<int64_t>(4, r1 - r)) {
+        case 1: dot_rows<1>(j, x, wr, nw, n, r, out); break;
+        case 2: dot_rows<2>(j, x, wr, nw, n, r, out); break;
+        case 3: dot_rows<3>(j, x, wr, nw, n, r, out); break;
+        default: dot_rows<4>(j, x, wr, nw, n, r, out); break;
       }
-      for (int m = 0; m < rows; ++m)
-        out[(r + m) * R + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
     }
   }
 }
@@ -542,7 +570,7 @@ at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts
   }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(std::max(kp, kBigK));
-    std::vector<at::BFloat16> wrow(kp, at::BFloat16(0.0f));
+    std::vector<at::BFloat16> wrow(5 * kp, at::BFloat16(0.0f));   // tile_bf16's rows
     std::vector<at::BFloat16> a;
     std::vector<float> c;
     bool used = false;
