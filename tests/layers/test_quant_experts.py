@@ -113,6 +113,28 @@ def test_op_rows_do_not_depend_on_the_rows_beside_them(name, R, K):
                                                                 glob), rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("path", ["dots", "brgemm"])
+def test_fp8_every_code_and_edge_scales(path):
+    # every e4m3 code (subnormals, +-0, the NaN codes in one row) under UE8M0 scales from
+    # 2^-127 to 2^113 (the widened-fp16 decode takes 2^-100..2^100, the rest the fp32 loop;
+    # larger ones overflow the sums of the reference too)
+    fmt = quant.expert_format("fp8", (1, 32))
+    R, K = 24, 256
+    codes = torch.arange(R * K, dtype=torch.int64).remainder(256).to(torch.uint8).view(1, R, K)
+    nan = (codes & 0x7F) == 0x7F
+    codes[:, 1:][nan[:, 1:]] = 0x38                      # 1.0; row 0 keeps its NaN codes
+    edges = torch.tensor([0, 1, 26, 27, 100, 120, 127, 133, 200, 227, 228, 240],
+                         dtype=torch.uint8)
+    scale = edges[torch.arange(R * K // 32) % len(edges)].view(1, R, K // 32)
+    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(5)) * 1e-3).to(torch.bfloat16)
+    counts = torch.tensor([3])
+    got = quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block, 1,
+                                    brgemm_min_rows=1 if path == "brgemm" else None)
+    want = _reference(x, counts, codes, scale, fmt, 1, None)
+    assert got[:, 0].isnan().all() and not got[:, 1:].isnan().any()
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-30, equal_nan=True)
+
+
 def test_op_refuses_mismatched_inputs():
     fmt = FORMATS["mxfp4"]
     codes, scale, _ = _random(fmt, 2, 32, 64, 1, seed=0)

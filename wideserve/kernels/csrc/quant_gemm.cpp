@@ -181,6 +181,49 @@ inline __m512i mxfp4_chunk(const uint8_t* codes, float scale, __m512 table) {
 }
 #endif
 
+#ifdef __AVX512F__
+// 16 fp32 lanes -> their bf16 bits (in the low half of each 32-bit lane), rounded to nearest
+// even as dequant_row_bf16_generic rounds (a quiet NaN stays NaN).
+inline __m512i bf16_rne_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                           16);
+}
+
+// 32 FP8 e4m3 codes times one scale as bf16 lanes, the same bits as dequant_row_f32 then
+// dequant_row_bf16_generic. A code's magnitude bits moved 7 places up are an fp16 whose value
+// is the e4m3 value times 2^-8, subnormals included (both formats keep 3 mantissa bits and
+// fp16's exponent field is one bit wider), so vcvtph2ps widens 16 codes at once, and the
+// product with scale * 2^8 is the exact value times the scale, rounded once as code * scale
+// is; e4m3fn's NaN codes (magnitude 0x7F) are set to NaN first. Scales up to 2^100 (the
+// caller's check): scale * 2^8 stays finite. `exact`: UE8M0 scales, whose products are bf16
+// values already (a truncation) for scales from 2^-100; fp32 scales are rounded to nearest
+// even.
+inline __m512i fp8_chunk(const uint8_t* codes, float scale, bool exact) {
+  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  // sign to bit 15, magnitude to bits 7-13 (bit 14, the sign's copy from the shift, cleared)
+  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 1),
+                                     _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(c, _mm512_set1_epi16(0x7F)),
+                                                _mm512_set1_epi16(0x7F));
+  const __m512 mul = _mm512_set1_ps(scale * 256.0f);
+  __m512 v[2];
+  for (int half = 0; half < 2; ++half) {
+    const __m256i part = half ? _mm512_extracti64x4_epi64(h, 1) : _mm512_castsi512_si256(h);
+    v[half] = _mm512_mask_mov_ps(_mm512_cvtph_ps(part), static_cast<__mmask16>(nan >> (16 * half)),
+                                 _mm512_set1_ps(NAN));
+    v[half] = _mm512_mul_ps(v[half], mul);
+  }
+  const __m512i lo = exact ? _mm512_castps_si512(v[0]) : _mm512_slli_epi32(bf16_rne_bits(v[0]), 16);
+  const __m512i hi = exact ? _mm512_castps_si512(v[1]) : _mm512_slli_epi32(bf16_rne_bits(v[1]), 16);
+  // the high 16 bits of every 32-bit lane, lo's 16 then hi's 16
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35,
+                                       33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(lo, odd, hi);
+}
+#endif
+
 // The same as bf16, rounded to nearest even as torch's .to(bfloat16) rounds (exact, i.e. a
 // truncation, where the fp32 value is a bf16 value: FP8 / MXFP4 with UE8M0 scales).
 void dequant_row_bf16_generic(const Format& f, const uint8_t* w, const uint8_t* s,
@@ -200,6 +243,22 @@ void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, const
     for (; k + 32 <= k1; k += 32)
       _mm512_storeu_si512(dst + (k - k0),
                           mxfp4_chunk(row + k / 2, kScale[srow[k / f.bn]], table));
+    if (k < k1) dequant_row_bf16_generic(f, w, s, g, n, k, k1, tmp, dst + (k - k0));
+    return;
+  }
+  if (f.kind == 0 && f.bn % 32 == 0 && k0 % 32 == 0) {
+    // FP8 e4m3, 32 values (one scale) per step (fp8_chunk); a scale it cannot take exactly
+    // goes through the fp32 path, as does a partial last chunk.
+    const uint8_t* row = w + n * f.row_bytes;
+    const uint8_t* srow = scale_row_ptr(f, s, n);
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      const float scale = scale_at(f, srow, k / f.bn);
+      // fp8_chunk's range: scale * 2^8 finite, and UE8M0 products normal (a subnormal
+      // fp32 product is not always a bf16 value: it would need rounding, not truncation)
+      if (!(std::fabs(scale) <= 0x1p100f) || (!f.fp32_scale && scale < 0x1p-100f)) break;
+      _mm512_storeu_si512(dst + (k - k0), fp8_chunk(row + k, scale, !f.fp32_scale));
+    }
     if (k < k1) dequant_row_bf16_generic(f, w, s, g, n, k, k1, tmp, dst + (k - k0));
     return;
   }
