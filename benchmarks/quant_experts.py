@@ -12,9 +12,14 @@
    parameter bytes and the process's RSS growth against the checkpoint's bytes for the same
    experts (codes + scales as stored), and what the dequantise-at-load path held (bf16 + the
    fused kernel's packed copy).
+3. Decode (`--decode`): the op as RoutedExperts calls it at decode sizes, on 8 experts of
+   each projection per call, every expert `--rows` rows, the weights read from memory (the
+   call rotates through copies of them over 256 MiB, as a decode step finds its experts):
+   ms a call, the median of --rounds passes, and the codes' bytes read per second. To compare
+   two builds run it from each tree (each tree's sources build their own library).
 
   PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/quant_experts.py [--json out.json]
-      [--formats mxfp4 fp8 fp8_f32 nvfp4] [--memory-only]
+      [--formats mxfp4 fp8 fp8_f32 nvfp4] [--memory-only] [--decode]
 """
 from __future__ import annotations
 
@@ -88,6 +93,25 @@ def gemm(fmt: ExpertFormat, proj: str, m: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+def decode(fmt: ExpertFormat, proj: str, m: int, rounds: int, experts: int = 8,
+           pool_bytes: int = 256 << 20) -> float:
+    """ms a call of `experts` experts x m rows each, the weights cold (module docstring)."""
+    rows, cols, halves = PROJECTIONS[proj]
+    codes, scale, glob = _codes(fmt, experts, rows, cols, halves, seed=1)
+    pool = [(codes.clone(), scale.clone())
+            for _ in range(max(2, pool_bytes // (codes.numel() * codes.element_size())))]
+    x = torch.randn(m * experts, cols, generator=torch.Generator().manual_seed(m)).bfloat16()
+    counts = torch.tensor([m] * experts)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for c, s in pool:
+            quant_gemm.grouped_linear(x, counts, c, s, fmt.op_id, fmt.block, halves,
+                                      QUANT_BRGEMM_MIN_ROWS, global_scale=glob)
+        times.append((time.perf_counter() - t0) / len(pool))
+    return statistics.median(times) * 1e3
+
+
 def memory(fmt: ExpertFormat, experts: int) -> dict[str, float]:
     before = _rss()
     with _parameters_on_meta():         # as the loader builds it: no dense copy, ever
@@ -139,9 +163,22 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--decode", action="store_true",
+                    help="only the decode-size timing on cold weights (3. above)")
     args = ap.parse_args()
     build()
     formats = {name: FORMATS[name] for name in args.formats}
+    if args.decode:
+        print(f"threads {torch.get_num_threads()}; 8 experts a call, weights cold; ms a call "
+              f"(median of {args.rounds}) and GB/s of codes")
+        for name, fmt in formats.items():
+            for proj, (rows, cols, halves) in PROJECTIONS.items():
+                nbytes = 8 * rows * fmt.packed_cols(cols)
+                for m in args.rows:
+                    ms = decode(fmt, proj, m, args.rounds)
+                    print(f"{name} {proj} {m} rows: {ms:.2f} ms, {nbytes / ms / 1e6:.1f} GB/s",
+                          flush=True)
+        return
     result: dict = {"threads": torch.get_num_threads(), "gemm": [], "memory": {}}
     print(f"threads {torch.get_num_threads()}; times in ms (median of {args.rounds})")
     print("| format | projection | M | in-kernel | dots only | brgemm only | dequant+GEMM | "

@@ -332,13 +332,14 @@ void tile_f32(const Job& j, const float* x, int64_t e, int64_t n0, int64_t n1, T
 #ifdef __AVX512BF16__
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// MXFP4 with UE8M0 scales, few rows: NW weight rows [n, n + NW) against M input rows from r,
-// 32 values a step, each weight chunk dequantised into a register (mxfp4_chunk) and dotted
-// straight away: no row buffer written and read back, and NW x M independent `vdpbf16ps`
-// chains where tile_bf16's one-row loop waited on one (a 1-row call ran ~3x below what the
-// codes' bytes allow, BENCHMARKS.md "Quantised experts at decode sizes"). Every (weight row,
-// input row) sum takes the same chunks in the same order as that loop: outputs bit for bit
-// the same, whatever NW and M (so a row's result does not depend on the rows beside it).
+// MXFP4 with UE8M0 scales, up to 8 rows (tile_bf16): NW weight rows [n, n + NW) against M
+// input rows from r, 32 values a step, each weight chunk dequantised into a register
+// (mxfp4_chunk) and dotted straight away: no row buffer written and read back, and NW x M
+// independent `vdpbf16ps` chains where a one-row loop waited on one (a 1-row call ran ~3x
+// below what the codes' bytes allow, BENCHMARKS.md "Quantised experts at decode sizes").
+// Every (weight row, input row) sum takes the same chunks in the same order as the buffered
+// loop: outputs bit for bit the same, whatever NW and M (so a row's result does not depend
+// on the rows beside it).
 // A last partial chunk (K not a multiple of 32) comes from dequant_row_bf16 through `tail`
 // (zero past K, as the caller's padded x is).
 template <int NW, int M>
@@ -417,27 +418,28 @@ void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64
   const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1];
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
-  if (mxfp4_fused(j.f)) {
+  // MXFP4 up to 8 rows: decoded in registers, one pass (more rows: each pass would decode the
+  // weights again, where the buffered rows below are decoded once for all passes)
+  if (mxfp4_fused(j.f) && r1 - r0 <= 8) {
     at::BFloat16* tail = wrow.data();      // kChunk values, zero past K (the caller's fill)
-    for (int64_t r = r0; r < r1; r += 8) {
-      switch (std::min<int64_t>(8, r1 - r)) {
-        case 1: mxfp4_tile<1>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        case 2: mxfp4_tile<2>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        case 3: mxfp4_tile<3>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        case 4: mxfp4_tile<4>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        case 5: mxfp4_tile<5>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        case 6: mxfp4_tile<6>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        case 7: mxfp4_tile<7>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-        default: mxfp4_tile<8>(j, x, w, s, n0, n1, r, out, tmp, tail); break;
-      }
+    switch (r1 - r0) {
+      case 0: break;
+      case 1: mxfp4_tile<1>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      case 2: mxfp4_tile<2>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      case 3: mxfp4_tile<3>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      case 4: mxfp4_tile<4>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      case 5: mxfp4_tile<5>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      case 6: mxfp4_tile<6>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      case 7: mxfp4_tile<7>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
+      default: mxfp4_tile<8>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
     }
     return;
   }
-  // Other formats: four weight rows at a time dequantised into `wrow` ([4, kp], zero past K;
-  // a tile's missing rows read a fifth, zero row), then dotted with the expert's rows 4 at
-  // a time: 16 independent chains where one weight row's chain alone left a 1-row call
-  // waiting on vdpbf16ps latency. The chunks of a (weight row, input row) sum run in the same
-  // order whatever the rows beside them.
+  // Other formats, and MXFP4 from 9 rows: four weight rows at a time dequantised into `wrow`
+  // ([4, kp], zero past K; a tile's missing rows read a fifth, zero row), then dotted with the
+  // expert's rows 4 at a time: 16 independent chains where one weight row's chain alone left
+  // a 1-row call waiting on vdpbf16ps latency. The chunks of a (weight row, input row) sum
+  // run in the same order whatever the rows beside them.
   for (int64_t n = n0; n < n1; n += 4) {
     const int nw = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const at::BFloat16* wr[4];
