@@ -77,7 +77,8 @@ FALLBACK_EXPERT_IMPL = "padded"
 # 11M model's 256 x 256 experts; the 653M model's 1024 x 384 ones gain, BENCHMARKS.md).
 PACKED_MIN_ELEMENTS = 1 << 18
 # Quantised experts with at least this many rows run their dequantised tiles through brgemm
-# (AMX), fewer through AVX512-BF16 dot products (BENCHMARKS.md, "Quantised experts").
+# (AMX tiles, or AVX512-BF16 dot products without AMX), fewer through the op's own dot
+# products (BENCHMARKS.md, "Quantised experts" and "Quantised experts at decode sizes").
 QUANT_BRGEMM_MIN_ROWS = 16
 
 
