@@ -502,8 +502,8 @@ void pack_vnni(const at::BFloat16* x, int64_t m, int64_t kp, int64_t mp, at::BFl
 
 // Wherever torch's brgemm takes bf16 (csrc/brgemm.h `runs`): AMX tiles, or AVX512-BF16 dot
 // products on a CPU without AMX. QUANT_BRGEMM_MIN_ROWS (layers/experts.py) was measured with
-// AMX; on a Zen 4 brgemm takes 16 rows an expert in 0.57-0.67x the dot products' time and 64
-// in 0.43-0.49x, and is slower up to 8 (BENCHMARKS.md, "Quantised experts at decode sizes").
+// AMX; on a Zen 4 brgemm takes 16 rows an expert in 0.58-0.70x the dot products' time and 64
+// in 0.42-0.49x, and is slower up to 8 (BENCHMARKS.md, "Quantised experts at decode sizes").
 bool brgemm_runs() { return wideserve_brgemm::runs(); }
 
 // ------------------------------------------------------------------ the op
