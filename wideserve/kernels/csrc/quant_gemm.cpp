@@ -18,14 +18,15 @@
 // bytes: w1 and w3 are separate tensors there).
 //
 // No dequantised copy of a weight is ever kept: each work item (expert, tile of output rows)
-// dequantises its rows into a small buffer that stays in L1/L2 and runs the dot products on
-// it. The dequantisation is the torch reference's (layers/quant.py): code times scale in
-// fp32 (exact for UE8M0 and E4M3 scales), times the global / fp32 scale (one fp32 rounding),
-// rounded to bf16 to nearest even (exact for FP8 / MXFP4 with UE8M0 scales), so results
-// equal a matmul on the dequantised weight up to the order of the fp32 sums.
-//   - few rows (bf16, AVX512-BF16): one weight row at a time into a bf16 buffer, `vdpbf16ps`
-//     dot products with up to 4 input rows per pass;
-//   - at least `brgemm_min_rows` rows (bf16, brgemm available: AMX where present): the
+// dequantises its rows into registers or a small buffer that stays in L1/L2 and runs the dot
+// products on it. The dequantisation is the torch reference's (layers/quant.py): code times
+// scale in fp32 (exact for UE8M0 and E4M3 scales), times the global / fp32 scale (one fp32
+// rounding), rounded to bf16 to nearest even (exact for FP8 / MXFP4 with UE8M0 scales), so
+// results equal a matmul on the dequantised weight up to the order of the fp32 sums.
+//   - few rows (bf16, AVX512-BF16; tile_bf16): MXFP4 up to 8 rows dequantised into registers
+//     and dotted straight away, else 4 weight rows at a time into a bf16 buffer; `vdpbf16ps`
+//     dot products, one chain per (weight row, input row);
+//   - at least `brgemm_min_rows` rows (bf16, where torch's brgemm takes bf16): the
 //     expert's rows transposed once into brgemm's VNNI B layout, the weight tile (32 rows x
 //     a K chunk) dequantised row-major as A, C^T = W x^T accumulated over the K chunks;
 //   - fp32 inputs and the portable build: the weight row into an fp32 buffer, dot products
@@ -181,16 +182,14 @@ inline __m512i mxfp4_chunk(const uint8_t* codes, float scale, __m512 table) {
       _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
   return _mm512_permutexvar_epi16(idx, lut);
 }
-#endif
 
-#ifdef __AVX512F__
 // 16 fp32 lanes -> their bf16 bits (in the low half of each 32-bit lane), rounded to nearest
 // even as dequant_row_bf16_generic rounds (a quiet NaN stays NaN).
 inline __m512i bf16_rne_bits(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
-                           16);
+  return _mm512_srli_epi32(
+      _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
 }
 
 // 32 FP8 e4m3 codes times one scale as bf16 lanes, the same bits as dequant_row_f32 then
@@ -203,7 +202,8 @@ inline __m512i bf16_rne_bits(__m512 v) {
 // values already (a truncation) for scales from 2^-100; fp32 scales are rounded to nearest
 // even.
 inline __m512i fp8_chunk(const uint8_t* codes, float scale, bool exact) {
-  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  const __m512i c =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
   // sign to bit 15, magnitude to bits 7-13 (bit 14, the sign's copy from the shift, cleared)
   const __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 1),
                                      _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
@@ -213,15 +213,18 @@ inline __m512i fp8_chunk(const uint8_t* codes, float scale, bool exact) {
   __m512 v[2];
   for (int half = 0; half < 2; ++half) {
     const __m256i part = half ? _mm512_extracti64x4_epi64(h, 1) : _mm512_castsi512_si256(h);
-    v[half] = _mm512_mask_mov_ps(_mm512_cvtph_ps(part), static_cast<__mmask16>(nan >> (16 * half)),
-                                 _mm512_set1_ps(NAN));
+    v[half] = _mm512_mask_mov_ps(_mm512_cvtph_ps(part),
+                                 static_cast<__mmask16>(nan >> (16 * half)), _mm512_set1_ps(NAN));
     v[half] = _mm512_mul_ps(v[half], mul);
   }
-  const __m512i lo = exact ? _mm512_castps_si512(v[0]) : _mm512_slli_epi32(bf16_rne_bits(v[0]), 16);
-  const __m512i hi = exact ? _mm512_castps_si512(v[1]) : _mm512_slli_epi32(bf16_rne_bits(v[1]), 16);
+  auto high = [&](__m512 x) {            // the bf16 bits in the high half of each lane
+    return exact ? _mm512_castps_si512(x) : _mm512_slli_epi32(bf16_rne_bits(x), 16);
+  };
+  const __m512i lo = high(v[0]), hi = high(v[1]);
   // the high 16 bits of every 32-bit lane, lo's 16 then hi's 16
-  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35,
-                                       33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37,
+                                       35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7,
+                                       5, 3, 1);
   return _mm512_permutex2var_epi16(lo, odd, hi);
 }
 #endif
@@ -341,9 +344,8 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 // below what the codes' bytes allow, BENCHMARKS.md "Quantised experts at decode sizes").
 // Every (weight row, input row) sum takes the same chunks in the same order as the buffered
 // loop: outputs bit for bit the same, whatever NW and M (so a row's result does not depend
-// on the rows beside it).
-// A last partial chunk (K not a multiple of 32) comes from dequant_row_bf16 through `tail`
-// (zero past K, as the caller's padded x is).
+// on the rows beside it). A last partial chunk (K not a multiple of 32) comes from
+// dequant_row_bf16 through `tail` (zero past K, as the caller's padded x is).
 template <int NW, int M>
 void mxfp4_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
                 int64_t n, int64_t r, at::BFloat16* out, std::vector<float>& tmp,
@@ -376,7 +378,8 @@ void mxfp4_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uin
   }
   for (int i = 0; i < NW; ++i)
     for (int m = 0; m < M; ++m)
-      out[(r + m) * f.rows + n + i] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+      out[(r + m) * f.rows + n + i] =
+          static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
 }
 
 // Weight rows [n0, n1) against input rows [r, r + M): four weight rows a pass (two from five
@@ -409,12 +412,13 @@ void dot_rows(const Job& j, const at::BFloat16* x, const at::BFloat16* const* wr
   }
   for (int i = 0; i < nw; ++i)
     for (int m = 0; m < M; ++m)
-      out[(r + m) * j.f.rows + n + i] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+      out[(r + m) * j.f.rows + n + i] =
+          static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
 }
 
 bool mxfp4_fused(const Format& f) { return f.kind == 1 && !f.fp32_scale && f.bn % 32 == 0; }
 
-// bf16, few rows: each weight row dequantised once, dotted with the expert's rows 4 at a time.
+// bf16, few rows (no brgemm for this expert): its rows against weight rows [n0, n1).
 void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64_t n1,
                at::BFloat16* out, std::vector<float>& tmp, std::vector<at::BFloat16>& wrow) {
   const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1];
