@@ -12,8 +12,8 @@ the mean over requests and the P90 figure, 1 / (90th percentile time per output 
 speed 90% of requests reach. Greedy outputs of the two paths are compared too.
 
   PYTHONPATH=. python benchmarks/small_batch.py [--models v4,v41,qwen3moe,11m] [--rounds 8]
-        [--tokens 64] [--batch 1] [--model-11m PATH] [--threads 1] [--gemms on|off] [--clock wall|cpu]
-        [--standard persistent|plain]
+        [--tokens 64] [--batch 1] [--model-11m PATH] [--threads 1] [--gemms on|off]
+        [--clock wall|cpu] [--standard persistent|plain]
 
 Models: v4 / v41 the bundled tiny checkpoints, qwen3moe the tiny random config of
 tests/tiny_families.py (dummy weights), 11m the random Qwen3-MoE 11M checkpoint that
@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_families import model_dir, vocab_size  # noqa: E402
 from wideserve import LLM, SamplingParams  # noqa: E402
 from wideserve.types.messages import EngineCoreRequest  # noqa: E402
+
 
 def _load(name: str, tmp: Path, path_11m: str, gemms: bool, persistent: bool
           ) -> tuple[LLM, int]:
