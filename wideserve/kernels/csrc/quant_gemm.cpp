@@ -337,6 +337,29 @@ void tile_f32(const Job& j, const float* x, int64_t e, int64_t n0, int64_t n1, T
 #ifdef __AVX512BF16__
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
+// The shared skeleton: NW weight rows from n against M input rows from r, one `vdpbf16ps`
+// chain per pair over the 32-value chunks in order; chunk(i, k) gives weight row n + i's
+// values [k, k + 32) as bf16 lanes. The first nw results are written.
+template <int NW, int M, typename Chunk>
+void dot_chains(const Job& j, const at::BFloat16* x, int64_t n, int64_t r, int nw,
+                at::BFloat16* out, Chunk chunk) {
+  __m512 acc[NW][M];
+  for (int i = 0; i < NW; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < j.kp; k += kChunk) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k));
+    for (int i = 0; i < NW; ++i) {
+      const __m512bh wv = as_bh(chunk(i, k));
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], wv, xv[m]);
+    }
+  }
+  for (int i = 0; i < nw; ++i)
+    for (int m = 0; m < M; ++m)
+      out[(r + m) * j.f.rows + n + i] =
+          static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+}
+
 // MXFP4 with UE8M0 scales, up to 8 rows (tile_bf16): NW weight rows [n, n + NW) against M
 // input rows from r, 32 values a step, each weight chunk dequantised into a register
 // (mxfp4_chunk) and dotted straight away: no row buffer written and read back, and NW x M
@@ -358,28 +381,12 @@ void mxfp4_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uin
     rows[i] = w + (n + i) * f.row_bytes;
     srows[i] = s + f.scale_row(n + i) * f.scols;
   }
-  __m512 acc[NW][M];
-  for (int i = 0; i < NW; ++i)
-    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
   const int64_t whole = f.cols / kChunk * kChunk;
-  for (int64_t k = 0; k < j.kp; k += kChunk) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k));
-    for (int i = 0; i < NW; ++i) {
-      __m512i wv;
-      if (k < whole) {
-        wv = mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
-      } else {
-        dequant_row_bf16(f, w, s, nullptr, n + i, k, f.cols, tmp.data(), tail);
-        wv = _mm512_loadu_si512(tail);
-      }
-      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], as_bh(wv), xv[m]);
-    }
-  }
-  for (int i = 0; i < NW; ++i)
-    for (int m = 0; m < M; ++m)
-      out[(r + m) * f.rows + n + i] =
-          static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+  dot_chains<NW, M>(j, x, n, r, NW, out, [&](int i, int64_t k) {
+    if (k < whole) return mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
+    dequant_row_bf16(f, w, s, nullptr, n + i, k, f.cols, tmp.data(), tail);
+    return _mm512_loadu_si512(tail);
+  });
 }
 
 // Weight rows [n0, n1) against input rows [r, r + M): four weight rows a pass (two from five
@@ -399,21 +406,8 @@ void mxfp4_tile(const Job& j, const at::BFloat16* x, const uint8_t* w, const uin
 template <int M>
 void dot_rows(const Job& j, const at::BFloat16* x, const at::BFloat16* const* wr, int nw,
               int64_t n, int64_t r, at::BFloat16* out) {
-  __m512 acc[4][M];
-  for (int i = 0; i < 4; ++i)
-    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < j.kp; k += kChunk) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k));
-    for (int i = 0; i < 4; ++i) {
-      const __m512bh wv = as_bh(_mm512_loadu_si512(wr[i] + k));
-      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], wv, xv[m]);
-    }
-  }
-  for (int i = 0; i < nw; ++i)
-    for (int m = 0; m < M; ++m)
-      out[(r + m) * j.f.rows + n + i] =
-          static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
+  dot_chains<4, M>(j, x, n, r, nw, out,
+                   [&](int i, int64_t k) { return _mm512_loadu_si512(wr[i] + k); });
 }
 
 bool mxfp4_fused(const Format& f) { return f.kind == 1 && !f.fp32_scale && f.bn % 32 == 0; }
