@@ -1,12 +1,14 @@
 """Routed experts kept in checkpoint format (BENCHMARKS.md, "Quantised experts").
 
-1. GEMM: one V4.1-Flash expert's projections (gate/up 4608 x 5120, down 5120 x 2304) on MXFP4,
-   FP8 (128 x 128; UE8M0 scales as DeepSeek, fp32 as Qwen3 FP8) and NVFP4 (ModelOpt) weights, x [M, K] bf16 for M in --rows: the C++ op that dequantises per
-   tile inside the kernel (`quant_grouped_linear`: dot products, and brgemm from
-   QUANT_BRGEMM_MIN_ROWS rows; both forced too) against dequantise-then-GEMM (the whole
-   weight to bf16 in torch, then F.linear: what a per-call dequantising path costs), and the
-   GEMM on a resident bf16 copy (what dequantising at load bought, at 4x the memory).
-   Alternated in one run, median of --rounds; outputs checked equal within bf16 rounding.
+1. GEMM: one V4.1-Flash expert's projections (gate/up 4608 x 5120, down 5120 x 2304) on
+   MXFP4, FP8 (128 x 128; UE8M0 scales as DeepSeek, fp32 as Qwen3 FP8) and NVFP4 (ModelOpt)
+   weights, x [M, K] bf16 for M in --rows: the C++ op that dequantises per tile inside the
+   kernel (`quant_grouped_linear`: dot products, and brgemm from the row count the kernel
+   choice measured for the format on this machine; both forced too) against
+   dequantise-then-GEMM (the whole weight to bf16 in torch, then F.linear: what a per-call
+   dequantising path costs), and the GEMM on a resident bf16 copy (what dequantising at load
+   bought, at 4x the memory). Alternated in one run, median of --rounds; outputs checked
+   equal within bf16 rounding.
 2. Memory: a V4.1-Flash-shaped MoE layer (d 5120, I 2304; --experts of the 384, the bytes per
    expert are what matter) held in checkpoint format with dummy weights, after a forward:
    parameter bytes and the process's RSS growth against the checkpoint's bytes for the same
@@ -35,7 +37,9 @@ import torch.nn.functional as F
 
 from wideserve.kernels import quant_gemm
 from wideserve.kernels.loader import build
-from wideserve.layers.experts import QUANT_BRGEMM_MIN_ROWS, RoutedExperts
+from wideserve.kernels.candidates import quant_shape
+from wideserve.kernels.choice import default_choice
+from wideserve.layers.experts import RoutedExperts
 from wideserve.layers.quant import ExpertFormat, expert_format
 from wideserve.worker.model_loader import _parameters_on_meta
 
@@ -62,6 +66,15 @@ def _codes(fmt: ExpertFormat, L: int, rows: int, cols: int, halves: int, seed: i
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), glob
 
 
+def brgemm_rows(fmt: ExpertFormat) -> int | None:
+    """The fewest rows an expert of this format runs brgemm at, as the engine's layer picks
+    it (the kernel choice "quant_experts", timed once per machine and cached)."""
+    scale_bytes = 4 if fmt.scale_dtype == "fp32" else 1
+    shape = quant_shape(INTER, HIDDEN, fmt.op_id, fmt.block, scale_bytes)
+    return default_choice().brgemm_from("quant_experts", INTER, HIDDEN, torch.bfloat16,
+                                        extra=shape[2:])
+
+
 def gemm(fmt: ExpertFormat, proj: str, m: int, rounds: int) -> dict[str, float]:
     rows, cols, halves = PROJECTIONS[proj]
     codes, scale, glob = _codes(fmt, 1, rows, cols, halves, seed=1)
@@ -75,7 +88,7 @@ def gemm(fmt: ExpertFormat, proj: str, m: int, rounds: int) -> dict[str, float]:
 
     dense = fmt.dequantize(codes[0], scale[0], halves, torch.bfloat16, g0)   # the old copy
     ways = {
-        "in-kernel": lambda: kernel(QUANT_BRGEMM_MIN_ROWS),
+        "in-kernel": lambda: kernel(brgemm_rows(fmt)),
         "in-kernel dots": lambda: kernel(None),
         "in-kernel brgemm": lambda: kernel(1),
         "dequant+GEMM": lambda: F.linear(x, fmt.dequantize(codes[0], scale[0], halves,
@@ -102,12 +115,13 @@ def decode(fmt: ExpertFormat, proj: str, m: int, rounds: int, experts: int = 8,
             for _ in range(max(2, pool_bytes // (codes.numel() * codes.element_size())))]
     x = torch.randn(m * experts, cols, generator=torch.Generator().manual_seed(m)).bfloat16()
     counts = torch.tensor([m] * experts)
+    big = brgemm_rows(fmt)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         for c, s in pool:
             quant_gemm.grouped_linear(x, counts, c, s, fmt.op_id, fmt.block, halves,
-                                      QUANT_BRGEMM_MIN_ROWS, global_scale=glob)
+                                      big, global_scale=glob)
         times.append((time.perf_counter() - t0) / len(pool))
     return statistics.median(times) * 1e3
 

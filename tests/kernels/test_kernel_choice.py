@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -15,16 +16,21 @@ from wideserve.kernels.choice import BUCKETS, KernelChoice, KernelPolicy
 
 
 class FakeTimer:
-    """Seconds per (kernel, rows) from a table; records every call."""
+    """Seconds per (kernel, rows) from a table (a list per SAMPLE_ROWS, or a function of the
+    rows); records every call."""
 
-    def __init__(self, seconds: dict[str, list[float]]) -> None:
+    def __init__(self, seconds: dict[str, list[float] | Callable[[int], float]]) -> None:
         self.seconds = seconds
         self.calls: list[tuple] = []
 
     def __call__(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
                  rows: int) -> dict[str, float]:
         self.calls.extend((family, c, *shape, rows) for c in kernels)
-        return {c: self.seconds[c][ch.SAMPLE_ROWS.index(rows)] for c in kernels}
+        return {c: self._at(self.seconds[c], rows) for c in kernels}
+
+    @staticmethod
+    def _at(times, rows: int) -> float:
+        return times(rows) if callable(times) else times[ch.SAMPLE_ROWS.index(rows)]
 
 
 ALL = ("micro", "brgemm", "onednn", "torch")
@@ -174,6 +180,8 @@ def test_fp32_is_plain_torch(tmp_path) -> None:
     kc = _choice(tmp_path, FakeTimer({}))
     assert kc.plan("linear", 32, 32, torch.float32) == ("torch",) * 6
     assert kc.plan("experts", 32, 32, torch.float32) == ("",) * 6
+    # fp32 inputs: the quantised experts' op has no brgemm for them, nothing is timed
+    assert kc.brgemm_from("quant_experts", 32, 32, torch.float32, extra=(1, 1, 32, 1)) is None
 
 
 def test_brgemm_min_rows() -> None:
@@ -182,6 +190,51 @@ def test_brgemm_min_rows() -> None:
     assert ch.brgemm_min_rows(("micro", "micro", "brgemm", "brgemm", "brgemm", "brgemm")) == 5
     # a non-monotonic plan: brgemm from the last bucket where it holds to the top
     assert ch.brgemm_min_rows(("micro", "brgemm", "micro", "brgemm", "brgemm", "brgemm")) == 17
+
+
+# micro 10 + r, brgemm 15 + r / 2 (us): brgemm is faster from 11 rows on
+CROSSING = {"micro": lambda r: (10 + r) * 1e-6, "brgemm": lambda r: (15 + r / 2) * 1e-6}
+
+
+@pytest.mark.parametrize("family", ["experts", "quant_experts"])
+def test_expert_threshold_is_narrowed_inside_the_crossover_bucket(tmp_path, runnable_all,
+                                                                  family) -> None:
+    # the buckets say brgemm from 5 rows (timed at 16); three timings inside 5-16 find 11
+    timer = FakeTimer(CROSSING)
+    kc = _choice(tmp_path, timer)
+    extra = (1, 1, 32, 1) if family == "quant_experts" else ()
+    assert kc.plan(family, 64, 32, torch.bfloat16, extra=extra) == \
+        ("micro", "micro") + ("brgemm",) * 4
+    assert kc.brgemm_from(family, 64, 32, torch.bfloat16, extra=extra) == 11
+    inside = sorted({c[-1] for c in timer.calls} - set(ch.SAMPLE_ROWS))
+    assert inside == [10, 11, 13]
+    assert all(c[2:-1] == (64, 32) + extra for c in timer.calls)
+    assert "[brgemm from 11 rows]" in "".join(kc.describe())
+    assert "[brgemm from 11 rows]" in "".join(kc.summary())
+    # a second start reads the threshold and its timings from the disk table
+    again = _choice(tmp_path, FakeTimer({}))
+    assert again.brgemm_from(family, 64, 32, torch.bfloat16, extra=extra) == 11
+    assert sorted(again.table()[0]["crossover_us"]) == [10, 11, 13]
+    # another format of the same (I, d) is a shape of its own
+    if extra:
+        other = _choice(tmp_path, timer)
+        assert other.brgemm_from(family, 64, 32, torch.bfloat16, extra=(0, 128, 128, 4)) == 11
+        assert len(other.table()) == 2
+
+
+def test_expert_threshold_without_a_crossover(tmp_path, runnable_all) -> None:
+    never = FakeTimer({"micro": [1e-6] * 6, "brgemm": [2e-6] * 6})
+    assert _choice(tmp_path / "n", never).brgemm_from("experts", 8, 8, torch.bfloat16) is None
+    always = FakeTimer({"micro": [2e-6] * 6, "brgemm": [1e-6] * 6})
+    assert _choice(tmp_path / "a", always).brgemm_from("experts", 8, 8, torch.bfloat16) == 1
+    assert not [c for c in always.calls + never.calls if c[-1] not in ch.SAMPLE_ROWS]
+    # forced, and the batch-invariant mode's one kernel: nothing timed inside a bucket
+    for force, want in (("micro", None), ("brgemm", 1)):
+        kc = _choice(tmp_path / force, FakeTimer({}), force=force)
+        assert kc.brgemm_from("quant_experts", 8, 8, torch.bfloat16, extra=(1, 1, 32, 1)) \
+            == want
+    invariant = _choice(tmp_path / "i", FakeTimer(CROSSING))     # brgemm's summed ratio wins
+    assert invariant.brgemm_from("experts", 8, 8, torch.bfloat16, invariant=True) == 1
 
 
 def test_describe_lists_every_bucket(tmp_path, runnable_all) -> None:
@@ -218,9 +271,12 @@ def test_real_candidates_run_on_tiny_shapes() -> None:
     from wideserve.kernels import loader
     loader.build()
     kc = KernelChoice(KernelPolicy(cache_dir=None))
-    for family, shape in (("linear", (40, 32)), ("qkv", (40, 32)), ("router", (8, 32)),
+    quant = [("quant_experts", cand.quant_shape(48, 64, fmt, block, scale_bytes))
+             for fmt, block, scale_bytes in ((0, (16, 32), 1), (0, (16, 32), 4), (1, (1, 32), 1),
+                                             (2, (1, 16), 1))]
+    for family, shape in [("linear", (40, 32)), ("qkv", (40, 32)), ("router", (8, 32)),
                           ("experts", (24, 32)), ("attention", (4, 2, 32)),
-                          ("attention_ctx", (4, 2, 32))):
+                          ("attention_ctx", (4, 2, 32))] + quant:
         for kernel in kc.runnable(family, torch.bfloat16):
             for rows in (1, 5):
                 ch.candidate(family, kernel, shape, rows)()
@@ -413,3 +469,21 @@ def test_cold_candidates_compute_what_a_warm_one_does(monkeypatch, family, kerne
     warm = cand.candidate(family, kernel, (40, 64), 3)
     outs = [cold() for _ in range(3)]
     assert all(torch.equal(o, warm()) for o in outs)
+
+
+@pytest.mark.parametrize("kernel", ["micro", "brgemm"])
+@pytest.mark.parametrize("fmt,block,scale_bytes", [(0, (16, 32), 1), (0, (16, 32), 4),
+                                                   (1, (1, 32), 1), (2, (1, 16), 1)])
+def test_cold_quant_experts_candidates_compute_what_a_warm_one_does(monkeypatch, kernel, fmt,
+                                                                    block, scale_bytes):
+    if kernel not in ch.KernelChoice(KernelPolicy(cache_dir=None)).runnable(
+            "quant_experts", torch.bfloat16):
+        pytest.skip(f"{kernel} does not run here")
+    shape = cand.quant_shape(48, 64, fmt, block, scale_bytes)
+    monkeypatch.setattr(cand, "last_level_cache_bytes", lambda: 1 << 16)
+    cold = cand.candidate("quant_experts", kernel, shape, 3)
+    monkeypatch.setattr(cand, "COLD_ROWS", 0)
+    warm = cand.candidate("quant_experts", kernel, shape, 3)
+    outs = [cold() for _ in range(3)]
+    assert all(torch.equal(o, warm()) for o in outs)
+    assert outs[0].shape == (3, 64) and torch.isfinite(outs[0]).any()

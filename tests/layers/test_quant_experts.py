@@ -244,6 +244,45 @@ def test_routed_experts_on_packed_weights(name, dtype):
     assert packed._packs is None
 
 
+def test_routed_experts_take_the_measured_brgemm_threshold(monkeypatch, tmp_path):
+    """The layer declares its format's "quant_experts" shape and hands the op the kernel
+    choice's threshold for it (bf16; none for fp32 inputs nor in the batch-invariant mode)."""
+    from wideserve.kernels.choice import KernelChoice, KernelPolicy
+    from wideserve.layers.gemm_shapes import GemmShape
+    fmt = FORMATS["mxfp4"]
+    layer = RoutedExperts(4, 64, 32)
+    layer.keep_checkpoint_format(fmt)
+    assert layer.gemm_shapes() == [GemmShape("quant_experts", 32, 64, (1, 1, 32, 1))]
+    timed = []
+
+    def timer(family, kernels, shape, rows):      # brgemm faster from 7 rows
+        timed.append((family, shape))
+        return {"micro": 6.0 + rows, "brgemm": 12.5}
+    layer.kernel_choice = KernelChoice(KernelPolicy(cache_dir=tmp_path), timer=timer)
+    monkeypatch.setattr(KernelChoice, "runnable", lambda self, family, dtype:
+                        ("micro", "brgemm") if dtype == torch.bfloat16 else ())
+    seen = []
+    real = quant_gemm.grouped_linear
+    monkeypatch.setattr(quant_gemm, "grouped_linear",
+                        lambda *a, **kw: (seen.append(a[7]), real(*a, **kw))[1])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randint(0, 120, p.shape, generator=g) if p.dtype == torch.uint8
+                    else torch.ones(p.shape))
+    x = torch.randn(5, 64, generator=g)
+    ids = torch.randint(0, 4, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
+    layer(x.bfloat16(), ids, w.bfloat16())
+    assert seen == [7, 7] and {t[0] for t in timed} == {"quant_experts"}
+    assert {t[1][2:] for t in timed} == {(1, 1, 32, 1)}
+    seen.clear()
+    layer(x, ids, w)                                 # fp32: the op's dot products only
+    layer.batch_invariant = True
+    layer(x.bfloat16(), ids, w.bfloat16())
+    assert seen == [None] * 4
+
+
 # --- the tiny DeepSeek-V4 checkpoint of tests/worker/test_loader_v4.py, FP4 and FP8 experts ---
 
 def _loader_v4():

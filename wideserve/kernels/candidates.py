@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from wideserve.kernels import gemm
 from wideserve.kernels import moe as moe_op
+from wideserve.kernels import quant_gemm
 from wideserve.kernels import sdpa_context
 from wideserve.utils.cpu_cache import last_level_cache_bytes
 
@@ -60,7 +61,9 @@ class Pools:
 def candidate(family: str, kernel: str, shape: tuple[int, ...], rows: int,
               pools: Pools | None = None) -> Callable[[], object]:
     """A call of `kernel` on random bf16 data of the shape (`family` "experts": one expert's
-    fused MLP with (I, d) = shape and `rows` routed rows; "attention": a fresh causal prefill
+    fused MLP with (I, d) = shape and `rows` routed rows; "quant_experts": the same on codes
+    of a checkpoint format, shape (I, d, fmt, block rows, block cols, scale bytes) as
+    `quant_shape` makes it; "attention": a fresh causal prefill
     of `rows` tokens with (heads, kv heads, head dim) = shape; "attention_ctx": a chunk of
     `rows` queries after `rows` cached positions). `pools`: where the weight copies come from
     (a fresh one when not given)."""
@@ -70,6 +73,8 @@ def candidate(family: str, kernel: str, shape: tuple[int, ...], rows: int,
     if family == "attention_ctx":
         return _attention_ctx_candidate(kernel, *shape, rows, g)
     pools = pools or Pools()
+    if family == "quant_experts":
+        return _quant_experts_candidate(kernel, shape, rows, g, pools)
     n, k = shape
     copies = cold_copies(3 * n * k * 2 if family == "experts" else n * k * 2, rows)
     if family == "experts":
@@ -159,6 +164,60 @@ def _experts_pool(inter: int, d: int, copies: int) -> tuple[torch.Tensor, torch.
     w13 = (torch.randn(1, 2 * inter, d, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
     w2 = (torch.randn(1, d, inter, generator=g) * 0.05).bfloat16().expand(copies, -1, -1)
     return moe_op.pack_experts(w13.contiguous(), w2.contiguous())
+
+
+def quant_shape(inter: int, d: int, fmt: int, block: tuple[int, int],
+                scale_bytes: int) -> tuple[int, ...]:
+    """The "quant_experts" shape of experts [I, d] held in format `fmt` (kernels/quant_gemm.py
+    FMT_*) with scale blocks `block` and scales of `scale_bytes` (1: UE8M0 / E4M3 bytes, 4:
+    fp32 multipliers)."""
+    return (inter, d, fmt, block[0], block[1], scale_bytes)
+
+
+def _quant_codes(rows: int, cols: int, halves: int, fmt: int, block: tuple[int, int],
+                 scale_bytes: int, copies: int, g: torch.Generator) -> tuple:
+    """(codes, scales, global scales or None) of `copies` copies of one random expert's
+    [rows, cols] projection in the op's layout (csrc/quant_gemm.cpp). Codes are random
+    bytes (FP8: no NaN code); scales sit near 1, inside the range the op's fast paths take (UE8M0 2^-9..2^0,
+    E4M3 0.5-1.0)."""
+    codes = torch.randint(0, 256, (1, rows, cols if fmt == quant_gemm.FMT_FP8 else cols // 2),
+                          dtype=torch.uint8, generator=g)
+    if fmt == quant_gemm.FMT_FP8:               # no NaN code (e4m3 S.1111.111), as in weights
+        codes[(codes & 0x7F) == 0x7F] -= 1
+    grid = (1, halves * -(-(rows // halves) // block[0]), -(-cols // block[1]))
+    if scale_bytes == 4:
+        scale = torch.rand(grid, generator=g) * 2.0 ** -7 + 2.0 ** -9
+    elif fmt == quant_gemm.FMT_NVFP4:
+        scale = torch.randint(0x30, 0x39, grid, dtype=torch.uint8, generator=g)   # E4M3
+    else:
+        scale = torch.randint(118, 128, grid, dtype=torch.uint8, generator=g)     # UE8M0
+    glob = torch.ones(copies, halves) if fmt == quant_gemm.FMT_NVFP4 else None
+    return codes.repeat(copies, 1, 1), scale.repeat(copies, 1, 1), glob
+
+
+def _quant_experts_candidate(kernel: str, shape: tuple[int, ...], rows: int,
+                             g: torch.Generator, pools: Pools) -> Callable[[], object]:
+    """One checkpoint-format expert's two projections (gate/up, then down on an activation
+    of I values) on `rows` rows through `quant_grouped_linear`: its dot products ("micro")
+    or brgemm; with copies > 1 the rows go to the next expert each call (weights cold)."""
+    inter, d, fmt, block_rows, block_cols, scale_bytes = shape
+    block = (block_rows, block_cols)
+    per_value = 1.0 if fmt == quant_gemm.FMT_FP8 else 0.5
+    copies = cold_copies(int(3 * inter * d * per_value), rows)
+    up, down = pools.get(("quant_experts", kernel, shape, copies), lambda: (
+        _quant_codes(2 * inter, d, 2, fmt, block, scale_bytes, copies, g),
+        _quant_codes(d, inter, 1, fmt, block, scale_bytes, copies, g)))
+    x = torch.randn(rows, d, generator=g).bfloat16()
+    act = torch.randn(rows, inter, generator=g).bfloat16()
+    big = 1 if kernel == "brgemm" else None
+    counts = [torch.zeros(copies, dtype=torch.int64).index_fill_(0, torch.tensor(e), rows)
+              for e in range(copies)]
+
+    def call(c: torch.Tensor) -> object:
+        quant_gemm.grouped_linear(x, c, up[0], up[1], fmt, block, 2, big, global_scale=up[2])
+        return quant_gemm.grouped_linear(act, c, down[0], down[1], fmt, block, 1, big,
+                                         global_scale=down[2])
+    return _rotating(counts, call)
 
 
 def _attention_candidate(kernel: str, heads: int, kv_heads: int, head_dim: int, rows: int,

@@ -9,8 +9,14 @@ Candidates for a bf16 weight [N, K] on the CPU:
 - "torch":  plain `F.linear` on the weight as loaded.
 Families: "linear" (dense projections, the LM head), "qkv" (fused q/k/v and gate/up: the same
 kernels, timed on their own shapes), "router" (the routing logits inside `moe_route`: micro or
-brgemm) and "experts" (the grouped expert GEMMs inside `moe_fused_experts`, timed on one
-expert's shapes: micro or brgemm, the bucket being that expert's row count).
+brgemm), "experts" (the grouped expert GEMMs inside `moe_fused_experts`, timed on one
+expert's shapes: micro or brgemm, the bucket being that expert's row count) and
+"quant_experts" (the same for experts kept in a checkpoint's FP8 / MXFP4 / NVFP4 format,
+`quant_grouped_linear`: its dot products or brgemm; the shape names the format too).
+The two expert families are a row threshold in their ops (experts with at least that many
+rows run brgemm): where the buckets switch to brgemm, the crossover inside the first brgemm
+bucket is found by timing a few row counts in it (`KernelChoice.brgemm_from`), so that a
+bucket timed at 16 rows does not send experts of 5 rows to the kernel that is faster at 16.
 
 Each (family, N, K) shape is timed the first time a layer of that shape is prepared, at one row
 count per bucket, and the fastest candidate per bucket is kept: the candidates called in
@@ -51,11 +57,13 @@ from wideserve.kernels.timing import clock_of, time_interleaved
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("linear", "qkv", "router", "experts", "attention", "attention_ctx")
+FAMILIES = ("linear", "qkv", "router", "experts", "quant_experts", "attention",
+            "attention_ctx")
 KERNELS = ("micro", "brgemm", "onednn", "torch")
 ATTENTION_KERNELS = ("own", "sdpa", "flash")
 FAMILY_KERNELS = {"linear": KERNELS, "qkv": KERNELS, "router": ("micro", "brgemm"),
-                  "experts": ("micro", "brgemm"), "attention": ATTENTION_KERNELS,
+                  "experts": ("micro", "brgemm"), "quant_experts": ("micro", "brgemm"),
+                  "attention": ATTENTION_KERNELS,
                   "attention_ctx": ATTENTION_KERNELS}
 # Token-count buckets (inclusive bounds; None: no upper bound) and the row count each is timed at.
 BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
@@ -68,7 +76,10 @@ LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn", "torch": "pla
 INVARIANT_KERNELS = ("micro", "brgemm")
 ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
-FORMAT = 3                     # bump when the table's meaning changes (3: cold decode rows)
+# Families whose op runs brgemm from a row count on (`brgemm_from`), refined within a bucket.
+THRESHOLD_FAMILIES = ("experts", "quant_experts")
+FORMAT = 4                     # bump when the table's meaning changes (3: cold decode rows;
+                               # 4: the expert families' crossover rows)
 
 
 def bucket_of(rows: int) -> int:
@@ -130,6 +141,7 @@ class KernelPolicy:
     share_tolerance: float = 0.05   # a kernel on an already-held layout within this of best
     prune_ratio: float = 4.0        # this much slower, and growing with the rows: not timed
                                     # at larger buckets
+    crossover_steps: int = 3        # timings that narrow an expert family's brgemm threshold
     min_time_s: float = 1e-2        # per bucket: alternate all candidates at least this long
     min_reps: int = 5               # ... and at least this many rounds ...
     max_reps: int = 30              # ... but at most this many (the median of the rounds kept)
@@ -182,6 +194,10 @@ class Entry:
     kernels: list[str]
     times_us: list[dict[str, float | None]]
     forced: bool = False
+    # THRESHOLD_FAMILIES: the fewest rows brgemm runs at (None: never), and the rows timed
+    # inside the crossover bucket to find it -> us per candidate
+    brgemm_rows: int | None = None
+    crossover_us: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 # (family, kernels, shape, rows) -> seconds per kernel (one bucket's candidates together);
@@ -218,9 +234,11 @@ class KernelChoice:
 
     def plan(self, family: str, n: int, k: int, dtype: torch.dtype,
              allowed: tuple[str, ...] | None = None,
-             invariant: bool = False) -> tuple[str, ...]:
+             invariant: bool = False, extra: tuple[int, ...] = ()) -> tuple[str, ...]:
         """The kernel per bucket for a [n, k] weight of `family` ('' where none can run).
-        invariant (KernelConfig.batch_invariant): one row-invariant kernel for every bucket."""
+        invariant (KernelConfig.batch_invariant): one row-invariant kernel for every bucket.
+        extra: the rest of the shape where a family needs more than (n, k) ("quant_experts":
+        candidates.QuantShape's format fields)."""
         cands = tuple(c for c in self.runnable(family, dtype)
                       if (allowed is None or c in allowed)
                       and (not invariant or c in INVARIANT_KERNELS))
@@ -228,21 +246,33 @@ class KernelChoice:
             return ("",) * len(BUCKETS)
         force = self.policy.force
         if invariant:
-            return (self._invariant_pick(family, n, k, cands),) * len(BUCKETS)
+            return (self._invariant_pick(family, (n, k) + extra, cands),) * len(BUCKETS)
         if force != "auto":
             pick = force if force in cands else cands[-1] if "torch" in cands else cands[0]
             return (pick,) * len(BUCKETS)
         if len(cands) == 1:
             return cands * len(BUCKETS)
-        entry = self.entry(family, (n, k), cands)
+        entry = self.entry(family, (n, k) + extra, cands)
         return tuple(entry.kernels)
 
-    def _invariant_pick(self, family: str, n: int, k: int, cands: tuple[str, ...]) -> str:
+    def brgemm_from(self, family: str, n: int, k: int, dtype: torch.dtype,
+                    invariant: bool = False, extra: tuple[int, ...] = ()) -> int | None:
+        """An expert family's plan as its op's threshold: the fewest rows an expert runs
+        brgemm at (None: never) - the measured crossover where the plan was timed, else
+        (forced, one candidate, the batch-invariant mode's one kernel) the plan's bound."""
+        plan = self.plan(family, n, k, dtype, invariant=invariant, extra=extra)
+        cands = self.runnable(family, dtype)
+        if invariant or self.policy.force != "auto" or len(cands) < 2:
+            return brgemm_min_rows(plan)
+        return self.entry(family, (n, k) + extra, cands).brgemm_rows
+
+    def _invariant_pick(self, family: str, shape: tuple[int, ...],
+                        cands: tuple[str, ...]) -> str:
         """The forced kernel where it is a candidate, else the one with the least summed time
         relative to the best per bucket (pruned: never best)."""
         if self.policy.force in cands or len(cands) == 1:
             return self.policy.force if self.policy.force in cands else cands[0]
-        times = self.entry(family, (n, k), cands).times_us
+        times = self.entry(family, shape, cands).times_us
         best = [min(t for t in row.values() if t is not None) for row in times]
         return min(cands, key=lambda c: sum(float("inf") if row.get(c) is None else
                                             row[c] / b for row, b in zip(times, best)))
@@ -304,7 +334,33 @@ class KernelChoice:
                           if t is not None and t > self.policy.prune_ratio * best
                           and prev.get(c) and t >= grow * prev[c]}
             prev = row
-        return Entry(choose(times, self.policy.share_tolerance), times)
+        entry = Entry(choose(times, self.policy.share_tolerance), times)
+        if family in THRESHOLD_FAMILIES:
+            entry.brgemm_rows = self._crossover(family, shape, entry)
+        return entry
+
+    def _crossover(self, family: str, shape: tuple[int, ...], entry: Entry) -> int | None:
+        """The fewest rows from which brgemm runs: the plan's first brgemm bucket of the run
+        that goes to the top, narrowed down inside it by bisection between the rows timed
+        below it (the other kernel faster) and the rows it was timed at (brgemm faster),
+        `policy.crossover_steps` timings at most; the timings go to `entry.crossover_us`."""
+        start = brgemm_min_rows(tuple(entry.kernels))
+        if start is None or start == 1:
+            return start
+        i = bucket_of(start)
+        other = entry.kernels[i - 1]
+        lo, hi = SAMPLE_ROWS[i - 1], SAMPLE_ROWS[i]
+        for _ in range(self.policy.crossover_steps):
+            if hi - lo < 2:
+                break
+            mid = (lo + hi) // 2
+            t = self._timed(family, (other, "brgemm"), shape, mid)
+            entry.crossover_us[mid] = {c: v * 1e6 for c, v in t.items()}
+            if t["brgemm"] < t[other]:
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def _timed(self, family: str, kernels: tuple[str, ...], shape: tuple[int, ...],
                rows: int) -> dict[str, float]:
@@ -332,7 +388,7 @@ class KernelChoice:
         and in a rotating order (a burst of load from elsewhere, or the cache state the
         previous call left, then hits all of them alike)."""
         if not family.startswith("attention"):
-            shape = (min(shape[0], self.policy.max_cols), shape[1])
+            shape = (min(shape[0], self.policy.max_cols),) + shape[1:]
         fns = {c: candidate(family, c, shape, rows, self._pools) for c in kernels}
         if reads_cold(family, rows):
             evict_caches()                 # the copies just built: out of the caches
@@ -359,7 +415,11 @@ class KernelChoice:
                 try:
                     data = json.loads(path.read_text())
                     for key, e in data.get("entries", {}).items():
-                        table.setdefault(key, Entry(list(e["kernels"]), list(e["times_us"])))
+                        table.setdefault(key, Entry(
+                            list(e["kernels"]), list(e["times_us"]),
+                            brgemm_rows=e.get("brgemm_rows"),
+                            crossover_us={int(r): t for r, t in
+                                          e.get("crossover_us", {}).items()}))
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     logger.warning("kernel choice cache %s unreadable (%s): re-timing", path,
                                    exc)
@@ -394,7 +454,9 @@ class KernelChoice:
             rows.append({"family": family, "shape": shape, "threads": threads,
                          "buckets": [{"rows": bucket_label(i), "kernel": e.kernels[i],
                                       "times_us": e.times_us[i]}
-                                     for i in range(len(BUCKETS))]})
+                                     for i in range(len(BUCKETS))],
+                         **({"brgemm_rows": e.brgemm_rows, "crossover_us": e.crossover_us}
+                            if family in THRESHOLD_FAMILIES else {})})
         return rows
 
     def describe(self, threads: int | None = None) -> list[str]:
@@ -411,7 +473,8 @@ class KernelChoice:
                 cells.append(f"{b['rows']}: {b['kernel']}" + (
                     "" if mine is None else f" {mine:.0f}" if not others else
                     f" {mine:.0f}/{min(others):.0f}"))
-            lines.append(f"  {row['family']:8s} {row['shape']:>11s}  " + "; ".join(cells))
+            lines.append(f"  {row['family']:8s} {row['shape']:>11s}  " + "; ".join(cells)
+                         + _threshold_note(row))
         return lines
 
 
@@ -441,8 +504,17 @@ class KernelChoice:
             kernels = ", ".join(f"{k} {_span(first, last)}" for k, first, last in runs)
             us = " ".join("-" if b["times_us"].get(b["kernel"]) is None
                           else f"{b['times_us'][b['kernel']]:.0f}" for b in row["buckets"])
-            lines.append(f"  {row['family']:9s}{row['shape']:>11s}  {kernels}  ({us} us)")
+            lines.append(f"  {row['family']:9s}{row['shape']:>11s}  {kernels}  ({us} us)"
+                         + _threshold_note(row))
         return lines
+
+
+def _threshold_note(row: dict) -> str:
+    """An expert family's measured threshold, where the buckets alone do not say it."""
+    rows = row.get("brgemm_rows")
+    if rows is None or rows == 1 or not row.get("crossover_us"):
+        return ""
+    return f"  [brgemm from {rows} rows]"
 
 
 def _span(first: int, last: int) -> str:

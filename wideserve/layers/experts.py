@@ -55,7 +55,8 @@ from wideserve.kv_cache import host_memory
 from wideserve.kernels import lossless
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels import quant_gemm
-from wideserve.kernels.choice import KernelChoice, brgemm_min_rows, default_choice
+from wideserve.kernels.candidates import quant_shape
+from wideserve.kernels.choice import KernelChoice, default_choice
 from wideserve.kernels.loader import cpu_ops_available
 from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
 from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
@@ -76,10 +77,6 @@ FALLBACK_EXPERT_IMPL = "padded"
 # below it the per-expert Python loop costs more than the re-layout it saves (measured on the
 # 11M model's 256 x 256 experts; the 653M model's 1024 x 384 ones gain, BENCHMARKS.md).
 PACKED_MIN_ELEMENTS = 1 << 18
-# Quantised experts with at least this many rows run their dequantised tiles through brgemm
-# (AMX tiles, or AVX512-BF16 dot products without AMX), fewer through the op's own dot
-# products (BENCHMARKS.md, "Quantised experts" and "Quantised experts at decode sizes").
-QUANT_BRGEMM_MIN_ROWS = 16
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -132,7 +129,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         self.kernel_choice: KernelChoice | None = None           # None: the process's table
         self.hidden, self.intermediate = hidden, intermediate
         self.weight_format: ExpertFormat | None = None   # None: dense weights in the load dtype
-        self.quant_brgemm_min_rows: int | None = QUANT_BRGEMM_MIN_ROWS
+        # checkpoint-format experts: (threads, input dtype) -> the fewest rows an expert runs
+        # brgemm at (kernel choice "quant_experts"; None: never)
+        self._quant_brgemm: dict[tuple[int, torch.dtype], int | None] = {}
         # KernelConfig.batch_invariant (CausalLM.apply_kernel_config): every (token, pick) row
         # through its expert alone, one kernel whatever the expert's row count (`_invariant`)
         self.batch_invariant = False
@@ -155,11 +154,32 @@ class RoutedExperts(nn.Module, DeclaresGemms):
                              persistent=False)
 
     def gemm_shapes(self) -> list[GemmShape | AttentionShape]:
-        """The grouped expert GEMM, named by (intermediate, hidden). Experts kept in the
-        checkpoint's format run their own dequantising op, which the table does not choose."""
+        """The grouped expert GEMM, named by (intermediate, hidden); for experts kept in the
+        checkpoint's format, by the format too (`quant_shape`)."""
         if self.weight_format is not None:
-            return []
+            return [GemmShape("quant_experts", self.intermediate, self.hidden,
+                              self._quant_shape()[2:])]
         return [GemmShape("experts", self.intermediate, self.hidden)]
+
+    def _quant_shape(self) -> tuple[int, ...]:
+        fmt = self.weight_format
+        assert fmt is not None
+        return quant_shape(self.intermediate, self.hidden, fmt.op_id, fmt.block,
+                           4 if fmt.scale_dtype == "fp32" else 1)
+
+    def quant_brgemm_rows(self, dtype: torch.dtype) -> int | None:
+        """Checkpoint-format experts with at least this many rows of `dtype` inputs run
+        their dequantised tiles through brgemm (AMX tiles, or AVX512-BF16 dot products),
+        fewer through the op's own dot products: the kernel choice's measured crossover for
+        this format and shape at the current thread count (BENCHMARKS.md, "Quantised experts
+        at decode sizes"); None for inputs the op's brgemm does not take (fp32)."""
+        key = (torch.get_num_threads(), dtype)
+        if key not in self._quant_brgemm:
+            choice = self.kernel_choice or default_choice()
+            self._quant_brgemm[key] = choice.brgemm_from(
+                "quant_experts", self.intermediate, self.hidden, dtype,
+                extra=self._quant_shape()[2:])
+        return self._quant_brgemm[key]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -402,8 +422,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
             if w1.dtype == torch.bfloat16:
                 choice = self.kernel_choice or default_choice()
                 mode = {"invariant": True} if self.batch_invariant else {}
-                plan = choice.plan("experts", w2.shape[2], w2.shape[1], w1.dtype, **mode)
-                packs.brgemm_min_rows = brgemm_min_rows(plan)
+                packs.brgemm_min_rows = choice.brgemm_from("experts", w2.shape[2],
+                                                           w2.shape[1], w1.dtype, **mode)
         return packs.w13, packs.w2, w2.shape[2]
 
     def invariant_fn(self, device: torch.device, dtype: torch.dtype
@@ -469,7 +489,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         if quant_gemm.available(x.device, x.dtype):
             # --batch-invariant: every row on the per-row dot products (None: no brgemm), whose
             # result does not depend on how many rows the expert has
-            min_rows = None if self.batch_invariant else self.quant_brgemm_min_rows
+            min_rows = None if self.batch_invariant else self.quant_brgemm_rows(x.dtype)
             return quant_gemm.grouped_linear(x, counts, codes, scale, fmt.op_id, fmt.block,
                                              halves, min_rows, global_scale=global_scale)
         if fmt.kind == "fp8" and _scaled_mm_runs(x.device):

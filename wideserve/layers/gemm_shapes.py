@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
-GemmFamily = Literal["linear", "qkv", "router", "experts"]
+GemmFamily = Literal["linear", "qkv", "router", "experts", "quant_experts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,15 +21,17 @@ class GemmShape:
     """One GEMM: y [M, n] = x [M, k] @ W^T for any token count M. `family` picks the kernel
     candidates and the timing (kernels/choice.py FAMILY_KERNELS): "qkv" is a fused projection
     (q/k/v or gate/up), "router" widens its logits to fp32, "experts" is the routed experts'
-    grouped GEMM (n = intermediate, k = hidden)."""
+    grouped GEMM (n = intermediate, k = hidden), "quant_experts" the same on weights kept in
+    a checkpoint's format, `extra` naming the format (kernels/candidates.py quant_shape)."""
 
     family: GemmFamily
     n: int
     k: int
+    extra: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
-        return f"{self.n}x{self.k}"
+        return "x".join(map(str, (self.n, self.k) + self.extra))
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ def plan_model(model: TableModel, dtype: torch.dtype, choice: KernelChoice) -> s
                                       context)
                 wanted.add(("attention_ctx" if context else shape.family, shape.label))
             continue
-        choice.plan(shape.family, shape.n, shape.k, dtype)
+        choice.plan(shape.family, shape.n, shape.k, dtype, extra=shape.extra)
         wanted.add((shape.family, shape.label))
     return wanted
 
