@@ -89,10 +89,12 @@ def test_op_matches_dequantise_then_matmul(case, path, dtype):
         torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("name,R,K", [("mxfp4", 90, 258), ("mxfp4", 64, 320), ("fp8", 40, 131)])
+@pytest.mark.parametrize("name,R,K", [("mxfp4", 90, 258), ("mxfp4", 64, 320), ("fp8", 40, 131),
+                                      ("nvfp4", 90, 258), ("nvfp4", 64, 320)])
 def test_op_rows_do_not_depend_on_the_rows_beside_them(name, R, K):
     # the dot-product path (no brgemm) takes an expert's rows in passes of up to 8 and the
-    # weight rows 4 or 2 at a time (MXFP4's register dequantisation): each row's result must
+    # weight rows 4 or 2 at a time (MXFP4's and NVFP4's register dequantisation): each row's
+    # result must
     # be bitwise what the row alone gives (--batch-invariant relies on it), for every pass
     # size, a weight-row tail (R = 90) and a partial last K chunk (K = 258)
     fmt = FORMATS[name]
@@ -133,6 +135,41 @@ def test_fp8_every_code_and_edge_scales(path):
     want = _reference(x, counts, codes, scale, fmt, 1, None)
     assert got[:, 0].isnan().all() and not got[:, 1:].isnan().any()
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-30, equal_nan=True)
+
+
+# 2^-119 / 1.5 x (1 - 2^-9): the subnormal product 1.5 x 2^-7 (an E4M3 subnormal) x it rounds
+# up to the smallest normal bf16, which a decode that flushed it would lose
+ROUNDS_UP = float(torch.tensor(2.0 ** -119 / 1.5 * (1 - 2.0 ** -9), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("path", ["dots", "brgemm"])
+@pytest.mark.parametrize("glob", [1.0, 0.37, 2.0 ** -100, 2.0 ** -120, ROUNDS_UP, 2.0 ** 100])
+def test_nvfp4_every_code_and_scale_decodes_exactly(path, glob):
+    # every e2m1 code under every E4M3 scale byte (subnormal scales; a NaN scale in row 0
+    # only) times global scales inside the register decode's range (2^-100 and up) and below
+    # it (2^-120, ROUNDS_UP: the fp32 loop, products subnormal), read out exactly through
+    # one-hot input rows in calls of 1 and 8 rows (register decode) and 9 (the buffered
+    # rows): every weight must be the reference's bf16 value. The bf16 dot products read
+    # subnormal weights as zero, so the reference's subnormals count as zero.
+    fmt = FORMATS["nvfp4"]
+    R, K = 32, 256
+    nibbles = torch.arange(R * K).remainder(16).view(1, R, K // 2, 2)
+    codes = (nibbles[..., 0] | (nibbles[..., 1] << 4)).to(torch.uint8)
+    scale = torch.arange(R * K // 16).remainder(256).to(torch.uint8).view(1, R, K // 16)
+    scale[(scale & 0x7F) == 0x7F] = 0x38                 # 1.0 (every byte is in rows 16-31)
+    scale[0, 0, 3] = 0xFF                                 # a NaN scale: row 0 is all NaN
+    g = torch.full((1, 1), glob)
+    want = fmt.dequantize(codes, scale, 1, torch.bfloat16, g)[0].float()
+    want = torch.where(want.abs() < 2.0 ** -126, torch.zeros(()), want)
+    eye = torch.eye(K).bfloat16()
+    for m in (1, 8, 9):
+        parts = [quant_gemm.grouped_linear(eye[k:k + m], torch.tensor([len(eye[k:k + m])]),
+                                           codes, scale, fmt.op_id, fmt.block, 1,
+                                           1 if path == "brgemm" else None, global_scale=g)
+                 for k in range(0, K, m)]
+        got = torch.cat(parts).t().float()                  # [R, K]: the weights
+        assert got[0].isnan().all(), m
+        assert torch.equal(got[1:], want[1:]), (m, (got[1:] != want[1:]).nonzero()[:4])
 
 
 def test_op_refuses_mismatched_inputs():

@@ -23,9 +23,9 @@
 // scale in fp32 (exact for UE8M0 and E4M3 scales), times the global / fp32 scale (one fp32
 // rounding), rounded to bf16 to nearest even (exact for FP8 / MXFP4 with UE8M0 scales), so
 // results equal a matmul on the dequantised weight up to the order of the fp32 sums.
-//   - few rows (bf16, AVX512-BF16; tile_bf16): MXFP4 up to 8 rows dequantised into registers
-//     and dotted straight away, else 4 weight rows at a time into a bf16 buffer; `vdpbf16ps`
-//     dot products, one chain per (weight row, input row);
+//   - few rows (bf16, AVX512-BF16; tile_bf16): MXFP4 and NVFP4 up to 8 rows dequantised into
+//     registers and dotted straight away, else 4 weight rows at a time into a bf16 buffer;
+//     `vdpbf16ps` dot products, one chain per (weight row, input row);
 //   - at least `brgemm_min_rows` rows (bf16, where torch's brgemm takes bf16): the
 //     expert's rows transposed once into brgemm's VNNI B layout, the weight tile (32 rows x
 //     a K chunk) dequantised row-major as A, C^T = W x^T accumulated over the K chunks;
@@ -192,6 +192,36 @@ inline __m512i bf16_rne_bits(__m512 v) {
       _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
 }
 
+// 32 NVFP4 values (16 code bytes, low nibble first; E4M3 scales s0 for the first 16, s1 for
+// the next) times the global scale as bf16 lanes, the bits of dequant_row_f32 then
+// dequant_row_bf16_generic: the e2m1 table times the scale (exact: 2 x 4 significant bits)
+// looked up by code, times the global scale (the one fp32 rounding), rounded to nearest
+// even by `vcvtne2ps2bf16`, which rounds as the generic loop does except that it flushes
+// fp32 subnormals: the caller takes this path only for global scales of at least 2^-100
+// (nvfp4_global_ok), where no product is subnormal (the smallest nonzero e2m1 x E4M3 is
+// 2^-10). NaN and infinite products convert alike.
+inline bool nvfp4_global_ok(float g) { return std::fabs(g) >= 0x1p-100f; }
+
+inline __m512i nvfp4_chunk(const uint8_t* codes, float s0, float s1, __m512 global,
+                           __m512 table) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m512 v0 = _mm512_mul_ps(_mm512_permutexvar_ps(
+      _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)),
+      _mm512_mul_ps(table, _mm512_set1_ps(s0))), global);
+  const __m512 v1 = _mm512_mul_ps(_mm512_permutexvar_ps(
+      _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)),
+      _mm512_mul_ps(table, _mm512_set1_ps(s1))), global);
+#ifdef __AVX512BF16__
+  const __m512bh both = _mm512_cvtne2ps_pbh(v1, v0);   // v0's 16 values low, v1's high
+  return reinterpret_cast<const __m512i&>(both);
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_rne_bits(v0))),
+                            _mm512_cvtepi32_epi16(bf16_rne_bits(v1)), 1);
+#endif
+}
+
 // 32 FP8 e4m3 codes times one scale as bf16 lanes, the same bits as dequant_row_f32 then
 // dequant_row_bf16_generic. A code's magnitude bits moved 7 places up are an fp16 whose value
 // is the e4m3 value times 2^-8, subnormals included (both formats keep 3 mantissa bits and
@@ -248,6 +278,20 @@ void dequant_row_bf16(const Format& f, const uint8_t* w, const uint8_t* s, const
     for (; k + 32 <= k1; k += 32)
       _mm512_storeu_si512(dst + (k - k0),
                           mxfp4_chunk(row + k / 2, kScale[srow[k / f.bn]], table));
+    if (k < k1) dequant_row_bf16_generic(f, w, s, g, n, k, k1, tmp, dst + (k - k0));
+    return;
+  }
+  if (f.kind == 2 && !f.fp32_scale && f.bn == 16 && k0 % 32 == 0 && g != nullptr &&
+      nvfp4_global_ok(g[f.half_of(n)])) {
+    // NVFP4, 32 values (16 bytes, two E4M3 scales) per step (nvfp4_chunk)
+    const uint8_t* row = w + n * f.row_bytes;
+    const uint8_t* srow = s + f.scale_row(n) * f.scols;
+    const __m512 table = _mm512_loadu_ps(kE2M1.data());
+    const __m512 global = _mm512_set1_ps(g[f.half_of(n)]);
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32)
+      _mm512_storeu_si512(dst + (k - k0), nvfp4_chunk(row + k / 2, kE4M3[srow[k / 16]],
+                                                      kE4M3[srow[k / 16 + 1]], global, table));
     if (k < k1) dequant_row_bf16_generic(f, w, s, g, n, k, k1, tmp, dst + (k - k0));
     return;
   }
@@ -360,45 +404,71 @@ void dot_chains(const Job& j, const at::BFloat16* x, int64_t n, int64_t r, int n
           static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][m]));
 }
 
-// MXFP4 with UE8M0 scales, up to 8 rows (tile_bf16): NW weight rows [n, n + NW) against M
-// input rows from r, 32 values a step, each weight chunk dequantised into a register
-// (mxfp4_chunk) and dotted straight away: no row buffer written and read back, and NW x M
-// independent `vdpbf16ps` chains where a one-row loop waited on one (a 1-row call ran ~3x
-// below what the codes' bytes allow, BENCHMARKS.md "Quantised experts at decode sizes").
-// Every (weight row, input row) sum takes the same chunks in the same order as the buffered
-// loop: outputs bit for bit the same, whatever NW and M (so a row's result does not depend
-// on the rows beside it). A last partial chunk (K not a multiple of 32) comes from
-// dequant_row_bf16 through `tail` (zero past K, as the caller's padded x is).
-template <int NW, int M>
-void mxfp4_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
-                int64_t n, int64_t r, at::BFloat16* out, std::vector<float>& tmp,
-                at::BFloat16* tail) {
+// MXFP4 with UE8M0 scales (Kind 1) and NVFP4 (Kind 2), up to 8 rows (tile_bf16): NW weight
+// rows [n, n + NW) against M input rows from r, 32 values a step, each weight chunk
+// dequantised into a register (mxfp4_chunk, nvfp4_chunk) and dotted straight away: no row
+// buffer written and read back, and NW x M independent `vdpbf16ps` chains where a one-row
+// loop waited on one (a 1-row call ran ~3x below what the codes' bytes allow, BENCHMARKS.md
+// "Quantised experts at decode sizes"). Every (weight row, input row) sum takes the same
+// chunks in the same order as the buffered loop: outputs bit for bit the same, whatever NW
+// and M (so a row's result does not depend on the rows beside it). A last partial chunk (K
+// not a multiple of 32) comes from dequant_row_bf16 through `tail` (zero past K, as the
+// caller's padded x is). g: the expert's global scales (NVFP4).
+template <int Kind, int NW, int M>
+void fused_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
+                const float* g, int64_t n, int64_t r, at::BFloat16* out,
+                std::vector<float>& tmp, at::BFloat16* tail) {
   const Format& f = j.f;
   const __m512 table = _mm512_loadu_ps(kE2M1.data());
   const uint8_t* rows[NW];
   const uint8_t* srows[NW];
+  __m512 global[NW];
   for (int i = 0; i < NW; ++i) {
     rows[i] = w + (n + i) * f.row_bytes;
     srows[i] = s + f.scale_row(n + i) * f.scols;
+    global[i] = _mm512_set1_ps(Kind == 2 ? g[f.half_of(n + i)] : 1.0f);
   }
   const int64_t whole = f.cols / kChunk * kChunk;
   dot_chains<NW, M>(j, x, n, r, NW, out, [&](int i, int64_t k) {
-    if (k < whole) return mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
-    dequant_row_bf16(f, w, s, nullptr, n + i, k, f.cols, tmp.data(), tail);
+    if (k < whole) {
+      if constexpr (Kind == 1)
+        return mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
+      else
+        return nvfp4_chunk(rows[i] + k / 2, kE4M3[srows[i][k / 16]],
+                           kE4M3[srows[i][k / 16 + 1]], global[i], table);
+    }
+    dequant_row_bf16(f, w, s, g, n + i, k, f.cols, tmp.data(), tail);
     return _mm512_loadu_si512(tail);
   });
 }
 
 // Weight rows [n0, n1) against input rows [r, r + M): four weight rows a pass (two from five
 // input rows: 16 accumulators either way), the rest one at a time.
-template <int M>
-void mxfp4_tile(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
-                int64_t n0, int64_t n1, int64_t r, at::BFloat16* out, std::vector<float>& tmp,
-                at::BFloat16* tail) {
+template <int Kind, int M>
+void fused_tile(const Job& j, const at::BFloat16* x, const uint8_t* w, const uint8_t* s,
+                const float* g, int64_t n0, int64_t n1, int64_t r, at::BFloat16* out,
+                std::vector<float>& tmp, at::BFloat16* tail) {
   constexpr int NW = M <= 4 ? 4 : 2;
   int64_t n = n0;
-  for (; n + NW <= n1; n += NW) mxfp4_rows<NW, M>(j, x, w, s, n, r, out, tmp, tail);
-  for (; n < n1; ++n) mxfp4_rows<1, M>(j, x, w, s, n, r, out, tmp, tail);
+  for (; n + NW <= n1; n += NW) fused_rows<Kind, NW, M>(j, x, w, s, g, n, r, out, tmp, tail);
+  for (; n < n1; ++n) fused_rows<Kind, 1, M>(j, x, w, s, g, n, r, out, tmp, tail);
+}
+
+template <int Kind>
+void fused_rows_of(int64_t m, const Job& j, const at::BFloat16* x, const uint8_t* w,
+                   const uint8_t* s, const float* g, int64_t n0, int64_t n1, int64_t r,
+                   at::BFloat16* out, std::vector<float>& tmp, at::BFloat16* tail) {
+  switch (m) {
+    case 0: break;
+    case 1: fused_tile<Kind, 1>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    case 2: fused_tile<Kind, 2>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    case 3: fused_tile<Kind, 3>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    case 4: fused_tile<Kind, 4>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    case 5: fused_tile<Kind, 5>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    case 6: fused_tile<Kind, 6>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    case 7: fused_tile<Kind, 7>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+    default: fused_tile<Kind, 8>(j, x, w, s, g, n0, n1, r, out, tmp, tail); break;
+  }
 }
 
 // Four dequantised weight rows (wr, bf16 [kp] each) against input rows [r, r + M); the first
@@ -410,7 +480,16 @@ void dot_rows(const Job& j, const at::BFloat16* x, const at::BFloat16* const* wr
                    [&](int i, int64_t k) { return _mm512_loadu_si512(wr[i] + k); });
 }
 
-bool mxfp4_fused(const Format& f) { return f.kind == 1 && !f.fp32_scale && f.bn % 32 == 0; }
+// The formats decoded in registers at few rows: MXFP4 with UE8M0 scales, NVFP4 with the
+// expert's global scales `g` in nvfp4_chunk's range.
+bool fused_decode(const Format& f, const float* g) {
+  if (f.fp32_scale) return false;
+  if (f.kind == 1) return f.bn % 32 == 0;
+  if (f.kind != 2 || f.bn != 16 || g == nullptr) return false;
+  for (int64_t h = 0; h < f.halves; ++h)
+    if (!nvfp4_global_ok(g[h])) return false;
+  return true;
+}
 
 // bf16, few rows (no brgemm for this expert): its rows against weight rows [n0, n1).
 void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64_t n1,
@@ -418,24 +497,17 @@ void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64
   const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1];
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
-  // MXFP4 up to 8 rows: decoded in registers, one pass (more rows: each pass would decode the
-  // weights again, where the buffered rows below are decoded once for all passes)
-  if (mxfp4_fused(j.f) && r1 - r0 <= 8) {
+  // MXFP4 / NVFP4 up to 8 rows: decoded in registers, one pass (more rows: each pass would
+  // decode the weights again, where the buffered rows below are decoded once for all passes)
+  if (fused_decode(j.f, j.global(e)) && r1 - r0 <= 8) {
     at::BFloat16* tail = wrow.data();      // kChunk values, zero past K (the caller's fill)
-    switch (r1 - r0) {
-      case 0: break;
-      case 1: mxfp4_tile<1>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      case 2: mxfp4_tile<2>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      case 3: mxfp4_tile<3>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      case 4: mxfp4_tile<4>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      case 5: mxfp4_tile<5>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      case 6: mxfp4_tile<6>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      case 7: mxfp4_tile<7>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-      default: mxfp4_tile<8>(j, x, w, s, n0, n1, r0, out, tmp, tail); break;
-    }
+    if (j.f.kind == 1)
+      fused_rows_of<1>(r1 - r0, j, x, w, s, nullptr, n0, n1, r0, out, tmp, tail);
+    else
+      fused_rows_of<2>(r1 - r0, j, x, w, s, j.global(e), n0, n1, r0, out, tmp, tail);
     return;
   }
-  // Other formats, and MXFP4 from 9 rows: four weight rows at a time dequantised into `wrow`
+  // Other formats, and MXFP4 / NVFP4 from 9 rows: four weight rows at a time dequantised into `wrow`
   // ([4, kp], zero past K; a tile's missing rows read a fifth, zero row), then dotted with the
   // expert's rows 4 at a time: 16 independent chains where one weight row's chain alone left
   // a 1-row call waiting on vdpbf16ps latency. The chunks of a (weight row, input row) sum
@@ -499,9 +571,8 @@ void pack_vnni(const at::BFloat16* x, int64_t m, int64_t kp, int64_t mp, at::BFl
 }
 
 // Wherever torch's brgemm takes bf16 (csrc/brgemm.h `runs`): AMX tiles, or AVX512-BF16 dot
-// products on a CPU without AMX. QUANT_BRGEMM_MIN_ROWS (layers/experts.py) was measured with
-// AMX; on a Zen 4 brgemm takes 16 rows an expert in 0.58-0.70x the dot products' time and 64
-// in 0.42-0.49x, and is slower up to 8 (BENCHMARKS.md, "Quantised experts at decode sizes").
+// products on a CPU without AMX. From how many rows an expert takes it is the caller's
+// measured choice (kernel-choice family "quant_experts", layers/experts.py).
 bool brgemm_runs() { return wideserve_brgemm::runs(); }
 
 // ------------------------------------------------------------------ the op
