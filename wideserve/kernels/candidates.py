@@ -177,9 +177,9 @@ def quant_shape(inter: int, d: int, fmt: int, block: tuple[int, int],
 def _quant_codes(rows: int, cols: int, halves: int, fmt: int, block: tuple[int, int],
                  scale_bytes: int, copies: int, g: torch.Generator) -> tuple:
     """(codes, scales, global scales or None) of `copies` copies of one random expert's
-    [rows, cols] projection in the op's layout (csrc/quant_gemm.cpp). Codes are random
-    bytes (FP8: no NaN code); scales sit near 1, inside the range the op's fast paths take (UE8M0 2^-9..2^0,
-    E4M3 0.5-1.0)."""
+    [rows, cols] projection in the op's layout (csrc/quant_gemm.cpp). Codes are random bytes
+    (FP8: no NaN code); scales sit near 1, inside the range the op's fast paths take (UE8M0
+    2^-9..2^0, E4M3 0.5-1.0)."""
     codes = torch.randint(0, 256, (1, rows, cols if fmt == quant_gemm.FMT_FP8 else cols // 2),
                           dtype=torch.uint8, generator=g)
     if fmt == quant_gemm.FMT_FP8:               # no NaN code (e4m3 S.1111.111), as in weights

@@ -238,7 +238,7 @@ class KernelChoice:
         """The kernel per bucket for a [n, k] weight of `family` ('' where none can run).
         invariant (KernelConfig.batch_invariant): one row-invariant kernel for every bucket.
         extra: the rest of the shape where a family needs more than (n, k) ("quant_experts":
-        candidates.QuantShape's format fields)."""
+        candidates.quant_shape's format fields)."""
         cands = tuple(c for c in self.runnable(family, dtype)
                       if (allowed is None or c in allowed)
                       and (not invariant or c in INVARIANT_KERNELS))
@@ -504,7 +504,7 @@ class KernelChoice:
             kernels = ", ".join(f"{k} {_span(first, last)}" for k, first, last in runs)
             us = " ".join("-" if b["times_us"].get(b["kernel"]) is None
                           else f"{b['times_us'][b['kernel']]:.0f}" for b in row["buckets"])
-            lines.append(f"  {row['family']:9s}{row['shape']:>11s}  {kernels}  ({us} us)"
+            lines.append(f"  {row['family']:9s} {row['shape']:>11s}  {kernels}  ({us} us)"
                          + _threshold_note(row))
         return lines
 

@@ -13,9 +13,9 @@
 // FP8-E4M3 scale byte per block_cols values (16) and a per-tensor fp32 global scale per
 // expert and half (`global_scale`): w = code * scale * global. Scales are uint8 (UE8M0 for
 // fmt 0 / 1, E4M3 for fmt 2) or fp32 multipliers as stored (HF `weight_scale_inv` of FP8
-// checkpoints that are not powers of two, e.g. Qwen3 FP8). `halves` = 2 for a gate/up stack whose gate and
-// up halves each have their own scale grid, one after the other (a layout of the checkpoint's
-// bytes: w1 and w3 are separate tensors there).
+// checkpoints that are not powers of two, e.g. Qwen3 FP8). `halves` = 2 for a gate/up stack
+// whose gate and up halves each have their own scale grid, one after the other (a layout of
+// the checkpoint's bytes: w1 and w3 are separate tensors there).
 //
 // No dequantised copy of a weight is ever kept: each work item (expert, tile of output rows)
 // dequantises its rows into registers or a small buffer that stays in L1/L2 and runs the dot
@@ -40,6 +40,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -352,6 +353,35 @@ struct Job {
   const float* global(int64_t e) const { return g ? g + e * f.halves : nullptr; }
 };
 
+// A thread's scratch array, 64-byte aligned and zero-filled when (re)allocated; get(n) keeps
+// the contents while n fits. The dequantised rows the dot products and brgemm read with
+// 64-byte loads: in a std::vector (16-byte aligned) every load split a cache line whenever
+// the heap placed it so, which ran the buffered dot products 2-2.5x slower at 16-64 rows
+// (BENCHMARKS.md, "Quantised experts: NVFP4 in registers, the brgemm threshold measured").
+template <typename T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(p_); }
+  T* get(int64_t n) {
+    if (n > cap_) {
+      std::free(p_);
+      const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+      p_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+      TORCH_CHECK(p_ != nullptr, "quant_grouped_linear: out of memory");
+      std::memset(static_cast<void*>(p_), 0, bytes);
+      cap_ = n;
+    }
+    return p_;
+  }
+
+ private:
+  T* p_ = nullptr;
+  int64_t cap_ = 0;
+};
+
 // Portable / fp32: rows [r0, r1) of x (fp32, [N, kp]) times weight rows [n0, n1) of expert e.
 template <typename T>
 void tile_f32(const Job& j, const float* x, int64_t e, int64_t n0, int64_t n1, T* out,
@@ -493,33 +523,33 @@ bool fused_decode(const Format& f, const float* g) {
 
 // bf16, few rows (no brgemm for this expert): its rows against weight rows [n0, n1).
 void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64_t n1,
-               at::BFloat16* out, std::vector<float>& tmp, std::vector<at::BFloat16>& wrow) {
+               at::BFloat16* out, std::vector<float>& tmp, at::BFloat16* wrow) {
   const int64_t r0 = j.offsets[e], r1 = j.offsets[e + 1];
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
   // MXFP4 / NVFP4 up to 8 rows: decoded in registers, one pass (more rows: each pass would
   // decode the weights again, where the buffered rows below are decoded once for all passes)
   if (fused_decode(j.f, j.global(e)) && r1 - r0 <= 8) {
-    at::BFloat16* tail = wrow.data();      // kChunk values, zero past K (the caller's fill)
+    at::BFloat16* tail = wrow;             // kChunk values, zero past K (the caller's fill)
     if (j.f.kind == 1)
       fused_rows_of<1>(r1 - r0, j, x, w, s, nullptr, n0, n1, r0, out, tmp, tail);
     else
       fused_rows_of<2>(r1 - r0, j, x, w, s, j.global(e), n0, n1, r0, out, tmp, tail);
     return;
   }
-  // Other formats, and MXFP4 / NVFP4 from 9 rows: four weight rows at a time dequantised into `wrow`
-  // ([4, kp], zero past K; a tile's missing rows read a fifth, zero row), then dotted with the
-  // expert's rows 4 at a time: 16 independent chains where one weight row's chain alone left
-  // a 1-row call waiting on vdpbf16ps latency. The chunks of a (weight row, input row) sum
-  // run in the same order whatever the rows beside them.
+  // Other formats, and MXFP4 / NVFP4 from 9 rows: four weight rows at a time dequantised into
+  // `wrow` ([4, kp], zero past K; a tile's missing rows read a fifth, zero row), then dotted
+  // with the expert's rows 4 at a time: 16 independent chains where one weight row's chain
+  // alone left a 1-row call waiting on vdpbf16ps latency. The chunks of a (weight row, input
+  // row) sum run in the same order whatever the rows beside them.
   for (int64_t n = n0; n < n1; n += 4) {
     const int nw = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const at::BFloat16* wr[4];
     for (int i = 0; i < 4; ++i) {
-      wr[i] = wrow.data() + (i < nw ? i : 4) * j.kp;
+      wr[i] = wrow + (i < nw ? i : 4) * j.kp;
       if (i < nw)
         dequant_row_bf16(j.f, w, s, j.global(e), n + i, 0, j.f.cols, tmp.data(),
-                         wrow.data() + i * j.kp);
+                         wrow + i * j.kp);
     }
     for (int64_t r = r0; r < r1; r += 4) {
       switch (std::min<int64_t>(4, r1 - r)) {
@@ -537,23 +567,24 @@ void tile_bf16(const Job& j, const at::BFloat16* x, int64_t e, int64_t n0, int64
 // xt: the expert's rows as [kp/2, mp, 2] (mp = rows rounded up to 16, zero columns).
 void tile_brgemm(const Job& j, const at::BFloat16* xt, int64_t mp, int64_t e, int64_t n0,
                  int64_t n1, at::BFloat16* out, std::vector<float>& tmp,
-                 std::vector<at::BFloat16>& a, std::vector<float>& c) {
+                 Scratch<at::BFloat16>& a_buf, Scratch<float>& c_buf) {
   const int64_t r0 = j.offsets[e], m = j.offsets[e + 1] - r0, R = j.f.rows;
   const uint8_t* w = j.w + e * j.expert_w;
   const uint8_t* s = j.s + e * j.expert_s;
   const int64_t rows = n1 - n0;
-  c.resize(rows * mp);
+  at::BFloat16* a = a_buf.get(kBigTile * kBigK);
+  float* c = c_buf.get(rows * mp);
   for (int64_t k0 = 0; k0 < j.kp; k0 += kBigK) {
     const int64_t kc = std::min(kBigK, j.kp - k0), valid = std::min(j.f.cols, k0 + kc) - k0;
     for (int64_t n = n0; n < n1; ++n) {
-      at::BFloat16* dst = a.data() + (n - n0) * kc;
+      at::BFloat16* dst = a + (n - n0) * kc;
       if (valid > 0)
         dequant_row_bf16(j.f, w, s, j.global(e), n, k0, k0 + valid, tmp.data(), dst);
       std::memset(static_cast<void*>(dst + std::max<int64_t>(valid, 0)), 0,
                   (kc - std::max<int64_t>(valid, 0)) * sizeof(at::BFloat16));
     }
-    at::native::cpublas::brgemm(rows, mp, kc, kc, mp, mp, /*add_C=*/k0 > 0, a.data(),
-                                xt + k0 * mp, c.data(), /*is_vnni=*/true);
+    at::native::cpublas::brgemm(rows, mp, kc, kc, mp, mp, /*add_C=*/k0 > 0, a,
+                                xt + k0 * mp, c, /*is_vnni=*/true);
   }
   for (int64_t i = 0; i < m; ++i)
     for (int64_t n = n0; n < n1; ++n)
@@ -700,18 +731,16 @@ at::Tensor quant_grouped_linear(const at::Tensor& x_in, const at::Tensor& counts
   }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(std::max(kp, kBigK));
-    std::vector<at::BFloat16> wrow(5 * kp, at::BFloat16(0.0f));   // tile_bf16's rows
-    std::vector<at::BFloat16> a;
-    std::vector<float> c;
+    Scratch<at::BFloat16> wrow, a;               // tile_bf16's rows; brgemm's A tile
+    Scratch<float> c;
     bool used = false;
     for (int64_t it = begin; it < end; ++it) {
       const auto [e, n0, n1] = items[it];
       if (mp[e]) {
-        a.resize(kBigTile * kBigK);
         tile_brgemm(job, xtp + xt_at[e], mp[e], e, n0, n1, op, tmp, a, c);
         used = true;
       } else {
-        tile_bf16(job, xp, e, n0, n1, op, tmp, wrow);
+        tile_bf16(job, xp, e, n0, n1, op, tmp, wrow.get(5 * kp));
       }
     }
     if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
