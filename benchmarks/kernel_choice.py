@@ -8,6 +8,12 @@ the gathered context (family attention_ctx).
 
   PYTHONPATH=. python benchmarks/kernel_choice.py [--model 653m|11m] [--threads 1]
       [--repeats 7] [--tokens 2048] [--stat median|min] [--retimes 3]
+      [--quant-experts mxfp4 fp8 fp8_f32 nvfp4]
+
+--quant-experts adds DeepSeek-V4.1-Flash's routed experts (I 2,304, d 5,120) kept in those
+checkpoint formats (family quant_experts). The two expert families run brgemm from a measured
+row count (`KernelChoice.brgemm_from`), not per bucket: their rows are checked at every
+bucket's sample and on both sides of that threshold, each against the kernel the op runs there.
 
 Timings on a shared machine are noisy: every candidate of a bucket is timed in alternation,
 `--repeats` rounds, and the medians (or, on a heavily loaded machine, the minima) compared;
@@ -26,18 +32,47 @@ import torch
 from wideserve.kernels import choice as ch
 from wideserve.kernels import loader
 from wideserve.kernels import timing
+from wideserve.kernels.candidates import quant_shape
+from wideserve.kernels.quant_gemm import FMT_FP8, FMT_MXFP4, FMT_NVFP4
 
 # name: (hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab)
 MODELS = {"653m": (1024, 16, 4, 64, 64, 8, 384, 8192),
           "11m": (256, 4, 2, 64, 8, 2, 256, 8192)}
 
 
-def shapes(model: str) -> list[tuple[str, str, int, int]]:
-    """(label, family, N, K) of the model's GEMMs (experts: N = I, K = d)."""
+# --quant-experts: name -> (format id, scale block, scale bytes) on V4.1-Flash's experts
+QUANT = {"mxfp4": (FMT_MXFP4, (1, 32), 1), "fp8": (FMT_FP8, (128, 128), 1),
+         "fp8_f32": (FMT_FP8, (128, 128), 4), "nvfp4": (FMT_NVFP4, (1, 16), 1)}
+V41_EXPERTS = (2304, 5120)
+
+
+def shapes(model: str, quant: tuple[str, ...] = ()
+           ) -> list[tuple[str, str, int, int, tuple[int, ...]]]:
+    """(label, family, N, K, extra) of the model's GEMMs (experts: N = I, K = d), and of
+    V4.1-Flash's experts in the `quant` formats."""
     d, h, kv, hd, _, _, inter, vocab = MODELS[model]
-    return [("qkv", "qkv", (h + 2 * kv) * hd, d), ("o_proj", "linear", d, h * hd),
-            ("router", "router", MODELS[model][4], d), ("lm_head", "linear", vocab, d),
-            ("experts", "experts", inter, d)]
+    out = [("qkv", "qkv", (h + 2 * kv) * hd, d, ()), ("o_proj", "linear", d, h * hd, ()),
+           ("router", "router", MODELS[model][4], d, ()), ("lm_head", "linear", vocab, d, ()),
+           ("experts", "experts", inter, d, ())]
+    for name in quant:
+        fmt, block, scale_bytes = QUANT[name]
+        extra = quant_shape(*V41_EXPERTS, fmt, block, scale_bytes)[2:]
+        out.append((f"experts {name}", "quant_experts", *V41_EXPERTS, extra))
+    return out
+
+
+def _rows_to_check(kc: ch.KernelChoice, family: str, n: int, k: int,
+                   extra: tuple[int, ...]) -> list[tuple[str, int, str]]:
+    """(bucket label, rows, the kernel the layer runs there): every bucket's sample; for the
+    expert families, whose ops take a threshold, also the rows on both sides of it."""
+    plan = kc.plan(family, n, k, torch.bfloat16, extra=extra)
+    if family not in ch.THRESHOLD_FAMILIES:
+        return [(ch.bucket_label(i), r, plan[i]) for i, r in enumerate(ch.SAMPLE_ROWS)]
+    start = kc.brgemm_from(family, n, k, torch.bfloat16, extra=extra)
+    other = next((c for c in plan if c != "brgemm"), "micro")
+    rows = sorted(set(ch.SAMPLE_ROWS) | ({start - 1, start} - {0} if start else set()))
+    return [(ch.bucket_label(ch.bucket_of(r)), r,
+             "brgemm" if start is not None and r >= start else other) for r in rows]
 
 
 CLOCK = "auto"               # --clock: cpu (the thread's CPU time), wall, auto (cpu at 1 thread)
@@ -81,31 +116,31 @@ def _verified(fns: dict[str, object], chosen: str, cands: list[str],
             pooled[k].extend(v)
 
 
-def verify(kc: ch.KernelChoice, model: str, repeats: int) -> list[str]:
+def verify(kc: ch.KernelChoice, model: str, repeats: int,
+           quant: tuple[str, ...] = ()) -> list[str]:
     lines = ["| GEMM (N x K) | rows | chosen | chosen us | best candidate (us) | "
              "chosen / best | F.linear us | F.linear / chosen |",
              "|---|---|---|---|---|---|---|---|"]
-    worst, misses, retimed = 0.0, 0, 0
-    for label, family, n, k in shapes(model):
+    worst, misses, retimed, checked = 0.0, 0, 0, 0
+    for label, family, n, k, more in shapes(model, quant):
         cands = kc.runnable(family, torch.bfloat16)
-        plan = kc.plan(family, n, k, torch.bfloat16)
-        ncols = min(n, kc.policy.max_cols)
-        for i, rows in enumerate(ch.SAMPLE_ROWS):
-            fns = {c: ch.candidate(family, c, (ncols, k), rows) for c in cands}
+        shape = (min(n, kc.policy.max_cols), k) + more
+        for bucket, rows, chosen in _rows_to_check(kc, family, n, k, more):
+            fns = {c: ch.candidate(family, c, shape, rows) for c in cands}
             if family in ("linear", "qkv", "router") and "torch" not in fns:
-                fns["torch"] = ch.candidate("linear", "torch", (ncols, k), rows)
-            t, best, extra = _verified(fns, plan[i], list(cands), repeats)
-            ratio = t[plan[i]] / t[best]
+                fns["torch"] = ch.candidate("linear", "torch", shape, rows)
+            t, best, extra = _verified(fns, chosen, list(cands), repeats)
+            ratio = t[chosen] / t[best]
             worst = max(worst, ratio)
             misses += ratio > GOAL
             retimed += extra > 0
-            tl = f"{t['torch']:.0f} | {t['torch'] / t[plan[i]]:.2f}x" if "torch" in t \
+            checked += 1
+            tl = f"{t['torch']:.0f} | {t['torch'] / t[chosen]:.2f}x" if "torch" in t \
                 else "- | -"
-            lines.append(f"| {label} {n}x{k} | {ch.bucket_label(i)} ({rows}) | {plan[i]} | "
-                         f"{t[plan[i]]:.0f} | {best} {t[best]:.0f} | {ratio:.2f} | {tl} |")
-    buckets = len(shapes(model)) * len(ch.SAMPLE_ROWS)
+            lines.append(f"| {label} {n}x{k} | {bucket} ({rows}) | {chosen} | "
+                         f"{t[chosen]:.0f} | {best} {t[best]:.0f} | {ratio:.2f} | {tl} |")
     lines.append(f"\nworst chosen / best: {worst:.2f}; within {GOAL - 1:.0%} of the best at "
-                 f"{buckets - misses} / {buckets} buckets ({retimed} re-timed after a first "
+                 f"{checked - misses} / {checked} row counts ({retimed} re-timed after a first "
                  f"timing over {GOAL - 1:.0%}, up to {RETIMES} more times)")
     return lines
 
@@ -204,6 +239,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
                     help="what a call's time is: the thread's CPU time (auto at 1 thread: "
                          "other processes' time slices not counted) or wall time")
+    ap.add_argument("--quant-experts", nargs="*", default=[], choices=list(QUANT),
+                    help="also V4.1-Flash's experts kept in these checkpoint formats")
     ap.add_argument("--retimes", type=int, default=RETIMES,
                     help="a bucket whose chosen kernel is over 10%% behind the best in the "
                          "first timing is timed again with the best, up to this many times, "
@@ -215,14 +252,16 @@ def main() -> None:
     loader.build()
     kc = ch.KernelChoice(ch.KernelPolicy(cache_dir=None, clock=args.clock))   # afresh
     t0 = time.perf_counter()
-    for _, family, n, k in shapes(args.model):
-        kc.plan(family, n, k, torch.bfloat16)
-    print(f"calibration of {len(shapes(args.model))} shapes: {time.perf_counter() - t0:.2f} s "
+    quant = tuple(args.quant_experts)
+    for _, family, n, k, extra in shapes(args.model, quant):
+        kc.plan(family, n, k, torch.bfloat16, extra=extra)
+    print(f"calibration of {len(shapes(args.model, quant))} shapes: "
+          f"{time.perf_counter() - t0:.2f} s "
           f"({args.threads} threads, load {os.getloadavg()[0]:.1f}); stat {args.stat} of "
           f"{args.repeats} alternating rounds")
     print("\n".join(kc.describe()))
     print()
-    print("\n".join(verify(kc, args.model, args.repeats)))
+    print("\n".join(verify(kc, args.model, args.repeats, quant)))
     print()
     print(prefill_layer(args.model, args.tokens, kc, max(3, args.repeats // 2)))
     print()

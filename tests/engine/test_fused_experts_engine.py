@@ -9,7 +9,7 @@ import torch
 
 from oracle import hf_greedy, mixed_prompts, save_hf
 from wideserve import LLM, SamplingParams
-from wideserve.layers import experts as experts_mod
+from wideserve.layers.expert_packs import FusedPack
 from wideserve.layers.experts import RoutedExperts
 
 
@@ -35,7 +35,7 @@ def test_fused_experts_greedy_matches_transformers(tmp_path) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert all(isinstance(m._packs, experts_mod._FusedPack) for m in experts)   # it ran
+    assert all(isinstance(m._packs, FusedPack) for m in experts)   # it ran
 
 
 def test_first_request_packs_nothing(tmp_path, monkeypatch) -> None:
@@ -54,7 +54,7 @@ def test_first_request_packs_nothing(tmp_path, monkeypatch) -> None:
         llm = LLM(path, dtype="bfloat16", block_size=16, kv_cache_memory=1 << 24,
                   skip_tokenizer_init=True)
     experts = [m for m in llm.engine.model.modules() if isinstance(m, RoutedExperts)]
-    assert experts and all(isinstance(m._packs, experts_mod._FusedPack) for m in experts)
+    assert experts and all(isinstance(m._packs, FusedPack) for m in experts)
     packed = []
     for module in (gemm, moe):
         real = module.pack_panels

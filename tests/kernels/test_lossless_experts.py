@@ -232,7 +232,7 @@ def test_layer_holds_coded_packs_and_equals_brgemm() -> None:
         got = coded(x, ids, w)
         lean = coded.fused_op(x.device, x.dtype)(x, ids, w)
     assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(lean), _bits(want))
-    assert type(coded._coded).__name__ == "_CodedPack" and coded._packs is None
+    assert type(coded._coded).__name__ == "CodedPack" and coded._packs is None
     with torch.no_grad():
         coded.down_proj.mul_(2)
         plain.down_proj.mul_(2)

@@ -1,4 +1,4 @@
-"""The fused experts op's packed weights on huge pages (layers/experts.py _FusedPack,
+"""The fused experts op's packed weights on huge pages (layers/expert_packs.py FusedPack,
 kv_cache/host_memory.py on_huge_pages): advised memory where THP exists, and outputs equal to
 the same packs on ordinary pages (bf16 and fp32, decode- and prefill-sized calls)."""
 from __future__ import annotations

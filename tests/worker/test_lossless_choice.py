@@ -12,7 +12,7 @@ import torch
 
 from wideserve import LLM, SamplingParams
 from wideserve.kernels import lossless
-from wideserve.layers import experts as experts_mod
+from wideserve.layers.expert_packs import FusedPack
 from wideserve.layers.experts import RoutedExperts
 from wideserve.worker import lossless_choice
 from wideserve.worker.lossless_choice import GAIN, decide
@@ -96,7 +96,7 @@ def test_auto_times_keeps_one_form_and_frees_the_other(tmp_path, monkeypatch,
     def measure(layers, step):
         plain, coded = real(layers, step)
         seen.append((plain, coded))
-        assert all(m._coded is not None and isinstance(m._packs, experts_mod._FusedPack)
+        assert all(m._coded is not None and isinstance(m._packs, FusedPack)
                    for m in layers)
         return (1.0, 0.5) if coded_faster else (1.0, 1.0)
     monkeypatch.setattr(lossless_choice, "last_level_cache", lambda: 1)

@@ -42,7 +42,6 @@ owning their experts and calls `grouped_mlp` there.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -51,15 +50,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from wideserve.parallel.eplb.replicas import count_rows, map_to_physical
-from wideserve.kv_cache import host_memory
 from wideserve.kernels import lossless
 from wideserve.kernels import moe as moe_op
 from wideserve.kernels import quant_gemm
 from wideserve.kernels.candidates import quant_shape
 from wideserve.kernels.choice import KernelChoice, default_choice
 from wideserve.kernels.loader import cpu_ops_available
+from wideserve.layers.expert_packs import CodedPack, ExpertPacks, FusedPack
 from wideserve.layers.gemm_shapes import AttentionShape, DeclaresGemms, GemmShape
-from wideserve.layers.linear import packed_linear, packing_runs, prepack, weights_fingerprint
+from wideserve.layers.linear import packed_linear, packing_runs
 from wideserve.layers.quant import ExpertFormat, dequant_grouped_linear, scaled_mm_grouped_linear
 
 logger = logging.getLogger(__name__)
@@ -124,8 +123,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         self.impl = impl                 # None: DEFAULT_EXPERT_IMPL for the device
         self.ep: Any = None              # expert-parallel dispatcher (wideserve/distributed)
         self._resolved: dict[tuple[str, torch.dtype], str] = {}
-        self._packs: _ExpertPacks | _FusedPack | None = None   # derived copies of the weights
-        self._coded: _CodedPack | None = None    # the fused path's packs coded (`lossless`)
+        self._packs: ExpertPacks | FusedPack | None = None   # derived copies of the weights
+        self._coded: CodedPack | None = None    # the fused path's packs coded (`lossless`)
         self.kernel_choice: KernelChoice | None = None           # None: the process's table
         self.hidden, self.intermediate = hidden, intermediate
         self.weight_format: ExpertFormat | None = None   # None: dense weights in the load dtype
@@ -381,7 +380,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         """The coded packs, rebuilt when the weights changed (layers/linear.py's rule)."""
         w1, w2 = self.gate_up_proj, self.down_proj
         if self._coded is None or not self._coded.current(w1, w2):
-            self._coded = _CodedPack(w1, w2)
+            self._coded = CodedPack(w1, w2)
         return self._coded.coded
 
     def coded_usable(self, dtype: torch.dtype) -> bool:
@@ -403,7 +402,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         """Free the fused path's packs of the form `lossless` does not run (after both were
         timed, worker/lossless_choice.py)."""
         if self.lossless:
-            if isinstance(self._packs, _FusedPack):
+            if isinstance(self._packs, FusedPack):
                 self._packs = None
         else:
             self._coded = None
@@ -412,8 +411,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         """(w13, w2, intermediate width) in the fused op's layout, rebuilt when the weights
         changed (layers/linear.py's rule); the brgemm threshold follows the thread count."""
         w1, w2 = self.gate_up_proj, self.down_proj
-        if not isinstance(self._packs, _FusedPack) or not self._packs.current(w1, w2):
-            self._packs = _FusedPack(w1, w2)
+        if not isinstance(self._packs, FusedPack) or not self._packs.current(w1, w2):
+            self._packs = FusedPack(w1, w2)
         packs = self._packs
         threads = (torch.get_num_threads(), self.batch_invariant)
         if packs.threads != threads:
@@ -475,8 +474,8 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         if impl == "padded":
             return padded_mlp(xs, counts, w1, w2, self.swiglu_limit)
         if impl == "packed":
-            if not isinstance(self._packs, _ExpertPacks) or not self._packs.current(w1, w2):
-                self._packs = _ExpertPacks(w1, w2)
+            if not isinstance(self._packs, ExpertPacks) or not self._packs.current(w1, w2):
+                self._packs = ExpertPacks(w1, w2)
             return packed_mlp(xs, counts, self._packs, self.swiglu_limit)
         return loop_mlp(xs, counts, w1, w2, self.swiglu_limit)
 
@@ -506,50 +505,6 @@ def _scaled_mm_runs(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-class _DerivedPack:
-    """A copy of the expert weights prepared for one implementation, with the fingerprint of
-    the sources it was made from (rebuilt when they change, layers/linear.py)."""
-
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        self.key = weights_fingerprint((w1, w2))
-
-    def current(self, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-        return self.key == weights_fingerprint((w1, w2))
-
-
-class _ExpertPacks(_DerivedPack):
-    """Per-expert oneDNN-packed copies of gate_up_proj and down_proj (layers/linear.py)."""
-
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        super().__init__(w1, w2)
-        self.w1 = [prepack(w) for w in w1.detach()]
-        self.w2 = [prepack(w) for w in w2.detach()]
-
-
-class _FusedPack(_DerivedPack):
-    """gate_up_proj and down_proj in the fused op's layout (wideserve/kernels/moe.py)."""
-
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        super().__init__(w1, w2)
-        # Every decode step streams these whole: on huge pages (kv_cache/host_memory.py).
-        self.w13, self.w2 = (host_memory.on_huge_pages(w, "packed expert weights")
-                             for w in moe_op.pack_experts(w1, w2))
-        self.threads: tuple[int, bool] = (0, False)   # (threads, invariant) of the threshold
-        self.brgemm_min_rows: int | None = None   # experts with this many rows: brgemm
-
-
-class _CodedPack(_DerivedPack):
-    """The fused op's packs coded losslessly (kernels/lossless.py); the coded bytes, which
-    every decode step streams, on huge pages."""
-
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        super().__init__(w1, w2)
-        coded = lossless.encode_experts(*moe_op.pack_experts(w1, w2))
-        self.coded = lossless.CodedExperts(*(
-            dataclasses.replace(m, data=host_memory.on_huge_pages(m.data, "coded expert weights"))
-            for m in (coded.w13, coded.w2)))
-
-
 def _fused_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in moe_op.DTYPES and cpu_ops_available()
 
@@ -573,7 +528,7 @@ def loop_mlp(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch
 
 
 @torch.compiler.disable      # eager inside a compiled forward: its packed ops are opaque there
-def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: _ExpertPacks,
+def packed_mlp(xs: torch.Tensor, counts: torch.Tensor, packs: ExpertPacks,
                limit: float | None) -> torch.Tensor:
     """loop_mlp through the packed weights; the activation runs once over all rows."""
     segments = [(e, n) for e, n in enumerate(counts.tolist()) if n]
