@@ -94,9 +94,8 @@ def test_op_matches_dequantise_then_matmul(case, path, dtype):
 def test_op_rows_do_not_depend_on_the_rows_beside_them(name, R, K):
     # the dot-product path (no brgemm) takes an expert's rows in passes of up to 8 and the
     # weight rows 4 or 2 at a time (MXFP4's and NVFP4's register dequantisation): each row's
-    # result must
-    # be bitwise what the row alone gives (--batch-invariant relies on it), for every pass
-    # size, a weight-row tail (R = 90) and a partial last K chunk (K = 258)
+    # result must be bitwise what the row alone gives (--batch-invariant relies on it), for
+    # every pass size, a weight-row tail (R = 90) and a partial last K chunk (K = 258)
     fmt = FORMATS[name]
     codes, scale, glob = _random(fmt, 2, R, K, 1, seed=R + K)
     x = torch.randn(13, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -149,8 +148,9 @@ def test_nvfp4_every_code_and_scale_decodes_exactly(path, glob):
     # only) times global scales inside the register decode's range (2^-100 and up) and below
     # it (2^-120, ROUNDS_UP: the fp32 loop, products subnormal), read out exactly through
     # one-hot input rows in calls of 1 and 8 rows (register decode) and 9 (the buffered
-    # rows): every weight must be the reference's bf16 value. The bf16 dot products read
-    # subnormal weights as zero, so the reference's subnormals count as zero.
+    # rows): every weight must be the reference's bf16 value. The bf16 dot products
+    # (AVX512-BF16, AMX) read subnormal weights as zero, the portable loop does not: a
+    # reference subnormal may read as itself or as zero.
     fmt = FORMATS["nvfp4"]
     R, K = 32, 256
     nibbles = torch.arange(R * K).remainder(16).view(1, R, K // 2, 2)
@@ -160,7 +160,7 @@ def test_nvfp4_every_code_and_scale_decodes_exactly(path, glob):
     scale[0, 0, 3] = 0xFF                                 # a NaN scale: row 0 is all NaN
     g = torch.full((1, 1), glob)
     want = fmt.dequantize(codes, scale, 1, torch.bfloat16, g)[0].float()
-    want = torch.where(want.abs() < 2.0 ** -126, torch.zeros(()), want)
+    subnormal = want.abs() < 2.0 ** -126
     eye = torch.eye(K).bfloat16()
     for m in (1, 8, 9):
         parts = [quant_gemm.grouped_linear(eye[k:k + m], torch.tensor([len(eye[k:k + m])]),
@@ -169,7 +169,8 @@ def test_nvfp4_every_code_and_scale_decodes_exactly(path, glob):
                  for k in range(0, K, m)]
         got = torch.cat(parts).t().float()                  # [R, K]: the weights
         assert got[0].isnan().all(), m
-        assert torch.equal(got[1:], want[1:]), (m, (got[1:] != want[1:]).nonzero()[:4])
+        ok = (got == want) | (subnormal & (got == 0))
+        assert ok[1:].all(), (m, (~ok[1:]).nonzero()[:4])
 
 
 def test_op_refuses_mismatched_inputs():

@@ -170,8 +170,9 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         """Checkpoint-format experts with at least this many rows of `dtype` inputs run
         their dequantised tiles through brgemm (AMX tiles, or AVX512-BF16 dot products),
         fewer through the op's own dot products: the kernel choice's measured crossover for
-        this format and shape at the current thread count (BENCHMARKS.md, "Quantised experts
-        at decode sizes"); None for inputs the op's brgemm does not take (fp32)."""
+        this format and shape at the current thread count (BENCHMARKS.md, "Quantised experts:
+        NVFP4 in registers, the brgemm threshold measured"); None for inputs the op's brgemm
+        does not take (fp32)."""
         key = (torch.get_num_threads(), dtype)
         if key not in self._quant_brgemm:
             choice = self.kernel_choice or default_choice()
