@@ -33,17 +33,15 @@ from wideserve.kernels import choice as ch
 from wideserve.kernels import loader
 from wideserve.kernels import timing
 from wideserve.kernels.candidates import quant_shape
-from wideserve.kernels.quant_gemm import FMT_FP8, FMT_MXFP4, FMT_NVFP4
+
+from quant_experts import FORMATS as QUANT, HIDDEN, INTER   # benchmarks/: V4.1-Flash's formats
 
 # name: (hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab)
 MODELS = {"653m": (1024, 16, 4, 64, 64, 8, 384, 8192),
           "11m": (256, 4, 2, 64, 8, 2, 256, 8192)}
 
 
-# --quant-experts: name -> (format id, scale block, scale bytes) on V4.1-Flash's experts
-QUANT = {"mxfp4": (FMT_MXFP4, (1, 32), 1), "fp8": (FMT_FP8, (128, 128), 1),
-         "fp8_f32": (FMT_FP8, (128, 128), 4), "nvfp4": (FMT_NVFP4, (1, 16), 1)}
-V41_EXPERTS = (2304, 5120)
+V41_EXPERTS = (INTER, HIDDEN)
 
 
 def shapes(model: str, quant: tuple[str, ...] = ()
@@ -55,8 +53,8 @@ def shapes(model: str, quant: tuple[str, ...] = ()
            ("router", "router", MODELS[model][4], d, ()), ("lm_head", "linear", vocab, d, ()),
            ("experts", "experts", inter, d, ())]
     for name in quant:
-        fmt, block, scale_bytes = QUANT[name]
-        extra = quant_shape(*V41_EXPERTS, fmt, block, scale_bytes)[2:]
+        fmt = QUANT[name]
+        extra = quant_shape(*V41_EXPERTS, fmt.op_id, fmt.block, fmt.scale_bytes)[2:]
         out.append((f"experts {name}", "quant_experts", *V41_EXPERTS, extra))
     return out
 

@@ -69,8 +69,7 @@ def _codes(fmt: ExpertFormat, L: int, rows: int, cols: int, halves: int, seed: i
 def brgemm_rows(fmt: ExpertFormat) -> int | None:
     """The fewest rows an expert of this format runs brgemm at, as the engine's layer picks
     it (the kernel choice "quant_experts", timed once per machine and cached)."""
-    scale_bytes = 4 if fmt.scale_dtype == "fp32" else 1
-    shape = quant_shape(INTER, HIDDEN, fmt.op_id, fmt.block, scale_bytes)
+    shape = quant_shape(INTER, HIDDEN, fmt.op_id, fmt.block, fmt.scale_bytes)
     return default_choice().brgemm_from("quant_experts", INTER, HIDDEN, torch.bfloat16,
                                         extra=shape[2:])
 
@@ -157,10 +156,9 @@ def memory(fmt: ExpertFormat, experts: int) -> dict[str, float]:
     values = experts * 3 * HIDDEN * INTER
     # The checkpoint's tensors per expert: w1, w3 [I, d] and w2 [d, I] codes, each with its
     # own scale grid (and NVFP4 global scale; worker/weights.py reads exactly these).
-    scale_bytes = 4 if fmt.scale_dtype == "fp32" else 1
 
     def per(r: int, c: int) -> int:
-        return (r * fmt.packed_cols(c) + math.prod(fmt.scale_shape(r, c)) * scale_bytes
+        return (r * fmt.packed_cols(c) + math.prod(fmt.scale_shape(r, c)) * fmt.scale_bytes
                 + 4 * fmt.has_global)
     checkpoint = experts * (2 * per(INTER, HIDDEN) + per(HIDDEN, INTER))
     return {"experts": experts, "values": values, "checkpoint_bytes": checkpoint,

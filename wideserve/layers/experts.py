@@ -164,7 +164,7 @@ class RoutedExperts(nn.Module, DeclaresGemms):
         fmt = self.weight_format
         assert fmt is not None
         return quant_shape(self.intermediate, self.hidden, fmt.op_id, fmt.block,
-                           4 if fmt.scale_dtype == "fp32" else 1)
+                           fmt.scale_bytes)
 
     def quant_brgemm_rows(self, dtype: torch.dtype) -> int | None:
         """Checkpoint-format experts with at least this many rows of `dtype` inputs run

@@ -244,6 +244,11 @@ class ExpertFormat:
     def scale_torch_dtype(self) -> torch.dtype:
         return torch.float32 if self.scale_dtype == "fp32" else torch.uint8
 
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes per stored scale: 4 for fp32 multipliers, 1 for UE8M0 / E4M3 bytes."""
+        return self.scale_torch_dtype.itemsize
+
     def packed_cols(self, cols: int) -> int:
         return cols if self.kind == "fp8" else cols // 2
 
