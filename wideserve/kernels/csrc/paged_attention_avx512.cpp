@@ -66,13 +66,16 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 // Blocks are scattered over the pool, so the hardware prefetcher loses the stream at every
 // block edge and a new block's first lines arrive at DRAM latency. The entries of the next
 // tile (this item's, and the next item's first when this item ends within a tile) are
-// requested into L2 while this tile is scored: a share of them after each batch of keys, so
+// requested into L2 while this tile is computed: a share of them after each batch of keys, so
 // that the requests do not stall the loop in one burst when the miss queues fill. The shares
-// are spread over every score pass of the tile (one per group of rows: a KV head's), not
-// packed into the first: with all of a tile's requests in one pass, that pass stalled on
-// its prefetches (36% of the op's samples on the prefetch instruction, Zen 4) while the
-// other passes left the memory idle. (Per-key prefetches of whole entries a few keys ahead,
-// the earlier scheme, came too late and cost more than they saved: docs/cpu_kernels.md.)
+// are spread over every pass of the tile, its score passes and its V passes (one of each per
+// group of rows: a KV head's), in proportion to the keys each pass has done: requests packed
+// into fewer passes stalled those passes on full miss queues while the others left the memory
+// idle (all in the first score pass: 36% of the op's samples on the prefetch instruction,
+// Zen 4; all in the score passes, the V passes a third of the compute without a request: the
+// 653M decode shape on cold KV 1.15-1.3x slower than spread over both, docs/cpu_kernels.md).
+// (Per-key prefetches of whole entries a few keys ahead, an earlier scheme, came too late and
+// cost more than they saved.)
 struct Prefetch {
   const char* const* entries = nullptr;
   int64_t n = 0, done = 0, entry_bytes = 0;
@@ -82,7 +85,8 @@ struct Prefetch {
       for (int64_t b = 0; b < entry_bytes; b += 64)
         _mm_prefetch(entries[done] + b, _MM_HINT_T1);
   }
-  // The share due once `keys` of this pass's `total` keys are done.
+  // The share due once `keys` of this pass's `total` keys are done (the passes count alike:
+  // the requests due are (pass + keys / total) / passes of the n entries).
   void share(int64_t keys, int64_t total) {
     const int64_t t = std::max<int64_t>(total, 1), all = passes * t;
     upto(((pass * t + std::min(keys, t)) * n + all - 1) / all);
@@ -201,10 +205,14 @@ inline void unsplit_columns(float* acc, int64_t D) {
 }
 
 // acc[r] += sum_j s[r][j] * v_j for NR rows, NV*16 output columns at column c0 (NV even: split
-// pairs, see load32_split; NV = 1: in order).
+// pairs, see load32_split; NV = 1: in order). With `pf`, its share after every kShareKeys keys,
+// this call being keys [done, done + n) of a pass of `total` (a share per key, with its
+// division, made the loop slower than the requests saved).
+constexpr int64_t kShareKeys = 4;
 template <int NR, int NV, typename CT>
 void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
-                  int64_t D, int64_t c0) {
+                  int64_t D, int64_t c0, Prefetch* pf = nullptr, int64_t done = 0,
+                  int64_t total = 0) {
   __m512 a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + c0 + v * 16);
@@ -220,16 +228,20 @@ void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, 
       __m512 pj = _mm512_set1_ps(s[r * kTile + j]);
       for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
     }
+    if (pf != nullptr && j % kShareKeys == kShareKeys - 1) pf->share(done + j + 1, total);
   }
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + c0 + v * 16, a[r][v]);
 }
 
+// One V pass: the rows' outputs over the tile's n keys, 64 columns at a time (the prefetch
+// shares over the 64-column chunks' keys; the few columns past them have none).
 template <int NR, typename CT>
 void accumulate_rows(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
-                     int64_t D) {
+                     int64_t D, Prefetch* pf) {
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) accumulate_v<NR, 4, CT>(s, kp, voff, n, acc, D, c);
+  for (; c + 64 <= D; c += 64)
+    accumulate_v<NR, 4, CT>(s, kp, voff, n, acc, D, c, pf, c / 64 * n, D / 64 * n);
   for (; c < D; c += 16) accumulate_v<NR, 1, CT>(s, kp, voff, n, acc, D, c);
 }
 
@@ -292,7 +304,8 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
     int64_t k1 = std::min(k0 + kTile, s.hi), n = k1 - k0;
     entry_ptrs<CT>(p, it, k0, k1, kp);
     Prefetch ahead = next_entries<CT>(p, it, next, s, k1, w, entry_bytes);
-    ahead.passes = std::max<int64_t>(1, p.kv_heads * ((s.head_rows + 3) / 4));  // row_groups
+    // a score pass and a V pass per group of rows (row_groups)
+    ahead.passes = std::max<int64_t>(1, 2 * p.kv_heads * ((s.head_rows + 3) / 4));
     row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
       // Keys any of these rows sees: the first row's window start to the last row's query.
       int64_t a0, b0, a1, b1;
@@ -316,7 +329,6 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       });
       ahead.end_pass();
     });
-    ahead.upto(ahead.n);              // what the score passes left (few keys, empty rows)
     bool any = false;
     for (int64_t r = 0; r < s.rows; ++r) {
       int64_t a, b;
@@ -324,13 +336,15 @@ void attend_avx512(const Problem& p, const Item& it, const Item* next, Scratch& 
       any |= softmax_update(w.s.data() + r * kTile, n, a - k0, b - k0, &w.m[r], &w.l[r],
                             w.acc.data() + r * D, D, exp_span_avx512);
     }
-    if (!any) continue;
-    row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
-      by_rows(nr, [&](auto c) {
-        accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
-                                                w.acc.data() + r0 * D, D);
+    if (any)
+      row_groups(p, s, [&](int64_t r0, int64_t nr, int64_t koff) {
+        by_rows(nr, [&](auto c) {
+          accumulate_rows<decltype(c)::value, CT>(w.s.data() + r0 * kTile, kp, voff + koff, n,
+                                                  w.acc.data() + r0 * D, D, &ahead);
+        });
+        ahead.end_pass();
       });
-    });
+    ahead.upto(ahead.n);              // what the passes left (rows that see nothing)
   }
   if constexpr (std::is_same_v<CT, at::BFloat16>)
     for (int64_t r = 0; r < s.rows; ++r) unsplit_columns(w.acc.data() + r * D, D);
