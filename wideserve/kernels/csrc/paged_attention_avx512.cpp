@@ -73,7 +73,7 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 // into fewer passes stalled those passes on full miss queues while the others left the memory
 // idle (all in the first score pass: 36% of the op's samples on the prefetch instruction,
 // Zen 4; all in the score passes, the V passes a third of the compute without a request: the
-// 653M decode shape on cold KV 1.15-1.3x slower than spread over both, docs/cpu_kernels.md).
+// 653M decode shape on cold KV 1.2-1.35x slower than spread over both, docs/cpu_kernels.md).
 // (Per-key prefetches of whole entries a few keys ahead, an earlier scheme, came too late and
 // cost more than they saved.)
 struct Prefetch {
