@@ -72,8 +72,9 @@ float exp_span_avx512(float* x, int64_t n, float* mx_io) {
 // group of rows: a KV head's), in proportion to the keys each pass has done: requests packed
 // into fewer passes stalled those passes on full miss queues while the others left the memory
 // idle (all in the first score pass: 36% of the op's samples on the prefetch instruction,
-// Zen 4; all in the score passes, the V passes a third of the compute without a request: the
-// 653M decode shape on cold KV 1.2-1.35x slower than spread over both, docs/cpu_kernels.md).
+// Zen 4; all in the score passes, the V passes about two thirds of the arithmetic without a
+// request: the 653M decode shape on cold KV 1.2-1.35x slower than spread over both,
+// docs/cpu_kernels.md).
 // (Per-key prefetches of whole entries a few keys ahead, an earlier scheme, came too late and
 // cost more than they saved.)
 struct Prefetch {
@@ -206,8 +207,8 @@ inline void unsplit_columns(float* acc, int64_t D) {
 
 // acc[r] += sum_j s[r][j] * v_j for NR rows, NV*16 output columns at column c0 (NV even: split
 // pairs, see load32_split; NV = 1: in order). With `pf`, its share after every kShareKeys keys,
-// this call being keys [done, done + n) of a pass of `total` (a share per key, with its
-// division, made the loop slower than the requests saved).
+// this call being keys [done, done + n) of a pass of `total` (a share after every key, with
+// its division, measured slower at short contexts in session 24).
 constexpr int64_t kShareKeys = 4;
 template <int NR, int NV, typename CT>
 void accumulate_v(const float* s, const CT* const* kp, int64_t voff, int64_t n, float* acc,
