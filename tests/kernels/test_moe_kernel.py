@@ -29,6 +29,9 @@ CASES = {  # name: (experts, k, hidden, intermediate, tokens, limit, routing)
     "empty-batch": (4, 2, 16, 16, 0, None, "all"),
     "wide-tiles": (3, 2, 80, 200, 21, 1.0, "all"),     # >1 row tile, output-block tails
     "top-1": (6, 1, 32, 16, 9, None, "all"),          # each token's one row writes it
+    # expert e gets e + 1 rows: every split into a full first tile and balanced passes (1-17
+    # rows: 17 as 8 + 5 + 4 up, 7 + 5 + 5 down), the tiles that stream the next group ahead
+    "ramp": (17, 1, 160, 48, 153, None, "ramp"),
 }
 
 
@@ -41,6 +44,9 @@ def _routing(T: int, E: int, k: int, kind: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     if kind == "one":
         ids = torch.zeros(T, k, dtype=torch.int64)
+    elif kind == "ramp":
+        ids = torch.cat([torch.full((e + 1,), e) for e in range(E)]).view(T, k)
+        ids = ids[torch.randperm(T, generator=g)]
     else:
         used = max(k, E // 2) if kind == "half" else E
         rows = [torch.randperm(used, generator=g)[:k] for _ in range(T)]

@@ -107,13 +107,20 @@ void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
 
 #ifdef __AVX512BF16__
 
+// `next`: the group this thread multiplies after this one, streamed ahead by tiles of
+// kStreamRowsUp rows and more (nullptr: none).
 template <int M>
 void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at::BFloat16* w,
-                  const Geometry& g, int64_t j, bool clamp, float limit, at::BFloat16* act) {
+                  const Geometry& g, int64_t j, bool clamp, float limit, at::BFloat16* act,
+                  const at::BFloat16* next) {
   const at::BFloat16* xr[M];
   for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * 2;
   __m512 acc[M][2];
-  tile_bf16<M, 2>(xr, g.up_pairs, w, acc);
+  if constexpr (M >= kStreamRowsUp) {
+    tile_bf16<M, 2, Ahead::kStream>(xr, g.up_pairs, w, acc, next);
+  } else {
+    tile_bf16<M, 2>(xr, g.up_pairs, w, acc);
+  }
   for (int m = 0; m < M; ++m)
     swiglu_store(acc[m][0], acc[m][1], clamp, limit, act + (r0 + m) * g.ip + j * kLanes);
 }
@@ -121,12 +128,16 @@ void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at:
 template <int M>
 void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
                     const at::BFloat16* w, const Geometry& g, int64_t b,
-                    Sums<at::BFloat16> sums) {
+                    Sums<at::BFloat16> sums, const at::BFloat16* next) {
   constexpr int NB = kBlocksDown;
   const at::BFloat16* ar[M];
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   __m512 acc[M][NB];
-  tile_bf16<M, NB>(ar, g.down_pairs, w, acc);
+  if constexpr (M >= kStreamRowsDown) {
+    tile_bf16<M, NB, Ahead::kStream>(ar, g.down_pairs, w, acc, next);
+  } else {
+    tile_bf16<M, NB>(ar, g.down_pairs, w, acc);
+  }
   for (int m = 0; m < M; ++m)
     down_store<NB>([&](int n) { return acc[m][n]; }, rows, r0 + m, g, b, sums);
 }
@@ -135,12 +146,13 @@ void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
 
 // ---------------------------------------------------------------- tile dispatch
 
+// `next` (bf16 fast path): the weight group read after this tile's, or nullptr.
 template <typename T, int M>
 void up_tile(bool fast, const T* x, const Rows& rows, int64_t r0, const T* w, const Geometry& g,
-             int64_t j, bool clamp, float limit, T* act) {
+             int64_t j, bool clamp, float limit, T* act, const T* next) {
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (fast) return up_tile_bf16<M>(x, rows, r0, w, g, j, clamp, limit, act);
+    if (fast) return up_tile_bf16<M>(x, rows, r0, w, g, j, clamp, limit, act, next);
   }
 #endif
   up_tile_portable<T, M>(x, rows, r0, w, g, j, clamp, limit, act);
@@ -148,10 +160,10 @@ void up_tile(bool fast, const T* x, const Rows& rows, int64_t r0, const T* w, co
 
 template <typename T, int M>
 void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w,
-               const Geometry& g, int64_t b, Sums<T> sums) {
+               const Geometry& g, int64_t b, Sums<T> sums, const T* next) {
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (fast) return down_tile_bf16<M>(act, rows, r0, w, g, b, sums);
+    if (fast) return down_tile_bf16<M>(act, rows, r0, w, g, b, sums, next);
   }
 #endif
   down_tile_portable<T, M>(act, rows, r0, w, g, b, sums);
@@ -284,12 +296,20 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       }
     }
 #endif
+    const int64_t gs = g.up_group_size();
     for (int64_t j = j_begin; j < j_end; ++j) {
-      const T* w = w13 + e * e13 + j * g.up_group_size();
+      const T* w = w13 + e * e13 + j * gs;
+      // the next group of this thread's (the first of the next expert's after its last);
+      // only the first pass over a group reads it from memory
+      const T* next = j + 1 < j_end    ? w + gs
+                      : i + 1 < active ? w13 + rows.active[i + 1] * e13 + j_begin * gs
+                                       : nullptr;
       for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
-        n = next_tile_rows(rows.offsets[e + 1] - r, kRowsUp);
+        const bool first = r == rows.offsets[e];
+        n = next_tile_rows(rows.offsets[e + 1] - r, kRowsUp, first);
+        const T* ahead = first ? next : nullptr;
         with_rows<kRowsUp>(n, [&](auto m) {
-          up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act);
+          up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act, ahead);
         });
       }
     }
@@ -371,13 +391,19 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
         }
       }
 #endif
+      const int64_t gs = g.down_group_size();
       for (int64_t grp = begin; grp < end; ++grp) {
-        const T* w = w2 + e * e2 + grp * g.down_group_size();
+        const T* w = w2 + e * e2 + grp * gs;
+        const T* next = grp + 1 < end    ? w + gs
+                        : i + 1 < active ? w2 + rows.active[i + 1] * e2 + begin * gs
+                                         : nullptr;
         for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
-          n = next_tile_rows(rows.offsets[e + 1] - r, kRowsDown);
+          const bool first = r == rows.offsets[e];
+          n = next_tile_rows(rows.offsets[e + 1] - r, kRowsDown, first);
+          const T* ahead = first ? next : nullptr;
           with_rows<kRowsDown>(n, [&](auto m) {
             down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown,
-                                             sums);
+                                             sums, ahead);
           });
         }
       }

@@ -19,18 +19,30 @@ namespace wideserve_moe {
 using namespace wideserve_gemm;
 
 // Register tiles: rows x blocks fp32 accumulators, plus a weight register per block, of the
-// 32 zmm. Phase 2 at 6 rows (24 + 4) rather than 4 (16 + 4) reads each down group once per 6
-// rows: the fused experts at a 653M decode step's routing +5% from the caches (BENCHMARKS.md,
-// "Zen 4: down tiles of 6 rows").
+// 32 zmm. Phase 2 at 7 rows (28 + 4) rather than 4 (16 + 4) reads each down group once per 7
+// rows (BENCHMARKS.md, "Zen 4: down tiles of 6 rows", and "Zen 4: expert tiles stream their
+// weights ahead" for 7).
 constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (gate + up: 16 accs)
-constexpr int kRowsDown = 6;     // rows per register tile in phase 2 ...
-constexpr int kBlocksDown = 4;   // ... times output blocks (24 accs): a down group
+constexpr int kRowsDown = 7;     // rows per register tile in phase 2 ...
+constexpr int kBlocksDown = 4;   // ... times output blocks (28 accs): a down group
 
-// The rows of an expert's next register tile when `left` remain, at most `most`: the passes
-// over a weight group that `left` needs, with their rows balanced (9 rows at most 8: 5 + 4,
-// not 8 + 1, whose lone row re-reads the whole group for one row's products).
-inline int64_t next_tile_rows(int64_t left, int64_t most) {
-  if (left <= most) return left;
+// Tiles of at least these rows ask for their weights a fixed distance ahead of their loads
+// (csrc/gemm.h, Ahead::kStream): at 7+ rows an up tile (7+ dot products a 64-byte line) and at
+// 6+ a down tile compute longer than their weights take to arrive, so the hardware
+// prefetcher alone left the memory idle part of the time; smaller tiles are bound by the
+// weight stream, which the extra requests slowed (up to 30% at 1-5 rows). Measured on the
+// Zen 4 (BENCHMARKS.md, "Zen 4: expert tiles stream their weights ahead").
+constexpr int kStreamRowsUp = 7;
+constexpr int kStreamRowsDown = 6;
+
+// The rows of an expert's next register tile when `left` remain, at most `most`. The first
+// pass over a weight group reads it from memory, the others from L2: the first pass is a full
+// tile (a tile that streams its weights ahead, above), the rest balanced (16 rows at most 7:
+// 7 + 5 + 4; a lone row's pass re-reads the whole group for one row's products). Measured on
+// the Zen 4 against balanced passes throughout (6 + 5 + 5) and full tiles throughout (7 + 7
+// + 2): BENCHMARKS.md, "Zen 4: expert tiles stream their weights ahead".
+inline int64_t next_tile_rows(int64_t left, int64_t most, bool first) {
+  if (left <= most || first) return std::min(left, most);
   const int64_t passes = (left + most - 1) / most;
   return (left + passes - 1) / passes;
 }
