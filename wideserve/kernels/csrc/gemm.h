@@ -78,8 +78,9 @@ inline __m512 dp_bcast(__m512 acc, __m512i w, const at::BFloat16* pair) {
 // group's end, so the lines a compute-bound tile reads arrive a fixed distance ahead of it.
 enum class Ahead { kSpread, kStream };
 
-// 8 KB: in one process on the Zen 4, cold experts at 8 rows, 4 KB ran 10% slower than none
-// and 8-16 KB 9-10% faster (BENCHMARKS.md, "Zen 4: expert tiles stream their weights ahead").
+// 8 KB: on the Zen 4 with the host at ~60 GB/s, the 653M experts from memory at ~8 rows ran
+// 2-4% slower than with none at 4 KB, 9-13% faster at 8-16 KB (BENCHMARKS.md, "Zen 4: expert
+// tiles stream their weights ahead").
 constexpr int64_t kStreamAhead = 8192;
 
 // AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers. `next`
@@ -95,12 +96,13 @@ inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFl
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[NB];
     if constexpr (A == Ahead::kStream) {
-      if (next != nullptr && p + ahead < 2 * pairs) {   // never past the end of `next`
-        const at::BFloat16* q = p + ahead < pairs ? w + (p + ahead) * step_values
-                                                  : next + (p + ahead - pairs) * step_values;
+      const int64_t s = p + ahead;   // the step whose lines are asked for: never past `next`
+      const at::BFloat16* q = s < pairs                           ? w + s * step_values
+                              : next != nullptr && s < 2 * pairs ? next + (s - pairs) * step_values
+                                                                 : nullptr;
+      if (q != nullptr)
         for (int n = 0; n < NB; ++n)
           _mm_prefetch(reinterpret_cast<const char*>(q + n * 2 * kLanes), _MM_HINT_T1);
-      }
     } else if (next != nullptr) {
       for (int n = 0; n < NB; ++n)
         _mm_prefetch(reinterpret_cast<const char*>(next + (p * NB + n) * 2 * kLanes),
