@@ -27,11 +27,12 @@ constexpr int kRowsDown = 7;     // rows per register tile in phase 2 ...
 constexpr int kBlocksDown = 4;   // ... times output blocks (28 accs): a down group
 
 // Tiles of at least these rows ask for their weights a fixed distance ahead of their loads
-// (csrc/gemm.h, Ahead::kStream): at 7+ rows an up tile (7+ dot products a 64-byte line) and at
-// 6+ a down tile compute longer than their weights take to arrive, so the hardware
-// prefetcher alone left the memory idle part of the time; smaller tiles are bound by the
-// weight stream, which the extra requests slowed (up to 30% at 1-5 rows). Measured on the
-// Zen 4 (BENCHMARKS.md, "Zen 4: expert tiles stream their weights ahead").
+// (csrc/gemm.h, Ahead::kStream): an up tile of 7+ rows and a down tile of 6+ (a tile does as
+// many dot products per 64-byte line as it has rows) compute longer than their weights take
+// to arrive, so the hardware prefetcher alone left the memory idle part of the time; smaller
+// tiles are bound by the weight stream, which the extra requests slowed (up to 30% at 1-5
+// rows). Measured on the Zen 4 (BENCHMARKS.md, "Zen 4: expert tiles stream their weights
+// ahead").
 constexpr int kStreamRowsUp = 7;
 constexpr int kStreamRowsDown = 6;
 
