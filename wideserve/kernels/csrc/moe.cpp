@@ -185,6 +185,18 @@ inline std::vector<wideserve_stream::Range> stream_plan(const void* w13, int64_t
   return plan;
 }
 
+// The weight group a thread multiplies after group j of active expert i, its range of groups
+// being [begin, end) of every expert (`w`: the packs, `per_expert` / `size`: an expert's and
+// a group's elements): the next of its range, else the first of the next active expert's
+// range, else none.
+template <typename T>
+const T* next_group(const T* w, int64_t per_expert, int64_t size, const Rows& rows, int64_t i,
+                    int64_t j, int64_t begin, int64_t end) {
+  const int64_t active = static_cast<int64_t>(rows.active.size());
+  if (j + 1 < end) return w + rows.active[i] * per_expert + (j + 1) * size;
+  return i + 1 < active ? w + rows.active[i + 1] * per_expert + begin * size : nullptr;
+}
+
 enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2, kTiles = 3 };
 
 // Decoded weights are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
@@ -296,14 +308,10 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       }
     }
 #endif
-    const int64_t gs = g.up_group_size();
     for (int64_t j = j_begin; j < j_end; ++j) {
-      const T* w = w13 + e * e13 + j * gs;
-      // the next group of this thread's (the first of the next expert's after its last);
-      // only the first pass over a group reads it from memory
-      const T* next = j + 1 < j_end    ? w + gs
-                      : i + 1 < active ? w13 + rows.active[i + 1] * e13 + j_begin * gs
-                                       : nullptr;
+      const T* w = w13 + e * e13 + j * g.up_group_size();
+      // streamed ahead by the first pass over the group, the one that reads it from memory
+      const T* next = next_group(w13, e13, g.up_group_size(), rows, i, j, j_begin, j_end);
       for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
         const bool first = r == rows.offsets[e];
         n = next_tile_rows(rows.offsets[e + 1] - r, kRowsUp, first);
@@ -391,12 +399,9 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
         }
       }
 #endif
-      const int64_t gs = g.down_group_size();
       for (int64_t grp = begin; grp < end; ++grp) {
-        const T* w = w2 + e * e2 + grp * gs;
-        const T* next = grp + 1 < end    ? w + gs
-                        : i + 1 < active ? w2 + rows.active[i + 1] * e2 + begin * gs
-                                         : nullptr;
+        const T* w = w2 + e * e2 + grp * g.down_group_size();
+        const T* next = next_group(w2, e2, g.down_group_size(), rows, i, grp, begin, end);
         for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
           const bool first = r == rows.offsets[e];
           n = next_tile_rows(rows.offsets[e + 1] - r, kRowsDown, first);
