@@ -34,9 +34,8 @@ EXPERT_MACS = 3 * D * INTER          # per row
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def layers_of(experts: int, count: int, g: torch.Generator) -> list[Layer]:
-    """`count` layers of `experts` random experts, each as the lean decode loop calls it
-    (`RoutedExperts.fused_op`, models/lean_decode.py): the op on the layer's packs."""
+def modules_of(experts: int, count: int, g: torch.Generator) -> list[RoutedExperts]:
+    """`count` expert layers (the fused implementation) of `experts` random experts."""
     out = []
     for _ in range(count):
         m = RoutedExperts(experts, D, INTER).bfloat16()
@@ -44,6 +43,15 @@ def layers_of(experts: int, count: int, g: torch.Generator) -> list[Layer]:
             m.gate_up_proj.normal_(0, 0.05, generator=g)
             m.down_proj.normal_(0, 0.05, generator=g)
         m.impl = "fused"
+        out.append(m)
+    return out
+
+
+def layers_of(experts: int, count: int, g: torch.Generator) -> list[Layer]:
+    """`count` layers of `experts` random experts, each as the lean decode loop calls it
+    (`RoutedExperts.fused_op`, models/lean_decode.py): the op on the layer's packs."""
+    out = []
+    for m in modules_of(experts, count, g):
         op = m.fused_op(torch.device("cpu"), torch.bfloat16)
         if op is None:
             raise SystemExit("the fused experts op does not run here (no C++ extension?)")

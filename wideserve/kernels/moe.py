@@ -41,13 +41,18 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   limit: float | None, portable: bool = False,
                   expert_map: torch.Tensor | None = None,
                   expert_load: torch.Tensor | None = None,
-                  brgemm_min_rows: int | None = None) -> torch.Tensor:
+                  brgemm_min_rows: int | None = None,
+                  schedule: str | None = None) -> torch.Tensor:
     """x [T, d]; topk_ids [T, k] physical experts; topk_weights [T, k] -> [T, d] in x.dtype:
     sum_j w[t, j] * swiglu-MLP_{ids[t, j]}(x[t]), accumulated in fp32.
     expert_map [E, 1]: topk_ids are logical, mapped to their one physical slot in the op;
     expert_load [L] int64: incremented in place by the rows each physical expert received;
     brgemm_min_rows: experts with at least this many rows run their GEMMs through brgemm
-    (bf16, not portable; None: none do)."""
+    (bf16, not portable; None: none do);
+    schedule: how the threads share the experts, "columns" (each a share of every expert's
+    output columns) or "experts" (whole experts from a shared counter; bf16 on the
+    AVX512-BF16 micro-kernel only), the same outputs bit for bit; None: the op's choice
+    (csrc/moe_by_expert.h)."""
     return torch.ops.wideserve.moe_fused_experts(x, topk_ids, topk_weights, w13, w2,
                                                  intermediate, limit, portable, expert_map,
-                                                 expert_load, brgemm_min_rows)
+                                                 expert_load, brgemm_min_rows, schedule)

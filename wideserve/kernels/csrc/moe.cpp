@@ -2,7 +2,10 @@
 //
 //   out[t] = sum_j  w[t, j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = ids[t, j]
 //
-// The T*k (token, pick) rows are counting-sorted by expert here, then two phases:
+// The T*k (token, pick) rows are counting-sorted by expert here. Where every expert runs on
+// the micro-kernel and the call has experts enough (decode sizes), whole experts go to the
+// threads, each expert's two GEMMs one after the other (csrc/moe_by_expert.h, the same sums
+// bit for bit); otherwise the column schedule, in two phases:
 //   1. gate/up GEMM + SwiGLU, parallel over 16-column blocks j of I: a thread takes a range
 //      of blocks for every expert, so threads get the same number of rows whatever the
 //      routing (an expert-major split gave one thread the experts that happened to be busy);
@@ -48,7 +51,9 @@
 #include "amx.h"
 #include "brgemm.h"
 #include "gemm.h"
+#include "moe_by_expert.h"
 #include "moe_common.h"
+#include "moe_tiles.h"
 #include "moe_lossless.h"
 #include "moe_matrix.h"
 #include "weight_stream.h"
@@ -58,116 +63,6 @@ namespace {
 using namespace wideserve_gemm;
 using namespace wideserve_moe;
 using wideserve_amx::Tiles;
-
-// ---------------------------------------------------------------- portable (plain C++)
-
-template <typename T, int M>
-void up_tile_portable(const T* x, const Rows& rows, int64_t r0, const T* w, const Geometry& g,
-                      int64_t j, bool clamp, float limit, T* act) {
-  const T* xr[M];
-  for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * g.pair;
-  float acc[M][2][kLanes];
-  tile_portable<T, M, 2>(xr, g.up_pairs, g.pair, w, acc);
-  for (int m = 0; m < M; ++m) {
-    T* a = act + (r0 + m) * g.ip + j * kLanes;
-    for (int l = 0; l < kLanes; ++l) a[l] = static_cast<T>(silu_mul(acc[m][0][l], acc[m][1][l],
-                                                                     clamp, limit));
-  }
-}
-
-
-template <typename T, int M>
-void down_tile_portable(const T* act, const Rows& rows, int64_t r0, const T* w,
-                        const Geometry& g, int64_t b, Sums<T> sums) {
-  constexpr int NB = kBlocksDown;
-  const T* ar[M];
-  for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
-  float acc[M][NB][kLanes];
-  tile_portable<T, M, NB>(ar, g.down_pairs, g.pair, w, acc);
-  for (int m = 0; m < M; ++m) {
-    const int64_t row = rows.token[r0 + m] * g.d;
-    float* part = sums.partial + row;
-    T* o = sums.out + row;
-    const float wt = rows.weight[r0 + m];
-    const uint8_t order = rows.order[r0 + m];
-    for (int n = 0; n < NB; ++n) {
-      const int64_t c0 = (b + n) * kLanes, cols = std::min<int64_t>(kLanes, g.d - c0);
-      if (cols <= 0) break;
-      for (int64_t l = 0; l < cols; ++l) {
-        const float v = wt * acc[m][n][l] + ((order & kFirst) ? 0.0f : part[c0 + l]);
-        if (order & kLast) o[c0 + l] = static_cast<T>(v);
-        else part[c0 + l] = v;
-      }
-    }
-  }
-}
-
-
-// ---------------------------------------------------------------- AVX512-BF16
-
-#ifdef __AVX512BF16__
-
-// `next`: the group this thread multiplies after this one, streamed ahead by tiles of
-// kStreamRowsUp rows and more (nullptr: none).
-template <int M>
-void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at::BFloat16* w,
-                  const Geometry& g, int64_t j, bool clamp, float limit, at::BFloat16* act,
-                  const at::BFloat16* next) {
-  const at::BFloat16* xr[M];
-  for (int m = 0; m < M; ++m) xr[m] = x + rows.token[r0 + m] * g.up_pairs * 2;
-  __m512 acc[M][2];
-  if constexpr (M >= kStreamRowsUp) {
-    tile_bf16<M, 2, Ahead::kStream>(xr, g.up_pairs, w, acc, next);
-  } else {
-    tile_bf16<M, 2>(xr, g.up_pairs, w, acc);
-  }
-  for (int m = 0; m < M; ++m)
-    swiglu_store(acc[m][0], acc[m][1], clamp, limit, act + (r0 + m) * g.ip + j * kLanes);
-}
-
-template <int M>
-void down_tile_bf16(const at::BFloat16* act, const Rows& rows, int64_t r0,
-                    const at::BFloat16* w, const Geometry& g, int64_t b,
-                    Sums<at::BFloat16> sums, const at::BFloat16* next) {
-  constexpr int NB = kBlocksDown;
-  const at::BFloat16* ar[M];
-  for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
-  __m512 acc[M][NB];
-  if constexpr (M >= kStreamRowsDown) {
-    tile_bf16<M, NB, Ahead::kStream>(ar, g.down_pairs, w, acc, next);
-  } else {
-    tile_bf16<M, NB>(ar, g.down_pairs, w, acc);
-  }
-  for (int m = 0; m < M; ++m)
-    down_store<NB>([&](int n) { return acc[m][n]; }, rows, r0 + m, g, b, sums);
-}
-
-#endif  // __AVX512BF16__
-
-// ---------------------------------------------------------------- tile dispatch
-
-// `next` (bf16 fast path): the weight group read after this tile's, or nullptr.
-template <typename T, int M>
-void up_tile(bool fast, const T* x, const Rows& rows, int64_t r0, const T* w, const Geometry& g,
-             int64_t j, bool clamp, float limit, T* act, const T* next) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (fast) return up_tile_bf16<M>(x, rows, r0, w, g, j, clamp, limit, act, next);
-  }
-#endif
-  up_tile_portable<T, M>(x, rows, r0, w, g, j, clamp, limit, act);
-}
-
-template <typename T, int M>
-void down_tile(bool fast, const T* act, const Rows& rows, int64_t r0, const T* w,
-               const Geometry& g, int64_t b, Sums<T> sums, const T* next) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (fast) return down_tile_bf16<M>(act, rows, r0, w, g, b, sums, next);
-  }
-#endif
-  down_tile_portable<T, M>(act, rows, r0, w, g, b, sums);
-}
 
 // The ranges a call reads, in the order an expert-major thread reads them: every active
 // expert's gate/up weights, then every active expert's down weights (expert e's at
@@ -198,22 +93,6 @@ const T* next_group(const T* w, int64_t per_expert, int64_t size, const Rows& ro
 }
 
 enum Kernel : int64_t { kMicro = 0, kBrgemm = 1, kAmx = 2, kTiles = 3 };
-
-// Decoded weights are what AMX tiles and brgemm read as B: 64-byte aligned, so that no
-// 64-byte tile row straddles two cache lines (a prefill through brgemm on a 16-byte aligned
-// decoded group ran 1.7x slower).
-struct FreeAligned {
-  void operator()(void* p) const { std::free(p); }
-};
-template <typename T>
-using Aligned = std::unique_ptr<T[], FreeAligned>;
-
-template <typename T>
-Aligned<T> aligned_buffer(int64_t n) {   // n <= 0: none
-  if (n <= 0) return Aligned<T>();
-  const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
-  return Aligned<T>(static_cast<T*>(std::aligned_alloc(64, bytes)));
-}
 
 // Per-thread scratch of a call, left uninitialised (a zero-filled 256-row buffer per call
 // cost more than a decode call's few brgemm rows): gathered rows, fp32 results, and for coded
@@ -312,14 +191,11 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       const T* w = w13 + e * e13 + j * g.up_group_size();
       // streamed ahead by the first pass over the group, the one that reads it from memory
       const T* next = next_group(w13, e13, g.up_group_size(), rows, i, j, j_begin, j_end);
-      for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
-        const bool first = r == rows.offsets[e];
-        n = next_tile_rows(rows.offsets[e + 1] - r, kRowsUp, first);
-        const T* ahead = first ? next : nullptr;
-        with_rows<kRowsUp>(n, [&](auto m) {
-          up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act, ahead);
-        });
-      }
+      group_tiles<kRowsUp>(rows.offsets[e], rows.offsets[e + 1], [&](auto m, int64_t r,
+                                                                    bool first) {
+        up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act,
+                                       first ? next : nullptr);
+      });
     }
   };
   const bool expert_major = g.up_groups >= 2 * at::get_num_threads();
@@ -402,15 +278,11 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       for (int64_t grp = begin; grp < end; ++grp) {
         const T* w = w2 + e * e2 + grp * g.down_group_size();
         const T* next = next_group(w2, e2, g.down_group_size(), rows, i, grp, begin, end);
-        for (int64_t r = rows.offsets[e], n; r < rows.offsets[e + 1]; r += n) {
-          const bool first = r == rows.offsets[e];
-          n = next_tile_rows(rows.offsets[e + 1] - r, kRowsDown, first);
-          const T* ahead = first ? next : nullptr;
-          with_rows<kRowsDown>(n, [&](auto m) {
-            down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown,
-                                             sums, ahead);
-          });
-        }
+        group_tiles<kRowsDown>(rows.offsets[e], rows.offsets[e + 1], [&](auto m, int64_t r,
+                                                                        bool first) {
+          down_tile<T, decltype(m)::value>(fast, act, rows, r, w, g, grp * kBlocksDown, sums,
+                                           first ? next : nullptr);
+        });
       }
     }
     if (any_big) wideserve_brgemm::release();
@@ -467,8 +339,10 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
                              std::optional<double> limit, bool portable,
                              const std::optional<at::Tensor>& expert_map,
                              const std::optional<at::Tensor>& expert_load,
-                             std::optional<int64_t> brgemm_min_rows) {
+                             std::optional<int64_t> brgemm_min_rows,
+                             std::optional<c10::string_view> schedule_name) {
   check_routing("moe_fused_experts", x_in, topk_ids, topk_weights);
+  const Schedule schedule = parse_schedule(schedule_name);
   const auto dtype = x_in.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "moe_fused_experts: bfloat16 or float32 only, got ", dtype);
@@ -497,12 +371,27 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
       // threshold, layers/experts.py); None: none do
       const int64_t big = brgemm_min_rows.has_value()
                               ? std::max<int64_t>(*brgemm_min_rows, 1) : 0;
+      int64_t most = 0;
+      for (const int64_t e : rows.active)
+        most = std::max(most, rows.offsets[e + 1] - rows.offsets[e]);
+      const bool micro = fast && (big == 0 || most < big);
+      if (use_by_expert(schedule, micro, rows, g)) {
+#ifdef __AVX512BF16__
+        run_by_expert(x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
+                      w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
+                      act.data_ptr<at::BFloat16>(),
+                      {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()});
+#endif
+        return;
+      }
       run_experts<at::BFloat16>(fast, x.data_ptr<at::BFloat16>(),
                                 w13.data_ptr<at::BFloat16>(), w2.data_ptr<at::BFloat16>(),
                                 rows, g, clamp, lim, act.data_ptr<at::BFloat16>(),
                                 {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()},
                                 fast ? big : 0);
     } else {
+      TORCH_CHECK(schedule != Schedule::kExperts, "moe_fused_experts: schedule='experts' is "
+                  "for bf16 inputs only");
       run_experts<float>(false, x.data_ptr<float>(), w13.data_ptr<float>(),
                          w2.data_ptr<float>(), rows, g, clamp, lim, act.data_ptr<float>(),
                          {out.data_ptr<float>(), out.data_ptr<float>()}, 0);
@@ -601,8 +490,8 @@ at::Tensor moe_fused_experts_lossless(
 TORCH_LIBRARY_FRAGMENT(wideserve, m) {
   m.def("moe_fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
         "Tensor w2, int intermediate, float? limit=None, bool portable=False, "
-        "Tensor? expert_map=None, Tensor(a!)? expert_load=None, int? brgemm_min_rows=None) "
-        "-> Tensor");
+        "Tensor? expert_map=None, Tensor(a!)? expert_load=None, int? brgemm_min_rows=None, "
+        "str? schedule=None) -> Tensor");
   m.def("moe_fused_experts_lossless(Tensor x, Tensor topk_ids, Tensor topk_weights, "
         "Tensor w13, Tensor w13_exceptions, Tensor w13_starts, Tensor w13_table, Tensor w2, "
         "Tensor w2_exceptions, Tensor w2_starts, Tensor w2_table, int intermediate, "
