@@ -53,9 +53,9 @@
 #include "gemm.h"
 #include "moe_by_expert.h"
 #include "moe_common.h"
-#include "moe_tiles.h"
 #include "moe_lossless.h"
 #include "moe_matrix.h"
+#include "moe_tiles.h"
 #include "weight_stream.h"
 
 namespace {

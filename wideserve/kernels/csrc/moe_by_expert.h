@@ -1,4 +1,4 @@
-// The fused experts op's expert schedule (csrc/moe.cpp; docs/cpu_kernels.md, "Fused routed
+// The fused experts op's expert schedule (csrc/moe.cpp; docs/cpu_kernels.md, "Routed
 // experts"): each thread takes whole experts from a shared counter and runs an expert's
 // gate/up and then its down GEMM before it takes the next, so no thread waits for the others
 // between the two GEMMs and an expert's activations are read back from the thread's own caches.
