@@ -76,7 +76,8 @@ def main() -> None:
               f"load {os.getloadavg()[0]:.1f}", flush=True)
     assert tokens["auto"] == tokens["columns"], "greedy tokens differ between the schedules"
     print(json.dumps({"threads": args.threads, "rounds": args.rounds,
-                      **{f"{k}_tok_s_median": round(statistics.median(v)) for k, v in rates.items()},
+                      **{f"{k}_tok_s_median": round(statistics.median(v))
+                         for k, v in rates.items()},
                       "auto_over_columns_paired_median": round(statistics.median(ratios), 3)}))
 
 
