@@ -95,5 +95,5 @@ def test_bad_schedule_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="micro-kernel"):
         moe_op.fused_experts(x, ids, w, w13, w2, I, limit, portable=True, schedule="experts")
     f13, f2 = moe_op.pack_experts(*(t.float() for t in _weights(8, 32, 48, seed=40)))
-    with pytest.raises(RuntimeError, match="bf16 inputs only|micro-kernel"):
+    with pytest.raises(RuntimeError, match="bf16 inputs only"):
         moe_op.fused_experts(x.float(), ids, w.float(), f13, f2, I, limit, schedule="experts")

@@ -378,7 +378,7 @@ at::Tensor moe_fused_experts(const at::Tensor& x_in, const at::Tensor& topk_ids,
       if (use_by_expert(schedule, micro, rows, g)) {
 #ifdef __AVX512BF16__
         run_by_expert(x.data_ptr<at::BFloat16>(), w13.data_ptr<at::BFloat16>(),
-                      w2.data_ptr<at::BFloat16>(), rows, g, clamp, lim,
+                      w2.data_ptr<at::BFloat16>(), rows, most, g, clamp, lim,
                       act.data_ptr<at::BFloat16>(),
                       {partial.data_ptr<float>(), out.data_ptr<at::BFloat16>()});
 #endif

@@ -142,17 +142,15 @@ class ExpertCounter {
 // The expert schedule, every expert on the micro-kernel tiles: a thread runs expert i's
 // gate/up groups, then its down groups into its own fp32 results, which OrderedSums adds in
 // order. The last gate/up group asks for the expert's first down group ahead, the last down
-// group for the first gate/up group of the thread's next expert.
+// group for the first gate/up group of the thread's next expert. `most`: the rows of the
+// busiest expert (each thread's results buffer holds that many).
 inline void run_by_expert(const at::BFloat16* x, const at::BFloat16* w13,
-                          const at::BFloat16* w2, const Rows& rows, const Geometry& g,
-                          bool clamp, float limit, at::BFloat16* act,
+                          const at::BFloat16* w2, const Rows& rows, int64_t most,
+                          const Geometry& g, bool clamp, float limit, at::BFloat16* act,
                           Sums<at::BFloat16> sums) {
   using T = at::BFloat16;
   const int64_t usz = g.up_group_size(), dsz = g.down_group_size();
   const int64_t e13 = g.up_groups * usz, e2 = g.down_groups * dsz;
-  int64_t most = 0;
-  for (const int64_t e : rows.active)
-    most = std::max(most, rows.offsets[e + 1] - rows.offsets[e]);
   OrderedSums ordered(rows, g, sums);
   const int64_t stride = ordered.stride();
   ExpertCounter counter(static_cast<int64_t>(rows.active.size()));
