@@ -84,9 +84,12 @@ enum class Ahead { kSpread, kStream };
 constexpr int64_t kStreamAhead = 8192;
 
 // AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers. `next`
-// (optional): the group to ask for ahead of the loads, as `A` says (above).
+// (optional): the group to ask for ahead of the loads, as `A` says (above). Always inlined,
+// so that `acc` is the caller's local array: an out-of-line copy takes it by reference, and
+// since the weight loads may alias it GCC then stores every accumulator after every product
+// (csrc/moe_tiles.h's down_products; the fused experts' down GEMM at half the dots' rate).
 template <int M, int NB, Ahead A = Ahead::kSpread>
-inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
+[[gnu::always_inline]] inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
                       __m512 (&acc)[M][NB], const at::BFloat16* next = nullptr) {
   __asm__ volatile("" ::: "memory");   // the inputs' stores before dp_bcast's reads
   for (int m = 0; m < M; ++m)
