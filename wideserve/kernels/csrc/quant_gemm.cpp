@@ -136,21 +136,27 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 // The shared skeleton: NW weight rows from n against M input rows from r, one `vdpbf16ps`
 // chain per pair over the 32-value chunks in order; chunk(i, k) gives weight row n + i's
-// values [k, k + 32) as bf16 lanes. The first nw results are written.
-template <int NW, int M, typename Chunk>
+// values [k, k + 32) as bf16 lanes for k < whole, tail(i, k) the chunks from `whole` on. The
+// first nw results are written. A tail that calls a function runs in its own loop after the
+// chunks: inside the main loop such a call (even on a branch never taken) had GCC store every
+// accumulator after every chunk to keep them across it.
+template <int NW, int M, typename Chunk, typename Tail>
 void dot_chains(const Job& j, const at::BFloat16* x, int64_t n, int64_t r, int nw,
-                at::BFloat16* out, Chunk chunk) {
+                at::BFloat16* out, int64_t whole, Chunk chunk, Tail tail) {
   __m512 acc[NW][M];
   for (int i = 0; i < NW; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < j.kp; k += kChunk) {
+  auto step = [&](int64_t k, auto&& get) {
     __m512bh xv[M];
     for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + (r + m) * j.kp + k));
     for (int i = 0; i < NW; ++i) {
-      const __m512bh wv = as_bh(chunk(i, k));
+      const __m512bh wv = as_bh(get(i, k));
       for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], wv, xv[m]);
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k < whole; k += kChunk) step(k, chunk);
+  for (; k < j.kp; k += kChunk) step(k, tail);
   for (int i = 0; i < nw; ++i)
     for (int m = 0; m < M; ++m)
       out[(r + m) * j.f.rows + n + i] =
@@ -182,14 +188,14 @@ void fused_rows(const Job& j, const at::BFloat16* x, const uint8_t* w, const uin
     global[i] = _mm512_set1_ps(Kind == 2 ? g[f.half_of(n + i)] : 1.0f);
   }
   const int64_t whole = f.cols / kChunk * kChunk;
-  dot_chains<NW, M>(j, x, n, r, NW, out, [&](int i, int64_t k) {
-    if (k < whole) {
-      if constexpr (Kind == 1)
-        return mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
-      else
-        return nvfp4_chunk(rows[i] + k / 2, kE4M3[srows[i][k / 16]],
-                           kE4M3[srows[i][k / 16 + 1]], global[i], table);
-    }
+  auto chunk = [&](int i, int64_t k) {
+    if constexpr (Kind == 1)
+      return mxfp4_chunk(rows[i] + k / 2, kScale[srows[i][k / f.bn]], table);
+    else
+      return nvfp4_chunk(rows[i] + k / 2, kE4M3[srows[i][k / 16]], kE4M3[srows[i][k / 16 + 1]],
+                         global[i], table);
+  };
+  dot_chains<NW, M>(j, x, n, r, NW, out, whole, chunk, [&](int i, int64_t k) {
     dequant_row_bf16(f, w, s, g, n + i, k, f.cols, tmp.data(), tail);
     return _mm512_loadu_si512(tail);
   });
@@ -229,8 +235,8 @@ void fused_rows_of(int64_t m, const Job& j, const at::BFloat16* x, const uint8_t
 template <int M>
 void dot_rows(const Job& j, const at::BFloat16* x, const at::BFloat16* const* wr, int nw,
               int64_t n, int64_t r, at::BFloat16* out) {
-  dot_chains<4, M>(j, x, n, r, nw, out,
-                   [&](int i, int64_t k) { return _mm512_loadu_si512(wr[i] + k); });
+  auto row = [&](int i, int64_t k) { return _mm512_loadu_si512(wr[i] + k); };
+  dot_chains<4, M>(j, x, n, r, nw, out, j.kp, row, row);
 }
 
 // The formats decoded in registers at few rows: MXFP4 with UE8M0 scales, NVFP4 with the
