@@ -89,8 +89,9 @@ constexpr int64_t kStreamAhead = 8192;
 // since the weight loads may alias it GCC then stores every accumulator after every product
 // (csrc/moe_tiles.h's down_products; the fused experts' down GEMM at half the dots' rate).
 template <int M, int NB, Ahead A = Ahead::kSpread>
-[[gnu::always_inline]] inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs, const at::BFloat16* w,
-                      __m512 (&acc)[M][NB], const at::BFloat16* next = nullptr) {
+[[gnu::always_inline]] inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs,
+                                             const at::BFloat16* w, __m512 (&acc)[M][NB],
+                                             const at::BFloat16* next = nullptr) {
   __asm__ volatile("" ::: "memory");   // the inputs' stores before dp_bcast's reads
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();

@@ -85,8 +85,10 @@ void up_tile_bf16(const at::BFloat16* x, const Rows& rows, int64_t r0, const at:
 // streamed ahead by tiles of kStreamRowsDown rows and more. Always inlined, like tile_bf16
 // (csrc/gemm.h): `acc` must be a local array of the caller for it to stay in registers.
 template <int M>
-[[gnu::always_inline]] inline void down_products(const at::BFloat16* act, int64_t r0, const at::BFloat16* w,
-                   const Geometry& g, const at::BFloat16* next, __m512 (&acc)[M][kBlocksDown]) {
+[[gnu::always_inline]] inline void down_products(const at::BFloat16* act, int64_t r0,
+                                                 const at::BFloat16* w, const Geometry& g,
+                                                 const at::BFloat16* next,
+                                                 __m512 (&acc)[M][kBlocksDown]) {
   const at::BFloat16* ar[M];
   for (int m = 0; m < M; ++m) ar[m] = act + (r0 + m) * g.ip;
   if constexpr (M >= kStreamRowsDown) {
