@@ -20,6 +20,17 @@ _CLEAN = "\n".join(f"{0x2000 + 8 * i:x}:\tvdpbf16ps (%rcx){{1to16}},%zmm1,%zmm{i
 _CALLS = "\n".join(
     [f"{0x3000 + 16 * i:x}:\tvdpbf16ps %zmm5,%zmm0,%zmm{i + 8}\n"
      f"{0x3000 + 16 * i + 8:x}:\tvmovaps %zmm{i + 8},{64 * i:#x}(%rbp)" for i in range(8)])
+# One register for eight accumulators kept in stack slots (load, product, store back: the
+# quantised experts' loop with a call in it, session 33), and a loop writing outputs: each
+# product into a fresh value (a rotation's a * cos - b * sin), stored once.
+_SLOTS = "\n".join(
+    [f"{0x5000 + 24 * i:x}:\tvmovaps {-64 * (i + 1):#x}(%rbp),%zmm1\n"
+     f"{0x5000 + 24 * i + 8:x}:\tvdpbf16ps %zmm7,%zmm0,%zmm1\n"
+     f"{0x5000 + 24 * i + 16:x}:\tvmovaps %zmm1,{-64 * (i + 1):#x}(%rbp)" for i in range(8)])
+_OUTPUTS = "\n".join(
+    [f"{0x6000 + 24 * i:x}:\tvmulps {64 * i:#x}(%r13),%zmm0,%zmm{i + 8}\n"
+     f"{0x6000 + 24 * i + 8:x}:\tvfmadd231ps {64 * i:#x}(%r14),%zmm5,%zmm{i + 8}\n"
+     f"{0x6000 + 24 * i + 16:x}:\tvmovups %zmm{i + 8},{64 * i:#x}(%rbx)" for i in range(8)])
 LISTING = f"""
 0000000000001000 <void tile<8, 1>(float*)>:
 {_SPILLING}
@@ -38,6 +49,16 @@ LISTING = f"""
     3105:\tcmp    %rax,%rsi
     3108:\tjg     3000 <void tail<8>(float*)+0x0>
     3110:\tret
+0000000000005000 <void slots<2, 4>(float*)>:
+{_SLOTS}
+    5100:\tcmp    %rax,%rsi
+    5103:\tjg     5000 <void slots<2, 4>(float*)+0x0>
+    5105:\tret
+0000000000006000 <void outputs<4>(float*)>:
+{_OUTPUTS}
+    6100:\tcmp    %rax,%rsi
+    6103:\tjg     6000 <void outputs<4>(float*)+0x0>
+    6105:\tret
 """
 
 
@@ -50,9 +71,11 @@ def _lines(text: str) -> str:
 def test_the_analysis_tells_a_spilling_tile_from_a_clean_one_and_a_call() -> None:
     loops = disasm.spilling_loops(_lines(LISTING))
     by_function = {l.function: l for l in loops}
-    assert set(by_function) == {"void tile<8, 1>(float*)", "void tail<8>(float*)"}
-    tile = by_function["void tile<8, 1>(float*)"]
-    assert (tile.products, tile.stores, tile.calls, tile.register_tile) == (8, 8, False, True)
+    assert set(by_function) == {"void tile<8, 1>(float*)", "void tail<8>(float*)",
+                                "void slots<2, 4>(float*)"}     # not outputs<4>
+    for name in ("void tile<8, 1>(float*)", "void slots<2, 4>(float*)"):
+        tile = by_function[name]
+        assert (tile.products, tile.stores, tile.calls, tile.register_tile) == (8, 8, False, True)
     tail = by_function["void tail<8>(float*)"]
     assert tail.calls and not tail.register_tile
 
