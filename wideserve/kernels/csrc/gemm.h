@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -72,11 +73,21 @@ inline __m512 dp_bcast(__m512 acc, __m512i w, const at::BFloat16* pair) {
 }
 
 // How a tile asks for weights ahead of its loads, `next` being the group read after this one.
-// kSpread: the whole of `next` into L2 during the tile, one 64-byte line per block per pair
-// (a GEMM whose groups are each read once, the LM head, otherwise waits on L3 at each group's
-// start). kStream: the line kStreamAhead bytes past each load, running on into `next` at the
-// group's end, so the lines a compute-bound tile reads arrive a fixed distance ahead of it.
+// kSpread: its share of `next` into L2 during the tile (NextShare, below), one 64-byte line
+// per block per pair (a GEMM whose groups are each read once, the LM head, otherwise waits on
+// L3 at each group's start). kStream: the line kStreamAhead bytes past each load, running on
+// into `next` at the group's end, so the lines a compute-bound tile reads arrive a fixed
+// distance ahead of it.
 enum class Ahead { kSpread, kStream };
+
+// kSpread's share of `next`: share `index` of `count` equal runs of its pairs, one pair every
+// `count` steps of the tile, so that the tiles of a group (csrc/linear.cpp, run_group) ask
+// for the next group evenly over the whole group. The default, one share of one, asks for all
+// of it in this tile: at a step's rate, faster than one core's fill buffers let the lines in
+// (docs/cpu_kernels.md, "Page kicks"), which held the group's first tile to the memory's pace.
+struct NextShare {
+  int64_t index = 0, count = 1;
+};
 
 // 8 KB: on the Zen 4 with the host at ~60 GB/s, the 653M experts from memory at ~8 rows ran
 // 2-4% slower than with none at 4 KB, 9-13% faster at 8-16 KB (BENCHMARKS.md, "Zen 4: expert
@@ -84,19 +95,26 @@ enum class Ahead { kSpread, kStream };
 constexpr int64_t kStreamAhead = 8192;
 
 // AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers. `next`
-// (optional): the group to ask for ahead of the loads, as `A` says (above). Always inlined,
-// so that `acc` is the caller's local array: an out-of-line copy takes it by reference, and
-// since the weight loads may alias it GCC then stores every accumulator after every product
-// (csrc/moe_tiles.h's down_products; the fused experts' down GEMM at half the dots' rate).
+// (optional): the group to ask for ahead of the loads, as `A` says (above); `share`: kSpread's
+// part of it. Always inlined, so that `acc` is the caller's local array: an out-of-line copy
+// takes it by reference, and since the weight loads may alias it GCC then stores every
+// accumulator after every product (csrc/moe_tiles.h's down_products; the fused experts' down
+// GEMM at half the dots' rate).
 template <int M, int NB, Ahead A = Ahead::kSpread>
 [[gnu::always_inline]] inline void tile_bf16(const at::BFloat16* const* x, int64_t pairs,
                                              const at::BFloat16* w, __m512 (&acc)[M][NB],
-                                             const at::BFloat16* next = nullptr) {
+                                             const at::BFloat16* next = nullptr,
+                                             NextShare share = {}) {
   __asm__ volatile("" ::: "memory");   // the inputs' stores before dp_bcast's reads
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   constexpr int64_t step_values = NB * 2 * kLanes;   // one pair's weights for NB blocks
   constexpr int64_t ahead = kStreamAhead / (step_values * 2);   // in steps
+  // kSpread: the next pair of `next` to ask for, the end of this share, steps until the next
+  // request (a countdown: a division per step would cost more than the request)
+  const int64_t run = (pairs + share.count - 1) / share.count;
+  int64_t ask = share.index * run, wait = 0;
+  const int64_t run_end = std::min(pairs, ask + run);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[NB];
     if constexpr (A == Ahead::kStream) {
@@ -107,10 +125,13 @@ template <int M, int NB, Ahead A = Ahead::kSpread>
       if (q != nullptr)
         for (int n = 0; n < NB; ++n)
           _mm_prefetch(reinterpret_cast<const char*>(q + n * 2 * kLanes), _MM_HINT_T1);
-    } else if (next != nullptr) {
-      for (int n = 0; n < NB; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(next + (p * NB + n) * 2 * kLanes),
-                     _MM_HINT_T1);
+    } else if (next != nullptr && wait-- == 0) {
+      if (ask < run_end)
+        for (int n = 0; n < NB; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(next + (ask * NB + n) * 2 * kLanes),
+                       _MM_HINT_T1);
+      ++ask;
+      wait = share.count - 1;
     }
     for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_si512(w + (p * NB + n) * 2 * kLanes);
     for (int m = 0; m < M; ++m)

@@ -136,11 +136,12 @@ inline bool fp32_fast_path_compiled() {
 #ifdef __AVX512BF16__
 template <typename Out, int NB, int R>
 void tile_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const Problem& p, int64_t r0,
-                    int64_t c0, bool widen, Out* out, const at::BFloat16* next) {
+                    int64_t c0, bool widen, Out* out, const at::BFloat16* next,
+                    NextShare share) {
   const at::BFloat16* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (r0 + r) * p.pairs * 2;
   __m512 acc[R][NB];
-  tile_bf16<R, NB>(xr, p.pairs, w, acc, next);
+  tile_bf16<R, NB>(xr, p.pairs, w, acc, next, share);
   for (int b = 0; b < NB; ++b) {
     const int64_t c = c0 + b * kLanes, cols = std::min<int64_t>(kLanes, p.n - c);
     if (cols <= 0) break;
@@ -165,19 +166,22 @@ void tile_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, const Problem&
 }
 #endif
 
-// `next`: the group this thread multiplies after this one (nullptr: none), prefetched during
-// the first tile.
+// `next`: the group this thread multiplies after this one (nullptr: none), asked for in equal
+// shares by the group's tiles. All of it in the first tile (the earlier form) left that tile
+// waiting on fill buffers: the 653M decode linears at 64 rows, weights from memory, 1-3%
+// slower (BENCHMARKS.md, "Zen 4: the last tenth of the decode roofline").
 template <typename T, typename Out, int NB>
 void run_group(bool fast, const T* x, const T* w, const Problem& p, int64_t r_begin,
                int64_t r_end, int64_t c0, bool widen, Out* out, const T* next) {
   constexpr int R = tile_rows<NB>();
+  const int64_t tiles = (r_end - r_begin + R - 1) / R;
   for (int64_t r = r_begin; r < r_end; r += R) {
     with_rows<R>(r_end - r, [&](auto rows) {
       constexpr int RR = decltype(rows)::value;
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (fast) return tile_rows_bf16<Out, NB, RR>(x, w, p, r, c0, widen, out,
-                                                     r == r_begin ? next : nullptr);
+        if (fast) return tile_rows_bf16<Out, NB, RR>(x, w, p, r, c0, widen, out, next,
+                                                     NextShare{(r - r_begin) / R, tiles});
       }
 #endif
       if constexpr (std::is_same_v<T, float>) {
