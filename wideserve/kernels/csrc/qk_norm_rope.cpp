@@ -149,7 +149,7 @@ void rows_avx512(T* qkv, const Problem& p, int64_t t0, int64_t t1) {
 
 // dim (a multiple of 32, at most 256) -> rows_avx512<T, dim / 16>.
 template <typename T>
-void rows_avx512(T* qkv, const Problem& p, int64_t t0, int64_t t1) {
+void rows_avx512_any(T* qkv, const Problem& p, int64_t t0, int64_t t1) {
   switch (p.dim / 16) {
     case 2: return rows_avx512<T, 2>(qkv, p, t0, t1);
     case 4: return rows_avx512<T, 4>(qkv, p, t0, t1);
@@ -173,7 +173,7 @@ void run(T* qkv, const Problem& p, int64_t tokens, bool portable) {
 #endif
   at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
 #if defined(__AVX512F__)
-    if (vec) return rows_avx512<T>(qkv, p, t0, t1);
+    if (vec) return rows_avx512_any<T>(qkv, p, t0, t1);
 #endif
     std::vector<float> buf(p.dim);
     for (int64_t t = t0; t < t1; ++t) {
