@@ -4,8 +4,9 @@
 A register tile keeps its fp32 accumulators in zmm registers through the K loop and stores them
 once at the end; GCC stores each after every product instead when the tile's accumulator array
 is a non-inlined caller's, or when the loop holds a call. Nothing in the results shows it, only
-the speed. Lists every innermost loop with at least four dot products or FMAs on zmm registers
-that stores at least half of the registers they accumulate into. Some are meant (an output
+the speed. Lists every innermost loop with at least four accumulating dot products or FMAs
+on zmm registers that stores at least half of what they accumulate (disasm.py says which
+products accumulate). Some are meant (an output
 row written per pass, a scatter-add, a loop around a call, marked "call"); a register tile's
 K loop ("TILE") should never be among them (tests/kernels/test_register_tiles.py).
 

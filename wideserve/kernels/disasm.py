@@ -94,8 +94,7 @@ def _accumulating(body: list[str]) -> tuple[int, int]:
         if not product[i]:
             continue
         r = dest[i]
-        writers = [j for j in range(n) if dest[j] == r and not product[j]]
-        if not writers:                       # a register accumulator
+        if not any(dest[j] == r and not product[j] for j in range(n)):   # a register one
             products += 1
             stored += any((m := _STORE.match(s)) and m.group(1) == r for s in body)
             continue

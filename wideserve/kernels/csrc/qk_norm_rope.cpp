@@ -88,26 +88,26 @@ inline __m512 round_trip(__m512 v) {
 }
 
 // AVX512: dim % 32 == 0 (so each half is whole 16-lane vectors), dim <= 256; K heads at once
-// (x[k] = x + k * dim), N = dim / 16 vectors a head. Both as template arguments, so that the
+// (head k at x + k * 16 * N), N = dim / 16 vectors a head. Both as template arguments, so that the
 // heads stay in registers, the loops unroll and the K heads' dependency chains (sum of
 // squares, reduction, square root, division) interleave: with N known only at run time GCC
 // kept one head in a stack array and called this once per head (~60 ns a head on the Zen 4,
 // the 653M decode layer's 1,280 heads ~78 us on one thread). The same operations in the same
 // order for every head whatever K and N: the results do not depend on them.
 template <typename T, int N, int K>
-[[gnu::always_inline]] inline void heads_avx512(T* x, int64_t dim, const float* w,
-                                                const float* cos, const float* sin, float eps) {
-  constexpr int HN = N / 2;
+[[gnu::always_inline]] inline void heads_avx512(T* x, const float* w, const float* cos,
+                                                const float* sin, float eps) {
+  constexpr int HN = N / 2, D = 16 * N;
   __m512 v[K][N];
   for (int k = 0; k < K; ++k)
-    for (int j = 0; j < N; ++j) v[k][j] = load16(x + k * dim + 16 * j);
+    for (int j = 0; j < N; ++j) v[k][j] = load16(x + k * D + 16 * j);
   if (w != nullptr) {
     __m512 rv[K];
     for (int k = 0; k < K; ++k) {
       __m512 acc = _mm512_setzero_ps();
       for (int j = 0; j < N; ++j) acc = _mm512_fmadd_ps(v[k][j], v[k][j], acc);
       rv[k] = _mm512_set1_ps(
-          1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(16 * N) + eps));
+          1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(D) + eps));
     }
     for (int k = 0; k < K; ++k)
       for (int j = 0; j < N; ++j)
@@ -120,19 +120,19 @@ template <typename T, int N, int K>
                                         _mm512_mul_ps(b, load16(sin + 16 * j)));
       const __m512 hi = _mm512_fmadd_ps(b, load16(cos + 16 * (j + HN)),
                                         _mm512_mul_ps(a, load16(sin + 16 * (j + HN))));
-      store16(x + k * dim + 16 * j, lo);
-      store16(x + k * dim + 16 * (j + HN), hi);
+      store16(x + k * D + 16 * j, lo);
+      store16(x + k * D + 16 * (j + HN), hi);
     }
 }
 
 // Heads [h0, h1) of one row, all with norm weight w: K at a time while K remain, then one.
 template <typename T, int N>
-inline void head_range(T* row, int64_t h0, int64_t h1, int64_t dim, const float* w,
-                       const float* cos, const float* sin, float eps) {
+inline void head_range(T* row, int64_t h0, int64_t h1, const float* w, const float* cos,
+                       const float* sin, float eps) {
   constexpr int K = N <= 4 ? 4 : (N <= 8 ? 2 : 1);   // K x N <= 16 registers of heads
   int64_t h = h0;
-  for (; h + K <= h1; h += K) heads_avx512<T, N, K>(row + h * dim, dim, w, cos, sin, eps);
-  for (; h < h1; ++h) heads_avx512<T, N, 1>(row + h * dim, dim, w, cos, sin, eps);
+  for (; h + K <= h1; h += K) heads_avx512<T, N, K>(row + h * 16 * N, w, cos, sin, eps);
+  for (; h < h1; ++h) heads_avx512<T, N, 1>(row + h * 16 * N, w, cos, sin, eps);
 }
 
 // Every q and k head of tokens [t0, t1) on the AVX512 path, N = dim / 16.
@@ -142,8 +142,8 @@ void rows_avx512(T* qkv, const Problem& p, int64_t t0, int64_t t1) {
     T* row = qkv + t * p.row_stride;
     const float* c = p.cos + t * p.dim;
     const float* s = p.sin + t * p.dim;
-    head_range<T, N>(row, 0, p.heads, p.dim, p.qw, c, s, p.eps);
-    head_range<T, N>(row, p.heads, p.heads + p.kv_heads, p.dim, p.kw, c, s, p.eps);
+    head_range<T, N>(row, 0, p.heads, p.qw, c, s, p.eps);
+    head_range<T, N>(row, p.heads, p.heads + p.kv_heads, p.kw, c, s, p.eps);
   }
 }
 
