@@ -9,15 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from wideserve.utils.cpu_id import cpu_id
+
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """The CPU's name with its family / model / stepping (wideserve.utils.cpu_id)."""
+    return cpu_id().label()
 
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "shakespeare-v4-tiny"

@@ -54,6 +54,7 @@ from wideserve.kernels.candidates import (Pools, candidate, evict_caches, packed
                                           prepack, reads_cold)
 from wideserve.kernels.loader import CSRC, cpu_ops_available
 from wideserve.kernels.timing import clock_of, time_interleaved
+from wideserve.utils.cpu_id import cpu_id
 
 logger = logging.getLogger(__name__)
 
@@ -164,23 +165,16 @@ class KernelPolicy:
 
 
 def machine_key() -> dict:
-    """What a measured table depends on besides the shapes."""
-    flags: list[str] = []
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = sorted(f for f in line.split(":", 1)[1].split()
-                               if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
+    """What a measured table depends on besides the shapes: the CPU by name and by family /
+    model / stepping (a Zen 4 and a Zen 5 guest both read "AMD EPYC"), its vector and matrix
+    flags, torch, the threads and the kernels' sources."""
+    cpu = cpu_id()
+    flags = sorted(f for f in cpu.flags if f.startswith(("avx", "amx", "fma")))
     sources = hashlib.sha256()
     for path in sorted(CSRC.glob("*")):
         if path.suffix in (".cpp", ".h"):
             sources.update(path.name.encode() + path.read_bytes())
-    return {"format": FORMAT, "cpu": model, "isa": flags, "torch": torch.__version__,
+    return {"format": FORMAT, "cpu": cpu.label(), "isa": flags, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "sources": sources.hexdigest()[:16]}
 
 

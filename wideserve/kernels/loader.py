@@ -35,6 +35,7 @@ import torch
 
 from wideserve.kernels.build import (CSRC, LIBRARY, MANIFEST, PREBUILT, Variant, all_variants,
                                      compile_variants, compiler, source_key)
+from wideserve.utils.cpu_id import cpu_id
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,9 @@ class LoadedKernels:
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them; outside Linux, torch's detected
     capability mapped onto the flags the variants need."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    flags = cpu_id().flags
+    if flags:
+        return flags
     capability = torch.backends.cpu.get_cpu_capability()
     fits = [v for v in all_variants() if v.name == capability.lower()]
     return fits[0].cpu_flags if fits else frozenset()
