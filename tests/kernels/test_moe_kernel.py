@@ -30,7 +30,8 @@ CASES = {  # name: (experts, k, hidden, intermediate, tokens, limit, routing)
     "wide-tiles": (3, 2, 80, 200, 21, 1.0, "all"),     # >1 row tile, output-block tails
     "top-1": (6, 1, 32, 16, 9, None, "all"),          # each token's one row writes it
     # expert e gets e + 1 rows: every split into a full first tile and balanced passes (1-17
-    # rows: 17 as 8 + 5 + 4 up, 7 + 5 + 5 down), the tiles that stream the next group ahead
+    # rows: 1-14 in one up pass, 15 as 8 + 7 and 17 as 8 + 5 + 4 up, 17 as 7 + 5 + 5 down),
+    # the tiles that stream the next group ahead
     "ramp": (17, 1, 160, 48, 153, None, "ramp"),
 }
 

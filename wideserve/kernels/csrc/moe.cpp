@@ -191,11 +191,11 @@ void run_experts(bool fast, const T* x, const T* w13, const T* w2, const Rows& r
       const T* w = w13 + e * e13 + j * g.up_group_size();
       // streamed ahead by the first pass over the group, the one that reads it from memory
       const T* next = next_group(w13, e13, g.up_group_size(), rows, i, j, j_begin, j_end);
-      group_tiles<kRowsUp>(rows.offsets[e], rows.offsets[e + 1], [&](auto m, int64_t r,
-                                                                    bool first) {
-        up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act,
-                                       first ? next : nullptr);
-      });
+      group_tiles<kRowsUp, kRowsUpOnePass>(
+          rows.offsets[e], rows.offsets[e + 1], [&](auto m, int64_t r, bool first) {
+            up_tile<T, decltype(m)::value>(fast, x, rows, r, w, g, j, clamp, limit, act,
+                                           first ? next : nullptr);
+          });
     }
   };
   const bool expert_major = g.up_groups >= 2 * at::get_num_threads();

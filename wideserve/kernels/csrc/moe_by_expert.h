@@ -160,7 +160,7 @@ inline void run_by_expert(const at::BFloat16* x, const at::BFloat16* w13,
     for (int64_t j = 0; j < g.up_groups; ++j) {
       const T* w = w13 + e * e13 + j * usz;
       const T* next = j + 1 < g.up_groups ? w + usz : w2 + e * e2;
-      group_tiles<kRowsUp>(r0, r1, [&](auto m, int64_t r, bool first) {
+      group_tiles<kRowsUp, kRowsUpOnePass>(r0, r1, [&](auto m, int64_t r, bool first) {
         up_tile_bf16<decltype(m)::value>(x, rows, r, w, g, j, clamp, limit, act,
                                          first ? next : nullptr);
       });

@@ -25,6 +25,14 @@ using namespace wideserve_gemm;
 // rows (BENCHMARKS.md, "Zen 4: down tiles of 6 rows", and "Zen 4: expert tiles stream their
 // weights ahead" for 7).
 constexpr int kRowsUp = 8;       // rows per register tile in phase 1 (gate + up: 16 accs)
+// ... but an expert of at most kRowsUpOnePass rows runs each gate/up group in one pass (up
+// to 28 accs + 2 weight registers): at the 653M model's batch-64 decode (~8 rows an expert,
+// 9-14 for a third of them) a second pass re-read each group from L2 for a few rows, and
+// one pass took the decode experts to 0.93-0.94 of the time on the Zen 5. Where an expert
+// has more rows, passes of 8 stay: with the weights in the caches (the 11M model at 128
+// tokens) balanced passes of up to 14 were 1.05x slower (the tile's row pointers spill to
+// the stack). BENCHMARKS.md, "Zen 5: the first measurements".
+constexpr int kRowsUpOnePass = 14;
 constexpr int kRowsDown = 7;     // rows per register tile in phase 2 ...
 constexpr int kBlocksDown = 4;   // ... times output blocks (28 accs): a down group
 

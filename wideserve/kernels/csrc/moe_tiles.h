@@ -127,9 +127,14 @@ void down_tile_results(const at::BFloat16* act, int64_t r0, int64_t r, const at:
 
 // tile(m, r, first) over the register tiles of one weight group for rows [r0, r1) of its
 // expert (m: the tile's rows as an integral constant; `first`: the pass that reads the group
-// from memory, and the one that asks for the next group ahead).
-template <int Most, typename Tile>
+// from memory, and the one that asks for the next group ahead): one tile where the rows are
+// at most `One`, else passes of at most `Most` rows.
+template <int Most, int One = Most, typename Tile>
 void group_tiles(int64_t r0, int64_t r1, Tile&& tile) {
+  static_assert(One >= Most);
+  if constexpr (One > Most) {
+    if (r1 - r0 <= One) return with_rows<One>(r1 - r0, [&](auto m) { tile(m, r0, true); });
+  }
   for (int64_t r = r0, n; r < r1; r += n) {
     const bool first = r == r0;
     n = next_tile_rows(r1 - r, Most, first);
