@@ -41,7 +41,8 @@ part() { [[ " ${PARTS:-offline prefill sampled serve roofline} " == *" $1 "* ]];
 # The machine: every figure of the table carries it (BENCHMARKS.md's rule).
 # The name with the family / model / stepping: a Zen 4 and a Zen 5 guest both read "AMD EPYC".
 field() { lscpu | sed -n "s/^$1: *//p" | head -1; }
-cpu="$(field 'Model name') (family $(field 'CPU family') model $(field 'Model') stepping $(field 'Stepping'))"
+cpu=$(field 'Model name') fam=$(field 'CPU family')
+[[ -z $fam ]] || cpu+=" (family $fam model $(field 'Model') stepping $(field 'Stepping'))"
 isa=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' \
   | grep -E '^(avx2|avx512f|avx512_bf16|avx512_fp16|avx512_vnni|amx_bf16|amx_int8|amx_tile)$' \
   | tr '\n' ' ' | sed 's/ $//')
