@@ -135,7 +135,9 @@ def verify(kc: ch.KernelChoice, model: str, repeats: int,
             checked += 1
             tl = f"{t['torch']:.0f} | {t['torch'] / t[chosen]:.2f}x" if "torch" in t \
                 else "- | -"
-            lines.append(f"| {label} {n}x{k} | {bucket} ({rows}) | {chosen} | "
+            # an LM head is timed on a slice of its columns, as the engine's choice times it
+            sliced = f" ({shape[0]} columns timed)" if shape[0] < n else ""
+            lines.append(f"| {label} {n}x{k}{sliced} | {bucket} ({rows}) | {chosen} | "
                          f"{t[chosen]:.0f} | {best} {t[best]:.0f} | {ratio:.2f} | {tl} |")
     lines.append(f"\nworst chosen / best: {worst:.2f}; within {GOAL - 1:.0%} of the best at "
                  f"{checked - misses} / {checked} row counts ({retimed} re-timed after a first "
