@@ -91,7 +91,8 @@ struct NextShare {
 
 // 8 KB: on the Zen 4 with the host at ~60 GB/s, the 653M experts from memory at ~8 rows ran
 // 2-4% slower than with none at 4 KB, 9-13% faster at 8-16 KB (BENCHMARKS.md, "Zen 4: expert
-// tiles stream their weights ahead").
+// tiles stream their weights ahead"); on the Zen 5 at ~63 GB/s, 4 / 16 / 32 KB were 1.04 /
+// 1.02 / 1.03x the time of 8 KB, none 1.22x ("Zen 5: the first measurements").
 constexpr int64_t kStreamAhead = 8192;
 
 // AVX512-BF16: the same product, bf16 pairs, fp32 accumulators in registers. `next`
