@@ -1,4 +1,6 @@
 """The CPU's identity as the kernel choice's cache key and the benchmark reports carry it."""
+import platform
+
 from wideserve.utils.cpu_id import CpuId, cpu_id, parse_cpuinfo
 
 # Two processors of a KVM guest on a Zen 5 EPYC; the second's fields must not override the
@@ -40,3 +42,10 @@ def test_no_numbers_no_parentheses_and_a_missing_file_is_no_error(tmp_path):
     assert CpuId(model_name="Apple M3").label() == "Apple M3"
     missing = cpu_id(tmp_path / "cpuinfo")
     assert missing.flags == frozenset() and missing.model_name
+
+
+def test_an_entry_without_a_model_name_takes_the_platforms(tmp_path):
+    arm = tmp_path / "cpuinfo"
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\n\n")
+    got = cpu_id(arm)
+    assert got.model_name == (platform.processor() or "unknown") and got.flags == frozenset()

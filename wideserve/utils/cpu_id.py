@@ -8,6 +8,8 @@ figure and cached table carries includes them.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,26 +38,27 @@ _KEYS = {"model name": "model_name", "vendor_id": "vendor", "cpu family": "famil
 
 
 def parse_cpuinfo(text: str) -> CpuId:
-    """The first processor's entry of a /proc/cpuinfo text."""
+    """The first processor's entry of a /proc/cpuinfo text (it ends at the first blank line)."""
     found: dict[str, str] = {}
     flags: frozenset[str] = frozenset()
-    for line in text.splitlines():
-        if not line.strip():
-            if found:
-                break   # the first processor's block ends
-            continue
+    for line in text.strip().split("\n\n", 1)[0].splitlines():
         key, _, value = line.partition(":")
         key, value = key.strip(), value.strip()
-        if key in _KEYS and _KEYS[key] not in found:
+        if key in _KEYS:
             found[_KEYS[key]] = value
-        elif key == "flags" and not flags:
+        elif key == "flags":
             flags = frozenset(value.split())
     return CpuId(flags=flags, **found)
 
 
+@functools.cache
 def cpu_id(path: Path = CPUINFO) -> CpuId:
-    """This machine's CPU; outside Linux only the processor's name (no flags)."""
+    """This machine's CPU (read once). Where /proc/cpuinfo names no model (Arm) or is absent
+    (outside Linux), the name is the platform's processor string."""
     try:
-        return parse_cpuinfo(path.read_text())
+        found = parse_cpuinfo(path.read_text())
     except OSError:
-        return CpuId(model_name=platform.processor() or "unknown")
+        found = CpuId()
+    if found.model_name == "unknown":
+        found = dataclasses.replace(found, model_name=platform.processor() or "unknown")
+    return found
