@@ -3,6 +3,11 @@ run: offline throughput (`wideserve bench throughput`) and serving TTFT at concu
 busy front end at concurrency 8 (`wideserve serve` + `wideserve bench serve`).
 
   PYTHONPATH=. python benchmarks/threads_default.py [MODEL] [--rounds 2] [--configs default,1,2]
+      [--busy]
+
+--busy: each offline run once more beside another process that keeps one CPU busy (a Python
+loop, started before the engine and stopped after it): `offline_busy_out_tok_s`, what the
+default's governor (utils/thread_governor.py) must not lose while LLM()'s spare core is taken.
 
 OMP_NUM_THREADS is removed from every child's environment, so "default" is what a user gets
 out of the box. Prints one line per run and a median per config.
@@ -35,12 +40,19 @@ def _flags(config: str) -> list[str]:
     return [] if config == "default" else ["--threads", config]
 
 
-def offline(model: list[str], config: str, out: Path, prompts: int) -> float:
-    subprocess.run(CLI + ["bench", "throughput", *model, *_flags(config), "--num-prompts",
-                          str(prompts), "--input-len", "128", "--output-len", "64",
-                          "--no-progress",
-                          "--output-json", str(out)],
-                   env=_env(), check=True, stdout=subprocess.DEVNULL)
+def offline(model: list[str], config: str, out: Path, prompts: int,
+            busy: bool = False) -> float:
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        subprocess.run(CLI + ["bench", "throughput", *model, *_flags(config), "--num-prompts",
+                              str(prompts), "--input-len", "128", "--output-len", "64",
+                              "--no-progress",
+                              "--output-json", str(out)],
+                       env=_env(), check=True, stdout=subprocess.DEVNULL)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     return json.loads(out.read_text())["backends"]["wideserve"]["output_tokens_per_s"]
 
 
@@ -94,6 +106,8 @@ def main() -> None:
                     help="serving: requests per concurrent client")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--busy", action="store_true",
+                    help="offline also beside a process keeping one CPU busy")
     args = ap.parse_args()
     model = [args.model] if args.model else []
     configs = args.configs.split(",")
@@ -107,6 +121,10 @@ def main() -> None:
                     row["offline_out_tok_s"] = offline(model, config,
                                                        Path(tmp) / f"off-{rnd}-{config}.json",
                                                        args.offline_prompts)
+                    if args.busy:
+                        row["offline_busy_out_tok_s"] = offline(
+                            model, config, Path(tmp) / f"busy-{rnd}-{config}.json",
+                            args.offline_prompts, busy=True)
                 if not args.skip_serving:
                     row.update(serving(model, config, args.port,
                                        Path(tmp) / f"srv-{rnd}-{config}.json",

@@ -67,9 +67,14 @@ def test_flag_then_env_override_the_count() -> None:
 
 def test_in_process_engine_is_never_bound_and_never_raised() -> None:
     assert plan_in_process(current=8, cpus=[0, 1], env=NO_ENV) == \
-        ThreadPlan(1, (), "auto", "2 cores, 1 left to other work")
+        ThreadPlan(1, (), "auto", "2 cores, 1 left to other work", upto=2)
     assert plan_in_process(current=8, cpus=range(8), env=NO_ENV).threads == 7
     assert plan_in_process(current=2, cpus=range(8), env=NO_ENV).threads == 2
+    # The spare core may be lent (thread_governor.py), never above the caller's count.
+    assert plan_in_process(current=8, cpus=range(8), env=NO_ENV).upto == 8
+    assert plan_in_process(current=2, cpus=range(8), env=NO_ENV).upto == 2
+    assert plan_in_process(current=1, cpus=[0, 1], env=NO_ENV).upto == 1
+    assert plan_in_process(2, current=8, cpus=[0, 1], env=NO_ENV).upto == 0
     assert plan_in_process(current=4, cpus=[5], env=NO_ENV).threads == 1
     assert plan_in_process(4, current=1, cpus=[0, 1], env=NO_ENV).threads == 4
     assert plan_in_process(current=1, cpus=[0, 1], env={"OMP_NUM_THREADS": "2"}).threads == 2
@@ -79,6 +84,9 @@ def test_describe_names_cpus_and_source() -> None:
     text = ThreadPlan(3, (1, 2, 3, 6), "auto", "8 cores, 1 kept for the front end").describe()
     assert text == ("3 torch threads, bound to CPU 1-3,6 (auto; 8 cores, 1 kept for the "
                     "front end)")
+    lent = ThreadPlan(1, (), "auto", "2 cores, 1 left to other work", upto=2).describe()
+    assert lent == ("1 torch thread (2 while no other process uses the spare core), not "
+                    "bound (auto; 2 cores, 1 left to other work)")
 
 
 _ENGINE_PROBE = """

@@ -10,6 +10,9 @@ import torch
 
 from oracle import hf_greedy, mixed_prompts, save_hf
 from wideserve import LLM, SamplingParams
+from wideserve.serving.llm import _governor
+from wideserve.utils.thread_governor import CpuTimes, GovernorConfig, ThreadGovernor
+from wideserve.utils.threads import ThreadPlan
 
 MAX_NEW = 8
 LENGTHS = [3, 9, 17, 30, 41, 5, 64, 12, 27, 50, 8, 33, 19, 70, 2, 45]  # 16 prompts
@@ -79,6 +82,44 @@ def _llm(case, **kw) -> LLM:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return LLM(case["path"], **args)
+
+
+class _Flipping:
+    """CPU counters in which other processes take a whole CPU every second window, and the
+    clock a window per reading: a governor on them switches the thread count at each step."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.n = 0.0, 0.0, 0
+
+    def clock(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def read(self) -> CpuTimes:
+        self.n += 1
+        self.busy += self.n % 2
+        return CpuTimes(self.busy, 0.0)
+
+
+def test_thread_switches_do_not_change_outputs(case):
+    """LLM()'s governor lends the spare core while it is idle (utils/thread_governor.py):
+    the thread count moving between steps changes no greedy token."""
+    llm = _llm(case, threads=1)
+    fake, before = _Flipping(), torch.get_num_threads()
+    llm._governor = ThreadGovernor(1, 2, [0, 1], GovernorConfig(raise_after_max=1),
+                                   read=fake.read, clock=fake.clock)
+    try:
+        assert _generate(llm, case["prompts"]) == case["expected"]
+    finally:
+        torch.set_num_threads(before)
+    assert llm._governor.switches >= MAX_NEW        # a switch at (about) every step
+    _check_idle(llm)
+    # Which engines get one: a plan with a core to lend; never a fixed count, nor the
+    # batch-invariant mode (a bucket's kernel may differ between counts).
+    assert isinstance(_governor(ThreadPlan(1, (), "auto", upto=2), llm.engine), ThreadGovernor)
+    assert _governor(ThreadPlan(1, (), "--threads"), llm.engine) is None
+    invariant = _llm(case, threads=1, batch_invariant=True)
+    assert _governor(ThreadPlan(1, (), "auto", upto=2), invariant.engine) is None
 
 
 def _check_idle(llm: LLM) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from wideserve.kernels import choice as ch
 from wideserve.kernels import loader
 from wideserve.kernels.choice import KernelChoice, KernelPolicy
+from wideserve.layers import linear as lin
 from wideserve.layers.linear import KERNEL_FNS, WeightPack
 
 ROWS = (0, 1, 3, 7, 17, 70, 300)           # every bucket, odd counts, several row blocks
@@ -124,6 +125,41 @@ def test_thread_count_change_replans(tmp_path, monkeypatch) -> None:
     finally:
         torch.set_num_threads(threads)
     assert seen == [1, 2]
+
+
+def test_a_replan_keeps_the_layouts_it_still_needs(tmp_path, monkeypatch) -> None:
+    """Another thread count (utils/thread_governor.py) re-plans the same weights: the packed
+    copy a kernel of the new plan reads is the one already held; only a layout the new plan
+    adds is built, and one it no longer needs is dropped."""
+    if not {"micro", "brgemm", "onednn"} <= set(_runnable()):
+        pytest.skip("needs the micro-kernel, brgemm and oneDNN")
+    plans = {1: ("micro",) * 3 + ("brgemm",) * 3, 2: ("micro",) * 3 + ("onednn",) * 3,
+             3: ("onednn",) * 6}
+    monkeypatch.setattr(KernelChoice, "plan", lambda self, family, n, k, dtype, allowed=None:
+                        plans[torch.get_num_threads()])
+    packs = []
+    real = lin.gemm.pack_linear
+    monkeypatch.setattr(lin.gemm, "pack_linear", lambda w: packs.append(1) or real(w))
+    pack = WeightPack(KernelChoice(KernelPolicy(cache_dir=tmp_path)))
+    ws, bs = _weights(seed=5)
+    x = torch.randn(3, 40).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = pack.linear(x, ws, bs)
+        panel = pack._calls[0].weight
+        torch.set_num_threads(2)
+        assert torch.equal(pack.linear(x, ws, bs), ref)        # micro again, at 3 rows
+        assert pack._calls[0].weight is panel and len(packs) == 1
+        onednn = pack._calls[-1].weight
+        torch.set_num_threads(3)
+        pack.linear(x, ws, bs)
+        assert {id(c.weight) for c in pack._calls} == {id(onednn)}
+        torch.set_num_threads(1)
+        assert torch.equal(pack.linear(x, ws, bs), ref)
+        assert len(packs) == 2                                  # dropped, so packed again
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_fp32_weights_stay_plain(tmp_path) -> None:

@@ -102,6 +102,10 @@ class GemmCall(NamedTuple):
         return self.fn(x, self.weight, self.bias, self.out, widen)
 
 
+# The layout each packed kernel reads (the others read the weight as loaded).
+_LAYOUT = {"micro": "panel", "brgemm": "panel", "onednn": "onednn"}
+
+
 class WeightPack:
     """The prepared copy of one or more [out_i, in] weights (and biases), concatenated on
     the output axis in the order given, and the GEMM per token-count bucket. Not a module: it
@@ -169,14 +173,17 @@ class WeightPack:
         elif self.batch_invariant and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and self.cpu_kernel and cpu_ops_available():
             plan = ("micro",) * len(BUCKETS)    # its fp32 loop: one order for every row
+        # The same weights re-planned (another thread count: utils/thread_governor.py) keep
+        # the layouts already packed; only a layout the new plan adds is built.
+        held = {_LAYOUT[c.kernel]: c.weight for c in self._calls if c.kernel in _LAYOUT} \
+            if self._key is not None and self._key[0] == key[0] else {}
         layouts: dict[str, torch.Tensor] = {}
         if "micro" in plan or "brgemm" in plan:
-            layouts["panel"] = gemm.pack_linear(w)
+            layouts["panel"] = held["panel"] if "panel" in held else gemm.pack_linear(w)
         if "onednn" in plan:
-            layouts["onednn"] = prepack(w)
-        where = {"micro": "panel", "brgemm": "panel", "onednn": "onednn"}
-        self._calls = tuple(GemmCall(k, KERNEL_FNS[k], layouts[where[k]] if k in where else w,
-                                     b, w.shape[0]) for k in plan)
+            layouts["onednn"] = held["onednn"] if "onednn" in held else prepack(w)
+        self._calls = tuple(GemmCall(k, KERNEL_FNS[k], layouts[_LAYOUT[k]] if k in _LAYOUT
+                                     else w, b, w.shape[0]) for k in plan)
         self._plain = plan == ("torch",) * len(BUCKETS)
         self._out = w.shape[0]
         self._key = key

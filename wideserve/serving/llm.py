@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
@@ -30,7 +31,10 @@ from wideserve.types.multimodal import ImageInput
 from wideserve.utils.extras import require_kv_connector
 from wideserve.types.outputs import RequestOutput
 from wideserve.types.sampling_params import SamplingParams
-from wideserve.utils.threads import plan_in_process
+from wideserve.kernels import weight_stream
+from wideserve.kernels.loader import cpu_ops_available
+from wideserve.utils.thread_governor import CpuTimes, ThreadGovernor, reading_now
+from wideserve.utils.threads import ThreadPlan, plan_in_process
 from wideserve.text.tokenizer import Tokenizer
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
@@ -48,11 +52,29 @@ def load_tokenizer(model_path, tokenizer: str | None) -> Tokenizer:
     return Tokenizer.from_pretrained(model_path)
 
 
-def _set_threads(threads: int | None) -> None:
+def _set_threads(threads: int | None) -> ThreadPlan:
     import torch
     plan = plan_in_process(threads, current=torch.get_num_threads())
     plan.apply()
     logger.info("LLM engine: %s", plan.describe())
+    return plan
+
+
+def _governor(plan: ThreadPlan, engine: EngineCore,
+              since: tuple[float, CpuTimes | None] | None = None) -> ThreadGovernor | None:
+    """The governor lending the spare core while it is idle (utils/thread_governor.py), where
+    the plan leaves one and nothing else of this process holds it or needs a fixed count;
+    `since`: its first window's start (before the engine loaded)."""
+    if plan.upto <= plan.threads or engine.device.type != "cpu":
+        return None
+    if cpu_ops_available() and weight_stream.active():
+        logger.info("LLM engine: the spare core runs the weight-streaming helper; not lent")
+        return None
+    if engine.config.kernels.batch_invariant:
+        logger.info("LLM engine: batch-invariant mode keeps %d threads", plan.threads)
+        return None
+    return ThreadGovernor(plan.threads, plan.upto, sorted(os.sched_getaffinity(0)),
+                          since=since)
 
 
 class LLM:
@@ -79,11 +101,14 @@ class LLM:
             # N ranks are N engine-core processes (wideserve/serving/dp_offline.py).
             from wideserve.serving.dp_offline import SyncDPEngine
             self.engine: Any = SyncDPEngine(config)
+            self._governor = None           # each rank's process runs its own plan
             self._finalizer = weakref.finalize(self, self.engine.close)
             model_path = self.engine.model_path
         else:
-            _set_threads(config.parallel.threads)
+            plan = _set_threads(config.parallel.threads)
+            since = reading_now(sorted(os.sched_getaffinity(0)))
             self.engine = EngineCore(config)
+            self._governor = _governor(plan, self.engine, since)
             model_path = self.engine.loaded.path
         self._config = config
         self._images: ImageSupport | None | bool = False     # False: not looked up yet
@@ -230,6 +255,8 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
+                if self._governor is not None:
+                    self._governor.tick()
                 processed = self.processor.process_outputs(self.engine.step())
                 failed.update(processed.failed)
                 if processed.reqs_to_abort:

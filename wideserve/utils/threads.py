@@ -23,8 +23,11 @@ automatic count (one core fewer than the process may use, as for a served engine
 torch's thread count, never raises one the caller set. An OpenMP team as wide as the machine
 collapses as soon as anything else runs on it (offline on 2 cores beside other work: 2 threads
 7-16 tok/s against 420-800 for 1 thread, benchmarks/threads_default.py), while one thread
-fewer costs at most 1/N on an idle machine (2 idle cores: 2 threads ~1.27x of 1 on a Zen 4,
-1.37x on a Zen 5).
+fewer costs up to 1/N on an idle machine (2 idle cores: 2 threads ~1.27x of 1 on a Zen 4,
+1.37-1.54x on a Zen 5). So the plan's `upto` is the full count (never above the caller's),
+and `LLM()` lends the spare core to its engine while no other process uses it
+(utils/thread_governor.py). A served engine does not borrow it: the front end it is kept for
+wakes at every request, faster than a reading window.
 """
 from __future__ import annotations
 
@@ -44,10 +47,14 @@ class ThreadPlan:
     source: str                    # "--threads", "OMP_NUM_THREADS" or "auto"
     note: str = ""                 # why these cores, for the log line
     spare: tuple[int, ...] = ()    # bound plans: the usable cores left to other work
+    upto: int = 0                  # LLM()'s automatic plan: the count the governor may run
+                                   # while the spare core is idle (utils/thread_governor.py)
 
     def describe(self) -> str:
         where = f"bound to CPU {_ranges(self.cpus)}" if self.cpus else "not bound"
-        return (f"{self.threads} torch thread{'s' * (self.threads != 1)}, {where} "
+        lent = f" ({self.upto} while no other process uses the spare core)" \
+            if self.upto > self.threads else ""
+        return (f"{self.threads} torch thread{'s' * (self.threads != 1)}{lent}, {where} "
                 f"({self.source}{'; ' + self.note if self.note else ''})")
 
     def apply(self) -> None:
@@ -155,8 +162,10 @@ def plan_in_process(threads: int | None = None, *, current: int,
     cores = physical_cores(cpus if cpus is not None else sorted(os.sched_getaffinity(0)),
                            core_id)
     auto = max(1, len(cores) - 1)
-    return ThreadPlan(min(current, auto), (), source,
-                      f"{len(cores)} cores, {len(cores) - auto} left to other work")
+    threads = min(current, auto)
+    return ThreadPlan(threads, (), source,
+                      f"{len(cores)} cores, {len(cores) - auto} left to other work",
+                      upto=max(threads, min(current, len(cores))))
 
 
 def apply_engine_plan(threads: int | None, rank: int, ranks: int) -> ThreadPlan:
