@@ -160,6 +160,22 @@ def test_cpus_a_full_team_leaves_free_are_headroom() -> None:
     assert gov.tick() == 1
 
 
+def test_the_first_window_is_completed_and_decided() -> None:
+    fake = Fake()
+    gov = _governor(fake)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:       # the engine loaded in a fifth of a window
+        slept.append(seconds)
+        fake.window(0.0, seconds=seconds)
+    fake.window(0.0, seconds=gov.config.interval_s / 5)
+    assert gov.first_window(sleep) == 2
+    assert slept == [pytest.approx(gov.config.interval_s * 4 / 5)]
+    slow = _governor(fake)                    # a load longer than a window: no sleep
+    fake.window(0.0, seconds=2 * gov.config.interval_s)
+    assert slow.first_window(sleep) == 2 and len(slept) == 1
+
+
 def test_unreadable_counters_keep_the_plans_count() -> None:
     fake = Fake()
     fake.none = True

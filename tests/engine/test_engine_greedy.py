@@ -110,16 +110,19 @@ def test_thread_switches_do_not_change_outputs(case):
                                    read=fake.read, clock=fake.clock)
     try:
         assert _generate(llm, case["prompts"]) == case["expected"]
+        assert llm._governor.switches >= MAX_NEW        # a switch at (about) every step
+        _check_idle(llm)
+        # Which engines get one: a plan with a core to lend (its first window read at once,
+        # on this machine's counters); never a fixed count, nor the batch-invariant mode (a
+        # bucket's kernel may differ between counts).
+        torch.set_num_threads(1)                        # the plan's count, applied
+        lent = _governor(ThreadPlan(1, (), "auto", upto=2), llm.engine)
+        assert isinstance(lent, ThreadGovernor) and torch.get_num_threads() == lent.threads
+        assert _governor(ThreadPlan(1, (), "--threads"), llm.engine) is None
+        invariant = _llm(case, threads=1, batch_invariant=True)
+        assert _governor(ThreadPlan(1, (), "auto", upto=2), invariant.engine) is None
     finally:
         torch.set_num_threads(before)
-    assert llm._governor.switches >= MAX_NEW        # a switch at (about) every step
-    _check_idle(llm)
-    # Which engines get one: a plan with a core to lend; never a fixed count, nor the
-    # batch-invariant mode (a bucket's kernel may differ between counts).
-    assert isinstance(_governor(ThreadPlan(1, (), "auto", upto=2), llm.engine), ThreadGovernor)
-    assert _governor(ThreadPlan(1, (), "--threads"), llm.engine) is None
-    invariant = _llm(case, threads=1, batch_invariant=True)
-    assert _governor(ThreadPlan(1, (), "auto", upto=2), invariant.engine) is None
 
 
 def _check_idle(llm: LLM) -> None:

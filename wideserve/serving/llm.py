@@ -73,8 +73,10 @@ def _governor(plan: ThreadPlan, engine: EngineCore,
     if engine.config.kernels.batch_invariant:
         logger.info("LLM engine: batch-invariant mode keeps %d threads", plan.threads)
         return None
-    return ThreadGovernor(plan.threads, plan.upto, sorted(os.sched_getaffinity(0)),
-                          since=since)
+    governor = ThreadGovernor(plan.threads, plan.upto, sorted(os.sched_getaffinity(0)),
+                              since=since)
+    governor.first_window()
+    return governor
 
 
 class LLM:

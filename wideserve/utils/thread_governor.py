@@ -118,6 +118,15 @@ class ThreadGovernor:
         self._decide(others / (now - start) - self._headroom)
         return self.threads
 
+    def first_window(self, sleep: Callable[[float], None] = time.sleep) -> int:
+        """Completes the first window (sleeping what is left of `interval_s`: only where the
+        engine loaded faster than that) and decides on it, so that the first step already
+        runs the count it says."""
+        left = self.config.interval_s - (self._clock() - self._last[0])
+        if left > 0:
+            sleep(left)
+        return self.tick()
+
     def _decide(self, others: float) -> None:
         cfg = self.config
         if others >= cfg.lower_at:
