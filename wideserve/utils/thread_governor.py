@@ -5,8 +5,8 @@ An automatic in-process plan (utils/threads.py) runs one torch thread fewer than
 an OpenMP team as wide as the machine loses most of its speed as soon as another process
 wants a core (its threads wait at every barrier for the one that was descheduled), while one
 thread fewer costs up to 1/N on an idle machine. On 2 cores of a Zen 5 the second thread is
-worth 1.4-1.5x offline when idle and makes the engine 2.2x slower than one thread beside a
-busy process (BENCHMARKS.md, "Zen 5: the spare core lent while idle"). The governor takes
+worth 1.5-1.8x offline when idle, and beside a busy process it makes the engine 1.5-2.2x
+slower than one thread (BENCHMARKS.md, "Zen 5: the spare core lent while idle"). The governor takes
 the better of both: between engine steps, at most every `interval_s`, it reads how much CPU
 time the other processes took on the CPUs this process may use (/proc/stat's busy time less
 this process's own, /proc/self/stat); it runs the full count once they took less than

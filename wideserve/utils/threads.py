@@ -24,7 +24,7 @@ torch's thread count, never raises one the caller set. An OpenMP team as wide as
 collapses as soon as anything else runs on it (offline on 2 cores beside other work: 2 threads
 7-16 tok/s against 420-800 for 1 thread, benchmarks/threads_default.py), while one thread
 fewer costs up to 1/N on an idle machine (2 idle cores: 2 threads ~1.27x of 1 on a Zen 4,
-1.37-1.54x on a Zen 5). So the plan's `upto` is the full count (never above the caller's),
+1.4-1.8x on a Zen 5). So the plan's `upto` is the full count (never above the caller's),
 and `LLM()` lends the spare core to its engine while no other process uses it
 (utils/thread_governor.py). A served engine does not borrow it: the front end it is kept for
 wakes at every request, faster than a reading window.
