@@ -20,6 +20,16 @@ def test_served_engine_leaves_a_core_to_the_front_end() -> None:
     assert (plan.threads, plan.cpus) == (7, tuple(range(1, 8)))
 
 
+def test_only_a_single_automatic_engine_may_borrow_the_front_ends_core() -> None:
+    plan = plan_engine(cpus=[0, 1], env=NO_ENV)
+    assert (plan.spare, plan.upto, plan.watched_cpus()) == ((0,), 2, (0, 1))
+    assert plan_engine(cpus=range(8), env=NO_ENV).upto == 8
+    assert plan_engine(cpus=[3], env=NO_ENV).upto == 0                  # nothing kept
+    assert plan_engine(2, cpus=range(8), env=NO_ENV).upto == 0          # a set count
+    assert all(plan_engine(rank=r, ranks=2, cpus=range(8), env=NO_ENV).upto == 0
+               for r in range(2))                                       # data parallel
+
+
 def test_single_core_is_not_reserved() -> None:
     assert plan_engine(cpus=[3], env=NO_ENV).cpus == (3,)
 
@@ -114,7 +124,8 @@ def test_engine_process_applies_and_logs_its_plan() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"threads": 1, "affinity": [cpus[1]]}     # every thread moved
-    assert "[engine] 1 torch thread, bound to CPU" in out.stderr
+    assert "[engine] 1 torch thread (2 while no other process uses the spare core), bound " \
+        "to CPU" in out.stderr
     # A data-parallel rank: rank 1 of 2 on the two CPUs takes the second.
     cmd[-1] = _ENGINE_PROBE.format(cpus=cpus,
                                    parallel="data_parallel_size=2, data_parallel_rank=1")
@@ -128,6 +139,33 @@ def test_engine_process_applies_and_logs_its_plan() -> None:
                          text=True, env=dict(env, OMP_NUM_THREADS="2"), timeout=120,
                          check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"threads": 2, "affinity": cpus}
+
+
+_LEND_PROBE = """
+import json, os, threading
+import torch
+from wideserve.utils.threads import ThreadPlan
+plan = ThreadPlan(1, ({own},), "auto", spare=({spare},), upto=2)
+plan.apply()
+t = threading.Thread(target=threading.Event().wait, args=(60,), daemon=True); t.start()
+def seen():
+    tasks = os.listdir("/proc/self/task")
+    return [torch.get_num_threads(),
+            sorted({{c for tid in tasks for c in os.sched_getaffinity(int(tid))}})]
+rows = [seen()]
+plan.set_count(2); rows.append(seen())
+plan.set_count(1); rows.append(seen())
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to lend one")
+def test_a_bound_plan_lends_its_spare_core_to_every_thread() -> None:
+    own, spare = sorted(os.sched_getaffinity(0))[1], sorted(os.sched_getaffinity(0))[0]
+    cmd = [sys.executable, "-c", _LEND_PROBE.format(own=own, spare=spare)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == \
+        [[1, [own]], [2, sorted([own, spare])], [1, [own]]]
 
 
 def test_threads_flag_reaches_the_engine_config() -> None:

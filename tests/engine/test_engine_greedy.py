@@ -10,7 +10,7 @@ import torch
 
 from oracle import hf_greedy, mixed_prompts, save_hf
 from wideserve import LLM, SamplingParams
-from wideserve.serving.llm import _governor
+from wideserve.engine.spare_core import lend_spare_cores
 from wideserve.utils.thread_governor import CpuTimes, GovernorConfig, ThreadGovernor
 from wideserve.utils.threads import ThreadPlan
 
@@ -116,11 +116,11 @@ def test_thread_switches_do_not_change_outputs(case):
         # on this machine's counters); never a fixed count, nor the batch-invariant mode (a
         # bucket's kernel may differ between counts).
         torch.set_num_threads(1)                        # the plan's count, applied
-        lent = _governor(ThreadPlan(1, (), "auto", upto=2), llm.engine)
+        lent = lend_spare_cores(ThreadPlan(1, (), "auto", upto=2), llm.engine)
         assert isinstance(lent, ThreadGovernor) and torch.get_num_threads() == lent.threads
-        assert _governor(ThreadPlan(1, (), "--threads"), llm.engine) is None
+        assert lend_spare_cores(ThreadPlan(1, (), "--threads"), llm.engine) is None
         invariant = _llm(case, threads=1, batch_invariant=True)
-        assert _governor(ThreadPlan(1, (), "auto", upto=2), invariant.engine) is None
+        assert lend_spare_cores(ThreadPlan(1, (), "auto", upto=2), invariant.engine) is None
     finally:
         torch.set_num_threads(before)
 

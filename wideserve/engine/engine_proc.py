@@ -40,6 +40,8 @@ from wideserve.config import EngineConfig
 from wideserve.engine import engine_ipc as ipc
 from wideserve.engine.errors import DuplicateRequestError
 from wideserve.utils.procs import die_with_parent
+from wideserve.engine.spare_core import lend_spare_cores
+from wideserve.utils.thread_governor import ThreadGovernor, reading_now
 from wideserve.utils.threads import ThreadPlan, announce_engine_plan, apply_engine_plan
 
 DEFAULT_ENGINE = "wideserve.engine.engine_core:EngineCore"
@@ -98,6 +100,8 @@ class EngineLoop:
         # What the last AddRequests said the front end still holds (-1: not counted).
         self.front_pending = -1
         self.messages_in = 0        # messages taken off the input socket, ever
+        # Lends the engine the front end's core while it idles (set by run_engine_process).
+        self.governor: ThreadGovernor | None = None
 
     def set_arrival_window(self, gap_ms: float, max_ms: float) -> None:
         self.arrival_gap_ms, self.arrival_wait_max_ms = gap_ms, max_ms
@@ -129,6 +133,8 @@ class EngineLoop:
                 break
             outputs = []
             if self.engine.has_unfinished_requests():
+                if self.governor is not None:
+                    self.governor.tick()
                 start = time.perf_counter()
                 outputs = self.engine.step()
                 self.step_times.append(time.perf_counter() - start)
@@ -268,10 +274,13 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str,
     loop: EngineLoop | None = None
     try:
         plan = _set_torch_threads(config)
+        since = reading_now(plan.watched_cpus())
         engine = _load_engine(config, engine_path)
         announce_engine_plan(plan, *_local_rank(config))
         # A data-parallel lock-step rank brings its own loop (wideserve/distributed).
         loop = engine.loop_class(engine, input_addr, output_addr, parent_pid, heartbeat_s)
+        # The front end's core lent while it idles (utils/thread_governor.py).
+        loop.governor = lend_spare_cores(plan, engine, since)
         loop.set_arrival_window(config.scheduler.arrival_gap_ms,
                                 config.scheduler.arrival_wait_max_ms)
         loop.send_ready()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
@@ -31,9 +30,8 @@ from wideserve.types.multimodal import ImageInput
 from wideserve.utils.extras import require_kv_connector
 from wideserve.types.outputs import RequestOutput
 from wideserve.types.sampling_params import SamplingParams
-from wideserve.kernels import weight_stream
-from wideserve.kernels.loader import cpu_ops_available
-from wideserve.utils.thread_governor import CpuTimes, ThreadGovernor, reading_now
+from wideserve.engine.spare_core import lend_spare_cores
+from wideserve.utils.thread_governor import reading_now
 from wideserve.utils.threads import ThreadPlan, plan_in_process
 from wideserve.text.tokenizer import Tokenizer
 
@@ -58,25 +56,6 @@ def _set_threads(threads: int | None) -> ThreadPlan:
     plan.apply()
     logger.info("LLM engine: %s", plan.describe())
     return plan
-
-
-def _governor(plan: ThreadPlan, engine: EngineCore,
-              since: tuple[float, CpuTimes | None] | None = None) -> ThreadGovernor | None:
-    """The governor lending the spare core while it is idle (utils/thread_governor.py), where
-    the plan leaves one and nothing else of this process holds it or needs a fixed count;
-    `since`: its first window's start (before the engine loaded)."""
-    if plan.upto <= plan.threads or engine.device.type != "cpu":
-        return None
-    if cpu_ops_available() and weight_stream.active():
-        logger.info("LLM engine: the spare core runs the weight-streaming helper; not lent")
-        return None
-    if engine.config.kernels.batch_invariant:
-        logger.info("LLM engine: batch-invariant mode keeps %d threads", plan.threads)
-        return None
-    governor = ThreadGovernor(plan.threads, plan.upto, sorted(os.sched_getaffinity(0)),
-                              since=since)
-    governor.first_window()
-    return governor
 
 
 class LLM:
@@ -108,9 +87,10 @@ class LLM:
             model_path = self.engine.model_path
         else:
             plan = _set_threads(config.parallel.threads)
-            since = reading_now(sorted(os.sched_getaffinity(0)))
+            since = reading_now(plan.watched_cpus())
             self.engine = EngineCore(config)
-            self._governor = _governor(plan, self.engine, since)
+            # The spare core lent while no other process uses it (utils/thread_governor.py).
+            self._governor = lend_spare_cores(plan, self.engine, since)
             model_path = self.engine.loaded.path
         self._config = config
         self._images: ImageSupport | None | bool = False     # False: not looked up yet

@@ -1,5 +1,6 @@
-"""The spare core lent to `LLM()`'s engine while nothing else uses it (docs/cpu_kernels.md,
-"Threads").
+"""The spare cores of a thread plan lent to its engine while nothing else uses them
+(docs/cpu_kernels.md, "Threads"): `LLM()`'s in-process engine (the core left to the caller's
+other work) and a single served engine (the core kept for its front end).
 
 An automatic in-process plan (utils/threads.py) runs one torch thread fewer than the cores:
 an OpenMP team as wide as the machine loses most of its speed as soon as another process
@@ -16,10 +17,11 @@ for (work that comes and goes is not chased) until a loan lasts `settle_windows`
 changes is torch's thread count (`torch.set_num_threads`): layers keyed on the count re-plan
 from their cached kernel tables and keep their packed weights (layers/linear.py).
 
-Off where the spare core has another use or the count must not move: a count the caller set
-(`threads=`, OMP_NUM_THREADS), the weight-streaming helper on that core, batch-invariant
-mode (a bucket's kernel may differ between counts, and with it the last bits), fewer than two
-cores, or no /proc (then `CpuTimes.read` returns None and the plan's count stays).
+Off where the spare core has another use or the count must not move (engine/spare_core.py):
+a count that was set (`--threads`, `threads=`, OMP_NUM_THREADS), data-parallel ranks, the
+weight-streaming helper on that core, batch-invariant mode (a bucket's kernel may differ
+between counts, and with it the last bits), one core, or no /proc (then `CpuTimes.read`
+returns None and the plan's count stays).
 """
 from __future__ import annotations
 

@@ -26,8 +26,9 @@ collapses as soon as anything else runs on it (offline on 2 cores beside other w
 fewer costs up to 1/N on an idle machine (2 idle cores: 2 threads ~1.27x of 1 on a Zen 4,
 1.4-1.8x on a Zen 5). So the plan's `upto` is the full count (never above the caller's),
 and `LLM()` lends the spare core to its engine while no other process uses it
-(utils/thread_governor.py). A served engine does not borrow it: the front end it is kept for
-wakes at every request, faster than a reading window.
+(utils/thread_governor.py). A single served engine with an automatic plan borrows the core
+kept for its front end the same way, bound to it while lent: when the front end works (at
+every request, every streamed token), the reading says so within a window.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ class ThreadPlan:
     source: str                    # "--threads", "OMP_NUM_THREADS" or "auto"
     note: str = ""                 # why these cores, for the log line
     spare: tuple[int, ...] = ()    # bound plans: the usable cores left to other work
-    upto: int = 0                  # LLM()'s automatic plan: the count the governor may run
-                                   # while the spare core is idle (utils/thread_governor.py)
+    upto: int = 0                  # an automatic single engine's plan: the count it may run
+                                   # while the spare cores idle (utils/thread_governor.py)
 
     def describe(self) -> str:
         where = f"bound to CPU {_ranges(self.cpus)}" if self.cpus else "not bound"
@@ -56,6 +57,21 @@ class ThreadPlan:
             if self.upto > self.threads else ""
         return (f"{self.threads} torch thread{'s' * (self.threads != 1)}{lent}, {where} "
                 f"({self.source}{'; ' + self.note if self.note else ''})")
+
+    def set_count(self, threads: int) -> None:
+        """Run `threads` torch threads (the plan's count, or more on lent cores, up to
+        `upto`); a bound plan is bound to its own CPUs plus as many spare ones as the extra
+        threads (utils/thread_governor.py)."""
+        import torch
+        if self.cpus:
+            bind_process(self.cpus + self.spare[:max(0, threads - self.threads)])
+        torch.set_num_threads(threads)
+
+    def watched_cpus(self) -> tuple[int, ...]:
+        """The CPUs whose load decides a loan: a bound plan's own and spare ones, else those
+        the process may use."""
+        return tuple(sorted(self.cpus + self.spare)) if self.cpus else \
+            tuple(sorted(os.sched_getaffinity(0)))
 
     def apply(self) -> None:
         """Bind every thread of this process to `cpus` (threads created later inherit it),
@@ -145,10 +161,14 @@ def plan_engine(threads: int | None = None, *, rank: int = 0, ranks: int = 1,
     note = f"{len(cores)} cores, {reserve} kept for the front end" if reserve else \
         f"{len(cores)} cores"
     own = tuple(cores[first:first + per_rank])
+    spare_cores = tuple(c for c in cores[:reserve] + cores[per_rank * ranks + reserve:]
+                        if c not in own)
+    # One automatic engine may borrow the cores it leaves to the front end while they idle
+    # (utils/thread_governor.py); data-parallel ranks keep their slices.
+    upto = per_rank + len(spare_cores) if count is None and ranks == 1 and spare_cores else 0
     return ThreadPlan(per_rank, own, source,
                       note + (f", rank {rank} of {ranks}" if ranks > 1 else ""),
-                      spare=tuple(c for c in cores[:reserve] + cores[per_rank * ranks + reserve:]
-                                  if c not in own))
+                      spare=spare_cores, upto=upto)
 
 
 def plan_in_process(threads: int | None = None, *, current: int,
