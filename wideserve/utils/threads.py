@@ -10,7 +10,8 @@ takes 10-40x longer than with one thread (measured on 2 cores, BENCHMARKS.md). T
   container CPU sets are honoured), one logical CPU per physical core (SMT siblings share
   a core's matrix and vector units, which a GEMM already fills);
 - an engine with a front end in another process (serve, data-parallel ranks) leaves one core
-  to it when there are more cores than ranks;
+  to it when there are more cores than ranks (a single automatic engine borrows it while the
+  front end idles: `upto` below);
 - the rest is split into contiguous, disjoint slices, one per local data-parallel rank; each
   rank runs one torch thread per core of its slice and is bound to it;
 - `--threads N` / `LLM(threads=N)`, else `OMP_NUM_THREADS`, fixes the count; a single
