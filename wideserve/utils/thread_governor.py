@@ -2,20 +2,21 @@
 (docs/cpu_kernels.md, "Threads"): `LLM()`'s in-process engine (the core left to the caller's
 other work) and a single served engine (the core kept for its front end).
 
-An automatic in-process plan (utils/threads.py) runs one torch thread fewer than the cores:
-an OpenMP team as wide as the machine loses most of its speed as soon as another process
-wants a core (its threads wait at every barrier for the one that was descheduled), while one
-thread fewer costs up to 1/N on an idle machine. On 2 cores of a Zen 5 the second thread is
-worth 1.5-1.8x offline when idle, and beside a busy process it makes the engine 1.5-2.2x
-slower than one thread (BENCHMARKS.md, "Zen 5: the spare core lent while idle"). The governor takes
-the better of both: between engine steps, at most every `interval_s`, it reads how much CPU
-time the other processes took on the CPUs this process may use (/proc/stat's busy time less
-this process's own, /proc/self/stat); it runs the full count once they took less than
-`raise_below` of a CPU over `raise_after` readings in a row, and the plan's count as soon as
-they take `lower_at` or more. Each take-back doubles the quiet readings the next loan waits
-for (work that comes and goes is not chased) until a loan lasts `settle_windows`. What it
-changes is torch's thread count (`torch.set_num_threads`): layers keyed on the count re-plan
-from their cached kernel tables and keep their packed weights (layers/linear.py).
+An automatic plan (utils/threads.py) keeps a core for other work: `LLM()` runs one torch
+thread fewer than the cores, a served engine leaves one to its front end. An OpenMP team as
+wide as the machine loses most of its speed as soon as another process wants a core (its
+threads wait at every barrier for the one that was descheduled), while one thread fewer costs
+up to 1/N on an idle machine. On 2 cores of a Zen 5 the second thread is worth 1.5-1.8x
+offline when idle, and beside a busy process it makes the engine 1.5-2.2x slower than one
+thread (BENCHMARKS.md, "Zen 5: the spare core lent while idle"). The governor takes the
+better of both: between engine steps, at most every `interval_s`, it reads how much CPU time
+the other processes took on the plan's CPUs (/proc/stat's busy time less this process's own,
+/proc/self/stat); it runs the full count once they took less than `raise_below` of a CPU
+over `raise_after` readings in a row, and the plan's count as soon as they take `lower_at`
+or more. Each take-back doubles the quiet readings the next loan waits for (work that comes
+and goes is not chased), unless the loan lasted `settle_windows`. What it changes is torch's
+thread count (and a bound plan's CPUs: `ThreadPlan.set_count`): layers keyed on the count
+re-plan from their cached kernel tables and keep their packed weights (layers/linear.py).
 
 Off where the spare core has another use or the count must not move (engine/spare_core.py):
 a count that was set (`--threads`, `threads=`, OMP_NUM_THREADS), data-parallel ranks, the
@@ -73,7 +74,8 @@ class GovernorConfig:
     raise_after: int = 1         # ... after this many such windows in a row, doubled at each
     raise_after_max: int = 16    # take-back up to this (work that comes and goes is not
                                  # chased: each wrong loan costs a window at the slow speed)
-    settle_windows: int = 20     # lent this many windows in a row: back to raise_after
+    settle_windows: int = 20     # a loan that lasted this many windows: its take-back
+                                 # starts over at raise_after
 
 
 class ThreadGovernor:
