@@ -77,3 +77,26 @@ def test_outputs_carry_stats_when_due_and_idle_wait_shrinks_until_sent(loop):
     lp.emit([])
     assert sent[-1].stats == {"n": 2} and not lp.stats_dirty
     assert lp.idle_wait_ms() == 1000         # then a heartbeat's wait
+
+
+def test_a_lent_core_is_in_the_stats_and_on_metrics(loop):
+    """With the front end's core lendable (utils/thread_governor.py), the stats carry the
+    engine's thread count and switches, and /metrics exports them."""
+    from wideserve.serving.openai.server_metrics import ServerMetrics
+    from wideserve.utils.thread_governor import CpuTimes, ThreadGovernor
+    lp, sent, clock = loop
+    lp.emit([])
+    assert "torch_threads" not in sent[-1].stats              # no governor: no such keys
+    counters = CpuTimes(0.0, 0.0)
+    lp.governor = ThreadGovernor(1, 2, [0, 1], read=lambda: counters,
+                                 set_threads=lambda n: None, clock=lambda: clock.now)
+    clock.now += 1.0
+    lp.governor.tick()                                        # a quiet window: lent
+    lp.stats_dirty = True
+    clock.now += STATS_INTERVAL_S
+    lp.emit([])
+    stats = sent[-1].stats
+    assert (stats["torch_threads"], stats["thread_switches"]) == (2, 1)
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'wideserve:engine_torch_threads{model_name="m"} 2.0' in text
+    assert 'wideserve:engine_thread_switches_total{model_name="m"} 1.0' in text

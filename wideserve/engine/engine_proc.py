@@ -169,7 +169,12 @@ class EngineLoop:
             self.running = False
 
     def _stats(self) -> dict[str, Any] | None:
-        return ipc.to_builtins(self.engine.get_stats())
+        stats = ipc.to_builtins(self.engine.get_stats())
+        if self.governor is not None and isinstance(stats, dict):
+            # the lent core, observable (serving/openai/server_metrics.py)
+            stats["torch_threads"] = self.governor.threads
+            stats["thread_switches"] = self.governor.switches
+        return stats
 
     def _take_input(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to timeout_ms for the first one."""

@@ -47,11 +47,16 @@ ENGINE_GAUGES = {
     "num_running": ("num_requests_running", "Requests in the running batch."),
     "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
     "kv_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
+    "torch_threads": ("engine_torch_threads", "Torch threads the engine runs now: its plan's, "
+                                              "or more while the front end's core is lent."),
 }
 ENGINE_COUNTERS = {
     "prefix_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("num_preemptions", "Requests preempted (recompute)."),
+    "thread_switches": ("engine_thread_switches", "Times the engine's torch thread count "
+                                                  "moved (the front end's core lent or "
+                                                  "taken back: utils/thread_governor.py)."),
     "prompt_tokens": ("engine_prompt_tokens", "Prompt tokens computed by the engine "
                                               "(recomputation after preemption included)."),
     "generation_tokens": ("engine_generation_tokens", "Tokens sampled by the engine."),
