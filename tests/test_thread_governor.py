@@ -71,8 +71,9 @@ class Fake:
 
 
 def _governor(fake: Fake, cpus: int = 2, **cfg: int) -> ThreadGovernor:
-    return ThreadGovernor(1, 2, list(range(cpus)), GovernorConfig(**cfg),  # type: ignore[arg-type]
-                          read=fake.read, set_threads=fake.set.append, clock=fake.clock)
+    return ThreadGovernor(1, 2, list(range(cpus)), fake.set.append,
+                          GovernorConfig(**cfg),  # type: ignore[arg-type]
+                          read=fake.read, clock=fake.clock)
 
 
 def test_lends_after_a_quiet_window_and_takes_back_at_once() -> None:
@@ -188,6 +189,6 @@ def test_unreadable_counters_keep_the_plans_count() -> None:
 
 def test_bad_range_is_an_error() -> None:
     with pytest.raises(ValueError, match="low < high"):
-        ThreadGovernor(2, 2, [0, 1])
+        ThreadGovernor(2, 2, [0, 1], print)
     with pytest.raises(ValueError, match="low < high"):
-        ThreadGovernor(0, 2, [0, 1])
+        ThreadGovernor(0, 2, [0, 1], print)

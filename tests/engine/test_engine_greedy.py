@@ -106,7 +106,8 @@ def test_thread_switches_do_not_change_outputs(case):
     the thread count moving between steps changes no greedy token."""
     llm = _llm(case, threads=1)
     fake, before = _Flipping(), torch.get_num_threads()
-    llm._governor = ThreadGovernor(1, 2, [0, 1], GovernorConfig(raise_after_max=1),
+    llm._governor = ThreadGovernor(1, 2, [0, 1], torch.set_num_threads,
+                                   GovernorConfig(raise_after_max=1),
                                    read=fake.read, clock=fake.clock)
     try:
         assert _generate(llm, case["prompts"]) == case["expected"]

@@ -88,8 +88,8 @@ def test_a_lent_core_is_in_the_stats_and_on_metrics(loop):
     lp.emit([])
     assert "torch_threads" not in sent[-1].stats              # no governor: no such keys
     counters = CpuTimes(0.0, 0.0)
-    lp.governor = ThreadGovernor(1, 2, [0, 1], read=lambda: counters,
-                                 set_threads=lambda n: None, clock=lambda: clock.now)
+    lp.governor = ThreadGovernor(1, 2, [0, 1], lambda n: None, read=lambda: counters,
+                                 clock=lambda: clock.now)
     clock.now += 1.0
     lp.governor.tick()                                        # a quiet window: lent
     lp.stats_dirty = True

@@ -105,6 +105,15 @@ def test_one_layout_when_a_plan_needs_one(tmp_path, monkeypatch) -> None:
     assert len({id(c.weight) for c in pack._calls}) == 1
 
 
+@pytest.fixture
+def threads_restored():
+    """The tests below set torch's thread count; the process's own comes back after."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("threads_restored")
 def test_thread_count_change_replans(tmp_path, monkeypatch) -> None:
     seen = []
 
@@ -115,18 +124,15 @@ def test_thread_count_change_replans(tmp_path, monkeypatch) -> None:
     pack = WeightPack(KernelChoice(KernelPolicy(cache_dir=tmp_path)))
     ws, bs = _weights(seed=4)
     x = torch.randn(3, 40).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        pack.linear(x, ws, bs)
-        pack.linear(x, ws, bs)
-        torch.set_num_threads(2)
-        pack.linear(x, ws, bs)
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    pack.linear(x, ws, bs)
+    pack.linear(x, ws, bs)
+    torch.set_num_threads(2)
+    pack.linear(x, ws, bs)
     assert seen == [1, 2]
 
 
+@pytest.mark.usefixtures("threads_restored")
 def test_a_replan_keeps_the_layouts_it_still_needs(tmp_path, monkeypatch) -> None:
     """Another thread count (utils/thread_governor.py) re-plans the same weights: the packed
     copy a kernel of the new plan reads is the one already held; only a layout the new plan
@@ -143,23 +149,19 @@ def test_a_replan_keeps_the_layouts_it_still_needs(tmp_path, monkeypatch) -> Non
     pack = WeightPack(KernelChoice(KernelPolicy(cache_dir=tmp_path)))
     ws, bs = _weights(seed=5)
     x = torch.randn(3, 40).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        ref = pack.linear(x, ws, bs)
-        panel = pack._calls[0].weight
-        torch.set_num_threads(2)
-        assert torch.equal(pack.linear(x, ws, bs), ref)        # micro again, at 3 rows
-        assert pack._calls[0].weight is panel and len(packs) == 1
-        onednn = pack._calls[-1].weight
-        torch.set_num_threads(3)
-        pack.linear(x, ws, bs)
-        assert {id(c.weight) for c in pack._calls} == {id(onednn)}
-        torch.set_num_threads(1)
-        assert torch.equal(pack.linear(x, ws, bs), ref)
-        assert len(packs) == 2                                  # dropped, so packed again
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    ref = pack.linear(x, ws, bs)
+    panel = pack._calls[0].weight
+    torch.set_num_threads(2)
+    assert torch.equal(pack.linear(x, ws, bs), ref)            # micro again, at 3 rows
+    assert pack._calls[0].weight is panel and len(packs) == 1
+    onednn = pack._calls[-1].weight
+    torch.set_num_threads(3)
+    pack.linear(x, ws, bs)
+    assert {id(c.weight) for c in pack._calls} == {id(onednn)}
+    torch.set_num_threads(1)
+    assert torch.equal(pack.linear(x, ws, bs), ref)
+    assert len(packs) == 2                                      # dropped, so packed again
 
 
 def test_fp32_weights_stay_plain(tmp_path) -> None:

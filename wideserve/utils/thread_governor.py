@@ -83,12 +83,13 @@ class ThreadGovernor:
     otherwise (module doc). `tick()` is called between engine steps."""
 
     def __init__(self, low: int, high: int, cpus: Sequence[int],
+                 set_threads: Callable[[int], None],
                  config: GovernorConfig | None = None,
                  read: Callable[[], CpuTimes | None] | None = None,
-                 set_threads: Callable[[int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  since: "tuple[float, CpuTimes | None] | None" = None) -> None:
-        """`since`: (clock, counters) where the first window starts (`reading_now()` taken
+        """`set_threads`: runs a count (ThreadPlan.set_count). `since`: (clock, counters)
+        where the first window starts (`reading_now()` taken
         before the engine loaded: the first step then decides on the whole load's window);
         default now."""
         if not 1 <= low < high:
@@ -99,7 +100,7 @@ class ThreadGovernor:
         # descheduling a thread of ours.
         self._headroom = max(0, len(cpus) - high)
         self._read = read or (lambda: CpuTimes.read(cpus))
-        self._set = set_threads or _torch_set_threads
+        self._set = set_threads
         self._clock = clock
         self.threads = low
         self.switches = 0
@@ -162,8 +163,3 @@ class ThreadGovernor:
 def reading_now(cpus: Sequence[int]) -> tuple[float, CpuTimes | None]:
     """A window's start for `ThreadGovernor(since=...)`, on the default clock and counters."""
     return time.monotonic(), CpuTimes.read(cpus)
-
-
-def _torch_set_threads(threads: int) -> None:
-    import torch
-    torch.set_num_threads(threads)
