@@ -8,7 +8,11 @@ the gathered context (family attention_ctx).
 
   PYTHONPATH=. python benchmarks/kernel_choice.py [--model 653m|11m] [--threads 1]
       [--repeats 7] [--tokens 2048] [--stat median|min] [--retimes 3]
-      [--quant-experts mxfp4 fp8 fp8_f32 nvfp4]
+      [--quant-experts mxfp4 fp8 fp8_f32 nvfp4] [--out FILE.jsonl]
+
+--out appends one JSON line of the run's verdicts (row counts checked and within 10%, the
+worst ratio and every miss, the prefill layer's GFLOP/s against the matmul peak), which
+benchmarks/vs_vllm/compare.sh's "kernels" part collects for its table.
 
 --quant-experts adds DeepSeek-V4.1-Flash's routed experts (I 2,304, d 5,120) kept in those
 checkpoint formats (family quant_experts). The two expert families run brgemm from a measured
@@ -23,6 +27,7 @@ a bucket whose chosen kernel looks more than 10% behind is timed again with the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -114,8 +119,11 @@ def _verified(fns: dict[str, object], chosen: str, cands: list[str],
             pooled[k].extend(v)
 
 
-def verify(kc: ch.KernelChoice, model: str, repeats: int,
-           quant: tuple[str, ...] = ()) -> list[str]:
+def verify(kc: ch.KernelChoice, model: str, repeats: int, quant: tuple[str, ...] = (),
+           summary: dict | None = None) -> list[str]:
+    """The table of every checked row count; `summary` (if given) gets the counts, the worst
+    ratio and the misses."""
+    missed: list[dict] = []
     lines = ["| GEMM (N x K) | rows | chosen | chosen us | best candidate (us) | "
              "chosen / best | F.linear us | F.linear / chosen |",
              "|---|---|---|---|---|---|---|---|"]
@@ -131,6 +139,9 @@ def verify(kc: ch.KernelChoice, model: str, repeats: int,
             ratio = t[chosen] / t[best]
             worst = max(worst, ratio)
             misses += ratio > GOAL
+            if ratio > GOAL:
+                missed.append({"gemm": f"{label} {n}x{k}", "rows": rows, "chosen": chosen,
+                               "best": best, "ratio": round(ratio, 3)})
             retimed += extra > 0
             checked += 1
             tl = f"{t['torch']:.0f} | {t['torch'] / t[chosen]:.2f}x" if "torch" in t \
@@ -142,6 +153,9 @@ def verify(kc: ch.KernelChoice, model: str, repeats: int,
     lines.append(f"\nworst chosen / best: {worst:.2f}; within {GOAL - 1:.0%} of the best at "
                  f"{checked - misses} / {checked} row counts ({retimed} re-timed after a first "
                  f"timing over {GOAL - 1:.0%}, up to {RETIMES} more times)")
+    if summary is not None:
+        summary.update(checked=checked, within=checked - misses, worst=round(worst, 3),
+                       misses=missed, retimed=retimed)
     return lines
 
 
@@ -157,9 +171,11 @@ def _once(fn) -> float:
     return now() - t0
 
 
-def prefill_layer(model: str, tokens: int, kc: ch.KernelChoice, repeats: int) -> str:
+def prefill_layer(model: str, tokens: int, kc: ch.KernelChoice, repeats: int,
+                  summary: dict | None = None) -> str:
     """One decoder layer's GEMMs for a `tokens`-row prefill (qkv, o, router, routed experts
-    with random top-k routing) through the chosen kernels and through the micro-kernel."""
+    with random top-k routing) through the chosen kernels and through the micro-kernel;
+    `summary` (if given) gets the GFLOP/s and the peak."""
     from wideserve.layers.experts import RoutedExperts
     from wideserve.layers.linear import WeightPack
     d, h, kv, hd, experts, top_k, inter, _ = MODELS[model]
@@ -190,6 +206,10 @@ def prefill_layer(model: str, tokens: int, kc: ch.KernelChoice, repeats: int) ->
     t = _median_times({"chosen": layer_fn(kc), "micro": layer_fn(micro)}, repeats)
     peak = matmul_peak()
     gf = {k: flops / (v * 1e-6) / 1e9 for k, v in t.items()}
+    if summary is not None:
+        summary.update(prefill_tokens=tokens, prefill_gflops=round(gf["chosen"], 1),
+                       prefill_micro_gflops=round(gf["micro"], 1),
+                       matmul_peak_gflops=round(peak, 1))
     return (f"{model} prefill layer GEMMs, {tokens} tokens ({flops / 1e9:.1f} GFLOP): chosen "
             f"{t['chosen'] / 1e3:.1f} ms = {gf['chosen']:.0f} GFLOP/s "
             f"({gf['chosen'] / peak:.0%} of the bf16 matmul peak {peak:.0f} GFLOP/s); "
@@ -241,6 +261,8 @@ def main() -> None:
                          "other processes' time slices not counted) or wall time")
     ap.add_argument("--quant-experts", nargs="*", default=[], choices=list(QUANT),
                     help="also V4.1-Flash's experts kept in these checkpoint formats")
+    ap.add_argument("--out", default=None,
+                    help="append the run's verdicts as one JSON line to this file")
     ap.add_argument("--retimes", type=int, default=RETIMES,
                     help="a bucket whose chosen kernel is over 10%% behind the best in the "
                          "first timing is timed again with the best, up to this many times, "
@@ -255,19 +277,26 @@ def main() -> None:
     quant = tuple(args.quant_experts)
     for _, family, n, k, extra in shapes(args.model, quant):
         kc.plan(family, n, k, torch.bfloat16, extra=extra)
-    print(f"calibration of {len(shapes(args.model, quant))} shapes: "
-          f"{time.perf_counter() - t0:.2f} s "
+    calibration_s = time.perf_counter() - t0
+    print(f"calibration of {len(shapes(args.model, quant))} shapes: {calibration_s:.2f} s "
           f"({args.threads} threads, load {os.getloadavg()[0]:.1f}); stat {args.stat} of "
           f"{args.repeats} alternating rounds")
     print("\n".join(kc.describe()))
     print()
-    print("\n".join(verify(kc, args.model, args.repeats, quant)))
+    summary: dict = {"bench": "kernel_choice", "model": args.model, "threads": args.threads,
+                     "quant_experts": list(quant), "goal": GOAL, "stat": args.stat,
+                     "calibration_s": round(calibration_s, 2),
+                     "load": os.getloadavg()[0]}
+    print("\n".join(verify(kc, args.model, args.repeats, quant, summary)))
     print()
-    print(prefill_layer(args.model, args.tokens, kc, max(3, args.repeats // 2)))
+    print(prefill_layer(args.model, args.tokens, kc, max(3, args.repeats // 2), summary))
     print()
     print("\n".join(attention(args.model, kc, args.repeats)))
     print()
     print("\n".join(attention_ctx(args.model, kc, args.repeats)))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

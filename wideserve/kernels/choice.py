@@ -79,8 +79,9 @@ ENV_FORCE = "WIDESERVE_GEMM"
 ENV_CACHE = "WIDESERVE_KERNEL_CHOICE_CACHE"
 # Families whose op runs brgemm from a row count on (`brgemm_from`), refined within a bucket.
 THRESHOLD_FAMILIES = ("experts", "quant_experts")
-FORMAT = 4                     # bump when the table's meaning changes (3: cold decode rows;
-                               # 4: the expert families' crossover rows)
+FORMAT = 5                     # bump when the table's meaning changes (3: cold decode rows;
+                               # 4: the expert families' crossover rows; 5: those narrowed
+                               # to KernelPolicy.crossover_resolution)
 
 
 def bucket_of(rows: int) -> int:
@@ -142,7 +143,10 @@ class KernelPolicy:
     share_tolerance: float = 0.05   # a kernel on an already-held layout within this of best
     prune_ratio: float = 4.0        # this much slower, and growing with the rows: not timed
                                     # at larger buckets
-    crossover_steps: int = 3        # timings that narrow an expert family's brgemm threshold
+    crossover_steps: int = 6        # at most this many timings narrow an expert family's
+                                    # brgemm threshold, ...
+    crossover_resolution: float = 1 / 16   # ... until the rows it may lie in are at most
+                                    # this fraction of the rows below it (one row at least)
     min_time_s: float = 1e-2        # per bucket: alternate all candidates at least this long
     min_reps: int = 5               # ... and at least this many rounds ...
     max_reps: int = 30              # ... but at most this many (the median of the rounds kept)
@@ -337,7 +341,11 @@ class KernelChoice:
         """The fewest rows from which brgemm runs: the plan's first brgemm bucket of the run
         that goes to the top, narrowed down inside it by bisection between the rows timed
         below it (the other kernel faster) and the rows it was timed at (brgemm faster),
-        `policy.crossover_steps` timings at most; the timings go to `entry.crossover_us`."""
+        until at most `policy.crossover_resolution` of the lower rows are left between them
+        or after `policy.crossover_steps` timings; the timings go to `entry.crossover_us`.
+        Three fixed timings left 24 rows of the 65-256 bucket undecided: on the 11M model's
+        experts the threshold came out at 88 rows where brgemm was already 8-13% faster
+        from 70 (Zen 5, BENCHMARKS.md "Zen 5: the goals per run")."""
         start = brgemm_min_rows(tuple(entry.kernels))
         if start is None or start == 1:
             return start
@@ -345,7 +353,7 @@ class KernelChoice:
         other = entry.kernels[i - 1]
         lo, hi = SAMPLE_ROWS[i - 1], SAMPLE_ROWS[i]
         for _ in range(self.policy.crossover_steps):
-            if hi - lo < 2:
+            if hi - lo <= max(1, int(lo * self.policy.crossover_resolution)):
                 break
             mid = (lo + hi) // 2
             t = self._timed(family, (other, "brgemm"), shape, mid)
