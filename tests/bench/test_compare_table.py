@@ -104,3 +104,25 @@ def test_a_side_missing_is_not_judged(tmp_path, capsys) -> None:
     out = _run(kernels_only, capsys)
     assert "| workload |" not in out
     assert out.rstrip().endswith("**1 of 1 met**")
+
+
+def _threads(model: str, config: str, idle: float, busy: float) -> list[dict]:
+    return [{"bench": "threads_default", "model": f"/m/qwen3moe-{model}", "round": rnd,
+             "config": config, "load": 1.0, "offline_out_tok_s": idle * (1 + rnd / 100),
+             "offline_busy_out_tok_s": busy} for rnd in range(2)]
+
+
+def test_threads_default_against_the_best_fixed_count(tmp_path, capsys) -> None:
+    # 11M: the default near the best in both cases; 653M: beside a busy process the default
+    # ran two threads (0.68 of one thread's)
+    _write(tmp_path, "threads", _threads("11m", "default", 15800, 10400)
+           + _threads("11m", "1", 10600, 10100) + _threads("11m", "2", 15900, 4700)
+           + _threads("653m", "default", 880, 315) + _threads("653m", "1", 450, 460)
+           + _threads("653m", "2", 810, 315))
+    out = _run(tmp_path, capsys)
+    assert ("threads out of the box, 11M, offline out tok/s (idle / beside a busy process): "
+            "default 15,879 / 10,400; --threads 1 10,653 / 10,100; --threads 2 15,980 / 4,700; "
+            "the default over the best fixed count **0.99 / 1.03**") in out
+    assert "**1.09 / 0.68**" in out
+    assert out.rstrip().splitlines()[-1] == (
+        "Goals (issue 24): **1 of 2 met**; not met: threads out of the box, 653M")
