@@ -12,7 +12,7 @@
 # report in kernels_MODEL_Nt.txt), threads.jsonl (threads_MODEL.txt) and table.md; the
 # table, with the verdict on each of issue 24's goals, is printed at the end
 # (compare_table.py). The engines alternate within each part, so a busy machine's noise hits
-# both. Environment knobs (defaults sized for ~40 minutes on a 2-vCPU machine):
+# both. Environment knobs (defaults sized for ~20 minutes on a 2-vCPU machine):
 #   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
 #   BIG_PROMPTS=16    prompts for the 653M offline run (64 for the 11M one)
 #   PREFILL_THREADS="1 2"   thread counts of the prefill row (best vs best)
