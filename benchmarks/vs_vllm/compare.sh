@@ -9,9 +9,10 @@
 # OS, e.g. Debian's libtcmalloc-minimal4; see vllm_preload.sh). WS_PY: wideserve's python
 # (default python3 on PATH). OUT_DIR gets machine.json, offline.jsonl, prefill.jsonl,
 # sampled.jsonl, serve.jsonl, roofline.jsonl, kernels.jsonl (each kernel-choice run's
-# report in kernels_MODEL_Nt.txt), threads.jsonl (threads_MODEL.txt) and table.md; the
-# table, with the verdict on each of issue 24's goals, is printed at the end
-# (compare_table.py). The engines alternate within each part, so a busy machine's noise hits
+# report in kernels_MODEL_Nt.txt), threads.jsonl (threads_MODEL.txt), roofline.log and
+# table.md; the table, with the verdict on each of issue 24's goals, is printed at the end
+# (compare_table.py). A part that fails is named there and the exit status is 1; the other
+# parts still run. The engines alternate within each part, so a busy machine's noise hits
 # both. Environment knobs (defaults sized for ~20 minutes on a 2-vCPU machine):
 #   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
 #   BIG_PROMPTS=16    prompts for the 653M offline run (64 for the 11M one)
@@ -34,7 +35,7 @@
 # On a machine that other work oversubscribes, multi-threaded runs of either engine collapse
 # (OpenMP threads wait on each other's time slices): run "1" there and say so.
 set -euo pipefail
-[[ $# == 3 ]] || { sed -n 2,35p "$0"; exit 2; }
+[[ $# == 3 ]] || { sed -n 2,36p "$0"; exit 2; }
 # Interpreters as absolute paths without resolving a venv's symlinks.
 abs() { local p; p=$(command -v "$1"); [[ $p == /* ]] && echo "$p" || echo "$PWD/$p"; }
 VLLM_PY=$(abs "$1") MODELS=$(realpath "$2") OUT=$(realpath -m "$3")
@@ -74,38 +75,43 @@ json.dump(m, open(out, "w"))
 print(json.dumps(m))
 PY
 
-if part offline; then
+# Each part is a function, run in a subshell of its own with `set -e`: a part that fails (an
+# engine that does not start on this machine, a killed run) is named at the end and in the
+# table, and the parts after it still run (a new machine's first run keeps what did work).
+part_offline() {
   echo "== offline (load $(load))" >&2
   THREADS="${OFFLINE_THREADS:-1 2}" FP32=0 "$HERE/run_offline.sh" "$MODELS" "$OUT/offline.jsonl" "${ROUNDS:-1}"
-fi
-if part prefill; then
+}
+part_prefill() {
   echo "== offline prefill (load $(load))" >&2
   MODEL_NAMES=qwen3moe-653m BIG_PROMPTS=16 THREADS="${PREFILL_THREADS:-1 2}" FP32=0 \
     WORKER_ARGS="--input-len 1024 --output-len 1 --max-model-len 2048" \
     "$HERE/run_offline.sh" "$MODELS" "$OUT/prefill.jsonl" 1
-fi
-if part sampled; then
+}
+part_sampled() {
   # the 11M offline row again at temperature 1.0: random sampling, both engines alike
   echo "== offline sampled (load $(load))" >&2
   MODEL_NAMES=qwen3moe-11m THREADS="${OFFLINE_THREADS:-1 2}" FP32=0 \
     WORKER_ARGS="--temperature 1.0" "$HERE/run_offline.sh" "$MODELS" "$OUT/sampled.jsonl" 1
-fi
-if part serve; then
+}
+part_serve() {
   echo "== serving (load $(load))" >&2
   # shellcheck disable=SC2086
   PYTHONPATH="$REPO" "$VLLM_PY" "$HERE/serve_compare.py" "$MODELS" "$OUT/serve.jsonl" \
     --models qwen3moe-11m qwen3moe-653m \
     ${SERVE_ARGS:---prompts-per-concurrency 2 --min-prompts 4 --clients aiohttp} >/dev/null
-fi
-if part roofline; then
+}
+part_roofline() {
   echo "== decode roofline (load $(load))" >&2
-  rt=${ROOFLINE_THREADS:-$(nproc)}
+  local rt=${ROOFLINE_THREADS:-$(nproc)}
+  # shellcheck disable=SC2086
   OMP_NUM_THREADS=$rt PYTHONPATH="$REPO" "$WS_PY" "$HERE/decode_roofline.py" \
     "$MODELS/qwen3moe-653m" --batch 64 --threads "$rt" --out "$OUT/roofline.jsonl" ${WS_EXTRA:-} \
-    2>/dev/null >/dev/null
-fi
-if part kernels; then
+    2>"$OUT/roofline.log" >/dev/null
+}
+part_kernels() {
   echo "== kernel choice (load $(load))" >&2
+  local t m quant
   for t in ${KERNEL_THREADS:-1 2}; do
     for m in 653m 11m; do
       quant=()
@@ -116,19 +122,33 @@ if part kernels; then
         --out "$OUT/kernels.jsonl" > "$OUT/kernels_${m}_${t}t.txt"
     done
   done
-fi
-if part threads; then
+}
+part_threads() {
   echo "== threads out of the box (load $(load))" >&2
+  local m
   for m in qwen3moe-11m qwen3moe-653m; do
     PYTHONPATH="$REPO" "$WS_PY" "$REPO/benchmarks/threads_default.py" "$MODELS/$m" \
       --rounds "${THREADS_ROUNDS:-2}" --busy --skip-serving --offline-prompts 64 \
       --out "$OUT/threads.jsonl" > "$OUT/threads_$m.txt"
   done
-fi
+}
+failed=()
+for p in offline prefill sampled serve roofline kernels threads; do
+  part "$p" || continue
+  set +e
+  ( set -euo pipefail; "part_$p" )
+  rc=$?
+  set -e
+  if (( rc )); then
+    echo "== $p FAILED (exit $rc): the parts after it still run" >&2
+    failed+=("$p")
+  fi
+done
 
-"$WS_PY" - "$OUT/machine.json" "$(load)" <<'PY'
+"$WS_PY" - "$OUT/machine.json" "$(load)" "${failed[@]}" <<'PY'
 import json, sys
-m = json.load(open(sys.argv[1])); m["load_end"] = sys.argv[2]
+m = json.load(open(sys.argv[1])); m["load_end"] = sys.argv[2]; m["failed_parts"] = sys.argv[3:]
 json.dump(m, open(sys.argv[1], "w"))
 PY
 "$WS_PY" "$HERE/compare_table.py" "$OUT" | tee "$OUT/table.md"
+(( ${#failed[@]} == 0 ))

@@ -269,8 +269,10 @@ def compute_floor(r: dict[str, Any]) -> str:
 def main() -> int:
     out_dir = Path(sys.argv[1])
     machine = out_dir / "machine.json"
+    failed: list[str] = []
     if machine.is_file():
         m = json.loads(machine.read_text())
+        failed = m.get("failed_parts", [])
         print(f"CPU: {m.get('cpu_model')} ({m.get('nproc')} vCPUs); ISA flags: "
               f"{m.get('isa_flags')}")
         flags = m.get("wideserve_flags")
@@ -302,6 +304,9 @@ def main() -> int:
         print("\n" + line)
     if verdicts:
         print("\n" + goals_line(verdicts))
+    if failed:          # compare.sh went on past them; what they would have judged is missing
+        print(f"\n**Parts that failed in this run: {', '.join(failed)}** (their rows are "
+              f"missing or partial, their goals not judged; the run's log says why)")
     return 0
 
 

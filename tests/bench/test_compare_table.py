@@ -126,3 +126,32 @@ def test_threads_default_against_the_best_fixed_count(tmp_path, capsys) -> None:
     assert "**1.09 / 0.68**" in out
     assert out.rstrip().splitlines()[-1] == (
         "Goals (issue 24): **1 of 2 met**; not met: threads out of the box, 653M")
+
+
+def test_failed_parts_are_named(tmp_path, capsys) -> None:
+    (tmp_path / "machine.json").write_text(json.dumps(
+        {"cpu_model": "X", "nproc": 2, "isa_flags": "avx2", "failed_parts": ["serve"]}))
+    _write(tmp_path, "roofline", [_roofline(0.55)])
+    out = _run(tmp_path, capsys)
+    assert "**1 of 1 met**" in out
+    assert out.rstrip().splitlines()[-1].startswith("**Parts that failed in this run: serve**")
+
+
+def test_compare_sh_goes_on_past_a_failed_part(tmp_path) -> None:
+    # the decode roofline cannot load a model from an empty models directory: compare.sh names
+    # the part, still prints the table, and exits 1
+    import subprocess
+    import sys
+    models = tmp_path / "models"
+    models.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "WS_PY": sys.executable, "PARTS": "roofline",
+           "HOME": str(tmp_path)}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks/vs_vllm/compare.sh"), sys.executable,
+                          str(models), str(tmp_path / "out")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert "== roofline FAILED" in run.stderr
+    assert "**Parts that failed in this run: roofline**" in run.stdout
+    machine = json.loads((tmp_path / "out" / "machine.json").read_text())
+    assert machine["failed_parts"] == ["roofline"]
+    assert (tmp_path / "out" / "roofline.log").read_text()      # why it failed
