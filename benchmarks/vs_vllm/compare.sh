@@ -13,7 +13,7 @@
 # table.md; the table, with the verdict on each of issue 24's goals, is printed at the end
 # (compare_table.py). A part that fails is named there and the exit status is 1; the other
 # parts still run. The engines alternate within each part, so a busy machine's noise hits
-# both. Environment knobs (defaults sized for ~20 minutes on a 2-vCPU machine):
+# both. Environment knobs (defaults sized for ~25 minutes on a 2-vCPU machine):
 #   ROUNDS=1          offline rounds (each: both engines at 1 and 2 threads, both models)
 #   BIG_PROMPTS=16    prompts for the 653M offline run (64 for the 11M one)
 #   PREFILL_THREADS="1 2"   thread counts of the prefill row (best vs best)
@@ -27,8 +27,9 @@
 #   KERNEL_THREADS="1 2"    thread counts of the kernel-choice part (the choice is per count)
 #   KERNEL_QUANT="mxfp4 fp8 nvfp4"   V4.1-Flash's expert formats the 653M kernel choice adds
 #   THREADS_ROUNDS=2  rounds of the threads part (threads_default.py --busy on both models:
-#                     wideserve's default plan against --threads 1 and 2, offline, on the
-#                     idle machine and beside a process keeping a CPU busy)
+#                     wideserve's default plan against --threads 1 and 2, offline on the idle
+#                     machine and beside a process keeping a CPU busy, and served: TTFT at
+#                     concurrency 1 and 8, output tok/s at 8)
 #   WS_EXTRA=""       extra flags of wideserve's offline and roofline runs (e.g.
 #                     "--lossless-experts off": the routed experts in bf16 whatever "auto"
 #                     would decide; the rows record the form that ran)
@@ -128,7 +129,7 @@ part_threads() {
   local m
   for m in qwen3moe-11m qwen3moe-653m; do
     PYTHONPATH="$REPO" "$WS_PY" "$REPO/benchmarks/threads_default.py" "$MODELS/$m" \
-      --rounds "${THREADS_ROUNDS:-2}" --busy --skip-serving --offline-prompts 64 \
+      --rounds "${THREADS_ROUNDS:-2}" --busy --offline-prompts 64 \
       --out "$OUT/threads.jsonl" > "$OUT/threads_$m.txt"
   done
 }

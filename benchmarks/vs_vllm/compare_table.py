@@ -40,11 +40,18 @@ ENGINES = ("wideserve", "vllm")
 OFFLINE_GOALS = {"11M": 1.5, "653M": 1.2}
 ROOFLINE_GOAL = 0.5
 KERNEL_GOAL = 1.10
-# "Threads by default ... near the best measured for the machine": the default plan's offline
-# out tok/s at least this fraction of the best fixed --threads count's, idle and busy alike.
+# "Threads by default ... near the best measured for the machine" (LLM() and `wideserve
+# serve`): in every case the default plan's figure against the best fixed --threads count's,
+# as a ratio where higher is better (tok/s: default / best; TTFT: best / default), at least
+# THREADS_GOAL. Per kind of run: (key, what, higher is better).
 THREADS_GOAL = 0.9
-THREADS_CASES = (("offline_out_tok_s", "idle"),
-                 ("offline_busy_out_tok_s", "beside a busy process"))
+THREADS_CASES = {
+    "offline out tok/s": (("offline_out_tok_s", "idle", True),
+                          ("offline_busy_out_tok_s", "beside a busy process", True)),
+    "serving": (("ttft_p50_ms_c1", "TTFT p50 ms at c = 1", False),
+                ("ttft_p50_ms_c8", "at c = 8", False),
+                ("out_tok_s_c8", "out tok/s at c = 8", True)),
+}
 
 # (what, met) of every goal a table row checked; met is None where the run lacks a side.
 Verdict = tuple[str, "bool | None"]
@@ -216,33 +223,46 @@ def kernel_lines(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[st
 
 
 def threads_lines(rows: list[dict[str, Any]], verdicts: list[Verdict]) -> list[str]:
-    """Per model: each config's median offline out tok/s, idle and beside a busy process, and
-    the default plan's ratio to the best fixed count in each case (goal: THREADS_GOAL)."""
+    """Per model and kind of run (THREADS_CASES: offline, serving), each config's medians and
+    the default plan against the best fixed count in each case (goal: THREADS_GOAL)."""
     out = []
     by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_model[model_name(r)].append(r)
     for model, rs in by_model.items():
-        cases = [(k, what) for k, what in THREADS_CASES if any(k in r for r in rs)]
-        med = {(c, k): statistics.median(r[k] for r in rs if r["config"] == c and k in r)
-               for c in dict.fromkeys(r["config"] for r in rs) for k, _ in cases
-               if any(r["config"] == c and k in r for r in rs)}
-        fixed = sorted({c for c, _ in med if c != "default"})
-        ratios = [med[("default", k)] / max(med[(c, k)] for c in fixed if (c, k) in med)
-                  for k, _ in cases if ("default", k) in med
-                  and any((c, k) in med for c in fixed)]
-        met = None if len(ratios) < len(cases) or not cases else \
-            all(x >= THREADS_GOAL for x in ratios)
-        what = f"threads out of the box, {model}"
-        verdicts.append((what, met))
-        cells = "; ".join(("default" if c == "default" else f"--threads {c}") + " "
-                          + " / ".join(fmt(med.get((c, k))) for k, _ in cases)
-                          for c in ["default"] + fixed)
-        out.append(f"{what}, offline out tok/s ({' / '.join(w for _, w in cases)}): {cells}; "
-                   f"the default over the best fixed count **"
-                   + " / ".join(f"{x:.2f}" for x in ratios) + f"** (load {load_range(rs)}) "
-                   f"({verdict_cell(f'>= {THREADS_GOAL}', met)})")
+        configs = list(dict.fromkeys(r["config"] for r in rs))
+        fixed = [c for c in configs if c != "default"]
+        for kind, all_cases in THREADS_CASES.items():
+            cases = [case for case in all_cases if any(case[0] in r for r in rs)]
+            if not cases:
+                continue
+            med = {(c, k): statistics.median(r[k] for r in rs if r["config"] == c and k in r)
+                   for c in configs for k, _, _ in cases
+                   if any(r["config"] == c and k in r for r in rs)}
+            ratios = [_default_ratio(med, fixed, k, higher) for k, _, higher in cases]
+            met = None if None in ratios else all(x >= THREADS_GOAL for x in ratios)
+            what = f"threads out of the box, {model}, {kind}"
+            verdicts.append((what, met))
+            cells = "; ".join(("default" if c == "default" else f"--threads {c}") + " "
+                              + " / ".join(fmt(med.get((c, k)), 1 if kind == "serving" else 0)
+                                           for k, _, _ in cases) for c in ["default"] + fixed)
+            out.append(f"{what} ({' / '.join(w for _, w, _ in cases)}): {cells}; the default "
+                       f"against the best fixed count **"
+                       + " / ".join("-" if x is None else f"{x:.2f}" for x in ratios)
+                       + f"** (load {load_range(rs)}) "
+                       f"({verdict_cell(f'>= {THREADS_GOAL}', met)})")
     return out
+
+
+def _default_ratio(med: dict[tuple[str, str], float], fixed: list[str], key: str,
+                   higher: bool) -> float | None:
+    """The default's figure against the best fixed count's, > 1 where the default is better
+    (None: a side missing)."""
+    best = [med[(c, key)] for c in fixed if (c, key) in med]
+    if ("default", key) not in med or not best:
+        return None
+    d = med[("default", key)]
+    return d / max(best) if higher else min(best) / d
 
 
 def goals_line(verdicts: list[Verdict]) -> str:

@@ -106,26 +106,40 @@ def test_a_side_missing_is_not_judged(tmp_path, capsys) -> None:
     assert out.rstrip().endswith("**1 of 1 met**")
 
 
-def _threads(model: str, config: str, idle: float, busy: float) -> list[dict]:
-    return [{"bench": "threads_default", "model": f"/m/qwen3moe-{model}", "round": rnd,
+def _threads(model: str, config: str, idle: float, busy: float,
+             serving: tuple[float, float, float] | None = None) -> list[dict]:
+    rows = [{"bench": "threads_default", "model": f"/m/qwen3moe-{model}", "round": rnd,
              "config": config, "load": 1.0, "offline_out_tok_s": idle * (1 + rnd / 100),
              "offline_busy_out_tok_s": busy} for rnd in range(2)]
+    if serving is not None:
+        for r in rows:
+            r.update(ttft_p50_ms_c1=serving[0], ttft_p50_ms_c8=serving[1],
+                     out_tok_s_c8=serving[2])
+    return rows
 
 
 def test_threads_default_against_the_best_fixed_count(tmp_path, capsys) -> None:
-    # 11M: the default near the best in both cases; 653M: beside a busy process the default
-    # ran two threads (0.68 of one thread's)
-    _write(tmp_path, "threads", _threads("11m", "default", 15800, 10400)
-           + _threads("11m", "1", 10600, 10100) + _threads("11m", "2", 15900, 4700)
-           + _threads("653m", "default", 880, 315) + _threads("653m", "1", 450, 460)
-           + _threads("653m", "2", 810, 315))
+    # 11M: the default near the best in every case; 653M: beside a busy process the default
+    # ran two threads offline (0.68 of one thread's), and served TTFT at c = 8 1.25x the best
+    _write(tmp_path, "threads", _threads("11m", "default", 15800, 10400, (15.0, 45.0, 2050))
+           + _threads("11m", "1", 10600, 10100, (14.8, 44.4, 1900))
+           + _threads("11m", "2", 15900, 4700, (14.0, 46.0, 2000))
+           + _threads("653m", "default", 880, 315, (97.0, 250.0, 190))
+           + _threads("653m", "1", 450, 460, (155.0, 320.0, 140))
+           + _threads("653m", "2", 810, 315, (95.0, 200.0, 200)))
     out = _run(tmp_path, capsys)
     assert ("threads out of the box, 11M, offline out tok/s (idle / beside a busy process): "
             "default 15,879 / 10,400; --threads 1 10,653 / 10,100; --threads 2 15,980 / 4,700; "
-            "the default over the best fixed count **0.99 / 1.03**") in out
-    assert "**1.09 / 0.68**" in out
+            "the default against the best fixed count **0.99 / 1.03**") in out
+    # TTFT: the best fixed count's over the default's (14.0 / 15.0, 44.4 / 45.0)
+    assert ("threads out of the box, 11M, serving (TTFT p50 ms at c = 1 / at c = 8 / out "
+            "tok/s at c = 8): default 15.0 / 45.0 / 2,050.0; --threads 1 14.8 / 44.4 / "
+            "1,900.0; --threads 2 14.0 / 46.0 / 2,000.0; the default against the best fixed "
+            "count **0.93 / 0.99 / 1.02**") in out
+    assert "**1.09 / 0.68**" in out and "**0.98 / 0.80 / 0.95**" in out
     assert out.rstrip().splitlines()[-1] == (
-        "Goals (issue 24): **1 of 2 met**; not met: threads out of the box, 653M")
+        "Goals (issue 24): **2 of 4 met**; not met: threads out of the box, 653M, offline out "
+        "tok/s; threads out of the box, 653M, serving")
 
 
 def test_failed_parts_are_named(tmp_path, capsys) -> None:
