@@ -118,25 +118,29 @@ def _threads(model: str, config: str, idle: float, busy: float,
     return rows
 
 
-def test_threads_default_against_the_best_fixed_count(tmp_path, capsys) -> None:
-    # 11M: the default near the best in every case; 653M: beside a busy process the default
-    # ran two threads offline (0.68 of one thread's), and served TTFT at c = 8 1.25x the best
+def test_threads_default_against_the_fixed_counts(tmp_path, capsys) -> None:
+    # 11M: offline near the best fixed count idle and busy; served, two threads have the
+    # faster TTFT but fewer tokens/s at c = 8 (a trade, not a win). 653M: two threads beat
+    # the default offline on the idle machine (1.16x), and served they are no worse on any
+    # figure and 1.25x on TTFT at c = 8.
     _write(tmp_path, "threads", _threads("11m", "default", 15800, 10400, (15.0, 45.0, 2050))
            + _threads("11m", "1", 10600, 10100, (14.8, 44.4, 1900))
-           + _threads("11m", "2", 15900, 4700, (14.0, 46.0, 2000))
-           + _threads("653m", "default", 880, 315, (97.0, 250.0, 190))
+           + _threads("11m", "2", 15900, 4700, (12.0, 40.0, 1800))
+           + _threads("653m", "default", 700, 460, (97.0, 250.0, 190))
            + _threads("653m", "1", 450, 460, (155.0, 320.0, 140))
            + _threads("653m", "2", 810, 315, (95.0, 200.0, 200)))
     out = _run(tmp_path, capsys)
     assert ("threads out of the box, 11M, offline out tok/s (idle / beside a busy process): "
             "default 15,879 / 10,400; --threads 1 10,653 / 10,100; --threads 2 15,980 / 4,700; "
-            "the default against the best fixed count **0.99 / 1.03**") in out
-    # TTFT: the best fixed count's over the default's (14.0 / 15.0, 44.4 / 45.0)
-    assert ("threads out of the box, 11M, serving (TTFT p50 ms at c = 1 / at c = 8 / out "
-            "tok/s at c = 8): default 15.0 / 45.0 / 2,050.0; --threads 1 14.8 / 44.4 / "
-            "1,900.0; --threads 2 14.0 / 46.0 / 2,000.0; the default against the best fixed "
-            "count **0.93 / 0.99 / 1.02**") in out
-    assert "**1.09 / 0.68**" in out and "**0.98 / 0.80 / 0.95**" in out
+            "no fixed count beats the default") in out
+    assert ("threads out of the box, 11M, serving (TTFT p50 ms at c = 1 / TTFT p50 ms at "
+            "c = 8 / out tok/s at c = 8): default 15.0 / 45.0 / 2,050.0; --threads 1 14.8 / "
+            "44.4 / 1,900.0; --threads 2 12.0 / 40.0 / 1,800.0; no fixed count beats the "
+            "default") in out
+    # 653M offline idle: 810 / 700.5 (the default's median) = 1.16 > 1.11
+    assert "--threads 2 beats it: 1.16x on idle" in out
+    assert ("--threads 2 beats it: 1.02x on TTFT p50 ms at c = 1, 1.25x on TTFT p50 ms at "
+            "c = 8, 1.05x on out tok/s at c = 8") in out
     assert out.rstrip().splitlines()[-1] == (
         "Goals (issue 24): **2 of 4 met**; not met: threads out of the box, 653M, offline out "
         "tok/s; threads out of the box, 653M, serving")
