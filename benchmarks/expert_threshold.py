@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -23,7 +22,7 @@ from wideserve.kernels import choice as ch
 from wideserve.kernels import loader
 from wideserve.kernels.candidates import Pools
 
-from kernel_choice import MODELS, shapes        # benchmarks/: the models' GEMM shapes
+from kernel_choice import MODELS, calibrate, shapes   # benchmarks/: the models' GEMM shapes
 
 
 def curve(model: str, rows: list[int], reps: int) -> list[str]:
@@ -39,15 +38,14 @@ def curve(model: str, rows: list[int], reps: int) -> list[str]:
     return out
 
 
-def calibrate(model: str, quant: tuple[str, ...], **policy) -> tuple[float, list[int | None]]:
-    """Seconds to time the model's shapes afresh, and each expert family's threshold."""
+def thresholds(model: str, quant: tuple[str, ...], **policy) -> tuple[float, list[int | None]]:
+    """Seconds to time the model's shapes afresh under `policy`, and each expert family's
+    threshold (read from the timed table)."""
     kc = ch.KernelChoice(ch.KernelPolicy(cache_dir=None, **policy))
-    t0, found = time.perf_counter(), []
-    for _, family, n, k, extra in shapes(model, quant):
-        kc.plan(family, n, k, torch.bfloat16, extra=extra)
-        if family in ch.THRESHOLD_FAMILIES:
-            found.append(kc.brgemm_from(family, n, k, torch.bfloat16, extra=extra))
-    return time.perf_counter() - t0, found
+    secs = calibrate(kc, model, quant)
+    return secs, [kc.brgemm_from(family, n, k, torch.bfloat16, extra=extra)
+                  for _, family, n, k, extra in shapes(model, quant)
+                  if family in ch.THRESHOLD_FAMILIES]
 
 
 def main() -> None:
@@ -69,7 +67,7 @@ def main() -> None:
                                                                       "crossover_resolution": 0}}
     for rnd in range(args.rounds):
         for name, policy in policies.items():
-            secs, found = calibrate(args.model, quant, **policy)
+            secs, found = thresholds(args.model, quant, **policy)
             print(f"round {rnd} {name}: calibration {secs:.2f} s, thresholds {found}")
 
 

@@ -64,6 +64,14 @@ def shapes(model: str, quant: tuple[str, ...] = ()
     return out
 
 
+def calibrate(kc: ch.KernelChoice, model: str, quant: tuple[str, ...] = ()) -> float:
+    """Seconds to time (plan) every GEMM shape of the model, and of `quant`'s experts, in `kc`."""
+    t0 = time.perf_counter()
+    for _, family, n, k, extra in shapes(model, quant):
+        kc.plan(family, n, k, torch.bfloat16, extra=extra)
+    return time.perf_counter() - t0
+
+
 def _rows_to_check(kc: ch.KernelChoice, family: str, n: int, k: int,
                    extra: tuple[int, ...]) -> list[tuple[str, int, str]]:
     """(bucket label, rows, the kernel the layer runs there): every bucket's sample; for the
@@ -273,11 +281,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loader.build()
     kc = ch.KernelChoice(ch.KernelPolicy(cache_dir=None, clock=args.clock))   # afresh
-    t0 = time.perf_counter()
     quant = tuple(args.quant_experts)
-    for _, family, n, k, extra in shapes(args.model, quant):
-        kc.plan(family, n, k, torch.bfloat16, extra=extra)
-    calibration_s = time.perf_counter() - t0
+    calibration_s = calibrate(kc, args.model, quant)
     print(f"calibration of {len(shapes(args.model, quant))} shapes: {calibration_s:.2f} s "
           f"({args.threads} threads, load {os.getloadavg()[0]:.1f}); stat {args.stat} of "
           f"{args.repeats} alternating rounds")

@@ -344,8 +344,8 @@ class KernelChoice:
         until at most `policy.crossover_resolution` of the lower rows are left between them
         or after `policy.crossover_steps` timings; the timings go to `entry.crossover_us`.
         Three fixed timings left 24 rows of the 65-256 bucket undecided: on the 11M model's
-        experts the threshold came out at 88 rows where brgemm was already 8-13% faster
-        from 70 (Zen 5, BENCHMARKS.md "Zen 5: the goals per run")."""
+        experts the threshold came out at 88 rows where brgemm was already 8-14% faster
+        from 67 (Zen 5, BENCHMARKS.md "Zen 5: the goals per run")."""
         start = brgemm_min_rows(tuple(entry.kernels))
         if start is None or start == 1:
             return start
