@@ -11,7 +11,8 @@ time per op: the work an op does on the calling thread, its parallel region incl
 profiler does not see are "(outside ops)", the wall time less the ops' sum). An op whose
 speed-up falls short of the thread ratio while the others reach it is where the cores wait
 (a serial part, memory traffic two cores share); the table says which share of the call it
-is. BENCHMARKS.md, "Zen 5: prefill per op and the token budget (session 38)".
+is. BENCHMARKS.md, "Zen 5: the prefill row's warm-up, its ops per thread count, the token
+budget (session 38, issue 24)".
 """
 from __future__ import annotations
 

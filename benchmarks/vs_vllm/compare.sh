@@ -26,10 +26,12 @@
 #                     wideserve alone)
 #   KERNEL_THREADS="1 2"    thread counts of the kernel-choice part (the choice is per count)
 #   KERNEL_QUANT="mxfp4 fp8 nvfp4"   V4.1-Flash's expert formats the 653M kernel choice adds
-#   THREADS_ROUNDS=2  rounds of the threads part (threads_default.py --busy on both models:
+#   THREADS_ROUNDS=3  rounds of the threads part (threads_default.py --busy on both models:
 #                     wideserve's default plan against --threads 1 and 2, offline on the idle
 #                     machine and beside a process keeping a CPU busy, and served: TTFT at
-#                     concurrency 1 and 8, output tok/s at 8)
+#                     concurrency 1 and 8, output tok/s at 8; medians over the rounds: of the
+#                     runs so far, both with 2 rounds missed on one model's served figures,
+#                     both with 3 met; BENCHMARKS.md, session 38)
 #   WS_EXTRA=""       extra flags of wideserve's offline and roofline runs (e.g.
 #                     "--lossless-experts off": the routed experts in bf16 whatever "auto"
 #                     would decide; the rows record the form that ran)
@@ -129,7 +131,7 @@ part_threads() {
   local m
   for m in qwen3moe-11m qwen3moe-653m; do
     PYTHONPATH="$REPO" "$WS_PY" "$REPO/benchmarks/threads_default.py" "$MODELS/$m" \
-      --rounds "${THREADS_ROUNDS:-2}" --busy --offline-prompts 64 \
+      --rounds "${THREADS_ROUNDS:-3}" --busy --offline-prompts 64 \
       --out "$OUT/threads.jsonl" > "$OUT/threads_$m.txt"
   done
 }
