@@ -42,10 +42,12 @@ def _grouped(ops: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _prompts(n: int, length: int, vocab: int, shift: int) -> list[dict]:
-    rng = random.Random(0)
-    return [{"prompt_token_ids": [3 + (rng.randrange(vocab - 3) + shift) % (vocab - 3)
-                                  for _ in range(length)]} for _ in range(n)]
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    """Token-id prompts as offline_worker.py draws them; each call its own seed, so that no
+    call finds another's blocks in the prefix cache."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]}
+            for _ in range(n)]
 
 
 def worker(args: argparse.Namespace) -> dict:
